@@ -1,0 +1,28 @@
+# Two commands, both safe to repeat: `make demo` and `make test`.
+# The first run creates .venv and installs; later runs reuse it (the stamp file is newer
+# than pyproject.toml), so nothing is reinstalled unless the dependencies change.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.sdtrain-installed
+
+.PHONY: demo test setup clean-runs
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	# torch first and pinned: this takes the CPU build from the local wheel store, where
+	# an unpinned torch (or one pulled in by another package) would be a multi-GB CUDA build.
+	$(PY) -m pip install --quiet --disable-pip-version-check torch==2.13.0
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[test]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) entrypoints/train.py
+
+test: $(STAMP)
+	$(PY) -m pytest
+
+clean-runs:
+	rm -rf runs .sdtrain-data

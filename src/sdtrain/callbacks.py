@@ -1,0 +1,141 @@
+"""Step-based reporting to Ray Train: metrics, progress lines, validation and checkpoints.
+
+Ray's own ``RayTrainReportCallback`` reports at epoch end only, which never comes in time for
+a 550k-step single-epoch run; this one reports by optimizer step. Every rank calls
+``ray.train.report`` at the same steps (it is a barrier); only rank 0 writes the checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import shutil
+import tempfile
+import time
+from typing import Callable, Iterable, Optional
+
+import lightning.pytorch as pl
+import ray.train
+import torch
+
+from sdtrain.checkpoint import CHECKPOINT_FILE, HISTORY_FILE, checkpoint_dir_name
+from sdtrain.config import RunConfig
+from sdtrain.validation import validation_loss
+
+log = logging.getLogger("sdtrain")
+
+ValBatches = Callable[[], Iterable[dict[str, torch.Tensor]]]
+
+
+class StepReporter(pl.Callback):
+    def __init__(
+        self,
+        run: RunConfig,
+        max_steps: int,
+        samples_per_step: int,
+        history: list[dict[str, float]],
+        val_batches: Optional[ValBatches] = None,
+        val_seed: int = 0,
+    ):
+        """``history`` holds the rows of the checkpoint being resumed from ([] for a fresh run);
+        ``val_batches`` yields the validation set on rank 0 (None: no validation)."""
+        self.run = run
+        self.max_steps = max_steps
+        self.samples_per_step = samples_per_step
+        self.val_batches = val_batches
+        self.val_seed = val_seed
+        self.val_every = run.val_every_n_steps or run.checkpoint_every_n_steps
+        # One row per report, saved with each checkpoint so the curve survives restarts exactly:
+        # rows after the checkpoint a restart resumes from are dropped with the steps they describe.
+        self.history = list(history)
+        self._seen_step = -1
+        self._reported_step = -1
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._window = (trainer.global_step, time.perf_counter())
+        self._reported_step = self._seen_step = trainer.global_step
+        if trainer.is_global_zero and trainer.global_step:
+            log.info("resumed from step %d", trainer.global_step)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        step = trainer.global_step
+        if step == self._seen_step:  # a micro-batch that did not step the optimizer
+            return
+        self._seen_step = step
+        checkpoint_due = step % self.run.checkpoint_every_n_steps == 0 or step >= self.max_steps
+        if checkpoint_due or step % self.run.log_every_n_steps == 0:
+            self._report(trainer, pl_module, step, with_checkpoint=checkpoint_due)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.global_step != self._reported_step:
+            self._report(trainer, pl_module, trainer.global_step, with_checkpoint=True)
+
+    def _report(self, trainer: pl.Trainer, pl_module, step: int, with_checkpoint: bool) -> None:
+        metrics = self._metrics(trainer, pl_module, step)
+        if self.val_batches is not None and (step % self.val_every == 0 or step >= self.max_steps):
+            if trainer.is_global_zero:
+                metrics["val_loss"] = validation_loss(
+                    pl_module.unet, pl_module.noise_scheduler, self.val_batches(), self.val_seed
+                )
+        if trainer.is_global_zero:
+            log.info(_progress_line(metrics, self.max_steps))
+            self.history.append(metrics)
+        name = checkpoint_dir_name(step)
+        if not with_checkpoint:
+            ray.train.report(metrics)
+        else:
+            directory = tempfile.mkdtemp(prefix=f"sdtrain-{name}-") if trainer.is_global_zero else ""
+            # Collective: every rank builds the state, rank 0 writes it.
+            trainer.save_checkpoint(os.path.join(directory, CHECKPOINT_FILE), weights_only=False)
+            if trainer.is_global_zero:
+                with open(os.path.join(directory, HISTORY_FILE), "w") as f:
+                    json.dump(self.history, f)
+            checkpoint = ray.train.Checkpoint.from_directory(directory) if trainer.is_global_zero else None
+            try:
+                ray.train.report(
+                    metrics, checkpoint=checkpoint, checkpoint_dir_name=name, delete_local_checkpoint_after_upload=True
+                )
+            finally:
+                if directory and os.path.isdir(directory):
+                    shutil.rmtree(directory, ignore_errors=True)
+        self._reported_step = step
+
+    def _metrics(self, trainer: pl.Trainer, pl_module, step: int) -> dict[str, float]:
+        loss = trainer.strategy.reduce(pl_module.take_mean_loss(), reduce_op="mean")
+        start_step, start_time = self._window
+        now = time.perf_counter()
+        steps_per_s = (step - start_step) / max(now - start_time, 1e-9)
+        self._window = (step, now)
+        return {
+            "step": step,
+            "epoch": trainer.current_epoch,
+            "loss": float(loss),
+            "lr": trainer.optimizers[0].param_groups[0]["lr"],
+            "samples_per_s": steps_per_s * self.samples_per_step,
+            "steps_per_s": steps_per_s,
+        }
+
+
+def _progress_line(metrics: dict[str, float], max_steps: int) -> str:
+    step = int(metrics["step"])
+    remaining = (max_steps - step) / metrics["steps_per_s"] if metrics["steps_per_s"] > 0 else math.inf
+    parts = [
+        f"step {step}/{max_steps} ({100 * step / max_steps:.0f}%)",
+        f"loss {metrics['loss']:.4f}",
+        *([f"val_loss {metrics['val_loss']:.4f}"] if "val_loss" in metrics else []),
+        f"lr {metrics['lr']:.2e}",
+        f"{metrics['samples_per_s']:.1f} samples/s",
+        f"ETA {format_duration(remaining)}",
+    ]
+    return " | ".join(parts)
+
+
+def format_duration(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "?"
+    seconds = int(round(seconds))
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"

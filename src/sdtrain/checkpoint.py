@@ -1,0 +1,47 @@
+"""The checkpoint format, and rebuilding a trained model from a checkpoint alone.
+
+A checkpoint is a directory ``checkpoint_<step>/`` holding ``checkpoint.ckpt``: Lightning's
+full training state (weights, optimizer, LR scheduler, loop progress) plus, under the
+``sdtrain`` key, the UNet and noise-scheduler configs, the data shapes and the run config;
+and ``history.json``, the metric rows reported up to that step. Only plain data and tensors are stored, so loading never unpickles code
+(``torch.load(weights_only=True)``).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from diffusers import DDPMScheduler, UNet2DConditionModel
+
+from sdtrain.model import build_noise_scheduler
+from sdtrain.module import CHECKPOINT_META_KEY
+
+CHECKPOINT_FILE = "checkpoint.ckpt"
+# The metric rows reported up to the checkpoint's step: the run's curve, readable without the weights.
+HISTORY_FILE = "history.json"
+
+
+def checkpoint_dir_name(step: int) -> str:
+    return f"checkpoint_{step:09d}"
+
+
+def read_checkpoint(path: str) -> dict[str, Any]:
+    """The checkpoint dict from a checkpoint directory (or its checkpoint.ckpt), on the CPU."""
+    if os.path.isdir(path):
+        path = os.path.join(path, CHECKPOINT_FILE)
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def load_model(path: str) -> tuple[UNet2DConditionModel, DDPMScheduler, dict[str, Any]]:
+    """(UNet with trained weights, noise scheduler, metadata) from a checkpoint, with no config file needed."""
+    checkpoint = read_checkpoint(path)
+    meta = checkpoint[CHECKPOINT_META_KEY]
+    unet = UNet2DConditionModel(**meta["unet_config"])
+    prefix = "unet."
+    weights = {k[len(prefix) :]: v for k, v in checkpoint["state_dict"].items() if k.startswith(prefix)}
+    unet.load_state_dict(weights)
+    unet.eval()
+    meta = {**meta, "global_step": checkpoint["global_step"]}
+    return unet, build_noise_scheduler(meta["noise_scheduler_config"]), meta

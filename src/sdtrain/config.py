@@ -1,0 +1,391 @@
+"""The run configuration: a YAML file plus dotted overrides, loaded into typed dataclasses.
+
+Every field has a docstring (shown by ``train.py --help`` and in the README). Values are
+checked in ``__post_init__`` so that a bad config fails on the driver, before Ray starts,
+with an error that names the key and what is allowed.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import inspect
+import re
+import textwrap
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, Literal, Optional, Union
+
+import yaml
+
+from sdtrain.errors import ConfigError
+
+PRESETS = ("tiny", "small", "sd2-base")
+
+
+class _Section:
+    """Base for config sections: knows its own name so errors can say ``train.lr``."""
+
+    section: ClassVar[str] = ""
+
+    def _fail(self, key: str, message: str) -> typing.NoReturn:
+        raise ConfigError(f"{self.section}.{key}: {message}")
+
+
+@dataclass
+class DataConfig(_Section):
+    section: ClassVar[str] = "data"
+
+    train: list[str] = field(default_factory=list)
+    """Training parquet files: a file, a directory (all *.parquet below it), a glob, or a list of these."""
+    val: list[str] = field(default_factory=list)
+    """Validation parquet files, in the same forms as data.train; empty means no validation."""
+    image_column: str = "image_latents_256"
+    """Column holding the image latents, C*H*W values a row (flat list, fixed-size list or Ray tensor)."""
+    caption_column: str = "caption_latents"
+    """Column holding the caption embeddings, L*D values a row, D = the UNet's cross_attention_dim."""
+    demo: bool = False
+    """Generate the digits demo dataset into data.train / data.val (one directory each) if they are empty."""
+    prefetch_batches: int = 2
+    """Batches each worker fetches ahead of the one being trained on."""
+
+    def __post_init__(self):
+        if not self.train:
+            self._fail("train", "is required: give a parquet file, directory, glob or list of them")
+        if self.demo and (len(self.train) != 1 or len(self.val) > 1):
+            self._fail("demo", "needs data.train (and data.val, if set) to be a single directory each")
+        if self.prefetch_batches < 0:
+            self._fail("prefetch_batches", f"must be >= 0, got {self.prefetch_batches}")
+        for key in ("image_column", "caption_column"):
+            if not getattr(self, key):
+                self._fail(key, "must be a column name, got an empty string")
+
+
+@dataclass
+class ModelConfig(_Section):
+    section: ClassVar[str] = "model"
+
+    preset: Literal["tiny", "small", "sd2-base"] = "small"
+    """UNet architecture: tiny (CPU tests and demo), small (the Anyscale notebook's UNet), sd2-base (Stable Diffusion 2 base)."""
+    unet: dict[str, Any] = field(default_factory=dict)
+    """UNet2DConditionModel keyword arguments that override the preset, e.g. model.unet.cross_attention_dim=768."""
+    pretrained: Optional[str] = None
+    """Local directory or hub id of a diffusers model (unet/ and scheduler/ subfolders, or a bare UNet) to start from."""
+
+    def __post_init__(self):
+        from diffusers import UNet2DConditionModel
+
+        allowed = set(inspect.signature(UNet2DConditionModel.__init__).parameters) - {"self"}
+        for key in self.unet:
+            if key not in allowed:
+                self._fail(f"unet.{key}", "is not a UNet2DConditionModel argument" + _suggest(key, allowed))
+        if self.pretrained is not None and self.unet:
+            self._fail("unet", "cannot override the architecture of model.pretrained; remove one of them")
+
+
+@dataclass
+class TrainConfig(_Section):
+    section: ClassVar[str] = "train"
+
+    max_steps: int = 550_000
+    """Optimizer steps to train for; the run ends exactly here, across restarts."""
+    global_batch_size: int = 32
+    """Samples per optimizer step across all workers; each worker takes global_batch_size / world size."""
+    lr: float = 1e-4
+    """AdamW peak learning rate, reached after train.warmup_steps and then held."""
+    warmup_steps: int = 10_000
+    """Steps of linear learning-rate warmup from 0."""
+    weight_decay: float = 1e-2
+    """AdamW decoupled weight decay."""
+    grad_clip_norm: float = 1.0
+    """Clip the global gradient norm to this value; 0 turns clipping off."""
+    precision: Literal["auto", "bf16-mixed", "16-mixed", "32-true"] = "auto"
+    """Lightning precision; auto = bf16-mixed on GPU (16-mixed where bf16 is unsupported), 32-true on CPU."""
+    seed: int = 0
+    """Seed for weight init, noise and timesteps (each worker offsets it by its rank)."""
+
+    def __post_init__(self):
+        for key in ("max_steps", "global_batch_size"):
+            if getattr(self, key) <= 0:
+                self._fail(key, f"must be > 0, got {getattr(self, key)}")
+        if not self.lr > 0:
+            self._fail("lr", f"must be > 0, got {self.lr}")
+        for key in ("warmup_steps", "weight_decay", "grad_clip_norm"):
+            if getattr(self, key) < 0:
+                self._fail(key, f"must be >= 0, got {getattr(self, key)}")
+
+
+@dataclass
+class ScalingConfig(_Section):
+    section: ClassVar[str] = "scaling"
+
+    num_workers: Union[int, list[int]] = 1
+    """Training workers: an int, or [min, max] for elastic training that starts with what the cluster can give."""
+    use_gpu: Union[Literal["auto"], bool] = "auto"
+    """One GPU per worker; auto = yes when the cluster has GPUs when the job starts. Set true on autoscaling clusters."""
+    cpus_per_worker: Union[Literal["auto"], float] = "auto"
+    """CPUs reserved per worker; auto = 1 with GPUs, else a share that leaves Ray Data at least one CPU."""
+
+    def __post_init__(self):
+        if isinstance(self.num_workers, list):
+            if len(self.num_workers) != 2 or not 1 <= self.num_workers[0] <= self.num_workers[1]:
+                self._fail("num_workers", f"as a list must be [min, max] with 1 <= min <= max, got {self.num_workers}")
+        elif self.num_workers < 1:
+            self._fail("num_workers", f"must be >= 1, got {self.num_workers}")
+        if self.cpus_per_worker != "auto" and not self.cpus_per_worker > 0:
+            self._fail("cpus_per_worker", f"must be > 0 or auto, got {self.cpus_per_worker}")
+
+    @property
+    def min_workers(self) -> int:
+        return self.num_workers[0] if isinstance(self.num_workers, list) else self.num_workers
+
+    @property
+    def max_workers(self) -> int:
+        return self.num_workers[1] if isinstance(self.num_workers, list) else self.num_workers
+
+
+@dataclass
+class RunConfig(_Section):
+    section: ClassVar[str] = "run"
+
+    name: str = "sdtrain"
+    """Run name; the run lives in run.storage_path/run.name. Re-running with the same name resumes it."""
+    storage_path: str = "runs"
+    """Where runs are stored: a local directory (relative to the current directory) or a shared filesystem path."""
+    checkpoint_every_n_steps: int = 1000
+    """Report a checkpoint every this many optimizer steps, and always at the end."""
+    num_to_keep: Optional[int] = 3
+    """Checkpoints to keep (the newest); null keeps all."""
+    log_every_n_steps: int = 50
+    """Log a progress line and report metrics every this many steps."""
+    val_every_n_steps: Optional[int] = None
+    """Compute the validation loss on data.val every this many steps; null = at every checkpoint."""
+
+    def __post_init__(self):
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", self.name):
+            self._fail("name", f"must be letters, digits, '.', '_' or '-' (it names a directory), got {self.name!r}")
+        if not self.storage_path:
+            self._fail("storage_path", "must be a directory path")
+        for key in ("checkpoint_every_n_steps", "log_every_n_steps"):
+            if getattr(self, key) < 1:
+                self._fail(key, f"must be >= 1, got {getattr(self, key)}")
+        if self.num_to_keep is not None and self.num_to_keep < 1:
+            self._fail("num_to_keep", f"must be >= 1 or null (keep all), got {self.num_to_keep}")
+        if self.val_every_n_steps is not None and self.val_every_n_steps < 1:
+            self._fail("val_every_n_steps", f"must be >= 1 or null, got {self.val_every_n_steps}")
+
+
+@dataclass
+class FailureConfig(_Section):
+    section: ClassVar[str] = "failure"
+
+    max_failures: int = 3
+    """Worker-group restarts (each resumes from the latest checkpoint) before the run fails; -1 = unlimited."""
+
+    def __post_init__(self):
+        if self.max_failures < -1:
+            self._fail("max_failures", f"must be >= -1, got {self.max_failures}")
+
+
+@dataclass
+class Config:
+    data: DataConfig
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    scaling: ScalingConfig = field(default_factory=ScalingConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    failure: FailureConfig = field(default_factory=FailureConfig)
+
+    def __post_init__(self):
+        batch = self.train.global_batch_size
+        bad = [n for n in range(self.scaling.min_workers, self.scaling.max_workers + 1) if batch % n]
+        if bad:
+            raise ConfigError(
+                f"train.global_batch_size: {batch} does not divide evenly over {bad} worker(s), which "
+                f"scaling.num_workers={self.scaling.num_workers} allows; pick a multiple of every allowed world size"
+            )
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> "Config":
+        """Build and validate a Config from nested plain data (YAML, or ``to_dict`` output)."""
+        raw = dict(raw)
+        sections = {}
+        for f in dataclasses.fields(cls):
+            section_cls = _SECTIONS[f.name]
+            value = raw.pop(f.name, None) or {}
+            if not isinstance(value, dict):
+                raise ConfigError(f"{f.name}: must be a mapping of keys, got {value!r}")
+            sections[f.name] = _build_section(section_cls, value)
+        if raw:
+            key = next(iter(raw))
+            raise ConfigError(f"{key}: unknown section" + _suggest(key, [f.name for f in dataclasses.fields(cls)]))
+        return cls(**sections)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+_SECTIONS = {"data": DataConfig, "model": ModelConfig, "train": TrainConfig,
+             "scaling": ScalingConfig, "run": RunConfig, "failure": FailureConfig}
+
+
+def load_config(path: Optional[str | Path] = None, overrides: typing.Sequence[str] = ()) -> Config:
+    """Load a YAML config (if given), apply ``key.sub=value`` overrides, and validate."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        try:
+            raw = yaml.safe_load(path.read_text()) or {}
+        except OSError as e:
+            raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"config file {path} must be a mapping of sections (data:, model:, ...)")
+    for override in overrides:
+        key, sep, text = override.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {override!r} must look like key.sub=value, e.g. train.lr=3e-4")
+        try:
+            value = yaml.safe_load(text)
+        except yaml.YAMLError:
+            value = text
+        node = raw
+        parts = key.split(".")
+        for part in parts[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"{key}: {part} is a value, not a section")
+            node = child
+        node[parts[-1]] = value
+    return Config.from_dict(raw)
+
+
+def describe_keys() -> list[tuple[str, str, str, str]]:
+    """(key, type, default, doc) for every config key, in declaration order."""
+    rows = []
+    for section in dataclasses.fields(Config):
+        cls = _SECTIONS[section.name]
+        docs = _field_docs(cls)
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if f.default is not dataclasses.MISSING:
+                default = f.default
+            elif f.default_factory is not dataclasses.MISSING:
+                default = f.default_factory()
+            else:
+                default = None
+            shown = yaml.safe_dump(default, default_flow_style=True).strip().removesuffix("\n...")
+            rows.append((f"{section.name}.{f.name}", _type_name(hints[f.name]), shown, docs.get(f.name, "")))
+    return rows
+
+
+def help_text() -> str:
+    lines = ["config keys (set in the YAML file, or as key.sub=value on the command line):", ""]
+    for key, type_name, default, doc in describe_keys():
+        lines.append(f"  {key}  ({type_name}, default {default})")
+        lines.extend("      " + line for line in textwrap.wrap(doc, 88))
+    return "\n".join(lines)
+
+
+# --- loading helpers ---------------------------------------------------------------------
+
+
+def _build_section(cls: type, values: dict[str, Any]) -> Any:
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in values.items():
+        if key not in names:
+            raise ConfigError(f"{cls.section}.{key}: unknown key" + _suggest(key, names))
+        kwargs[key] = _coerce(f"{cls.section}.{key}", value, hints[key])
+    return cls(**kwargs)
+
+
+def _coerce(key: str, value: Any, tp: Any) -> Any:
+    """Check ``value`` against the annotation ``tp``, converting only where it is lossless."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is Union:
+        if value is None and type(None) in args:
+            return None
+        # A bare string for a list field means a one-element list (data.train: path).
+        for arg in sorted((a for a in args if a is not type(None)), key=lambda a: typing.get_origin(a) is list):
+            try:
+                return _coerce(key, value, arg)
+            except ConfigError:
+                pass
+        raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
+    if origin is Literal:
+        if value in args and type(value) is type(args[args.index(value)]):
+            return value
+        raise ConfigError(f"{key}: must be one of {', '.join(map(str, args))}; got {value!r}")
+    if origin is list:
+        (item,) = args
+        if item is str and isinstance(value, str):
+            value = [value]
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected a list of {_type_name(item)}, got {value!r}")
+        return [_coerce(f"{key}[{i}]", v, item) for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
+        return dict(value)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        # YAML reads 1e-4 (no dot) as a string; accept any numeric spelling.
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    else:  # pragma: no cover - a new annotation kind must be taught here
+        raise TypeError(f"unsupported config annotation {tp!r} for {key}")
+    raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r} ({type(value).__name__})")
+
+
+def _type_name(tp: Any) -> str:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is Union:
+        names = [_type_name(a) for a in args if a is not type(None)]
+        return " | ".join(names) + (" | null" if type(None) in args else "")
+    if origin is Literal:
+        return " | ".join(map(str, args))
+    if origin is list:
+        return f"list of {_type_name(args[0])}"
+    if origin is dict:
+        return "mapping"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _suggest(key: str, choices: typing.Iterable[str]) -> str:
+    close = difflib.get_close_matches(key, list(choices), n=1)
+    return f" (did you mean {close[0]}?)" if close else f"; known: {', '.join(sorted(choices))}"
+
+
+def _field_docs(cls: type) -> dict[str, str]:
+    """The string literal under each field: the field's docstring."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body
+    docs = {}
+    for node, nxt in zip(body, body[1:]):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(nxt, ast.Expr)
+            and isinstance(nxt.value, ast.Constant)
+            and isinstance(nxt.value.value, str)
+        ):
+            docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs

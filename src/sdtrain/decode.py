@@ -1,0 +1,109 @@
+"""Vectorized decoding of latent/caption columns, whatever parquet encoding they arrived in.
+
+Three encodings are read: a flat list of floats per row (the Anyscale notebook's files), a
+fixed-size list, and Ray Data's tensor extension type (what ``Dataset.write_parquet`` writes
+for ndarray columns). Values stay float16 or float32, as stored: the cast to the training
+dtype happens on the device, so the object store moves half the bytes for float16 data.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from sdtrain.errors import DataError
+
+_FLOAT_TYPES = {pa.float16(): np.float16, pa.float32(): np.float32, pa.float64(): np.float64}
+
+
+@dataclass(frozen=True)
+class ColumnLayout:
+    """How one column stores its per-row tensor."""
+
+    encoding: str  # "list", "fixed_size_list" or "tensor"
+    value_type: pa.DataType
+    values_per_row: Optional[int]  # None for a variable-size list: known only from a row
+    shape: Optional[tuple[int, ...]]  # only the tensor type records the shape itself
+
+    def describe(self) -> str:
+        if self.encoding == "tensor":
+            return f"Ray tensor of shape {self.shape} ({self.value_type})"
+        if self.encoding == "fixed_size_list":
+            return f"fixed-size list of {self.values_per_row} {self.value_type}"
+        return f"list of {self.value_type}"
+
+
+def column_layout(field: pa.Field) -> ColumnLayout:
+    """The layout of ``field``, or a DataError (without file context) saying what is wrong."""
+    tp = field.type
+    shape = None
+    if isinstance(tp, pa.ExtensionType):
+        shape = getattr(tp, "shape", None)
+        tp = tp.storage_type
+    elif field.metadata and b"arrow_tensor" in field.metadata.get(b"ARROW:extension:name", b""):
+        # A Ray tensor column read where Ray's extension types are not registered.
+        shape = json.loads(field.metadata[b"ARROW:extension:metadata"]).get("shape")
+    if shape is not None and any(d is None or d < 0 for d in shape):
+        raise DataError(f"holds variable-shaped tensors {shape}; every row must have the same shape")
+
+    if pa.types.is_fixed_size_list(tp):
+        encoding, values_per_row = "fixed_size_list", tp.list_size
+    elif pa.types.is_list(tp) or pa.types.is_large_list(tp):
+        encoding, values_per_row = "list", None
+    else:
+        raise DataError(f"has type {field.type}; expected a list of float16/float32 values or a Ray tensor column")
+    if shape is not None:
+        encoding, values_per_row = "tensor", int(np.prod(shape))
+    value_type = tp.value_type
+    if value_type not in _FLOAT_TYPES:
+        nested = " (nested lists are not read: store the values flat)" if pa.types.is_list(value_type) else ""
+        raise DataError(f"holds {value_type} values{nested}; expected float16 or float32")
+    return ColumnLayout(encoding, value_type, values_per_row, tuple(shape) if shape is not None else None)
+
+
+def to_array(column: pa.ChunkedArray | pa.Array, shape: tuple[int, ...], name: str) -> np.ndarray:
+    """Rows of ``column`` as one (rows, *shape) float16/float32 array; DataError if a row does not fit."""
+    array = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    if isinstance(array, pa.ExtensionArray):
+        array = array.storage
+    if array.null_count:
+        raise DataError(f"column {name!r} has {array.null_count} null row(s); every row needs a value")
+    expected = int(np.prod(shape))
+    if pa.types.is_fixed_size_list(array.type):
+        sizes = (array.type.list_size, array.type.list_size)
+    else:
+        lengths = pc.min_max(pc.list_value_length(array))
+        sizes = (lengths["min"].as_py(), lengths["max"].as_py())
+    if len(array) and sizes != (expected, expected):
+        found = sizes[0] if sizes[0] != expected else sizes[1]
+        raise DataError(
+            f"column {name!r} has a row of {found} values; expected {expected} = {' x '.join(map(str, shape))}"
+        )
+    values = array.flatten().to_numpy(zero_copy_only=False)
+    if values.dtype == np.float64:
+        values = values.astype(np.float32)
+    return values.reshape((len(array), *shape))
+
+
+def decode_batch(
+    batch: pa.Table,
+    image_column: str,
+    caption_column: str,
+    latent_shape: tuple[int, int, int],
+    caption_shape: tuple[int, int],
+) -> dict[str, np.ndarray]:
+    """A Ray Data ``map_batches`` function: arrow rows -> ``latents`` (N,C,H,W) and ``captions`` (N,L,D)."""
+    try:
+        return {
+            "latents": to_array(batch.column(image_column), latent_shape, image_column),
+            "captions": to_array(batch.column(caption_column), caption_shape, caption_column),
+        }
+    except DataError as e:
+        files = sorted(set(batch.column("path").to_pylist())) if "path" in batch.column_names else []
+        where = f" in {', '.join(files)}" if files else ""
+        raise DataError(f"{e}{where}") from None

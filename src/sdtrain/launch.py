@@ -1,0 +1,199 @@
+"""The driver: check the data against the model, start or join Ray, run the TorchTrainer, write outputs.
+
+Everything that can be wrong with the user's input is checked here before any worker starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import posixpath
+from dataclasses import dataclass
+from typing import Optional
+
+import ray
+import ray.train
+from ray.train.torch import TorchTrainer
+
+from sdtrain import __version__
+from sdtrain.config import Config, ScalingConfig
+from sdtrain.dataset import build_dataset
+from sdtrain.dataspec import DatasetSpec, inspect_dataset
+from sdtrain.demo_data import ensure_demo_data
+from sdtrain.errors import ConfigError, TrainingFailed
+from sdtrain.files import absolute, resolve_parquet_files
+from sdtrain.model import noise_scheduler_config, unet_config
+from sdtrain.outputs import read_history, write_run_outputs
+from sdtrain.worker import train_loop_per_worker
+
+
+@dataclass
+class RunSummary:
+    run_dir: str
+    checkpoint_path: str
+    final_step: int
+    final_loss: float
+    outputs: list[str]
+
+
+def train(config: Config) -> RunSummary:
+    config = _with_absolute_paths(config)
+    unet = unet_config(config.model)
+    if config.data.demo:
+        val_dir = config.data.val[0] if config.data.val else None
+        if ensure_demo_data(config.data.train[0], val_dir, caption_dim=unet["cross_attention_dim"]):
+            print(f"[sdtrain] wrote the digits demo dataset to {config.data.train[0]}", flush=True)
+    train_spec = _inspect(config, "data.train", config.data.train, unet)
+    val_spec = _inspect(config, "data.val", config.data.val, unet) if config.data.val else None
+    _check_shapes_agree(train_spec, val_spec)
+    print(
+        f"[sdtrain] data.train: {train_spec.num_rows} rows in {len(train_spec.files)} file(s), latents "
+        f"{train_spec.latent_shape}, captions {train_spec.caption_shape}; "
+        f"{train_spec.num_rows // config.train.global_batch_size} steps per epoch",
+        flush=True,
+    )
+
+    if not ray.is_initialized():
+        # Joins the cluster named by RAY_ADDRESS (as under `ray job submit`), else starts a local one.
+        # No num_cpus here: inside a submitted job, ray.init() must take no resources arguments.
+        ray.init()
+    _quiet_ray_data()
+    use_gpu = _resolve_use_gpu(config.scaling)
+    datasets = {"train": build_dataset(train_spec, config.data)}
+    if val_spec is not None:
+        datasets["val"] = build_dataset(val_spec, config.data, preserve_order=True)
+
+    checkpoint_meta = {
+        "sdtrain_version": __version__,
+        "unet_config": unet,
+        "noise_scheduler_config": noise_scheduler_config(config.model),
+        "latent_shape": list(train_spec.latent_shape),
+        "caption_shape": list(train_spec.caption_shape),
+        "config": config.to_dict(),
+    }
+    trainer = TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config={
+            "config": config.to_dict(),
+            "use_gpu": use_gpu,
+            "noise_scheduler_config": checkpoint_meta["noise_scheduler_config"],
+            "checkpoint_meta": checkpoint_meta,
+        },
+        scaling_config=ray.train.ScalingConfig(
+            num_workers=_ray_num_workers(config.scaling),
+            use_gpu=use_gpu,
+            resources_per_worker={"CPU": _cpus_per_worker(config.scaling, use_gpu)},
+        ),
+        run_config=ray.train.RunConfig(
+            name=config.run.name,
+            storage_path=config.run.storage_path,
+            failure_config=ray.train.FailureConfig(max_failures=config.failure.max_failures),
+            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=config.run.num_to_keep),
+            # Ray Train logs every report at INFO; our own progress line already says it all.
+            logging_config=ray.train.LoggingConfig(log_level="WARNING"),
+        ),
+        datasets=datasets,
+        # Validation runs on rank 0 over the whole set, so only the training data is split.
+        dataset_config=ray.train.DataConfig(datasets_to_split=["train"]),
+    )
+    run_dir = posixpath.join(config.run.storage_path, config.run.name)
+    try:
+        result = trainer.fit()
+    except ray.train.TrainingFailedError as e:
+        raise TrainingFailed(_failure_message(e, run_dir)) from None
+
+    checkpoint = result.checkpoint
+    history = read_history(checkpoint)
+    outputs = write_run_outputs(history, checkpoint.filesystem, result.path)
+    return RunSummary(
+        run_dir=result.path,
+        checkpoint_path=checkpoint.path,
+        final_step=int(history[-1]["step"]),
+        final_loss=history[-1]["loss"],
+        outputs=outputs,
+    )
+
+
+def _with_absolute_paths(config: Config) -> Config:
+    """Ray workers do not share the driver's working directory: make local paths absolute."""
+    data = dataclasses.replace(
+        config.data, train=[absolute(p) for p in config.data.train], val=[absolute(p) for p in config.data.val]
+    )
+    run = dataclasses.replace(config.run, storage_path=absolute(config.run.storage_path))
+    return dataclasses.replace(config, data=data, run=run)
+
+
+def _inspect(config: Config, key: str, specs: list[str], unet: dict) -> DatasetSpec:
+    return inspect_dataset(
+        resolve_parquet_files(specs, key),
+        key,
+        image_column=config.data.image_column,
+        caption_column=config.data.caption_column,
+        in_channels=unet["in_channels"],
+        cross_attention_dim=unet["cross_attention_dim"],
+    )
+
+
+def _check_shapes_agree(train: DatasetSpec, val: Optional[DatasetSpec]) -> None:
+    if val is not None and (val.latent_shape, val.caption_shape) != (train.latent_shape, train.caption_shape):
+        raise ConfigError(
+            f"data.val holds latents {val.latent_shape} and captions {val.caption_shape}, but data.train "
+            f"holds {train.latent_shape} and {train.caption_shape}; validation data must match training data"
+        )
+
+
+def _resolve_use_gpu(scaling: ScalingConfig) -> bool:
+    if scaling.use_gpu != "auto":
+        return scaling.use_gpu
+    return ray.cluster_resources().get("GPU", 0) > 0
+
+
+def _ray_num_workers(scaling: ScalingConfig):
+    return tuple(scaling.num_workers) if isinstance(scaling.num_workers, list) else scaling.num_workers
+
+
+def _cpus_per_worker(scaling: ScalingConfig, use_gpu: bool) -> float:
+    """CPUs each train worker reserves, leaving Ray Data at least one CPU on CPU-only clusters.
+
+    If the train workers reserve every CPU, Ray Data's read tasks can never be scheduled and
+    the run hangs silently (seen with 2 workers x 1 CPU on a 2-CPU machine).
+    """
+    if use_gpu:
+        return 1.0 if scaling.cpus_per_worker == "auto" else scaling.cpus_per_worker
+    cluster_cpus = ray.cluster_resources().get("CPU", 0)
+    spare = cluster_cpus - 1
+    if scaling.cpus_per_worker == "auto":
+        share = math.floor(min(1.0, spare / scaling.max_workers) * 100) / 100
+        if share <= 0:
+            raise ConfigError(
+                f"scaling.num_workers: {scaling.max_workers} CPU worker(s) on a cluster with {cluster_cpus:g} CPUs "
+                "would leave Ray Data no CPU to read with; use fewer workers or a bigger cluster"
+            )
+        return share
+    if scaling.cpus_per_worker * scaling.max_workers > spare:
+        raise ConfigError(
+            f"scaling.cpus_per_worker: {scaling.cpus_per_worker:g} x {scaling.max_workers} worker(s) reserves "
+            f"more than {spare:g} of the cluster's {cluster_cpus:g} CPUs, leaving Ray Data no CPU: the run "
+            "would hang waiting for data. Lower it, or use scaling.cpus_per_worker=auto"
+        )
+    return scaling.cpus_per_worker
+
+
+def _quiet_ray_data() -> None:
+    """Progress bars from Ray Data drown the training log in a terminal and in job logs."""
+    context = ray.data.DataContext.get_current()
+    context.enable_progress_bars = False
+    context.print_on_execution_start = False
+
+
+def _failure_message(error: Exception, run_dir: str) -> str:
+    from ray.train import Result
+
+    try:
+        latest = Result.from_path(run_dir).checkpoint
+    except Exception:  # no checkpoint manager state yet: the run failed before its first checkpoint
+        latest = None
+    where = f"the latest checkpoint is {latest.path}" if latest else "no checkpoint was written"
+    rerun = "re-running the same command resumes from it" if latest else "re-running starts from scratch"
+    return f"training failed: {error}\n{where}; after fixing the cause, {rerun} (run directory: {run_dir})"
