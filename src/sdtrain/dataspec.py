@@ -98,10 +98,13 @@ def _first_row(file: str, columns: list[str]) -> pa.Table:
     return pa.Table.from_batches([batch.slice(0, 1)])
 
 
-def _values_per_row(layout: ColumnLayout, row: pa.Table, column: str) -> int:
+def _values_per_row(where: str, layout: ColumnLayout, row: pa.Table, column: str) -> int:
     if layout.values_per_row is not None:
         return layout.values_per_row
-    return len(row.column(column)[0])
+    value = row.column(column)[0]
+    if not value.is_valid:
+        raise DataError(f"{where}: the first row is null; every row needs a value")
+    return len(value)
 
 
 def _latent_shape(key, file, column, layout, row, in_channels) -> tuple[int, int, int]:
@@ -113,7 +116,7 @@ def _latent_shape(key, file, column, layout, row, in_channels) -> tuple[int, int
                 f"C = the UNet's in_channels = {in_channels}"
             )
         return tuple(layout.shape)
-    n = _values_per_row(layout, row, column)
+    n = _values_per_row(where, layout, row, column)
     side = math.isqrt(n // in_channels) if n % in_channels == 0 else 0
     if side == 0 or in_channels * side * side != n:
         raise DataError(
@@ -133,7 +136,7 @@ def _caption_shape(key, file, column, layout, row, cross_attention_dim) -> tuple
                 f"D = the UNet's cross_attention_dim = {cross_attention_dim}"
             )
         return tuple(layout.shape)
-    n = _values_per_row(layout, row, column)
+    n = _values_per_row(where, layout, row, column)
     if n == 0 or n % cross_attention_dim:
         raise DataError(
             f"{where} has {n} values a row, which is not L*D for D = the UNet's cross_attention_dim = "

@@ -17,7 +17,8 @@ from sdtrain.presets import PRESETS
 def unet_config(model: ModelConfig) -> dict[str, Any]:
     """The UNet2DConditionModel kwargs a run uses: preset, then overrides (or the pretrained model's own)."""
     if model.pretrained is not None:
-        return json_safe(UNet2DConditionModel.load_config(*_pretrained_location(model.pretrained, "unet")))
+        path, subfolder = _pretrained_location(model.pretrained, "unet")
+        return json_safe(UNet2DConditionModel.load_config(path, subfolder=subfolder))
     return json_safe({**PRESETS[model.preset], **model.unet})
 
 
@@ -33,7 +34,8 @@ def noise_scheduler_config(model: ModelConfig) -> dict[str, Any]:
     if model.pretrained is not None:
         location = _pretrained_location(model.pretrained, "scheduler", required=False)
         if location is not None:
-            config = DDPMScheduler.load_config(*location)
+            path, subfolder = location
+            config = DDPMScheduler.load_config(path, subfolder=subfolder)
             return json_safe(dict(DDPMScheduler.from_config(config).config))
     shipped = resources.files("sdtrain").joinpath("assets/scheduler_config.json").read_text()
     config = {k: v for k, v in json.loads(shipped).items() if not k.startswith("_")}

@@ -1,0 +1,111 @@
+import re
+
+import pytest
+
+from conftest import REPO
+from sdtrain.config import Config, describe_keys, help_text, load_config
+from sdtrain.errors import ConfigError
+
+BASE = ["data.train=/data/train"]
+
+
+def test_yaml_then_overrides(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        "data:\n  train: [a, b]\n  val: v\nmodel:\n  preset: tiny\n  unet:\n    layers_per_block: 2\n"
+        "train:\n  lr: 1e-4\n  max_steps: 10\n  global_batch_size: 24\nscaling:\n  num_workers: [1, 4]\n"
+    )
+    config = load_config(path, ["train.lr=3e-4", "model.unet.cross_attention_dim=64", "scaling.use_gpu=true"])
+    assert config.data.train == ["a", "b"]
+    assert config.data.val == ["v"]  # one path is a one-element list
+    assert config.train.lr == 3e-4  # YAML reads 1e-4 as a string; it is still a float here
+    assert config.model.unet == {"layers_per_block": 2, "cross_attention_dim": 64}
+    assert config.scaling.num_workers == [1, 4]
+    assert (config.scaling.min_workers, config.scaling.max_workers) == (1, 4)
+    assert config.scaling.use_gpu is True
+    assert config.train.max_steps == 10
+
+
+def test_defaults_follow_the_seed_notebook():
+    config = load_config(None, BASE)
+    assert (config.data.image_column, config.data.caption_column) == ("image_latents_256", "caption_latents")
+    assert (config.train.lr, config.train.weight_decay, config.train.warmup_steps) == (1e-4, 1e-2, 10_000)
+    assert config.train.max_steps == 550_000
+    assert config.model.preset == "small"
+    assert config.run.name == "sdtrain"  # stable: re-running resumes
+
+
+def test_round_trip_through_dict():
+    config = load_config(None, BASE + ["scaling.num_workers=[2,4]", "train.global_batch_size=24", "model.unet.sample_size=8"])
+    assert Config.from_dict(config.to_dict()) == config
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ([], r"data\.train: is required"),
+        (BASE + ["train.lrr=1"], r"train\.lrr: unknown key \(did you mean lr\?\)"),
+        (BASE + ["trian.lr=1"], r"trian: unknown section \(did you mean train\?\)"),
+        (BASE + ["train.max_steps=1.5"], r"train\.max_steps: expected int, got 1\.5"),
+        (BASE + ["train.max_steps=0"], r"train\.max_steps: must be > 0, got 0"),
+        (BASE + ["train.global_batch_size=-8"], r"train\.global_batch_size: must be > 0"),
+        (BASE + ["train.lr=fast"], r"train\.lr: expected float, got 'fast'"),
+        (BASE + ["train.lr=0"], r"train\.lr: must be > 0"),
+        (BASE + ["train.warmup_steps=-1"], r"train\.warmup_steps: must be >= 0"),
+        (BASE + ["train.weight_decay=-0.1"], r"train\.weight_decay: must be >= 0"),
+        (BASE + ["train.grad_clip_norm=-1"], r"train\.grad_clip_norm: must be >= 0"),
+        (BASE + ["train.precision=fp8"], r"train\.precision: must be one of auto, bf16-mixed, 16-mixed, 32-true"),
+        (BASE + ["model.preset=huge"], r"model\.preset: must be one of tiny, small, sd2-base; got 'huge'"),
+        (BASE + ["model.unet.layers_per_blok=2"], r"model\.unet\.layers_per_blok: is not a UNet2DConditionModel argument \(did you mean layers_per_block\?\)"),
+        (BASE + ["model.unet=3"], r"model\.unet: expected a mapping"),
+        (BASE + ["model.pretrained=/m", "model.unet.sample_size=8"], r"model\.unet: cannot override the architecture of model\.pretrained"),
+        (BASE + ["scaling.num_workers=0"], r"scaling\.num_workers: must be >= 1"),
+        (BASE + ["scaling.num_workers=[4,2]"], r"scaling\.num_workers: as a list must be \[min, max\]"),
+        (BASE + ["scaling.num_workers=[1,2,3]"], r"scaling\.num_workers: as a list must be \[min, max\]"),
+        (BASE + ["scaling.num_workers=two"], r"scaling\.num_workers: expected int \| list of int"),
+        (BASE + ["scaling.use_gpu=maybe"], r"scaling\.use_gpu: expected auto \| bool, got 'maybe'"),
+        (BASE + ["scaling.cpus_per_worker=0"], r"scaling\.cpus_per_worker: must be > 0 or auto"),
+        (BASE + ["run.name=my run/1"], r"run\.name: must be letters, digits"),
+        (BASE + ["run.checkpoint_every_n_steps=0"], r"run\.checkpoint_every_n_steps: must be >= 1"),
+        (BASE + ["run.log_every_n_steps=0"], r"run\.log_every_n_steps: must be >= 1"),
+        (BASE + ["run.num_to_keep=0"], r"run\.num_to_keep: must be >= 1 or null"),
+        (BASE + ["run.val_every_n_steps=0"], r"run\.val_every_n_steps: must be >= 1 or null"),
+        (BASE + ["failure.max_failures=-2"], r"failure\.max_failures: must be >= -1"),
+        (BASE + ["data.prefetch_batches=-1"], r"data\.prefetch_batches: must be >= 0"),
+        (BASE + ["data.image_column="], r"data\.image_column: expected str, got None"),
+        (["data.train=[a,b]", "data.demo=true"], r"data\.demo: needs data\.train .* single directory"),
+        (
+            BASE + ["train.global_batch_size=12", "scaling.num_workers=[2,5]"],
+            r"train\.global_batch_size: 12 does not divide evenly over \[5\] worker\(s\)",
+        ),
+        (BASE + ["train"], r"override 'train' must look like key\.sub=value"),
+        (BASE + ["train.lr.x=1"], r"train\.lr\.x: lr is a value, not a section|train\.lr: unknown|train\.lr: expected"),
+    ],
+)
+def test_bad_values_name_the_key(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)
+
+
+def test_unreadable_config_file(tmp_path):
+    with pytest.raises(ConfigError, match=r"cannot read config file .*missing\.yaml"):
+        load_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("data: [unclosed\n")
+    with pytest.raises(ConfigError, match=r"bad\.yaml is not valid YAML"):
+        load_config(bad)
+
+
+def test_every_key_has_a_docstring_and_is_in_help_and_readme():
+    readme = (REPO / "README.md").read_text()
+    text = help_text()
+    for key, _type, _default, doc in describe_keys():
+        assert doc, f"{key} has no docstring"
+        assert key in text
+        assert f"`{key}`" in readme, f"README does not document {key}"
+
+
+@pytest.mark.parametrize("name", ["demo.yaml", "small.yaml", "sd2-base.yaml"])
+def test_shipped_configs_load(name):
+    config = load_config(REPO / "configs" / name)
+    assert re.fullmatch(r"[a-z0-9-]+", config.run.name)

@@ -1,0 +1,154 @@
+"""Parquet encodings, file resolution and the pre-flight data checks (pyarrow only, no Ray cluster)."""
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from conftest import ENCODINGS, column, write_latents
+from sdtrain.dataspec import inspect_dataset
+from sdtrain.decode import decode_batch
+from sdtrain.demo_data import NUM_CLASSES, ensure_demo_data, load_digits
+from sdtrain.errors import DataError
+from sdtrain.files import resolve_parquet_files
+
+
+def _inspect(files, in_channels=4, cross_attention_dim=32, image="image_latents_256", caption="caption_latents"):
+    return inspect_dataset([str(f) for f in files], "data.train", image, caption, in_channels, cross_attention_dim)
+
+
+@pytest.mark.parametrize("encoding", ENCODINGS)
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+def test_every_encoding_decodes_to_the_written_values(tmp_path, encoding, dtype):
+    path = tmp_path / "part.parquet"
+    latents, captions = write_latents(path, rows=5, encoding=encoding, latent_shape=(4, 8, 8), caption_shape=(7, 32), dtype=dtype)
+    spec = _inspect([path])
+    assert spec.latent_shape == (4, 8, 8)  # from the data, not hard-coded
+    assert spec.caption_shape == (7, 32)
+    assert spec.num_rows == 5
+    batch = decode_batch(pq.read_table(path), "image_latents_256", "caption_latents", spec.latent_shape, spec.caption_shape)
+    assert batch["latents"].dtype == dtype  # kept as stored; cast on the device
+    np.testing.assert_array_equal(batch["latents"], latents)
+    np.testing.assert_array_equal(batch["captions"], captions)
+
+
+def test_seed_notebook_layout_is_read_as_4x32x32_and_77x1024(tmp_path):
+    path = tmp_path / "6_000108_000000.parquet"
+    write_latents(path, rows=2, latent_shape=(4, 32, 32), caption_shape=(77, 1024))
+    assert pq.read_schema(path).field("image_latents_256").type == pa.list_(pa.float16())
+    spec = _inspect([path], cross_attention_dim=1024)
+    assert (spec.latent_shape, spec.caption_shape) == ((4, 32, 32), (77, 1024))
+
+
+def test_decode_of_a_sliced_batch_respects_offsets(tmp_path):
+    path = tmp_path / "p.parquet"
+    latents, _ = write_latents(path, rows=6, latent_shape=(4, 4, 4), caption_shape=(3, 32))
+    table = pq.read_table(path).slice(2, 3)
+    batch = decode_batch(table, "image_latents_256", "caption_latents", (4, 4, 4), (3, 32))
+    np.testing.assert_array_equal(batch["latents"], latents[2:5])
+
+
+def test_a_ragged_row_mid_file_names_the_column_and_file(tmp_path):
+    good = np.zeros((2, 4 * 4 * 4), np.float32)
+    rows = [good[0].tolist(), good[1].tolist()[:-1]]
+    table = pa.table(
+        {
+            "image_latents_256": pa.array(rows, pa.list_(pa.float32())),
+            "caption_latents": pa.array([[0.0] * 32] * 2, pa.list_(pa.float32())),
+            "path": pa.array(["/data/bad.parquet"] * 2),
+        }
+    )
+    with pytest.raises(DataError, match=r"column 'image_latents_256' has a row of 63 values; expected 64 = 4 x 4 x 4 in /data/bad\.parquet"):
+        decode_batch(table, "image_latents_256", "caption_latents", (4, 4, 4), (1, 32))
+
+
+def test_files_dirs_globs_and_lists(tmp_path):
+    for name in ("a/1.parquet", "a/sub/2.parquet", "b/3.parquet", "a/_SUCCESS", "a/.tmp.parquet", "a/notes.txt"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_bytes(b"")
+    found = resolve_parquet_files([str(tmp_path / "a"), str(tmp_path / "b" / "*.parquet"), str(tmp_path / "a/1.parquet")], "data.train")
+    assert [f[len(str(tmp_path)) + 1 :] for f in found] == ["a/1.parquet", "a/sub/2.parquet", "b/3.parquet"]
+    with pytest.raises(DataError, match=r"data\.val: .*/nope matches no parquet files"):
+        resolve_parquet_files([str(tmp_path / "nope")], "data.val")
+
+
+# --- each pre-flight error: one paragraph naming file, column, found and expected -------------
+
+
+def test_missing_column(tmp_path):
+    write_latents(tmp_path / "p.parquet", image_column="latents")
+    with pytest.raises(DataError) as e:
+        _inspect([tmp_path / "p.parquet"])
+    message = str(e.value)
+    assert "p.parquet has no column 'image_latents_256' (data.image_column)" in message
+    assert "its columns are id, latents, caption_latents" in message
+    assert "\n" not in message
+
+
+def test_latent_length_not_c_h_w(tmp_path):
+    write_latents(tmp_path / "p.parquet", latent_shape=(4, 99))  # 396 values: 4 x 99 is not 4 x H x H
+    with pytest.raises(DataError, match=r"p\.parquet, column 'image_latents_256' \(data\.image_column\) has 396 values a row, which is not C\*H\*W for C = the UNet's in_channels = 4"):
+        _inspect([tmp_path / "p.parquet"])
+
+
+def test_caption_width_is_not_cross_attention_dim(tmp_path):
+    write_latents(tmp_path / "flat.parquet", caption_shape=(77, 30))
+    with pytest.raises(DataError, match=r"flat\.parquet, column 'caption_latents' \(data\.caption_column\) has 2310 values a row, which is not L\*D for D = the UNet's cross_attention_dim = 32"):
+        _inspect([tmp_path / "flat.parquet"])
+    write_latents(tmp_path / "tensor.parquet", caption_shape=(77, 1024), encoding="tensor")
+    with pytest.raises(DataError, match=r"holds caption embeddings of shape \(77, 1024\); expected \(L, D\) with D = the UNet's cross_attention_dim = 32"):
+        _inspect([tmp_path / "tensor.parquet"])
+
+
+def test_latent_channels_are_not_in_channels(tmp_path):
+    write_latents(tmp_path / "p.parquet", latent_shape=(3, 16, 16), encoding="tensor")
+    with pytest.raises(DataError, match=r"holds latents of shape \(3, 16, 16\); expected \(C, H, W\) with C = the UNet's in_channels = 4"):
+        _inspect([tmp_path / "p.parquet"])
+
+
+def test_empty_dataset(tmp_path):
+    write_latents(tmp_path / "p.parquet", rows=0)
+    with pytest.raises(DataError, match=r"data\.train: the 1 parquet file\(s\) hold no rows"):
+        _inspect([tmp_path / "p.parquet"])
+
+
+def test_unreadable_file(tmp_path):
+    write_latents(tmp_path / "good.parquet")
+    (tmp_path / "broken.parquet").write_bytes(b"this is not parquet")
+    with pytest.raises(DataError, match=r"data\.train: cannot read .*broken\.parquet as parquet"):
+        _inspect([tmp_path / "good.parquet", tmp_path / "broken.parquet"])
+
+
+def test_files_that_disagree_on_encoding(tmp_path):
+    write_latents(tmp_path / "a.parquet", encoding="list")
+    write_latents(tmp_path / "b.parquet", encoding="fixed_size_list")
+    with pytest.raises(DataError, match=r"column 'image_latents_256' is a fixed-size list of 1024 halffloat in .*b\.parquet but a list of halffloat in .*a\.parquet"):
+        _inspect([tmp_path / "a.parquet", tmp_path / "b.parquet"])
+
+
+def test_integer_values_and_nulls(tmp_path):
+    table = pa.table({"image_latents_256": pa.array([[1] * 1024], pa.list_(pa.int32())), "caption_latents": column(np.zeros((1, 2, 32), np.float32), "list")})
+    pq.write_table(table, tmp_path / "ints.parquet")
+    with pytest.raises(DataError, match=r"column 'image_latents_256' \(data\.image_column\) holds int32 values; expected float16 or float32"):
+        _inspect([tmp_path / "ints.parquet"])
+    table = pa.table({"image_latents_256": pa.array([None], pa.list_(pa.float32())), "caption_latents": column(np.zeros((1, 2, 32), np.float32), "list")})
+    pq.write_table(table, tmp_path / "nulls.parquet")
+    with pytest.raises(DataError, match=r"nulls\.parquet, column 'image_latents_256' \(data\.image_column\): the first row is null"):
+        _inspect([tmp_path / "nulls.parquet"])
+
+
+def test_demo_dataset_is_learnable_shape_and_written_once(tmp_path):
+    images, labels = load_digits()
+    assert images.shape == (1797, 8, 8) and set(labels) == set(range(NUM_CLASSES))
+    train, val = tmp_path / "train", tmp_path / "val"
+    assert ensure_demo_data(str(train), str(val), caption_dim=32)
+    assert not ensure_demo_data(str(train), str(val), caption_dim=32)  # second call: already there
+    spec = _inspect(sorted(train.glob("*.parquet")))
+    assert (spec.num_rows, spec.latent_shape, spec.caption_shape) == (1600, (4, 16, 16), (77, 32))
+    table = pq.read_table(val)
+    assert table.num_rows == 197
+    # One caption per class: identical within a class, different across classes.
+    captions = {}
+    for label, caption in zip(table.column("label").to_pylist(), table.column("caption_latents").to_pylist()):
+        assert captions.setdefault(label, caption) == caption
+    assert len({tuple(c[:8]) for c in captions.values()}) == len(captions)

@@ -1,0 +1,127 @@
+"""The Lightning module, model building and the checkpoint format, on a tiny real UNet (no Ray)."""
+
+import json
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from diffusers import DDPMScheduler, UNet2DConditionModel
+
+from sdtrain.checkpoint import load_model, read_checkpoint
+from sdtrain.config import ModelConfig, TrainConfig
+from sdtrain.model import build_unet, noise_scheduler_config, unet_config
+from sdtrain.module import DiffusionModule
+from sdtrain.presets import PRESETS
+from sdtrain.validation import validation_loss
+
+
+def _batches(n=4, batch=2, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [
+        {"latents": torch.randn(batch, 4, 16, 16, generator=g).half(), "captions": torch.randn(batch, 5, 32, generator=g).half()}
+        for _ in range(n)
+    ]
+
+
+def _module(**train):
+    model = ModelConfig(preset="tiny")
+    torch.manual_seed(0)
+    meta = {"unet_config": unet_config(model), "noise_scheduler_config": noise_scheduler_config(model)}
+    return DiffusionModule(build_unet(model), meta["noise_scheduler_config"], TrainConfig(**train), meta)
+
+
+def _fit(module, steps, batches):
+    trainer = pl.Trainer(
+        max_steps=steps, accelerator="cpu", logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+    )
+    trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(batches, batch_size=None))
+    return trainer
+
+
+def test_training_steps_update_weights_with_warmup():
+    module = _module(lr=1e-3, warmup_steps=10)
+    before = {k: v.clone() for k, v in module.unet.state_dict().items()}
+    trainer = _fit(module, 3, _batches())
+    assert trainer.global_step == 3
+    changed = [k for k, v in module.unet.state_dict().items() if not torch.equal(v, before[k])]
+    assert len(changed) > 0.9 * len(before)
+    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(1e-3 * 3 / 10)
+    loss = module.take_mean_loss()
+    assert torch.isfinite(loss) and 0 < loss.item() < 10
+    assert module.take_mean_loss().item() == 0  # the window resets
+
+
+def test_loss_is_noise_prediction_mse_under_the_sd_schedule():
+    module = _module()
+    assert isinstance(module.noise_scheduler, DDPMScheduler)
+    assert module.noise_scheduler.config.clip_sample is False
+    assert (module.noise_scheduler.config.beta_start, module.noise_scheduler.config.beta_end) == (0.00085, 0.012)
+    assert module.noise_scheduler.config.beta_schedule == "scaled_linear"
+    batch = _batches(1)[0]
+    torch.manual_seed(1)
+    loss = module.training_step(batch, 0)
+    # Recompute by hand with the same random draws.
+    torch.manual_seed(1)
+    latents = batch["latents"].float()
+    noise = torch.randn_like(latents)
+    t = torch.randint(0, 1000, (2,))
+    alphas = module.noise_scheduler.alphas_cumprod[t].view(-1, 1, 1, 1)
+    noisy = alphas.sqrt() * latents + (1 - alphas).sqrt() * noise
+    expected = torch.nn.functional.mse_loss(module.unet(noisy, t, batch["captions"].float()).sample, noise)
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-5)
+
+
+def test_checkpoint_rebuilds_the_model_alone(tmp_path):
+    module = _module(lr=1e-3, warmup_steps=1)
+    trainer = _fit(module, 2, _batches())
+    trainer.save_checkpoint(tmp_path / "checkpoint.ckpt", weights_only=False)
+    # weights_only=True loading: no pickled code in the file.
+    raw = read_checkpoint(str(tmp_path))
+    assert raw["global_step"] == 2 and "optimizer_states" in raw and "lr_schedulers" in raw
+    unet, scheduler, meta = load_model(str(tmp_path))
+    assert meta["global_step"] == 2
+    assert scheduler.config.clip_sample is False
+    batch = _batches(1, seed=5)[0]
+    t = torch.tensor([10, 900])
+    module.unet.eval()
+    with torch.no_grad():
+        want = module.unet(batch["latents"].float(), t, batch["captions"].float()).sample
+        got = unet(batch["latents"].float(), t, batch["captions"].float()).sample
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_validation_loss_is_deterministic_and_independent_of_batching():
+    module = _module()
+    batches = _batches(4, batch=2, seed=3)
+    regrouped = [{k: torch.cat([a[k], b[k]]) for k in a} for a, b in zip(batches[::2], batches[1::2])]
+    first = validation_loss(module.unet, module.noise_scheduler, batches, seed=7)
+    assert first == pytest.approx(validation_loss(module.unet, module.noise_scheduler, regrouped, seed=7), rel=1e-6)
+    assert first != validation_loss(module.unet, module.noise_scheduler, batches, seed=8)
+    assert module.unet.training  # restored after eval
+
+
+def test_presets_match_their_sources():
+    with torch.device("meta"):
+        sd2 = UNet2DConditionModel(**PRESETS["sd2-base"])
+    assert sum(p.numel() for p in sd2.parameters()) == 865_910_724  # SD 2 base UNet
+    small = PRESETS["small"]  # the Anyscale notebook's UNet
+    assert small["block_out_channels"] == (160, 320, 640, 640) and small["cross_attention_dim"] == 1024
+    config = unet_config(ModelConfig(preset="small", unet={"cross_attention_dim": 768}))
+    assert config["cross_attention_dim"] == 768 and config["block_out_channels"] == [160, 320, 640, 640]
+    json.dumps(config)  # plain data: stored in every checkpoint
+
+
+def test_pretrained_directory_supplies_weights_and_schedule(tmp_path):
+    torch.manual_seed(3)
+    source = UNet2DConditionModel(**PRESETS["tiny"])
+    source.save_pretrained(tmp_path / "unet")
+    DDPMScheduler(beta_schedule="linear", clip_sample=False, num_train_timesteps=500).save_pretrained(tmp_path / "scheduler")
+    model = ModelConfig(preset="tiny", pretrained=str(tmp_path))
+    loaded = build_unet(model)
+    for (name, a), b in zip(source.state_dict().items(), loaded.state_dict().values()):
+        assert torch.equal(a, b), name
+    assert noise_scheduler_config(model)["num_train_timesteps"] == 500
+    bare = ModelConfig(preset="tiny", pretrained=str(tmp_path / "unet"))  # a bare UNet: the shipped schedule
+    assert noise_scheduler_config(bare)["num_train_timesteps"] == 1000
+    assert unet_config(bare)["block_out_channels"] == [32, 64]
