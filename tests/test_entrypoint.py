@@ -1,0 +1,57 @@
+"""entrypoints/train.py as users run it: a subprocess."""
+
+import csv
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, write_latents
+
+TRAIN = [sys.executable, str(REPO / "entrypoints" / "train.py")]
+
+
+def _run(args, tmp_path, timeout):
+    # RAY_ADDRESS=local: start a cluster of its own, never join another test's.
+    env = {**os.environ, "RAY_ADDRESS": "local"}
+    return subprocess.run(TRAIN + args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.timeout(60)
+def test_help_lists_every_key(tmp_path):
+    result = _run(["--help"], tmp_path, timeout=50)
+    assert result.returncode == 0
+    for key in ("data.train", "model.preset", "model.unet", "train.precision", "scaling.num_workers", "run.num_to_keep", "failure.max_failures"):
+        assert key in result.stdout
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["train.lr=fast"], "error: train.lr: expected float, got 'fast'"),
+        (["data.train=bad.parquet"], "error: data.train: {tmp}/bad.parquet, column 'caption_latents' (data.caption_column) has 2464 values a row, which is not L*D for D = the UNet's cross_attention_dim = 1024"),
+    ],
+)
+def test_bad_input_exits_2_with_one_paragraph(tmp_path, args, message):
+    write_latents(tmp_path / "bad.parquet", caption_shape=(77, 32))  # the small preset wants 1024-wide captions
+    result = _run(["--config", str(REPO / "configs" / "small.yaml"), *args], tmp_path, timeout=110)
+    assert result.returncode == 2
+    assert message.format(tmp=tmp_path) in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.timeout(420)
+def test_demo_runs_end_to_end_and_the_loss_falls(tmp_path):
+    """The README's demo command, shortened to 40 steps; everything else is configs/demo.yaml."""
+    result = _run(["train.max_steps=40", "run.log_every_n_steps=10", "run.checkpoint_every_n_steps=40"], tmp_path, timeout=400)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "wrote the digits demo dataset" in result.stdout
+    run_dir = tmp_path / "runs" / "demo"
+    assert f"final checkpoint: {run_dir}/checkpoint_000000040" in result.stdout
+    assert (run_dir / "checkpoint_000000040" / "checkpoint.ckpt").is_file()
+    with open(run_dir / "metrics.csv") as f:
+        losses = [float(row["loss"]) for row in csv.DictReader(f)]
+    assert len(losses) == 4
+    assert losses[-1] < 0.7 * losses[0], losses

@@ -1,0 +1,83 @@
+"""The whole job on a real local Ray cluster: 2 workers, checkpoints, reload from a checkpoint, resume."""
+
+import csv
+import json
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from conftest import write_latents
+from sdtrain.checkpoint import CHECKPOINT_FILE, HISTORY_FILE, load_model
+from sdtrain.config import load_config
+from sdtrain.decode import decode_batch
+from sdtrain.launch import train
+from sdtrain.validation import validation_loss
+
+LR, WARMUP = 1e-3, 20
+
+
+def _config(tmp_path, max_steps):
+    return load_config(
+        None,
+        [
+            f"data.train=[{tmp_path}/train/a.parquet, {tmp_path}/train/b.parquet]",
+            f"data.val={tmp_path}/val",
+            "model.preset=tiny",
+            f"train.max_steps={max_steps}",
+            "train.global_batch_size=8",
+            f"train.lr={LR}",
+            f"train.warmup_steps={WARMUP}",
+            "scaling.num_workers=2",
+            "scaling.use_gpu=false",
+            f"run.storage_path={tmp_path}/runs",
+            "run.name=two-workers",
+            "run.checkpoint_every_n_steps=3",
+            "run.log_every_n_steps=2",
+            "run.num_to_keep=null",
+        ],
+    )
+
+
+def _checkpoints(run_dir):
+    return sorted(p.name for p in run_dir.iterdir() if p.name.startswith("checkpoint_") and p.is_dir())
+
+
+@pytest.mark.timeout(400)
+def test_two_worker_run_checkpoints_reloads_and_resumes(ray_cluster, tmp_path):
+    # Ray tensor columns for training (the Anyscale template's), flat float32 lists for validation.
+    write_latents(tmp_path / "train/a.parquet", rows=24, encoding="tensor", seed=1)
+    write_latents(tmp_path / "train/b.parquet", rows=24, encoding="tensor", seed=2)
+    write_latents(tmp_path / "val/v.parquet", rows=12, encoding="list", dtype="float32", seed=3)
+    run_dir = tmp_path / "runs" / "two-workers"
+
+    summary = train(_config(tmp_path, max_steps=6))
+
+    assert summary.final_step == 6
+    assert summary.checkpoint_path == str(run_dir / "checkpoint_000000006")
+    assert _checkpoints(run_dir) == ["checkpoint_000000003", "checkpoint_000000006"]
+    for name in _checkpoints(run_dir):
+        assert sorted(p.name for p in (run_dir / name).iterdir()) == [CHECKPOINT_FILE, HISTORY_FILE]
+    with open(run_dir / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [int(r["step"]) for r in rows] == [2, 3, 4, 6]  # a row per report: logs at 2, 4, 6; checkpoint at 3
+    assert all(float(r["loss"]) > 0 for r in rows)
+    assert [bool(r["val_loss"]) for r in rows] == [False, True, False, True]  # validation with each checkpoint
+    assert (run_dir / "loss_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    # The model comes back from the checkpoint alone and reproduces the validation loss the
+    # worker computed with the trained weights: same weights, same outputs.
+    unet, scheduler, meta = load_model(str(run_dir / "checkpoint_000000006"))
+    assert meta["global_step"] == 6 and meta["latent_shape"] == [4, 16, 16] and meta["caption_shape"] == [77, 32]
+    assert meta["config"]["run"]["name"] == "two-workers"
+    val = decode_batch(pq.read_table(tmp_path / "val/v.parquet"), "image_latents_256", "caption_latents", (4, 16, 16), (77, 32))
+    batches = [{k: torch.from_numpy(v[i : i + 4]) for k, v in val.items()} for i in range(0, 12, 4)]
+    assert validation_loss(unet, scheduler, batches, seed=0) == pytest.approx(float(rows[-1]["val_loss"]), rel=1e-5)
+
+    # Same name and storage: the run resumes from step 6 with its optimizer and LR schedule.
+    summary = train(_config(tmp_path, max_steps=9))
+    assert summary.final_step == 9
+    assert _checkpoints(run_dir) == ["checkpoint_000000003", "checkpoint_000000006", "checkpoint_000000009"]
+    history = json.loads((run_dir / "checkpoint_000000009" / HISTORY_FILE).read_text())
+    assert [row["step"] for row in history] == [2, 3, 4, 6, 8, 9]
+    assert history[4]["lr"] == pytest.approx(LR * 8 / WARMUP)  # warmup continued, not restarted
