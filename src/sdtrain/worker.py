@@ -114,9 +114,8 @@ def _fit(config: Config, module, use_gpu, batch_size, val_shard, history, ckpt_p
 
 
 def _configure_logging() -> None:
-    """Our progress lines at INFO; Lightning's start-up chatter and Ray Train's per-report lines off."""
+    """Our progress lines at INFO; Lightning's start-up chatter off."""
     logging.getLogger("sdtrain").setLevel(logging.INFO)
-    logging.getLogger("ray.train").setLevel(logging.WARNING)
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", message=".*LeafSpec.*")  # Lightning internals, not actionable
 
