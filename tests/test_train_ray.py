@@ -28,7 +28,7 @@ def _config(tmp_path, max_steps):
             "train.global_batch_size=8",
             f"train.lr={LR}",
             f"train.warmup_steps={WARMUP}",
-            "scaling.num_workers=2",
+            "scaling.num_workers=[1,2]",  # elastic: starts with what the cluster gives (2 here)
             "scaling.use_gpu=false",
             f"run.storage_path={tmp_path}/runs",
             "run.name=two-workers",
@@ -81,3 +81,18 @@ def test_two_worker_run_checkpoints_reloads_and_resumes(ray_cluster, tmp_path):
     history = json.loads((run_dir / "checkpoint_000000009" / HISTORY_FILE).read_text())
     assert [row["step"] for row in history] == [2, 3, 4, 6, 8, 9]
     assert history[4]["lr"] == pytest.approx(LR * 8 / WARMUP)  # warmup continued, not restarted
+
+
+@pytest.mark.timeout(60)
+def test_cpu_workers_always_leave_ray_data_a_cpu(ray_cluster):
+    """2 CPUs and 2 workers at 1 CPU each would starve Ray Data and hang: auto never does that."""
+    from sdtrain.config import ScalingConfig
+    from sdtrain.errors import ConfigError
+    from sdtrain.launch import _cpus_per_worker
+
+    assert _cpus_per_worker(ScalingConfig(num_workers=1), use_gpu=False) == 1.0
+    assert _cpus_per_worker(ScalingConfig(num_workers=2), use_gpu=False) == 0.5
+    assert _cpus_per_worker(ScalingConfig(num_workers=[1, 4]), use_gpu=False) == 0.25
+    assert _cpus_per_worker(ScalingConfig(num_workers=2), use_gpu=True) == 1.0
+    with pytest.raises(ConfigError, match=r"scaling\.cpus_per_worker: 1 x 2 worker\(s\) reserves more than 1 of the cluster's 2 CPUs, leaving Ray Data no CPU"):
+        _cpus_per_worker(ScalingConfig(num_workers=2, cpus_per_worker=1.0), use_gpu=False)
