@@ -114,8 +114,13 @@ def _fit(config: Config, module, use_gpu, batch_size, val_shard, history, ckpt_p
 
 
 def _configure_logging() -> None:
-    """Our progress lines at INFO; Lightning's start-up chatter off."""
+    """Our progress lines at INFO; Lightning's start-up chatter and Ray Train's per-report lines off."""
+    from ray.train.v2._internal.execution import context as ray_train_context
+
     logging.getLogger("sdtrain").setLevel(logging.INFO)
+    # Ray Train logs every report at INFO under a logger named by its file path, outside
+    # "ray.train", where RunConfig's LoggingConfig does not reach.
+    logging.getLogger(ray_train_context.__file__).setLevel(logging.WARNING)
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", message=".*LeafSpec.*")  # Lightning internals, not actionable
 
