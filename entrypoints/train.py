@@ -18,10 +18,10 @@ try:
 except ImportError:  # running from a checkout that is not pip-installed (e.g. a job's working_dir)
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 
-from sdtrain.cli import main
+from sdtrain.cli import train_main
 
 # The embedded default: what this script runs with no arguments.
 DEMO_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:], default_config=DEMO_CONFIG))
+    sys.exit(train_main(sys.argv[1:], default_config=DEMO_CONFIG))

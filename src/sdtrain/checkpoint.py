@@ -9,12 +9,15 @@ and ``history.json``, the metric rows reported up to that step. Only plain data 
 
 from __future__ import annotations
 
-import os
+import posixpath
 from typing import Any
+
+import pyarrow.fs as pafs
 
 import torch
 from diffusers import DDPMScheduler, UNet2DConditionModel
 
+from sdtrain.files import filesystem_for
 from sdtrain.model import build_noise_scheduler
 from sdtrain.module import CHECKPOINT_META_KEY
 
@@ -28,10 +31,12 @@ def checkpoint_dir_name(step: int) -> str:
 
 
 def read_checkpoint(path: str) -> dict[str, Any]:
-    """The checkpoint dict from a checkpoint directory (or its checkpoint.ckpt), on the CPU."""
-    if os.path.isdir(path):
-        path = os.path.join(path, CHECKPOINT_FILE)
-    return torch.load(path, map_location="cpu", weights_only=True)
+    """The checkpoint dict from a checkpoint directory (local or a storage URI) or its checkpoint.ckpt, on the CPU."""
+    fs, fs_path = filesystem_for(path)
+    if fs.get_file_info(fs_path).type == pafs.FileType.Directory:
+        fs_path = posixpath.join(fs_path, CHECKPOINT_FILE)
+    with fs.open_input_file(fs_path) as f:
+        return torch.load(f, map_location="cpu", weights_only=True)
 
 
 def load_model(path: str) -> tuple[UNet2DConditionModel, DDPMScheduler, dict[str, Any]]:

@@ -1,45 +1,61 @@
-"""Command line of entrypoints/train.py: parse, load the config, train, report."""
+"""Command lines of entrypoints/train.py and entrypoints/retrain.py: parse, load the config, run, report."""
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import sys
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
-from sdtrain.config import help_text, load_config
+from sdtrain.config import Config, help_text, load_config
 from sdtrain.errors import SdtrainError, TrainingFailed
 
 
-def parse_args(argv: Optional[Sequence[str]], default_config: Path) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="train.py",
-        description="Train a Stable Diffusion UNet on parquet latents with Ray Train + Lightning.",
-        epilog=help_text(),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument(
-        "--config",
-        default=str(default_config),
-        help="YAML config file (default: %(default)s, the demo)",
-    )
-    parser.add_argument("overrides", nargs="*", metavar="key.sub=value", help="override a config key")
-    return parser.parse_args(argv)
-
-
-def main(argv: Optional[Sequence[str]], default_config: Path) -> int:
+def train_main(argv: Optional[Sequence[str]], default_config: Path) -> int:
     """Run the training job; the exit code is 0 on success, 2 for bad input, 1 for a failed run."""
-    args = parse_args(argv, default_config)
-    try:
-        config = load_config(args.config, args.overrides)
-        from sdtrain.launch import train  # imports Ray and torch: only once the config is known good
+    return _main(argv, default_config, "train.py", "Train a Stable Diffusion UNet on parquet latents with Ray Train + Lightning.", _train)
 
-        summary = train(config)
+
+def retrain_main(argv: Optional[Sequence[str]], default_config: Path) -> int:
+    """Run one scheduled retraining; exit codes as for training (a rejected model is not a failure)."""
+    return _main(argv, default_config, "retrain.py", "Retrain on new date partitions and promote the result if it is better.", _retrain)
+
+
+def _main(argv, default_config: Path, prog: str, description: str, job: Callable[[Config], list[str]]) -> int:
+    parser = argparse.ArgumentParser(
+        prog=prog, description=description, epilog=help_text(), formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--config", default=str(default_config), help="YAML config file (default: %(default)s)")
+    parser.add_argument("overrides", nargs="*", metavar="key.sub=value", help="override a config key")
+    args = parser.parse_args(argv)
+    try:
+        lines = job(load_config(args.config, args.overrides))
     except SdtrainError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1 if isinstance(e, TrainingFailed) else 2
-    print(f"[sdtrain] done: step {summary.final_step}, loss {summary.final_loss:.4f}")
-    print(f"[sdtrain] final checkpoint: {summary.checkpoint_path}")
-    for path in summary.outputs:
-        print(f"[sdtrain] wrote {path}")
+    for line in lines:
+        print(f"[sdtrain] {line}")
     return 0
+
+
+def _train(config: Config) -> list[str]:
+    from sdtrain.launch import train  # imports Ray and torch: only once the config is known good
+
+    summary = train(config)
+    return [
+        f"done: step {summary.final_step}, loss {summary.final_loss:.4f}",
+        f"final checkpoint: {summary.checkpoint_path}",
+        *(f"wrote {path}" for path in summary.outputs),
+    ]
+
+
+def _retrain(config: Config) -> list[str]:
+    from sdtrain.errors import ConfigError
+    from sdtrain.retrain import retrain
+
+    if config.retrain.data_root is None:
+        raise ConfigError("retrain.data_root and retrain.models_root are required for retraining")
+    day = datetime.date.fromisoformat(config.retrain.date) if config.retrain.date else datetime.datetime.now(datetime.timezone.utc).date()
+    outcome = retrain(config, day)
+    return [f"{outcome.status}: {outcome.message}", f"production: {outcome.production or 'none'}"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import datetime
 import difflib
 import inspect
 import re
@@ -39,7 +40,7 @@ class DataConfig(_Section):
     section: ClassVar[str] = "data"
 
     train: list[str] = field(default_factory=list)
-    """Training parquet files: a file, a directory (all *.parquet below it), a glob, or a list of these."""
+    """Training parquet files: a file, a directory (all *.parquet below it), a glob, or a list of these (retraining picks its own from retrain.data_root)."""
     val: list[str] = field(default_factory=list)
     """Validation parquet files, in the same forms as data.train; empty means no validation."""
     image_column: str = "image_latents_256"
@@ -52,8 +53,6 @@ class DataConfig(_Section):
     """Batches each worker fetches ahead of the one being trained on."""
 
     def __post_init__(self):
-        if not self.train:
-            self._fail("train", "is required: give a parquet file, directory, glob or list of them")
         if self.demo and (len(self.train) != 1 or len(self.val) > 1):
             self._fail("demo", "needs data.train (and data.val, if set) to be a single directory each")
         if self.prefetch_batches < 0:
@@ -190,15 +189,45 @@ class FailureConfig(_Section):
 
 
 @dataclass
+class RetrainConfig(_Section):
+    section: ClassVar[str] = "retrain"
+
+    data_root: Optional[str] = None
+    """Directory of date partitions (date=YYYY-MM-DD/ holding parquet files) that entrypoints/retrain.py takes new data from."""
+    models_root: Optional[str] = None
+    """Where retraining keeps model versions (versions/vNNNN/) and the production pointer (production.json)."""
+    tolerance: float = 0.0
+    """Promote a retrained model if its validation loss <= the production model's x (1 + tolerance)."""
+    date: Optional[str] = None
+    """Schedule date (YYYY-MM-DD) a retrain run is for: it takes partitions up to it, once; null = today (UTC)."""
+
+    def __post_init__(self):
+        if self.date is not None:
+            try:
+                datetime.date.fromisoformat(self.date)
+            except ValueError:
+                self._fail("date", f"must be a date YYYY-MM-DD, got {self.date!r}")
+        if self.tolerance < 0:
+            self._fail("tolerance", f"must be >= 0, got {self.tolerance}")
+        if (self.data_root is None) != (self.models_root is None):
+            self._fail("models_root" if self.models_root is None else "data_root", "is required with the other retrain key")
+
+
+@dataclass
 class Config:
-    data: DataConfig
+    data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     scaling: ScalingConfig = field(default_factory=ScalingConfig)
     run: RunConfig = field(default_factory=RunConfig)
     failure: FailureConfig = field(default_factory=FailureConfig)
+    retrain: RetrainConfig = field(default_factory=RetrainConfig)
 
     def __post_init__(self):
+        if not self.data.train and self.retrain.data_root is None:
+            raise ConfigError("data.train: is required: give a parquet file, directory, glob or list of them")
+        if self.retrain.data_root is not None and not self.data.val:
+            raise ConfigError("data.val: retraining needs a fixed held-out set to compare the new and production models on")
         batch = self.train.global_batch_size
         bad = [n for n in range(self.scaling.min_workers, self.scaling.max_workers + 1) if batch % n]
         if bad:
@@ -228,7 +257,7 @@ class Config:
 
 
 _SECTIONS = {"data": DataConfig, "model": ModelConfig, "train": TrainConfig,
-             "scaling": ScalingConfig, "run": RunConfig, "failure": FailureConfig}
+             "scaling": ScalingConfig, "run": RunConfig, "failure": FailureConfig, "retrain": RetrainConfig}
 
 
 def load_config(path: Optional[str | Path] = None, overrides: typing.Sequence[str] = ()) -> Config:

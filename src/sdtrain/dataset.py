@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+from typing import Iterator
+
+import pyarrow as pa
+import pyarrow.parquet as pq
 import ray.data
+import torch
 
 from sdtrain.config import DataConfig
 from sdtrain.dataspec import DatasetSpec
 from sdtrain.decode import decode_batch
+from sdtrain.files import filesystem_for
 
 
 def build_dataset(spec: DatasetSpec, data: DataConfig, preserve_order: bool = False) -> ray.data.Dataset:
@@ -34,3 +40,15 @@ def build_dataset(spec: DatasetSpec, data: DataConfig, preserve_order: bool = Fa
             caption_shape=spec.caption_shape,
         ),
     )
+
+
+def iter_local_batches(spec: DatasetSpec, data: DataConfig, batch_size: int) -> Iterator[dict[str, torch.Tensor]]:
+    """The dataset in file order, read in this process without Ray: for evaluation on the driver."""
+    for file in spec.files:
+        fs, path = filesystem_for(file)
+        with fs.open_input_file(path) as handle:
+            for batch in pq.ParquetFile(handle).iter_batches(batch_size, columns=[data.image_column, data.caption_column]):
+                arrays = decode_batch(
+                    pa.Table.from_batches([batch]), data.image_column, data.caption_column, spec.latent_shape, spec.caption_shape
+                )
+                yield {name: torch.tensor(values) for name, values in arrays.items()}

@@ -17,6 +17,11 @@ def is_uri(path: str) -> bool:
     return "://" in path
 
 
+def uri_prefix(path: str) -> str:
+    """``s3://`` for ``s3://bucket/key``; empty for a local path (pyarrow paths drop the scheme)."""
+    return path[: path.index("://") + 3] if is_uri(path) else ""
+
+
 def absolute(path: str) -> str:
     """Local paths become absolute (Ray workers do not share the driver's cwd); URIs are kept."""
     return path if is_uri(path) else os.path.abspath(os.path.expanduser(path))
@@ -41,7 +46,7 @@ def resolve_parquet_files(specs: list[str], key: str) -> list[str]:
 
 def _expand(spec: str) -> list[str]:
     fs, path = filesystem_for(spec)
-    prefix = spec[: spec.index("://") + 3] if is_uri(spec) else ""
+    prefix = uri_prefix(spec)
     if any(c in path for c in _GLOB_CHARS):
         if not prefix:
             return sorted(p for p in glob.glob(path, recursive=True) if os.path.isfile(p))

@@ -10,7 +10,7 @@ import math
 import os
 import posixpath
 from dataclasses import dataclass
-from typing import Optional
+from typing import Mapping, Optional
 
 import ray
 import ray.train
@@ -44,8 +44,8 @@ def train(config: Config) -> RunSummary:
         val_dir = config.data.val[0] if config.data.val else None
         if ensure_demo_data(config.data.train[0], val_dir, caption_dim=unet["cross_attention_dim"]):
             print(f"[sdtrain] wrote the digits demo dataset to {config.data.train[0]}", flush=True)
-    train_spec = _inspect(config, "data.train", config.data.train, unet)
-    val_spec = _inspect(config, "data.val", config.data.val, unet) if config.data.val else None
+    train_spec = dataset_spec(config, "data.train", config.data.train, unet)
+    val_spec = dataset_spec(config, "data.val", config.data.val, unet) if config.data.val else None
     _check_shapes_agree(train_spec, val_spec)
     print(
         f"[sdtrain] data.train: {train_spec.num_rows} rows in {len(train_spec.files)} file(s), latents "
@@ -124,7 +124,8 @@ def _with_absolute_paths(config: Config) -> Config:
     return dataclasses.replace(config, data=data, run=run)
 
 
-def _inspect(config: Config, key: str, specs: list[str], unet: dict) -> DatasetSpec:
+def dataset_spec(config: Config, key: str, specs: list[str], unet: Mapping) -> DatasetSpec:
+    """The files ``specs`` name, read and checked against the UNet config ``unet``."""
     return inspect_dataset(
         resolve_parquet_files(specs, key),
         key,

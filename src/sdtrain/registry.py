@@ -1,0 +1,96 @@
+"""Model versions and the production pointer, under ``retrain.models_root``::
+
+    production.json              {"version": "v0002"}: replaced whole, never edited in place
+    versions/v0001/unet/         UNet2DConditionModel.save_pretrained (safetensors)
+    versions/v0001/scheduler/    the noise schedule
+    versions/v0001/manifest.json written last: a version directory without it is incomplete
+
+A reader resolves production.json and loads that version. Because a version is complete
+(manifest written) before the pointer can name it, and the pointer is swapped by a rename (a
+single object write on object stores), a reader never sees a pointer to a half-written version.
+"""
+
+from __future__ import annotations
+
+import json
+import posixpath
+import re
+import tempfile
+from typing import Any, Optional
+
+import pyarrow.fs as pafs
+from diffusers import DDPMScheduler, UNet2DConditionModel
+
+from sdtrain.files import absolute, filesystem_for
+
+PRODUCTION_FILE = "production.json"
+MANIFEST_FILE = "manifest.json"
+_VERSION = re.compile(r"v(\d{4,})")
+
+
+class ModelRegistry:
+    def __init__(self, root: str):
+        self.root_uri = absolute(root)
+        self.fs, self.root = filesystem_for(self.root_uri)
+
+    def versions(self) -> list[str]:
+        """Complete versions (with a manifest), oldest first."""
+        return [v for v in self._version_dirs() if self._exists(self._path("versions", v, MANIFEST_FILE))]
+
+    def manifest(self, version: str) -> dict[str, Any]:
+        return json.loads(self._read(self._path("versions", version, MANIFEST_FILE)))
+
+    def production(self) -> Optional[str]:
+        pointer = self._path(PRODUCTION_FILE)
+        return json.loads(self._read(pointer))["version"] if self._exists(pointer) else None
+
+    def location(self, version: str) -> str:
+        """The version's directory, usable as ``model.pretrained`` (unet/ and scheduler/ inside)."""
+        return posixpath.join(self.root_uri, "versions", version)
+
+    def load(self, version: str) -> tuple[UNet2DConditionModel, DDPMScheduler]:
+        with tempfile.TemporaryDirectory() as local:
+            pafs.copy_files(self._path("versions", version), local, source_filesystem=self.fs)
+            unet = UNet2DConditionModel.from_pretrained(local, subfolder="unet")
+            scheduler = DDPMScheduler.from_pretrained(local, subfolder="scheduler")
+        return unet.eval(), scheduler
+
+    def write_version(self, unet: UNet2DConditionModel, scheduler: DDPMScheduler, manifest: dict[str, Any]) -> str:
+        """Write a new version (weights first, manifest last) and return its name."""
+        numbers = [int(_VERSION.fullmatch(v).group(1)) for v in self._version_dirs()]
+        version = f"v{max(numbers, default=0) + 1:04d}"
+        destination = self._path("versions", version)
+        with tempfile.TemporaryDirectory() as local:
+            unet.save_pretrained(posixpath.join(local, "unet"))
+            scheduler.save_pretrained(posixpath.join(local, "scheduler"))
+            self.fs.create_dir(destination)
+            pafs.copy_files(local, destination, destination_filesystem=self.fs)
+        self._write(posixpath.join(destination, MANIFEST_FILE), json.dumps({"version": version, **manifest}, indent=2))
+        return version
+
+    def set_production(self, version: str) -> None:
+        if version not in self.versions():
+            raise ValueError(f"version {version} is not a complete version under {self.root_uri}")
+        staged = self._path(f".{PRODUCTION_FILE}.{version}.tmp")
+        self._write(staged, json.dumps({"version": version}))
+        self.fs.move(staged, self._path(PRODUCTION_FILE))
+
+    def _version_dirs(self) -> list[str]:
+        infos = self.fs.get_file_info(pafs.FileSelector(self._path("versions"), allow_not_found=True))
+        names = [posixpath.basename(i.path) for i in infos if i.type == pafs.FileType.Directory]
+        return sorted((n for n in names if _VERSION.fullmatch(n)), key=lambda n: int(n[1:]))
+
+    def _path(self, *parts: str) -> str:
+        return posixpath.join(self.root, *parts)
+
+    def _exists(self, path: str) -> bool:
+        return self.fs.get_file_info(path).type == pafs.FileType.File
+
+    def _read(self, path: str) -> str:
+        with self.fs.open_input_stream(path) as f:
+            return f.read().decode()
+
+    def _write(self, path: str, text: str) -> None:
+        self.fs.create_dir(posixpath.dirname(path))
+        with self.fs.open_output_stream(path) as f:
+            f.write(text.encode())

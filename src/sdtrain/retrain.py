@@ -1,0 +1,148 @@
+"""Scheduled production retraining: new date partitions -> warm-started run -> compare -> maybe promote.
+
+Idempotent per schedule date: a date that already has a version is not trained again, and a
+run that died between writing its version and moving the production pointer is finished (the
+pointer moved) by the next run for that date, without training.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import math
+import re
+import subprocess
+from dataclasses import dataclass
+from typing import Optional
+
+import pyarrow.fs as pafs
+import torch
+
+from sdtrain import __version__
+from sdtrain.checkpoint import load_model
+from sdtrain.config import Config
+from sdtrain.dataset import iter_local_batches
+from sdtrain.errors import DataError
+from sdtrain.files import absolute, filesystem_for, uri_prefix
+from sdtrain.launch import dataset_spec, train
+from sdtrain.registry import ModelRegistry
+from sdtrain.validation import validation_loss
+
+_PARTITION = re.compile(r"date=(\d{4}-\d{2}-\d{2})")
+EVAL_BATCH_SIZE = 32
+
+
+@dataclass
+class RetrainOutcome:
+    status: str  # promoted | rejected | already-done | completed-promotion | no-new-data
+    version: Optional[str]
+    production: Optional[str]
+    message: str
+
+
+def retrain(config: Config, schedule_date: datetime.date) -> RetrainOutcome:
+    registry = ModelRegistry(config.retrain.models_root)
+    day = schedule_date.isoformat()
+    production = registry.production()
+
+    for version in reversed(registry.versions()):
+        manifest = registry.manifest(version)
+        if manifest["schedule_date"] != day:
+            continue
+        if manifest["promoted"] and production != version:
+            registry.set_production(version)
+            return RetrainOutcome("completed-promotion", version, version, f"{day}: finished promoting {version}, written before an interruption")
+        return RetrainOutcome("already-done", version, production, f"{day}: already retrained as {version} ({manifest['reason']}); nothing to do")
+
+    partitions = find_partitions(config.retrain.data_root, schedule_date)
+    seen = registry.manifest(production)["partitions_seen"] if production else []
+    new = [d for d in partitions if d not in seen]
+    if not new:
+        return RetrainOutcome("no-new-data", None, production, f"{day}: no partitions since {production or 'the start'}; nothing to train")
+    print(f"[sdtrain] retraining on {len(new)} new partition(s): {', '.join(new)}; production is {production or 'none yet'}", flush=True)
+
+    model = config.model
+    if production:  # warm start: the production weights, a fresh optimizer and the configured short warmup
+        model = dataclasses.replace(model, pretrained=registry.location(production), unet={})
+    run_config = dataclasses.replace(
+        config,
+        data=dataclasses.replace(config.data, train=[partitions[d] for d in new]),
+        model=model,
+        run=dataclasses.replace(config.run, name=f"{config.run.name}-{day}"),
+    )
+    summary = train(run_config)
+
+    unet, scheduler, _ = load_model(summary.checkpoint_path)
+    new_loss = heldout_loss(run_config, unet, scheduler)
+    production_loss = heldout_loss(run_config, *registry.load(production)) if production else None
+    promote, reason = _decide(new_loss, production_loss, production, config.retrain.tolerance)
+    version = registry.write_version(
+        unet,
+        scheduler,
+        {
+            "parent": production,
+            "schedule_date": day,
+            "partitions": new,
+            "partitions_seen": seen + new,
+            "steps": summary.final_step,
+            "checkpoint": summary.checkpoint_path,
+            "metrics": {
+                "val_loss": _finite_or_none(new_loss),
+                "production_val_loss": _finite_or_none(production_loss),
+                "train_loss": _finite_or_none(summary.final_loss),
+            },
+            "promoted": promote,
+            "reason": reason,
+            "config": run_config.to_dict(),
+            "code_version": {"sdtrain": __version__, "git": _git_commit()},
+            "created_at": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        },
+    )
+    if promote:
+        registry.set_production(version)
+        return RetrainOutcome("promoted", version, version, f"{day}: promoted {version}: {reason}")
+    return RetrainOutcome("rejected", version, production, f"{day}: kept {production} in production, {version} not promoted: {reason}")
+
+
+def find_partitions(data_root: str, up_to: datetime.date) -> dict[str, str]:
+    """{date: path} for the ``date=YYYY-MM-DD`` directories under ``data_root`` up to ``up_to``, in date order."""
+    fs, root = filesystem_for(absolute(data_root))
+    found = {}
+    for info in fs.get_file_info(pafs.FileSelector(root, allow_not_found=True)):
+        match = _PARTITION.fullmatch(info.base_name)
+        if info.type == pafs.FileType.Directory and match and match.group(1) <= up_to.isoformat():
+            found[match.group(1)] = uri_prefix(data_root) + info.path
+    if not found:
+        raise DataError(f"retrain.data_root: {data_root} holds no date=YYYY-MM-DD partitions up to {up_to}")
+    return dict(sorted(found.items()))
+
+
+def heldout_loss(config: Config, unet, scheduler) -> float:
+    """Validation loss on data.val at fixed timesteps and noise: comparable between any two models."""
+    spec = dataset_spec(config, "data.val", config.data.val, unet.config)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return validation_loss(unet.to(device), scheduler, iter_local_batches(spec, config.data, EVAL_BATCH_SIZE), seed=config.train.seed)
+
+
+def _decide(new_loss: float, production_loss: Optional[float], production: Optional[str], tolerance: float):
+    if not math.isfinite(new_loss):
+        return False, f"the new model's val_loss is {new_loss}: training diverged"
+    if production_loss is None:
+        return True, f"first version (val_loss {new_loss:.5f}); there is no production model to compare with"
+    limit = production_loss * (1 + tolerance)
+    verdict = "<=" if new_loss <= limit else ">"
+    reason = f"val_loss {new_loss:.5f} {verdict} {production}'s {production_loss:.5f} x (1 + {tolerance:g})"
+    return new_loss <= limit, reason
+
+
+def _finite_or_none(value: Optional[float]) -> Optional[float]:
+    """Manifests are strict JSON: a diverged loss is recorded as null (the reason says why)."""
+    return value if value is not None and math.isfinite(value) else None
+
+
+def _git_commit() -> Optional[str]:
+    try:
+        result = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
+    except OSError:
+        return None
+    return result.stdout.strip() or None if result.returncode == 0 else None

@@ -1,0 +1,100 @@
+"""Scheduled retraining on growing date partitions, with promotion through an atomic pointer (real Ray)."""
+
+import datetime
+import shutil
+
+import pytest
+import torch
+
+from sdtrain.config import load_config
+from sdtrain.demo_data import ensure_demo_data
+from sdtrain.registry import ModelRegistry
+from sdtrain.retrain import find_partitions, retrain
+
+DAY1, DAY2, DAY3 = (datetime.date(2026, 11, d) for d in (1, 2, 3))
+
+
+@pytest.fixture
+def partitions(tmp_path):
+    """Digits demo data split into three daily partitions, plus a fixed held-out set."""
+    demo = tmp_path / "demo"
+    ensure_demo_data(str(demo / "train"), str(demo / "val"), caption_dim=32)
+    root = tmp_path / "daily"
+    parts = sorted((demo / "train").glob("*.parquet"))
+    for day, files in ((DAY1, parts[:2]), (DAY2, parts[2:3]), (DAY3, parts[3:])):
+        (root / f"date={day}").mkdir(parents=True)
+        for f in files:
+            shutil.copy(f, root / f"date={day}" / f.name)
+    (root / "date=2026-12-31").mkdir()  # in the future for every run here: never taken
+    (root / "notes").mkdir()
+    return root, demo / "val"
+
+
+def _config(tmp_path, root, val, *overrides):
+    return load_config(
+        None,
+        [
+            f"retrain.data_root={root}", f"retrain.models_root={tmp_path}/models", "retrain.tolerance=0.05",
+            f"data.val={val}", "model.preset=tiny", "train.max_steps=12", "train.global_batch_size=16",
+            "train.lr=1e-3", "train.warmup_steps=2", "scaling.num_workers=1", f"run.storage_path={tmp_path}/runs",
+            "run.name=retrain", "run.checkpoint_every_n_steps=12", "run.log_every_n_steps=6", *overrides,
+        ],
+    )
+
+
+def test_partitions_up_to_the_schedule_date(partitions):
+    root, _ = partitions
+    assert list(find_partitions(str(root), DAY2)) == ["2026-11-01", "2026-11-02"]
+    assert find_partitions(str(root), DAY3)["2026-11-03"] == f"{root}/date=2026-11-03"
+
+
+@pytest.mark.timeout(600)
+def test_retrain_promotes_better_keeps_production_on_worse_and_is_idempotent(ray_cluster, tmp_path, partitions, monkeypatch):
+    root, val = partitions
+    registry = ModelRegistry(str(tmp_path / "models"))
+
+    first = retrain(_config(tmp_path, root, val), DAY1)
+    assert (first.status, first.version, registry.production()) == ("promoted", "v0001", "v0001")
+    manifest = registry.manifest("v0001")
+    assert manifest["parent"] is None and manifest["partitions"] == ["2026-11-01"] and manifest["steps"] == 12
+    assert manifest["config"]["run"]["name"] == "retrain-2026-11-01" and manifest["code_version"]["sdtrain"]
+
+    # A deliberately worse run (the learning rate blows the weights up): recorded, not promoted.
+    worse = retrain(_config(tmp_path, root, val, "train.lr=5.0"), DAY2)
+    assert (worse.status, worse.version, registry.production()) == ("rejected", "v0002", "v0001")
+    manifest = registry.manifest("v0002")
+    assert manifest["promoted"] is False and manifest["parent"] == "v0001" and manifest["partitions"] == ["2026-11-02"]
+    new_loss, production_loss = manifest["metrics"]["val_loss"], manifest["metrics"]["production_val_loss"]
+    if new_loss is None:  # diverged all the way to NaN
+        assert manifest["reason"] == "the new model's val_loss is nan: training diverged"
+    else:
+        assert new_loss > production_loss * 1.05 and "> v0001's" in manifest["reason"]
+    assert "kept v0001 in production" in worse.message
+
+    # The same date again trains nothing.
+    runs_before = sorted(p.name for p in (tmp_path / "runs").iterdir())
+    again = retrain(_config(tmp_path, root, val), DAY2)
+    assert again.status == "already-done" and registry.versions() == ["v0001", "v0002"]
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == runs_before
+
+    # A crash after the version is written but before the pointer moves leaves production intact...
+    def crash(self, version):
+        raise RuntimeError("simulated crash before the pointer update")
+
+    monkeypatch.setattr(ModelRegistry, "set_production", crash)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        retrain(_config(tmp_path, root, val), DAY3)
+    monkeypatch.undo()
+    assert registry.production() == "v0001" and registry.versions() == ["v0001", "v0002", "v0003"]
+    manifest = registry.manifest("v0003")
+    assert manifest["promoted"] is True and manifest["partitions"] == ["2026-11-02", "2026-11-03"]  # v0002's day too
+    unet, _ = registry.load(registry.production())  # readers still get a complete model
+    assert torch.isfinite(unet(torch.zeros(1, 4, 16, 16), 10, torch.zeros(1, 77, 32)).sample).all()
+
+    # ...and the next run for that date finishes the promotion without training again.
+    runs_before = sorted(p.name for p in (tmp_path / "runs").iterdir())
+    finished = retrain(_config(tmp_path, root, val), DAY3)
+    assert (finished.status, registry.production()) == ("completed-promotion", "v0003")
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == runs_before
+    for version in registry.versions():  # every version stays loadable
+        registry.load(version)
