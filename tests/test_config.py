@@ -109,3 +109,16 @@ def test_every_key_has_a_docstring_and_is_in_help_and_readme():
 def test_shipped_configs_load(name):
     config = load_config(REPO / "configs" / name)
     assert re.fullmatch(r"[a-z0-9-]+", config.run.name)
+
+
+def test_retrain_keys():
+    config = load_config(None, ["retrain.data_root=/d", "retrain.models_root=/m", "data.val=/v", "retrain.date=2026-11-22"])
+    assert config.retrain.date == "2026-11-22" and config.data.train == []  # retraining picks its own partitions
+    with pytest.raises(ConfigError, match=r"retrain\.date: must be a date YYYY-MM-DD, got '2026-13-01'"):
+        load_config(None, BASE + ["retrain.date=2026-13-01"])
+    with pytest.raises(ConfigError, match=r"retrain\.models_root: is required with the other retrain key"):
+        load_config(None, BASE + ["retrain.data_root=/d"])
+    with pytest.raises(ConfigError, match=r"data\.val: retraining needs a fixed held-out set"):
+        load_config(None, ["retrain.data_root=/d", "retrain.models_root=/m"])
+    with pytest.raises(ConfigError, match=r"retrain\.tolerance: must be >= 0"):
+        load_config(None, BASE + ["retrain.tolerance=-0.1"])

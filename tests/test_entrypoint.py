@@ -55,3 +55,18 @@ def test_demo_runs_end_to_end_and_the_loss_falls(tmp_path):
         losses = [float(row["loss"]) for row in csv.DictReader(f)]
     assert len(losses) == 4
     assert losses[-1] < 0.7 * losses[0], losses
+
+
+@pytest.mark.timeout(120)
+def test_retrain_entrypoint_checks_its_input_before_anything_runs(tmp_path):
+    retrain = [sys.executable, str(REPO / "entrypoints" / "retrain.py")]
+    env = {**os.environ, "RAY_ADDRESS": "local"}
+    result = subprocess.run(retrain + ["retrain.date=2026-13-01"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=100)
+    assert result.returncode == 2 and "error: retrain.date: must be a date YYYY-MM-DD, got '2026-13-01'" in result.stderr
+    result = subprocess.run(
+        retrain + [f"retrain.data_root={tmp_path}/none", f"retrain.models_root={tmp_path}/models", f"data.val={tmp_path}"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=100,
+    )
+    assert result.returncode == 2, result.stderr
+    assert f"error: retrain.data_root: {tmp_path}/none holds no date=YYYY-MM-DD partitions up to" in result.stderr
+    assert "Traceback" not in result.stderr

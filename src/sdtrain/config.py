@@ -269,7 +269,7 @@ def load_config(path: Optional[str | Path] = None, overrides: typing.Sequence[st
             raw = yaml.safe_load(path.read_text()) or {}
         except OSError as e:
             raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
-        except yaml.YAMLError as e:
+        except (yaml.YAMLError, ValueError) as e:  # ValueError: a date-shaped value that is no date
             raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
         if not isinstance(raw, dict):
             raise ConfigError(f"config file {path} must be a mapping of sections (data:, model:, ...)")
@@ -279,7 +279,7 @@ def load_config(path: Optional[str | Path] = None, overrides: typing.Sequence[st
             raise ConfigError(f"override {override!r} must look like key.sub=value, e.g. train.lr=3e-4")
         try:
             value = yaml.safe_load(text)
-        except yaml.YAMLError:
+        except (yaml.YAMLError, ValueError):
             value = text
         node = raw
         parts = key.split(".")
@@ -379,6 +379,8 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
     elif tp is str:
         if isinstance(value, str):
             return value
+        if isinstance(value, datetime.date):  # YAML reads 2026-11-22 as a date
+            return value.isoformat()
     else:  # pragma: no cover - a new annotation kind must be taught here
         raise TypeError(f"unsupported config annotation {tp!r} for {key}")
     raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r} ({type(value).__name__})")
