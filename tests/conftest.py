@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -10,6 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
 ENCODINGS = ("list", "fixed_size_list", "tensor")
 
 
@@ -62,3 +69,47 @@ def ray_cluster():
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=True)
     yield
     ray.shutdown()
+
+
+def free_ports(n: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(n)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+@pytest.fixture
+def s3_bucket(monkeypatch, tmp_path):
+    """A real S3-protocol server (moto's server mode) in its own process on loopback, with one
+    bucket; the standard AWS variables point pyarrow, Ray and boto3 at it."""
+    import boto3
+
+    (port,) = free_ports(1)
+    endpoint = f"http://127.0.0.1:{port}"
+    log = open(tmp_path / "moto.log", "w")
+    server = subprocess.Popen([str(BIN / "moto_server"), "-H", "127.0.0.1", "-p", str(port)], stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 30
+    while True:  # wait until it answers (readiness, not a race)
+        try:
+            urllib.request.urlopen(endpoint, timeout=1).close()
+            break
+        except OSError:
+            if server.poll() is not None or time.monotonic() > deadline:
+                server.kill()
+                pytest.fail("moto_server did not start: " + (tmp_path / "moto.log").read_text()[-2000:])
+            time.sleep(0.2)
+    for key, value in {
+        "AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true",
+    }.items():
+        monkeypatch.setenv(key, value)
+    boto3.client("s3").create_bucket(Bucket="sdtrain-test")
+    try:
+        yield "s3://sdtrain-test"
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+        log.close()

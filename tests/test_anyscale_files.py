@@ -38,6 +38,7 @@ def test_job_files_are_valid_and_consistent_with_their_config(name, entrypoint):
     assert job.image_uri.startswith("anyscale/ray:2.60.0-") and "-cu" in job.image_uri  # Ray 2.60, GPU
     assert job.max_retries >= 1 and job.timeout_s > 0
     assert job.working_dir == "."
+    assert job.py_modules == ["src/sdtrain"]  # the train and Ray Data workers import sdtrain
     assert {".git", ".venv", "runs", ".sdtrain-data"} <= set(job.excludes)
     (gpu_group,) = job.compute_config.worker_nodes
     assert config.scaling.use_gpu is True

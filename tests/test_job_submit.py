@@ -4,9 +4,7 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
-import sys
 import tempfile
 import time
 import urllib.request
@@ -14,25 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO
-
-BIN = Path(sys.executable).parent
-
-
-def _free_ports(n):
-    sockets = [socket.socket() for _ in range(n)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
+from conftest import BIN, REPO, free_ports
 
 
 @pytest.fixture
 def ray_head():
     """A head node on loopback with free ports, stopped by its own process id at the end."""
-    gcs, dashboard, client, agent_grpc, agent_http, runtime_env, metrics = _free_ports(7)
+    gcs, dashboard, client, agent_grpc, agent_http, runtime_env, metrics = free_ports(7)
     temp_dir = tempfile.mkdtemp(prefix="rh", dir="/tmp")  # short: Ray's socket paths have a length limit
     # Token auth is on by default in Ray 2.60; on a trusted loopback test cluster both sides turn it off.
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}

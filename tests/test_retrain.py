@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from sdtrain.config import load_config
+from sdtrain.errors import DataError
 from sdtrain.demo_data import ensure_demo_data
 from sdtrain.registry import ModelRegistry
 from sdtrain.retrain import find_partitions, retrain
@@ -98,3 +99,11 @@ def test_retrain_promotes_better_keeps_production_on_worse_and_is_idempotent(ray
     assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == runs_before
     for version in registry.versions():  # every version stays loadable
         registry.load(version)
+
+    # A run that fails (here: an unreadable file in the new partition) writes no version and
+    # leaves production alone, saying what is wrong.
+    (root / "date=2026-11-04").mkdir()
+    (root / "date=2026-11-04" / "part.parquet").write_bytes(b"not parquet")
+    with pytest.raises(DataError, match=r"data\.train: cannot read .*date=2026-11-04/part\.parquet as parquet"):
+        retrain(_config(tmp_path, root, val), datetime.date(2026, 11, 4))
+    assert registry.production() == "v0003" and registry.versions() == ["v0001", "v0002", "v0003"]

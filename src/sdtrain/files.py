@@ -5,6 +5,7 @@ from __future__ import annotations
 import fnmatch
 import glob
 import os
+import tempfile
 
 import pyarrow.fs as pafs
 
@@ -15,6 +16,26 @@ _GLOB_CHARS = "*?["
 
 def is_uri(path: str) -> bool:
     return "://" in path
+
+
+def uri_for(filesystem: pafs.FileSystem, path: str) -> str:
+    """The URI of ``path`` on ``filesystem`` (pyarrow and Ray hand back paths without a scheme)."""
+    if isinstance(filesystem, pafs.LocalFileSystem):
+        return path
+    return f"{filesystem.type_name}://{path}"
+
+
+def local_copy(uri: str) -> str:
+    """A local directory holding the directory at ``uri``, downloaded once per process and URI."""
+    if uri not in _LOCAL_COPIES:
+        fs, path = filesystem_for(uri)
+        local = tempfile.mkdtemp(prefix="sdtrain-")
+        pafs.copy_files(path, local, source_filesystem=fs)
+        _LOCAL_COPIES[uri] = local
+    return _LOCAL_COPIES[uri]
+
+
+_LOCAL_COPIES: dict[str, str] = {}
 
 
 def uri_prefix(path: str) -> str:

@@ -22,7 +22,7 @@ from sdtrain.dataset import build_dataset
 from sdtrain.dataspec import DatasetSpec, inspect_dataset
 from sdtrain.demo_data import ensure_demo_data
 from sdtrain.errors import ConfigError, TrainingFailed
-from sdtrain.files import absolute, resolve_parquet_files
+from sdtrain.files import absolute, resolve_parquet_files, uri_for
 from sdtrain.model import noise_scheduler_config, unet_config
 from sdtrain.outputs import read_history, write_run_outputs
 from sdtrain.worker import train_loop_per_worker
@@ -107,11 +107,11 @@ def train(config: Config) -> RunSummary:
     history = read_history(checkpoint)
     outputs = write_run_outputs(history, checkpoint.filesystem, result.path)
     return RunSummary(
-        run_dir=result.path,
-        checkpoint_path=checkpoint.path,
+        run_dir=uri_for(checkpoint.filesystem, result.path),
+        checkpoint_path=uri_for(checkpoint.filesystem, checkpoint.path),
         final_step=int(history[-1]["step"]),
         final_loss=history[-1]["loss"],
-        outputs=outputs,
+        outputs=[uri_for(checkpoint.filesystem, path) for path in outputs],
     )
 
 

@@ -11,6 +11,7 @@ from diffusers import DDPMScheduler, UNet2DConditionModel
 
 from sdtrain.config import ModelConfig
 from sdtrain.errors import ConfigError
+from sdtrain.files import is_uri, local_copy
 from sdtrain.presets import PRESETS
 
 
@@ -55,9 +56,12 @@ def json_safe(config: Any) -> Any:
 def _pretrained_location(pretrained: str, subfolder: str, required: bool = True):
     """(path, subfolder) for a diffusers model: a pipeline root with unet/ and scheduler/, or a bare model.
 
-    A local directory is inspected; anything else is taken to be a hub id with the usual
-    pipeline layout (only reachable on a cluster with network access).
+    A directory in object storage (s3://...) is downloaded first; a local directory is
+    inspected; anything else is taken to be a hub id with the usual pipeline layout (only
+    reachable on a cluster with network access).
     """
+    if is_uri(pretrained):
+        pretrained = local_copy(pretrained)
     root = Path(pretrained).expanduser()
     if root.is_dir():
         if (root / subfolder / "config.json").is_file() or (root / subfolder / "scheduler_config.json").is_file():
