@@ -47,9 +47,9 @@ def test_training_steps_update_weights_with_warmup():
     changed = [k for k, v in module.unet.state_dict().items() if not torch.equal(v, before[k])]
     assert len(changed) > 0.9 * len(before)
     assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(1e-3 * 3 / 10)
-    loss = module.take_mean_loss()
-    assert torch.isfinite(loss) and 0 < loss.item() < 10
-    assert module.take_mean_loss().item() == 0  # the window resets
+    stats = module.take_window_stats()
+    assert torch.isfinite(stats["loss"]) and 0 < stats["loss"].item() < 10 and stats["skipped_steps"].item() == 0
+    assert torch.isnan(module.take_window_stats()["loss"])  # the window resets: no steps, no loss
 
 
 def test_loss_is_noise_prediction_mse_under_the_sd_schedule():
@@ -125,3 +125,25 @@ def test_pretrained_directory_supplies_weights_and_schedule(tmp_path):
     bare = ModelConfig(preset="tiny", pretrained=str(tmp_path / "unet"))  # a bare UNet: the shipped schedule
     assert noise_scheduler_config(bare)["num_train_timesteps"] == 1000
     assert unet_config(bare)["block_out_channels"] == [32, 64]
+
+
+def test_a_non_finite_step_is_skipped_entirely_and_counted():
+    module = _module(lr=1e-3, warmup_steps=0)
+    good = _batches(3, seed=1)
+    poisoned = {"latents": good[1]["latents"].clone(), "captions": good[1]["captions"]}
+    poisoned["latents"][0, 0, 0, 0] = float("nan")
+    before = {k: v.clone() for k, v in module.unet.state_dict().items()}
+    trainer = _fit(module, 2, [poisoned, poisoned])
+    assert trainer.global_step == 2
+    for name, value in module.unet.state_dict().items():  # no update, not even weight decay
+        assert torch.equal(value, before[name]), name
+    (state,) = [trainer.optimizers[0].state[p] for p in list(module.unet.parameters())[:1]]
+    assert state["step"].item() == 0 and torch.count_nonzero(state["exp_avg"]) == 0  # optimizer state untouched
+    stats = module.take_window_stats()
+    assert stats["skipped_steps"].item() == 2 and stats["longest_bad_streak"].item() == 2 and torch.isnan(stats["loss"])
+
+    trainer = _fit(module, 2, [poisoned, good[0]])  # one bad step, then a good one that does update
+    stats = module.take_window_stats()
+    assert stats["skipped_steps"].item() == 1 and stats["longest_bad_streak"].item() == 3  # 2 + 1 consecutive, across windows
+    assert not torch.equal(module.unet.conv_in.weight, before["conv_in.weight"])
+    assert torch.isfinite(module.unet.conv_in.weight).all()

@@ -96,3 +96,29 @@ def test_cpu_workers_always_leave_ray_data_a_cpu(ray_cluster):
     assert _cpus_per_worker(ScalingConfig(num_workers=2), use_gpu=True) == 1.0
     with pytest.raises(ConfigError, match=r"scaling\.cpus_per_worker: 1 x 2 worker\(s\) reserves more than 1 of the cluster's 2 CPUs, leaving Ray Data no CPU"):
         _cpus_per_worker(ScalingConfig(num_workers=2, cpus_per_worker=1.0), use_gpu=False)
+
+
+@pytest.mark.timeout(300)
+def test_diverging_run_stops_with_a_clear_error(ray_cluster, tmp_path):
+    """Every row but the first is NaN: each step is skipped, and after max_bad_steps the run stops."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from conftest import column
+    from sdtrain.errors import TrainingFailed
+
+    latents = np.full((32, 4, 16, 16), np.nan, np.float32)
+    latents[0] = 0.0  # the pre-flight check reads the first row
+    captions = np.zeros((32, 77, 32), np.float32)
+    pq.write_table(pa.table({"image_latents_256": column(latents, "list"), "caption_latents": column(captions, "list")}), tmp_path / "nan.parquet")
+    config = load_config(None, [
+        f"data.train={tmp_path}/nan.parquet", "model.preset=tiny", "train.max_steps=20", "train.global_batch_size=8",
+        "train.max_bad_steps=3", "scaling.num_workers=1", f"run.storage_path={tmp_path}/runs", "run.name=nan",
+        "run.log_every_n_steps=4", "failure.max_failures=0",
+    ])
+    with pytest.raises(TrainingFailed) as failure:
+        train(config)
+    message = str(failure.value)
+    assert "4 consecutive optimizer steps up to step 4 had NaN/inf gradients and were skipped (train.max_bad_steps=3)" in message
+    assert "no checkpoint was written" in message

@@ -22,6 +22,7 @@ import torch
 
 from sdtrain.checkpoint import CHECKPOINT_FILE, HISTORY_FILE, checkpoint_dir_name
 from sdtrain.config import RunConfig
+from sdtrain.errors import NonFiniteTraining
 from sdtrain.validation import validation_loss
 
 log = logging.getLogger("sdtrain")
@@ -35,6 +36,7 @@ class StepReporter(pl.Callback):
         run: RunConfig,
         max_steps: int,
         samples_per_step: int,
+        max_bad_steps: int,
         history: list[dict[str, float]],
         val_batches: Optional[ValBatches] = None,
         val_seed: int = 0,
@@ -44,6 +46,7 @@ class StepReporter(pl.Callback):
         self.run = run
         self.max_steps = max_steps
         self.samples_per_step = samples_per_step
+        self.max_bad_steps = max_bad_steps
         self.val_batches = val_batches
         self.val_seed = val_seed
         self.val_every = run.val_every_n_steps or run.checkpoint_every_n_steps
@@ -103,7 +106,16 @@ class StepReporter(pl.Callback):
         self._reported_step = step
 
     def _metrics(self, trainer: pl.Trainer, pl_module, step: int) -> dict[str, float]:
-        loss = trainer.strategy.reduce(pl_module.take_mean_loss(), reduce_op="mean")
+        stats = pl_module.take_window_stats()
+        loss = trainer.strategy.reduce(stats["loss"], reduce_op="mean")
+        # Gradients are all-reduced, so every rank skipped the same steps: rank-local counts agree.
+        skipped, streak = int(stats["skipped_steps"]), int(stats["longest_bad_streak"])
+        if streak >= self.max_bad_steps:
+            raise NonFiniteTraining(
+                f"{streak} consecutive optimizer steps up to step {step} had NaN/inf gradients and were "
+                f"skipped (train.max_bad_steps={self.max_bad_steps}): training has diverged. Lower train.lr "
+                "or check the data; the weights were not updated by those steps"
+            )
         start_step, start_time = self._window
         now = time.perf_counter()
         steps_per_s = (step - start_step) / max(now - start_time, 1e-9)
@@ -112,6 +124,7 @@ class StepReporter(pl.Callback):
             "step": step,
             "epoch": trainer.current_epoch,
             "loss": float(loss),
+            "skipped_steps": skipped,
             "lr": trainer.optimizers[0].param_groups[0]["lr"],
             "samples_per_s": steps_per_s * self.samples_per_step,
             "steps_per_s": steps_per_s,
@@ -124,6 +137,7 @@ def _progress_line(metrics: dict[str, float], max_steps: int) -> str:
     parts = [
         f"step {step}/{max_steps} ({100 * step / max_steps:.0f}%)",
         f"loss {metrics['loss']:.4f}",
+        *([f"skipped {metrics['skipped_steps']} non-finite step(s)"] if metrics["skipped_steps"] else []),
         *([f"val_loss {metrics['val_loss']:.4f}"] if "val_loss" in metrics else []),
         f"lr {metrics['lr']:.2e}",
         f"{metrics['samples_per_s']:.1f} samples/s",

@@ -104,9 +104,11 @@ class TrainConfig(_Section):
     """Lightning precision; auto = bf16-mixed on GPU (16-mixed where bf16 is unsupported), 32-true on CPU."""
     seed: int = 0
     """Seed for weight init, noise and timesteps (each worker offsets it by its rank)."""
+    max_bad_steps: int = 20
+    """Stop the run after this many consecutive steps skipped for a NaN/inf gradient (checked at each log step)."""
 
     def __post_init__(self):
-        for key in ("max_steps", "global_batch_size"):
+        for key in ("max_steps", "global_batch_size", "max_bad_steps"):
             if getattr(self, key) <= 0:
                 self._fail(key, f"must be > 0, got {getattr(self, key)}")
         if not self.lr > 0:

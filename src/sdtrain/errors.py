@@ -15,3 +15,7 @@ class DataError(SdtrainError):
 
 class TrainingFailed(SdtrainError):
     """The run failed after Ray Train's retries; the message says where its last checkpoint is."""
+
+
+class NonFiniteTraining(SdtrainError):
+    """Too many consecutive optimizer steps had NaN/inf gradients: training has diverged."""

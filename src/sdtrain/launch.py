@@ -21,7 +21,7 @@ from sdtrain.config import Config, ScalingConfig
 from sdtrain.dataset import build_dataset
 from sdtrain.dataspec import DatasetSpec, inspect_dataset
 from sdtrain.demo_data import ensure_demo_data
-from sdtrain.errors import ConfigError, TrainingFailed
+from sdtrain.errors import ConfigError, SdtrainError, TrainingFailed
 from sdtrain.files import absolute, resolve_parquet_files, uri_for
 from sdtrain.model import noise_scheduler_config, unet_config
 from sdtrain.outputs import read_history, write_run_outputs
@@ -197,4 +197,15 @@ def _failure_message(error: Exception, run_dir: str) -> str:
         latest = None
     where = f"the latest checkpoint is {latest.path}" if latest else "no checkpoint was written"
     rerun = "re-running the same command resumes from it" if latest else "re-running starts from scratch"
-    return f"training failed: {error}\n{where}; after fixing the cause, {rerun} (run directory: {run_dir})"
+    return f"training failed: {_cause(error)}\n{where}; after fixing the cause, {rerun} (run directory: {run_dir})"
+
+
+def _cause(error: Exception) -> str:
+    """Our own one-paragraph message when a worker raised one; Ray's full report otherwise."""
+    failures = getattr(error, "worker_failures", {}) or {}
+    ours = [e for e in failures.values() if isinstance(e, SdtrainError)]
+    if ours:
+        return str(ours[0])
+    causes = [getattr(e, "__cause__", None) for e in failures.values()]
+    ours = [c for c in causes if isinstance(c, SdtrainError)]
+    return str(ours[0]) if ours else str(error)

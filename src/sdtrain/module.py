@@ -34,6 +34,9 @@ class DiffusionModule(pl.LightningModule):
         # Summed on the device and read only when a log line is due: no per-step host sync.
         self.register_buffer("loss_sum", torch.zeros(()), persistent=False)
         self.register_buffer("loss_count", torch.zeros(()), persistent=False)
+        self.register_buffer("skipped_steps", torch.zeros(()), persistent=False)
+        self.register_buffer("bad_streak", torch.zeros(()), persistent=False)
+        self.register_buffer("longest_bad_streak", torch.zeros(()), persistent=False)
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         latents = batch["latents"].float()
@@ -45,20 +48,44 @@ class DiffusionModule(pl.LightningModule):
         noisy = self.noise_scheduler.add_noise(latents, noise, timesteps)
         prediction = self.unet(noisy, timesteps, encoder_hidden_states=captions).sample
         loss = F.mse_loss(prediction.float(), noise)
-        self.loss_sum += loss.detach()
-        self.loss_count += 1
+        finite = torch.isfinite(loss.detach())
+        self.loss_sum += torch.where(finite, loss.detach(), 0.0)
+        self.loss_count += finite
         return loss
 
-    def take_mean_loss(self) -> torch.Tensor:
-        """Mean training loss since the last call (on the device), and reset the window."""
-        mean = self.loss_sum / self.loss_count.clamp(min=1)
-        self.loss_sum.zero_()
-        self.loss_count.zero_()
-        return mean
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Skip the update if any gradient is NaN/inf: on the device, with no host sync.
+
+        DDP has all-reduced the gradients by now, so one rank's NaN is every rank's NaN and all
+        ranks skip together without a collective of their own. The fused AdamW kernel leaves
+        weights and optimizer state untouched when ``found_inf`` is set (GradScaler's mechanism).
+        """
+        grads = [p.grad for p in self.unet.parameters() if p.grad is not None]
+        bad = (~torch.isfinite(torch.stack(torch._foreach_norm(grads))).all()).float()
+        optimizer.found_inf = bad
+        self.skipped_steps += bad
+        self.bad_streak.mul_(bad).add_(bad)
+        torch.maximum(self.longest_bad_streak, self.bad_streak, out=self.longest_bad_streak)
+
+    def take_window_stats(self) -> dict[str, torch.Tensor]:
+        """Mean finite training loss, skipped steps and the longest run of consecutive skipped
+        steps since the last call (tensors on the device), and reset the window."""
+        stats = {
+            "loss": torch.where(self.loss_count > 0, self.loss_sum / self.loss_count.clamp(min=1), float("nan")),
+            "skipped_steps": self.skipped_steps.clone(),
+            "longest_bad_streak": self.longest_bad_streak.clone(),
+        }
+        for buffer in (self.loss_sum, self.loss_count, self.skipped_steps):
+            buffer.zero_()
+        self.longest_bad_streak.copy_(self.bad_streak)
+        return stats
 
     def configure_optimizers(self):
         optimizer = torch.optim.AdamW(
-            self.unet.parameters(), lr=self.train_config.lr, weight_decay=self.train_config.weight_decay
+            self.unet.parameters(),
+            lr=self.train_config.lr,
+            weight_decay=self.train_config.weight_decay,
+            fused=True,  # one kernel; and it honours found_inf (see on_before_optimizer_step)
         )
         scheduler = get_constant_schedule_with_warmup(optimizer, num_warmup_steps=self.train_config.warmup_steps)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

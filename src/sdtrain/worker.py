@@ -86,6 +86,7 @@ def _fit(config: Config, module, use_gpu, batch_size, val_shard, history, ckpt_p
         config.run,
         max_steps=config.train.max_steps,
         samples_per_step=config.train.global_batch_size,
+        max_bad_steps=config.train.max_bad_steps,
         history=history,
         val_batches=val_batches,
         val_seed=config.train.seed,
