@@ -122,3 +122,59 @@ def test_diverging_run_stops_with_a_clear_error(ray_cluster, tmp_path):
     message = str(failure.value)
     assert "4 consecutive optimizer steps up to step 4 had NaN/inf gradients and were skipped (train.max_bad_steps=3)" in message
     assert "no checkpoint was written" in message
+
+
+@pytest.mark.timeout(400)
+def test_a_killed_worker_is_restarted_and_the_run_ends_exactly_at_max_steps(ray_cluster, tmp_path):
+    """SIGKILL (no polite exception) of a training worker once the first checkpoint is committed,
+    with 20 steps still to go (tiny steps take well under a second: far fewer would finish first)."""
+    import os
+    import signal
+    import threading
+    import time
+
+    import psutil
+
+    write_latents(tmp_path / "train/a.parquet", rows=64, encoding="list", seed=4)
+    run_dir = tmp_path / "runs" / "killed"
+    config = load_config(None, [
+        f"data.train={tmp_path}/train", "model.preset=tiny", "train.max_steps=24", "train.global_batch_size=8",
+        "scaling.num_workers=2", f"run.storage_path={tmp_path}/runs", "run.name=killed",
+        "run.checkpoint_every_n_steps=4", "run.log_every_n_steps=2", "run.num_to_keep=null", "failure.max_failures=2",
+    ])
+    killed = []
+
+    def committed_checkpoints():
+        # Ray Train's own record of committed checkpoints: files on disk alone may be a checkpoint
+        # still being reported, which a restart rightly ignores.
+        try:
+            snapshot = json.loads((run_dir / "checkpoint_manager_snapshot.json").read_text())
+        except (OSError, ValueError):
+            return []
+        return [c["checkpoint_dir_name"] for c in snapshot["checkpoint_results"]]
+
+    def kill_a_worker_after_the_first_checkpoint():
+        deadline = time.monotonic() + 240
+        while not committed_checkpoints():
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.2)
+        for process in psutil.process_iter(["pid", "cmdline"]):
+            if "RayTrainWorker" in " ".join(process.info["cmdline"] or []):
+                os.kill(process.info["pid"], signal.SIGKILL)
+                killed.append(process.info["pid"])
+                return
+
+    killer = threading.Thread(target=kill_a_worker_after_the_first_checkpoint)
+    killer.start()
+    summary = train(config)
+    killer.join()
+
+    assert killed, "no RayTrainWorker process was found to kill"
+    assert not psutil.pid_exists(killed[0])
+    assert summary.final_step == 24
+    history = json.loads((run_dir / "checkpoint_000000024" / HISTORY_FILE).read_text())
+    # Steps after the checkpoint the restart resumed from were dropped with the state they described.
+    assert [row["step"] for row in history] == list(range(2, 25, 2))
+    restarted = [row for row in history if row["start_step"] > 0]
+    assert restarted and restarted[0]["start_step"] % 4 == 0 and restarted[0]["step"] == restarted[0]["start_step"] + 2

@@ -58,7 +58,7 @@ class StepReporter(pl.Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._window = (trainer.global_step, time.perf_counter())
-        self._reported_step = self._seen_step = trainer.global_step
+        self._reported_step = self._seen_step = self._start_step = trainer.global_step
         if trainer.is_global_zero and trainer.global_step:
             log.info("resumed from step %d", trainer.global_step)
 
@@ -122,6 +122,7 @@ class StepReporter(pl.Callback):
         self._window = (step, now)
         return {
             "step": step,
+            "start_step": self._start_step,  # where this worker group started: restarts show here
             "epoch": trainer.current_epoch,
             "loss": float(loss),
             "skipped_steps": skipped,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import lightning.pytorch as pl
+import numpy as np
 import torch
 import torch.nn.functional as F
 from diffusers import UNet2DConditionModel
@@ -38,13 +39,25 @@ class DiffusionModule(pl.LightningModule):
         self.register_buffer("bad_streak", torch.zeros(()), persistent=False)
         self.register_buffer("longest_bad_streak", torch.zeros(()), persistent=False)
 
+    def noise_and_timesteps(self, latents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This step's noise and timesteps, a pure function of (seed, rank, global step).
+
+        Nothing random carries over from earlier steps, so a run resumed from a checkpoint draws
+        exactly what the uninterrupted run would have drawn at the same step.
+        """
+        key = np.random.SeedSequence([self.train_config.seed, self.global_rank, self.global_step])
+        generator = torch.Generator(device=latents.device)
+        generator.manual_seed(int(key.generate_state(1, np.uint64)[0]))
+        noise = torch.randn(latents.shape, generator=generator, device=latents.device, dtype=latents.dtype)
+        timesteps = torch.randint(
+            0, self.noise_scheduler.config.num_train_timesteps, (latents.shape[0],), generator=generator, device=latents.device
+        )
+        return noise, timesteps
+
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         latents = batch["latents"].float()
         captions = batch["captions"].float()
-        noise = torch.randn_like(latents)
-        timesteps = torch.randint(
-            0, self.noise_scheduler.config.num_train_timesteps, (latents.shape[0],), device=latents.device
-        )
+        noise, timesteps = self.noise_and_timesteps(latents)
         noisy = self.noise_scheduler.add_noise(latents, noise, timesteps)
         prediction = self.unet(noisy, timesteps, encoder_hidden_states=captions).sample
         loss = F.mse_loss(prediction.float(), noise)
