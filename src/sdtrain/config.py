@@ -103,7 +103,7 @@ class TrainConfig(_Section):
     precision: Literal["auto", "bf16-mixed", "16-mixed", "32-true"] = "auto"
     """Lightning precision; auto = bf16-mixed on GPU (16-mixed where bf16 is unsupported), 32-true on CPU."""
     seed: int = 0
-    """Seed for weight init, noise and timesteps (each worker offsets it by its rank)."""
+    """Seed for weight init, and with rank and step for each step's noise and timesteps; also the validation noise."""
     max_bad_steps: int = 20
     """Stop the run after this many consecutive steps skipped for a NaN/inf gradient (checked at each log step)."""
 

@@ -59,10 +59,10 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     if rank == 0:
         log.info("world size %d, %d samples per worker per step", world_size, batch_size)
 
-    # Same weights on every rank (DDP also broadcasts rank 0's); different noise per rank.
+    # Same initial weights on every rank (DDP also broadcasts rank 0's). Per-step noise is
+    # seeded by (seed, rank, step) in the module, not by this global seed.
     pl.seed_everything(config.train.seed, verbose=False)
     unet = build_unet(config.model)
-    pl.seed_everything(config.train.seed + rank, verbose=False)
     module = DiffusionModule(unet, loop_config["noise_scheduler_config"], config.train, loop_config["checkpoint_meta"])
 
     val_shard = ray.train.get_dataset_shard("val") if config.data.val else None
