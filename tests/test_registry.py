@@ -47,4 +47,14 @@ def test_registry_on_local_disk(tmp_path):
 
 @pytest.mark.timeout(120)
 def test_registry_on_s3(s3_bucket):
+    import boto3
+
     _exercise(f"{s3_bucket}/models")
+    # What landed in the bucket: the pointer object, and complete versions (manifest included).
+    s3 = boto3.client("s3")
+    pointer = s3.get_object(Bucket="sdtrain-test", Key="models/production.json")["Body"].read()
+    assert json.loads(pointer) == {"version": "v0001"}
+    keys = {o["Key"] for o in s3.list_objects_v2(Bucket="sdtrain-test", Prefix="models/")["Contents"]}
+    for version in ("v0001", "v0002"):
+        assert {f"models/versions/{version}/manifest.json", f"models/versions/{version}/unet/config.json"} <= keys
+    assert not [k for k in keys if k.endswith(".tmp")]  # the staged pointer was moved, not left behind

@@ -202,10 +202,8 @@ def _failure_message(error: Exception, run_dir: str) -> str:
 
 def _cause(error: Exception) -> str:
     """Our own one-paragraph message when a worker raised one; Ray's full report otherwise."""
-    failures = getattr(error, "worker_failures", {}) or {}
-    ours = [e for e in failures.values() if isinstance(e, SdtrainError)]
-    if ours:
-        return str(ours[0])
-    causes = [getattr(e, "__cause__", None) for e in failures.values()]
-    ours = [c for c in causes if isinstance(c, SdtrainError)]
-    return str(ours[0]) if ours else str(error)
+    for failure in (getattr(error, "worker_failures", None) or {}).values():
+        for candidate in (failure, failure.__cause__):
+            if isinstance(candidate, SdtrainError):
+                return str(candidate)
+    return str(error)
