@@ -1,0 +1,78 @@
+"""The sample order: exactly once per epoch across restarts and world-size changes (pure logic, no Ray)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from sdtrain.sampling import DataState, SamplePlan
+
+
+def consumed(plan: SamplePlan, state: DataState, world_size: int, rows_per_step: int, steps: int) -> list[np.ndarray]:
+    """Sample indices each rank reads in the next ``steps`` steps."""
+    return [
+        np.concatenate([
+            plan.sample_indices(plan.window(stretch, i))
+            for stretch in stretches
+            for i in range(stretch.num_windows(plan.window_rows))
+        ])
+        for stretches in plan.rank_stretches(state, world_size, rows_per_step, steps)
+    ]
+
+
+def test_one_epoch_reads_every_row_once_shuffled():
+    plan = SamplePlan((100, 60, 40), seed=3, chunk_rows=8, window_rows=32)
+    global_batch = 40
+    ranks = consumed(plan, DataState(), 2, global_batch // 2, 200 // global_batch)
+    seen = np.concatenate(ranks)
+    assert sorted(seen) == list(range(200))
+    assert not np.array_equal(seen, np.arange(200))  # shuffled
+    assert plan.advance(DataState(), 2, 20, 5) == DataState(1, ())
+    # The next epoch is a different order of the same rows.
+    again = np.concatenate(consumed(plan, DataState(1), 2, 20, 5))
+    assert sorted(again) == list(range(200)) and not np.array_equal(again, seen)
+
+
+@pytest.mark.parametrize("sizes", [(2, 2), (2, 4, 1), (4, 2, 3), (1, 3)])
+def test_interrupted_epoch_reads_the_same_rows_once_at_any_world_size(sizes):
+    plan = SamplePlan((70, 50, 90, 30), seed=0, chunk_rows=7, window_rows=20)
+    global_batch = 24  # divides over 1..4 ranks
+    steps_per_epoch = 240 // global_batch
+    state, seen, done = DataState(), [], 0
+    cuts = np.linspace(0, steps_per_epoch, len(sizes) + 1).astype(int)
+    for world_size, (a, b) in zip(sizes, zip(cuts[:-1], cuts[1:])):
+        seen += consumed(plan, state, world_size, global_batch // world_size, b - a)
+        state = plan.advance(state, world_size, global_batch // world_size, b - a)
+        done += b - a
+    seen = np.concatenate(seen)
+    assert len(seen) == steps_per_epoch * global_batch == 240
+    assert sorted(seen) == list(range(240))
+    assert state == DataState(1, ())
+
+
+def test_a_restart_at_the_same_world_size_reads_what_an_uninterrupted_run_reads():
+    plan = SamplePlan((45, 51), seed=2, chunk_rows=6, window_rows=10)
+    straight = consumed(plan, DataState(), 2, 8, 12)  # one epoch and then some: crosses into epoch 1
+    state, pieces = DataState(), [[], []]
+    for steps in (3, 2, 7):  # cuts inside windows and at the epoch boundary
+        for rank, ids in enumerate(consumed(plan, state, 2, 8, steps)):
+            pieces[rank].append(ids)
+        state = plan.advance(state, 2, 8, steps)
+    assert all(np.array_equal(np.concatenate(p), s) for p, s in zip(pieces, straight))
+    assert state == plan.advance(DataState(), 2, 8, 12)
+
+
+def test_segment_state_replays_to_the_rows_not_yet_read():
+    plan = SamplePlan((50, 50), seed=1, chunk_rows=5, window_rows=16)
+    first = np.concatenate(consumed(plan, DataState(), 2, 6, 3))
+    state = plan.advance(DataState(), 2, 6, 3)
+    assert state == DataState(0, ((2, 18),))
+    left = plan.remaining(state)
+    left_ids = np.concatenate([np.arange(plan.file_offsets[f] + a, plan.file_offsets[f] + b) for f, a, b in left])
+    assert sorted(np.concatenate([first, left_ids])) == list(range(100))
+
+
+def test_too_small_dataset_is_an_error():
+    plan = SamplePlan((10,), seed=0, chunk_rows=4, window_rows=8)
+    with pytest.raises(ValueError, match="10 rows cannot fill one step of 8 rows on each of 2 ranks"):
+        plan.rank_stretches(DataState(), 2, 8, 1)
