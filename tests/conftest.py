@@ -44,6 +44,7 @@ def write_latents(
     image_column: str = "image_latents_256",
     caption_column: str = "caption_latents",
     seed: int = 0,
+    row_group_size: int | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Write a parquet file of random latents and captions; return what was written."""
     rng = np.random.default_rng(seed)
@@ -57,7 +58,7 @@ def write_latents(
             caption_column: column(captions, encoding),
         }
     )
-    pq.write_table(table, path)
+    pq.write_table(table, path, row_group_size=row_group_size)
     return latents, captions
 
 
@@ -113,3 +114,32 @@ def s3_bucket(monkeypatch, tmp_path):
         server.terminate()
         server.wait(timeout=30)
         log.close()
+
+
+@pytest.fixture
+def run_attempts(monkeypatch):
+    """How many worker-group attempts Ray Train recorded for the latest run of a given name (Ray
+    Train's own state actor, on for trainers made while this fixture is active: what its failure
+    policy did, not what our logs say)."""
+    import ray
+    from ray.train.v2._internal.state.state_actor import get_state_actor
+
+    monkeypatch.setenv("RAY_TRAIN_ENABLE_STATE_TRACKING", "1")
+
+    def attempts(run_name: str) -> int:
+        actor = get_state_actor()
+        runs = [run for run in ray.get(actor.get_train_runs.remote()).values() if run.name == run_name]
+        latest = max(runs, key=lambda run: run.start_time_ns)
+        return len(ray.get(actor.get_train_run_attempts.remote())[latest.id])
+
+    return attempts
+
+
+def corrupt_row_group(path: Path, row_group: int) -> None:
+    """Overwrite the first column's pages of ``row_group`` with noise: the footer and the other
+    row groups stay readable, as with a file damaged in storage."""
+    column = pq.ParquetFile(path).metadata.row_group(row_group).column(0)
+    data = bytearray(path.read_bytes())
+    start, size = column.data_page_offset, column.total_compressed_size
+    data[start : start + size] = np.random.default_rng(5).integers(0, 256, size, dtype=np.uint8).tobytes()
+    path.write_bytes(bytes(data))

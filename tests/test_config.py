@@ -76,8 +76,15 @@ def test_round_trip_through_dict():
         (["data.train=[a,b]", "data.demo=true"], r"data\.demo: needs data\.train .* single directory"),
         (
             BASE + ["train.global_batch_size=12", "scaling.num_workers=[2,5]"],
-            r"train\.global_batch_size: 12 does not divide evenly over \[5\] worker\(s\)",
+            r"train\.global_batch_size: 12 does not divide evenly over 5 worker\(s\), which scaling\.num_workers=\[2, 5\] allows",
         ),
+        (
+            BASE + ["train.global_batch_size=48", "train.micro_batch_size=12", "scaling.num_workers=[2,4]"],
+            r"train\.micro_batch_size: 12 does not divide the 16 samples each of 3 worker\(s\) takes per step",
+        ),
+        (BASE + ["train.micro_batch_size=0"], r"train\.micro_batch_size: must be > 0 or null, got 0"),
+        (BASE + ["data.shuffle_window_rows=0"], r"data\.shuffle_window_rows: must be >= 1, got 0"),
+        (BASE + ["data.on_read_error=ignore"], r"data\.on_read_error: .*ignore"),
         (BASE + ["train"], r"override 'train' must look like key\.sub=value"),
         (BASE + ["train.lr.x=1"], r"train\.lr\.x: lr is a value, not a section|train\.lr: unknown|train\.lr: expected"),
     ],
@@ -122,3 +129,11 @@ def test_retrain_keys():
         load_config(None, ["retrain.data_root=/d", "retrain.models_root=/m"])
     with pytest.raises(ConfigError, match=r"retrain\.tolerance: must be >= 0"):
         load_config(None, BASE + ["retrain.tolerance=-0.1"])
+
+
+def test_batch_layout_keeps_the_global_batch_at_every_world_size():
+    config = load_config(None, BASE + ["train.global_batch_size=48", "scaling.num_workers=[2,4]"])
+    assert [config.batch_layout(n) for n in (2, 3, 4)] == [(4, 6), (4, 4), (4, 3)]
+    config = load_config(None, BASE + ["train.global_batch_size=48", "train.micro_batch_size=8", "scaling.num_workers=[2,3]"])
+    assert [config.batch_layout(n) for n in (2, 3)] == [(8, 3), (8, 2)]
+    assert all(n * micro * accumulation == 48 for n, (micro, accumulation) in zip((2, 3), [config.batch_layout(2), config.batch_layout(3)]))

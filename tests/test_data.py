@@ -152,3 +152,44 @@ def test_demo_dataset_is_learnable_shape_and_written_once(tmp_path):
     for label, caption in zip(table.column("label").to_pylist(), table.column("caption_latents").to_pylist()):
         assert captions.setdefault(label, caption) == caption
     assert len({tuple(c[:8]) for c in captions.values()}) == len(captions)
+
+
+def test_start_fresh_sets_the_old_run_aside_without_deleting_it(tmp_path):
+    from sdtrain.files import set_aside
+
+    run_dir = tmp_path / "runs" / "demo"
+    (run_dir / "checkpoint_000000010").mkdir(parents=True)
+    (run_dir / "checkpoint_000000010" / "checkpoint.ckpt").write_bytes(b"weights")
+    moved = set_aside(str(run_dir))
+    assert moved is not None and moved.startswith(f"{run_dir}.replaced-")
+    assert not run_dir.exists()
+    assert (tmp_path / "runs" / moved.split("/")[-1] / "checkpoint_000000010" / "checkpoint.ckpt").read_bytes() == b"weights"
+    assert set_aside(str(run_dir)) is None  # nothing there: nothing to do
+
+
+def test_a_window_reads_the_planned_rows_in_the_planned_order(tmp_path):
+    """The read task (no Ray): rows come from the right files and row groups, in the plan's order."""
+    from sdtrain.config import DataConfig
+    from sdtrain.dataset import WindowReader
+    from sdtrain.dataspec import inspect_dataset
+    from sdtrain.sampling import DataState, SamplePlan
+
+    written = [write_latents(tmp_path / "a.parquet", rows=30, seed=1, row_group_size=8),
+               write_latents(tmp_path / "b.parquet", rows=20, seed=2, row_group_size=8)]
+    latents = np.concatenate([w[0] for w in written])
+    spec = inspect_dataset([str(tmp_path / "a.parquet"), str(tmp_path / "b.parquet")], "data.train",
+                           "image_latents_256", "caption_latents", 4, 32)
+    plan = SamplePlan(spec.rows_per_file, seed=0, chunk_rows=5, window_rows=12)
+    reader = WindowReader(spec, DataConfig(train=["x"]), plan)
+    (stretch,) = plan.rank_stretches(DataState(), 1, 10, 5)[0]
+    seen = []
+    for index in range(stretch.num_windows(plan.window_rows)):
+        window = plan.window(stretch, index)
+        block = reader.read(window)
+        ids = block.column("sample_index").to_numpy()
+        assert np.array_equal(ids, plan.sample_indices(window))
+        read = block.column("latents").combine_chunks().to_numpy_ndarray()
+        assert read.shape == (len(ids), 4, 16, 16) and np.array_equal(read, latents[ids])
+        assert block.column("valid").to_numpy(zero_copy_only=False).all()
+        seen.append(ids)
+    assert sorted(np.concatenate(seen)) == list(range(50))

@@ -70,3 +70,46 @@ def test_retrain_entrypoint_checks_its_input_before_anything_runs(tmp_path):
     assert result.returncode == 2, result.stderr
     assert f"error: retrain.data_root: {tmp_path}/none holds no date=YYYY-MM-DD partitions up to" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.timeout(600)
+def test_a_killed_driver_is_resumed_by_rerunning_the_same_command(tmp_path):
+    """SIGKILL of the driver and the local Ray it started (as when a job's head node dies), once
+    a checkpoint is committed; the same command again resumes from it and ends at max_steps."""
+    import json
+    import signal
+    import time
+
+    import psutil
+
+    args = ["train.max_steps=60", "run.log_every_n_steps=10", "run.checkpoint_every_n_steps=10", "run.num_to_keep=null"]
+    env = {**os.environ, "RAY_ADDRESS": "local"}
+    driver = subprocess.Popen(TRAIN + args, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    snapshot = tmp_path / "runs" / "demo" / "checkpoint_manager_snapshot.json"
+    deadline = time.monotonic() + 400
+    while time.monotonic() < deadline and driver.poll() is None:
+        try:
+            if json.loads(snapshot.read_text())["checkpoint_results"]:
+                break
+        except (OSError, ValueError, KeyError):
+            pass
+        time.sleep(0.2)
+    assert driver.poll() is None, "the run ended before a checkpoint could be waited for"
+    started = [driver.pid] + [child.pid for child in psutil.Process(driver.pid).children(recursive=True)]
+    for pid in started:  # the driver and the Ray it started, by their ids
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    driver.wait(timeout=30)
+    committed = [c["checkpoint_dir_name"] for c in json.loads(snapshot.read_text())["checkpoint_results"]]
+    assert committed and "checkpoint_000000060" not in committed
+
+    result = _run(args, tmp_path, timeout=400)
+    assert result.returncode == 0, result.stderr[-3000:]
+    resumed_from = int(committed[-1].split("_")[1])
+    assert f"resumed from step {resumed_from}" in result.stdout + result.stderr
+    history = json.loads((tmp_path / "runs" / "demo" / "checkpoint_000000060" / "history.json").read_text())
+    assert [row["step"] for row in history] == list(range(10, 61, 10))
+    assert [row["start_step"] for row in history if row["step"] > resumed_from] == [resumed_from] * ((60 - resumed_from) // 10)
+    assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE for pid in started)

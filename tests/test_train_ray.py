@@ -1,16 +1,19 @@
 """The whole job on a real local Ray cluster: 2 workers, checkpoints, reload from a checkpoint, resume."""
 
 import csv
+import dataclasses
 import json
 
+import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
 
-from conftest import write_latents
-from sdtrain.checkpoint import CHECKPOINT_FILE, HISTORY_FILE, load_model
+from conftest import corrupt_row_group, write_latents
+from sdtrain.checkpoint import CHECKPOINT_FILE, DATA_STATE_FILE, HISTORY_FILE, SAMPLES_FILE, load_model, read_checkpoint
 from sdtrain.config import load_config
 from sdtrain.decode import decode_batch
+from sdtrain.errors import TrainingFailed
 from sdtrain.launch import train
 from sdtrain.validation import validation_loss
 
@@ -57,7 +60,7 @@ def test_two_worker_run_checkpoints_reloads_and_resumes(ray_cluster, tmp_path):
     assert summary.checkpoint_path == str(run_dir / "checkpoint_000000006")
     assert _checkpoints(run_dir) == ["checkpoint_000000003", "checkpoint_000000006"]
     for name in _checkpoints(run_dir):
-        assert sorted(p.name for p in (run_dir / name).iterdir()) == [CHECKPOINT_FILE, HISTORY_FILE]
+        assert sorted(p.name for p in (run_dir / name).iterdir()) == [CHECKPOINT_FILE, DATA_STATE_FILE, HISTORY_FILE]
     with open(run_dir / "metrics.csv") as f:
         rows = list(csv.DictReader(f))
     assert [int(r["step"]) for r in rows] == [2, 3, 4, 6]  # a row per report: logs at 2, 4, 6; checkpoint at 3
@@ -74,10 +77,15 @@ def test_two_worker_run_checkpoints_reloads_and_resumes(ray_cluster, tmp_path):
     batches = [{k: torch.from_numpy(v[i : i + 4]) for k, v in val.items()} for i in range(0, 12, 4)]
     assert validation_loss(unet, scheduler, batches, seed=0) == pytest.approx(float(rows[-1]["val_loss"]), rel=1e-5)
 
+    # A checkpoint directory whose write was interrupted (never committed by Ray Train) is
+    # ignored, even though its step is the highest on disk.
+    (run_dir / "checkpoint_000000099").mkdir()
+    (run_dir / "checkpoint_000000099" / CHECKPOINT_FILE).write_bytes(b"truncated")
+
     # Same name and storage: the run resumes from step 6 with its optimizer and LR schedule.
     summary = train(_config(tmp_path, max_steps=9))
     assert summary.final_step == 9
-    assert _checkpoints(run_dir) == ["checkpoint_000000003", "checkpoint_000000006", "checkpoint_000000009"]
+    assert _checkpoints(run_dir) == ["checkpoint_000000003", "checkpoint_000000006", "checkpoint_000000009", "checkpoint_000000099"]
     history = json.loads((run_dir / "checkpoint_000000009" / HISTORY_FILE).read_text())
     assert [row["step"] for row in history] == [2, 3, 4, 6, 8, 9]
     assert history[4]["lr"] == pytest.approx(LR * 8 / WARMUP)  # warmup continued, not restarted
@@ -99,14 +107,12 @@ def test_cpu_workers_always_leave_ray_data_a_cpu(ray_cluster):
 
 
 @pytest.mark.timeout(300)
-def test_diverging_run_stops_with_a_clear_error(ray_cluster, tmp_path):
+def test_diverging_run_stops_with_a_clear_error(ray_cluster, tmp_path, run_attempts):
     """Every row but the first is NaN: each step is skipped, and after max_bad_steps the run stops."""
-    import numpy as np
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     from conftest import column
-    from sdtrain.errors import TrainingFailed
 
     latents = np.full((32, 4, 16, 16), np.nan, np.float32)
     latents[0] = 0.0  # the pre-flight check reads the first row
@@ -115,17 +121,18 @@ def test_diverging_run_stops_with_a_clear_error(ray_cluster, tmp_path):
     config = load_config(None, [
         f"data.train={tmp_path}/nan.parquet", "model.preset=tiny", "train.max_steps=20", "train.global_batch_size=8",
         "train.max_bad_steps=3", "scaling.num_workers=1", f"run.storage_path={tmp_path}/runs", "run.name=nan",
-        "run.log_every_n_steps=4", "failure.max_failures=0",
+        "run.log_every_n_steps=4", "failure.max_failures=2",
     ])
     with pytest.raises(TrainingFailed) as failure:
         train(config)
+    assert run_attempts("nan") == 1  # retries would diverge the same way: none are spent
     message = str(failure.value)
     assert "4 consecutive optimizer steps up to step 4 had NaN/inf gradients and were skipped (train.max_bad_steps=3)" in message
     assert "no checkpoint was written" in message
 
 
 @pytest.mark.timeout(400)
-def test_a_killed_worker_is_restarted_and_the_run_ends_exactly_at_max_steps(ray_cluster, tmp_path):
+def test_a_killed_worker_is_restarted_and_the_run_ends_exactly_at_max_steps(ray_cluster, tmp_path, run_attempts):
     """SIGKILL (no polite exception) of a training worker once the first checkpoint is committed,
     with 20 steps still to go (tiny steps take well under a second: far fewer would finish first)."""
     import os
@@ -162,7 +169,7 @@ def test_a_killed_worker_is_restarted_and_the_run_ends_exactly_at_max_steps(ray_
         for process in psutil.process_iter(["pid", "cmdline"]):
             if "RayTrainWorker" in " ".join(process.info["cmdline"] or []):
                 os.kill(process.info["pid"], signal.SIGKILL)
-                killed.append(process.info["pid"])
+                killed.append((process.info["pid"], time.time()))
                 return
 
     killer = threading.Thread(target=kill_a_worker_after_the_first_checkpoint)
@@ -171,10 +178,89 @@ def test_a_killed_worker_is_restarted_and_the_run_ends_exactly_at_max_steps(ray_
     killer.join()
 
     assert killed, "no RayTrainWorker process was found to kill"
-    assert not psutil.pid_exists(killed[0])
+    pid, killed_at = killed[0]
+    assert not psutil.pid_exists(pid)
+    assert run_attempts("killed") == 2
     assert summary.final_step == 24
     history = json.loads((run_dir / "checkpoint_000000024" / HISTORY_FILE).read_text())
     # Steps after the checkpoint the restart resumed from were dropped with the state they described.
     assert [row["step"] for row in history] == list(range(2, 25, 2))
     restarted = [row for row in history if row["start_step"] > 0]
     assert restarted and restarted[0]["start_step"] % 4 == 0 and restarted[0]["step"] == restarted[0]["start_step"] + 2
+    # The README's restart cost: kill to the first progress report after the restart (2 steps in).
+    print(f"restart cost: {restarted[0]['time'] - killed_at:.1f} s from SIGKILL to step {restarted[0]['step']}")
+
+
+def _ids_config(tmp_path, name, max_steps, workers, *extra):
+    return load_config(None, [
+        f"data.train={tmp_path}/train", "model.preset=tiny", f"train.max_steps={max_steps}",
+        "train.global_batch_size=8", "train.micro_batch_size=2", f"scaling.num_workers={workers}",
+        "data.shuffle_chunk_rows=5", "data.shuffle_window_rows=12", f"run.storage_path={tmp_path}/runs",
+        f"run.name={name}", "run.checkpoint_every_n_steps=3", "run.log_every_n_steps=3", "run.num_to_keep=null",
+        "run.record_samples=true", *extra,
+    ])
+
+
+def _trained_ids(run_dir):
+    return np.concatenate([np.load(run_dir / name / SAMPLES_FILE).ravel() for name in _checkpoints(run_dir)])
+
+
+@pytest.mark.timeout(900)
+def test_every_sample_once_per_epoch_across_restarts_and_world_sizes_and_bitwise_resume(ray_cluster, tmp_path):
+    """96 rows, 8 per step: one epoch = 12 steps. Micro-batches of 2: 2 workers accumulate 2, one accumulates 4.
+
+    A: 12 steps straight on 2 workers. B: 6 steps, stop, resume to 12 on 2 workers.
+    C: 5 steps on 2 workers (stopping inside a shuffle window), resume to 12 on 1 worker.
+    """
+    write_latents(tmp_path / "train/a.parquet", rows=40, seed=1, row_group_size=8)
+    write_latents(tmp_path / "train/b.parquet", rows=56, seed=2, row_group_size=8)
+    every_row = list(range(96))
+
+    train(_ids_config(tmp_path, "a", 12, 2))
+    straight = _trained_ids(tmp_path / "runs/a")
+    assert sorted(straight) == every_row
+    assert not np.array_equal(straight, every_row)  # shuffled
+
+    train(_ids_config(tmp_path, "b", 6, 2))
+    summary = train(_ids_config(tmp_path, "b", 12, 2))
+    assert summary.final_step == 12
+    resumed = _trained_ids(tmp_path / "runs/b")
+    assert np.array_equal(resumed, straight)  # the same rows in the same order
+    weights_a = read_checkpoint(str(tmp_path / "runs/a/checkpoint_000000012"))["state_dict"]
+    weights_b = read_checkpoint(str(tmp_path / "runs/b/checkpoint_000000012"))["state_dict"]
+    assert weights_a.keys() == weights_b.keys()
+    assert all(torch.equal(weights_a[k], weights_b[k]) for k in weights_a)  # bitwise
+
+    train(_ids_config(tmp_path, "c", 5, 2))
+    assert json.loads((tmp_path / "runs/c/checkpoint_000000005" / DATA_STATE_FILE).read_text()) == {
+        "step": 5, "data": {"epoch": 0, "segments": [[2, 20]]}
+    }
+    train(_ids_config(tmp_path, "c", 12, 1))
+    assert sorted(_trained_ids(tmp_path / "runs/c")) == every_row
+    assert json.loads((tmp_path / "runs/c/checkpoint_000000012" / DATA_STATE_FILE).read_text())["data"] == {
+        "epoch": 1, "segments": []
+    }
+
+
+@pytest.mark.timeout(300)
+def test_an_unreadable_file_fails_the_run_at_once_naming_it(ray_cluster, tmp_path, run_attempts):
+    write_latents(tmp_path / "train/good.parquet", rows=32, seed=1)
+    write_latents(tmp_path / "train/bad.parquet", rows=32, seed=2, row_group_size=16)
+    corrupt_row_group(tmp_path / "train/bad.parquet", 1)  # the first row, read before the run, is fine
+    config = load_config(None, [
+        f"data.train={tmp_path}/train", "model.preset=tiny", "train.max_steps=8", "train.global_batch_size=8",
+        "scaling.num_workers=1", f"run.storage_path={tmp_path}/runs", "run.name=corrupt", "failure.max_failures=3",
+    ])
+    with pytest.raises(TrainingFailed) as failure:
+        train(config)
+    assert run_attempts("corrupt") == 1  # a damaged file stays damaged: no restart is spent on it
+    message = str(failure.value)
+    assert f"data.train: {tmp_path}/train/bad.parquet: rows " in message
+    assert "cannot be read" in message and "data.on_read_error=skip" in message
+
+    summary = train(dataclasses.replace(
+        config, data=dataclasses.replace(config.data, on_read_error="skip"), run=dataclasses.replace(config.run, name="skip")
+    ))
+    assert summary.final_step == 8
+    history = json.loads((tmp_path / "runs/skip/checkpoint_000000008" / HISTORY_FILE).read_text())
+    assert sum(row["skipped_samples"] for row in history) == 16  # the damaged row group, each row once

@@ -17,15 +17,19 @@ import time
 from typing import Callable, Iterable, Optional
 
 import lightning.pytorch as pl
+import numpy as np
 import ray.train
 import torch
 
-from sdtrain.checkpoint import CHECKPOINT_FILE, HISTORY_FILE, checkpoint_dir_name
+from sdtrain.checkpoint import CHECKPOINT_FILE, DATA_STATE_FILE, HISTORY_FILE, SAMPLES_FILE, checkpoint_dir_name
 from sdtrain.config import RunConfig
 from sdtrain.errors import NonFiniteTraining
+from sdtrain.sampling import DataState
 from sdtrain.validation import validation_loss
 
 log = logging.getLogger("sdtrain")
+
+_UPLOAD_MODES = {"async": ray.train.CheckpointUploadMode.ASYNC, "sync": ray.train.CheckpointUploadMode.SYNC}
 
 ValBatches = Callable[[], Iterable[dict[str, torch.Tensor]]]
 
@@ -38,15 +42,18 @@ class StepReporter(pl.Callback):
         samples_per_step: int,
         max_bad_steps: int,
         history: list[dict[str, float]],
+        data_position: Callable[[int], DataState],
         val_batches: Optional[ValBatches] = None,
         val_seed: int = 0,
     ):
         """``history`` holds the rows of the checkpoint being resumed from ([] for a fresh run);
+        ``data_position(step)`` is the data state after that step, saved with its checkpoint;
         ``val_batches`` yields the validation set on rank 0 (None: no validation)."""
         self.run = run
         self.max_steps = max_steps
         self.samples_per_step = samples_per_step
         self.max_bad_steps = max_bad_steps
+        self.data_position = data_position
         self.val_batches = val_batches
         self.val_seed = val_seed
         self.val_every = run.val_every_n_steps or run.checkpoint_every_n_steps
@@ -55,6 +62,7 @@ class StepReporter(pl.Callback):
         self.history = list(history)
         self._seen_step = -1
         self._reported_step = -1
+        self._checkpoint_stall = 0.0
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._window = (trainer.global_step, time.perf_counter())
@@ -89,20 +97,36 @@ class StepReporter(pl.Callback):
         if not with_checkpoint:
             ray.train.report(metrics)
         else:
+            started = time.perf_counter()
             directory = tempfile.mkdtemp(prefix=f"sdtrain-{name}-") if trainer.is_global_zero else ""
+            if pl_module.sample_record is not None:
+                # Collective: every rank trained on as many rows; rank 0 saves them all.
+                record = trainer.strategy.all_gather(pl_module.take_sample_record().to(pl_module.device))
+                if trainer.is_global_zero:
+                    np.save(os.path.join(directory, SAMPLES_FILE), record.cpu().numpy())
             # Collective: every rank builds the state, rank 0 writes it.
             trainer.save_checkpoint(os.path.join(directory, CHECKPOINT_FILE), weights_only=False)
             if trainer.is_global_zero:
                 with open(os.path.join(directory, HISTORY_FILE), "w") as f:
                     json.dump(self.history, f)
+                with open(os.path.join(directory, DATA_STATE_FILE), "w") as f:
+                    json.dump({"step": step, "data": self.data_position(step).to_dict()}, f)
             checkpoint = ray.train.Checkpoint.from_directory(directory) if trainer.is_global_zero else None
             try:
+                # Ray Train uploads (in the background when async), commits the checkpoint once it is
+                # fully in storage, prunes older ones only after that, and deletes the local copy.
                 ray.train.report(
-                    metrics, checkpoint=checkpoint, checkpoint_dir_name=name, delete_local_checkpoint_after_upload=True
+                    metrics,
+                    checkpoint=checkpoint,
+                    checkpoint_dir_name=name,
+                    checkpoint_upload_mode=_UPLOAD_MODES[self.run.checkpoint_upload],
+                    delete_local_checkpoint_after_upload=True,
                 )
-            finally:
-                if directory and os.path.isdir(directory):
+            except BaseException:
+                if directory:
                     shutil.rmtree(directory, ignore_errors=True)
+                raise
+            self._checkpoint_stall = time.perf_counter() - started
         self._reported_step = step
 
     def _metrics(self, trainer: pl.Trainer, pl_module, step: int) -> dict[str, float]:
@@ -110,6 +134,8 @@ class StepReporter(pl.Callback):
         loss = trainer.strategy.reduce(stats["loss"], reduce_op="mean")
         # Gradients are all-reduced, so every rank skipped the same steps: rank-local counts agree.
         skipped, streak = int(stats["skipped_steps"]), int(stats["longest_bad_streak"])
+        # Rows differ per rank: sum them (the same collective the loss mean already costs).
+        skipped_samples = int(trainer.strategy.reduce(stats["skipped_samples"], reduce_op="sum"))
         if streak >= self.max_bad_steps:
             raise NonFiniteTraining(
                 f"{streak} consecutive optimizer steps up to step {step} had NaN/inf gradients and were "
@@ -123,12 +149,16 @@ class StepReporter(pl.Callback):
         return {
             "step": step,
             "start_step": self._start_step,  # where this worker group started: restarts show here
-            "epoch": trainer.current_epoch,
+            "epoch": self.data_position(step).epoch,  # the data epoch the next step reads from
             "loss": float(loss),
             "skipped_steps": skipped,
+            "skipped_samples": skipped_samples,
             "lr": trainer.optimizers[0].param_groups[0]["lr"],
             "samples_per_s": steps_per_s * self.samples_per_step,
             "steps_per_s": steps_per_s,
+            "time": time.time(),  # wall clock: restarts show as gaps
+            # Seconds the training loop waited on the latest checkpoint (save, and upload when sync).
+            "checkpoint_stall_s": self._checkpoint_stall,
         }
 
 
@@ -139,6 +169,7 @@ def _progress_line(metrics: dict[str, float], max_steps: int) -> str:
         f"step {step}/{max_steps} ({100 * step / max_steps:.0f}%)",
         f"loss {metrics['loss']:.4f}",
         *([f"skipped {metrics['skipped_steps']} non-finite step(s)"] if metrics["skipped_steps"] else []),
+        *([f"skipped {metrics['skipped_samples']} unreadable sample(s)"] if metrics["skipped_samples"] else []),
         *([f"val_loss {metrics['val_loss']:.4f}"] if "val_loss" in metrics else []),
         f"lr {metrics['lr']:.2e}",
         f"{metrics['samples_per_s']:.1f} samples/s",

@@ -3,7 +3,8 @@
 A checkpoint is a directory ``checkpoint_<step>/`` holding ``checkpoint.ckpt``: Lightning's
 full training state (weights, optimizer, LR scheduler, loop progress) plus, under the
 ``sdtrain`` key, the UNet and noise-scheduler configs, the data shapes and the run config;
-and ``history.json``, the metric rows reported up to that step. Only plain data and tensors are stored, so loading never unpickles code
+``history.json``, the metric rows reported up to that step; and ``data_state.json``, the data
+position to resume from. Only plain data and tensors are stored, so loading never unpickles code
 (``torch.load(weights_only=True)``).
 """
 
@@ -24,6 +25,10 @@ from sdtrain.module import CHECKPOINT_META_KEY
 CHECKPOINT_FILE = "checkpoint.ckpt"
 # The metric rows reported up to the checkpoint's step: the run's curve, readable without the weights.
 HISTORY_FILE = "history.json"
+# The step and the data position after it (sdtrain.sampling.DataState): where the data stream resumes.
+DATA_STATE_FILE = "data_state.json"
+# With run.record_samples: (world size, rows) sample indices trained on since the previous checkpoint.
+SAMPLES_FILE = "samples.npy"
 
 
 def checkpoint_dir_name(step: int) -> str:

@@ -12,6 +12,7 @@ import dataclasses
 import datetime
 import difflib
 import inspect
+import math
 import re
 import textwrap
 import typing
@@ -51,10 +52,19 @@ class DataConfig(_Section):
     """Generate the digits demo dataset into data.train / data.val (one directory each) if they are empty."""
     prefetch_batches: int = 2
     """Batches each worker fetches ahead of the one being trained on."""
+    shuffle_chunk_rows: int = 64
+    """Each epoch reads the training files as a seeded shuffle of chunks of this many consecutive rows of a file."""
+    shuffle_window_rows: int = 512
+    """Each worker reads its chunks in windows of this many rows (one Ray Data block) and shuffles rows within a window."""
+    on_read_error: Literal["fail", "skip"] = "fail"
+    """A training file that cannot be read mid-run: fail stops the run at once naming the file (no retries); skip leaves its rows out of the loss and counts them (metric skipped_samples)."""
 
     def __post_init__(self):
         if self.demo and (len(self.train) != 1 or len(self.val) > 1):
             self._fail("demo", "needs data.train (and data.val, if set) to be a single directory each")
+        for key in ("shuffle_chunk_rows", "shuffle_window_rows"):
+            if getattr(self, key) < 1:
+                self._fail(key, f"must be >= 1, got {getattr(self, key)}")
         if self.prefetch_batches < 0:
             self._fail("prefetch_batches", f"must be >= 0, got {self.prefetch_batches}")
         for key in ("image_column", "caption_column"):
@@ -91,7 +101,9 @@ class TrainConfig(_Section):
     max_steps: int = 550_000
     """Optimizer steps to train for; the run ends exactly here, across restarts."""
     global_batch_size: int = 32
-    """Samples per optimizer step across all workers; each worker takes global_batch_size / world size."""
+    """Samples per optimizer step across all workers, at every world size: world size x train.micro_batch_size x gradient accumulation."""
+    micro_batch_size: Optional[int] = None
+    """Samples per worker per forward/backward pass; gradients accumulate until global_batch_size. null = the largest size that divides the per-worker batch at every allowed world size."""
     lr: float = 1e-4
     """AdamW peak learning rate, reached after train.warmup_steps and then held."""
     warmup_steps: int = 10_000
@@ -111,6 +123,8 @@ class TrainConfig(_Section):
         for key in ("max_steps", "global_batch_size", "max_bad_steps"):
             if getattr(self, key) <= 0:
                 self._fail(key, f"must be > 0, got {getattr(self, key)}")
+        if self.micro_batch_size is not None and self.micro_batch_size <= 0:
+            self._fail("micro_batch_size", f"must be > 0 or null, got {self.micro_batch_size}")
         if not self.lr > 0:
             self._fail("lr", f"must be > 0, got {self.lr}")
         for key in ("warmup_steps", "weight_decay", "grad_clip_norm"):
@@ -163,6 +177,12 @@ class RunConfig(_Section):
     """Log a progress line and report metrics every this many steps."""
     val_every_n_steps: Optional[int] = None
     """Compute the validation loss on data.val every this many steps; null = at every checkpoint."""
+    checkpoint_upload: Literal["async", "sync"] = "async"
+    """async: training goes on while Ray Train uploads a checkpoint to run.storage_path (committed, and older ones pruned, once it is all there); sync: wait for the upload. The wait shows in the metric checkpoint_stall_s."""
+    record_samples: bool = False
+    """Save into each checkpoint, as samples.npy, the sample index (row number in data.train's files, in order) of every row trained on since the previous checkpoint, all ranks: an exact record of what the model saw."""
+    start_fresh: bool = False
+    """Start from step 0 even if run.storage_path/run.name holds a run; the old run is kept, renamed to <name>.replaced-<UTC time>. For one-off command lines, not a retried job (each retry would start over)."""
 
     def __post_init__(self):
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", self.name):
@@ -230,13 +250,27 @@ class Config:
             raise ConfigError("data.train: is required: give a parquet file, directory, glob or list of them")
         if self.retrain.data_root is not None and not self.data.val:
             raise ConfigError("data.val: retraining needs a fixed held-out set to compare the new and production models on")
-        batch = self.train.global_batch_size
-        bad = [n for n in range(self.scaling.min_workers, self.scaling.max_workers + 1) if batch % n]
-        if bad:
+        for world_size in range(self.scaling.min_workers, self.scaling.max_workers + 1):
+            self.batch_layout(world_size)
+
+    def batch_layout(self, world_size: int) -> tuple[int, int]:
+        """(micro-batch size, gradient accumulation steps) that make train.global_batch_size at ``world_size``."""
+        batch, micro = self.train.global_batch_size, self.train.micro_batch_size
+        allowed = range(self.scaling.min_workers, self.scaling.max_workers + 1)
+        if batch % world_size:
             raise ConfigError(
-                f"train.global_batch_size: {batch} does not divide evenly over {bad} worker(s), which "
+                f"train.global_batch_size: {batch} does not divide evenly over {world_size} worker(s), which "
                 f"scaling.num_workers={self.scaling.num_workers} allows; pick a multiple of every allowed world size"
             )
+        if micro is None:
+            micro = math.gcd(*(batch // n for n in allowed if batch % n == 0))
+        per_worker = batch // world_size
+        if per_worker % micro:
+            raise ConfigError(
+                f"train.micro_batch_size: {micro} does not divide the {per_worker} samples each of {world_size} "
+                f"worker(s) takes per step (train.global_batch_size={batch}); use a divisor of it, or null"
+            )
+        return micro, per_worker // micro
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "Config":

@@ -1,34 +1,134 @@
-"""The Ray Data pipeline: parquet files -> decoded latent/caption tensors, streamed."""
+"""The Ray Data pipelines: parquet files -> decoded latent/caption tensors, streamed.
+
+Training data is read per rank in the order :mod:`sdtrain.sampling` plans (one Ray Data
+block per window); validation data is read in file order.
+"""
 
 from __future__ import annotations
 
+import logging
+from dataclasses import dataclass
 from typing import Iterator
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import ray.data
 import torch
+from ray.data.extensions import ArrowTensorArray
 
 from sdtrain.config import DataConfig
 from sdtrain.dataspec import DatasetSpec
-from sdtrain.decode import decode_batch
+from sdtrain.decode import decode_batch, to_array
+from sdtrain.errors import DataError
 from sdtrain.files import filesystem_for
+from sdtrain.sampling import SamplePlan, Stretch, Window, window_sample_indices
+
+log = logging.getLogger("sdtrain")
 
 
-def build_dataset(spec: DatasetSpec, data: DataConfig, preserve_order: bool = False) -> ray.data.Dataset:
-    """A lazy, streaming dataset of ``latents`` (N,C,H,W) and ``captions`` (N,L,D) rows.
+@dataclass(frozen=True)
+class WindowReader:
+    """Reads one window of training rows: its spans' rows, decoded, in the window's shuffled order.
+
+    Besides ``latents`` and ``captions`` a block carries ``sample_index`` (which rows these are:
+    the resume check and audits use it) and ``valid`` (False for rows of an unreadable file
+    skipped under ``data.on_read_error=skip``; the loss leaves them out).
+    """
+
+    spec: DatasetSpec
+    data: DataConfig
+    plan: SamplePlan
+
+    def read(self, window: Window) -> pa.Table:
+        files: dict[int, pq.ParquetFile] = {}
+        row_groups: dict[tuple[int, int], pa.Table] = {}  # chunks of a window often share row groups
+        latents, captions, valid = [], [], []
+        for file_index, start, stop in window.spans:
+            try:
+                batch = self._read_span(files, row_groups, int(file_index), int(start), int(stop))
+                latents.append(batch["latents"])
+                captions.append(batch["captions"])
+                valid.append(np.ones(stop - start, bool))
+            except (OSError, pa.ArrowException, DataError) as error:
+                file = self.spec.files[file_index]
+                if self.data.on_read_error == "fail":
+                    raise DataError(
+                        f"data.train: {file}: rows {start}-{stop - 1} cannot be read ({error}). The file is damaged "
+                        "or changed since the run started: replace or remove it and re-run (the run resumes from "
+                        "its latest checkpoint), or set data.on_read_error=skip to train on without those rows"
+                    ) from None
+                log.warning("skipping rows %d-%d of %s: %s", start, stop - 1, file, error)
+                latents.append(np.zeros((stop - start, *self.spec.latent_shape), np.float16))
+                captions.append(np.zeros((stop - start, *self.spec.caption_shape), np.float16))
+                valid.append(np.zeros(stop - start, bool))
+        order = window.order()
+        dtype = np.result_type(*latents)  # skipped rows must not widen a float16 dataset
+        return pa.table(
+            {
+                "latents": ArrowTensorArray.from_numpy(np.concatenate(latents).astype(dtype, copy=False)[order]),
+                "captions": ArrowTensorArray.from_numpy(np.concatenate(captions).astype(dtype, copy=False)[order]),
+                "sample_index": window_sample_indices(window.spans, self.plan.file_offsets)[order],
+                "valid": np.concatenate(valid)[order],
+            }
+        )
+
+    def _read_span(self, files, row_groups, file_index: int, start: int, stop: int) -> dict:
+        if file_index not in files:
+            fs, path = filesystem_for(self.spec.files[file_index])
+            files[file_index] = pq.ParquetFile(fs.open_input_file(path))
+        parquet = files[file_index]
+        meta = parquet.metadata
+        offsets = np.cumsum([0] + [meta.row_group(i).num_rows for i in range(meta.num_row_groups)])
+        first = int(np.searchsorted(offsets, start, side="right")) - 1
+        last = int(np.searchsorted(offsets, stop, side="left"))
+        columns = [self.data.image_column, self.data.caption_column]
+        for group in range(first, last):
+            if (file_index, group) not in row_groups:
+                row_groups[file_index, group] = parquet.read_row_group(group, columns=columns)
+        table = pa.concat_tables([row_groups[file_index, group] for group in range(first, last)])
+        table = table.slice(start - int(offsets[first]), stop - start)
+        return {
+            "latents": to_array(table.column(self.data.image_column), self.spec.latent_shape, self.data.image_column),
+            "captions": to_array(
+                table.column(self.data.caption_column), self.spec.caption_shape, self.data.caption_column
+            ),
+        }
+
+
+def rank_dataset(reader: WindowReader, stretches: list[Stretch]) -> ray.data.Dataset:
+    """One rank's training stream: its windows in order, each read by one Ray Data task."""
+    window_rows = reader.plan.window_rows
+    counts = [stretch.num_windows(window_rows) for stretch in stretches]
+    dataset = ray.data.range(sum(counts), override_num_blocks=sum(counts))
+    # The stream's order is the plan's order: what makes resumption exact.
+    dataset.context.execution_options.preserve_order = True
+    return dataset.map_batches(
+        _read_windows,
+        batch_size=1,
+        fn_kwargs=dict(reader=reader, stretches=stretches, first_index=np.cumsum([0] + counts)),
+    )
+
+
+def _read_windows(batch: dict[str, np.ndarray], reader: WindowReader, stretches, first_index) -> pa.Table:
+    (position,) = batch["id"]
+    which = int(np.searchsorted(first_index, position, side="right")) - 1
+    window = reader.plan.window(stretches[which], int(position - first_index[which]))
+    return reader.read(window)
+
+
+def file_order_dataset(spec: DatasetSpec, data: DataConfig) -> ray.data.Dataset:
+    """A lazy, streaming dataset of ``latents`` (N,C,H,W) and ``captions`` (N,L,D) rows, in file order.
 
     Only the two configured columns are read (plus the file path, so a bad row can name its
-    file). ``preserve_order`` makes the row order the file order, for validation that must
-    see the same samples in the same order every time.
+    file). The order is the file order, so validation sees the same samples every time.
     """
     dataset = ray.data.read_parquet(
         list(spec.files),
         columns=[data.image_column, data.caption_column],
         include_paths=True,
     )
-    if preserve_order:
-        dataset.context.execution_options.preserve_order = True
+    dataset.context.execution_options.preserve_order = True
     return dataset.map_batches(
         decode_batch,
         batch_format="pyarrow",

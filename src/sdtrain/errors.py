@@ -19,3 +19,21 @@ class TrainingFailed(SdtrainError):
 
 class NonFiniteTraining(SdtrainError):
     """Too many consecutive optimizer steps had NaN/inf gradients: training has diverged."""
+
+
+def find_sdtrain_error(error: BaseException) -> "SdtrainError | None":
+    """Our own error inside ``error``, however Ray wrapped it (task errors, worker failures of a
+    Ray Train run, a controller failure, exception chains); None if there is none."""
+    seen: set[int] = set()
+    pending = [error]
+    while pending:
+        current = pending.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        cause = getattr(current, "cause", None)  # RayTaskError: the exception the task raised
+        if isinstance(current, SdtrainError) and not isinstance(cause, BaseException):
+            return current
+        pending.extend([cause, current.__cause__, current.__context__, getattr(current, "controller_failure", None)])
+        pending.extend((getattr(current, "worker_failures", None) or {}).values())
+    return None

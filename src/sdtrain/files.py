@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import datetime
 import fnmatch
 import glob
 import os
 import tempfile
+from typing import Optional
 
 import pyarrow.fs as pafs
 
@@ -97,3 +99,19 @@ def filesystem_for(path: str) -> tuple[pafs.FileSystem, str]:
     if is_uri(path):
         return pafs.FileSystem.from_uri(path)
     return pafs.LocalFileSystem(), os.path.abspath(os.path.expanduser(path))
+
+
+def set_aside(path: str) -> Optional[str]:
+    """Rename the directory at ``path`` (local or URI) to ``<path>.replaced-<UTC time>``; return
+    the new location, or None if nothing is there. Object stores have no rename: copy, then delete."""
+    fs, fs_path = filesystem_for(path)
+    if fs.get_file_info(fs_path).type == pafs.FileType.NotFound:
+        return None
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    target = f"{fs_path.rstrip('/')}.replaced-{stamp}"
+    if isinstance(fs, pafs.LocalFileSystem):
+        fs.move(fs_path, target)
+    else:
+        pafs.copy_files(fs_path, target, source_filesystem=fs, destination_filesystem=fs)
+        fs.delete_dir(fs_path)
+    return uri_prefix(path) + target

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import posixpath
 from dataclasses import dataclass
 from typing import Mapping, Optional
@@ -18,13 +17,16 @@ from ray.train.torch import TorchTrainer
 
 from sdtrain import __version__
 from sdtrain.config import Config, ScalingConfig
-from sdtrain.dataset import build_dataset
+from sdtrain.dataset import WindowReader, file_order_dataset
 from sdtrain.dataspec import DatasetSpec, inspect_dataset
 from sdtrain.demo_data import ensure_demo_data
-from sdtrain.errors import ConfigError, SdtrainError, TrainingFailed
-from sdtrain.files import absolute, resolve_parquet_files, uri_for
+from sdtrain.errors import ConfigError, DataError, TrainingFailed
+from sdtrain.failures import StopOnDeterministicErrors, failure_message
+from sdtrain.files import absolute, resolve_parquet_files, set_aside, uri_for
 from sdtrain.model import noise_scheduler_config, unet_config
 from sdtrain.outputs import read_history, write_run_outputs
+from sdtrain.sampling import SamplePlan
+from sdtrain.shards import PlannedShards
 from sdtrain.worker import train_loop_per_worker
 
 
@@ -54,15 +56,30 @@ def train(config: Config) -> RunSummary:
         flush=True,
     )
 
+    if train_spec.num_rows < config.train.global_batch_size:
+        raise DataError(
+            f"data.train: {train_spec.num_rows} rows cannot fill one step of train.global_batch_size="
+            f"{config.train.global_batch_size} samples; add data or lower the batch size"
+        )
+    plan = SamplePlan(
+        train_spec.rows_per_file, config.train.seed, config.data.shuffle_chunk_rows, config.data.shuffle_window_rows
+    )
+    run_dir = posixpath.join(config.run.storage_path, config.run.name)
+    if config.run.start_fresh:
+        replaced = set_aside(run_dir)
+        if replaced:
+            print(f"[sdtrain] run.start_fresh: moved the previous run to {replaced}", flush=True)
+
     if not ray.is_initialized():
         # Joins the cluster named by RAY_ADDRESS (as under `ray job submit`), else starts a local one.
         # No num_cpus here: inside a submitted job, ray.init() must take no resources arguments.
         ray.init()
     _quiet_ray_data()
     use_gpu = _resolve_use_gpu(config.scaling)
-    datasets = {"train": build_dataset(train_spec, config.data)}
+    # PlannedShards replaces "train" by each rank's planned stream; Ray Train needs the name.
+    datasets = {"train": file_order_dataset(train_spec, config.data)}
     if val_spec is not None:
-        datasets["val"] = build_dataset(val_spec, config.data, preserve_order=True)
+        datasets["val"] = file_order_dataset(val_spec, config.data)
 
     checkpoint_meta = {
         "sdtrain_version": __version__,
@@ -79,6 +96,7 @@ def train(config: Config) -> RunSummary:
             "use_gpu": use_gpu,
             "noise_scheduler_config": checkpoint_meta["noise_scheduler_config"],
             "checkpoint_meta": checkpoint_meta,
+            "plan": plan,
         },
         scaling_config=ray.train.ScalingConfig(
             num_workers=_ray_num_workers(config.scaling),
@@ -92,16 +110,17 @@ def train(config: Config) -> RunSummary:
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=config.run.num_to_keep),
             # Ray Train logs every report at INFO; our own progress line already says it all.
             logging_config=ray.train.LoggingConfig(log_level="WARNING"),
+            callbacks=[StopOnDeterministicErrors()],
         ),
         datasets=datasets,
-        # Validation runs on rank 0 over the whole set, so only the training data is split.
-        dataset_config=ray.train.DataConfig(datasets_to_split=["train"]),
+        dataset_config=PlannedShards(
+            WindowReader(train_spec, config.data, plan), run_dir, config.train.global_batch_size, config.train.max_steps
+        ),
     )
-    run_dir = posixpath.join(config.run.storage_path, config.run.name)
     try:
         result = trainer.fit()
     except ray.train.TrainingFailedError as e:
-        raise TrainingFailed(_failure_message(e, run_dir)) from None
+        raise TrainingFailed(failure_message(e, run_dir)) from None
 
     checkpoint = result.checkpoint
     history = read_history(checkpoint)
@@ -186,24 +205,3 @@ def _quiet_ray_data() -> None:
     context = ray.data.DataContext.get_current()
     context.enable_progress_bars = False
     context.print_on_execution_start = False
-
-
-def _failure_message(error: Exception, run_dir: str) -> str:
-    from ray.train import Result
-
-    try:
-        latest = Result.from_path(run_dir).checkpoint
-    except Exception:  # no checkpoint manager state yet: the run failed before its first checkpoint
-        latest = None
-    where = f"the latest checkpoint is {latest.path}" if latest else "no checkpoint was written"
-    rerun = "re-running the same command resumes from it" if latest else "re-running starts from scratch"
-    return f"training failed: {_cause(error)}\n{where}; after fixing the cause, {rerun} (run directory: {run_dir})"
-
-
-def _cause(error: Exception) -> str:
-    """Our own one-paragraph message when a worker raised one; Ray's full report otherwise."""
-    for failure in (getattr(error, "worker_failures", None) or {}).values():
-        for candidate in (failure, failure.__cause__):
-            if isinstance(candidate, SdtrainError):
-                return str(candidate)
-    return str(error)

@@ -1,4 +1,4 @@
-"""The function every Ray Train worker runs: build the module, stream this worker's shard, fit."""
+"""The function every Ray Train worker runs: build the module, stream this rank's planned data, fit."""
 
 from __future__ import annotations
 
@@ -15,72 +15,109 @@ import torch
 from ray.train.lightning import RayDDPStrategy, RayLightningEnvironment, prepare_trainer
 
 from sdtrain.callbacks import StepReporter, log
-from sdtrain.checkpoint import CHECKPOINT_FILE, HISTORY_FILE
+from sdtrain.checkpoint import CHECKPOINT_FILE, DATA_STATE_FILE, HISTORY_FILE
 from sdtrain.config import Config
-from sdtrain.errors import ConfigError
+from sdtrain.errors import TrainingFailed, find_sdtrain_error
 from sdtrain.model import build_unet
 from sdtrain.module import DiffusionModule
+from sdtrain.sampling import DataState, SamplePlan
 
 
-class EpochBatches:
-    """This worker's shard as an iterable Lightning can take: each ``iter()`` is a new epoch.
+class TrainStream:
+    """This rank's planned stream of micro-batches to ``train.max_steps``, as Lightning's one epoch.
 
-    ``drop_last`` keeps every rank at the same number of steps per epoch (the shards are
-    split equally), so no rank waits forever in an all-reduce the others never reach.
+    The stream is read once: its order and length are the sampling plan's, so a second pass
+    would read rows twice. The first batch is checked against the plan, which catches a data
+    position that does not match the checkpoint the worker was restored from.
     """
 
-    def __init__(self, shard: ray.data.DataIterator, batch_size: int, prefetch_batches: int):
+    def __init__(self, shard: ray.data.DataIterator, micro_batch: int, prefetch_batches: int, expected_first):
         self.shard = shard
-        self.batch_size = batch_size
+        self.micro_batch = micro_batch
         self.prefetch_batches = prefetch_batches
+        self.expected_first = expected_first
+        self._started = False
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
-        return iter(
-            self.shard.iter_torch_batches(
-                batch_size=self.batch_size,
-                drop_last=True,
-                prefetch_batches=self.prefetch_batches,
-                device=ray.train.torch.get_device(),
-            )
+        if self._started:
+            raise RuntimeError("the training stream was read to its end before train.max_steps")
+        self._started = True
+        batches = self.shard.iter_torch_batches(
+            batch_size=self.micro_batch,
+            prefetch_batches=self.prefetch_batches,
+            device=ray.train.torch.get_device(),
         )
+        first = True
+        try:
+            for batch in batches:
+                if first:
+                    self._check_position(batch["sample_index"])
+                    first = False
+                yield batch
+        except Exception as error:
+            data_error = find_sdtrain_error(error)
+            if data_error is not None and data_error is not error:
+                raise data_error from None  # Ray Data wraps it: surface our one-paragraph message
+            raise
+
+    def _check_position(self, indices: torch.Tensor) -> None:
+        found = indices.tolist()
+        if found != list(self.expected_first):
+            raise TrainingFailed(
+                f"the training data stream starts at samples {found[:4]}..., but the restored checkpoint's "
+                f"data position expects {list(self.expected_first[:4])}...: the data was positioned from "
+                "another checkpoint than the one restored. Re-run to resume from the latest checkpoint"
+            )
 
 
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     _configure_logging()
     config = Config.from_dict(loop_config["config"])
     use_gpu: bool = loop_config["use_gpu"]
+    plan: SamplePlan = loop_config["plan"]
     context = ray.train.get_context()
     world_size, rank = context.get_world_size(), context.get_world_rank()
-    if config.train.global_batch_size % world_size:
-        raise ConfigError(
-            f"train.global_batch_size: {config.train.global_batch_size} does not divide over {world_size} workers"
-        )
-    batch_size = config.train.global_batch_size // world_size
-    if rank == 0:
-        log.info("world size %d, %d samples per worker per step", world_size, batch_size)
+    micro_batch, accumulation = config.batch_layout(world_size)
 
     # Same initial weights on every rank (DDP also broadcasts rank 0's). Per-step noise is
-    # seeded by (seed, rank, step) in the module, not by this global seed.
+    # seeded by (seed, rank, step, micro-batch) in the module, not by this global seed.
     pl.seed_everything(config.train.seed, verbose=False)
     unet = build_unet(config.model)
-    module = DiffusionModule(unet, loop_config["noise_scheduler_config"], config.train, loop_config["checkpoint_meta"])
+    module = DiffusionModule(
+        unet, loop_config["noise_scheduler_config"], config.train, loop_config["checkpoint_meta"], accumulation,
+        record_samples=config.run.record_samples,
+    )
 
-    val_shard = ray.train.get_dataset_shard("val") if config.data.val else None
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is None:
-        _fit(config, module, use_gpu, batch_size, val_shard, history=[], ckpt_path=None)
+        _fit(config, module, use_gpu, plan, (world_size, micro_batch, accumulation), history=[], start=(0, DataState()), ckpt_path=None)
         return
     with checkpoint.as_directory() as directory:
         with open(os.path.join(directory, HISTORY_FILE)) as f:
             history = json.load(f)
-        _fit(config, module, use_gpu, batch_size, val_shard, history, os.path.join(directory, CHECKPOINT_FILE))
+        with open(os.path.join(directory, DATA_STATE_FILE)) as f:
+            raw = json.load(f)
+        start = (int(raw["step"]), DataState.from_dict(raw["data"]))
+        ckpt_path = os.path.join(directory, CHECKPOINT_FILE)
+        _fit(config, module, use_gpu, plan, (world_size, micro_batch, accumulation), history, start, ckpt_path)
 
 
-def _fit(config: Config, module, use_gpu, batch_size, val_shard, history, ckpt_path) -> None:
+def _fit(config: Config, module, use_gpu, plan: SamplePlan, layout, history, start, ckpt_path) -> None:
+    world_size, micro_batch, accumulation = layout
+    rank = ray.train.get_context().get_world_rank()
+    start_step, start_state = start
+    rows_per_step = config.train.global_batch_size // world_size
+    if rank == 0:
+        log.info(
+            "world size %d: %d samples per worker per step = micro-batch %d x %d accumulation; data epoch %d",
+            world_size, rows_per_step, micro_batch, accumulation, start_state.epoch,
+        )
     val_batches = None
-    if val_shard is not None:
+    if config.data.val:
+        val_shard = ray.train.get_dataset_shard("val")
+
         def val_batches():
-            return val_shard.iter_torch_batches(batch_size=batch_size, device=ray.train.torch.get_device())
+            return val_shard.iter_torch_batches(batch_size=micro_batch, device=ray.train.torch.get_device())
 
     reporter = StepReporter(
         config.run,
@@ -88,6 +125,7 @@ def _fit(config: Config, module, use_gpu, batch_size, val_shard, history, ckpt_p
         samples_per_step=config.train.global_batch_size,
         max_bad_steps=config.train.max_bad_steps,
         history=history,
+        data_position=lambda step: plan.advance(start_state, world_size, rows_per_step, step - start_step),
         val_batches=val_batches,
         val_seed=config.train.seed,
     )
@@ -100,6 +138,7 @@ def _fit(config: Config, module, use_gpu, batch_size, val_shard, history, ckpt_p
         plugins=[RayLightningEnvironment()],
         precision=resolve_precision(config.train.precision, use_gpu),
         gradient_clip_val=config.train.grad_clip_norm or None,
+        accumulate_grad_batches=accumulation,
         callbacks=[reporter],
         # Checkpoints go through Ray Train (StepReporter); Lightning's own would bypass it.
         enable_checkpointing=False,
@@ -110,7 +149,11 @@ def _fit(config: Config, module, use_gpu, batch_size, val_shard, history, ckpt_p
         num_sanity_val_steps=0,
     )
     trainer = prepare_trainer(trainer)
-    train_batches = EpochBatches(ray.train.get_dataset_shard("train"), batch_size, config.data.prefetch_batches)
+    first_stretch = plan.rank_stretches(start_state, world_size, rows_per_step, config.train.max_steps - start_step)[rank][0]
+    expected_first = plan.sample_indices(plan.window(first_stretch, 0))[:micro_batch]
+    train_batches = TrainStream(
+        ray.train.get_dataset_shard("train"), micro_batch, config.data.prefetch_batches, expected_first
+    )
     trainer.fit(module, train_dataloaders=train_batches, ckpt_path=ckpt_path, weights_only=True)
 
 

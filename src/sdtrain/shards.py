@@ -1,0 +1,63 @@
+"""Ray Train's data hook: one ordered training stream per rank, positioned at the latest checkpoint.
+
+Ray Train calls ``DataConfig.configure`` each time it starts a worker group (first start,
+restart after a failure, resize, or a new driver on the same run). :class:`PlannedShards`
+reads the data position from the latest checkpoint Ray Train has committed, the same one the
+workers are restored from, and gives each rank the rows :mod:`sdtrain.sampling` assigns it
+from there to ``train.max_steps``. Open-source Ray Data keeps no iterator state across
+restarts (ray-project/ray#37633); the position lives in our checkpoints instead.
+"""
+
+from __future__ import annotations
+
+import json
+import posixpath
+
+import ray.train
+
+from sdtrain.checkpoint import DATA_STATE_FILE
+from sdtrain.dataset import WindowReader, rank_dataset
+from sdtrain.sampling import DataState
+
+
+class PlannedShards(ray.train.DataConfig):
+    def __init__(self, reader: WindowReader, run_dir: str, global_batch_size: int, max_steps: int):
+        super().__init__(datasets_to_split=["train"])
+        self.reader = reader
+        self.run_dir = run_dir
+        self.global_batch_size = global_batch_size
+        self.max_steps = max_steps
+
+    def configure(self, datasets, world_size, worker_handles, worker_node_ids, **kwargs):
+        if "train" not in datasets:  # validation: every worker gets the whole set, in file order
+            return super().configure(datasets, world_size, worker_handles, worker_node_ids, **kwargs)
+        step, state = latest_position(self.run_dir)
+        stretches = self.reader.plan.rank_stretches(
+            state, world_size, self.global_batch_size // world_size, self.max_steps - step
+        )
+        output = []
+        for rank in range(world_size):
+            dataset = rank_dataset(self.reader, stretches[rank])
+            dataset.context.execution_options = self._resolve_execution_options("train")
+            output.append({"train": dataset.iterator()})
+        return output
+
+    def _resolve_execution_options(self, dataset_name: str):
+        options = super()._resolve_execution_options(dataset_name)
+        # The training stream's order is the plan (exact resumption); validation numbers
+        # compare across runs only if every pass sees the same order.
+        options.preserve_order = True
+        return options
+
+
+def latest_position(run_dir: str) -> tuple[int, DataState]:
+    """(step, data state) of the latest checkpoint Ray Train committed for ``run_dir``; (0, start) if none."""
+    try:
+        checkpoint = ray.train.Result.from_path(run_dir).checkpoint
+    except RuntimeError:  # no run directory or no committed checkpoint yet: a fresh run
+        return 0, DataState()
+    if checkpoint is None:
+        return 0, DataState()
+    with checkpoint.filesystem.open_input_stream(posixpath.join(checkpoint.path, DATA_STATE_FILE)) as f:
+        raw = json.loads(f.read())
+    return int(raw["step"]), DataState.from_dict(raw["data"])
