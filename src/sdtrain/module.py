@@ -1,18 +1,22 @@
-"""The LightningModule: a diffusers UNet trained to predict the noise added by a DDPM schedule."""
+"""The LightningModule: a diffusers UNet trained on a DDPM schedule, with the recipe of sdtrain.recipe
+(epsilon or v-prediction, min-SNR weighting, offset noise, input perturbation, caption dropout) and
+an optional EMA of its weights (sdtrain.ema)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterable, Optional
 
 import lightning.pytorch as pl
 import numpy as np
 import torch
-import torch.nn.functional as F
 from diffusers import UNet2DConditionModel
 from transformers import get_constant_schedule_with_warmup
 
 from sdtrain.config import TrainConfig
+from sdtrain.ema import ema_update_, make_ema
 from sdtrain.model import build_noise_scheduler
+from sdtrain.recipe import diffusion_loss, step_inputs
+from sdtrain.validation import validation_loss
 
 CHECKPOINT_META_KEY = "sdtrain"
 
@@ -24,14 +28,32 @@ class DiffusionModule(pl.LightningModule):
         noise_scheduler_config: dict[str, Any],
         train: TrainConfig,
         checkpoint_meta: dict[str, Any],
+        unconditional_caption: Optional[torch.Tensor] = None,
     ):
         """``checkpoint_meta`` (plain JSON data) is stored in every checkpoint, so the model can be
-        rebuilt from the checkpoint alone: UNet and scheduler configs, data shapes, the run config."""
+        rebuilt from the checkpoint alone: UNet and scheduler configs, data shapes, the run config,
+        and ``latent_scale``, the factor stored latents are multiplied by as they are read (1.0
+        when the data is already scaled).
+
+        ``unconditional_caption`` (L x D) replaces dropped captions; default: zeros of the meta's
+        ``caption_shape``. It is stored in the checkpoint (``unconditional_caption``), so sampling
+        with classifier-free guidance uses the embedding the model was trained with.
+        """
         super().__init__()
         self.unet = unet
         self.noise_scheduler = build_noise_scheduler(noise_scheduler_config)
         self.train_config = train
         self.checkpoint_meta = checkpoint_meta
+        self.latent_scale = float(checkpoint_meta.get("latent_scale", 1.0))
+        if unconditional_caption is None and "caption_shape" in checkpoint_meta:
+            unconditional_caption = torch.zeros(checkpoint_meta["caption_shape"])
+        if unconditional_caption is None and train.caption_dropout_prob > 0:
+            raise ValueError("train.caption_dropout_prob needs an unconditional caption embedding (or caption_shape in the meta)")
+        # A frozen parameter rather than a buffer: saved in the checkpoint, but not broadcast by DDP every step.
+        self.unconditional_caption = (
+            None if unconditional_caption is None else torch.nn.Parameter(unconditional_caption.float(), requires_grad=False)
+        )
+        self.ema_unet = make_ema(unet) if train.ema_decay is not None else None
         # Summed on the device and read only when a log line is due: no per-step host sync.
         self.register_buffer("loss_sum", torch.zeros(()), persistent=False)
         self.register_buffer("loss_count", torch.zeros(()), persistent=False)
@@ -45,9 +67,18 @@ class DiffusionModule(pl.LightningModule):
         Nothing random carries over from earlier steps, so a run resumed from a checkpoint draws
         exactly what the uninterrupted run would have drawn at the same step.
         """
+        return self._draw_noise_and_timesteps(latents, self._step_generator(latents.device))
+
+    def _step_generator(self, device: torch.device) -> torch.Generator:
+        """A generator freshly seeded from (seed, rank, global step): the source of every random
+        draw of this step (noise, timesteps, then the recipe's offset noise, input perturbation
+        and caption-dropout mask, in that order)."""
         key = np.random.SeedSequence([self.train_config.seed, self.global_rank, self.global_step])
-        generator = torch.Generator(device=latents.device)
+        generator = torch.Generator(device=device)
         generator.manual_seed(int(key.generate_state(1, np.uint64)[0]))
+        return generator
+
+    def _draw_noise_and_timesteps(self, latents: torch.Tensor, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
         noise = torch.randn(latents.shape, generator=generator, device=latents.device, dtype=latents.dtype)
         timesteps = torch.randint(
             0, self.noise_scheduler.config.num_train_timesteps, (latents.shape[0],), generator=generator, device=latents.device
@@ -55,12 +86,20 @@ class DiffusionModule(pl.LightningModule):
         return noise, timesteps
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        latents = batch["latents"].float()
+        latents = batch["latents"].float() * self.latent_scale if self.latent_scale != 1.0 else batch["latents"].float()
         captions = batch["captions"].float()
-        noise, timesteps = self.noise_and_timesteps(latents)
-        noisy = self.noise_scheduler.add_noise(latents, noise, timesteps)
-        prediction = self.unet(noisy, timesteps, encoder_hidden_states=captions).sample
-        loss = F.mse_loss(prediction.float(), noise)
+        generator = self._step_generator(latents.device)
+        noise, timesteps = self._draw_noise_and_timesteps(latents, generator)
+        config = self.train_config
+        inputs = step_inputs(
+            self.noise_scheduler, latents, captions, noise, timesteps, generator,
+            noise_offset=config.noise_offset,
+            input_perturbation=config.input_perturbation,
+            caption_dropout_prob=config.caption_dropout_prob,
+            unconditional_caption=self.unconditional_caption,
+        )
+        prediction = self.unet(inputs.noisy, timesteps, encoder_hidden_states=inputs.captions).sample
+        loss = diffusion_loss(prediction, inputs.target, self.noise_scheduler, timesteps, config.snr_gamma)
         finite = torch.isfinite(loss.detach())
         self.loss_sum += torch.where(finite, loss.detach(), 0.0)
         self.loss_count += finite
@@ -79,6 +118,25 @@ class DiffusionModule(pl.LightningModule):
         self.skipped_steps += bad
         self.bad_streak.mul_(bad).add_(bad)
         torch.maximum(self.longest_bad_streak, self.bad_streak, out=self.longest_bad_streak)
+
+    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None) -> None:
+        super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+        if self.ema_unet is not None:
+            skipped = getattr(getattr(optimizer, "optimizer", optimizer), "found_inf", None)
+            # global_step still counts the steps before this one here.
+            ema_update_(
+                self.ema_unet.parameters(), self.unet.parameters(), self.global_step + 1,
+                self.train_config.ema_decay, self.train_config.ema_start_step, skipped,
+            )
+
+    @property
+    def eval_unet(self) -> UNet2DConditionModel:
+        """The weights that validation, export and sampling use: the EMA's when there is one."""
+        return self.ema_unet if self.ema_unet is not None else self.unet
+
+    def validation_loss(self, batches: Iterable[dict[str, torch.Tensor]], seed: int) -> float:
+        """Validation loss of ``eval_unet`` (see sdtrain.validation), on the data as training sees it."""
+        return validation_loss(self.eval_unet, self.noise_scheduler, batches, seed, latent_scale=self.latent_scale)
 
     def take_window_stats(self) -> dict[str, torch.Tensor]:
         """Mean finite training loss, skipped steps and the longest run of consecutive skipped

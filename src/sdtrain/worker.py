@@ -12,14 +12,16 @@ import lightning.pytorch as pl
 import ray.train
 import ray.train.torch
 import torch
-from ray.train.lightning import RayDDPStrategy, RayLightningEnvironment, prepare_trainer
+from ray.train.lightning import RayLightningEnvironment, prepare_trainer
 
 from sdtrain.callbacks import StepReporter, log
 from sdtrain.checkpoint import CHECKPOINT_FILE, HISTORY_FILE
 from sdtrain.config import Config
 from sdtrain.errors import ConfigError
+from sdtrain.hardware import apply_options, build_strategy
 from sdtrain.model import build_unet
 from sdtrain.module import DiffusionModule
+from sdtrain.recipe import load_unconditional_caption
 
 
 class EpochBatches:
@@ -63,7 +65,10 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     # seeded by (seed, rank, step) in the module, not by this global seed.
     pl.seed_everything(config.train.seed, verbose=False)
     unet = build_unet(config.model)
-    module = DiffusionModule(unet, loop_config["noise_scheduler_config"], config.train, loop_config["checkpoint_meta"])
+    meta = loop_config["checkpoint_meta"]
+    uncond = load_unconditional_caption(config.data.unconditional_caption, meta["caption_shape"])
+    module = DiffusionModule(unet, loop_config["noise_scheduler_config"], config.train, meta, unconditional_caption=uncond)
+    apply_options(module, config.train)
 
     val_shard = ray.train.get_dataset_shard("val") if config.data.val else None
     checkpoint = ray.train.get_checkpoint()
@@ -96,7 +101,7 @@ def _fit(config: Config, module, use_gpu, batch_size, val_shard, history, ckpt_p
         max_epochs=-1,
         accelerator="gpu" if use_gpu else "cpu",
         devices="auto",
-        strategy=RayDDPStrategy(),
+        strategy=build_strategy(config.train),
         plugins=[RayLightningEnvironment()],
         precision=resolve_precision(config.train.precision, use_gpu),
         gradient_clip_val=config.train.grad_clip_norm or None,
