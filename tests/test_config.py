@@ -137,3 +137,91 @@ def test_batch_layout_keeps_the_global_batch_at_every_world_size():
     config = load_config(None, BASE + ["train.global_batch_size=48", "train.micro_batch_size=8", "scaling.num_workers=[2,3]"])
     assert [config.batch_layout(n) for n in (2, 3)] == [(8, 3), (8, 2)]
     assert all(n * micro * accumulation == 48 for n, (micro, accumulation) in zip((2, 3), [config.batch_layout(2), config.batch_layout(3)]))
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["train.snr_gamma=-1"], r"train\.snr_gamma: must be > 0 or null, got -1"),
+        (["train.noise_offset=-0.1"], r"train\.noise_offset: must be >= 0"),
+        (["train.input_perturbation=-1"], r"train\.input_perturbation: must be >= 0"),
+        (["train.caption_dropout_prob=1"], r"train\.caption_dropout_prob: must be in \[0, 1\), got 1"),
+        (["train.ema_decay=1.5"], r"train\.ema_decay: must be in \(0, 1\) or null, got 1\.5"),
+        (["train.ema_start_step=-1"], r"train\.ema_start_step: must be >= 0"),
+        (["train.strategy=deepspeed"], r"train\.strategy: must be one of ddp, fsdp"),
+        (["train.strategy=fsdp", "train.ema_decay=0.999"], r"train\.ema_decay: EMA is not supported with train\.strategy=fsdp"),
+        (["train.strategy=fsdp", "data.val=/v"], r"data\.val: validation runs on rank 0 alone, which train\.strategy=fsdp"),
+        (["train.attention=flash"], r"train\.attention: must be one of sdpa, eager"),
+        (["train.compile=3"], r"train\.compile: expected bool"),
+        (["model.prediction_type=sample"], r"model\.prediction_type: must be one of epsilon, v_prediction"),
+        (["data.latent_scaling_factor=0"], r"data\.latent_scaling_factor: must be > 0 or null"),
+        (["data.unconditional_caption=empty.txt"], r"data\.unconditional_caption: must be zeros or the path of a \.npy file"),
+        (["run.checkpoint_score_attribute=accuracy"], r"run\.checkpoint_score_attribute: expected val_loss \| loss \| null"),
+        (["run.checkpoint_score_attribute=val_loss"], r"run\.checkpoint_score_attribute: val_loss needs data\.val"),
+        (
+            ["run.checkpoint_score_attribute=val_loss", "data.val=/v", "run.val_every_n_steps=300", "run.checkpoint_every_n_steps=1000"],
+            r"run\.checkpoint_score_attribute: val_loss needs a validation loss with every checkpoint",
+        ),
+    ],
+)
+def test_recipe_keys_are_validated(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, BASE + overrides)
+
+
+def test_recipe_defaults_change_nothing_and_options_reach_the_model():
+    from sdtrain.model import noise_scheduler_config
+
+    config = load_config(None, BASE)
+    train = config.train
+    assert (train.snr_gamma, train.noise_offset, train.input_perturbation, train.caption_dropout_prob, train.ema_decay) == (None, 0, 0, 0, None)
+    assert (train.strategy, train.compile, train.channels_last, train.gradient_checkpointing, train.attention) == ("ddp", False, False, False, "sdpa")
+    assert config.model.prediction_type == "epsilon" and config.run.export is True
+    v = load_config(None, BASE + ["model.prediction_type=v_prediction", "model.preset=tiny"])
+    scheduler = noise_scheduler_config(v.model)
+    assert scheduler["prediction_type"] == "v_prediction" and scheduler["clip_sample"] is False
+    assert load_config(None, BASE + ["run.checkpoint_score_attribute=val_loss", "data.val=/v", "run.val_every_n_steps=500",
+                                     "run.checkpoint_every_n_steps=1000"]).run.checkpoint_score_attribute == "val_loss"
+
+
+def test_gpu_options_and_strategies_are_built():
+    """What the worker applies. FSDP and compiled kernels cannot run on this CPU-only machine; the
+    strategy object and the compiled wrapper are checked, not a sharded or compiled training step."""
+    import torch
+    from diffusers.models.attention_processor import AttnProcessor, AttnProcessor2_0
+    from ray.train.lightning import RayDDPStrategy, RayFSDPStrategy
+
+    from sdtrain.config import ModelConfig, TrainConfig
+    from sdtrain.hardware import apply_options, build_strategy
+    from sdtrain.model import build_unet, noise_scheduler_config, unet_config
+    from sdtrain.module import DiffusionModule
+
+    assert type(build_strategy(TrainConfig())) is RayDDPStrategy
+    fsdp = build_strategy(TrainConfig(strategy="fsdp"))
+    assert type(fsdp) is RayFSDPStrategy and fsdp.kwargs["use_orig_params"] is True and fsdp._state_dict_type == "full"
+
+    model = ModelConfig(preset="tiny")
+    meta = {"unet_config": unet_config(model), "noise_scheduler_config": noise_scheduler_config(model), "caption_shape": [5, 32]}
+
+    def module(**train):
+        torch.manual_seed(0)
+        return DiffusionModule(build_unet(model), meta["noise_scheduler_config"], TrainConfig(**train), meta)
+
+    plain = module()
+    apply_options(plain, plain.train_config)
+    assert all(type(p) is AttnProcessor2_0 for p in plain.unet.attn_processors.values())
+    assert not plain.unet.is_gradient_checkpointing and plain.unet._compiled_call_impl is None
+
+    tuned = module(attention="eager", channels_last=True, gradient_checkpointing=True, compile=True, ema_decay=0.99)
+    apply_options(tuned, tuned.train_config)
+    for unet in (tuned.unet, tuned.ema_unet):
+        assert all(type(p) is AttnProcessor for p in unet.attn_processors.values())
+        assert unet.conv_in.weight.is_contiguous(memory_format=torch.channels_last)
+    assert tuned.unet.is_gradient_checkpointing and tuned.unet._compiled_call_impl is not None
+    assert list(tuned.unet.state_dict()) == list(plain.unet.state_dict())  # checkpoints keep the UNet's names
+    # eager attention and channels_last compute the same function (compile left out: a CPU compile takes minutes)
+    eager = module(attention="eager", channels_last=True)
+    apply_options(eager, eager.train_config)
+    x, t, c = torch.randn(2, 4, 16, 16), torch.tensor([3, 600]), torch.randn(2, 5, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(eager.unet(x, t, c).sample, plain.unet(x, t, c).sample, rtol=1e-4, atol=1e-5)

@@ -10,11 +10,14 @@ import pytest
 from conftest import REPO, write_latents
 
 TRAIN = [sys.executable, str(REPO / "entrypoints" / "train.py")]
+# This checkout's package in the subprocess, whatever the cwd (a relative PYTHONPATH would not
+# resolve from tmp_path, and an installed sdtrain from another checkout would be imported instead).
+CHECKOUT = {"PYTHONPATH": str(REPO / "src")}
 
 
 def _run(args, tmp_path, timeout):
     # RAY_ADDRESS=local: start a cluster of its own, never join another test's.
-    env = {**os.environ, "RAY_ADDRESS": "local"}
+    env = {**os.environ, "RAY_ADDRESS": "local", **CHECKOUT}
     return subprocess.run(TRAIN + args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -60,7 +63,7 @@ def test_demo_runs_end_to_end_and_the_loss_falls(tmp_path):
 @pytest.mark.timeout(120)
 def test_retrain_entrypoint_checks_its_input_before_anything_runs(tmp_path):
     retrain = [sys.executable, str(REPO / "entrypoints" / "retrain.py")]
-    env = {**os.environ, "RAY_ADDRESS": "local"}
+    env = {**os.environ, "RAY_ADDRESS": "local", **CHECKOUT}
     result = subprocess.run(retrain + ["retrain.date=2026-13-01"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=100)
     assert result.returncode == 2 and "error: retrain.date: must be a date YYYY-MM-DD, got '2026-13-01'" in result.stderr
     result = subprocess.run(
@@ -83,7 +86,7 @@ def test_a_killed_driver_is_resumed_by_rerunning_the_same_command(tmp_path):
     import psutil
 
     args = ["train.max_steps=60", "run.log_every_n_steps=10", "run.checkpoint_every_n_steps=10", "run.num_to_keep=null"]
-    env = {**os.environ, "RAY_ADDRESS": "local"}
+    env = {**os.environ, "RAY_ADDRESS": "local", **CHECKOUT}
     driver = subprocess.Popen(TRAIN + args, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     snapshot = tmp_path / "runs" / "demo" / "checkpoint_manager_snapshot.json"
     deadline = time.monotonic() + 400

@@ -25,7 +25,6 @@ from sdtrain.checkpoint import CHECKPOINT_FILE, DATA_STATE_FILE, HISTORY_FILE, S
 from sdtrain.config import RunConfig
 from sdtrain.errors import NonFiniteTraining
 from sdtrain.sampling import DataState
-from sdtrain.validation import validation_loss
 
 log = logging.getLogger("sdtrain")
 
@@ -87,9 +86,8 @@ class StepReporter(pl.Callback):
         metrics = self._metrics(trainer, pl_module, step)
         if self.val_batches is not None and (step % self.val_every == 0 or step >= self.max_steps):
             if trainer.is_global_zero:
-                metrics["val_loss"] = validation_loss(
-                    pl_module.unet, pl_module.noise_scheduler, self.val_batches(), self.val_seed
-                )
+                # The EMA weights when the run keeps an EMA (what export and generation use).
+                metrics["val_loss"] = pl_module.validation_loss(self.val_batches(), self.val_seed)
         if trainer.is_global_zero:
             log.info(_progress_line(metrics, self.max_steps))
             self.history.append(metrics)

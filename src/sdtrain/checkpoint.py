@@ -2,7 +2,9 @@
 
 A checkpoint is a directory ``checkpoint_<step>/`` holding ``checkpoint.ckpt``: Lightning's
 full training state (weights, optimizer, LR scheduler, loop progress) plus, under the
-``sdtrain`` key, the UNet and noise-scheduler configs, the data shapes and the run config;
+``sdtrain`` key, the UNet and noise-scheduler configs, the data shapes and the run config; the
+state dict holds the UNet (``unet.``), its EMA when train.ema_decay is set (``ema_unet.``) and
+the unconditional caption embedding (``unconditional_caption``);
 ``history.json``, the metric rows reported up to that step; and ``data_state.json``, the data
 position to resume from. Only plain data and tensors are stored, so loading never unpickles code
 (``torch.load(weights_only=True)``).
@@ -11,7 +13,8 @@ position to resume from. Only plain data and tensors are stored, so loading neve
 from __future__ import annotations
 
 import posixpath
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal, Optional
 
 import pyarrow.fs as pafs
 
@@ -44,14 +47,38 @@ def read_checkpoint(path: str) -> dict[str, Any]:
         return torch.load(f, map_location="cpu", weights_only=True)
 
 
-def load_model(path: str) -> tuple[UNet2DConditionModel, DDPMScheduler, dict[str, Any]]:
-    """(UNet with trained weights, noise scheduler, metadata) from a checkpoint, with no config file needed."""
+Weights = Literal["auto", "ema", "raw"]
+
+
+@dataclass
+class LoadedModel:
+    unet: UNet2DConditionModel
+    noise_scheduler: DDPMScheduler
+    meta: dict[str, Any]  # the checkpoint's sdtrain metadata, plus global_step and weights ("ema" or "raw")
+    unconditional_caption: Optional[torch.Tensor]  # (L, D); None in checkpoints from before caption dropout
+
+
+def load_model(path: str, weights: Weights = "auto") -> tuple[UNet2DConditionModel, DDPMScheduler, dict[str, Any]]:
+    """(UNet with trained weights, noise scheduler, metadata) from a checkpoint, with no config file needed.
+
+    ``weights``: auto = the EMA weights if the run kept an EMA, else the trained weights; ema; raw.
+    """
+    loaded = load_checkpoint(path, weights)
+    return loaded.unet, loaded.noise_scheduler, loaded.meta
+
+
+def load_checkpoint(path: str, weights: Weights = "auto") -> LoadedModel:
+    """Everything a checkpoint holds for inference (see ``load_model``)."""
     checkpoint = read_checkpoint(path)
     meta = checkpoint[CHECKPOINT_META_KEY]
+    state = checkpoint["state_dict"]
+    has_ema = any(k.startswith("ema_unet.") for k in state)
+    if weights == "ema" and not has_ema:
+        raise ValueError(f"{path} holds no EMA weights (the run had train.ema_decay: null); use the raw weights")
+    chosen = "ema" if weights == "ema" or (weights == "auto" and has_ema) else "raw"
+    prefix = "ema_unet." if chosen == "ema" else "unet."
     unet = UNet2DConditionModel(**meta["unet_config"])
-    prefix = "unet."
-    weights = {k[len(prefix) :]: v for k, v in checkpoint["state_dict"].items() if k.startswith(prefix)}
-    unet.load_state_dict(weights)
+    unet.load_state_dict({k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)})
     unet.eval()
-    meta = {**meta, "global_step": checkpoint["global_step"]}
-    return unet, build_noise_scheduler(meta["noise_scheduler_config"]), meta
+    meta = {**meta, "global_step": checkpoint["global_step"], "weights": chosen}
+    return LoadedModel(unet, build_noise_scheduler(meta["noise_scheduler_config"]), meta, state.get("unconditional_caption"))

@@ -58,6 +58,10 @@ class DataConfig(_Section):
     """Each worker reads its chunks in windows of this many rows (one Ray Data block) and shuffles rows within a window."""
     on_read_error: Literal["fail", "skip"] = "fail"
     """A training file that cannot be read mid-run: fail stops the run at once naming the file (no retries); skip leaves its rows out of the loss and counts them (metric skipped_samples)."""
+    latent_scaling_factor: Optional[float] = None
+    """Multiply the stored latents by this, once, as training reads them: set it (0.18215 for SD's VAE) when the files hold raw VAE latents; null = they are already scaled (the Anyscale notebook's files, the demo). Refused if a file's parquet metadata says its latents are already scaled (key sdtrain.latent_scaling_factor)."""
+    unconditional_caption: str = "zeros"
+    """The caption embedding of the empty prompt, which caption dropout substitutes and classifier-free guidance samples against: zeros, or a .npy file (L x D, the text encoder's output for "") readable by every node."""
 
     def __post_init__(self):
         if self.demo and (len(self.train) != 1 or len(self.val) > 1):
@@ -70,6 +74,10 @@ class DataConfig(_Section):
         for key in ("image_column", "caption_column"):
             if not getattr(self, key):
                 self._fail(key, "must be a column name, got an empty string")
+        if self.latent_scaling_factor is not None and not self.latent_scaling_factor > 0:
+            self._fail("latent_scaling_factor", f"must be > 0 or null, got {self.latent_scaling_factor}")
+        if self.unconditional_caption != "zeros" and not self.unconditional_caption.endswith(".npy"):
+            self._fail("unconditional_caption", f"must be zeros or the path of a .npy file, got {self.unconditional_caption!r}")
 
 
 @dataclass
@@ -82,6 +90,8 @@ class ModelConfig(_Section):
     """UNet2DConditionModel keyword arguments that override the preset, e.g. model.unet.cross_attention_dim=768."""
     pretrained: Optional[str] = None
     """Local directory or hub id of a diffusers model (unet/ and scheduler/ subfolders, or a bare UNet) to start from."""
+    prediction_type: Literal["epsilon", "v_prediction"] = "epsilon"
+    """What the UNet predicts: epsilon (the noise) or v_prediction (velocity, from the scheduler's get_velocity). Written into the noise scheduler config, so validation, the exported scheduler and sampling all follow it."""
 
     def __post_init__(self):
         from diffusers import UNet2DConditionModel
@@ -118,6 +128,28 @@ class TrainConfig(_Section):
     """Seed for weight init, and with rank and step for each step's noise and timesteps; also the validation noise."""
     max_bad_steps: int = 20
     """Stop the run after this many consecutive steps skipped for a NaN/inf gradient (checked at each log step)."""
+    snr_gamma: Optional[float] = None
+    """Min-SNR-gamma loss weighting (arXiv 2303.09556): each sample's MSE is weighted by min(SNR, gamma)/SNR (epsilon) or min(SNR, gamma)/(SNR+1) (v_prediction); 5.0 is the paper's value; null = unweighted."""
+    noise_offset: float = 0.0
+    """Offset noise: add noise_offset x N(0,1) per sample and channel to the noise (0.05-0.1 typical); 0 = off."""
+    input_perturbation: float = 0.0
+    """Input perturbation: noise the UNet input with noise + input_perturbation x N(0,1) while the target keeps the noise (0.1 typical); 0 = off."""
+    caption_dropout_prob: float = 0.0
+    """Probability that a sample's caption is replaced by data.unconditional_caption, so the model also learns the unconditional prediction that classifier-free guidance needs (0.1 typical)."""
+    ema_decay: Optional[float] = None
+    """Keep an exponential moving average of the UNet weights with this decay (e.g. 0.9999), saved in checkpoints and used for validation, export and generation; null = no EMA."""
+    ema_start_step: int = 0
+    """Until this step the EMA copies the weights; after it, it averages them with train.ema_decay."""
+    strategy: Literal["ddp", "fsdp"] = "ddp"
+    """Distributed strategy: ddp (Ray's RayDDPStrategy) or fsdp (RayFSDPStrategy, weights, gradients and optimizer state sharded over the workers; GPUs only)."""
+    compile: bool = False
+    """torch.compile the UNet (the first steps are slow while it compiles)."""
+    channels_last: bool = False
+    """Store the UNet's weights and activations channels-last (faster convolutions on tensor-core GPUs)."""
+    gradient_checkpointing: bool = False
+    """Recompute the UNet's activations in the backward pass instead of storing them: less memory, about 30% slower."""
+    attention: Literal["sdpa", "eager"] = "sdpa"
+    """Attention kernel: sdpa (torch's scaled_dot_product_attention: flash or memory-efficient kernels on GPUs) or eager (plain matmul and softmax)."""
 
     def __post_init__(self):
         for key in ("max_steps", "global_batch_size", "max_bad_steps"):
@@ -127,9 +159,17 @@ class TrainConfig(_Section):
             self._fail("micro_batch_size", f"must be > 0 or null, got {self.micro_batch_size}")
         if not self.lr > 0:
             self._fail("lr", f"must be > 0, got {self.lr}")
-        for key in ("warmup_steps", "weight_decay", "grad_clip_norm"):
+        for key in ("warmup_steps", "weight_decay", "grad_clip_norm", "noise_offset", "input_perturbation", "ema_start_step"):
             if getattr(self, key) < 0:
                 self._fail(key, f"must be >= 0, got {getattr(self, key)}")
+        if self.snr_gamma is not None and not self.snr_gamma > 0:
+            self._fail("snr_gamma", f"must be > 0 or null, got {self.snr_gamma}")
+        if not 0 <= self.caption_dropout_prob < 1:
+            self._fail("caption_dropout_prob", f"must be in [0, 1), got {self.caption_dropout_prob}")
+        if self.ema_decay is not None and not 0 < self.ema_decay < 1:
+            self._fail("ema_decay", f"must be in (0, 1) or null, got {self.ema_decay}")
+        if self.strategy == "fsdp" and self.ema_decay is not None:
+            self._fail("ema_decay", "EMA is not supported with train.strategy=fsdp (each rank holds only a shard of the weights); set it to null or use ddp")
 
 
 @dataclass
@@ -183,6 +223,10 @@ class RunConfig(_Section):
     """Save into each checkpoint, as samples.npy, the sample index (row number in data.train's files, in order) of every row trained on since the previous checkpoint, all ranks: an exact record of what the model saw."""
     start_fresh: bool = False
     """Start from step 0 even if run.storage_path/run.name holds a run; the old run is kept, renamed to <name>.replaced-<UTC time>. For one-off command lines, not a retried job (each retry would start over)."""
+    checkpoint_score_attribute: Optional[Literal["val_loss", "loss"]] = None
+    """Keep the run.num_to_keep checkpoints with the lowest value of this metric (plus the latest, which a resume starts from) instead of the newest; null = the newest."""
+    export: bool = True
+    """At the end of the run, export the final (EMA) UNet and noise scheduler in diffusers format to run.storage_path/run.name/export/."""
 
     def __post_init__(self):
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", self.name):
@@ -250,6 +294,20 @@ class Config:
             raise ConfigError("data.train: is required: give a parquet file, directory, glob or list of them")
         if self.retrain.data_root is not None and not self.data.val:
             raise ConfigError("data.val: retraining needs a fixed held-out set to compare the new and production models on")
+        if self.train.strategy == "fsdp" and self.data.val:
+            raise ConfigError(
+                "data.val: validation runs on rank 0 alone, which train.strategy=fsdp (weights sharded over all ranks) "
+                "cannot do; use ddp, or evaluate checkpoints afterwards"
+            )
+        if self.run.checkpoint_score_attribute == "val_loss":
+            if not self.data.val:
+                raise ConfigError("run.checkpoint_score_attribute: val_loss needs data.val")
+            every = self.run.val_every_n_steps
+            if every is not None and self.run.checkpoint_every_n_steps % every:
+                raise ConfigError(
+                    f"run.checkpoint_score_attribute: val_loss needs a validation loss with every checkpoint, but "
+                    f"run.val_every_n_steps={every} does not divide run.checkpoint_every_n_steps={self.run.checkpoint_every_n_steps}"
+                )
         for world_size in range(self.scaling.min_workers, self.scaling.max_workers + 1):
             self.batch_layout(world_size)
 

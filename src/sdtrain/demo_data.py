@@ -12,6 +12,7 @@ lists in ``image_latents_256`` and ``caption_latents``, plus ``id`` and ``label`
 
 from __future__ import annotations
 
+import functools
 import gzip
 import os
 import shutil
@@ -39,9 +40,30 @@ def load_digits() -> tuple[np.ndarray, np.ndarray]:
 
 def pseudo_latents(images: np.ndarray) -> np.ndarray:
     """(N, 8, 8) digits -> (N, 4, 16, 16) float32 with roughly zero mean and unit variance."""
-    up = np.kron(images.astype(np.float32) / 8.0 - 1.0, np.ones((2, 2), dtype=np.float32))
-    channels = np.stack([up, up[:, :, ::-1], up.transpose(0, 2, 1), -up], axis=1)
+    channels = _channels(images)
     return (channels - channels.mean()) / channels.std()
+
+
+def digits_from_latents(latents: np.ndarray) -> np.ndarray:
+    """The inverse of ``pseudo_latents`` for the demo dataset: (N, 4, 16, 16) -> (N, 16, 16) digit
+    images in 0..16 (ink high), averaging the four channels' copies of the image. Used to preview
+    samples of a model trained on the demo, which has no VAE to decode with."""
+    mean, std = _demo_normalization()
+    c = np.asarray(latents, dtype=np.float32) * std + mean
+    up = (c[:, 0] + c[:, 1, :, ::-1] + c[:, 2].transpose(0, 2, 1) - c[:, 3]) / 4
+    return (up + 1.0) * 8.0
+
+
+def _channels(images: np.ndarray) -> np.ndarray:
+    up = np.kron(images.astype(np.float32) / 8.0 - 1.0, np.ones((2, 2), dtype=np.float32))
+    return np.stack([up, up[:, :, ::-1], up.transpose(0, 2, 1), -up], axis=1)
+
+
+@functools.lru_cache(maxsize=1)
+def _demo_normalization() -> tuple[float, float]:
+    """The mean and std ``ensure_demo_data`` normalized the whole demo set with."""
+    channels = _channels(load_digits()[0])
+    return float(channels.mean()), float(channels.std())
 
 
 def class_captions(caption_dim: int, seed: int = 0) -> np.ndarray:

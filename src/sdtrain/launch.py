@@ -21,10 +21,12 @@ from sdtrain.dataset import WindowReader, file_order_dataset
 from sdtrain.dataspec import DatasetSpec, inspect_dataset
 from sdtrain.demo_data import ensure_demo_data
 from sdtrain.errors import ConfigError, DataError, TrainingFailed
+from sdtrain.export import EXPORT_DIR, export_checkpoint
 from sdtrain.failures import StopOnDeterministicErrors, failure_message
 from sdtrain.files import absolute, resolve_parquet_files, set_aside, uri_for
 from sdtrain.model import noise_scheduler_config, unet_config
 from sdtrain.outputs import read_history, write_run_outputs
+from sdtrain.recipe import load_unconditional_caption, stored_latent_scaling
 from sdtrain.sampling import SamplePlan
 from sdtrain.shards import PlannedShards
 from sdtrain.worker import train_loop_per_worker
@@ -49,6 +51,9 @@ def train(config: Config) -> RunSummary:
     train_spec = dataset_spec(config, "data.train", config.data.train, unet)
     val_spec = dataset_spec(config, "data.val", config.data.val, unet) if config.data.val else None
     _check_shapes_agree(train_spec, val_spec)
+    # Before Ray starts: a wrong empty-prompt file or a double latent scaling fails here.
+    load_unconditional_caption(config.data.unconditional_caption, train_spec.caption_shape)
+    stored_scale = stored_latent_scaling([train_spec.files[0]] + ([val_spec.files[0]] if val_spec else []), config.data)
     print(
         f"[sdtrain] data.train: {train_spec.num_rows} rows in {len(train_spec.files)} file(s), latents "
         f"{train_spec.latent_shape}, captions {train_spec.caption_shape}; "
@@ -87,6 +92,10 @@ def train(config: Config) -> RunSummary:
         "noise_scheduler_config": noise_scheduler_config(config.model),
         "latent_shape": list(train_spec.latent_shape),
         "caption_shape": list(train_spec.caption_shape),
+        # The factor training multiplies the stored latents by (once), and the one the model's
+        # latents carry relative to raw VAE latents, when known (for decoding samples).
+        "latent_scale": config.data.latent_scaling_factor or 1.0,
+        "latent_scaling_factor": config.data.latent_scaling_factor or stored_scale,
         "config": config.to_dict(),
     }
     trainer = TorchTrainer(
@@ -107,7 +116,11 @@ def train(config: Config) -> RunSummary:
             name=config.run.name,
             storage_path=config.run.storage_path,
             failure_config=ray.train.FailureConfig(max_failures=config.failure.max_failures),
-            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=config.run.num_to_keep),
+            checkpoint_config=ray.train.CheckpointConfig(
+                num_to_keep=config.run.num_to_keep,
+                checkpoint_score_attribute=config.run.checkpoint_score_attribute,
+                checkpoint_score_order="min",
+            ),
             # Ray Train logs every report at INFO; our own progress line already says it all.
             logging_config=ray.train.LoggingConfig(log_level="WARNING"),
             callbacks=[StopOnDeterministicErrors()],
@@ -125,6 +138,10 @@ def train(config: Config) -> RunSummary:
     checkpoint = result.checkpoint
     history = read_history(checkpoint)
     outputs = write_run_outputs(history, checkpoint.filesystem, result.path)
+    if config.run.export:
+        export_path = posixpath.join(result.path, EXPORT_DIR)
+        export_checkpoint(uri_for(checkpoint.filesystem, checkpoint.path), uri_for(checkpoint.filesystem, export_path))
+        outputs.append(export_path)
     return RunSummary(
         run_dir=uri_for(checkpoint.filesystem, result.path),
         checkpoint_path=uri_for(checkpoint.filesystem, checkpoint.path),

@@ -31,15 +31,18 @@ def build_unet(model: ModelConfig) -> UNet2DConditionModel:
 
 
 def noise_scheduler_config(model: ModelConfig) -> dict[str, Any]:
-    """The DDPM training schedule: SD 2 base's (shipped), or the pretrained model's scheduler/."""
+    """The DDPM training schedule: SD 2 base's (shipped), or the pretrained model's scheduler/;
+    with ``prediction_type`` from model.prediction_type in either case."""
+    config = None
     if model.pretrained is not None:
         location = _pretrained_location(model.pretrained, "scheduler", required=False)
         if location is not None:
             path, subfolder = location
             config = DDPMScheduler.load_config(path, subfolder=subfolder)
-            return json_safe(dict(DDPMScheduler.from_config(config).config))
-    shipped = resources.files("sdtrain").joinpath("assets/scheduler_config.json").read_text()
-    config = {k: v for k, v in json.loads(shipped).items() if not k.startswith("_")}
+    if config is None:
+        shipped = resources.files("sdtrain").joinpath("assets/scheduler_config.json").read_text()
+        config = {k: v for k, v in json.loads(shipped).items() if not k.startswith("_")}
+    config = {**config, "prediction_type": model.prediction_type}
     return json_safe(dict(DDPMScheduler.from_config(config).config))
 
 

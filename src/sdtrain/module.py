@@ -1,18 +1,22 @@
-"""The LightningModule: a diffusers UNet trained to predict the noise added by a DDPM schedule."""
+"""The LightningModule: a diffusers UNet trained on a DDPM schedule, with the recipe of sdtrain.recipe
+(epsilon or v-prediction, min-SNR weighting, offset noise, input perturbation, caption dropout) and
+an optional EMA of its weights (sdtrain.ema)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterable, Optional
 
 import lightning.pytorch as pl
 import numpy as np
 import torch
-import torch.nn.functional as F
 from diffusers import UNet2DConditionModel
 from transformers import get_constant_schedule_with_warmup
 
 from sdtrain.config import TrainConfig
+from sdtrain.ema import ema_update_, make_ema
 from sdtrain.model import build_noise_scheduler
+from sdtrain.recipe import diffusion_loss, step_inputs
+from sdtrain.validation import validation_loss
 
 CHECKPOINT_META_KEY = "sdtrain"
 
@@ -24,13 +28,21 @@ class DiffusionModule(pl.LightningModule):
         noise_scheduler_config: dict[str, Any],
         train: TrainConfig,
         checkpoint_meta: dict[str, Any],
+        unconditional_caption: Optional[torch.Tensor] = None,
         accumulation: int = 1,
         record_samples: bool = False,
     ):
         """``checkpoint_meta`` (plain JSON data) is stored in every checkpoint, so the model can be
-        rebuilt from the checkpoint alone: UNet and scheduler configs, data shapes, the run config.
+        rebuilt from the checkpoint alone: UNet and scheduler configs, data shapes, the run config,
+        and ``latent_scale``, the factor stored latents are multiplied by as they are read (1.0
+        when the data is already scaled).
+
+        ``unconditional_caption`` (L x D) replaces dropped captions; default: zeros of the meta's
+        ``caption_shape``. It is stored in the checkpoint (``unconditional_caption``), so sampling
+        with classifier-free guidance uses the embedding the model was trained with.
         ``accumulation`` is the number of micro-batches per optimizer step; ``record_samples`` keeps
-        the ``sample_index`` of every row trained on, for :meth:`take_sample_record`."""
+        the ``sample_index`` of every row trained on, for :meth:`take_sample_record`.
+        """
         super().__init__()
         self.accumulation = accumulation
         self.sample_record: list[torch.Tensor] | None = [] if record_samples else None
@@ -39,6 +51,16 @@ class DiffusionModule(pl.LightningModule):
         self.noise_scheduler = build_noise_scheduler(noise_scheduler_config)
         self.train_config = train
         self.checkpoint_meta = checkpoint_meta
+        self.latent_scale = float(checkpoint_meta.get("latent_scale", 1.0))
+        if unconditional_caption is None and "caption_shape" in checkpoint_meta:
+            unconditional_caption = torch.zeros(checkpoint_meta["caption_shape"])
+        if unconditional_caption is None and train.caption_dropout_prob > 0:
+            raise ValueError("train.caption_dropout_prob needs an unconditional caption embedding (or caption_shape in the meta)")
+        # A frozen parameter rather than a buffer: saved in the checkpoint, but not broadcast by DDP every step.
+        self.unconditional_caption = (
+            None if unconditional_caption is None else torch.nn.Parameter(unconditional_caption.float(), requires_grad=False)
+        )
+        self.ema_unet = make_ema(unet) if train.ema_decay is not None else None
         # Summed on the device and read only when a log line is due: no per-step host sync.
         self.register_buffer("loss_sum", torch.zeros(()), persistent=False)
         self.register_buffer("loss_count", torch.zeros(()), persistent=False)
@@ -53,9 +75,18 @@ class DiffusionModule(pl.LightningModule):
         Nothing random carries over from earlier steps, so a run resumed from a checkpoint draws
         exactly what the uninterrupted run would have drawn at the same step.
         """
+        return self._draw_noise_and_timesteps(latents, self._step_generator(latents.device, micro_batch))
+
+    def _step_generator(self, device: torch.device, micro_batch: int) -> torch.Generator:
+        """A generator freshly seeded from (seed, rank, global step, micro-batch): the source of
+        every random draw of this micro-batch (noise, timesteps, then the recipe's offset noise,
+        input perturbation and caption-dropout mask, in that order)."""
         key = np.random.SeedSequence([self.train_config.seed, self.global_rank, self.global_step, micro_batch])
-        generator = torch.Generator(device=latents.device)
+        generator = torch.Generator(device=device)
         generator.manual_seed(int(key.generate_state(1, np.uint64)[0]))
+        return generator
+
+    def _draw_noise_and_timesteps(self, latents: torch.Tensor, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
         noise = torch.randn(latents.shape, generator=generator, device=latents.device, dtype=latents.dtype)
         timesteps = torch.randint(
             0, self.noise_scheduler.config.num_train_timesteps, (latents.shape[0],), generator=generator, device=latents.device
@@ -63,17 +94,25 @@ class DiffusionModule(pl.LightningModule):
         return noise, timesteps
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        latents = batch["latents"].float()
+        latents = batch["latents"].float() * self.latent_scale if self.latent_scale != 1.0 else batch["latents"].float()
         captions = batch["captions"].float()
-        noise, timesteps = self.noise_and_timesteps(latents, self._micro_batch)
+        generator = self._step_generator(latents.device, self._micro_batch)
         self._micro_batch = (self._micro_batch + 1) % self.accumulation
-        noisy = self.noise_scheduler.add_noise(latents, noise, timesteps)
-        prediction = self.unet(noisy, timesteps, encoder_hidden_states=captions).sample
-        per_sample = F.mse_loss(prediction.float(), noise, reduction="none").mean(dim=(1, 2, 3))
+        noise, timesteps = self._draw_noise_and_timesteps(latents, generator)
+        config = self.train_config
+        inputs = step_inputs(
+            self.noise_scheduler, latents, captions, noise, timesteps, generator,
+            noise_offset=config.noise_offset,
+            input_perturbation=config.input_perturbation,
+            caption_dropout_prob=config.caption_dropout_prob,
+            unconditional_caption=self.unconditional_caption,
+        )
+        prediction = self.unet(inputs.noisy, timesteps, encoder_hidden_states=inputs.captions).sample
         # Rows of an unreadable file skipped under data.on_read_error=skip carry valid=False.
-        valid = batch["valid"].float() if "valid" in batch else torch.ones_like(per_sample)
-        loss = (per_sample * valid).sum() / valid.sum().clamp(min=1)
-        self.skipped_samples += valid.numel() - valid.sum()
+        valid = batch.get("valid")
+        loss = diffusion_loss(prediction, inputs.target, self.noise_scheduler, timesteps, config.snr_gamma, valid)
+        if valid is not None:
+            self.skipped_samples += valid.numel() - valid.sum()
         if self.sample_record is not None:
             self.sample_record.append(batch["sample_index"])
         finite = torch.isfinite(loss.detach())
@@ -94,6 +133,25 @@ class DiffusionModule(pl.LightningModule):
         self.skipped_steps += bad
         self.bad_streak.mul_(bad).add_(bad)
         torch.maximum(self.longest_bad_streak, self.bad_streak, out=self.longest_bad_streak)
+
+    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None) -> None:
+        super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+        if self.ema_unet is not None:
+            skipped = getattr(getattr(optimizer, "optimizer", optimizer), "found_inf", None)
+            # global_step still counts the steps before this one here.
+            ema_update_(
+                self.ema_unet.parameters(), self.unet.parameters(), self.global_step + 1,
+                self.train_config.ema_decay, self.train_config.ema_start_step, skipped,
+            )
+
+    @property
+    def eval_unet(self) -> UNet2DConditionModel:
+        """The weights that validation, export and sampling use: the EMA's when there is one."""
+        return self.ema_unet if self.ema_unet is not None else self.unet
+
+    def validation_loss(self, batches: Iterable[dict[str, torch.Tensor]], seed: int) -> float:
+        """Validation loss of ``eval_unet`` (see sdtrain.validation), on the data as training sees it."""
+        return validation_loss(self.eval_unet, self.noise_scheduler, batches, seed, latent_scale=self.latent_scale)
 
     def take_window_stats(self) -> dict[str, torch.Tensor]:
         """Mean finite training loss, skipped steps and samples, and the longest run of consecutive

@@ -121,7 +121,9 @@ def heldout_loss(config: Config, unet, scheduler) -> float:
     """Validation loss on data.val at fixed timesteps and noise: comparable between any two models."""
     spec = dataset_spec(config, "data.val", config.data.val, unet.config)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    return validation_loss(unet.to(device), scheduler, iter_local_batches(spec, config.data, EVAL_BATCH_SIZE), seed=config.train.seed)
+    batches = iter_local_batches(spec, config.data, EVAL_BATCH_SIZE)
+    latent_scale = config.data.latent_scaling_factor or 1.0
+    return validation_loss(unet.to(device), scheduler, batches, seed=config.train.seed, latent_scale=latent_scale)
 
 
 def _decide(new_loss: float, production_loss: Optional[float], production: Optional[str], tolerance: float):

@@ -4,6 +4,10 @@ Training loss is noisy: each step draws fresh timesteps and noise. Here sample `
 validation set always gets the same timestep (a fixed grid over the schedule) and the same
 noise (a generator seeded by ``seed`` and ``i``), so the number moves only when the weights do,
 and a checkpoint reloaded anywhere reproduces it.
+
+The loss is the plain MSE against the scheduler's own training target (the noise for epsilon,
+``get_velocity`` for v_prediction), with none of the training recipe's randomness or weighting:
+no offset noise, perturbation, caption dropout or min-SNR weights.
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from diffusers import DDPMScheduler, UNet2DConditionModel
 
+from sdtrain.recipe import training_target
+
 NUM_TIMESTEPS = 10
 
 
@@ -23,8 +29,10 @@ def validation_loss(
     noise_scheduler: DDPMScheduler,
     batches: Iterable[dict[str, torch.Tensor]],
     seed: int = 0,
+    latent_scale: float = 1.0,
 ) -> float:
-    """Mean epsilon-prediction MSE over every sample in ``batches`` (in the order given)."""
+    """Mean prediction MSE over every sample in ``batches`` (in the order given), the stored latents
+    multiplied by ``latent_scale`` first (as training does)."""
     was_training = unet.training
     unet.eval()
     device = next(unet.parameters()).device
@@ -33,6 +41,8 @@ def validation_loss(
     loss_sum, count = 0.0, 0
     for batch in batches:
         latents = batch["latents"].to(device).float()
+        if latent_scale != 1.0:
+            latents = latents * latent_scale
         captions = batch["captions"].to(device).float()
         indices = range(count, count + latents.shape[0])
         noise = torch.stack(
@@ -41,7 +51,8 @@ def validation_loss(
         timesteps = grid[torch.tensor([i % NUM_TIMESTEPS for i in indices])].to(device)
         noisy = noise_scheduler.add_noise(latents, noise, timesteps)
         prediction = unet(noisy, timesteps, encoder_hidden_states=captions).sample
-        per_sample = F.mse_loss(prediction.float(), noise, reduction="none").mean(dim=(1, 2, 3))
+        target = training_target(noise_scheduler, latents, noise, timesteps)
+        per_sample = F.mse_loss(prediction.float(), target, reduction="none").mean(dim=(1, 2, 3))
         loss_sum += per_sample.sum().item()
         count += latents.shape[0]
     unet.train(was_training)

@@ -12,14 +12,16 @@ import lightning.pytorch as pl
 import ray.train
 import ray.train.torch
 import torch
-from ray.train.lightning import RayDDPStrategy, RayLightningEnvironment, prepare_trainer
+from ray.train.lightning import RayLightningEnvironment, prepare_trainer
 
 from sdtrain.callbacks import StepReporter, log
 from sdtrain.checkpoint import CHECKPOINT_FILE, DATA_STATE_FILE, HISTORY_FILE
 from sdtrain.config import Config
 from sdtrain.errors import TrainingFailed, find_sdtrain_error
+from sdtrain.hardware import apply_options, build_strategy
 from sdtrain.model import build_unet
 from sdtrain.module import DiffusionModule
+from sdtrain.recipe import load_unconditional_caption
 from sdtrain.sampling import DataState, SamplePlan
 
 
@@ -83,10 +85,13 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     # seeded by (seed, rank, step, micro-batch) in the module, not by this global seed.
     pl.seed_everything(config.train.seed, verbose=False)
     unet = build_unet(config.model)
+    meta = loop_config["checkpoint_meta"]
+    uncond = load_unconditional_caption(config.data.unconditional_caption, meta["caption_shape"])
     module = DiffusionModule(
-        unet, loop_config["noise_scheduler_config"], config.train, loop_config["checkpoint_meta"], accumulation,
-        record_samples=config.run.record_samples,
+        unet, loop_config["noise_scheduler_config"], config.train, meta, unconditional_caption=uncond,
+        accumulation=accumulation, record_samples=config.run.record_samples,
     )
+    apply_options(module, config.train)
 
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is None:
@@ -134,7 +139,7 @@ def _fit(config: Config, module, use_gpu, plan: SamplePlan, layout, history, sta
         max_epochs=-1,
         accelerator="gpu" if use_gpu else "cpu",
         devices="auto",
-        strategy=RayDDPStrategy(),
+        strategy=build_strategy(config.train),
         plugins=[RayLightningEnvironment()],
         precision=resolve_precision(config.train.precision, use_gpu),
         gradient_clip_val=config.train.grad_clip_norm or None,

@@ -1,0 +1,60 @@
+"""Exponential moving average (EMA) of the UNet weights.
+
+The EMA is a second UNet whose parameters never get gradients. After every optimizer step,
+
+    ema <- decay * ema + (1 - decay) * weights      (step > train.ema_start_step)
+    ema <- weights                                  (step <= train.ema_start_step)
+
+and a step skipped for non-finite gradients leaves the EMA untouched too. The update runs on the
+device with no host sync (the skip flag is a device tensor). Being parameters of the Lightning
+module, the EMA weights are saved in every checkpoint under ``ema_unet.`` and restored on
+resume. Under DDP every rank holds the same weights, so the rank-local EMA is the same
+everywhere and needs no communication.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Iterable, Optional
+
+import torch
+from torch import nn
+
+
+def make_ema(model: nn.Module) -> nn.Module:
+    """A frozen copy of ``model``: its parameters require no grad, so DDP neither reduces nor broadcasts them."""
+    ema = copy.deepcopy(model)
+    ema.requires_grad_(False)  # left in train mode like the UNet: the UNet has no dropout or batch norm by default
+    return ema
+
+
+@torch.no_grad()
+def ema_update_(
+    ema_params: Iterable[torch.Tensor],
+    params: Iterable[torch.Tensor],
+    step: int,
+    decay: float,
+    start_step: int,
+    skipped: Optional[torch.Tensor] = None,
+) -> None:
+    """Update ``ema_params`` in place after optimizer step number ``step`` (1-based).
+
+    ``skipped`` is a 0-d device tensor, 1.0 when the step did not update the weights.
+    """
+    ema_params, params = list(ema_params), list(params)
+    weight = 1.0 if step <= start_step else 1.0 - decay
+    if skipped is None:
+        torch._foreach_lerp_(ema_params, params, weight)
+        return
+    device_weight = (1.0 - skipped.to(ema_params[0].device, torch.float32)) * weight
+    for ema_group, param_group in _by_dtype(ema_params, params):
+        torch._foreach_lerp_(ema_group, param_group, device_weight.to(ema_group[0].dtype))
+
+
+def _by_dtype(ema_params, params):
+    groups: dict[torch.dtype, tuple[list, list]] = {}
+    for e, p in zip(ema_params, params, strict=True):
+        pair = groups.setdefault(e.dtype, ([], []))
+        pair[0].append(e)
+        pair[1].append(p.detach())
+    return groups.values()

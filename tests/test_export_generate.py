@@ -1,0 +1,182 @@
+"""Export in diffusers format, sampling, and entrypoints/generate.py end to end, on a tiny model
+trained for a few steps on the demo data with plain Lightning (no Ray)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import lightning.pytorch as pl
+import numpy as np
+import pytest
+import torch
+from diffusers import AutoencoderKL, DDIMScheduler, DDPMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+from PIL import Image
+
+from conftest import REPO
+from sdtrain.checkpoint import load_checkpoint
+from sdtrain.config import ModelConfig, TrainConfig
+from sdtrain.dataset import iter_local_batches
+from sdtrain.dataspec import inspect_dataset
+from sdtrain.config import DataConfig
+from sdtrain.demo_data import digits_from_latents, ensure_demo_data, load_digits, pseudo_latents
+from sdtrain.export import export_checkpoint, load_export
+from sdtrain.files import resolve_parquet_files
+from sdtrain.generate import guided_prediction, sample_latents
+from sdtrain.model import build_unet, noise_scheduler_config, unet_config
+from sdtrain.module import DiffusionModule
+
+GENERATE = [sys.executable, str(REPO / "entrypoints" / "generate.py")]
+ENV = {**os.environ, "PYTHONPATH": str(REPO / "src")}  # this checkout's package, whatever the cwd
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A checkpoint of the tiny UNet after 4 steps on the digits demo, with EMA and caption dropout."""
+    root = tmp_path_factory.mktemp("trained")
+    ensure_demo_data(str(root / "train"), str(root / "val"), caption_dim=32)
+    data = DataConfig(train=[str(root / "train")], val=[str(root / "val")], demo=True)
+    spec = inspect_dataset(resolve_parquet_files(data.train, "data.train"), "data.train", data.image_column, data.caption_column, 4, 32)
+    batches = []
+    for batch in iter_local_batches(spec, data, 16):
+        batches.append(batch)
+        if len(batches) == 4:
+            break
+    model = ModelConfig(preset="tiny", prediction_type="v_prediction")
+    train = TrainConfig(lr=1e-3, warmup_steps=0, ema_decay=0.5, caption_dropout_prob=0.2)
+    meta = {
+        "unet_config": unet_config(model), "noise_scheduler_config": noise_scheduler_config(model),
+        "latent_shape": [4, 16, 16], "caption_shape": [77, 32], "latent_scale": 1.0, "latent_scaling_factor": None,
+        "config": {"data": {"demo": True}, "train": {"caption_dropout_prob": 0.2}},
+    }
+    torch.manual_seed(0)
+    module = DiffusionModule(build_unet(model), meta["noise_scheduler_config"], train, meta)
+    trainer = pl.Trainer(max_steps=4, accelerator="cpu", logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(batches, batch_size=None))
+    checkpoint = root / "checkpoint_000000004"
+    trainer.save_checkpoint(checkpoint / "checkpoint.ckpt", weights_only=False)
+    return {"root": root, "checkpoint": str(checkpoint), "module": module}
+
+
+def _tiny_vae(path):
+    torch.manual_seed(0)
+    vae = AutoencoderKL(block_out_channels=(8, 16), down_block_types=("DownEncoderBlock2D",) * 2,
+                        up_block_types=("UpDecoderBlock2D",) * 2, latent_channels=4, norm_num_groups=8, sample_size=32)
+    vae.save_pretrained(path)
+    return vae
+
+
+def test_export_round_trips_through_from_pretrained(trained, tmp_path):
+    out = export_checkpoint(trained["checkpoint"], str(tmp_path / "export"))
+    files = sorted(str(p.relative_to(tmp_path / "export")) for p in (tmp_path / "export").rglob("*") if p.is_file())
+    assert files == ["scheduler/scheduler_config.json", "sdtrain.json", "unconditional_caption.npy",
+                     "unet/config.json", "unet/diffusion_pytorch_model.safetensors"]
+    unet = UNet2DConditionModel.from_pretrained(out, subfolder="unet").eval()
+    scheduler = DDPMScheduler.from_pretrained(out, subfolder="scheduler")
+    assert scheduler.config.prediction_type == "v_prediction" and scheduler.config.clip_sample is False
+    info = json.loads((tmp_path / "export" / "sdtrain.json").read_text())
+    assert info["weights"] == "ema" and info["global_step"] == 4 and info["demo"] is True
+
+    module = trained["module"]
+    x, t, c = torch.randn(2, 4, 16, 16), torch.tensor([5, 700]), torch.randn(2, 77, 32)
+    with torch.no_grad():
+        want = module.ema_unet(x, t, c).sample
+        got = unet(x, t, c).sample
+    torch.testing.assert_close(got, want, rtol=0, atol=0)  # identical outputs: the EMA weights, exactly
+    with torch.no_grad():
+        assert not torch.equal(module.unet(x, t, c).sample, want)  # and not the raw weights
+    assert torch.equal(load_export(out).unconditional_caption, torch.zeros(77, 32))
+
+
+def test_exported_unet_works_inside_a_stable_diffusion_pipeline(trained, tmp_path):
+    """The exported UNet as a StableDiffusionPipeline's unet gives the latents our sampler gives."""
+    out = export_checkpoint(trained["checkpoint"], str(tmp_path / "export"))
+    unet = UNet2DConditionModel.from_pretrained(out, subfolder="unet").eval()
+    scheduler = DDIMScheduler.from_pretrained(out, subfolder="scheduler")
+    vae = _tiny_vae(tmp_path / "vae")
+    pipe = StableDiffusionPipeline(vae=vae, text_encoder=None, tokenizer=None, unet=unet, scheduler=scheduler,
+                                   safety_checker=None, feature_extractor=None, requires_safety_checker=False)
+    cond = torch.randn(2, 77, 32, generator=torch.Generator().manual_seed(1))
+    uncond = torch.zeros(1, 77, 32)
+    size = 16 * pipe.vae_scale_factor
+    theirs = pipe(prompt_embeds=cond, negative_prompt_embeds=uncond.expand(2, -1, -1), guidance_scale=3.0, num_inference_steps=5,
+                  generator=torch.Generator().manual_seed(0), output_type="latent", height=size, width=size).images
+    ours = sample_latents(unet, dict(scheduler.config), cond, uncond[0], (4, 16, 16), sampler="ddim", steps=5, guidance_scale=3.0, seed=0)
+    torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)
+    assert ours.abs().max() < 50  # no blow-up (clip_sample off, v-prediction followed by the sampler)
+
+
+def test_guidance_scale_one_is_the_conditional_prediction(trained):
+    unet = load_checkpoint(trained["checkpoint"]).unet
+    x, t = torch.randn(3, 4, 16, 16), torch.tensor(400)
+    cond, uncond = torch.randn(3, 77, 32), torch.zeros(3, 77, 32)
+    with torch.no_grad():
+        conditional = unet(x, t, encoder_hidden_states=cond).sample
+        unconditional = unet(x, t, encoder_hidden_states=uncond).sample
+        assert torch.equal(guided_prediction(unet, x, t, cond, uncond, 1.0), conditional)
+        guided = guided_prediction(unet, x, t, cond, uncond, 4.0)
+    torch.testing.assert_close(guided, unconditional + 4.0 * (conditional - unconditional), rtol=1e-4, atol=1e-5)
+
+
+def test_sampling_depends_on_the_seed_only():
+    torch.manual_seed(0)
+    unet = UNet2DConditionModel(**unet_config(ModelConfig(preset="tiny"))).eval()
+    config = noise_scheduler_config(ModelConfig(preset="tiny"))
+    captions = torch.randn(3, 7, 32)
+    a = sample_latents(unet, config, captions, torch.zeros(7, 32), (4, 16, 16), sampler="dpm", steps=3, seed=5, batch_size=1)
+    b = sample_latents(unet, config, captions, torch.zeros(7, 32), (4, 16, 16), sampler="dpm", steps=3, seed=5, batch_size=3)
+    torch.testing.assert_close(a, b, rtol=0, atol=1e-4)  # batching changes the samples only by float rounding
+    assert not torch.allclose(a, sample_latents(unet, config, captions, torch.zeros(7, 32), (4, 16, 16), sampler="dpm", steps=3, seed=6))
+
+
+def test_digit_preview_inverts_the_demo_latents():
+    images, _ = load_digits()
+    # pseudo_latents of a subset is normalized by that subset; the demo files use the whole set
+    recovered = digits_from_latents(pseudo_latents(images)[:20])
+    np.testing.assert_allclose(recovered, np.kron(images[:20], np.ones((2, 2))), atol=1e-3)
+
+
+def _generate(args, tmp_path):
+    result = subprocess.run(GENERATE + args, cwd=tmp_path, capture_output=True, text=True, timeout=170, env=ENV)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+@pytest.mark.timeout(180)
+def test_generate_end_to_end_writes_a_grid_per_class(trained, tmp_path):
+    out = tmp_path / "samples"
+    result = _generate([trained["checkpoint"], "--captions", str(trained["root"] / "val"), "--out", str(out),
+                        "--samples-per-caption", "3", "--steps", "4", "--sampler", "dpm", "--guidance-scale", "2"], tmp_path)
+    assert sorted(p.name for p in out.iterdir()) == ["generate.json", "latents.npy", "preview.png"]
+    latents = np.load(out / "latents.npy")
+    assert latents.shape == (10, 3, 4, 16, 16) and np.isfinite(latents).all()  # a row per digit class
+    info = json.loads((out / "generate.json").read_text())
+    assert info["rows"] == [f"label {d}" for d in range(10)] and info["weights"] == "ema" and info["prediction_type"] == "v_prediction"
+    with Image.open(out / "preview.png") as preview:
+        width, height = preview.size
+    assert height == 10 * (64 + 2) + 2 and width == 60 + 3 * (64 + 2) + 2  # 10 rows of 3 tiles of 64x64
+    assert f"wrote {out}/preview.png" in result.stdout
+
+    # Export with the same entrypoint, then sample from the export with a VAE: decoded images and a grid.
+    _generate([trained["checkpoint"], "--export-to", str(tmp_path / "export")], tmp_path)
+    _tiny_vae(tmp_path / "vae")
+    out = tmp_path / "decoded"
+    np.save(tmp_path / "two.npy", np.random.default_rng(0).standard_normal((2, 77, 32)).astype(np.float32))
+    _generate([str(tmp_path / "export"), "--captions", str(tmp_path / "two.npy"), "--out", str(out), "--vae", str(tmp_path / "vae"),
+               "--samples-per-caption", "2", "--steps", "3"], tmp_path)
+    images = sorted(p.name for p in (out / "images").iterdir())
+    assert images == ["row00_sample00.png", "row00_sample01.png", "row01_sample00.png", "row01_sample01.png"]
+    with Image.open(out / "images" / images[0]) as image:
+        assert image.size == (32, 32) and image.mode == "RGB"  # 16x16 latents, a VAE that upsamples 2x
+    assert (out / "grid.png").is_file() and np.load(out / "latents.npy").shape == (2, 2, 4, 16, 16)
+
+
+def test_generate_rejects_bad_input_in_one_line(trained, tmp_path):
+    np.save(tmp_path / "wide.npy", np.zeros((77, 64), np.float32))
+    result = subprocess.run(GENERATE + [trained["checkpoint"], "--captions", str(tmp_path / "wide.npy")],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=120, env=ENV)
+    assert result.returncode == 2 and "error: --captions:" in result.stderr and "(L, 32)" in result.stderr
+    assert "Traceback" not in result.stderr
+    result = subprocess.run(GENERATE + [str(tmp_path / "nowhere"), "--captions", "x.npy"], cwd=tmp_path, capture_output=True, text=True, timeout=120, env=ENV)
+    assert result.returncode == 2 and "does not exist" in result.stderr

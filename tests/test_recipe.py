@@ -1,0 +1,253 @@
+"""The training recipe, formula by formula, against diffusers' own scheduler math; EMA; validation
+with the recipe's prediction type; latent scaling applied once (tiny real UNet, no Ray)."""
+
+import lightning.pytorch as pl
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+import torch.nn.functional as F
+from diffusers import DDPMScheduler
+from diffusers.training_utils import compute_snr
+
+from sdtrain import recipe
+from sdtrain.checkpoint import load_checkpoint, load_model
+from sdtrain.config import DataConfig, ModelConfig, TrainConfig
+from sdtrain.ema import ema_update_
+from sdtrain.errors import ConfigError
+from sdtrain.model import build_unet, noise_scheduler_config, unet_config
+from sdtrain.module import DiffusionModule
+from sdtrain.validation import validation_loss
+
+CAPTION_SHAPE = (5, 32)
+
+
+def _scheduler(prediction_type="epsilon"):
+    return DDPMScheduler.from_config(noise_scheduler_config(ModelConfig(preset="tiny", prediction_type=prediction_type)))
+
+
+def _module(prediction_type="epsilon", uncond=None, latent_scale=None, **train):
+    model = ModelConfig(preset="tiny", prediction_type=prediction_type)
+    torch.manual_seed(0)
+    meta = {
+        "unet_config": unet_config(model),
+        "noise_scheduler_config": noise_scheduler_config(model),
+        "caption_shape": list(CAPTION_SHAPE),
+        "config": {"data": {"demo": False}, "train": {"caption_dropout_prob": train.get("caption_dropout_prob", 0.0)}},
+    }
+    if latent_scale is not None:
+        meta["latent_scale"] = latent_scale
+    return DiffusionModule(build_unet(model), meta["noise_scheduler_config"], TrainConfig(**train), meta, unconditional_caption=uncond)
+
+
+def _batches(n=4, batch=4, seed=0, same=False):
+    g = torch.Generator().manual_seed(seed)
+    one = lambda: {"latents": torch.randn(batch, 4, 16, 16, generator=g), "captions": torch.randn(batch, *CAPTION_SHAPE, generator=g)}
+    if same:
+        b = one()
+        return [b for _ in range(n)]
+    return [one() for _ in range(n)]
+
+
+def _fit(module, steps, batches, ckpt_path=None):
+    trainer = pl.Trainer(
+        max_steps=steps, accelerator="cpu", logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+    )
+    trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(batches, batch_size=None), ckpt_path=ckpt_path, weights_only=True)
+    return trainer
+
+
+# --- formulas ---------------------------------------------------------------------------
+
+
+def test_targets_are_the_noise_or_the_schedulers_velocity():
+    latents, noise = torch.randn(3, 4, 16, 16), torch.randn(3, 4, 16, 16)
+    t = torch.tensor([0, 500, 999])
+    eps, v = _scheduler("epsilon"), _scheduler("v_prediction")
+    assert v.config.prediction_type == "v_prediction" and v.config.clip_sample is False
+    assert torch.equal(recipe.training_target(eps, latents, noise, t), noise)
+    velocity = recipe.training_target(v, latents, noise, t)
+    assert torch.equal(velocity, v.get_velocity(latents, noise, t))
+    a = v.alphas_cumprod[t].view(-1, 1, 1, 1)
+    torch.testing.assert_close(velocity, a.sqrt() * noise - (1 - a).sqrt() * latents)  # Salimans & Ho
+
+
+@pytest.mark.parametrize("prediction_type", ["epsilon", "v_prediction"])
+def test_min_snr_weights_match_the_paper_and_diffusers(prediction_type):
+    scheduler = _scheduler(prediction_type)
+    t = torch.tensor([0, 10, 100, 300, 600, 999])
+    snr = compute_snr(scheduler, t)
+    assert torch.equal(recipe.snr(scheduler, t), snr)
+    a = scheduler.alphas_cumprod[t]
+    torch.testing.assert_close(snr, a / (1 - a), rtol=1e-5, atol=0)
+    weights = recipe.min_snr_weights(scheduler, t, gamma=5.0)
+    # diffusers train_text_to_image: min(snr, gamma) / snr (epsilon), / (snr + 1) (v_prediction)
+    clipped = torch.stack([snr, 5.0 * torch.ones_like(snr)], dim=1).min(dim=1)[0]
+    expected = clipped / snr if prediction_type == "epsilon" else clipped / (snr + 1)
+    assert torch.equal(weights, expected)
+    assert weights[0] < 1 and weights[-1] == pytest.approx(1.0 if prediction_type == "epsilon" else snr[-1] / (snr[-1] + 1))
+    pred, target = torch.randn(6, 4, 2, 2), torch.randn(6, 4, 2, 2)
+    per_sample = ((pred - target) ** 2).mean(dim=(1, 2, 3))
+    assert recipe.diffusion_loss(pred, target, scheduler, t, 5.0).item() == pytest.approx((per_sample * expected).mean().item(), rel=1e-6)
+    assert recipe.diffusion_loss(pred, target, scheduler, t, None).item() == pytest.approx(F.mse_loss(pred, target).item(), rel=1e-6)
+
+
+def test_offset_noise_perturbation_and_caption_dropout():
+    noise = torch.randn(8, 4, 16, 16)
+    g = torch.Generator().manual_seed(1)
+    offset = recipe.offset_noise(noise, 0.1, g)
+    shift = offset - noise
+    torch.testing.assert_close(shift, shift[:, :, :1, :1].expand_as(shift), rtol=0, atol=1e-6)  # one constant per sample and channel
+    torch.testing.assert_close(shift[:, :, 0, 0], 0.1 * torch.randn(8, 4, 1, 1, generator=torch.Generator().manual_seed(1))[:, :, 0, 0], rtol=0, atol=1e-6)
+    perturbed = recipe.perturb(noise, 0.2, torch.Generator().manual_seed(2))
+    assert torch.equal(perturbed, noise + 0.2 * torch.randn(noise.shape, generator=torch.Generator().manual_seed(2)))
+
+    captions, uncond = torch.randn(1000, *CAPTION_SHAPE), torch.full(CAPTION_SHAPE, 7.0)
+    mixed, dropped = recipe.drop_captions(captions, uncond, 0.3, torch.Generator().manual_seed(3))
+    assert torch.equal(dropped, torch.rand(1000, generator=torch.Generator().manual_seed(3)) < 0.3)
+    assert 0.25 < dropped.float().mean() < 0.35
+    assert (mixed[dropped] == 7.0).all() and torch.equal(mixed[~dropped], captions[~dropped])
+
+
+@pytest.mark.parametrize("prediction_type", ["epsilon", "v_prediction"])
+def test_training_step_applies_the_whole_recipe_with_one_generator(prediction_type):
+    uncond = torch.randn(CAPTION_SHAPE)
+    options = dict(noise_offset=0.1, input_perturbation=0.05, caption_dropout_prob=0.5, snr_gamma=5.0)
+    module = _module(prediction_type, uncond=uncond, **options)
+    batch = _batches(1, batch=6)[0]
+    loss = module.training_step(batch, 0)
+    # By hand, drawing from the step's generator in the documented order.
+    latents, scheduler = batch["latents"], module.noise_scheduler
+    g = module._step_generator(latents.device, 0)
+    noise = torch.randn(latents.shape, generator=g)
+    t = torch.randint(0, 1000, (6,), generator=g)
+    assert all(torch.equal(a, b) for a, b in zip((noise, t), module.noise_and_timesteps(latents)))  # same first draws
+    noise = noise + 0.1 * torch.randn(6, 4, 1, 1, generator=g)
+    input_noise = noise + 0.05 * torch.randn(noise.shape, generator=g)
+    dropped = torch.rand(6, generator=g) < 0.5
+    captions = torch.where(dropped.view(-1, 1, 1), uncond, batch["captions"])
+    a = scheduler.alphas_cumprod[t].view(-1, 1, 1, 1)
+    noisy = a.sqrt() * latents + (1 - a).sqrt() * input_noise
+    target = noise if prediction_type == "epsilon" else a.sqrt() * noise - (1 - a).sqrt() * latents
+    snr = a.flatten() / (1 - a.flatten())
+    weights = snr.clamp(max=5.0) / (snr if prediction_type == "epsilon" else snr + 1)
+    with torch.no_grad():
+        prediction = module.unet(noisy, t, captions).sample
+    expected = (((prediction - target) ** 2).mean(dim=(1, 2, 3)) * weights).mean()
+    assert 0 < dropped.sum() < 6
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-4)
+
+
+def test_latents_are_scaled_exactly_once(tmp_path):
+    batch = _batches(1)[0]
+    scaled = _module(latent_scale=0.18215)
+    plain = _module()
+    prescaled = {"latents": batch["latents"] * 0.18215, "captions": batch["captions"]}
+    assert scaled.training_step(batch, 0).item() == pytest.approx(plain.training_step(prescaled, 0).item(), rel=1e-6)
+    assert scaled.validation_loss([batch], seed=0) == pytest.approx(plain.validation_loss([prescaled], seed=0), rel=1e-6)
+
+    # Files that record an applied factor, and the config asking for another: refused before training.
+    table = pa.table({"x": [1]}).replace_schema_metadata({recipe.LATENT_SCALING_METADATA_KEY: b"0.18215"})
+    pq.write_table(table, tmp_path / "scaled.parquet")
+    pq.write_table(pa.table({"x": [1]}), tmp_path / "raw.parquet")
+    files = [str(tmp_path / "raw.parquet"), str(tmp_path / "scaled.parquet")]
+    assert recipe.stored_latent_scaling(files, DataConfig(train=["x"])) == pytest.approx(0.18215)
+    assert recipe.stored_latent_scaling(files[:1], DataConfig(train=["x"], latent_scaling_factor=0.18215)) is None
+    with pytest.raises(ConfigError, match=r"data\.latent_scaling_factor: .*scaled\.parquet records that its latents are already multiplied by 0\.18215.*twice"):
+        recipe.stored_latent_scaling(files, DataConfig(train=["x"], latent_scaling_factor=0.18215))
+
+
+def test_unconditional_caption_from_zeros_or_a_file(tmp_path):
+    assert torch.equal(recipe.load_unconditional_caption("zeros", CAPTION_SHAPE), torch.zeros(CAPTION_SHAPE))
+    empty = np.random.default_rng(0).standard_normal((1, *CAPTION_SHAPE)).astype(np.float32)
+    np.save(tmp_path / "empty.npy", empty)
+    assert torch.equal(recipe.load_unconditional_caption(str(tmp_path / "empty.npy"), CAPTION_SHAPE), torch.from_numpy(empty[0]))
+    with pytest.raises(ConfigError, match=r"data\.unconditional_caption: .*empty\.npy holds an array of shape \(5, 32\), but the dataset's captions are \(77, 32\)"):
+        recipe.load_unconditional_caption(str(tmp_path / "empty.npy"), (77, 32))
+    with pytest.raises(ConfigError, match=r"data\.unconditional_caption: cannot read"):
+        recipe.load_unconditional_caption(str(tmp_path / "missing.npy"), CAPTION_SHAPE)
+
+
+def test_validation_follows_the_prediction_type():
+    module = _module("v_prediction")
+    batch = _batches(1, batch=10)[0]
+    loss = validation_loss(module.unet, module.noise_scheduler, [batch], seed=4)
+    # Recompute with validation's fixed grid and noise, against the velocity.
+    t = torch.linspace(0, 999, 10).round().long()
+    noise = torch.stack([torch.randn(4, 16, 16, generator=torch.Generator().manual_seed(4 * 1_000_003 + i)) for i in range(10)])
+    a = module.noise_scheduler.alphas_cumprod[t].view(-1, 1, 1, 1)
+    with torch.no_grad():
+        pred = module.unet(a.sqrt() * batch["latents"] + (1 - a).sqrt() * noise, t, batch["captions"]).sample
+    assert loss == pytest.approx(F.mse_loss(pred, a.sqrt() * noise - (1 - a).sqrt() * batch["latents"]).item(), rel=1e-5)
+
+
+# --- EMA --------------------------------------------------------------------------------
+
+
+def test_ema_update_formula_start_step_and_skip():
+    ema, weights = [torch.zeros(3)], [torch.ones(3)]
+    ema_update_(ema, weights, step=1, decay=0.9, start_step=2)
+    assert torch.equal(ema[0], torch.ones(3))  # before the start step: a copy
+    weights = [torch.full((3,), 3.0)]
+    ema_update_(ema, weights, step=3, decay=0.9, start_step=2, skipped=torch.tensor(0.0))
+    torch.testing.assert_close(ema[0], torch.full((3,), 0.9 * 1 + 0.1 * 3))
+    ema_update_(ema, [torch.full((3,), 100.0)], step=4, decay=0.9, start_step=2, skipped=torch.tensor(1.0))
+    torch.testing.assert_close(ema[0], torch.full((3,), 1.2))  # a skipped step leaves the EMA alone
+
+
+def test_ema_tracks_training_and_is_used_for_validation_and_loading(tmp_path):
+    module = _module(lr=1e-2, warmup_steps=0, ema_decay=0.5, ema_start_step=1)
+    batches = _batches(3, seed=1)
+    snapshots = []
+
+    class Snap(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, *args):
+            snapshots.append(pl_module.unet.conv_in.weight.detach().clone())
+
+    trainer = pl.Trainer(max_steps=3, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=[Snap()])
+    trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(batches, batch_size=None))
+    # step 1: copy; steps 2, 3: ema = 0.5 ema + 0.5 w
+    expected = 0.5 * (0.5 * snapshots[0] + 0.5 * snapshots[1]) + 0.5 * snapshots[2]
+    torch.testing.assert_close(module.ema_unet.conv_in.weight, expected)
+    assert not torch.equal(module.ema_unet.conv_in.weight, module.unet.conv_in.weight)
+    assert not any(p.requires_grad for p in module.ema_unet.parameters())
+    val = _batches(2, seed=9)
+    assert module.validation_loss(val, seed=0) == validation_loss(module.ema_unet, module.noise_scheduler, val, seed=0)
+
+    trainer.save_checkpoint(tmp_path / "checkpoint.ckpt", weights_only=False)
+    unet, _, meta = load_model(str(tmp_path))
+    assert meta["weights"] == "ema" and torch.equal(unet.conv_in.weight, module.ema_unet.conv_in.weight)
+    raw = load_checkpoint(str(tmp_path), weights="raw")
+    assert raw.meta["weights"] == "raw" and torch.equal(raw.unet.conv_in.weight, module.unet.conv_in.weight)
+    assert torch.equal(raw.unconditional_caption, torch.zeros(CAPTION_SHAPE))
+
+
+def test_ema_is_saved_and_restored_across_a_resume(tmp_path):
+    batches = _batches(4, seed=2, same=True)  # the same batch every step: a restarted epoch sees the same data
+    straight = _module(lr=1e-2, warmup_steps=0, ema_decay=0.7)
+    _fit(straight, 4, batches)
+
+    first = _module(lr=1e-2, warmup_steps=0, ema_decay=0.7)
+    trainer = _fit(first, 2, batches)
+    trainer.save_checkpoint(tmp_path / "checkpoint.ckpt", weights_only=False)
+    resumed = _module(lr=1e-2, warmup_steps=0, ema_decay=0.7)
+    assert not torch.equal(resumed.ema_unet.conv_in.weight, first.ema_unet.conv_in.weight)
+    trainer = _fit(resumed, 4, batches, ckpt_path=str(tmp_path / "checkpoint.ckpt"))
+    assert trainer.global_step == 4
+    for (name, a), b in zip(straight.ema_unet.state_dict().items(), resumed.ema_unet.state_dict().values()):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7, msg=name)
+    assert not torch.allclose(resumed.ema_unet.conv_in.weight, resumed.unet.conv_in.weight)
+
+
+def test_ema_skips_a_non_finite_step():
+    module = _module(lr=1e-3, warmup_steps=0, ema_decay=0.9)
+    poisoned = _batches(1, seed=3)[0]
+    poisoned = {"latents": poisoned["latents"].clone(), "captions": poisoned["captions"]}
+    poisoned["latents"][0, 0, 0, 0] = float("nan")
+    before = module.ema_unet.conv_in.weight.clone()
+    module.unet.conv_in.weight.data.add_(1.0)  # weights != EMA: an update would move the EMA
+    _fit(module, 1, [poisoned])
+    assert torch.equal(module.ema_unet.conv_in.weight, before)
