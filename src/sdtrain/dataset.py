@@ -103,6 +103,8 @@ def rank_dataset(reader: WindowReader, stretches: list[Stretch]) -> ray.data.Dat
     dataset = ray.data.range(sum(counts), override_num_blocks=sum(counts))
     # The stream's order is the plan's order: what makes resumption exact.
     dataset.context.execution_options.preserve_order = True
+    # Our DataError (naming the file) reaches the worker as itself, not as a UserCodeException.
+    dataset.context.raise_original_map_exception = True
     return dataset.map_batches(
         _read_windows,
         batch_size=1,
