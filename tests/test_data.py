@@ -193,3 +193,21 @@ def test_a_window_reads_the_planned_rows_in_the_planned_order(tmp_path):
         assert block.column("valid").to_numpy(zero_copy_only=False).all()
         seen.append(ids)
     assert sorted(np.concatenate(seen)) == list(range(50))
+
+
+def test_an_unreadable_row_group_fails_naming_it_or_is_skipped_alone(tmp_path):
+    from conftest import corrupt_row_group
+    from sdtrain.config import DataConfig
+    from sdtrain.dataset import WindowReader
+    from sdtrain.sampling import SamplePlan, Window
+
+    write_latents(tmp_path / "bad.parquet", rows=24, seed=1, row_group_size=8)
+    corrupt_row_group(tmp_path / "bad.parquet", 1)  # rows 8-15
+    spec = inspect_dataset([str(tmp_path / "bad.parquet")], "data.train", "image_latents_256", "caption_latents", 4, 32)
+    plan = SamplePlan(spec.rows_per_file, seed=0, chunk_rows=24, window_rows=24)
+    window = Window(np.array([[0, 0, 24]]), (0,), 0, 24)
+    with pytest.raises(DataError, match=rf"data\.train: {tmp_path}/bad\.parquet: rows 8-15 cannot be read .* data\.on_read_error=skip"):
+        WindowReader(spec, DataConfig(train=["x"]), plan).read(window)
+    block = WindowReader(spec, DataConfig(train=["x"], on_read_error="skip"), plan).read(window)
+    invalid = block.column("sample_index").to_numpy()[~block.column("valid").to_numpy(zero_copy_only=False)]
+    assert sorted(invalid) == list(range(8, 16))

@@ -43,57 +43,67 @@ class WindowReader:
     def read(self, window: Window) -> pa.Table:
         files: dict[int, pq.ParquetFile] = {}
         row_groups: dict[tuple[int, int], pa.Table] = {}  # chunks of a window often share row groups
-        latents, captions, valid = [], [], []
-        for file_index, start, stop in window.spans:
-            try:
-                batch = self._read_span(files, row_groups, int(file_index), int(start), int(stop))
-                latents.append(batch["latents"])
-                captions.append(batch["captions"])
-                valid.append(np.ones(stop - start, bool))
-            except (OSError, pa.ArrowException, DataError) as error:
-                file = self.spec.files[file_index]
-                if self.data.on_read_error == "fail":
-                    raise DataError(
-                        f"data.train: {file}: rows {start}-{stop - 1} cannot be read ({error}). The file is damaged "
-                        "or changed since the run started: replace or remove it and re-run (the run resumes from "
-                        "its latest checkpoint), or set data.on_read_error=skip to train on without those rows"
-                    ) from None
-                log.warning("skipping rows %d-%d of %s: %s", start, stop - 1, file, error)
-                latents.append(np.zeros((stop - start, *self.spec.latent_shape), np.float16))
-                captions.append(np.zeros((stop - start, *self.spec.caption_shape), np.float16))
-                valid.append(np.zeros(stop - start, bool))
+        pieces = [
+            piece
+            for file_index, start, stop in window.spans
+            for piece in self._read_span(files, row_groups, int(file_index), int(start), int(stop))
+        ]
         order = window.order()
-        dtype = np.result_type(*latents)  # skipped rows must not widen a float16 dataset
+        dtype = np.result_type(*(latents for latents, _, _ in pieces))  # skipped rows must not widen float16
         return pa.table(
             {
-                "latents": ArrowTensorArray.from_numpy(np.concatenate(latents).astype(dtype, copy=False)[order]),
-                "captions": ArrowTensorArray.from_numpy(np.concatenate(captions).astype(dtype, copy=False)[order]),
+                "latents": ArrowTensorArray.from_numpy(np.concatenate([p[0] for p in pieces]).astype(dtype)[order]),
+                "captions": ArrowTensorArray.from_numpy(np.concatenate([p[1] for p in pieces]).astype(dtype)[order]),
                 "sample_index": window_sample_indices(window.spans, self.plan.file_offsets)[order],
-                "valid": np.concatenate(valid)[order],
+                "valid": np.concatenate([p[2] for p in pieces])[order],
             }
         )
 
-    def _read_span(self, files, row_groups, file_index: int, start: int, stop: int) -> dict:
-        if file_index not in files:
-            fs, path = filesystem_for(self.spec.files[file_index])
-            files[file_index] = pq.ParquetFile(fs.open_input_file(path))
-        parquet = files[file_index]
-        meta = parquet.metadata
+    def _read_span(self, files, row_groups, file_index: int, start: int, stop: int):
+        """(latents, captions, valid) for rows [start, stop) of a file, one piece per row group, so an
+        unreadable row group costs only its own rows under data.on_read_error=skip."""
+        file = self.spec.files[file_index]
+        try:
+            if file_index not in files:
+                fs, path = filesystem_for(file)
+                files[file_index] = pq.ParquetFile(fs.open_input_file(path))
+            meta = files[file_index].metadata
+        except (OSError, pa.ArrowException) as error:
+            return [self._unreadable(file, start, stop, error)]
         offsets = np.cumsum([0] + [meta.row_group(i).num_rows for i in range(meta.num_row_groups)])
         first = int(np.searchsorted(offsets, start, side="right")) - 1
         last = int(np.searchsorted(offsets, stop, side="left"))
-        columns = [self.data.image_column, self.data.caption_column]
+        pieces = []
         for group in range(first, last):
-            if (file_index, group) not in row_groups:
-                row_groups[file_index, group] = parquet.read_row_group(group, columns=columns)
-        table = pa.concat_tables([row_groups[file_index, group] for group in range(first, last)])
-        table = table.slice(start - int(offsets[first]), stop - start)
-        return {
-            "latents": to_array(table.column(self.data.image_column), self.spec.latent_shape, self.data.image_column),
-            "captions": to_array(
-                table.column(self.data.caption_column), self.spec.caption_shape, self.data.caption_column
-            ),
-        }
+            lo, hi = max(start, int(offsets[group])), min(stop, int(offsets[group + 1]))
+            try:
+                if (file_index, group) not in row_groups:
+                    columns = [self.data.image_column, self.data.caption_column]
+                    row_groups[file_index, group] = files[file_index].read_row_group(group, columns=columns)
+                table = row_groups[file_index, group].slice(lo - int(offsets[group]), hi - lo)
+                pieces.append((
+                    to_array(table.column(self.data.image_column), self.spec.latent_shape, self.data.image_column),
+                    to_array(table.column(self.data.caption_column), self.spec.caption_shape, self.data.caption_column),
+                    np.ones(hi - lo, bool),
+                ))
+            except (OSError, pa.ArrowException, DataError) as error:
+                pieces.append(self._unreadable(file, lo, hi, error))
+        return pieces
+
+    def _unreadable(self, file: str, start: int, stop: int, error: Exception):
+        reason = " ".join(str(error).split())  # pyarrow's messages span lines
+        if self.data.on_read_error == "fail":
+            raise DataError(
+                f"data.train: {file}: rows {start}-{stop - 1} cannot be read ({reason}). The file is damaged "
+                "or changed since the run started: replace or remove it and re-run (the run resumes from "
+                "its latest checkpoint), or set data.on_read_error=skip to train on without those rows"
+            ) from None
+        log.warning("skipping rows %d-%d of %s: %s", start, stop - 1, file, reason)
+        return (
+            np.zeros((stop - start, *self.spec.latent_shape), np.float16),
+            np.zeros((stop - start, *self.spec.caption_shape), np.float16),
+            np.zeros(stop - start, bool),
+        )
 
 
 def rank_dataset(reader: WindowReader, stretches: list[Stretch]) -> ray.data.Dataset:
