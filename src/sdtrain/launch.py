@@ -25,6 +25,7 @@ from sdtrain.errors import ConfigError, SdtrainError, TrainingFailed
 from sdtrain.files import absolute, resolve_parquet_files, uri_for
 from sdtrain.model import noise_scheduler_config, unet_config
 from sdtrain.outputs import read_history, write_run_outputs
+from sdtrain.storage import preflight
 from sdtrain.worker import train_loop_per_worker
 
 
@@ -39,6 +40,7 @@ class RunSummary:
 
 def train(config: Config) -> RunSummary:
     config = _with_absolute_paths(config)
+    preflight(config)  # object storage: endpoint, credentials, buckets, permissions (sdtrain.storage)
     unet = unet_config(config.model)
     if config.data.demo:
         val_dir = config.data.val[0] if config.data.val else None
