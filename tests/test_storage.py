@@ -55,6 +55,8 @@ def _expect(error_type, config, *fragments):
 
 
 def test_endpoint_precedence_config_then_environment_then_aws(monkeypatch, clean_storage_settings):
+    monkeypatch.delenv("AWS_REGION", raising=False)
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")  # the AWS endpoint's name depends on it
     assert s3_endpoint() == (None, "the AWS default")
     assert s3_client().meta.endpoint_url == "https://s3.amazonaws.com"
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9001")
