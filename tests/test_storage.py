@@ -242,7 +242,8 @@ def flaky_proxy(s3_bucket, tmp_path):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("mode, pyarrow_error", [("drop", "AWS Error NETWORK_CONNECTION"), ("throttle", r"AWS Error UNKNOWN \(HTTP status 503\) during HeadObject")])
+@pytest.mark.parametrize("mode, pyarrow_error", [("drop", "AWS Error NETWORK_CONNECTION"), ("throttle", r"AWS Error UNKNOWN \(HTTP status 503\) during HeadObject")],
+                         ids=["drop", "throttle"])
 def test_transient_faults_are_retried_and_fail_clearly_without_retries(flaky_proxy, s3_bucket, tmp_path, mode, pyarrow_error):
     _upload(tmp_path, "data/part.parquet", rows=5)
     uri = f"{s3_bucket}/data/part.parquet"

@@ -9,7 +9,6 @@ chain: nothing here reads or stores a secret.
 from __future__ import annotations
 
 import fnmatch
-import functools
 import glob
 import os
 import re
@@ -117,12 +116,16 @@ def _rebuild_s3(max_attempts: int, options: dict) -> RetryingS3FileSystem:
     return RetryingS3FileSystem(max_attempts, **options)
 
 
-@functools.lru_cache(maxsize=None)
 def _bucket_region(bucket: str) -> Optional[str]:
-    try:
-        return pafs.resolve_s3_region(bucket)
-    except OSError:  # unknown here: the SDK's default region; the pre-flight check reports why
-        return None
+    if bucket not in _REGIONS:
+        try:
+            _REGIONS[bucket] = pafs.resolve_s3_region(bucket)
+        except OSError:  # unknown for now (not cached): the SDK's default; the pre-flight check says why
+            return None
+    return _REGIONS[bucket]
+
+
+_REGIONS: dict[str, str] = {}
 
 
 def s3_client():
