@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import socket
 import subprocess
 import sys
 import time
-import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import pyarrow as pa
@@ -82,34 +85,29 @@ def free_ports(n: int) -> list[int]:
     return ports
 
 
-@pytest.fixture
-def s3_bucket(monkeypatch, tmp_path):
-    """A real S3-protocol server (moto's server mode) in its own process on loopback, with one
-    bucket; the standard AWS variables point pyarrow, Ray and boto3 at it."""
-    import boto3
+S3_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
+          "AWS_EC2_METADATA_DISABLED": "true"}
 
+
+@contextlib.contextmanager
+def moto_server(log_path: Path, env: Optional[dict[str, str]] = None):
+    """moto's S3/IAM server in its own process on a free loopback port; yields its endpoint URL."""
     (port,) = free_ports(1)
-    endpoint = f"http://127.0.0.1:{port}"
-    log = open(tmp_path / "moto.log", "w")
-    server = subprocess.Popen([str(BIN / "moto_server"), "-H", "127.0.0.1", "-p", str(port)], stdout=log, stderr=subprocess.STDOUT)
+    log = open(log_path, "w")
+    server = subprocess.Popen([str(BIN / "moto_server"), "-H", "127.0.0.1", "-p", str(port)], stdout=log,
+                              stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
     deadline = time.monotonic() + 30
-    while True:  # wait until it answers (readiness, not a race)
+    while True:  # wait until it accepts connections (readiness, not a race); no request, so none is counted
         try:
-            urllib.request.urlopen(endpoint, timeout=1).close()
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
             break
         except OSError:
             if server.poll() is not None or time.monotonic() > deadline:
                 server.kill()
-                pytest.fail("moto_server did not start: " + (tmp_path / "moto.log").read_text()[-2000:])
+                pytest.fail("moto_server did not start: " + log_path.read_text()[-2000:])
             time.sleep(0.2)
-    for key, value in {
-        "AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true",
-    }.items():
-        monkeypatch.setenv(key, value)
-    boto3.client("s3").create_bucket(Bucket="sdtrain-test")
     try:
-        yield "s3://sdtrain-test"
+        yield f"http://127.0.0.1:{port}"
     finally:
         server.terminate()
         server.wait(timeout=30)
@@ -143,3 +141,66 @@ def corrupt_row_group(path: Path, row_group: int) -> None:
     start, size = column.data_page_offset, column.total_compressed_size
     data[start : start + size] = np.random.default_rng(5).integers(0, 256, size, dtype=np.uint8).tobytes()
     path.write_bytes(bytes(data))
+
+
+@pytest.fixture
+def clean_storage_settings(monkeypatch):
+    """Storage settings and endpoint variables as a fresh process has them, restored afterwards
+    (sdtrain.files.configure_s3 sets both)."""
+    from sdtrain import files
+
+    for var in files.ENDPOINT_VARS:
+        monkeypatch.delenv(var, raising=False)
+    files.configure_s3(None, files.DEFAULT_MAX_ATTEMPTS)
+    yield
+    files.configure_s3(None, files.DEFAULT_MAX_ATTEMPTS)
+
+
+@pytest.fixture
+def s3_bucket(monkeypatch, tmp_path, clean_storage_settings):
+    """A real S3-protocol server (moto's server mode) in its own process on loopback, with one
+    bucket; the standard AWS variables point pyarrow, Ray and boto3 at it."""
+    import boto3
+
+    with moto_server(tmp_path / "moto.log") as endpoint:
+        for key, value in {"AWS_ENDPOINT_URL": endpoint, **S3_ENV}.items():
+            monkeypatch.setenv(key, value)
+        boto3.client("s3").create_bucket(Bucket="sdtrain-test")
+        yield "s3://sdtrain-test"
+
+
+@dataclass
+class AuthServer:
+    endpoint: str
+    keys: dict[str, tuple[str, str]]  # user name -> (access key id, secret access key)
+
+
+@pytest.fixture
+def s3_auth(monkeypatch, tmp_path, clean_storage_settings):
+    """A moto server that checks IAM permissions, with bucket sdtrain-test holding data/part.parquet,
+    and users: admin (everything), reader (list and read the bucket), nobody (no permissions)."""
+    import boto3
+
+    # The first 3 requests are not authenticated: they create the admin user, key and policy.
+    with moto_server(tmp_path / "moto.log", {"INITIAL_NO_AUTH_ACTION_COUNT": "3"}) as endpoint:
+        for key, value in {"AWS_ENDPOINT_URL": endpoint, **S3_ENV}.items():
+            monkeypatch.setenv(key, value)
+        keys = {}
+
+        def add_user(iam, name, actions):
+            iam.create_user(UserName=name)
+            key = iam.create_access_key(UserName=name)["AccessKey"]
+            keys[name] = (key["AccessKeyId"], key["SecretAccessKey"])
+            if actions:
+                statement = {"Effect": "Allow", "Action": actions, "Resource": "*"}
+                iam.put_user_policy(UserName=name, PolicyName="p", PolicyDocument=json.dumps({"Version": "2012-10-17", "Statement": [statement]}))
+
+        add_user(boto3.client("iam"), "admin", "*")
+        admin = boto3.session.Session(*keys["admin"], region_name="us-east-1")
+        add_user(admin.client("iam"), "reader", ["s3:ListBucket", "s3:GetObject"])
+        add_user(admin.client("iam"), "nobody", [])
+        s3 = admin.client("s3")
+        s3.create_bucket(Bucket="sdtrain-test")
+        write_latents(tmp_path / "part.parquet", rows=4)
+        s3.upload_file(str(tmp_path / "part.parquet"), "sdtrain-test", "data/part.parquet")
+        yield AuthServer(endpoint, keys)

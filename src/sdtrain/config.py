@@ -23,6 +23,7 @@ from typing import Any, ClassVar, Literal, Optional, Union
 import yaml
 
 from sdtrain.errors import ConfigError
+from sdtrain.files import DEFAULT_MAX_ATTEMPTS, has_userinfo, redact
 
 PRESETS = ("tiny", "small", "sd2-base")
 
@@ -41,7 +42,7 @@ class DataConfig(_Section):
     section: ClassVar[str] = "data"
 
     train: list[str] = field(default_factory=list)
-    """Training parquet files: a file, a directory (all *.parquet below it), a glob, or a list of these (retraining picks its own from retrain.data_root)."""
+    """Training parquet files: a file, a directory (all *.parquet below it), a glob, or a list of these; local or s3://bucket/prefix (retraining picks its own from retrain.data_root)."""
     val: list[str] = field(default_factory=list)
     """Validation parquet files, in the same forms as data.train; empty means no validation."""
     image_column: str = "image_latents_256"
@@ -89,7 +90,7 @@ class ModelConfig(_Section):
     unet: dict[str, Any] = field(default_factory=dict)
     """UNet2DConditionModel keyword arguments that override the preset, e.g. model.unet.cross_attention_dim=768."""
     pretrained: Optional[str] = None
-    """Local directory or hub id of a diffusers model (unet/ and scheduler/ subfolders, or a bare UNet) to start from."""
+    """Local directory, s3:// URI or hub id of a diffusers model (unet/ and scheduler/ subfolders, or a bare UNet) to start from."""
     prediction_type: Literal["epsilon", "v_prediction"] = "epsilon"
     """What the UNet predicts: epsilon (the noise) or v_prediction (velocity, from the scheduler's get_velocity). Written into the noise scheduler config, so validation, the exported scheduler and sampling all follow it."""
 
@@ -208,7 +209,7 @@ class RunConfig(_Section):
     name: str = "sdtrain"
     """Run name; the run lives in run.storage_path/run.name. Re-running with the same name resumes it."""
     storage_path: str = "runs"
-    """Where runs are stored: a local directory (relative to the current directory) or a shared filesystem path."""
+    """Where runs are stored: s3://bucket/prefix (needed on a multi-node cluster), a shared filesystem path, or a local directory (relative to the current directory)."""
     checkpoint_every_n_steps: int = 1000
     """Report a checkpoint every this many optimizer steps, and always at the end."""
     num_to_keep: Optional[int] = 3
@@ -255,6 +256,31 @@ class FailureConfig(_Section):
 
 
 @dataclass
+class StorageConfig(_Section):
+    section: ClassVar[str] = "storage"
+
+    endpoint_url: Optional[str] = None
+    """S3-compatible endpoint (e.g. http://minio:9000) for every s3:// URI; null = AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL if set, else AWS S3. Credentials never go here."""
+    max_attempts: int = DEFAULT_MAX_ATTEMPTS
+    """Attempts per S3 request, with exponential backoff, before a throttled or dropped request fails; 1 = no retries."""
+
+    def __post_init__(self):
+        if self.endpoint_url is not None:
+            if has_userinfo(self.endpoint_url):  # the message must not repeat the secret
+                self._fail("endpoint_url", f"{redact(self.endpoint_url)} holds a user name or password; " + _NO_SECRETS)
+            if not re.fullmatch(r"https?://[^/\s]+/?", self.endpoint_url):
+                self._fail("endpoint_url", f"must be http(s)://host[:port], got {self.endpoint_url!r}")
+        if self.max_attempts < 1:
+            self._fail("max_attempts", f"must be >= 1 (1 = no retries), got {self.max_attempts}")
+
+
+_NO_SECRETS = (
+    "credentials are never taken from the config (they would be copied into checkpoints, manifests and logs): "
+    "use the AWS credential chain (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or an instance role)"
+)
+
+
+@dataclass
 class RetrainConfig(_Section):
     section: ClassVar[str] = "retrain"
 
@@ -287,9 +313,13 @@ class Config:
     scaling: ScalingConfig = field(default_factory=ScalingConfig)
     run: RunConfig = field(default_factory=RunConfig)
     failure: FailureConfig = field(default_factory=FailureConfig)
+    storage: StorageConfig = field(default_factory=StorageConfig)
     retrain: RetrainConfig = field(default_factory=RetrainConfig)
 
     def __post_init__(self):
+        for key, uri in self.storage_uris():
+            if has_userinfo(uri):
+                raise ConfigError(f"{key}: {redact(uri)} holds a user name or password; {_NO_SECRETS}")
         if not self.data.train and self.retrain.data_root is None:
             raise ConfigError("data.train: is required: give a parquet file, directory, glob or list of them")
         if self.retrain.data_root is not None and not self.data.val:
@@ -330,6 +360,14 @@ class Config:
             )
         return micro, per_worker // micro
 
+    def storage_uris(self) -> list[tuple[str, str]]:
+        """(key, path) for every path or URI the config names: data, models and storage."""
+        named = [(f"data.train[{i}]", p) for i, p in enumerate(self.data.train)]
+        named += [(f"data.val[{i}]", p) for i, p in enumerate(self.data.val)]
+        named += [("model.pretrained", self.model.pretrained), ("run.storage_path", self.run.storage_path)]
+        named += [("retrain.data_root", self.retrain.data_root), ("retrain.models_root", self.retrain.models_root)]
+        return [(key, path) for key, path in named if path is not None]
+
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "Config":
         """Build and validate a Config from nested plain data (YAML, or ``to_dict`` output)."""
@@ -351,7 +389,8 @@ class Config:
 
 
 _SECTIONS = {"data": DataConfig, "model": ModelConfig, "train": TrainConfig,
-             "scaling": ScalingConfig, "run": RunConfig, "failure": FailureConfig, "retrain": RetrainConfig}
+             "scaling": ScalingConfig, "run": RunConfig, "failure": FailureConfig, "storage": StorageConfig,
+             "retrain": RetrainConfig}
 
 
 def load_config(path: Optional[str | Path] = None, overrides: typing.Sequence[str] = ()) -> Config:

@@ -29,6 +29,7 @@ from sdtrain.outputs import read_history, write_run_outputs
 from sdtrain.recipe import load_unconditional_caption, stored_latent_scaling
 from sdtrain.sampling import SamplePlan
 from sdtrain.shards import PlannedShards
+from sdtrain.storage import preflight
 from sdtrain.worker import train_loop_per_worker
 
 
@@ -43,6 +44,7 @@ class RunSummary:
 
 def train(config: Config) -> RunSummary:
     config = _with_absolute_paths(config)
+    preflight(config)  # object storage: endpoint, credentials, buckets, permissions (sdtrain.storage)
     unet = unet_config(config.model)
     if config.data.demo:
         val_dir = config.data.val[0] if config.data.val else None

@@ -26,6 +26,7 @@ from sdtrain.errors import DataError
 from sdtrain.files import absolute, filesystem_for, uri_prefix
 from sdtrain.launch import dataset_spec, train
 from sdtrain.registry import ModelRegistry
+from sdtrain.storage import preflight
 from sdtrain.validation import validation_loss
 
 _PARTITION = re.compile(r"date=(\d{4}-\d{2}-\d{2})")
@@ -41,6 +42,7 @@ class RetrainOutcome:
 
 
 def retrain(config: Config, schedule_date: datetime.date) -> RetrainOutcome:
+    preflight(config)  # retrain.data_root, retrain.models_root and the rest, before anything is read
     registry = ModelRegistry(config.retrain.models_root)
     day = schedule_date.isoformat()
     production = registry.production()
