@@ -79,10 +79,22 @@ def _column(values: np.ndarray, encoding: str) -> pa.Array:
 # ----------------------------------------------------------------------------- the three data paths
 
 
-def sdtrain_batches(files: list[str], batch_size: int, caption_dim: int = 1024, prefetch_batches: Optional[int] = None):
+def sdtrain_batches(
+    files: list[str],
+    batch_size: int,
+    caption_dim: int = 1024,
+    prefetch_batches: Optional[int] = None,
+    read_concurrency: Optional[int] = None,
+    object_store_limit: Optional[int] = None,
+):
     """The package's data path, as a training worker sees it: parquet -> Ray Data (read, decode)
     -> a ``streaming_split`` shard -> ``iter_torch_batches``. The one place the benchmarks call
     into sdtrain's data pipeline: re-point it here when the pipeline's API changes.
+
+    ``read_concurrency`` is an experiment, not the package: the same pipeline with Ray Data's
+    read (and the decode fused into it) capped at that many concurrent tasks, the change
+    bench/README.md proposes for sdtrain.dataset.build_dataset. ``object_store_limit`` (bytes), also
+    an experiment: Ray Data's object-store budget for this dataset capped at that.
 
     Returns (iterator of {"latents", "captions"} CPU tensor batches, the shard's DataIterator for its stats)."""
     from sdtrain.config import DataConfig
@@ -95,7 +107,21 @@ def sdtrain_batches(files: list[str], batch_size: int, caption_dim: int = 1024, 
     spec = inspect_dataset(
         list(files), "data.train", IMAGE_COLUMN, CAPTION_COLUMN, in_channels=4, cross_attention_dim=caption_dim
     )
-    dataset = build_dataset(spec, data)
+    if read_concurrency is None:
+        dataset = build_dataset(spec, data)
+    else:
+        import ray.data
+
+        original = ray.data.read_parquet
+        ray.data.read_parquet = lambda *a, **k: original(*a, concurrency=read_concurrency, **k)
+        try:
+            dataset = build_dataset(spec, data)
+        finally:
+            ray.data.read_parquet = original
+    if object_store_limit is not None:
+        from ray.data import ExecutionResources
+
+        dataset.context.execution_options.resource_limits = ExecutionResources(object_store_memory=object_store_limit)
     # What ray.train.get_dataset_shard hands a worker of a 1-worker group (DataConfig splits "train").
     (shard,) = dataset.streaming_split(1, equal=True)
     batches = shard.iter_torch_batches(batch_size=batch_size, drop_last=True, prefetch_batches=data.prefetch_batches)
@@ -188,7 +214,7 @@ class Timing:
     batches: int = 0
     seconds: float = 0.0  # from the call that builds the iterator to the last batch
     first_batch_s: float = 0.0  # from that call to the first batch
-    steady_samples: int = 0  # samples after the first batch ...
+    steady_samples: int = 0  # samples after the first quarter of the epoch (pipeline filled) ...
     steady_seconds: float = 0.0  # ... and the time they took
 
     @property
@@ -200,12 +226,13 @@ class Timing:
         return self.steady_samples / self.steady_seconds if self.steady_seconds else 0.0
 
 
-def drain(make_batches, expected_dtype=None) -> Timing:
+def drain(make_batches, expected_samples: int, expected_dtype=None) -> Timing:
     """Build an iterator with ``make_batches()`` and pull every batch through it (no model), touching
-    one value of each tensor so lazily materialized data is really there."""
+    one value of each tensor so lazily materialized data is really there. The steady rate counts
+    from the batch that completes the first quarter of ``expected_samples`` to the last batch."""
     start = time.perf_counter()
     timing = Timing()
-    first = None
+    first = quarter = None
     for batch in make_batches():
         latents, captions = batch["latents"], batch["captions"]
         if expected_dtype is not None:
@@ -215,13 +242,15 @@ def drain(make_batches, expected_dtype=None) -> Timing:
         timing.batches += 1
         if first is None:
             first = time.perf_counter()
-            first_samples = timing.samples
+        if quarter is None and timing.samples >= expected_samples / 4:
+            quarter, quarter_samples = time.perf_counter(), timing.samples
     end = time.perf_counter()
     timing.seconds = end - start
     if first is not None:
         timing.first_batch_s = first - start
-        timing.steady_samples = timing.samples - first_samples
-        timing.steady_seconds = end - first
+    if quarter is not None and end > quarter:
+        timing.steady_samples = timing.samples - quarter_samples
+        timing.steady_seconds = end - quarter
     return timing
 
 

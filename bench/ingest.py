@@ -16,7 +16,7 @@ so every path reads from the page cache.
 
     python bench/ingest.py            # throughput, float16 and float32
     python bench/ingest.py --scale    # memory at 1x, 4x, 16x
-    python bench/ingest.py --smoke    # seconds: tiny sizes, to check that it runs (CI)
+    python bench/ingest.py --smoke    # seconds: tiny sizes, throughput and memory, to check that it runs (CI)
 """
 
 from __future__ import annotations
@@ -42,13 +42,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, a few seconds a run: checks that it runs")
     parser.add_argument("--scale", action="store_true", help="memory at 1x, 4x, 16x the dataset instead of throughput")
-    parser.add_argument("--rows", type=int, help="rows in the (1x) dataset (default 2048; --scale: 512)")
-    parser.add_argument("--rows-per-file", type=int, default=128)
+    parser.add_argument("--rows", type=int, help="rows in the (1x) dataset (default 4096; --scale: 512)")
+    parser.add_argument("--rows-per-file", type=int, default=64)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--dtypes", default=None, help="comma-separated (default float16,float32; --scale: float16)")
     parser.add_argument("--scales", default=None, help="comma-separated multiples of the dataset (default 1,4,16)")
     parser.add_argument("--paths", default=",".join(PATHS), help="which data paths to run")
     parser.add_argument("--stats", action="store_true", help="print Ray Data's execution stats of the sdtrain runs")
+    parser.add_argument("--read-concurrency", type=int,
+                        help="experiment: cap Ray Data's concurrent read tasks (the proposed fix; not what sdtrain does today)")
+    parser.add_argument("--object-store-limit-mib", type=int,
+                        help="experiment: cap Ray Data's object-store budget (the proposed fix; not what sdtrain does today)")
     parser.add_argument("--workdir", help="where to write the parquet files (default: a temporary directory)")
     parser.add_argument("--child", help=argparse.SUPPRESS)  # internal: run one measurement in this process
     parser.add_argument("--files", help=argparse.SUPPRESS)
@@ -62,18 +66,26 @@ def main() -> None:
         dtypes = (args.dtypes or "float16").split(",")
         scales = [int(s) for s in (args.scales or "1,2").split(",")]
     else:
-        rows, rows_per_file = args.rows or (512 if args.scale else 2048), args.rows_per_file
+        rows, rows_per_file = args.rows or (512 if args.scale else 4096), args.rows_per_file
         dtypes = (args.dtypes or ("float16" if args.scale else "float16,float32")).split(",")
         scales = [int(s) for s in (args.scales or "1,4,16").split(",")]
     paths = args.paths.split(",")
 
     print(f"# machine: {benchlib.machine()}")
     print(f"# {benchlib.versions()}, sdtrain commit {benchlib.git_commit()}")
+    if args.read_concurrency:
+        print(f"# EXPERIMENT: Ray Data reads capped at {args.read_concurrency} concurrent tasks (not the package's pipeline)")
+    if args.object_store_limit_mib:
+        print(f"# EXPERIMENT: Ray Data's object-store budget capped at {args.object_store_limit_mib} MiB (not the package's pipeline)")
     with tempfile.TemporaryDirectory(prefix="sdtrain-bench-", dir=args.workdir) as workdir:
         if args.scale:
             scale_benchmark(Path(workdir), rows, rows_per_file, dtypes[0], scales, [p for p in paths if p != "pyarrow"], args)
         else:
-            throughput_benchmark(Path(workdir), rows, rows_per_file, dtypes, paths, args)
+            results = throughput_benchmark(Path(workdir), rows, rows_per_file, dtypes, paths, args)
+            if args.smoke:  # and the memory benchmark, whose 1x runs are the throughput runs just done
+                known = {(path, 1): r for (dtype, path), r in results.items() if dtype == dtypes[0]}
+                scale_benchmark(Path(workdir), rows, rows_per_file, dtypes[0], scales,
+                                [p for p in paths if p != "pyarrow"], args, known)
 
 
 def throughput_benchmark(workdir: Path, rows, rows_per_file, dtypes, paths, args) -> None:
@@ -100,15 +112,19 @@ def throughput_benchmark(workdir: Path, rows, rows_per_file, dtypes, paths, args
                                       limit["samples_per_s"]))
         if {"sdtrain", "pandas"} <= set(paths):
             ours, pandas = results[dtype, "sdtrain"], results[dtype, "pandas"]
-            ratio = ours["steady_samples_per_s"] / pandas["steady_samples_per_s"]
+            # The notebook's loader streams from memory once everything is loaded: its steady rate is
+            # an in-memory rate; the comparison that counts is the epoch's, loading included.
             print(benchlib.ratio_line(f"ingest {dtype} steady sdtrain", ours["steady_samples_per_s"], "pandas notebook",
-                                      pandas["steady_samples_per_s"], "> 1", ratio > 1))
+                                      pandas["steady_samples_per_s"]))
             ratio = ours["samples_per_s"] / pandas["samples_per_s"]
             print(benchlib.ratio_line(f"ingest {dtype} end-to-end sdtrain", ours["samples_per_s"], "pandas notebook",
                                       pandas["samples_per_s"], "> 1", ratio > 1))
+    return results
 
 
-def scale_benchmark(workdir: Path, rows, rows_per_file, dtype, scales, paths, args) -> None:
+def scale_benchmark(workdir: Path, rows, rows_per_file, dtype, scales, paths, args, known=None) -> None:
+    """``known``: results already measured on the same 1x files, by (path, 1)."""
+    known = known or {}
     base = benchlib.write_dataset(workdir / "base", rows, rows_per_file, dtype)
     mib = sum(os.path.getsize(f) for f in base) / 2**20
     print(f"# memory at scale: 1x = {rows} rows ({mib:.0f} MiB of {dtype} parquet, {len(base)} files), "
@@ -119,7 +135,7 @@ def scale_benchmark(workdir: Path, rows, rows_per_file, dtype, scales, paths, ar
         files = benchlib.replicate(base, workdir / f"x{scale}", scale)
         _warm_page_cache(files)
         for path in paths:
-            r = run_child(path, files, dtype, args)
+            r = known.get((path, scale)) or run_child(path, files, dtype, args)
             results[path, scale] = r
             print(f"{path:8} {scale:4}x {r['samples']:7} {r['peak_pss'] / 2**20:13.0f} {r['peak_rss'] / 2**20:13.0f} "
                   f"{r['processes']:9} {r['samples_per_s']:10.0f}", flush=True)
@@ -147,7 +163,9 @@ def run_child(path: str, files: list[str], dtype: str, args) -> dict:
         json.dump(files, f)
         file_list = f.name
     command = [sys.executable, __file__, "--child", path, "--files", file_list, "--dtypes", dtype,
-               "--batch-size", str(args.batch_size)] + (["--stats"] if args.stats else [])
+               "--batch-size", str(args.batch_size)] + (["--stats"] if args.stats else []) + (
+               ["--read-concurrency", str(args.read_concurrency)] if args.read_concurrency else []) + (
+               ["--object-store-limit-mib", str(args.object_store_limit_mib)] if args.object_store_limit_mib else [])
     process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
     sampler = benchlib.TreeMemorySampler(process.pid, interval=0.1)
     sampler.start()
@@ -187,11 +205,16 @@ def child(args) -> None:
         holder = {}
 
         def make():
-            batches, holder["dataset"] = benchlib.sdtrain_batches(files, args.batch_size)
+            batches, holder["dataset"] = benchlib.sdtrain_batches(
+                files, args.batch_size, read_concurrency=args.read_concurrency,
+                object_store_limit=args.object_store_limit_mib and args.object_store_limit_mib * 2**20)
             return batches
     else:
         raise SystemExit(f"unknown path {args.child}")
-    timing = benchlib.drain(make, expected)
+    import pyarrow.parquet as pq
+
+    rows = sum(pq.read_metadata(f).num_rows for f in files)
+    timing = benchlib.drain(make, rows - rows % args.batch_size, expected)
     if args.child == "sdtrain" and args.stats:
         print(holder["dataset"].stats())
     print("RESULT " + json.dumps(dict(
