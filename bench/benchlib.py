@@ -84,22 +84,21 @@ def sdtrain_batches(
     batch_size: int,
     caption_dim: int = 1024,
     prefetch_batches: Optional[int] = None,
-    read_concurrency: Optional[int] = None,
     object_store_limit: Optional[int] = None,
 ):
-    """The package's data path, as a training worker sees it: parquet -> Ray Data (read, decode)
-    -> a ``streaming_split`` shard -> ``iter_torch_batches``. The one place the benchmarks call
-    into sdtrain's data pipeline: re-point it here when the pipeline's API changes.
+    """The package's data path, as the one worker of a 1-worker group sees it: the sampling plan
+    (sdtrain.sampling) -> that rank's Ray Data stream of shuffled windows (read + decode in one task
+    each, sdtrain.dataset.rank_dataset) -> ``iter_torch_batches``, one epoch. The one place the
+    benchmarks call into sdtrain's data pipeline: re-point it here when the pipeline's API changes.
 
-    ``read_concurrency`` is an experiment, not the package: the same pipeline with Ray Data's
-    read (and the decode fused into it) capped at that many concurrent tasks, the change
-    bench/README.md proposes for sdtrain.dataset.build_dataset. ``object_store_limit`` (bytes), also
-    an experiment: Ray Data's object-store budget for this dataset capped at that.
+    ``object_store_limit`` (bytes) is an experiment, not the package: Ray Data's object-store
+    budget for this dataset capped at that.
 
-    Returns (iterator of {"latents", "captions"} CPU tensor batches, the shard's DataIterator for its stats)."""
+    Returns (iterator of {"latents", "captions", ...} CPU tensor batches, the DataIterator for its stats)."""
     from sdtrain.config import DataConfig
-    from sdtrain.dataset import build_dataset
+    from sdtrain.dataset import WindowReader, rank_dataset
     from sdtrain.dataspec import inspect_dataset
+    from sdtrain.sampling import DataState, SamplePlan
 
     data = DataConfig(train=list(files), image_column=IMAGE_COLUMN, caption_column=CAPTION_COLUMN)
     if prefetch_batches is not None:
@@ -107,24 +106,15 @@ def sdtrain_batches(
     spec = inspect_dataset(
         list(files), "data.train", IMAGE_COLUMN, CAPTION_COLUMN, in_channels=4, cross_attention_dim=caption_dim
     )
-    if read_concurrency is None:
-        dataset = build_dataset(spec, data)
-    else:
-        import ray.data
-
-        original = ray.data.read_parquet
-        ray.data.read_parquet = lambda *a, **k: original(*a, concurrency=read_concurrency, **k)
-        try:
-            dataset = build_dataset(spec, data)
-        finally:
-            ray.data.read_parquet = original
+    plan = SamplePlan(spec.rows_per_file, seed=0, chunk_rows=data.shuffle_chunk_rows, window_rows=data.shuffle_window_rows)
+    (stretches,) = plan.rank_stretches(DataState(), 1, batch_size, spec.num_rows // batch_size)
+    dataset = rank_dataset(WindowReader(spec, data, plan), stretches)
     if object_store_limit is not None:
         from ray.data import ExecutionResources
 
         dataset.context.execution_options.resource_limits = ExecutionResources(object_store_memory=object_store_limit)
-    # What ray.train.get_dataset_shard hands a worker of a 1-worker group (DataConfig splits "train").
-    (shard,) = dataset.streaming_split(1, equal=True)
-    batches = shard.iter_torch_batches(batch_size=batch_size, drop_last=True, prefetch_batches=data.prefetch_batches)
+    shard = dataset.iterator()  # what sdtrain.shards.PlannedShards hands a worker
+    batches = shard.iter_torch_batches(batch_size=batch_size, prefetch_batches=data.prefetch_batches)
     return batches, shard
 
 

@@ -49,8 +49,6 @@ def main() -> None:
     parser.add_argument("--scales", default=None, help="comma-separated multiples of the dataset (default 1,4,16)")
     parser.add_argument("--paths", default=",".join(PATHS), help="which data paths to run")
     parser.add_argument("--stats", action="store_true", help="print Ray Data's execution stats of the sdtrain runs")
-    parser.add_argument("--read-concurrency", type=int,
-                        help="experiment: cap Ray Data's concurrent read tasks (the proposed fix; not what sdtrain does today)")
     parser.add_argument("--object-store-limit-mib", type=int,
                         help="experiment: cap Ray Data's object-store budget (the proposed fix; not what sdtrain does today)")
     parser.add_argument("--workdir", help="where to write the parquet files (default: a temporary directory)")
@@ -73,8 +71,6 @@ def main() -> None:
 
     print(f"# machine: {benchlib.machine()}")
     print(f"# {benchlib.versions()}, sdtrain commit {benchlib.git_commit()}")
-    if args.read_concurrency:
-        print(f"# EXPERIMENT: Ray Data reads capped at {args.read_concurrency} concurrent tasks (not the package's pipeline)")
     if args.object_store_limit_mib:
         print(f"# EXPERIMENT: Ray Data's object-store budget capped at {args.object_store_limit_mib} MiB (not the package's pipeline)")
     with tempfile.TemporaryDirectory(prefix="sdtrain-bench-", dir=args.workdir) as workdir:
@@ -164,7 +160,6 @@ def run_child(path: str, files: list[str], dtype: str, args) -> dict:
         file_list = f.name
     command = [sys.executable, __file__, "--child", path, "--files", file_list, "--dtypes", dtype,
                "--batch-size", str(args.batch_size)] + (["--stats"] if args.stats else []) + (
-               ["--read-concurrency", str(args.read_concurrency)] if args.read_concurrency else []) + (
                ["--object-store-limit-mib", str(args.object_store_limit_mib)] if args.object_store_limit_mib else [])
     process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
     sampler = benchlib.TreeMemorySampler(process.pid, interval=0.1)
@@ -206,7 +201,7 @@ def child(args) -> None:
 
         def make():
             batches, holder["dataset"] = benchlib.sdtrain_batches(
-                files, args.batch_size, read_concurrency=args.read_concurrency,
+                files, args.batch_size,
                 object_store_limit=args.object_store_limit_mib and args.object_store_limit_mib * 2**20)
             return batches
     else:

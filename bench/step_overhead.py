@@ -113,7 +113,7 @@ def instrumented_loop(record_path: str, real_loop):
     time each optimizer step ends. Written to ``record_path`` as JSON when the loop returns.
 
     The two hooks are the places to re-point when the worker's structure changes:
-    ``sdtrain.worker.EpochBatches.__iter__`` (the worker's training-batch iterable) and
+    ``sdtrain.worker.TrainStream.__iter__`` (the worker's training-batch iterable) and
     ``sdtrain.callbacks.StepReporter.on_train_batch_end`` (called once per optimizer step)."""
 
     def loop(loop_config):
@@ -126,7 +126,7 @@ def instrumented_loop(record_path: str, real_loop):
         import sdtrain.worker as worker
 
         record = {"loop_start": time.time(), "threads": torch.get_num_threads(), "waits": [], "step_ends": []}
-        batches_iter = worker.EpochBatches.__iter__
+        batches_iter = worker.TrainStream.__iter__
 
         def timed_iter(self):
             iterator = batches_iter(self)
@@ -145,7 +145,7 @@ def instrumented_loop(record_path: str, real_loop):
             record["step_ends"].append((trainer.global_step, time.time()))
             return batch_end(self, trainer, *args, **kwargs)
 
-        worker.EpochBatches.__iter__ = timed_iter
+        worker.TrainStream.__iter__ = timed_iter
         callbacks.StepReporter.on_train_batch_end = on_train_batch_end
         try:
             real_loop(loop_config)
