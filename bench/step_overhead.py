@@ -1,0 +1,271 @@
+"""Stack-overhead benchmark (issue #7, part 3).
+
+Full path: sdtrain's real ``sdtrain.launch.train(config)`` (Ray start, data checks, Ray Data,
+Ray Train's TorchTrainer with one CPU worker, Lightning, the package's module and callbacks)
+on parquet latents. Baseline: a bare PyTorch loop with the same UNet (``sdtrain.model.build_unet``),
+batch size, noise schedule, loss, AdamW and gradient clipping on in-memory tensors, in a process
+with as many torch threads as the Ray Train worker had.
+
+Reported: steady-state steps/s of both (the first --warmup steps excluded) and their ratio;
+the time from calling ``train()`` to the end of the first optimizer step, broken down; the
+fraction of steady-state step time the training thread spent waiting for its next batch.
+
+The job's own metrics report steps/s but neither of the other two, so the worker is instrumented
+from here: the bench hands ``train()`` a loop function that wraps the package's
+``train_loop_per_worker``, timing every ``next()`` on the worker's training batches and the end
+of every optimizer step (a ``time.perf_counter()`` pair per batch). See ``instrumented_loop``.
+
+    python bench/step_overhead.py           # tiny UNet, 160 steps of 16
+    python bench/step_overhead.py --smoke   # seconds: checks that it runs (CI)
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import benchlib  # noqa: E402
+
+SPEED_TARGET = 0.95  # full path steps/s over the bare loop's
+WAIT_TARGET = 0.02  # fraction of step time waiting for data
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--smoke", action="store_true", help="a few steps: checks that it runs")
+    parser.add_argument("--preset", default="tiny", help="model.preset (default tiny: the worst case, the shortest step)")
+    parser.add_argument("--steps", type=int, help="training steps (default 160; smoke 8)")
+    parser.add_argument("--warmup", type=int, help="steps excluded from the steady state (default 40; smoke 3)")
+    parser.add_argument("--batch-size", type=int, help="per step (default 16: the demo's per-worker batch; smoke 8)")
+    parser.add_argument("--log-every", type=int, help="run.log_every_n_steps (default 20; smoke 4)")
+    parser.add_argument("--dtype", default="float16", help="stored dtype of the parquet latents")
+    parser.add_argument("--workdir", help="where to write data and the run (default: a temporary directory)")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--threads", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--data", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    args.steps = args.steps or (8 if args.smoke else 160)
+    args.warmup = args.warmup if args.warmup is not None else (3 if args.smoke else 40)
+    args.log_every = args.log_every or (4 if args.smoke else 20)
+    args.batch_size = args.batch_size or (8 if args.smoke else 16)
+    if args.child == "full":
+        return full_path(args)
+    if args.child == "bare":
+        return bare_loop(args)
+
+    print(f"# machine: {benchlib.machine()}")
+    print(f"# {benchlib.versions()}, sdtrain commit {benchlib.git_commit()}")
+    print(f"# preset {args.preset}, batch {args.batch_size}, {args.steps} steps ({args.warmup} excluded as warm-up), "
+          f"fp32 on CPU, 1 Ray Train worker; {args.dtype} parquet latents")
+    with tempfile.TemporaryDirectory(prefix="sdtrain-bench-", dir=args.workdir) as workdir:
+        args.data = workdir
+        full = run_child("full", args)
+        bare = run_child("bare", args, "--threads", str(full["worker_threads"]))
+
+    print(f"full path (train(config)): {full['steady_steps_per_s']:.2f} steps/s steady (per-step clock), "
+          f"{full['metrics_steps_per_s']:.2f} steps/s in the job's metrics.csv after step {args.warmup}; "
+          f"torch threads in the worker: {full['worker_threads']}")
+    print(f"bare PyTorch loop:         {bare['steady_steps_per_s']:.2f} steps/s steady ({bare['threads']} torch threads)")
+    print(f"time to first step: {full['first_step_s']:.1f} s from calling train() (Ray up and data checked "
+          f"{full['ray_up_s']:.1f} s, worker loop started {full['loop_start_s']:.1f} s, first batch {full['first_batch_s']:.1f} s, "
+          f"first step done {full['first_step_s']:.1f} s); whole run {full['total_s']:.1f} s")
+    print(f"data wait: {full['wait_s']:.2f} s of {full['steady_s']:.2f} s steady-state training "
+          f"(max single wait {1000 * full['max_wait_s']:.1f} ms)")
+    ratio = full["steady_steps_per_s"] / bare["steady_steps_per_s"]
+    print(benchlib.ratio_line("steps/s full path", full["steady_steps_per_s"], "bare loop", bare["steady_steps_per_s"],
+                              f">= {SPEED_TARGET}", ratio >= SPEED_TARGET))
+    print(benchlib.ratio_line("steps/s full path (job metrics)", full["metrics_steps_per_s"], "bare loop",
+                              bare["steady_steps_per_s"]))
+    fraction = full["wait_s"] / full["steady_s"]
+    print(f"RATIO data wait / step time = {fraction:.4f}  (target < {WAIT_TARGET}: {'met' if fraction < WAIT_TARGET else 'MISSED'})")
+    print(f"RATIO time to first step / steady step time = {full['first_step_s'] * full['steady_steps_per_s']:.1f}  "
+          f"({full['first_step_s']:.1f} s)")
+
+
+def run_child(kind: str, args, *extra: str) -> dict:
+    command = [sys.executable, __file__, "--child", kind, "--data", args.data, "--preset", args.preset,
+               "--steps", str(args.steps), "--warmup", str(args.warmup), "--batch-size", str(args.batch_size),
+               "--log-every", str(args.log_every), "--dtype", args.dtype, *extra]
+    process = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = process.stdout.splitlines()
+    if process.returncode:
+        raise SystemExit(f"the {kind} run failed with exit code {process.returncode}:\n" + "\n".join(lines[-60:]))
+    for line in lines:
+        if line.startswith("[sdtrain]") or "step " in line and "loss" in line:
+            print(f"  [{kind}] {line.strip()}")
+    return json.loads([line for line in lines if line.startswith("RESULT ")][-1][len("RESULT "):])
+
+
+# ----------------------------------------------------------------------------- the full path
+
+
+def instrumented_loop(record_path: str, real_loop):
+    """``real_loop`` (the package's worker function), recording in the worker process: its torch
+    thread count, the start time, the wall time of every ``next()`` on the training batches, and the
+    time each optimizer step ends. Written to ``record_path`` as JSON when the loop returns.
+
+    The two hooks are the places to re-point when the worker's structure changes:
+    ``sdtrain.worker.TrainStream.__iter__`` (the worker's training-batch iterable) and
+    ``sdtrain.callbacks.StepReporter.on_train_batch_end`` (called once per optimizer step)."""
+
+    def loop(loop_config):
+        import json
+        import time
+
+        import torch
+
+        import sdtrain.callbacks as callbacks
+        import sdtrain.worker as worker
+
+        record = {"loop_start": time.time(), "threads": torch.get_num_threads(), "waits": [], "step_ends": []}
+        batches_iter = worker.TrainStream.__iter__
+
+        def timed_iter(self):
+            iterator = batches_iter(self)
+            while True:
+                start = time.perf_counter()
+                try:
+                    batch = next(iterator)
+                except StopIteration:
+                    return
+                record["waits"].append((time.time(), time.perf_counter() - start))
+                yield batch
+
+        batch_end = callbacks.StepReporter.on_train_batch_end
+
+        def on_train_batch_end(self, trainer, *args, **kwargs):
+            record["step_ends"].append((trainer.global_step, time.time()))
+            return batch_end(self, trainer, *args, **kwargs)
+
+        worker.TrainStream.__iter__ = timed_iter
+        callbacks.StepReporter.on_train_batch_end = on_train_batch_end
+        try:
+            real_loop(loop_config)
+        finally:
+            with open(record_path, "w") as f:
+                json.dump(record, f)
+
+    return loop
+
+
+def full_path(args) -> None:
+    import ray
+
+    import sdtrain.launch
+    from sdtrain.config import Config
+    from sdtrain.model import unet_config
+    from sdtrain.presets import PRESETS
+
+    preset = PRESETS[args.preset]
+    size, caption_dim = preset["sample_size"], preset["cross_attention_dim"]
+    rows = (args.steps + 2) * args.batch_size  # one epoch covers the run
+    data_dir = Path(args.data) / "train"
+    benchlib.write_dataset(data_dir, rows, max(args.batch_size * 8, rows // 16), args.dtype,
+                           latent_shape=(4, size, size), caption_shape=(77, caption_dim))
+    config = Config.from_dict({
+        "data": {"train": [str(data_dir)]},
+        "model": {"preset": args.preset},
+        "train": {"max_steps": args.steps, "global_batch_size": args.batch_size, "lr": 1e-4, "warmup_steps": 10},
+        "scaling": {"num_workers": 1, "use_gpu": False},
+        "run": {"name": "step-overhead", "storage_path": str(Path(args.data) / "runs"),
+                "checkpoint_every_n_steps": args.steps, "log_every_n_steps": args.log_every, "num_to_keep": 1},
+        "failure": {"max_failures": 0},
+    })
+    assert unet_config(config.model)["cross_attention_dim"] == caption_dim
+    record_path = str(Path(args.data) / "worker-record.json")
+    sdtrain.launch.train_loop_per_worker = instrumented_loop(record_path, sdtrain.launch.train_loop_per_worker)
+
+    ray_started = {}
+    ray_init = ray.init
+
+    def timed_init(*a, **k):  # train() starts Ray itself; note when it is up
+        result = ray_init(*a, **k)
+        ray_started["t"] = time.time()
+        return result
+
+    ray.init = timed_init
+    launched = time.time()
+    summary = sdtrain.launch.train(config)
+    finished = time.time()
+
+    record = json.load(open(record_path))
+    steps = dict((step, t) for step, t in record["step_ends"])
+    first_step_t = min(t for _, t in record["step_ends"])
+    steady_from, steady_to = steps[args.warmup], steps[max(steps)]
+    waits = [w for t, w in record["waits"] if steady_from < t <= steady_to]
+    with open(os.path.join(summary.run_dir, "metrics.csv")) as f:
+        rows = [r for r in csv.DictReader(f) if int(r["step"]) > args.warmup]
+    # Windows of the job's own steps/s after warm-up, combined by their durations.
+    previous = args.warmup
+    steps_done, seconds = 0, 0.0
+    for r in rows:
+        n = int(r["step"]) - previous
+        steps_done, seconds, previous = steps_done + n, seconds + n / float(r["steps_per_s"]), int(r["step"])
+    print("RESULT " + json.dumps(dict(
+        steady_steps_per_s=(max(steps) - args.warmup) / (steady_to - steady_from),
+        metrics_steps_per_s=steps_done / seconds,
+        worker_threads=record["threads"],
+        ray_up_s=ray_started.get("t", launched) - launched,
+        loop_start_s=record["loop_start"] - launched,
+        first_batch_s=record["waits"][0][0] - launched,
+        first_step_s=first_step_t - launched,
+        total_s=finished - launched,
+        wait_s=sum(waits),
+        max_wait_s=max(waits),
+        steady_s=steady_to - steady_from,
+        final_step=summary.final_step,
+    )), flush=True)
+
+
+# ----------------------------------------------------------------------------- the bare loop
+
+
+def bare_loop(args) -> None:
+    import torch
+    import torch.nn.functional as F
+
+    from sdtrain.config import ModelConfig
+    from sdtrain.model import build_noise_scheduler, build_unet, noise_scheduler_config
+    from sdtrain.presets import PRESETS
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    model_config = ModelConfig(preset=args.preset)
+    unet = build_unet(model_config)
+    scheduler = build_noise_scheduler(noise_scheduler_config(model_config))
+    preset = PRESETS[args.preset]
+    size, caption_dim = preset["sample_size"], preset["cross_attention_dim"]
+    batches = [
+        (torch.randn(args.batch_size, 4, size, size), torch.randn(args.batch_size, 77, caption_dim)) for _ in range(8)
+    ]
+    optimizer = torch.optim.AdamW(unet.parameters(), lr=1e-4, weight_decay=0.01, fused=True)
+    unet.train()
+    times = []
+    for step in range(args.steps):
+        latents, captions = batches[step % len(batches)]
+        noise = torch.randn_like(latents)
+        timesteps = torch.randint(0, scheduler.config.num_train_timesteps, (len(latents),))
+        noisy = scheduler.add_noise(latents, noise, timesteps)
+        loss = F.mse_loss(unet(noisy, timesteps, encoder_hidden_states=captions).sample, noise)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(unet.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        float(loss)  # the loop a user writes looks at its loss; also a sync point
+        times.append(time.perf_counter())
+    print("RESULT " + json.dumps(dict(
+        steady_steps_per_s=(args.steps - args.warmup) / (times[-1] - times[args.warmup - 1]),
+        threads=torch.get_num_threads(),
+    )), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,61 @@
+"""Each benchmark in bench/ runs (--smoke: tiny sizes, seconds) and prints its ratio lines.
+
+Not timed tests: the figures of a smoke run mean nothing; bench/README.md has the real ones.
+"""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO  # noqa: E402
+
+RATIO = re.compile(r"^RATIO (.+?) = (-?[0-9.]+|nan|inf)", re.M)
+
+
+def run_bench(*args: str, timeout: int = 240) -> tuple[str, dict[str, float]]:
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
+    process = subprocess.run(
+        [sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
+    )
+    assert process.returncode == 0, process.stdout[-3000:] + process.stderr[-3000:]
+    ratios = {name: float(value) for name, value in RATIO.findall(process.stdout)}
+    return process.stdout, ratios
+
+
+def test_ingest_smoke():
+    """Throughput of the three paths, then memory at 1x (those same runs) and 2x."""
+    out, ratios = run_bench("bench/ingest.py", "--smoke")
+    for path in ("pyarrow", "pandas", "sdtrain"):
+        assert re.search(rf"^float16\s+{path}\s+\d+", out, re.M), out
+    assert "ingest float16 steady sdtrain / pyarrow limit" in ratios, out
+    assert "ingest float16 end-to-end sdtrain / pyarrow limit" in ratios, out
+    assert "ingest float16 end-to-end sdtrain / pandas notebook" in ratios, out
+    assert "memory sdtrain peak PSS at 2x / at 1x" in ratios, out
+    assert "memory pandas peak PSS at 2x / at 1x" in ratios, out
+    assert all(value > 0 for value in ratios.values()), ratios
+
+
+def test_step_overhead_smoke():
+    out, ratios = run_bench("bench/step_overhead.py", "--smoke")
+    assert "steps/s full path / bare loop" in ratios, out
+    assert "data wait / step time" in ratios, out
+    assert "time to first step / steady step time" in ratios, out
+    assert ratios["steps/s full path / bare loop"] > 0, out
+    assert 0 <= ratios["data wait / step time"] < 1, out
+
+
+def test_gpu_throughput_smoke():
+    """On CPU with the tiny UNet: the step, the FLOP count and the MFU arithmetic run."""
+    out, ratios = run_bench("bench/gpu_throughput.py", "--smoke")
+    assert "MFU tiny 128px eager" in ratios, out
+    assert "img/s per GPU tiny 128px eager / MosaicML SD2 per A100 at 256px" in ratios, out
+    assert ratios["MFU tiny 128px eager"] > 0, out
+
+
+@pytest.mark.parametrize("script", ["ingest.py", "step_overhead.py", "gpu_throughput.py"])
+def test_help(script):
+    out, _ = run_bench(f"bench/{script}", "--help", timeout=60)
+    assert "--smoke" in out
