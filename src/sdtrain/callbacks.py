@@ -83,7 +83,9 @@ class StepReporter(pl.Callback):
             self._report(trainer, pl_module, trainer.global_step, with_checkpoint=True)
 
     def _report(self, trainer: pl.Trainer, pl_module, step: int, with_checkpoint: bool) -> None:
-        metrics = self._metrics(trainer, pl_module, step)
+        # Replays the epoch's order: computed once per report, for the metrics and the checkpoint.
+        position = self.data_position(step)
+        metrics = self._metrics(trainer, pl_module, step, position.epoch)
         if self.val_batches is not None and (step % self.val_every == 0 or step >= self.max_steps):
             if trainer.is_global_zero:
                 # The EMA weights when the run keeps an EMA (what export and generation use).
@@ -108,7 +110,7 @@ class StepReporter(pl.Callback):
                 with open(os.path.join(directory, HISTORY_FILE), "w") as f:
                     json.dump(self.history, f)
                 with open(os.path.join(directory, DATA_STATE_FILE), "w") as f:
-                    json.dump({"step": step, "data": self.data_position(step).to_dict()}, f)
+                    json.dump({"step": step, "data": position.to_dict()}, f)
             checkpoint = ray.train.Checkpoint.from_directory(directory) if trainer.is_global_zero else None
             try:
                 # Ray Train uploads (in the background when async), commits the checkpoint once it is
@@ -127,7 +129,7 @@ class StepReporter(pl.Callback):
             self._checkpoint_stall = time.perf_counter() - started
         self._reported_step = step
 
-    def _metrics(self, trainer: pl.Trainer, pl_module, step: int) -> dict[str, float]:
+    def _metrics(self, trainer: pl.Trainer, pl_module, step: int, epoch: int) -> dict[str, float]:
         stats = pl_module.take_window_stats()
         loss = trainer.strategy.reduce(stats["loss"], reduce_op="mean")
         # Gradients are all-reduced, so every rank skipped the same steps: rank-local counts agree.
@@ -147,7 +149,7 @@ class StepReporter(pl.Callback):
         return {
             "step": step,
             "start_step": self._start_step,  # where this worker group started: restarts show here
-            "epoch": self.data_position(step).epoch,  # the data epoch the next step reads from
+            "epoch": epoch,  # the data epoch the next step reads from
             "loss": float(loss),
             "skipped_steps": skipped,
             "skipped_samples": skipped_samples,

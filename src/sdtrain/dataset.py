@@ -52,8 +52,8 @@ class WindowReader:
         dtype = np.result_type(*(latents for latents, _, _ in pieces))  # skipped rows must not widen float16
         return pa.table(
             {
-                "latents": ArrowTensorArray.from_numpy(np.concatenate([p[0] for p in pieces]).astype(dtype)[order]),
-                "captions": ArrowTensorArray.from_numpy(np.concatenate([p[1] for p in pieces]).astype(dtype)[order]),
+                "latents": ArrowTensorArray.from_numpy(np.concatenate([p[0] for p in pieces]).astype(dtype, copy=False)[order]),
+                "captions": ArrowTensorArray.from_numpy(np.concatenate([p[1] for p in pieces]).astype(dtype, copy=False)[order]),
                 "sample_index": window_sample_indices(window.spans, self.plan.file_offsets)[order],
                 "valid": np.concatenate([p[2] for p in pieces])[order],
             }
