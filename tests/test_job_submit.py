@@ -1,4 +1,4 @@
-"""`ray job submit` of the demo job against a head this test starts with `ray start --head`."""
+"""`ray job submit` of a training job against a head this test starts with `ray start --head`."""
 
 import json
 import os
@@ -7,12 +7,14 @@ import signal
 import subprocess
 import tempfile
 import time
+import sys
 import urllib.request
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from conftest import BIN, REPO, free_ports
+from conftest import BIN, REPO, S3_ENV, free_ports, write_latents
 
 
 @pytest.fixture
@@ -21,8 +23,10 @@ def ray_head():
     gcs, dashboard, client, agent_grpc, agent_http, runtime_env, metrics = free_ports(7)
     temp_dir = tempfile.mkdtemp(prefix="rh", dir="/tmp")  # short: Ray's socket paths have a length limit
     # Token auth is on by default in Ray 2.60; on a trusted loopback test cluster both sides turn it off.
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
-    env.pop("RAY_ADDRESS", None)
+    # The cluster has S3 credentials (as from an instance role) but no S3 endpoint: a job names its own.
+    env = {**os.environ, **S3_ENV, "RAY_AUTH_MODE": "disabled", "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
+    for var in ("RAY_ADDRESS", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3"):
+        env.pop(var, None)
     log = open(os.path.join(temp_dir, "head.log"), "w")
     head = subprocess.Popen(
         [
@@ -59,34 +63,91 @@ def ray_head():
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
-@pytest.mark.timeout(400)
-def test_ray_job_submit_runs_the_demo_on_the_cluster(ray_head, tmp_path, monkeypatch):
-    address, env = ray_head
-    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")  # for this process's JobSubmissionClient
-    submission_id = f"sdtrain-test-{os.getpid()}"
-    job_args = [
-        "python", "entrypoints/train.py", "train.max_steps=4", "run.log_every_n_steps=2",
-        "run.checkpoint_every_n_steps=4", f"data.train={tmp_path}/data/train", f"data.val={tmp_path}/data/val",
-        f"run.storage_path={tmp_path}/runs",
-    ]
-    ray = str(BIN / "ray")
+def _submit(address, env, submission_id, job_args):
     submit = subprocess.run(
-        [ray, "job", "submit", "--address", address, "--submission-id", submission_id, "--no-wait",
+        [str(BIN / "ray"), "job", "submit", "--address", address, "--submission-id", submission_id, "--no-wait",
          "--working-dir", str(REPO), "--runtime-env", str(REPO / "runtime_env" / "local.yaml"), "--", *job_args],
         env=env, cwd=REPO, capture_output=True, text=True, timeout=120,
     )
     assert submit.returncode == 0, submit.stderr
-    logs = subprocess.run(
-        [ray, "job", "logs", "--address", address, "--follow", submission_id],
-        env=env, capture_output=True, text=True, timeout=360,
-    )
+
+
+def _follow(address, env, submission_id) -> str:
+    """The job's whole log, once it has ended."""
+    logs = subprocess.run([str(BIN / "ray"), "job", "logs", "--address", address, "--follow", submission_id],
+                          env=env, capture_output=True, text=True, timeout=400)
+    return logs.stdout
+
+
+def _committed(s3, run_key: str) -> list[str]:
+    """The checkpoints Ray Train has committed for the run in the bucket (its own snapshot)."""
+    try:
+        body = s3.get_object(Bucket="sdtrain-test", Key=f"{run_key}/checkpoint_manager_snapshot.json")["Body"].read()
+    except s3.exceptions.NoSuchKey:
+        return []
+    return [c["checkpoint_dir_name"] for c in json.loads(body)["checkpoint_results"]]
+
+
+@pytest.mark.timeout(900)
+def test_a_job_trains_from_a_bucket_into_a_bucket_is_stopped_and_resubmitted_and_resumes(s3_bucket, ray_head, tmp_path, monkeypatch):
+    """`ray job submit` against a cluster that knows the S3 credentials (as from an instance
+    role) but not the endpoint: only the job's storage.endpoint_url names it, so it must reach
+    Ray Train's controller and workers and Ray Data's read tasks from the driver. The job is
+    stopped once a checkpoint is committed; the same command again resumes from the bucket,
+    ends at max_steps and exports the model there; generate.py samples from the run's URI."""
+    import boto3
     from ray.job_submission import JobStatus, JobSubmissionClient
 
-    status = JobSubmissionClient(address).get_job_status(submission_id)
-    assert status == JobStatus.SUCCEEDED, logs.stdout[-4000:]
+    address, env = ray_head
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")  # for this process's JobSubmissionClient
+    s3 = boto3.client("s3")
+    for name, rows, seed in (("train/part-0.parquet", 96, 0), ("train/part-1.parquet", 96, 1), ("val/part-0.parquet", 16, 2)):
+        write_latents(tmp_path / name, rows=rows, seed=seed, row_group_size=32)
+        s3.upload_file(str(tmp_path / name), "sdtrain-test", f"data/{name}")
+    run_uri = f"{s3_bucket}/runs/s3job"
+    job_args = [
+        "python", "entrypoints/train.py", "data.demo=false", f"data.train={s3_bucket}/data/train",
+        f"data.val={s3_bucket}/data/val/", f"run.storage_path={s3_bucket}/runs", "run.name=s3job",
+        f"storage.endpoint_url={os.environ['AWS_ENDPOINT_URL']}", "train.max_steps=40", "train.global_batch_size=16",
+        "run.checkpoint_every_n_steps=10", "run.log_every_n_steps=10", "run.num_to_keep=null", "train.ema_start_step=0",
+    ]
+    client = JobSubmissionClient(address)
+    first = f"sdtrain-s3-{os.getpid()}-1"
+    _submit(address, env, first, job_args)
+    deadline = time.monotonic() + 300
+    while not _committed(s3, "runs/s3job"):
+        status = client.get_job_status(first)
+        assert not status.is_terminal(), f"the job ended ({status}) before a checkpoint was committed:\n" + client.get_job_logs(first)[-4000:]
+        assert time.monotonic() < deadline, "no checkpoint committed in 300 s"
+        time.sleep(0.2)
+    stop = subprocess.run([str(BIN / "ray"), "job", "stop", "--address", address, first], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert stop.returncode == 0, stop.stderr
+    assert client.get_job_status(first) == JobStatus.STOPPED
+    committed = _committed(s3, "runs/s3job")
+    assert "checkpoint_000000040" not in committed, "the job finished before it could be stopped"
+    resumed_from = int(committed[-1].split("_")[1])
+
+    second = f"sdtrain-s3-{os.getpid()}-2"
+    _submit(address, env, second, job_args)
+    logs = _follow(address, env, second)
+    assert client.get_job_status(second) == JobStatus.SUCCEEDED, logs[-4000:]
     # The job's ray.init() joined this cluster rather than starting one of its own.
-    assert "Started a local Ray instance" not in logs.stdout
-    assert "Connecting to existing Ray cluster" in logs.stdout
-    checkpoint = tmp_path / "runs" / "demo" / "checkpoint_000000004" / "checkpoint.ckpt"
-    assert checkpoint.is_file()
-    assert f"final checkpoint: {checkpoint.parent}" in logs.stdout
+    assert "Started a local Ray instance" not in logs and "Connecting to existing Ray cluster" in logs
+    assert f"resumed from step {resumed_from}" in logs
+    assert f"final checkpoint: {run_uri}/checkpoint_000000040" in logs
+    history = json.loads(s3.get_object(Bucket="sdtrain-test", Key="runs/s3job/checkpoint_000000040/history.json")["Body"].read())
+    assert [row["step"] for row in history] == [10, 20, 30, 40]
+    assert [row["start_step"] for row in history if row["step"] > resumed_from] == [resumed_from] * ((40 - resumed_from) // 10)
+    exported = {o["Key"] for o in s3.list_objects_v2(Bucket="sdtrain-test", Prefix="runs/s3job/export/")["Contents"]}
+    assert {"runs/s3job/export/unet/config.json", "runs/s3job/export/unet/diffusion_pytorch_model.safetensors",
+            "runs/s3job/export/scheduler/scheduler_config.json"} <= exported
+
+    generate = subprocess.run(
+        [sys.executable, str(REPO / "entrypoints" / "generate.py"), run_uri, "--captions", f"{s3_bucket}/data/val/",
+         "--rows", "2", "--samples-per-caption", "2", "--steps", "4", "--out", str(tmp_path / "samples")],
+        env={**os.environ, "PYTHONPATH": str(REPO / "src")}, capture_output=True, text=True, timeout=200,
+    )
+    assert generate.returncode == 0, generate.stderr[-3000:]
+    latents = np.load(tmp_path / "samples" / "latents.npy")
+    assert latents.shape == (2, 2, 4, 16, 16) and np.isfinite(latents).all()

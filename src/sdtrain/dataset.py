@@ -21,7 +21,7 @@ from sdtrain.config import DataConfig
 from sdtrain.dataspec import DatasetSpec
 from sdtrain.decode import decode_batch, to_array
 from sdtrain.errors import DataError
-from sdtrain.files import filesystem_for
+from sdtrain.files import filesystem_for, filesystems_for
 from sdtrain.sampling import SamplePlan, Stretch, Window, window_sample_indices
 
 log = logging.getLogger("sdtrain")
@@ -39,6 +39,11 @@ class WindowReader:
     spec: DatasetSpec
     data: DataConfig
     plan: SamplePlan
+
+    def __post_init__(self):
+        # Resolved here, on the driver: the filesystems carry the job's S3 endpoint and retries
+        # to Ray Data's read tasks, which on a separately started cluster know neither.
+        object.__setattr__(self, "_sources", filesystems_for(self.spec.files))
 
     def read(self, window: Window) -> pa.Table:
         files: dict[int, pq.ParquetFile] = {}
@@ -65,7 +70,7 @@ class WindowReader:
         file = self.spec.files[file_index]
         try:
             if file_index not in files:
-                fs, path = filesystem_for(file)
+                fs, path = self._sources[file_index]
                 files[file_index] = pq.ParquetFile(fs.open_input_file(path))
             meta = files[file_index].metadata
         except (OSError, pa.ArrowException) as error:
@@ -135,8 +140,10 @@ def file_order_dataset(spec: DatasetSpec, data: DataConfig) -> ray.data.Dataset:
     Only the two configured columns are read (plus the file path, so a bad row can name its
     file). The order is the file order, so validation sees the same samples every time.
     """
+    sources = filesystems_for(spec.files)
     dataset = ray.data.read_parquet(
-        list(spec.files),
+        [path for _, path in sources],
+        filesystem=sources[0][0],  # ours: it carries the S3 endpoint and retries to the read tasks
         columns=[data.image_column, data.caption_column],
         include_paths=True,
     )

@@ -72,6 +72,19 @@ def s3_max_attempts() -> int:
     return _s3_settings.max_attempts
 
 
+def resolved_s3_settings() -> S3Settings:
+    """This process's S3 settings with the endpoint resolved now (config, else environment): what
+    other processes of the job (Ray Train's controller and workers, Ray Data's tasks) must use.
+    On a cluster started separately they see neither storage.endpoint_url nor the driver's
+    environment, so the driver hands them this."""
+    return S3Settings(s3_endpoint()[0], s3_max_attempts())
+
+
+def apply_s3_settings(settings: S3Settings) -> None:
+    """Use the driver's S3 settings in this process (a Ray worker)."""
+    configure_s3(settings.endpoint_url, settings.max_attempts)
+
+
 def has_userinfo(uri: str) -> bool:
     """Whether ``uri`` carries a user name or password (``s3://KEY:SECRET@bucket``, ``http://u:p@host``)."""
     return _USERINFO.match(uri) is not None
@@ -89,7 +102,8 @@ def split_s3(uri: str) -> tuple[str, str]:
 
 
 def s3_filesystem(bucket: str) -> pafs.S3FileSystem:
-    """A pyarrow S3 filesystem for ``bucket`` with the configured endpoint and retries."""
+    """A pyarrow S3 filesystem for ``bucket`` with the configured endpoint and retries (it pickles
+    with both, so one made on the driver works in any Ray process)."""
     endpoint, _ = s3_endpoint()
     # As pyarrow's own from_uri does on AWS: a bucket outside the SDK's default region answers
     # with a redirect that pyarrow does not follow. An S3-compatible endpoint has one region.
@@ -222,6 +236,21 @@ def _hidden(path: str, root: str) -> bool:
     return any(part.startswith((".", "_")) for part in path[len(root) :].split("/") if part)
 
 
+def filesystems_for(paths: list[str]) -> list[tuple[pafs.FileSystem, str]]:
+    """``filesystem_for`` of each path, with one filesystem per S3 bucket (many files, few buckets)."""
+    buckets: dict[str, pafs.FileSystem] = {}
+    out = []
+    for path in paths:
+        if not path.startswith("s3://"):
+            out.append(filesystem_for(path))
+            continue
+        bucket, key = split_s3(path)
+        if bucket not in buckets:
+            buckets[bucket] = s3_filesystem(bucket)
+        out.append((buckets[bucket], f"{bucket}/{key}"))
+    return out
+
+
 def filesystem_for(path: str) -> tuple[pafs.FileSystem, str]:
     """The pyarrow filesystem that holds ``path``, and the path within it."""
     if path.startswith("s3://"):
@@ -232,6 +261,15 @@ def filesystem_for(path: str) -> tuple[pafs.FileSystem, str]:
     if is_uri(path):
         return pafs.FileSystem.from_uri(path)
     return pafs.LocalFileSystem(), os.path.abspath(os.path.expanduser(path))
+
+
+def ray_storage(path: str) -> tuple[Optional[pafs.FileSystem], str]:
+    """(storage_filesystem, storage path) to hand Ray Train for ``path``: for a URI our own
+    filesystem (endpoint and retries travel with it to the controller and workers) and the path
+    within it; for a local path (None, path), Ray's default."""
+    if not is_uri(path):
+        return None, path
+    return filesystem_for(path)
 
 
 def set_aside(path: str) -> Optional[str]:

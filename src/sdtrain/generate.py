@@ -23,7 +23,7 @@ from diffusers import DDIMScheduler, DPMSolverMultistepScheduler, UNet2DConditio
 from sdtrain.checkpoint import CHECKPOINT_FILE, LoadedModel, Weights, load_checkpoint
 from sdtrain.errors import DataError, SdtrainError
 from sdtrain.export import is_export, load_export
-from sdtrain.files import filesystem_for, resolve_parquet_files, uri_for
+from sdtrain.files import filesystem_for, ray_storage, resolve_parquet_files, uri_for
 
 SAMPLERS = ("ddim", "dpm")
 LATENTS_FILE = "latents.npy"
@@ -50,8 +50,9 @@ def load_for_sampling(path: str, weights: Weights = "auto") -> LoadedModel:
         return load_export(path)
     from ray.train import Result
 
+    storage_filesystem, run_path = ray_storage(path)
     try:
-        checkpoint = Result.from_path(path).checkpoint
+        checkpoint = Result.from_path(run_path, storage_filesystem=storage_filesystem).checkpoint
     except Exception as e:  # not a run directory
         raise SdtrainError(
             f"model: {path} is neither an export (unet/config.json), a checkpoint ({CHECKPOINT_FILE}) nor a run "

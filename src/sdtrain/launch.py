@@ -23,7 +23,7 @@ from sdtrain.demo_data import ensure_demo_data
 from sdtrain.errors import ConfigError, DataError, TrainingFailed
 from sdtrain.export import EXPORT_DIR, export_checkpoint
 from sdtrain.failures import StopOnDeterministicErrors, failure_message
-from sdtrain.files import absolute, resolve_parquet_files, set_aside, uri_for
+from sdtrain.files import absolute, ray_storage, resolve_parquet_files, resolved_s3_settings, set_aside, uri_for
 from sdtrain.model import noise_scheduler_config, unet_config
 from sdtrain.outputs import read_history, write_run_outputs
 from sdtrain.recipe import load_unconditional_caption, stored_latent_scaling
@@ -100,6 +100,10 @@ def train(config: Config) -> RunSummary:
         "latent_scaling_factor": config.data.latent_scaling_factor or stored_scale,
         "config": config.to_dict(),
     }
+    # Ray Train's controller and workers get the storage filesystem and the S3 settings from
+    # here: on a cluster started separately they see neither storage.endpoint_url nor this
+    # process's environment.
+    storage_filesystem, storage_path = ray_storage(config.run.storage_path)
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config={
@@ -108,6 +112,7 @@ def train(config: Config) -> RunSummary:
             "noise_scheduler_config": checkpoint_meta["noise_scheduler_config"],
             "checkpoint_meta": checkpoint_meta,
             "plan": plan,
+            "s3": resolved_s3_settings(),
         },
         scaling_config=ray.train.ScalingConfig(
             num_workers=_ray_num_workers(config.scaling),
@@ -116,7 +121,8 @@ def train(config: Config) -> RunSummary:
         ),
         run_config=ray.train.RunConfig(
             name=config.run.name,
-            storage_path=config.run.storage_path,
+            storage_path=storage_path,
+            storage_filesystem=storage_filesystem,
             failure_config=ray.train.FailureConfig(max_failures=config.failure.max_failures),
             checkpoint_config=ray.train.CheckpointConfig(
                 num_to_keep=config.run.num_to_keep,

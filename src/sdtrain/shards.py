@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import json
 import posixpath
+from typing import Optional
 
+import pyarrow.fs as pafs
 import ray.train
 
 from sdtrain.checkpoint import DATA_STATE_FILE
 from sdtrain.dataset import WindowReader, rank_dataset
+from sdtrain.files import ray_storage
 from sdtrain.sampling import DataState
 
 
@@ -24,14 +27,15 @@ class PlannedShards(ray.train.DataConfig):
     def __init__(self, reader: WindowReader, run_dir: str, global_batch_size: int, max_steps: int):
         super().__init__(datasets_to_split=["train"])
         self.reader = reader
-        self.run_dir = run_dir
+        # (filesystem, path) made here on the driver: it carries the S3 endpoint to the controller.
+        self.run_storage = ray_storage(run_dir)
         self.global_batch_size = global_batch_size
         self.max_steps = max_steps
 
     def configure(self, datasets, world_size, worker_handles, worker_node_ids, **kwargs):
         if "train" not in datasets:  # validation: every worker gets the whole set, in file order
             return super().configure(datasets, world_size, worker_handles, worker_node_ids, **kwargs)
-        step, state = latest_position(self.run_dir)
+        step, state = latest_position(*self.run_storage)
         stretches = self.reader.plan.rank_stretches(
             state, world_size, self.global_batch_size // world_size, self.max_steps - step
         )
@@ -50,10 +54,11 @@ class PlannedShards(ray.train.DataConfig):
         return options
 
 
-def latest_position(run_dir: str) -> tuple[int, DataState]:
-    """(step, data state) of the latest checkpoint Ray Train committed for ``run_dir``; (0, start) if none."""
+def latest_position(filesystem: Optional[pafs.FileSystem], run_dir: str) -> tuple[int, DataState]:
+    """(step, data state) of the latest checkpoint Ray Train committed for ``run_dir`` (a path on
+    ``filesystem``, as from ``files.ray_storage``); (0, start) if none."""
     try:
-        checkpoint = ray.train.Result.from_path(run_dir).checkpoint
+        checkpoint = ray.train.Result.from_path(run_dir, storage_filesystem=filesystem).checkpoint
     except RuntimeError:  # no run directory or no committed checkpoint yet: a fresh run
         return 0, DataState()
     if checkpoint is None:

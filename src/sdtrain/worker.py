@@ -18,6 +18,7 @@ from sdtrain.callbacks import StepReporter, log
 from sdtrain.checkpoint import CHECKPOINT_FILE, DATA_STATE_FILE, HISTORY_FILE
 from sdtrain.config import Config
 from sdtrain.errors import TrainingFailed, find_sdtrain_error
+from sdtrain.files import apply_s3_settings
 from sdtrain.hardware import apply_options, build_strategy
 from sdtrain.model import build_unet
 from sdtrain.module import DiffusionModule
@@ -74,6 +75,7 @@ class TrainStream:
 
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     _configure_logging()
+    apply_s3_settings(loop_config["s3"])  # model.pretrained, data.unconditional_caption on s3://
     config = Config.from_dict(loop_config["config"])
     use_gpu: bool = loop_config["use_gpu"]
     plan: SamplePlan = loop_config["plan"]
