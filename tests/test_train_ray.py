@@ -3,6 +3,7 @@
 import csv
 import dataclasses
 import json
+import time
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -54,7 +55,9 @@ def test_two_worker_run_checkpoints_reloads_and_resumes(ray_cluster, tmp_path):
     write_latents(tmp_path / "val/v.parquet", rows=12, encoding="list", dtype="float32", seed=3)
     run_dir = tmp_path / "runs" / "two-workers"
 
+    launched = time.time()
     summary = train(_config(tmp_path, max_steps=6))
+    run_seconds = time.time() - launched
 
     assert summary.final_step == 6
     assert summary.checkpoint_path == str(run_dir / "checkpoint_000000006")
@@ -66,6 +69,9 @@ def test_two_worker_run_checkpoints_reloads_and_resumes(ray_cluster, tmp_path):
     assert [int(r["step"]) for r in rows] == [2, 3, 4, 6]  # a row per report: logs at 2, 4, 6; checkpoint at 3
     assert all(float(r["loss"]) > 0 for r in rows)
     assert [bool(r["val_loss"]) for r in rows] == [False, True, False, True]  # validation with each checkpoint
+    assert all(0 <= float(r["data_wait_fraction"]) < 1 for r in rows)
+    # One worker group: the same launch-to-first-step time in every row, within the run's duration.
+    assert len({r["time_to_first_step_s"] for r in rows}) == 1 and 0 < float(rows[0]["time_to_first_step_s"]) < run_seconds
     assert (run_dir / "loss_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     # The model comes back from the checkpoint alone and reproduces the validation loss the

@@ -42,17 +42,23 @@ class StepReporter(pl.Callback):
         max_bad_steps: int,
         history: list[dict[str, float]],
         data_position: Callable[[int], DataState],
+        data_wait_s: Callable[[], float],
+        launched_at: float,
         val_batches: Optional[ValBatches] = None,
         val_seed: int = 0,
     ):
         """``history`` holds the rows of the checkpoint being resumed from ([] for a fresh run);
         ``data_position(step)`` is the data state after that step, saved with its checkpoint;
+        ``data_wait_s()`` the seconds this rank waited for data since its previous call;
+        ``launched_at`` the wall-clock time the driver started the run;
         ``val_batches`` yields the validation set on rank 0 (None: no validation)."""
         self.run = run
         self.max_steps = max_steps
         self.samples_per_step = samples_per_step
         self.max_bad_steps = max_bad_steps
         self.data_position = data_position
+        self.data_wait_s = data_wait_s
+        self.launched_at = launched_at
         self.val_batches = val_batches
         self.val_seed = val_seed
         self.val_every = run.val_every_n_steps or run.checkpoint_every_n_steps
@@ -62,6 +68,7 @@ class StepReporter(pl.Callback):
         self._seen_step = -1
         self._reported_step = -1
         self._checkpoint_stall = 0.0
+        self._time_to_first_step = math.nan
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._window = (trainer.global_step, time.perf_counter())
@@ -73,6 +80,8 @@ class StepReporter(pl.Callback):
         step = trainer.global_step
         if step == self._seen_step:  # a micro-batch that did not step the optimizer
             return
+        if self._seen_step == self._start_step:
+            self._time_to_first_step = time.time() - self.launched_at
         self._seen_step = step
         checkpoint_due = step % self.run.checkpoint_every_n_steps == 0 or step >= self.max_steps
         if checkpoint_due or step % self.run.log_every_n_steps == 0:
@@ -144,8 +153,12 @@ class StepReporter(pl.Callback):
             )
         start_step, start_time = self._window
         now = time.perf_counter()
-        steps_per_s = (step - start_step) / max(now - start_time, 1e-9)
+        elapsed = max(now - start_time, 1e-9)
+        steps_per_s = (step - start_step) / elapsed
         self._window = (step, now)
+        # The slowest rank's: a rank that waits holds every other one at the next all-reduce.
+        wait = torch.tensor(self.data_wait_s() / elapsed, device=pl_module.device)
+        data_wait_fraction = float(trainer.strategy.all_gather(wait).max())
         return {
             "step": step,
             "start_step": self._start_step,  # where this worker group started: restarts show here
@@ -159,6 +172,11 @@ class StepReporter(pl.Callback):
             "time": time.time(),  # wall clock: restarts show as gaps
             # Seconds the training loop waited on the latest checkpoint (save, and upload when sync).
             "checkpoint_stall_s": self._checkpoint_stall,
+            # Fraction of the wall time since the previous report the training loop waited for data.
+            "data_wait_fraction": data_wait_fraction,
+            # From the driver's start (train()) to this worker group's first optimizer step; after a
+            # restart it includes the time the failure cost.
+            "time_to_first_step_s": self._time_to_first_step,
         }
 
 
@@ -173,6 +191,7 @@ def _progress_line(metrics: dict[str, float], max_steps: int) -> str:
         *([f"val_loss {metrics['val_loss']:.4f}"] if "val_loss" in metrics else []),
         f"lr {metrics['lr']:.2e}",
         f"{metrics['samples_per_s']:.1f} samples/s",
+        f"data wait {100 * metrics['data_wait_fraction']:.1f}%",
         f"ETA {format_duration(remaining)}",
     ]
     return " | ".join(parts)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import posixpath
+import time
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
@@ -43,6 +44,7 @@ class RunSummary:
 
 
 def train(config: Config) -> RunSummary:
+    launched_at = time.time()  # the origin of the metric time_to_first_step_s
     config = _with_absolute_paths(config)
     preflight(config)  # object storage: endpoint, credentials, buckets, permissions (sdtrain.storage)
     unet = unet_config(config.model)
@@ -113,6 +115,7 @@ def train(config: Config) -> RunSummary:
             "checkpoint_meta": checkpoint_meta,
             "plan": plan,
             "s3": resolved_s3_settings(),
+            "launched_at": launched_at,
         },
         scaling_config=ray.train.ScalingConfig(
             num_workers=_ray_num_workers(config.scaling),

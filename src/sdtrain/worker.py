@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 import warnings
 from typing import Any, Iterator
 
@@ -40,22 +41,36 @@ class TrainStream:
         self.prefetch_batches = prefetch_batches
         self.expected_first = expected_first
         self._started = False
+        self._wait_s = 0.0
+
+    def take_wait_s(self) -> float:
+        """Seconds the training loop waited for its next batch since the previous call. The first
+        batch's wait is start-up, not a stall: it shows in the metric time_to_first_step_s instead."""
+        wait, self._wait_s = self._wait_s, 0.0
+        return wait
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         if self._started:
             raise RuntimeError("the training stream was read to its end before train.max_steps")
         self._started = True
-        batches = self.shard.iter_torch_batches(
+        batches = iter(self.shard.iter_torch_batches(
             batch_size=self.micro_batch,
             prefetch_batches=self.prefetch_batches,
             device=ray.train.torch.get_device(),
-        )
+        ))
         first = True
         try:
-            for batch in batches:
+            while True:
+                asked = time.perf_counter()
+                try:
+                    batch = next(batches)
+                except StopIteration:
+                    return
                 if first:
                     self._check_position(batch["sample_index"])
                     first = False
+                else:
+                    self._wait_s += time.perf_counter() - asked
                 yield batch
         except Exception as error:
             data_error = find_sdtrain_error(error)
@@ -97,7 +112,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
 
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is None:
-        _fit(config, module, use_gpu, plan, (world_size, micro_batch, accumulation), history=[], start=(0, DataState()), ckpt_path=None)
+        _fit(config, module, use_gpu, plan, (world_size, micro_batch, accumulation), history=[], start=(0, DataState()), ckpt_path=None,
+             launched_at=loop_config["launched_at"])
         return
     with checkpoint.as_directory() as directory:
         with open(os.path.join(directory, HISTORY_FILE)) as f:
@@ -106,18 +122,20 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             raw = json.load(f)
         start = (int(raw["step"]), DataState.from_dict(raw["data"]))
         ckpt_path = os.path.join(directory, CHECKPOINT_FILE)
-        _fit(config, module, use_gpu, plan, (world_size, micro_batch, accumulation), history, start, ckpt_path)
+        _fit(config, module, use_gpu, plan, (world_size, micro_batch, accumulation), history, start, ckpt_path,
+             launched_at=loop_config["launched_at"])
 
 
-def _fit(config: Config, module, use_gpu, plan: SamplePlan, layout, history, start, ckpt_path) -> None:
+def _fit(config: Config, module, use_gpu, plan: SamplePlan, layout, history, start, ckpt_path, launched_at: float) -> None:
     world_size, micro_batch, accumulation = layout
     rank = ray.train.get_context().get_world_rank()
     start_step, start_state = start
     rows_per_step = config.train.global_batch_size // world_size
     if rank == 0:
         log.info(
-            "world size %d: %d samples per worker per step = micro-batch %d x %d accumulation; data epoch %d",
-            world_size, rows_per_step, micro_batch, accumulation, start_state.epoch,
+            "world size %d: %d samples per worker per step = micro-batch %d x %d accumulation; data epoch %d; "
+            "%d torch thread(s) per worker",
+            world_size, rows_per_step, micro_batch, accumulation, start_state.epoch, torch.get_num_threads(),
         )
     val_batches = None
     if config.data.val:
@@ -126,6 +144,11 @@ def _fit(config: Config, module, use_gpu, plan: SamplePlan, layout, history, sta
         def val_batches():
             return val_shard.iter_torch_batches(batch_size=micro_batch, device=ray.train.torch.get_device())
 
+    first_stretch = plan.rank_stretches(start_state, world_size, rows_per_step, config.train.max_steps - start_step)[rank][0]
+    expected_first = plan.sample_indices(plan.window(first_stretch, 0))[:micro_batch]
+    train_batches = TrainStream(
+        ray.train.get_dataset_shard("train"), micro_batch, config.data.prefetch_batches, expected_first
+    )
     reporter = StepReporter(
         config.run,
         max_steps=config.train.max_steps,
@@ -135,6 +158,8 @@ def _fit(config: Config, module, use_gpu, plan: SamplePlan, layout, history, sta
         data_position=lambda step: plan.advance(start_state, world_size, rows_per_step, step - start_step),
         val_batches=val_batches,
         val_seed=config.train.seed,
+        data_wait_s=train_batches.take_wait_s,
+        launched_at=launched_at,
     )
     trainer = pl.Trainer(
         max_steps=config.train.max_steps,
@@ -156,11 +181,6 @@ def _fit(config: Config, module, use_gpu, plan: SamplePlan, layout, history, sta
         num_sanity_val_steps=0,
     )
     trainer = prepare_trainer(trainer)
-    first_stretch = plan.rank_stretches(start_state, world_size, rows_per_step, config.train.max_steps - start_step)[rank][0]
-    expected_first = plan.sample_indices(plan.window(first_stretch, 0))[:micro_batch]
-    train_batches = TrainStream(
-        ray.train.get_dataset_shard("train"), micro_batch, config.data.prefetch_batches, expected_first
-    )
     trainer.fit(module, train_dataloaders=train_batches, ckpt_path=ckpt_path, weights_only=True)
 
 
