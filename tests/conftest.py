@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import socket
-import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -20,6 +17,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
+sys.path.insert(0, str(REPO / "bench"))
+import benchlib  # noqa: E402  (the S3 server process the benchmarks use too)
 ENCODINGS = ("list", "fixed_size_list", "tensor")
 
 
@@ -89,29 +88,7 @@ S3_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "A
           "AWS_EC2_METADATA_DISABLED": "true"}
 
 
-@contextlib.contextmanager
-def moto_server(log_path: Path, env: Optional[dict[str, str]] = None):
-    """moto's S3/IAM server in its own process on a free loopback port; yields its endpoint URL."""
-    (port,) = free_ports(1)
-    log = open(log_path, "w")
-    server = subprocess.Popen([str(BIN / "moto_server"), "-H", "127.0.0.1", "-p", str(port)], stdout=log,
-                              stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
-    deadline = time.monotonic() + 30
-    while True:  # wait until it accepts connections (readiness, not a race); no request, so none is counted
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            break
-        except OSError:
-            if server.poll() is not None or time.monotonic() > deadline:
-                server.kill()
-                pytest.fail("moto_server did not start: " + log_path.read_text()[-2000:])
-            time.sleep(0.2)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
-        log.close()
+moto_server = benchlib.moto_server
 
 
 @pytest.fixture

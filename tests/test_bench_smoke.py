@@ -47,6 +47,14 @@ def test_step_overhead_smoke():
     assert 0 <= ratios["data wait / step time"] < 1, out
 
 
+def test_checkpoint_stall_smoke():
+    """Async and sync uploads to a bucket of a moto server: both runs report their stalls."""
+    out, ratios = run_bench("bench/checkpoint_stall.py", "--smoke")
+    assert re.search(r"^async: checkpoint \d+ MB .* stall per checkpoint [0-9.]+ s", out, re.M), out
+    assert re.search(r"^sync : checkpoint \d+ MB .* stall per checkpoint [0-9.]+ s", out, re.M), out
+    assert ratios["checkpoint stall async / sync"] > 0, out
+
+
 def test_gpu_throughput_smoke():
     """On CPU with the tiny UNet: the step, the FLOP count and the MFU arithmetic run."""
     out, ratios = run_bench("bench/gpu_throughput.py", "--smoke")
@@ -55,7 +63,7 @@ def test_gpu_throughput_smoke():
     assert ratios["MFU tiny 128px eager"] > 0, out
 
 
-@pytest.mark.parametrize("script", ["ingest.py", "step_overhead.py", "gpu_throughput.py"])
+@pytest.mark.parametrize("script", ["ingest.py", "step_overhead.py", "checkpoint_stall.py", "gpu_throughput.py"])
 def test_help(script):
     out, _ = run_bench(f"bench/{script}", "--help", timeout=60)
     assert "--smoke" in out

@@ -158,7 +158,7 @@ class StepReporter(pl.Callback):
         self._window = (step, now)
         # The slowest rank's: a rank that waits holds every other one at the next all-reduce.
         wait = torch.tensor(self.data_wait_s() / elapsed, device=pl_module.device)
-        data_wait_fraction = float(trainer.strategy.all_gather(wait).max())
+        data_wait_fraction = float(trainer.strategy.reduce(wait, reduce_op="max"))
         return {
             "step": step,
             "start_step": self._start_step,  # where this worker group started: restarts show here
