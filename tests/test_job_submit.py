@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from conftest import BIN, REPO, S3_ENV, free_ports, write_latents
 
@@ -142,6 +143,15 @@ def test_a_job_trains_from_a_bucket_into_a_bucket_is_stopped_and_resubmitted_and
     exported = {o["Key"] for o in s3.list_objects_v2(Bucket="sdtrain-test", Prefix="runs/s3job/export/")["Contents"]}
     assert {"runs/s3job/export/unet/config.json", "runs/s3job/export/unet/diffusion_pytorch_model.safetensors",
             "runs/s3job/export/scheduler/scheduler_config.json"} <= exported
+
+    # The export is the final checkpoint's EMA UNet, read back from the bucket.
+    from sdtrain.checkpoint import load_checkpoint
+    from sdtrain.export import load_export
+
+    final, export = load_checkpoint(f"{run_uri}/checkpoint_000000040"), load_export(f"{run_uri}/export")
+    assert final.meta["weights"] == "ema"
+    exported_state = export.unet.state_dict()
+    assert all(torch.equal(tensor, exported_state[name]) for name, tensor in final.unet.state_dict().items())
 
     generate = subprocess.run(
         [sys.executable, str(REPO / "entrypoints" / "generate.py"), run_uri, "--captions", f"{s3_bucket}/data/val/",

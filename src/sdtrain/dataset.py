@@ -53,14 +53,27 @@ class WindowReader:
             for file_index, start, stop in window.spans
             for piece in self._read_span(files, row_groups, int(file_index), int(start), int(stop))
         ]
-        order = window.order()
+        order = window.order()  # output row i is the window's row order[i]
+        # Each piece is written once, straight to its shuffled rows: no concatenated copy of the
+        # window besides the output (a window of SD-sized rows is ~85 MB; each copy costs that
+        # much again on every read task).
+        destination = np.empty_like(order)
+        destination[order] = np.arange(len(order))
         dtype = np.result_type(*(latents for latents, _, _ in pieces))  # skipped rows must not widen float16
+        latents = np.empty((len(order), *self.spec.latent_shape), dtype)
+        captions = np.empty((len(order), *self.spec.caption_shape), dtype)
+        valid = np.empty(len(order), bool)
+        first = 0
+        for piece_latents, piece_captions, piece_valid in pieces:
+            rows = destination[first : first + len(piece_valid)]
+            latents[rows], captions[rows], valid[rows] = piece_latents, piece_captions, piece_valid
+            first += len(piece_valid)
         return pa.table(
             {
-                "latents": ArrowTensorArray.from_numpy(np.concatenate([p[0] for p in pieces]).astype(dtype, copy=False)[order]),
-                "captions": ArrowTensorArray.from_numpy(np.concatenate([p[1] for p in pieces]).astype(dtype, copy=False)[order]),
+                "latents": ArrowTensorArray.from_numpy(latents),
+                "captions": ArrowTensorArray.from_numpy(captions),
                 "sample_index": window_sample_indices(window.spans, self.plan.file_offsets)[order],
-                "valid": np.concatenate([p[2] for p in pieces])[order],
+                "valid": valid,
             }
         )
 
