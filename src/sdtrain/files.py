@@ -266,9 +266,9 @@ def filesystem_for(path: str) -> tuple[pafs.FileSystem, str]:
 def ray_storage(path: str) -> tuple[Optional[pafs.FileSystem], str]:
     """(storage_filesystem, storage path) to hand Ray Train for ``path``: for a URI our own
     filesystem (endpoint and retries travel with it to the controller and workers) and the path
-    within it; for a local path (None, path), Ray's default."""
+    within it; for a local path (None, its absolute path: Ray refuses relative ones), Ray's default."""
     if not is_uri(path):
-        return None, path
+        return None, absolute(path)
     return filesystem_for(path)
 
 
