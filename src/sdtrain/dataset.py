@@ -53,21 +53,25 @@ class WindowReader:
             for file_index, start, stop in window.spans
             for piece in self._read_span(files, row_groups, int(file_index), int(start), int(stop))
         ]
-        order = window.order()  # output row i is the window's row order[i]
-        # Each piece is written once, straight to its shuffled rows: no concatenated copy of the
-        # window besides the output (a window of SD-sized rows is ~85 MB; each copy costs that
-        # much again on every read task).
-        destination = np.empty_like(order)
+        # Output row i is row order[i] of the concatenated pieces: a shuffled selection (a window
+        # cut by a resume or by train.max_steps leaves some rows out). Each piece's selected rows are
+        # written once, straight to their output rows: no concatenated copy of the window besides
+        # the output (a window of SD-sized rows is ~85 MB; each copy costs that again per read task).
+        order = window.order()
+        destination = np.full(sum(len(valid) for _, _, valid in pieces), -1)
         destination[order] = np.arange(len(order))
         dtype = np.result_type(*(latents for latents, _, _ in pieces))  # skipped rows must not widen float16
         latents = np.empty((len(order), *self.spec.latent_shape), dtype)
         captions = np.empty((len(order), *self.spec.caption_shape), dtype)
         valid = np.empty(len(order), bool)
         first = 0
-        for piece_latents, piece_captions, piece_valid in pieces:
-            rows = destination[first : first + len(piece_valid)]
-            latents[rows], captions[rows], valid[rows] = piece_latents, piece_captions, piece_valid
-            first += len(piece_valid)
+        for piece in pieces:
+            rows = destination[first : first + len(piece[2])]
+            first += len(rows)
+            taken = rows >= 0
+            if not taken.all():
+                rows, piece = rows[taken], [part[taken] for part in piece]
+            latents[rows], captions[rows], valid[rows] = piece
         return pa.table(
             {
                 "latents": ArrowTensorArray.from_numpy(latents),
