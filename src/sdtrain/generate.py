@@ -124,9 +124,11 @@ def read_captions(path: str, caption_dim: int, column: str = "caption_latents", 
 
 
 def make_sampler(noise_scheduler_config: dict[str, Any], name: Literal["ddim", "dpm"], steps: int):
-    """DDIM or DPM-Solver++ (multistep) on the training schedule (same betas and prediction type)."""
+    """DDIM or DPM-Solver++ (multistep) on the training schedule (same betas and prediction type),
+    with DDIM's ``clip_sample`` off even if the stored config has it on: it would clip each predicted
+    latent to [-1, 1], which wrecks samples."""
     cls = {"ddim": DDIMScheduler, "dpm": DPMSolverMultistepScheduler}[name]
-    scheduler = cls.from_config(noise_scheduler_config)
+    scheduler = cls.from_config({**noise_scheduler_config, "clip_sample": False})
     scheduler.set_timesteps(steps)
     return scheduler
 
