@@ -51,7 +51,7 @@ def load_for_sampling(path: str, weights: Weights = "auto") -> LoadedModel:
     from ray.train import Result
 
     try:
-        checkpoint = Result.from_path(path).checkpoint
+        checkpoint = Result.from_path(uri_for(fs, fs_path)).checkpoint  # absolute: Ray refuses a relative path
     except Exception as e:  # not a run directory
         raise SdtrainError(
             f"model: {path} is neither an export (unet/config.json), a checkpoint ({CHECKPOINT_FILE}) nor a run "
