@@ -148,7 +148,7 @@ def test_generate_end_to_end_writes_a_grid_per_class(trained, tmp_path):
     out = tmp_path / "samples"
     result = _generate([trained["checkpoint"], "--captions", str(trained["root"] / "val"), "--out", str(out),
                         "--samples-per-caption", "3", "--steps", "4", "--sampler", "dpm", "--guidance-scale", "2"], tmp_path)
-    assert sorted(p.name for p in out.iterdir()) == ["generate.json", "latents.npy", "preview.png"]
+    assert sorted(p.name for p in out.iterdir()) == ["demo_accuracy.json", "generate.json", "latents.npy", "preview.png"]
     latents = np.load(out / "latents.npy")
     assert latents.shape == (10, 3, 4, 16, 16) and np.isfinite(latents).all()  # a row per digit class
     info = json.loads((out / "generate.json").read_text())
@@ -157,6 +157,9 @@ def test_generate_end_to_end_writes_a_grid_per_class(trained, tmp_path):
         width, height = preview.size
     assert height == 10 * (64 + 2) + 2 and width == 60 + 3 * (64 + 2) + 2  # 10 rows of 3 tiles of 64x64
     assert f"wrote {out}/preview.png" in result.stdout
+    accuracy = json.loads((out / "demo_accuracy.json").read_text())  # the demo's class agreement, 30 samples
+    assert accuracy["samples"] == 30 and 0 <= accuracy["class_agreement"] <= 1 and sorted(accuracy["per_class"]) == [str(d) for d in range(10)]
+    assert accuracy["real_digits"] > 0.85 and f"class agreement {accuracy['class_agreement']:.2f}: {accuracy['agreeing']} of 30 samples" in result.stdout
 
     # Export with the same entrypoint, then sample from the export with a VAE: decoded images and a grid.
     _generate([trained["checkpoint"], "--export-to", str(tmp_path / "export")], tmp_path)

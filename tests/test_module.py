@@ -136,6 +136,26 @@ def test_pretrained_directory_supplies_weights_and_schedule(tmp_path):
     assert unet_config(bare)["block_out_channels"] == [32, 64]
 
 
+def test_clip_sample_stays_off_whatever_a_scheduler_config_says(tmp_path):
+    """DDPMScheduler's default clip_sample=True (taken when a config omits the key) clips predicted
+    latents to [-1, 1] and wrecks samples: training, stored configs and samplers all keep it off."""
+    from sdtrain.generate import make_sampler
+    from sdtrain.model import build_noise_scheduler
+
+    DDPMScheduler(clip_sample=True).save_pretrained(tmp_path / "on" / "scheduler")
+    (tmp_path / "omitted" / "scheduler").mkdir(parents=True)
+    config = json.loads((tmp_path / "on" / "scheduler" / "scheduler_config.json").read_text())
+    del config["clip_sample"]
+    (tmp_path / "omitted" / "scheduler" / "scheduler_config.json").write_text(json.dumps(config))
+    assert DDPMScheduler.from_config(config).config.clip_sample is True  # the trap
+    for source in ("on", "omitted"):
+        stored = noise_scheduler_config(ModelConfig(preset="tiny", pretrained=str(tmp_path / source)))
+        assert stored["clip_sample"] is False, source
+    old = {**noise_scheduler_config(ModelConfig(preset="tiny")), "clip_sample": True}  # e.g. an older checkpoint's
+    assert build_noise_scheduler(old).config.clip_sample is False
+    assert make_sampler(old, "ddim", 5).config.clip_sample is False
+
+
 def test_a_non_finite_step_is_skipped_entirely_and_counted():
     module = _module(lr=1e-3, warmup_steps=0)
     good = _batches(3, seed=1)

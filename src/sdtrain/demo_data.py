@@ -54,6 +54,62 @@ def digits_from_latents(latents: np.ndarray) -> np.ndarray:
     return (up + 1.0) * 8.0
 
 
+def digit_class_means() -> np.ndarray:
+    """(10, 16, 16): the mean image of each digit over the demo's training split, at the size
+    ``digits_from_latents`` returns (each 8x8 pixel as a 2x2 block; the training latents decode to
+    exactly these images, up to their float16 rounding)."""
+    images, labels = load_digits()
+    split_at = len(labels) - VAL_ROWS
+    up = np.kron(images[:split_at].astype(np.float64), np.ones((2, 2)))
+    return np.stack([up[labels[:split_at] == c].mean(axis=0) for c in range(NUM_CLASSES)])
+
+
+def classify_digits(images: np.ndarray) -> np.ndarray:
+    """Nearest class mean: (N, 16, 16) digit images (ink high, 0..16, as ``digits_from_latents``
+    returns) -> (N,) predicted digit, or -1 for a blank image (no variation, so no shape).
+
+    Each image is clipped to 0..16 (what the preview shows), then compared with each class mean by
+    correlation (cosine of the mean-centred pixels), so a faint digit of the right shape counts as
+    that digit: it measures which digit a sample looks like, not its contrast. On the real digits
+    it agrees with the true label for 91% of the training split and 87% of the validation
+    split (the ceiling of so simple a classifier); shuffled labels give about 10%.
+    """
+    x = np.clip(np.asarray(images, dtype=np.float64), 0, 16).reshape(len(images), -1)
+    x = x - x.mean(axis=1, keepdims=True)
+    norms = np.linalg.norm(x, axis=1)
+    means = digit_class_means().reshape(NUM_CLASSES, -1)
+    means = means - means.mean(axis=1, keepdims=True)
+    means /= np.linalg.norm(means, axis=1, keepdims=True)
+    predicted = np.argmax(x @ means.T, axis=1)
+    return np.where(norms > 1e-6 * x.shape[1], predicted, -1)
+
+
+def class_agreement(latents: np.ndarray, labels) -> dict:
+    """How often samples of the demo look like the digit they were conditioned on.
+
+    ``latents`` (N, 4, 16, 16) in the demo's latent space, ``labels`` (N,) the conditioned digit.
+    Returns ``class_agreement`` (the fraction of samples whose ``classify_digits`` class is the
+    conditioned one; chance is 0.1), ``samples``, ``agreeing``, and ``per_class`` (digit -> fraction)."""
+    labels = np.asarray(labels)
+    predicted = classify_digits(digits_from_latents(latents))
+    agree = predicted == labels
+    return {
+        "class_agreement": float(agree.mean()),
+        "samples": int(len(agree)),
+        "agreeing": int(agree.sum()),
+        "per_class": {int(c): float(agree[labels == c].mean()) for c in np.unique(labels)},
+    }
+
+
+def real_digits_agreement() -> float:
+    """``classify_digits``'s agreement on the real digits of the demo's validation split: what a
+    perfect model's samples would score (0.87)."""
+    images, labels = load_digits()
+    split_at = len(labels) - VAL_ROWS
+    up = np.kron(images[split_at:].astype(np.float64), np.ones((2, 2)))
+    return float((classify_digits(up) == labels[split_at:]).mean())
+
+
 def _channels(images: np.ndarray) -> np.ndarray:
     up = np.kron(images.astype(np.float32) / 8.0 - 1.0, np.ones((2, 2), dtype=np.float32))
     return np.stack([up, up[:, :, ::-1], up.transpose(0, 2, 1), -up], axis=1)

@@ -30,6 +30,7 @@ LATENTS_FILE = "latents.npy"
 PREVIEW_FILE = "preview.png"
 GRID_FILE = "grid.png"
 INFO_FILE = "generate.json"
+DEMO_ACCURACY_FILE = "demo_accuracy.json"
 
 
 # --- model ------------------------------------------------------------------------------
@@ -125,9 +126,11 @@ def read_captions(path: str, caption_dim: int, column: str = "caption_latents", 
 
 
 def make_sampler(noise_scheduler_config: dict[str, Any], name: Literal["ddim", "dpm"], steps: int):
-    """DDIM or DPM-Solver++ (multistep) on the training schedule (same betas and prediction type)."""
+    """DDIM or DPM-Solver++ (multistep) on the training schedule (same betas and prediction type),
+    with DDIM's ``clip_sample`` off even if the stored config has it on: it would clip each predicted
+    latent to [-1, 1], which wrecks samples."""
     cls = {"ddim": DDIMScheduler, "dpm": DPMSolverMultistepScheduler}[name]
-    scheduler = cls.from_config(noise_scheduler_config)
+    scheduler = cls.from_config({**noise_scheduler_config, "clip_sample": False})
     scheduler.set_timesteps(steps)
     return scheduler
 
@@ -253,6 +256,7 @@ class GenerateRequest:
     preview: Literal["auto", "digits", "channels"] = "auto"
     batch_size: int = 64
     notes: list[str] = field(default_factory=list)
+    results: list[str] = field(default_factory=list)
 
 
 def generate(request: GenerateRequest) -> list[str]:
@@ -320,6 +324,23 @@ def generate(request: GenerateRequest) -> list[str]:
         grid_image(tiles, captions.names, zoom=max(1, 64 // latent_shape[-1])).save(path)
         written.append(path)
 
+    labels = demo_labels(meta, captions)
+    if labels is not None:
+        from sdtrain.demo_data import class_agreement, real_digits_agreement
+
+        accuracy = class_agreement(latents.numpy(), np.repeat(labels, k))
+        accuracy = {**accuracy, "chance": 0.1, "real_digits": round(real_digits_agreement(), 4), "classifier": (
+            "nearest class mean (correlation) of the demo's training digits, on each sample decoded by "
+            "demo_data.digits_from_latents; real_digits = its agreement on the real validation digits")}
+        path = os.path.join(request.out, DEMO_ACCURACY_FILE)
+        with open(path, "w") as f:
+            json.dump(accuracy, f, indent=2)
+        written.append(path)
+        request.results.append(
+            f"class agreement {accuracy['class_agreement']:.2f}: {accuracy['agreeing']} of {accuracy['samples']} samples "
+            f"look like the digit they were conditioned on (nearest class mean; chance 0.10, real digits {accuracy['real_digits']:.2f})"
+        )
+
     path = os.path.join(request.out, INFO_FILE)
     with open(path, "w") as f:
         json.dump(
@@ -343,6 +364,23 @@ def generate(request: GenerateRequest) -> list[str]:
         )
     written.append(path)
     return written
+
+
+def demo_labels(meta: dict[str, Any], captions: Captions) -> Optional[list[int]]:
+    """Each grid row's digit when the model was trained on the digits demo and the captions are the
+    demo's own (a ``label`` column of digits, each row's embedding the demo's caption of its
+    digit); else None, and there is no class agreement to measure."""
+    from sdtrain.demo_data import NUM_CLASSES, class_captions
+
+    if not (meta.get("demo") or meta.get("config", {}).get("data", {}).get("demo")) or captions.labels is None:
+        return None
+    labels = captions.labels
+    if not all(isinstance(label, int) and 0 <= label < NUM_CLASSES for label in labels):
+        return None
+    expected = class_captions(captions.embeddings.shape[-1])[labels]
+    if expected.shape != tuple(captions.embeddings.shape) or not np.allclose(captions.embeddings.numpy(), expected, atol=1e-2):
+        return None
+    return list(labels)
 
 
 def decode_shape(latents: torch.Tensor, vae) -> tuple[int, int, int]:
@@ -402,6 +440,8 @@ def generate_main(argv=None) -> int:
         return 2
     for note in request.notes:
         print(f"[sdtrain] note: {note}")
+    for line in request.results:
+        print(f"[sdtrain] {line}")
     for path in written:
         print(f"[sdtrain] wrote {path}")
     return 0

@@ -32,7 +32,9 @@ def build_unet(model: ModelConfig) -> UNet2DConditionModel:
 
 def noise_scheduler_config(model: ModelConfig) -> dict[str, Any]:
     """The DDPM training schedule: SD 2 base's (shipped), or the pretrained model's scheduler/;
-    with ``prediction_type`` from model.prediction_type in either case."""
+    with ``prediction_type`` from model.prediction_type in either case, and ``clip_sample`` off
+    (diffusers' DDPMScheduler default, taken when a config omits it, clips each predicted sample to
+    [-1, 1]: right for pixels, wrong for latents, whose values go well past 1, and it wrecks samples)."""
     config = None
     if model.pretrained is not None:
         location = _pretrained_location(model.pretrained, "scheduler", required=False)
@@ -42,12 +44,13 @@ def noise_scheduler_config(model: ModelConfig) -> dict[str, Any]:
     if config is None:
         shipped = resources.files("sdtrain").joinpath("assets/scheduler_config.json").read_text()
         config = {k: v for k, v in json.loads(shipped).items() if not k.startswith("_")}
-    config = {**config, "prediction_type": model.prediction_type}
+    config = {**config, "prediction_type": model.prediction_type, "clip_sample": False}
     return json_safe(dict(DDPMScheduler.from_config(config).config))
 
 
 def build_noise_scheduler(config: dict[str, Any]) -> DDPMScheduler:
-    return DDPMScheduler.from_config(config)
+    """The noise scheduler of a stored config, with ``clip_sample`` off whatever it says (see above)."""
+    return DDPMScheduler.from_config({**config, "clip_sample": False})
 
 
 def json_safe(config: Any) -> Any:
