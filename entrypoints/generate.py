@@ -2,7 +2,7 @@
 
     python entrypoints/generate.py runs/demo --captions .sdtrain-data/digits/val --out samples/demo
     python entrypoints/generate.py runs/small-256/checkpoint_000550000 --captions prompts.npy --vae /models/sd2/vae
-    python entrypoints/generate.py runs/demo/checkpoint_000000300 --export-to exported/demo
+    python entrypoints/generate.py runs/demo/checkpoint_000000700 --export-to exported/demo
 Every option: python entrypoints/generate.py --help
 """
 

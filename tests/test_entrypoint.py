@@ -109,3 +109,12 @@ def test_the_demo_survives_a_killed_driver_and_the_loss_falls(tmp_path):
         losses = [float(row["loss"]) for row in csv.DictReader(f)]
     assert len(losses) == 4 and losses[-1] < 0.7 * losses[0], losses
     assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE for pid in started)
+
+    # The README's next command, as written (a relative run directory), at a token size: a row per
+    # digit, and the class agreement of the samples.
+    generate = [sys.executable, str(REPO / "entrypoints" / "generate.py"), "runs/demo", "--captions", ".sdtrain-data/digits/val",
+                "--out", "samples/demo", "--samples-per-caption", "1", "--steps", "2"]
+    result = subprocess.run(generate, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "of 10 samples look like the digit they were conditioned on" in result.stdout
+    assert json.loads((tmp_path / "samples" / "demo" / "demo_accuracy.json").read_text())["samples"] == 10
