@@ -58,10 +58,9 @@ def digit_class_means() -> np.ndarray:
     """(10, 16, 16): the mean image of each digit over the demo's training split, at the size
     ``digits_from_latents`` returns (each 8x8 pixel as a 2x2 block; the training latents decode to
     exactly these images, up to their float16 rounding)."""
-    images, labels = load_digits()
-    split_at = len(labels) - VAL_ROWS
-    up = np.kron(images[:split_at].astype(np.float64), np.ones((2, 2)))
-    return np.stack([up[labels[:split_at] == c].mean(axis=0) for c in range(NUM_CLASSES)])
+    images, labels = _split("train")
+    up = _upsampled(images)
+    return np.stack([up[labels == c].mean(axis=0) for c in range(NUM_CLASSES)])
 
 
 def classify_digits(images: np.ndarray) -> np.ndarray:
@@ -104,10 +103,23 @@ def class_agreement(latents: np.ndarray, labels) -> dict:
 def real_digits_agreement() -> float:
     """``classify_digits``'s agreement on the real digits of the demo's validation split: what a
     perfect model's samples would score (0.87)."""
+    images, labels = _split("val")
+    return float((classify_digits(_upsampled(images)) == labels).mean())
+
+
+def _split(split: str) -> tuple[np.ndarray, np.ndarray]:
+    """(images, labels) of the demo's train or val split, as ensure_demo_data writes them."""
     images, labels = load_digits()
-    split_at = len(labels) - VAL_ROWS
-    up = np.kron(images[split_at:].astype(np.float64), np.ones((2, 2)))
-    return float((classify_digits(up) == labels[split_at:]).mean())
+    rows = _SPLITS[split](len(labels))
+    return images[rows], labels[rows]
+
+
+_SPLITS = {"train": lambda n: slice(0, n - VAL_ROWS), "val": lambda n: slice(n - VAL_ROWS, None)}
+
+
+def _upsampled(images: np.ndarray) -> np.ndarray:
+    """(N, 8, 8) -> (N, 16, 16), each pixel a 2x2 block: what the training latents decode to."""
+    return np.kron(images.astype(np.float64), np.ones((2, 2)))
 
 
 def _channels(images: np.ndarray) -> np.ndarray:
@@ -141,10 +153,8 @@ def ensure_demo_data(train_dir: str, val_dir: str | None, caption_dim: int) -> b
     latents = pseudo_latents(images)
     captions = class_captions(caption_dim)
     ids = np.arange(len(labels))
-    split_at = len(labels) - VAL_ROWS
-    parts = {"train": slice(0, split_at), "val": slice(split_at, None)}
     for directory, split in wanted:
-        rows = parts[split]
+        rows = _SPLITS[split](len(labels))
         table = _table(ids[rows], labels[rows], latents[rows], captions[labels[rows]])
         _write_atomically(table, Path(directory), TRAIN_FILES if split == "train" else 1)
     return True

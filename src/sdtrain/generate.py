@@ -316,7 +316,7 @@ def generate(request: GenerateRequest) -> list[str]:
     else:
         mode = request.preview
         if mode == "auto":
-            mode = "digits" if meta.get("demo") or meta.get("config", {}).get("data", {}).get("demo") else "channels"
+            mode = "digits" if _trained_on_demo(meta) else "channels"
         flat = latents.numpy()
         tiles = digits_preview(flat) if mode == "digits" else channels_preview(flat)
         tiles = tiles.reshape(len(captions.names), k, *tiles.shape[1:])
@@ -366,13 +366,18 @@ def generate(request: GenerateRequest) -> list[str]:
     return written
 
 
+def _trained_on_demo(meta: dict[str, Any]) -> bool:
+    """A checkpoint's meta holds the run config; an export's records ``demo`` itself."""
+    return bool(meta.get("demo") or meta.get("config", {}).get("data", {}).get("demo"))
+
+
 def demo_labels(meta: dict[str, Any], captions: Captions) -> Optional[list[int]]:
     """Each grid row's digit when the model was trained on the digits demo and the captions are the
     demo's own (a ``label`` column of digits, each row's embedding the demo's caption of its
     digit); else None, and there is no class agreement to measure."""
     from sdtrain.demo_data import NUM_CLASSES, class_captions
 
-    if not (meta.get("demo") or meta.get("config", {}).get("data", {}).get("demo")) or captions.labels is None:
+    if not _trained_on_demo(meta) or captions.labels is None:
         return None
     labels = captions.labels
     if not all(isinstance(label, int) and 0 <= label < NUM_CLASSES for label in labels):
