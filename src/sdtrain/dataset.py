@@ -22,6 +22,7 @@ from sdtrain.dataspec import DatasetSpec
 from sdtrain.decode import decode_batch, to_array
 from sdtrain.errors import DataError
 from sdtrain.files import filesystem_for, filesystems_for
+from sdtrain.pacing import paced
 from sdtrain.sampling import SamplePlan, Stretch, Window, window_sample_indices
 
 log = logging.getLogger("sdtrain")
@@ -137,11 +138,11 @@ def rank_dataset(reader: WindowReader, stretches: list[Stretch]) -> ray.data.Dat
     dataset.context.execution_options.preserve_order = True
     # Our DataError (naming the file) reaches the worker as itself, not as a UserCodeException.
     dataset.context.raise_original_map_exception = True
-    return dataset.map_batches(
+    return paced(dataset.map_batches(
         _read_windows,
         batch_size=1,
         fn_kwargs=dict(reader=reader, stretches=stretches, first_index=np.cumsum([0] + counts)),
-    )
+    ))
 
 
 def _read_windows(batch: dict[str, np.ndarray], reader: WindowReader, stretches, first_index) -> pa.Table:
@@ -165,7 +166,7 @@ def file_order_dataset(spec: DatasetSpec, data: DataConfig) -> ray.data.Dataset:
         include_paths=True,
     )
     dataset.context.execution_options.preserve_order = True
-    return dataset.map_batches(
+    return paced(dataset.map_batches(
         decode_batch,
         batch_format="pyarrow",
         batch_size=None,  # whole blocks: decoding is vectorized, bigger is cheaper
@@ -175,7 +176,7 @@ def file_order_dataset(spec: DatasetSpec, data: DataConfig) -> ray.data.Dataset:
             latent_shape=spec.latent_shape,
             caption_shape=spec.caption_shape,
         ),
-    )
+    ))
 
 
 def iter_local_batches(spec: DatasetSpec, data: DataConfig, batch_size: int) -> Iterator[dict[str, torch.Tensor]]:

@@ -1,0 +1,51 @@
+"""A pace for Ray Data's scheduling loop, which otherwise spins while the trainer is behind.
+
+Ray Data runs each stream's scheduler on a thread of the process that iterates it: here, the
+training worker. The loop blocks (in ``ray.wait``, up to 0.1 s) only while some read task is
+running. When none is (the stream is ahead of the trainer and held back by its memory budget,
+or a read waits for a CPU) the loop goes round with no pause at all: it burns a core and holds
+the GIL against the training loop in the same process, for as long as the stream lasts: the
+whole run, since one stream runs to ``train.max_steps``. Measured here on a CPU worker: the
+scheduler thread took 0.74 s of CPU per second of a backpressured stream and the training
+thread half its CPU time; the 2-worker demo stepped at 14 samples/s while its streams ran and
+36 once they had ended (``bench/README.md``, stack overhead).
+
+``PacedScheduling`` is an execution callback that holds each round of the loop to at least
+:data:`ROUND_S`. A round that waited for a task already took that long and is not delayed; a
+round that found nothing to wait for sleeps the rest. The cost is latency: a read starts up to
+:data:`ROUND_S` after the trainer makes room for it, against windows that take seconds to read
+and are read ahead of the trainer. (Pacing only while the executor's output queue is full is
+not enough: the iterator's prefetch empties that queue, and the loop spun as much.)
+"""
+
+from __future__ import annotations
+
+import time
+
+import ray.data
+from ray.data._internal.execution.execution_callback import ExecutionCallback
+
+ROUND_S = 0.05
+"""Shortest round of the scheduling loop: at most 20 rounds a second when nothing is running."""
+
+
+class PacedScheduling(ExecutionCallback):
+    def __init__(self) -> None:
+        self._round_started = None
+
+    def on_execution_step(self, executor) -> None:
+        now = time.monotonic()
+        if self._round_started is not None:
+            rest = ROUND_S - (now - self._round_started)
+            if rest > 0:
+                time.sleep(rest)
+        self._round_started = time.monotonic()
+
+
+def paced(dataset: ray.data.Dataset) -> ray.data.Dataset:
+    """``dataset``, executed with :class:`PacedScheduling` (the dataset's own context carries it to
+    the training worker that iterates it)."""
+    callbacks = dataset.context.custom_execution_callback_classes
+    if PacedScheduling not in callbacks:
+        callbacks.append(PacedScheduling)
+    return dataset
