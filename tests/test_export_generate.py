@@ -16,7 +16,7 @@ from PIL import Image
 from conftest import REPO
 from sdtrain.checkpoint import load_checkpoint
 from sdtrain.config import ModelConfig, TrainConfig
-from sdtrain.dataset import iter_local_batches
+from sdtrain.local_data import iter_local_batches
 from sdtrain.dataspec import inspect_dataset
 from sdtrain.config import DataConfig
 from sdtrain.demo_data import digits_from_latents, ensure_demo_data, load_digits, pseudo_latents

@@ -8,20 +8,18 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Iterator
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import ray.data
-import torch
 from ray.data.extensions import ArrowTensorArray
 
 from sdtrain.config import DataConfig
 from sdtrain.dataspec import DatasetSpec
 from sdtrain.decode import decode_batch, to_array
 from sdtrain.errors import DataError
-from sdtrain.files import filesystem_for, filesystems_for
+from sdtrain.files import filesystems_for
 from sdtrain.pacing import paced
 from sdtrain.sampling import SamplePlan, Stretch, Window, window_sample_indices
 
@@ -140,7 +138,9 @@ def rank_dataset(reader: WindowReader, stretches: list[Stretch]) -> ray.data.Dat
     dataset.context.raise_original_map_exception = True
     return paced(dataset.map_batches(
         _read_windows,
-        batch_size=1,
+        # Whole blocks (one window id each): Ray Data then fuses the read of the ids into the
+        # window's task instead of running a task per id first (batch_size=1 prevents fusion).
+        batch_size=None,
         fn_kwargs=dict(reader=reader, stretches=stretches, first_index=np.cumsum([0] + counts)),
     ))
 
@@ -178,14 +178,3 @@ def file_order_dataset(spec: DatasetSpec, data: DataConfig) -> ray.data.Dataset:
         ),
     ))
 
-
-def iter_local_batches(spec: DatasetSpec, data: DataConfig, batch_size: int) -> Iterator[dict[str, torch.Tensor]]:
-    """The dataset in file order, read in this process without Ray: for evaluation on the driver."""
-    for file in spec.files:
-        fs, path = filesystem_for(file)
-        with fs.open_input_file(path) as handle:
-            for batch in pq.ParquetFile(handle).iter_batches(batch_size, columns=[data.image_column, data.caption_column]):
-                arrays = decode_batch(
-                    pa.Table.from_batches([batch]), data.image_column, data.caption_column, spec.latent_shape, spec.caption_shape
-                )
-                yield {name: torch.tensor(values) for name, values in arrays.items()}

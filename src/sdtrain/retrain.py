@@ -21,7 +21,7 @@ import torch
 from sdtrain import __version__
 from sdtrain.checkpoint import load_model
 from sdtrain.config import Config
-from sdtrain.dataset import iter_local_batches
+from sdtrain.local_data import iter_local_batches
 from sdtrain.errors import DataError
 from sdtrain.files import absolute, filesystem_for, uri_prefix
 from sdtrain.launch import dataset_spec, train

@@ -1,5 +1,7 @@
-"""Ray Data's scheduling loop, paced while the trainer is behind (a real local Ray cluster)."""
+"""A rank's Ray Data stream: one task per window, and a scheduling loop paced while the trainer
+is behind (a real local Ray cluster)."""
 
+import subprocess
 import sys
 import time
 
@@ -47,8 +49,11 @@ def _rounds_while_a_slow_trainer_reads(tmp_path, paced: bool) -> tuple[int, floa
     dataset.context.execution_options.resource_limits = ExecutionResources(object_store_memory=300_000)
     CountRounds.rounds = 0
     started = time.monotonic()
-    for _ in dataset.iterator().iter_batches(batch_size=8, prefetch_batches=1):
+    stream = dataset.iterator()
+    for _ in stream.iter_batches(batch_size=8, prefetch_batches=1):
         time.sleep(0.25)  # the trainer's step
+    # One task per window: the window ids are read inside it, not by a task of their own first.
+    assert "Operator 1 ReadRange->MapBatches(_read_windows): 12 tasks executed" in stream.stats()
     return CountRounds.rounds, time.monotonic() - started
 
 
@@ -70,3 +75,9 @@ def test_validation_streams_are_paced_too_and_keep_it_through_ray_trains_copy(tm
     dataset = file_order_dataset(spec, DataConfig(train=files, val=files))
     copied = ray.data.Dataset.copy(dataset)  # what Ray Train's DataConfig.configure iterates
     assert copied.context.custom_execution_callback_classes == [PacedScheduling]
+
+
+def test_read_tasks_do_not_import_torch():
+    """A fresh read worker imports sdtrain.dataset before its first window: torch would add ~1.6 s."""
+    code = "import sys, sdtrain.dataset; assert 'torch' not in sys.modules, 'sdtrain.dataset imports torch'"
+    subprocess.run([sys.executable, "-c", code], check=True)
