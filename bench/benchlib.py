@@ -88,6 +88,7 @@ def sdtrain_batches(
     caption_dim: int = 1024,
     prefetch_batches: Optional[int] = None,
     object_store_limit: Optional[int] = None,
+    paced: bool = True,
 ):
     """The package's data path, as the one worker of a 1-worker group sees it: the sampling plan
     (sdtrain.sampling) -> that rank's Ray Data stream of shuffled windows (read + decode in one task
@@ -95,7 +96,8 @@ def sdtrain_batches(
     benchmarks call into sdtrain's data pipeline: re-point it here when the pipeline's API changes.
 
     ``object_store_limit`` (bytes) is an experiment, not the package: Ray Data's object-store
-    budget for this dataset capped at that.
+    budget for this dataset capped at that. ``paced=False`` is the stream without the package's
+    pace for Ray Data's scheduling loop (sdtrain.pacing), for comparison.
 
     Returns (iterator of {"latents", "captions", ...} CPU tensor batches, the DataIterator for its stats)."""
     from sdtrain.config import DataConfig
@@ -112,6 +114,10 @@ def sdtrain_batches(
     plan = SamplePlan(spec.rows_per_file, seed=0, chunk_rows=data.shuffle_chunk_rows, window_rows=data.shuffle_window_rows)
     (stretches,) = plan.rank_stretches(DataState(), 1, batch_size, spec.num_rows // batch_size)
     dataset = rank_dataset(WindowReader(spec, data, plan), stretches)
+    if not paced:
+        from sdtrain.pacing import PacedScheduling
+
+        dataset.context.custom_execution_callback_classes.remove(PacedScheduling)
     if object_store_limit is not None:
         from ray.data import ExecutionResources
 

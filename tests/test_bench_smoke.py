@@ -55,6 +55,15 @@ def test_checkpoint_stall_smoke():
     assert ratios["checkpoint stall async / sync"] > 0, out
 
 
+def test_scheduler_spin_smoke():
+    """The package's stream with and without its scheduling pace: both runs report their figures."""
+    out, ratios = run_bench("bench/scheduler_spin.py", "--smoke")
+    for mode in ("unpaced", "paced"):
+        assert re.search(rf"^{mode}\s+[0-9.]+\s+[0-9.]+\s+[0-9.]+\s+\d+$", out, re.M), out
+    assert ratios["consumer steps/s paced / unpaced"] > 0, out
+    assert "scheduler CPU paced / unpaced" in ratios, out
+
+
 def test_gpu_throughput_smoke():
     """On CPU with the tiny UNet: the step, the FLOP count and the MFU arithmetic run."""
     out, ratios = run_bench("bench/gpu_throughput.py", "--smoke")
@@ -63,7 +72,7 @@ def test_gpu_throughput_smoke():
     assert ratios["MFU tiny 128px eager"] > 0, out
 
 
-@pytest.mark.parametrize("script", ["ingest.py", "step_overhead.py", "checkpoint_stall.py", "gpu_throughput.py"])
+@pytest.mark.parametrize("script", ["ingest.py", "step_overhead.py", "checkpoint_stall.py", "gpu_throughput.py", "scheduler_spin.py"])
 def test_help(script):
     out, _ = run_bench(f"bench/{script}", "--help", timeout=60)
     assert "--smoke" in out
