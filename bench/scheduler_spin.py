@@ -37,13 +37,14 @@ BATCH = 16
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="a small stream: checks that it runs")
-    parser.add_argument("--rows", type=int, help="rows of 4x16x16 latents and 77x32 captions (default 8192; smoke 1024)")
+    parser.add_argument("--rows", type=int, help="rows of 4x16x16 latents and 77x32 captions (default 8192; smoke 2048)")
     parser.add_argument("--work", type=int, default=30, help="matmuls of 256x256 per step (default %(default)s)")
-    parser.add_argument("--budget-mib", type=float, default=10, help="Ray Data's object-store budget (default %(default)s)")
+    parser.add_argument("--budget-mib", type=float, help="Ray Data's object-store budget (default 10; smoke 1)")
     parser.add_argument("--child", choices=["paced", "unpaced"], help=argparse.SUPPRESS)
     parser.add_argument("--data", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    args.rows = args.rows or (1024 if args.smoke else 8192)
+    args.rows = args.rows or (2048 if args.smoke else 8192)
+    args.budget_mib = args.budget_mib or (1 if args.smoke else 10)
     if args.child:
         return child(args)
 
@@ -83,18 +84,26 @@ def child(args) -> None:
     batches, _ = benchlib.sdtrain_batches(files, BATCH, caption_dim=32, paced=args.child == "paced",
                                           object_store_limit=int(args.budget_mib * 2**20))
     batches = iter(batches)
-    next(batches)  # start-up is not what this measures
-    scheduler = next(t for t in threading.enumerate() if t.name.startswith("StreamingExecutor"))
-    started, scheduler_cpu, consumer_cpu = time.perf_counter(), _thread_cpu(scheduler.native_id), time.thread_time()
-    x, steps = torch.randn(256, 256), 0
-    for _ in batches:
-        for _ in range(args.work):
-            x = torch.tanh(x @ x)
-        steps += 1
-        try:
-            last = (time.perf_counter(), _thread_cpu(scheduler.native_id), time.thread_time(), steps)
-        except FileNotFoundError:  # the stream has read its last window: its scheduler thread is gone
-            break
+    try:
+        next(batches)  # start-up is not what this measures
+        schedulers = [t for t in threading.enumerate() if t.name.startswith("StreamingExecutor")]
+        if not schedulers:
+            raise SystemExit("the stream was read to its end before the first step: use more --rows or a smaller --budget-mib")
+        scheduler = schedulers[0]
+        started, scheduler_cpu, consumer_cpu = time.perf_counter(), _thread_cpu(scheduler.native_id), time.thread_time()
+        x, steps = torch.randn(256, 256), 0
+        last = (started, scheduler_cpu, consumer_cpu, 0)
+        for _ in batches:
+            for _ in range(args.work):
+                x = torch.tanh(x @ x)
+            steps += 1
+            try:
+                last = (time.perf_counter(), _thread_cpu(scheduler.native_id), time.thread_time(), steps)
+            except FileNotFoundError:  # the stream has read its last window: its scheduler thread is gone
+                break
+    finally:
+        # Before Ray's own exit hook: an iterator finalized after ray.shutdown() restarts Ray and hangs.
+        batches.close()
     wall_end, scheduler_end, consumer_end, steps_end = last
     wall = wall_end - started
     print("RESULT " + json.dumps(dict(
