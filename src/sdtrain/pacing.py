@@ -5,10 +5,10 @@ training worker. The loop blocks (in ``ray.wait``, up to 0.1 s) only while some 
 running. When none is (the stream is ahead of the trainer and held back by its memory budget,
 or a read waits for a CPU) the loop goes round with no pause at all: it burns a core and holds
 the GIL against the training loop in the same process, for as long as the stream lasts: the
-whole run, since one stream runs to ``train.max_steps``. Measured here on a CPU worker: the
-scheduler thread took 0.74 s of CPU per second of a backpressured stream and the training
-thread half its CPU time; the 2-worker demo stepped at 14 samples/s while its streams ran and
-36 once they had ended (``bench/README.md``, stack overhead).
+whole run, since one stream runs to ``train.max_steps``. Measured on 2 CPUs
+(``bench/scheduler_spin.py``): unpaced, the scheduler thread took 0.90 s of CPU per second of a
+held-back stream and a CPU-bound consumer ran at a third of its paced rate; the 2-worker demo
+stepped at 14 samples/s while its streams ran and 36 once they had ended.
 
 ``PacedScheduling`` is an execution callback that holds each round of the loop to at least
 :data:`ROUND_S`. A round that waited for a task already took that long and is not delayed; a
@@ -30,6 +30,8 @@ ROUND_S = 0.05
 
 
 class PacedScheduling(ExecutionCallback):
+    """Sleeps out the rest of :data:`ROUND_S` after a scheduling round that took less."""
+
     def __init__(self) -> None:
         self._round_started = None
 
