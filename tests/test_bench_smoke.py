@@ -5,6 +5,7 @@ Not timed tests: the figures of a smoke run mean nothing; bench/README.md has th
 
 import os
 import re
+import signal
 import subprocess
 import sys
 
@@ -17,12 +18,21 @@ RATIO = re.compile(r"^RATIO (.+?) = (-?[0-9.]+|nan|inf)", re.M)
 
 def run_bench(*args: str, timeout: int = 240) -> tuple[str, dict[str, float]]:
     env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
-    process = subprocess.run(
-        [sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
+    # Its own process group: on a timeout, the script's measurement children (each with its own
+    # Ray cluster) go with it instead of living on.
+    process = subprocess.Popen(
+        [sys.executable, *args], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
     )
-    assert process.returncode == 0, process.stdout[-3000:] + process.stderr[-3000:]
-    ratios = {name: float(value) for name, value in RATIO.findall(process.stdout)}
-    return process.stdout, ratios
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        stdout, stderr = process.communicate()
+        pytest.fail(f"{' '.join(args)} ran past {timeout} s:\n{stdout[-3000:]}{stderr[-3000:]}")
+    assert process.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    ratios = {name: float(value) for name, value in RATIO.findall(stdout)}
+    return stdout, ratios
 
 
 def test_ingest_smoke():
