@@ -4,6 +4,7 @@ function, the pandas/DataLoader baseline of the seed notebook, and a process-tre
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import platform
 import socket
@@ -335,6 +336,19 @@ def moto_server(log_path: Path, env: Optional[dict[str, str]] = None) -> Iterato
         server.terminate()
         server.wait(timeout=30)
         log.close()
+
+
+RESULT = "RESULT "
+
+
+def print_result(**figures) -> None:
+    """A measurement child's figures, as one line its parent reads back with ``parsed_result``."""
+    print(RESULT + json.dumps(figures), flush=True)
+
+
+def parsed_result(stdout: str) -> dict:
+    """The figures a measurement child printed last with ``print_result``."""
+    return json.loads([line for line in stdout.splitlines() if line.startswith(RESULT)][-1][len(RESULT):])
 
 
 def machine() -> str:

@@ -188,11 +188,10 @@ def run_child(path: str, files: list[str], dtype: str, args) -> dict:
     os.unlink(file_list)
     if process.returncode:
         raise SystemExit(f"{path} run failed with exit code {process.returncode}:\n{out}")
-    result_line = [line for line in out.splitlines() if line.startswith("RESULT ")]
     for line in out.splitlines():
-        if not line.startswith("RESULT "):
+        if not line.startswith(benchlib.RESULT):
             print(f"  [{path}] {line}")
-    result = json.loads(result_line[-1][len("RESULT "):])
+    result = benchlib.parsed_result(out)
     result.update(peak_pss=peak.pss, peak_rss=peak.rss, processes=peak.processes)
     return result
 
@@ -231,10 +230,10 @@ def child(args) -> None:
     timing = benchlib.drain(make, rows - rows % args.batch_size, expected)
     if args.child == "sdtrain" and args.stats:
         print(holder["dataset"].stats())
-    print("RESULT " + json.dumps(dict(
+    benchlib.print_result(
         samples=timing.samples, seconds=timing.seconds, samples_per_s=timing.samples_per_s,
         steady_samples_per_s=timing.steady_samples_per_s, first_batch_s=timing.first_batch_s,
-    )), flush=True)
+    )
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ and of the consumer's thread; the ratio is steps/s paced over unpaced.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -70,8 +69,7 @@ def run_child(mode: str, workdir: str, args) -> dict:
     process = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if process.returncode:
         raise SystemExit(f"the {mode} run failed with exit code {process.returncode}:\n{process.stdout[-4000:]}")
-    line = [line for line in process.stdout.splitlines() if line.startswith("RESULT ")][-1]
-    return json.loads(line[len("RESULT "):])
+    return benchlib.parsed_result(process.stdout)
 
 
 def child(args) -> None:
@@ -106,10 +104,10 @@ def child(args) -> None:
         batches.close()
     wall_end, scheduler_end, consumer_end, steps_end = last
     wall = wall_end - started
-    print("RESULT " + json.dumps(dict(
+    benchlib.print_result(
         steps_per_s=steps_end / wall, steps=steps_end,
         scheduler_cpu=(scheduler_end - scheduler_cpu) / wall, consumer_cpu=(consumer_end - consumer_cpu) / wall,
-    )), flush=True)
+    )
 
 
 def _thread_cpu(native_id: int) -> float:

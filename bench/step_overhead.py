@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
 import os
 import re
 import subprocess
@@ -94,7 +93,7 @@ def run_child(kind: str, args, *extra: str) -> dict:
     for line in lines:
         if line.startswith("[sdtrain]") or "step " in line and "loss" in line:
             print(f"  [{kind}] {line.strip()}")
-    result = json.loads([line for line in lines if line.startswith("RESULT ")][-1][len("RESULT "):])
+    result = benchlib.parsed_result(process.stdout)
     if kind == "full":  # the worker logs its torch threads at start: the bare loop gets as many
         result["worker_threads"] = int(re.search(r"(\d+) torch thread\(s\) per worker", process.stdout).group(1))
     return result
@@ -140,14 +139,14 @@ def full_path(args) -> None:
             steps_done, seconds = steps_done + step - previous, seconds + window
             waited += float(r["data_wait_fraction"]) * window
         previous = step
-    print("RESULT " + json.dumps(dict(
+    benchlib.print_result(
         steady_steps_per_s=steps_done / seconds,
         first_step_s=float(rows[0]["time_to_first_step_s"]),
         total_s=total,
         wait_fraction=waited / seconds,
         steady_s=seconds,
         final_step=summary.final_step,
-    )), flush=True)
+    )
 
 
 # ----------------------------------------------------------------------------- the bare loop
@@ -186,10 +185,10 @@ def bare_loop(args) -> None:
         optimizer.zero_grad(set_to_none=True)
         float(loss)  # the loop a user writes looks at its loss; also a sync point
         times.append(time.perf_counter())
-    print("RESULT " + json.dumps(dict(
+    benchlib.print_result(
         steady_steps_per_s=(args.steps - args.warmup) / (times[-1] - times[args.warmup - 1]),
         threads=torch.get_num_threads(),
-    )), flush=True)
+    )
 
 
 if __name__ == "__main__":
