@@ -14,9 +14,12 @@ projects more RSS than 75% of the machine's RAM is skipped (the pandas approach 
 
 Every measurement runs in a fresh subprocess (its own Ray cluster, nothing cached in memory from
 an earlier run), which this script samples from outside. The files are read once before timing,
-so every path reads from the page cache.
+so every path reads from the page cache. Throughput runs are repeated (--repeat, default 3) in
+interleaved rounds (pyarrow, pandas, sdtrain, then again), and each figure is the median of its
+runs: on a shared machine one run of each can be 20-30% off. Their memory sampler reads the tree
+every 0.5 s (reading PSS costs CPU the runs would otherwise have); --scale samples every 0.1 s.
 
-    python bench/ingest.py            # throughput, float16 and float32
+    python bench/ingest.py            # throughput, float16 and float32, median of 3 rounds
     python bench/ingest.py --scale    # memory at 1x, 4x, 16x
     python bench/ingest.py --smoke    # seconds: tiny sizes, throughput and memory, to check that it runs (CI)
 """
@@ -52,6 +55,7 @@ def main() -> None:
     parser.add_argument("--dtypes", default=None, help="comma-separated (default float16,float32; --scale: float16)")
     parser.add_argument("--scales", default=None, help="comma-separated multiples of the dataset (default 1,4,16)")
     parser.add_argument("--paths", default=",".join(PATHS), help="which data paths to run")
+    parser.add_argument("--repeat", type=int, help="throughput: rounds of runs, each figure the median (default 3; --smoke: 1)")
     parser.add_argument("--stats", action="store_true", help="print Ray Data's execution stats of the sdtrain runs")
     parser.add_argument("--object-store-limit-mib", type=int,
                         help="experiment: cap Ray Data's object-store budget (the proposed fix; not what sdtrain does today)")
@@ -63,6 +67,10 @@ def main() -> None:
     if args.child:
         return child(args)
 
+    if args.repeat is None:
+        args.repeat = 1 if args.smoke else 3
+    if args.repeat < 1:
+        parser.error(f"--repeat must be >= 1, got {args.repeat}")
     if args.smoke:
         rows, rows_per_file = args.rows or 96, 16
         dtypes = (args.dtypes or "float16").split(",")
@@ -90,16 +98,26 @@ def main() -> None:
 
 def throughput_benchmark(workdir: Path, rows, rows_per_file, dtypes, paths, args) -> None:
     print(f"# ingest throughput: {rows} rows of 4x32x32 latents + 77x1024 captions, flat lists, "
-          f"{rows_per_file} rows a file, batch {args.batch_size}; one fresh process per run")
-    print(f"{'dtype':8} {'path':8} {'steady samples/s':>17} {'end-to-end samples/s':>21} {'first batch s':>14} "
-          f"{'peak PSS MiB':>13} {'peak RSS MiB':>13}")
+          f"{rows_per_file} rows a file, batch {args.batch_size}; one fresh process per run, "
+          f"{args.repeat} interleaved round(s), figures are medians")
+    header = (f"{'dtype':8} {'path':8} {'steady samples/s':>17} {'end-to-end samples/s':>21} {'first batch s':>14} "
+              f"{'peak PSS MiB':>13} {'peak RSS MiB':>13}")
     results = {}
     for dtype in dtypes:
         files = benchlib.write_dataset(workdir / dtype, rows, rows_per_file, dtype)
         _warm_page_cache(files)
+        runs = {path: [] for path in paths}
+        for round_ in range(args.repeat):
+            for path in paths:
+                # --smoke reuses these runs as the memory benchmark's 1x: sample them as densely as its others
+                r = run_child(path, files, dtype, args, interval=0.1 if args.smoke else 0.5)
+                runs[path].append(r)
+                if args.repeat > 1:
+                    print(f"  round {round_ + 1} {dtype} {path}: steady {r['steady_samples_per_s']:.0f}, end-to-end "
+                          f"{r['samples_per_s']:.0f} samples/s, first batch {r['first_batch_s']:.2f} s", flush=True)
+        print(header)
         for path in paths:
-            r = run_child(path, files, dtype, args)
-            results[dtype, path] = r
+            r = results[dtype, path] = _medians(runs[path])
             print(f"{dtype:8} {path:8} {r['steady_samples_per_s']:17.0f} {r['samples_per_s']:21.0f} "
                   f"{r['first_batch_s']:14.2f} {r['peak_pss'] / 2**20:13.0f} {r['peak_rss'] / 2**20:13.0f}", flush=True)
     for dtype in dtypes:
@@ -157,6 +175,11 @@ def scale_benchmark(workdir: Path, rows, rows_per_file, dtype, scales, paths, ar
                                   "pandas notebook", results["pandas", both[-1]]["peak_pss"]))
 
 
+def _medians(runs: list[dict]) -> dict:
+    """Each numeric figure's median over the runs (upper median for an even count)."""
+    return {key: sorted(r[key] for r in runs)[len(runs) // 2] for key in runs[0] if isinstance(runs[0][key], (int, float))}
+
+
 def _projected_rss(results, path: str, scale: int) -> float:
     """Peak RSS of ``path`` at ``scale``, extrapolated linearly from its last two measured scales (0 if fewer)."""
     measured = sorted(s for p, s in results if p == path)
@@ -172,8 +195,8 @@ def _warm_page_cache(files) -> None:
                 pass
 
 
-def run_child(path: str, files: list[str], dtype: str, args) -> dict:
-    """One measurement in a fresh process, whose process tree is sampled from here."""
+def run_child(path: str, files: list[str], dtype: str, args, interval: float = 0.1) -> dict:
+    """One measurement in a fresh process, whose process tree is sampled from here every ``interval`` s."""
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(files, f)
         file_list = f.name
@@ -181,7 +204,7 @@ def run_child(path: str, files: list[str], dtype: str, args) -> dict:
                "--batch-size", str(args.batch_size)] + (["--stats"] if args.stats else []) + (
                ["--object-store-limit-mib", str(args.object_store_limit_mib)] if args.object_store_limit_mib else [])
     process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
-    sampler = benchlib.TreeMemorySampler(process.pid, interval=0.1)
+    sampler = benchlib.TreeMemorySampler(process.pid, interval=interval)
     sampler.start()
     out, _ = process.communicate()
     peak = sampler.stop()
