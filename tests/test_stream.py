@@ -1,5 +1,5 @@
-"""A rank's Ray Data stream: one task per window, and a scheduling loop paced while the trainer
-is behind (a real local Ray cluster)."""
+"""A rank's Ray Data stream: one task per window, a scheduling loop paced while the trainer is
+behind, and a worker's stream started before its model is built (a real local Ray cluster)."""
 
 import subprocess
 import sys
@@ -7,6 +7,7 @@ import time
 
 import pytest
 import ray.cloudpickle
+import torch
 import ray.data
 from ray.data import ExecutionResources
 from ray.data._internal.execution.execution_callback import ExecutionCallback
@@ -17,6 +18,7 @@ from sdtrain.dataset import WindowReader, file_order_dataset, rank_dataset
 from sdtrain.dataspec import inspect_dataset
 from sdtrain.pacing import ROUND_S, PacedScheduling
 from sdtrain.sampling import DataState, SamplePlan
+from sdtrain.worker import TrainStream
 
 
 class CountRounds(ExecutionCallback):
@@ -66,6 +68,26 @@ def test_the_scheduling_loop_waits_instead_of_spinning_while_the_trainer_is_behi
     # Ray Data's own loop goes round many times more in the same time: the spin the pace removes
     # (if a Ray upgrade stops it, sdtrain.pacing can go).
     assert unpaced_rounds > 5 * unpaced_s / ROUND_S, (unpaced_rounds, unpaced_s)
+
+
+@pytest.mark.usefixtures("ray_cluster")
+def test_a_workers_stream_starts_reading_before_it_is_iterated_and_hands_over_every_batch_once(tmp_path):
+    """The worker starts its stream before building its model; Lightning iterates it later."""
+    write_latents(tmp_path / "a.parquet", rows=48, seed=0, row_group_size=8)
+    files = [str(tmp_path / "a.parquet")]
+    spec = inspect_dataset(files, "data.train", "image_latents_256", "caption_latents", 4, 32)
+    plan = SamplePlan(spec.rows_per_file, seed=0, chunk_rows=8, window_rows=16)
+    (stretches,) = plan.rank_stretches(DataState(), 1, 8, 6)
+    dataset = rank_dataset(WindowReader(spec, DataConfig(train=files), plan), stretches)
+    stream = TrainStream(dataset.iterator(), micro_batch=8, prefetch_batches=1, device=torch.device("cpu"))
+    stream.expected_first = plan.sample_indices(plan.window(stretches[0], 0))[:8]
+
+    first = stream.start()
+    assert first.result(timeout=120)["sample_index"].tolist() == stream.expected_first.tolist()  # read before iterating
+    batches = [batch["sample_index"].tolist() for batch in stream]
+    planned = [index for w in range(stretches[0].num_windows(16)) for index in plan.sample_indices(plan.window(stretches[0], w))]
+    assert [index for batch in batches for index in batch] == planned  # the background first batch, then the rest
+    assert len(batches) == 6
 
 
 def test_validation_streams_are_paced_too_and_keep_it_through_ray_trains_copy(tmp_path):

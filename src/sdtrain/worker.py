@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import time
 import warnings
-from typing import Any, Iterator
+from concurrent.futures import Future
+from typing import Any, Iterator, Optional
 
 import lightning.pytorch as pl
 import ray.train
@@ -33,15 +35,41 @@ class TrainStream:
     The stream is read once: its order and length are the sampling plan's, so a second pass
     would read rows twice. The first batch is checked against the plan, which catches a data
     position that does not match the checkpoint the worker was restored from.
+
+    :meth:`start` begins reading before the model is built: the stream's start-up (Ray Data's
+    executor, a worker process for the first read task, the first window's read) then overlaps
+    building the model, the Lightning trainer and DDP instead of following them.
     """
 
-    def __init__(self, shard: ray.data.DataIterator, micro_batch: int, prefetch_batches: int, expected_first):
+    def __init__(self, shard: ray.data.DataIterator, micro_batch: int, prefetch_batches: int, device: torch.device):
         self.shard = shard
         self.micro_batch = micro_batch
         self.prefetch_batches = prefetch_batches
-        self.expected_first = expected_first
+        self.device = device
+        self.expected_first = None
+        self._batches = None
+        self._first: Optional[Future] = None
         self._started = False
         self._wait_s = 0.0
+
+    def start(self) -> Future:
+        """Fetch the first batch in the background from now on; returns its future (None: no rows)."""
+        self._batches = iter(self.shard.iter_torch_batches(
+            batch_size=self.micro_batch,
+            prefetch_batches=self.prefetch_batches,
+            device=self.device,
+        ))
+        self._first = Future()
+
+        def fetch_first():
+            try:
+                self._first.set_result(next(self._batches, None))
+            except BaseException as error:  # handed to the training thread, which raises it
+                self._first.set_exception(error)
+
+        # A daemon thread: a worker that fails while building its model must not wait for it.
+        threading.Thread(target=fetch_first, name="sdtrain-first-batch", daemon=True).start()
+        return self._first
 
     def take_wait_s(self) -> float:
         """Seconds the training loop waited for its next batch since the previous call. The first
@@ -53,24 +81,19 @@ class TrainStream:
         if self._started:
             raise RuntimeError("the training stream was read to its end before train.max_steps")
         self._started = True
-        batches = iter(self.shard.iter_torch_batches(
-            batch_size=self.micro_batch,
-            prefetch_batches=self.prefetch_batches,
-            device=ray.train.torch.get_device(),
-        ))
-        first = True
         try:
+            batch = self._first.result()
+            if batch is None:
+                return
+            self._check_position(batch["sample_index"])
+            yield batch
             while True:
                 asked = time.perf_counter()
                 try:
-                    batch = next(batches)
+                    batch = next(self._batches)
                 except StopIteration:
                     return
-                if first:
-                    self._check_position(batch["sample_index"])
-                    first = False
-                else:
-                    self._wait_s += time.perf_counter() - asked
+                self._wait_s += time.perf_counter() - asked
                 yield batch
         except Exception as error:
             data_error = find_sdtrain_error(error)
@@ -97,6 +120,10 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     context = ray.train.get_context()
     world_size, rank = context.get_world_size(), context.get_world_rank()
     micro_batch, accumulation = config.batch_layout(world_size)
+    train_batches = TrainStream(
+        ray.train.get_dataset_shard("train"), micro_batch, config.data.prefetch_batches, ray.train.torch.get_device()
+    )
+    train_batches.start()  # before the model is built: see TrainStream
 
     # Same initial weights on every rank (DDP also broadcasts rank 0's). Per-step noise is
     # seeded by (seed, rank, step, micro-batch) in the module, not by this global seed.
@@ -112,8 +139,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
 
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is None:
-        _fit(config, module, use_gpu, plan, (world_size, micro_batch, accumulation), history=[], start=(0, DataState()), ckpt_path=None,
-             launched_at=loop_config["launched_at"])
+        _fit(config, module, train_batches, use_gpu, plan, (world_size, micro_batch, accumulation), history=[],
+             start=(0, DataState()), ckpt_path=None, launched_at=loop_config["launched_at"])
         return
     with checkpoint.as_directory() as directory:
         with open(os.path.join(directory, HISTORY_FILE)) as f:
@@ -122,11 +149,11 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             raw = json.load(f)
         start = (int(raw["step"]), DataState.from_dict(raw["data"]))
         ckpt_path = os.path.join(directory, CHECKPOINT_FILE)
-        _fit(config, module, use_gpu, plan, (world_size, micro_batch, accumulation), history, start, ckpt_path,
-             launched_at=loop_config["launched_at"])
+        _fit(config, module, train_batches, use_gpu, plan, (world_size, micro_batch, accumulation), history, start,
+             ckpt_path, launched_at=loop_config["launched_at"])
 
 
-def _fit(config: Config, module, use_gpu, plan: SamplePlan, layout, history, start, ckpt_path, launched_at: float) -> None:
+def _fit(config: Config, module, train_batches: TrainStream, use_gpu, plan: SamplePlan, layout, history, start, ckpt_path, launched_at: float) -> None:
     world_size, micro_batch, accumulation = layout
     rank = ray.train.get_context().get_world_rank()
     start_step, start_state = start
@@ -145,10 +172,7 @@ def _fit(config: Config, module, use_gpu, plan: SamplePlan, layout, history, sta
             return val_shard.iter_torch_batches(batch_size=micro_batch, device=ray.train.torch.get_device())
 
     first_stretch = plan.rank_stretches(start_state, world_size, rows_per_step, config.train.max_steps - start_step)[rank][0]
-    expected_first = plan.sample_indices(plan.window(first_stretch, 0))[:micro_batch]
-    train_batches = TrainStream(
-        ray.train.get_dataset_shard("train"), micro_batch, config.data.prefetch_batches, expected_first
-    )
+    train_batches.expected_first = plan.sample_indices(plan.window(first_stretch, 0))[:micro_batch]
     reporter = StepReporter(
         config.run,
         max_steps=config.train.max_steps,
