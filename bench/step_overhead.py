@@ -6,13 +6,17 @@ on parquet latents. Baseline: a bare PyTorch loop with the same UNet (``sdtrain.
 batch size, noise schedule, loss, AdamW and gradient clipping on in-memory tensors, in a process
 with as many torch threads as the Ray Train worker had.
 
+The two alternate, --repeat times each (full, bare, full, bare, ...), each in a fresh process,
+and the speed ratio is the median over every adjacent (full, bare) pair: on a shared machine a
+rate drifts 10-25% over minutes, and a pair run back to back shares most of that drift.
+
 Reported: steady-state steps/s of both (the first --warmup steps excluded) and their ratio;
 the time from calling ``train()`` to the end of the first optimizer step; the fraction of
 steady-state wall time the training loop spent waiting for its next batch. The full path's
 figures are the job's own metrics (``metrics.csv``: ``steps_per_s``, ``time_to_first_step_s``,
 ``data_wait_fraction``), as a user of the package sees them: nothing in the worker is patched.
 
-    python bench/step_overhead.py           # tiny UNet, 160 steps of 16
+    python bench/step_overhead.py           # tiny UNet, 160 steps of 16, full and bare twice each
     python bench/step_overhead.py --smoke   # seconds: checks that it runs (CI)
 """
 
@@ -43,6 +47,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, help="steps excluded from the steady state (default 40; smoke 3)")
     parser.add_argument("--batch-size", type=int, help="per step (default 16: the demo's per-worker batch; smoke 8)")
     parser.add_argument("--log-every", type=int, help="run.log_every_n_steps (default 20; smoke 4)")
+    parser.add_argument("--repeat", type=int, help="runs of each path, alternating (default 2; smoke 1)")
     parser.add_argument("--dtype", default="float16", help="stored dtype of the parquet latents")
     parser.add_argument("--workdir", help="where to write data and the run (default: a temporary directory)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -53,6 +58,7 @@ def main() -> None:
     args.warmup = args.warmup if args.warmup is not None else (3 if args.smoke else 40)
     args.log_every = args.log_every or (4 if args.smoke else 20)
     args.batch_size = args.batch_size or (8 if args.smoke else 16)
+    args.repeat = args.repeat or (1 if args.smoke else 2)
     if args.child == "full":
         return full_path(args)
     if args.child == "bare":
@@ -62,24 +68,40 @@ def main() -> None:
     print(f"# {benchlib.versions()}, sdtrain commit {benchlib.git_commit()}")
     print(f"# preset {args.preset}, batch {args.batch_size}, {args.steps} steps ({args.warmup} excluded as warm-up), "
           f"fp32 on CPU, 1 Ray Train worker; {args.dtype} parquet latents")
+    fulls, bares = [], []
     with tempfile.TemporaryDirectory(prefix="sdtrain-bench-", dir=args.workdir) as workdir:
         args.data = workdir
-        full = run_child("full", args)
-        bare = run_child("bare", args, "--threads", str(full["worker_threads"]))
+        for round_ in range(args.repeat):
+            fulls.append(run_child("full", args))
+            # As many torch threads as Ray Train gave its worker.
+            bares.append(run_child("bare", args, "--threads", str(fulls[0]["worker_threads"])))
+            print(f"  round {round_ + 1}: full path {fulls[-1]['steady_steps_per_s']:.2f} steps/s, "
+                  f"bare loop {bares[-1]['steady_steps_per_s']:.2f} steps/s", flush=True)
+    # Adjacent pairs in run order: (full 1, bare 1), (bare 1, full 2), (full 2, bare 2), ...
+    rates = [run["steady_steps_per_s"] for pair in zip(fulls, bares) for run in pair]  # full at even positions
+    ratios = sorted((a / b if i % 2 == 0 else b / a) for i, (a, b) in enumerate(zip(rates, rates[1:])))
+    ratio = ratios[len(ratios) // 2]
+    full, bare = _median_run(fulls), _median_run(bares)
 
     print(f"full path (train(config)): {full['steady_steps_per_s']:.2f} steps/s after step {args.warmup} "
-          f"(the job's metrics.csv); torch threads in the worker: {full['worker_threads']}")
-    print(f"bare PyTorch loop:         {bare['steady_steps_per_s']:.2f} steps/s steady ({bare['threads']} torch threads)")
+          f"(the job's metrics.csv; median of {len(fulls)}); torch threads in the worker: {full['worker_threads']}")
+    print(f"bare PyTorch loop:         {bare['steady_steps_per_s']:.2f} steps/s steady (median of {len(bares)}; "
+          f"{bare['threads']} torch threads)")
+    print(f"ratio of each adjacent (full, bare) pair: {', '.join(f'{r:.3f}' for r in ratios)}")
     print(f"time to first step: {full['first_step_s']:.1f} s from calling train() (time_to_first_step_s); "
           f"whole run {full['total_s']:.1f} s")
     print(f"data wait: {100 * full['wait_fraction']:.2f}% of {full['steady_s']:.2f} s steady-state training (data_wait_fraction)")
-    ratio = full["steady_steps_per_s"] / bare["steady_steps_per_s"]
-    print(benchlib.ratio_line("steps/s full path", full["steady_steps_per_s"], "bare loop", bare["steady_steps_per_s"],
-                              f">= {SPEED_TARGET}", ratio >= SPEED_TARGET))
+    print(f"RATIO steps/s full path / bare loop = {ratio:.3f}  (median of {len(ratios)} adjacent pairs; "
+          f"target >= {SPEED_TARGET}: {'met' if ratio >= SPEED_TARGET else 'MISSED'})")
     fraction = full["wait_fraction"]
     print(f"RATIO data wait / step time = {fraction:.4f}  (target < {WAIT_TARGET}: {'met' if fraction < WAIT_TARGET else 'MISSED'})")
     print(f"RATIO time to first step / steady step time = {full['first_step_s'] * full['steady_steps_per_s']:.1f}  "
           f"({full['first_step_s']:.1f} s)")
+
+
+def _median_run(runs: list[dict]) -> dict:
+    """Each figure's median over the runs (upper median for an even count)."""
+    return {key: sorted(r[key] for r in runs)[len(runs) // 2] for key in runs[0]}
 
 
 def run_child(kind: str, args, *extra: str) -> dict:
@@ -119,7 +141,8 @@ def full_path(args) -> None:
         "model": {"preset": args.preset},
         "train": {"max_steps": args.steps, "global_batch_size": args.batch_size, "lr": 1e-4, "warmup_steps": 10},
         "scaling": {"num_workers": 1, "use_gpu": False},
-        "run": {"name": "step-overhead", "storage_path": str(Path(args.data) / "runs"),
+        # A fresh storage directory per run: the same one would resume the previous run's checkpoint.
+        "run": {"name": "step-overhead", "storage_path": tempfile.mkdtemp(prefix="runs-", dir=args.data),
                 "checkpoint_every_n_steps": args.steps, "log_every_n_steps": args.log_every, "num_to_keep": 1},
         "failure": {"max_failures": 0},
     })
