@@ -99,6 +99,14 @@ def test_validation_streams_are_paced_too_and_keep_it_through_ray_trains_copy(tm
     assert copied.context.custom_execution_callback_classes == [PacedScheduling]
 
 
+def test_ray_trains_controller_loads_no_model_libraries():
+    """Ray Train's controller unpickles the data hook (sdtrain.shards) and the failure callback:
+    diffusers and Lightning imported there cost ~6 s of every run's start-up."""
+    code = ("import sys, sdtrain.shards, sdtrain.failures; "
+            "loaded = [m for m in ('torch', 'diffusers', 'lightning') if m in sys.modules]; assert not loaded, loaded")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
 def test_read_tasks_do_not_import_torch():
     """A fresh read worker imports sdtrain.dataset before its first window: torch would add ~1.6 s."""
     code = "import sys, sdtrain.dataset; assert 'torch' not in sys.modules, 'sdtrain.dataset imports torch'"

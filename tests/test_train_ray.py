@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from conftest import corrupt_row_group, write_latents
-from sdtrain.checkpoint import CHECKPOINT_FILE, DATA_STATE_FILE, HISTORY_FILE, SAMPLES_FILE, load_model, read_checkpoint
+from sdtrain.checkpoint import load_model, read_checkpoint
+from sdtrain.checkpoint_layout import CHECKPOINT_FILE, DATA_STATE_FILE, HISTORY_FILE, SAMPLES_FILE
 from sdtrain.config import load_config
 from sdtrain.decode import decode_batch
 from sdtrain.errors import TrainingFailed

@@ -21,7 +21,7 @@ import numpy as np
 import ray.train
 import torch
 
-from sdtrain.checkpoint import CHECKPOINT_FILE, DATA_STATE_FILE, HISTORY_FILE, SAMPLES_FILE, checkpoint_dir_name
+from sdtrain.checkpoint_layout import CHECKPOINT_FILE, DATA_STATE_FILE, HISTORY_FILE, SAMPLES_FILE, checkpoint_dir_name
 from sdtrain.config import RunConfig
 from sdtrain.errors import NonFiniteTraining
 from sdtrain.sampling import DataState

@@ -1,14 +1,4 @@
-"""The checkpoint format, and rebuilding a trained model from a checkpoint alone.
-
-A checkpoint is a directory ``checkpoint_<step>/`` holding ``checkpoint.ckpt``: Lightning's
-full training state (weights, optimizer, LR scheduler, loop progress) plus, under the
-``sdtrain`` key, the UNet and noise-scheduler configs, the data shapes and the run config; the
-state dict holds the UNet (``unet.``), its EMA when train.ema_decay is set (``ema_unet.``) and
-the unconditional caption embedding (``unconditional_caption``);
-``history.json``, the metric rows reported up to that step; and ``data_state.json``, the data
-position to resume from. Only plain data and tensors are stored, so loading never unpickles code
-(``torch.load(weights_only=True)``).
-"""
+"""Rebuilding a trained model from a checkpoint alone (the layout: :mod:`sdtrain.checkpoint_layout`)."""
 
 from __future__ import annotations
 
@@ -21,21 +11,10 @@ import pyarrow.fs as pafs
 import torch
 from diffusers import DDPMScheduler, UNet2DConditionModel
 
+from sdtrain.checkpoint_layout import CHECKPOINT_FILE
 from sdtrain.files import filesystem_for
 from sdtrain.model import build_noise_scheduler
 from sdtrain.module import CHECKPOINT_META_KEY
-
-CHECKPOINT_FILE = "checkpoint.ckpt"
-# The metric rows reported up to the checkpoint's step: the run's curve, readable without the weights.
-HISTORY_FILE = "history.json"
-# The step and the data position after it (sdtrain.sampling.DataState): where the data stream resumes.
-DATA_STATE_FILE = "data_state.json"
-# With run.record_samples: (world size, rows) sample indices trained on since the previous checkpoint.
-SAMPLES_FILE = "samples.npy"
-
-
-def checkpoint_dir_name(step: int) -> str:
-    return f"checkpoint_{step:09d}"
 
 
 def read_checkpoint(path: str) -> dict[str, Any]:

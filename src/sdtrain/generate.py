@@ -20,7 +20,8 @@ import pyarrow.fs as pafs
 import torch
 from diffusers import DDIMScheduler, DPMSolverMultistepScheduler, UNet2DConditionModel
 
-from sdtrain.checkpoint import CHECKPOINT_FILE, LoadedModel, Weights, load_checkpoint
+from sdtrain.checkpoint import LoadedModel, Weights, load_checkpoint
+from sdtrain.checkpoint_layout import CHECKPOINT_FILE
 from sdtrain.errors import DataError, SdtrainError
 from sdtrain.export import is_export, load_export
 from sdtrain.files import filesystem_for, ray_storage, resolve_parquet_files, uri_for

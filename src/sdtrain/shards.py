@@ -17,7 +17,7 @@ from typing import Optional
 import pyarrow.fs as pafs
 import ray.train
 
-from sdtrain.checkpoint import DATA_STATE_FILE
+from sdtrain.checkpoint_layout import DATA_STATE_FILE
 from sdtrain.dataset import WindowReader, rank_dataset
 from sdtrain.files import ray_storage
 from sdtrain.sampling import DataState

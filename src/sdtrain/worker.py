@@ -18,7 +18,7 @@ import torch
 from ray.train.lightning import RayLightningEnvironment, prepare_trainer
 
 from sdtrain.callbacks import StepReporter, log
-from sdtrain.checkpoint import CHECKPOINT_FILE, DATA_STATE_FILE, HISTORY_FILE
+from sdtrain.checkpoint_layout import CHECKPOINT_FILE, DATA_STATE_FILE, HISTORY_FILE
 from sdtrain.config import Config
 from sdtrain.errors import TrainingFailed, find_sdtrain_error
 from sdtrain.files import apply_s3_settings
