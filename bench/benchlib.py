@@ -351,6 +351,11 @@ def parsed_result(stdout: str) -> dict:
     return json.loads([line for line in stdout.splitlines() if line.startswith(RESULT)][-1][len(RESULT):])
 
 
+def medians(runs: list[dict]) -> dict:
+    """Each numeric figure's median over repeated runs (the upper median for an even count)."""
+    return {key: sorted(r[key] for r in runs)[len(runs) // 2] for key in runs[0] if isinstance(runs[0][key], (int, float))}
+
+
 def machine() -> str:
     memory = psutil.virtual_memory().total / 2**30
     cpu = platform.processor() or platform.machine()

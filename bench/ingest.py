@@ -117,7 +117,7 @@ def throughput_benchmark(workdir: Path, rows, rows_per_file, dtypes, paths, args
                           f"{r['samples_per_s']:.0f} samples/s, first batch {r['first_batch_s']:.2f} s", flush=True)
         print(header)
         for path in paths:
-            r = results[dtype, path] = _medians(runs[path])
+            r = results[dtype, path] = benchlib.medians(runs[path])
             print(f"{dtype:8} {path:8} {r['steady_samples_per_s']:17.0f} {r['samples_per_s']:21.0f} "
                   f"{r['first_batch_s']:14.2f} {r['peak_pss'] / 2**20:13.0f} {r['peak_rss'] / 2**20:13.0f}", flush=True)
     for dtype in dtypes:
@@ -175,11 +175,6 @@ def scale_benchmark(workdir: Path, rows, rows_per_file, dtype, scales, paths, ar
                                   "pandas notebook", results["pandas", both[-1]]["peak_pss"]))
 
 
-def _medians(runs: list[dict]) -> dict:
-    """Each numeric figure's median over the runs (upper median for an even count)."""
-    return {key: sorted(r[key] for r in runs)[len(runs) // 2] for key in runs[0] if isinstance(runs[0][key], (int, float))}
-
-
 def _projected_rss(results, path: str, scale: int) -> float:
     """Peak RSS of ``path`` at ``scale``, extrapolated linearly from its last two measured scales (0 if fewer)."""
     measured = sorted(s for p, s in results if p == path)
@@ -187,6 +182,7 @@ def _projected_rss(results, path: str, scale: int) -> float:
         return 0.0
     (s0, r0), (s1, r1) = [(s, results[path, s]["peak_rss"]) for s in measured[-2:]]
     return r1 + (r1 - r0) / (s1 - s0) * (scale - s1)
+
 
 def _warm_page_cache(files) -> None:
     for file in files:

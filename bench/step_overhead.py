@@ -81,7 +81,7 @@ def main() -> None:
     rates = [run["steady_steps_per_s"] for pair in zip(fulls, bares) for run in pair]  # full at even positions
     ratios = sorted((a / b if i % 2 == 0 else b / a) for i, (a, b) in enumerate(zip(rates, rates[1:])))
     ratio = ratios[len(ratios) // 2]
-    full, bare = _median_run(fulls), _median_run(bares)
+    full, bare = benchlib.medians(fulls), benchlib.medians(bares)
 
     print(f"full path (train(config)): {full['steady_steps_per_s']:.2f} steps/s after step {args.warmup} "
           f"(the job's metrics.csv; median of {len(fulls)}); torch threads in the worker: {full['worker_threads']}")
@@ -97,11 +97,6 @@ def main() -> None:
     print(f"RATIO data wait / step time = {fraction:.4f}  (target < {WAIT_TARGET}: {'met' if fraction < WAIT_TARGET else 'MISSED'})")
     print(f"RATIO time to first step / steady step time = {full['first_step_s'] * full['steady_steps_per_s']:.1f}  "
           f"({full['first_step_s']:.1f} s)")
-
-
-def _median_run(runs: list[dict]) -> dict:
-    """Each figure's median over the runs (upper median for an even count)."""
-    return {key: sorted(r[key] for r in runs)[len(runs) // 2] for key in runs[0]}
 
 
 def run_child(kind: str, args, *extra: str) -> dict:
