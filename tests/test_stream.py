@@ -7,8 +7,8 @@ import time
 
 import pytest
 import ray.cloudpickle
-import torch
 import ray.data
+import torch
 from ray.data import ExecutionResources
 from ray.data._internal.execution.execution_callback import ExecutionCallback
 
