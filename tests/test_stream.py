@@ -111,3 +111,25 @@ def test_read_tasks_do_not_import_torch():
     """A fresh read worker imports sdtrain.dataset before its first window: torch would add ~1.6 s."""
     code = "import sys, sdtrain.dataset; assert 'torch' not in sys.modules, 'sdtrain.dataset imports torch'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_the_driver_starts_ray_datas_cluster_actors_before_any_stream_and_quietly():
+    """sdtrain.data_startup: until Ray Data's autoscaling coordinator answers, a stream's executor
+    sees no CPUs and reads one window at a time; on a fresh cluster the coordinator takes seconds
+    to start. The warm-up (a fresh cluster of its own here) starts it and the stats actor, and
+    keeps its own dataset's lines off the console."""
+    code = """if True:
+        import ray
+        ray.init(num_cpus=1, include_dashboard=False)
+        named = lambda: {actor["name"] for actor in ray.util.list_named_actors(all_namespaces=True)}
+        assert "AutoscalingCoordinator" not in named(), named()
+        from sdtrain.data_startup import warm_up_ray_data
+        thread = warm_up_ray_data()
+        thread.join(120)
+        assert not thread.is_alive(), "the warm-up did not finish in 120 s"
+        assert {"AutoscalingCoordinator", "datasets_stats_actor"} <= named(), named()
+        ray.shutdown()
+    """
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stderr
+    assert "execution finished" not in result.stderr + result.stdout, result.stderr

@@ -18,6 +18,7 @@ from ray.train.torch import TorchTrainer
 
 from sdtrain import __version__
 from sdtrain.config import Config, ScalingConfig
+from sdtrain.data_startup import warm_up_ray_data
 from sdtrain.dataset import WindowReader, file_order_dataset
 from sdtrain.dataspec import DatasetSpec, inspect_dataset
 from sdtrain.demo_data import ensure_demo_data
@@ -141,10 +142,13 @@ def train(config: Config) -> RunSummary:
             WindowReader(train_spec, config.data, plan), run_dir, config.train.global_batch_size, config.train.max_steps
         ),
     )
+    warm_up = warm_up_ray_data()  # in the background, while Ray Train starts (sdtrain.data_startup)
     try:
         result = trainer.fit()
     except ray.train.TrainingFailedError as e:
         raise TrainingFailed(failure_message(e, run_dir)) from None
+    finally:
+        warm_up.join(timeout=60)  # seconds into a run it is long done; nothing of ours outlives train()
 
     checkpoint = result.checkpoint
     history = read_history(checkpoint)

@@ -1,0 +1,69 @@
+"""Ray Data's once-per-cluster start-up, paid on the driver while the trainer starts.
+
+A stream's executor sizes itself by what Ray Data's autoscaling coordinator (a cluster-wide actor)
+says the cluster has. The first execution on a cluster creates that actor, and the stats actor,
+each in a new worker process that must import Ray Data first. Until the coordinator answers, the
+executor sees no CPUs at all and runs one read task at a time (its rule that some task may always
+run). Measured on 2 CPUs (the float32 stream of ``bench/ingest.py``): the stream's second read task was
+submitted 2.1 s after its first; with the coordinator already up, 1.1 s after it (the rest is the
+executor refreshing its view of the cluster once a second).
+
+:func:`warm_up_ray_data` runs one tiny dataset on the driver, in the background, while Ray Train
+starts its controller and workers (about 10 s before the first stream starts). It creates both
+actors, and leaves an idle worker process that has imported Ray Data and the package's reader,
+which the first read task can take.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import numpy as np
+import ray.data
+
+log = logging.getLogger("sdtrain")
+THREAD_NAME = "sdtrain-ray-data-warmup"
+
+
+class _NotFromWarmUp(logging.Filter):
+    """Keeps Ray Data's lines about the warm-up's own dataset off the console (its log file keeps
+    them): a user would read "Dataset ... execution finished" before training as their data."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.threadName != THREAD_NAME
+
+
+_QUIET = _NotFromWarmUp()
+
+
+def warm_up_ray_data() -> threading.Thread:
+    """Start Ray Data's cluster-wide actors and a read worker in the background; returns the thread.
+
+    An optimization only: a failure is logged, never raised (the streams then pay the start-up).
+    """
+    for handler in logging.getLogger("ray.data").handlers:
+        if isinstance(handler, logging.StreamHandler) and _QUIET not in handler.filters:
+            handler.addFilter(_QUIET)
+    thread = threading.Thread(target=_run, name=THREAD_NAME, daemon=True)
+    thread.start()
+    return thread
+
+
+def _run() -> None:
+    started = time.perf_counter()
+    try:
+        # One block, read and mapped in one task, as a stream's windows are (sdtrain.dataset).
+        dataset = ray.data.range(1, override_num_blocks=1).map_batches(_import_reader, batch_size=None)
+        dataset.materialize()
+    except Exception as error:  # e.g. Ray shut down before it finished
+        log.warning("Ray Data's start-up on the driver did not finish (%s); the streams will pay it", error)
+        return
+    log.debug("Ray Data started on the driver in %.1f s", time.perf_counter() - started)
+
+
+def _import_reader(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    import sdtrain.dataset  # noqa: F401  (what every read task imports before its first window)
+
+    return batch
