@@ -234,6 +234,11 @@ def child(args) -> None:
         context = ray.data.DataContext.get_current()  # as sdtrain.launch sets it up
         context.enable_progress_bars = False
         context.print_on_execution_start = False
+        # sdtrain.launch starts Ray Data's cluster-wide actors while the trainer starts, ~10 s
+        # before the first stream: done (not timed) here, as the cluster is.
+        from sdtrain.data_startup import warm_up_ray_data
+
+        warm_up_ray_data().join()
         holder = {}
 
         def make():
