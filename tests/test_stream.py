@@ -1,8 +1,10 @@
 """A rank's Ray Data stream: one task per window, a scheduling loop paced while the trainer is
-behind, and a worker's stream started before its model is built (a real local Ray cluster)."""
+behind, a worker's stream started before its model is built, and Ray Data's start-up run on the
+driver before any stream (a real local Ray cluster)."""
 
 import subprocess
 import sys
+import textwrap
 import time
 
 import pytest
@@ -118,7 +120,7 @@ def test_the_driver_starts_ray_datas_cluster_actors_before_any_stream_and_quietl
     sees no CPUs and reads one window at a time; on a fresh cluster the coordinator takes seconds
     to start. The warm-up (a fresh cluster of its own here) starts it and the stats actor, and
     keeps its own dataset's lines off the console."""
-    code = """if True:
+    code = textwrap.dedent("""
         import ray
         ray.init(num_cpus=1, include_dashboard=False)
         named = lambda: {actor["name"] for actor in ray.util.list_named_actors(all_namespaces=True)}
@@ -129,7 +131,7 @@ def test_the_driver_starts_ray_datas_cluster_actors_before_any_stream_and_quietl
         assert not thread.is_alive(), "the warm-up did not finish in 120 s"
         assert {"AutoscalingCoordinator", "datasets_stats_actor"} <= named(), named()
         ray.shutdown()
-    """
+    """)
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
     assert result.returncode == 0, result.stderr
     assert "execution finished" not in result.stderr + result.stdout, result.stderr
