@@ -24,7 +24,7 @@ import numpy as np
 import ray.data
 
 log = logging.getLogger("sdtrain")
-THREAD_NAME = "sdtrain-ray-data-warmup"
+_THREAD_NAME = "sdtrain-ray-data-warmup"
 
 
 class _NotFromWarmUp(logging.Filter):
@@ -32,7 +32,7 @@ class _NotFromWarmUp(logging.Filter):
     them): a user would read "Dataset ... execution finished" before training as their data."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return record.threadName != THREAD_NAME
+        return record.threadName != _THREAD_NAME
 
 
 _QUIET = _NotFromWarmUp()
@@ -46,7 +46,7 @@ def warm_up_ray_data() -> threading.Thread:
     for handler in logging.getLogger("ray.data").handlers:
         if isinstance(handler, logging.StreamHandler) and _QUIET not in handler.filters:
             handler.addFilter(_QUIET)
-    thread = threading.Thread(target=_run, name=THREAD_NAME, daemon=True)
+    thread = threading.Thread(target=_run, name=_THREAD_NAME, daemon=True)
     thread.start()
     return thread
 

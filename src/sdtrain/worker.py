@@ -153,7 +153,10 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
              ckpt_path, launched_at=loop_config["launched_at"])
 
 
-def _fit(config: Config, module, train_batches: TrainStream, use_gpu, plan: SamplePlan, layout, history, start, ckpt_path, launched_at: float) -> None:
+def _fit(
+    config: Config, module, train_batches: TrainStream, use_gpu, plan: SamplePlan, layout, history, start, ckpt_path,
+    launched_at: float,
+) -> None:
     world_size, micro_batch, accumulation = layout
     rank = ray.train.get_context().get_world_rank()
     start_step, start_state = start
