@@ -149,8 +149,8 @@ def test_batch_layout_keeps_the_global_batch_at_every_world_size():
         (["train.ema_decay=1.5"], r"train\.ema_decay: must be in \(0, 1\) or null, got 1\.5"),
         (["train.ema_start_step=-1"], r"train\.ema_start_step: must be >= 0"),
         (["train.strategy=deepspeed"], r"train\.strategy: must be one of ddp, fsdp"),
-        (["train.strategy=fsdp", "train.ema_decay=0.999"], r"train\.ema_decay: EMA is not supported with train\.strategy=fsdp"),
-        (["train.strategy=fsdp", "data.val=/v"], r"data\.val: validation runs on rank 0 alone, which train\.strategy=fsdp"),
+        (["train.strategy=fsdp", "train.precision=16-mixed"], r"train\.precision: 16-mixed cannot run with train\.strategy=fsdp"),
+        (["train.precision=16-mixed", "scaling.use_gpu=false"], r"train\.precision: 16-mixed needs GPUs"),
         (["train.attention=flash"], r"train\.attention: must be one of sdpa, eager"),
         (["train.compile=3"], r"train\.compile: expected bool"),
         (["model.prediction_type=sample"], r"model\.prediction_type: must be one of epsilon, v_prediction"),
@@ -185,20 +185,23 @@ def test_recipe_defaults_change_nothing_and_options_reach_the_model():
 
 
 def test_gpu_options_and_strategies_are_built():
-    """What the worker applies. FSDP and compiled kernels cannot run on this CPU-only machine; the
-    strategy object and the compiled wrapper are checked, not a sharded or compiled training step."""
+    """What the worker applies; tests/test_options.py trains with each of them."""
     import torch
     from diffusers.models.attention_processor import AttnProcessor, AttnProcessor2_0
-    from ray.train.lightning import RayDDPStrategy, RayFSDPStrategy
+    from lightning.pytorch.strategies import ModelParallelStrategy
+    from ray.train.lightning import RayDDPStrategy
 
     from sdtrain.config import ModelConfig, TrainConfig
-    from sdtrain.hardware import apply_options, build_strategy
+    from sdtrain.hardware import RayModelParallelStrategy, apply_options, build_strategy
     from sdtrain.model import build_unet, noise_scheduler_config, unet_config
     from sdtrain.module import DiffusionModule
 
-    assert type(build_strategy(TrainConfig())) is RayDDPStrategy
-    fsdp = build_strategy(TrainConfig(strategy="fsdp"))
-    assert type(fsdp) is RayFSDPStrategy and fsdp.kwargs["use_orig_params"] is True and fsdp._state_dict_type == "full"
+    assert type(build_strategy(TrainConfig(), 2, on_ray=True)) is RayDDPStrategy
+    assert build_strategy(TrainConfig(), 1, on_ray=False) == "auto"
+    fsdp = build_strategy(TrainConfig(strategy="fsdp"), 4, on_ray=True)
+    assert type(fsdp) is RayModelParallelStrategy and (fsdp._data_parallel_size, fsdp._tensor_parallel_size) == (4, 1)
+    assert fsdp._save_distributed_checkpoint is False  # one full file, as DDP writes
+    assert type(build_strategy(TrainConfig(strategy="fsdp"), 1, on_ray=False)) is ModelParallelStrategy
 
     model = ModelConfig(preset="tiny")
     meta = {"unet_config": unet_config(model), "noise_scheduler_config": noise_scheduler_config(model), "caption_shape": [5, 32]}

@@ -23,7 +23,8 @@ import torch
 
 from sdtrain.checkpoint_layout import CHECKPOINT_FILE, DATA_STATE_FILE, HISTORY_FILE, SAMPLES_FILE, checkpoint_dir_name
 from sdtrain.config import RunConfig
-from sdtrain.errors import NonFiniteTraining
+from sdtrain.errors import NonFiniteTraining, TrainingFailed
+from sdtrain.hardware import is_sharded
 from sdtrain.sampling import DataState
 
 log = logging.getLogger("sdtrain")
@@ -96,9 +97,13 @@ class StepReporter(pl.Callback):
         position = self.data_position(step)
         metrics = self._metrics(trainer, pl_module, step, position.epoch)
         if self.val_batches is not None and (step % self.val_every == 0 or step >= self.max_steps):
-            if trainer.is_global_zero:
+            # Under FSDP every rank holds a shard of the weights, so every rank runs each forward
+            # pass (each reads the whole validation set); under DDP rank 0 alone does.
+            if trainer.is_global_zero or is_sharded(pl_module):
                 # The EMA weights when the run keeps an EMA (what export and generation use).
-                metrics["val_loss"] = pl_module.validation_loss(self.val_batches(), self.val_seed)
+                val_loss = pl_module.validation_loss(self.val_batches(), self.val_seed)
+                if trainer.is_global_zero:
+                    metrics["val_loss"] = val_loss
         if trainer.is_global_zero:
             log.info(_progress_line(metrics, self.max_steps))
             self.history.append(metrics)
@@ -141,10 +146,17 @@ class StepReporter(pl.Callback):
     def _metrics(self, trainer: pl.Trainer, pl_module, step: int, epoch: int) -> dict[str, float]:
         stats = pl_module.take_window_stats()
         loss = trainer.strategy.reduce(stats["loss"], reduce_op="mean")
-        # Gradients are all-reduced, so every rank skipped the same steps: rank-local counts agree.
         skipped, streak = int(stats["skipped_steps"]), int(stats["longest_bad_streak"])
-        # Rows differ per rank: sum them (the same collective the loss mean already costs).
-        skipped_samples = int(trainer.strategy.reduce(stats["skipped_samples"], reduce_op="sum"))
+        # Rows differ per rank: sum them. Skipped steps must not: gradients (DDP) or their norm
+        # (FSDP) are all-reduced, so every rank skips the same steps, or the ranks' weights differ.
+        sums = trainer.strategy.reduce(torch.stack([stats["skipped_samples"], stats["skipped_steps"]]), reduce_op="sum")
+        skipped_samples, skipped_on_all_ranks = int(sums[0]), int(sums[1])
+        if skipped_on_all_ranks != skipped * trainer.world_size:
+            raise TrainingFailed(
+                f"the ranks disagree on the optimizer steps skipped for NaN/inf gradients up to step {step} "
+                f"({skipped_on_all_ranks} in all over {trainer.world_size} ranks, {skipped} on rank "
+                f"{trainer.global_rank}): their weights have diverged. Please report this as a bug"
+            )
         if streak >= self.max_bad_steps:
             raise NonFiniteTraining(
                 f"{streak} consecutive optimizer steps up to step {step} had NaN/inf gradients and were "

@@ -124,7 +124,7 @@ class TrainConfig(_Section):
     grad_clip_norm: float = 1.0
     """Clip the global gradient norm to this value; 0 turns clipping off."""
     precision: Literal["auto", "bf16-mixed", "16-mixed", "32-true"] = "auto"
-    """Lightning precision; auto = bf16-mixed on GPU (16-mixed where bf16 is unsupported), 32-true on CPU."""
+    """Lightning precision; auto = bf16-mixed on GPU (16-mixed where bf16 is unsupported), 32-true on CPU. 16-mixed (fp16 with a GradScaler, whose overflow steps are skipped without counting toward train.max_bad_steps) needs GPUs and ddp."""
     seed: int = 0
     """Seed for weight init, and with rank and step for each step's noise and timesteps; also the validation noise."""
     max_bad_steps: int = 20
@@ -142,7 +142,7 @@ class TrainConfig(_Section):
     ema_start_step: int = 0
     """Until this step the EMA copies the weights; after it, it averages them with train.ema_decay."""
     strategy: Literal["ddp", "fsdp"] = "ddp"
-    """Distributed strategy: ddp (Ray's RayDDPStrategy) or fsdp (RayFSDPStrategy, weights, gradients and optimizer state sharded over the workers; GPUs only)."""
+    """Distributed strategy: ddp (Ray's RayDDPStrategy: every worker holds the whole model) or fsdp (FSDP2, torch's fully_shard: weights, gradients, optimizer state and EMA sharded over the workers, for UNets too large for ddp; checkpoints are the same full files as ddp's, resumable at any world size)."""
     compile: bool = False
     """torch.compile the UNet (the first steps are slow while it compiles)."""
     channels_last: bool = False
@@ -169,8 +169,8 @@ class TrainConfig(_Section):
             self._fail("caption_dropout_prob", f"must be in [0, 1), got {self.caption_dropout_prob}")
         if self.ema_decay is not None and not 0 < self.ema_decay < 1:
             self._fail("ema_decay", f"must be in (0, 1) or null, got {self.ema_decay}")
-        if self.strategy == "fsdp" and self.ema_decay is not None:
-            self._fail("ema_decay", "EMA is not supported with train.strategy=fsdp (each rank holds only a shard of the weights); set it to null or use ddp")
+        if self.strategy == "fsdp" and self.precision == "16-mixed":
+            self._fail("precision", "16-mixed cannot run with train.strategy=fsdp (a GradScaler would skip a step on one rank's overflowed shard only); use bf16-mixed, or ddp")
 
 
 @dataclass
@@ -324,11 +324,8 @@ class Config:
             raise ConfigError("data.train: is required: give a parquet file, directory, glob or list of them")
         if self.retrain.data_root is not None and not self.data.val:
             raise ConfigError("data.val: retraining needs a fixed held-out set to compare the new and production models on")
-        if self.train.strategy == "fsdp" and self.data.val:
-            raise ConfigError(
-                "data.val: validation runs on rank 0 alone, which train.strategy=fsdp (weights sharded over all ranks) "
-                "cannot do; use ddp, or evaluate checkpoints afterwards"
-            )
+        if self.train.precision == "16-mixed" and self.scaling.use_gpu is False:
+            raise ConfigError("train.precision: 16-mixed needs GPUs (CPUs have no fp16 autocast); use bf16-mixed or 32-true")
         if self.run.checkpoint_score_attribute == "val_loss":
             if not self.data.val:
                 raise ConfigError("run.checkpoint_score_attribute: val_loss needs data.val")

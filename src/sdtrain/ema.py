@@ -9,7 +9,8 @@ and a step skipped for non-finite gradients leaves the EMA untouched too. The up
 device with no host sync (the skip flag is a device tensor). Being parameters of the Lightning
 module, the EMA weights are saved in every checkpoint under ``ema_unet.`` and restored on
 resume. Under DDP every rank holds the same weights, so the rank-local EMA is the same
-everywhere and needs no communication.
+everywhere and needs no communication; under FSDP each rank averages its own shard of the
+weights into its own shard of the EMA, which is the same thing, sharded.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def ema_update_(
 
     ``skipped`` is a 0-d device tensor, 1.0 when the step did not update the weights.
     """
-    ema_params, params = list(ema_params), list(params)
+    ema_params, params = [local_tensor(e) for e in ema_params], [local_tensor(p) for p in params]
     weight = 1.0 if step <= start_step else 1.0 - decay
     if skipped is None:
         torch._foreach_lerp_(ema_params, params, weight)
@@ -58,3 +59,10 @@ def _by_dtype(ema_params, params):
         pair[0].append(e)
         pair[1].append(p.detach())
     return groups.values()
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of an FSDP parameter or gradient (a DTensor); any other tensor as it is."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor

@@ -1,39 +1,56 @@
 """GPU options of the train config: the distributed strategy, torch.compile, channels_last,
-gradient checkpointing and the attention kernel, applied to a built DiffusionModule."""
+gradient checkpointing and the attention kernel, applied to a built DiffusionModule.
+
+FSDP is FSDP2 (``torch.distributed.fsdp.fully_shard``) under Lightning's ``ModelParallelStrategy``:
+FSDP1, which Ray's ``RayFSDPStrategy`` wraps, is deprecated upstream, and FSDP2 keeps each
+parameter a ``DTensor`` under its own name, so the optimizer, the non-finite check, clipping and
+the EMA see the UNet's parameters (their local shards). Checkpoints are gathered into one full
+state dict on rank 0: the same file as DDP's, resumable at any world size and by either strategy.
+"""
 
 from __future__ import annotations
 
+from typing import Optional
+
+import lightning.pytorch as pl
 import torch
 from diffusers.models.attention_processor import AttnProcessor, AttnProcessor2_0
+from lightning.pytorch.strategies import ModelParallelStrategy
 
 from sdtrain.config import TrainConfig
 
 
-def build_strategy(train: TrainConfig):
-    """Ray's Lightning strategy for ``train.strategy``.
+def build_strategy(train: TrainConfig, world_size: int, on_ray: bool):
+    """Lightning's strategy for ``train.strategy`` at ``world_size`` processes, in Ray's flavour
+    (the device Ray Train assigned this worker) when ``on_ray``."""
+    if train.strategy == "fsdp":
+        # Every process is one data-parallel rank: the whole world shards the UNet.
+        kwargs = dict(data_parallel_size=world_size, tensor_parallel_size=1, save_distributed_checkpoint=False)
+        return RayModelParallelStrategy(**kwargs) if on_ray else ModelParallelStrategy(**kwargs)
+    if on_ray:
+        from ray.train.lightning import RayDDPStrategy
 
-    FSDP shards the UNet per transformer/resnet block with the original parameters kept
-    visible (``use_orig_params``), so the optimizer, gradient clipping and the non-finite check
-    see the UNet's own parameters; the checkpoint is gathered into one full state dict on rank 0
-    (RayFSDPStrategy), the same file format as DDP's.
-    """
-    from ray.train.lightning import RayDDPStrategy, RayFSDPStrategy
-
-    if train.strategy == "ddp":
         return RayDDPStrategy()
-    from diffusers.models.resnet import ResnetBlock2D
-    from diffusers.models.transformers.transformer_2d import Transformer2DModel
-
-    return RayFSDPStrategy(
-        auto_wrap_policy={ResnetBlock2D, Transformer2DModel},
-        use_orig_params=True,
-        state_dict_type="full",
-    )
+    return "ddp" if world_size > 1 else "auto"
 
 
-def apply_options(module, train: TrainConfig) -> None:
-    """Set the attention kernel, memory format, gradient checkpointing and compilation of
-    ``module.unet`` (and its EMA, which only runs inference) in place. Call before fitting."""
+class RayModelParallelStrategy(ModelParallelStrategy):
+    """``ModelParallelStrategy`` on the device Ray Train assigned this worker, as Ray's own
+    ``RayDDPStrategy`` does: Ray workers on one node may all see every GPU, and Lightning's
+    ``local_rank`` indexes Lightning's device list, not Ray's assignment."""
+
+    @property
+    def root_device(self) -> torch.device:
+        import ray.train.torch
+
+        return ray.train.torch.get_device()
+
+
+def apply_options(module, train: TrainConfig, mesh: Optional["torch.distributed.device_mesh.DeviceMesh"] = None) -> None:
+    """Set the attention kernel, memory format and gradient checkpointing of ``module.unet`` (and
+    its EMA, which only runs inference), shard both over ``mesh`` (FSDP), then compile the UNet:
+    in place, in that order (compile sees the sharded module). Lightning calls it through
+    ``DiffusionModule.configure_model``, on the device, before the strategy wraps the module."""
     unets = [module.unet] + ([module.ema_unet] if getattr(module, "ema_unet", None) is not None else [])
     for unet in unets:
         unet.set_attn_processor(AttnProcessor2_0() if train.attention == "sdpa" else AttnProcessor())
@@ -41,6 +58,27 @@ def apply_options(module, train: TrainConfig) -> None:
             unet.to(memory_format=torch.channels_last)
     if train.gradient_checkpointing:
         module.unet.enable_gradient_checkpointing()
+    if mesh is not None:
+        for unet in unets:
+            shard_unet(unet, mesh)
     if train.compile:
         # In place (nn.Module.compile): parameter names, and so checkpoints, stay those of the UNet.
         module.unet.compile()
+
+
+def shard_unet(unet: torch.nn.Module, mesh) -> None:
+    """FSDP2 over ``mesh``: each transformer and resnet block is one unit (its parameters are
+    gathered for its forward and freed after), the rest (conv in/out, embeddings) the root unit."""
+    from diffusers.models.resnet import ResnetBlock2D
+    from diffusers.models.transformers.transformer_2d import Transformer2DModel
+    from torch.distributed.fsdp import fully_shard
+
+    for block in unet.modules():
+        if isinstance(block, (ResnetBlock2D, Transformer2DModel)):
+            fully_shard(block, mesh=mesh)
+    fully_shard(unet, mesh=mesh)
+
+
+def is_sharded(module: pl.LightningModule) -> bool:
+    """True under FSDP: every rank holds a shard, so every rank takes part in each forward pass."""
+    return getattr(module, "_device_mesh", None) is not None

@@ -13,7 +13,8 @@ from diffusers import UNet2DConditionModel
 from transformers import get_constant_schedule_with_warmup
 
 from sdtrain.config import TrainConfig
-from sdtrain.ema import ema_update_, make_ema
+from sdtrain.ema import ema_update_, local_tensor, make_ema
+from sdtrain.hardware import apply_options, is_sharded
 from sdtrain.model import build_noise_scheduler
 from sdtrain.recipe import diffusion_loss, step_inputs
 from sdtrain.validation import validation_loss
@@ -68,6 +69,19 @@ class DiffusionModule(pl.LightningModule):
         self.register_buffer("skipped_samples", torch.zeros(()), persistent=False)
         self.register_buffer("bad_streak", torch.zeros(()), persistent=False)
         self.register_buffer("longest_bad_streak", torch.zeros(()), persistent=False)
+        # This step so far: 1.0 once a micro-batch's loss is NaN/inf; and whether the step was skipped.
+        self.register_buffer("step_loss_nonfinite", torch.zeros(()), persistent=False)
+        self.register_buffer("step_skipped", torch.zeros(()), persistent=False)
+        self._options_applied = False
+
+    def configure_model(self) -> None:
+        """Lightning's hook, run on every rank before the strategy wraps the module: the GPU options
+        of the train config, FSDP sharding over the strategy's mesh (None under DDP), compilation."""
+        if self._options_applied:  # Lightning calls it again for each new fit/validate
+            return
+        self._options_applied = True
+        mesh = self._device_mesh["data_parallel"] if self._device_mesh is not None else None
+        apply_options(self, self.train_config, mesh)
 
     def noise_and_timesteps(self, latents: torch.Tensor, micro_batch: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """This micro-batch's noise and timesteps, a pure function of (seed, rank, global step, micro-batch).
@@ -118,30 +132,51 @@ class DiffusionModule(pl.LightningModule):
         finite = torch.isfinite(loss.detach())
         self.loss_sum += torch.where(finite, loss.detach(), 0.0)
         self.loss_count += finite
+        torch.maximum(self.step_loss_nonfinite, (~finite).float(), out=self.step_loss_nonfinite)
         return loss
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Skip the update if any gradient is NaN/inf: on the device, with no host sync.
+        """Clip the gradients and skip the update if any is NaN/inf: on the device, no host sync.
 
-        DDP has all-reduced the gradients by now, so one rank's NaN is every rank's NaN and all
-        ranks skip together without a collective of their own. The fused AdamW kernel leaves
-        weights and optimizer state untouched when ``found_inf`` is set (GradScaler's mechanism).
+        One norm serves both: the global gradient norm is non-finite exactly when a gradient is,
+        and clipping scales by ``grad_clip_norm / norm``. Lightning's own clipping is not used: it
+        refuses fused optimizers under mixed precision even without a scaler (Lightning-AI/
+        pytorch-lightning#21435), and it would compute the norm a second time.
+
+        The skip: without a GradScaler (32-true, bf16-mixed) this sets the fused AdamW's
+        ``found_inf``, which leaves weights and optimizer state untouched (GradScaler's mechanism);
+        such a step counts toward ``train.max_bad_steps``. With one (16-mixed) the gradients are
+        unscaled here first (the fused step would do it later, after clipping), and the scaler
+        skips an overflow step and lowers its scale: routine, not divergence, so only a step whose
+        loss itself was NaN/inf counts as bad. Under DDP the gradients are all-reduced and under
+        FSDP the norm is, so every rank skips the same steps.
         """
-        grads = [p.grad for p in self.unet.parameters() if p.grad is not None]
-        bad = (~torch.isfinite(torch.stack(torch._foreach_norm(grads))).all()).float()
-        optimizer.found_inf = bad
-        self.skipped_steps += bad
+        scaler = getattr(self.trainer.precision_plugin, "scaler", None)
+        if scaler is not None:
+            scaler.unscale_(optimizer)
+        grads = [local_tensor(p.grad) for p in self.unet.parameters() if p.grad is not None]
+        norm = _global_norm(grads, sharded=is_sharded(self))
+        nonfinite = (~torch.isfinite(norm)).float()
+        if self.train_config.grad_clip_norm > 0:
+            torch._foreach_mul_(grads, torch.clamp(self.train_config.grad_clip_norm / (norm + 1e-6), max=1.0))
+        if scaler is None:
+            optimizer.found_inf = nonfinite
+            bad = nonfinite
+        else:
+            bad = self.step_loss_nonfinite.clone()
+        self.step_skipped.copy_(nonfinite)
+        self.step_loss_nonfinite.zero_()
+        self.skipped_steps += nonfinite
         self.bad_streak.mul_(bad).add_(bad)
         torch.maximum(self.longest_bad_streak, self.bad_streak, out=self.longest_bad_streak)
 
     def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None) -> None:
         super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
         if self.ema_unet is not None:
-            skipped = getattr(getattr(optimizer, "optimizer", optimizer), "found_inf", None)
-            # global_step still counts the steps before this one here.
+            # global_step still counts the steps before this one here. A skipped step leaves the EMA too.
             ema_update_(
                 self.ema_unet.parameters(), self.unet.parameters(), self.global_step + 1,
-                self.train_config.ema_decay, self.train_config.ema_start_step, skipped,
+                self.train_config.ema_decay, self.train_config.ema_start_step, self.step_skipped,
             )
 
     @property
@@ -197,3 +232,12 @@ class DiffusionModule(pl.LightningModule):
             progress["current"] = {key: 0 for key in progress["current"]}
             progress["total"] = {key: progress["total"]["ready"] for key in progress["total"]}
             progress["is_last_batch"] = False
+
+
+def _global_norm(grads: list[torch.Tensor], sharded: bool) -> torch.Tensor:
+    """The 2-norm of all of ``grads`` together; ``sharded``: each rank holds a shard of each
+    gradient (FSDP), so the squared norms are summed over ranks (one scalar all-reduce)."""
+    squares = torch.stack(torch._foreach_norm(grads)).square().sum()
+    if sharded:
+        torch.distributed.all_reduce(squares)
+    return squares.sqrt()

@@ -15,18 +15,16 @@ import lightning.pytorch as pl
 import ray.train
 import ray.train.torch
 import torch
-from ray.train.lightning import RayLightningEnvironment, prepare_trainer
+from ray.train.lightning import RayDDPStrategy, prepare_trainer
 
 from sdtrain.callbacks import StepReporter, log
 from sdtrain.checkpoint_layout import CHECKPOINT_FILE, DATA_STATE_FILE, HISTORY_FILE
 from sdtrain.config import Config
 from sdtrain.errors import TrainingFailed, find_sdtrain_error
 from sdtrain.files import apply_s3_settings
-from sdtrain.hardware import apply_options, build_strategy
-from sdtrain.model import build_unet
-from sdtrain.module import DiffusionModule
 from sdtrain.recipe import load_unconditional_caption
 from sdtrain.sampling import DataState, SamplePlan
+from sdtrain.training import build_training
 
 
 class TrainStream:
@@ -125,22 +123,17 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     )
     train_batches.start()  # before the model is built: see TrainStream
 
-    # Same initial weights on every rank (DDP also broadcasts rank 0's). Per-step noise is
-    # seeded by (seed, rank, step, micro-batch) in the module, not by this global seed.
-    pl.seed_everything(config.train.seed, verbose=False)
-    unet = build_unet(config.model)
     meta = loop_config["checkpoint_meta"]
-    uncond = load_unconditional_caption(config.data.unconditional_caption, meta["caption_shape"])
-    module = DiffusionModule(
-        unet, loop_config["noise_scheduler_config"], config.train, meta, unconditional_caption=uncond,
-        accumulation=accumulation, record_samples=config.run.record_samples,
+    module, trainer_kwargs = build_training(
+        config, meta, use_gpu=use_gpu, world_size=world_size, accumulation=accumulation, on_ray=True,
+        unconditional_caption=load_unconditional_caption(config.data.unconditional_caption, meta["caption_shape"]),
+        record_samples=config.run.record_samples,
     )
-    apply_options(module, config.train)
 
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is None:
-        _fit(config, module, train_batches, use_gpu, plan, (world_size, micro_batch, accumulation), history=[],
-             start=(0, DataState()), ckpt_path=None, launched_at=loop_config["launched_at"])
+        _fit(config, module, trainer_kwargs, train_batches, plan, (world_size, micro_batch, accumulation),
+             history=[], start=(0, DataState()), ckpt_path=None, launched_at=loop_config["launched_at"])
         return
     with checkpoint.as_directory() as directory:
         with open(os.path.join(directory, HISTORY_FILE)) as f:
@@ -149,13 +142,13 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             raw = json.load(f)
         start = (int(raw["step"]), DataState.from_dict(raw["data"]))
         ckpt_path = os.path.join(directory, CHECKPOINT_FILE)
-        _fit(config, module, train_batches, use_gpu, plan, (world_size, micro_batch, accumulation), history, start,
-             ckpt_path, launched_at=loop_config["launched_at"])
+        _fit(config, module, trainer_kwargs, train_batches, plan, (world_size, micro_batch, accumulation), history,
+             start, ckpt_path, launched_at=loop_config["launched_at"])
 
 
 def _fit(
-    config: Config, module, train_batches: TrainStream, use_gpu, plan: SamplePlan, layout, history, start, ckpt_path,
-    launched_at: float,
+    config: Config, module, trainer_kwargs, train_batches: TrainStream, plan: SamplePlan, layout, history, start,
+    ckpt_path, launched_at: float,
 ) -> None:
     world_size, micro_batch, accumulation = layout
     rank = ray.train.get_context().get_world_rank()
@@ -188,26 +181,11 @@ def _fit(
         data_wait_s=train_batches.take_wait_s,
         launched_at=launched_at,
     )
-    trainer = pl.Trainer(
-        max_steps=config.train.max_steps,
-        max_epochs=-1,
-        accelerator="gpu" if use_gpu else "cpu",
-        devices="auto",
-        strategy=build_strategy(config.train),
-        plugins=[RayLightningEnvironment()],
-        precision=resolve_precision(config.train.precision, use_gpu),
-        gradient_clip_val=config.train.grad_clip_norm or None,
-        accumulate_grad_batches=accumulation,
-        callbacks=[reporter],
-        # Checkpoints go through Ray Train (StepReporter); Lightning's own would bypass it.
-        enable_checkpointing=False,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        use_distributed_sampler=False,
-        num_sanity_val_steps=0,
-    )
-    trainer = prepare_trainer(trainer)
+    trainer = pl.Trainer(callbacks=[reporter], **trainer_kwargs)
+    if isinstance(trainer.strategy, RayDDPStrategy):
+        # Ray's check that the strategy and cluster environment are its own; it knows no FSDP2
+        # strategy (sdtrain.hardware.RayModelParallelStrategy), which needs nothing more from it.
+        trainer = prepare_trainer(trainer)
     trainer.fit(module, train_dataloaders=train_batches, ckpt_path=ckpt_path, weights_only=True)
 
 
@@ -222,10 +200,3 @@ def _configure_logging() -> None:
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", message=".*LeafSpec.*")  # Lightning internals, not actionable
 
-
-def resolve_precision(precision: str, use_gpu: bool) -> str:
-    if precision != "auto":
-        return precision
-    if not use_gpu:
-        return "32-true"
-    return "bf16-mixed" if torch.cuda.is_bf16_supported() else "16-mixed"

@@ -1,0 +1,182 @@
+"""The one place that turns a config into a module and a Lightning Trainer's settings (precision,
+clipping, strategy, GPU options), for the Ray worker and for a run without Ray alike.
+
+The Ray Train worker (sdtrain.worker) adds Ray's data stream, reporting and checkpoints around
+it; :func:`fit_without_ray` runs it on batches in memory, on one device, with Ray not even
+imported, which is how the GPU tests (``pytest -m gpu``) and bench/gpu_throughput.py run the very
+code a Ray worker runs on a machine where Ray cannot be installed.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Iterable, Optional, Sequence
+
+import lightning.pytorch as pl
+import torch
+
+from sdtrain import __version__
+from sdtrain.config import Config, TrainConfig
+from sdtrain.errors import ConfigError
+from sdtrain.hardware import build_strategy
+from sdtrain.model import build_unet, noise_scheduler_config, unet_config
+from sdtrain.module import DiffusionModule
+
+
+def resolve_precision(train: TrainConfig, use_gpu: bool) -> str:
+    """Lightning's precision for ``train.precision`` on this machine (auto: bf16-mixed on GPUs that
+    have bf16, else 16-mixed; 32-true on CPU), refusing what cannot run here."""
+    if train.precision == "16-mixed" and not use_gpu:  # scaling.use_gpu=auto found no GPU
+        raise ConfigError("train.precision: 16-mixed needs GPUs (CPUs have no fp16 autocast); use bf16-mixed or 32-true")
+    if train.precision != "auto":
+        return train.precision
+    if not use_gpu:
+        return "32-true"
+    if torch.cuda.is_bf16_supported():
+        return "bf16-mixed"
+    if train.strategy == "fsdp":
+        raise ConfigError(
+            f"train.precision: auto would be 16-mixed on this GPU ({torch.cuda.get_device_name()}, no bf16), which "
+            "cannot run with train.strategy=fsdp; use ddp, or GPUs with bf16 (A100, L4, H100 and later)"
+        )
+    return "16-mixed"
+
+
+def run_meta(config: Config, latent_shape: Sequence[int], caption_shape: Sequence[int],
+             latent_scaling_factor: Optional[float] = None) -> dict[str, Any]:
+    """The metadata stored in every checkpoint, enough to rebuild the model from it alone.
+
+    Args:
+        latent_shape: C x H x W of the data's latents.
+        caption_shape: L x D of its caption embeddings.
+        latent_scaling_factor: the factor the stored latents already carry (parquet metadata), if known.
+    """
+    return {
+        "sdtrain_version": __version__,
+        "unet_config": unet_config(config.model),
+        "noise_scheduler_config": noise_scheduler_config(config.model),
+        "latent_shape": list(latent_shape),
+        "caption_shape": list(caption_shape),
+        # The factor training multiplies the stored latents by (once), and the one the model's
+        # latents carry relative to raw VAE latents, when known (for decoding samples).
+        "latent_scale": config.data.latent_scaling_factor or 1.0,
+        "latent_scaling_factor": config.data.latent_scaling_factor or latent_scaling_factor,
+        "config": config.to_dict(),
+    }
+
+
+def build_training(
+    config: Config,
+    meta: dict[str, Any],
+    *,
+    use_gpu: bool,
+    world_size: int = 1,
+    accumulation: int = 1,
+    on_ray: bool = False,
+    unconditional_caption: Optional[torch.Tensor] = None,
+    record_samples: bool = False,
+) -> tuple[DiffusionModule, dict[str, Any]]:
+    """The module and the ``pl.Trainer`` keyword arguments for a run of ``config``.
+
+    Args:
+        meta: the run's checkpoint metadata (:func:`run_meta`).
+        use_gpu: one GPU per process, else CPU.
+        world_size: training processes in all.
+        accumulation: micro-batches per optimizer step.
+        on_ray: inside a Ray Train worker (Ray's strategy flavour and cluster environment).
+        unconditional_caption: L x D empty-prompt embedding (default zeros).
+        record_samples: keep the sample index of every row trained on.
+    """
+    precision = resolve_precision(config.train, use_gpu)
+    # Same initial weights on every rank (DDP also broadcasts rank 0's). Per-step noise is
+    # seeded by (seed, rank, step, micro-batch) in the module, not by this global seed.
+    pl.seed_everything(config.train.seed, verbose=False)
+    module = DiffusionModule(
+        build_unet(config.model), meta["noise_scheduler_config"], config.train, meta,
+        unconditional_caption=unconditional_caption, accumulation=accumulation, record_samples=record_samples,
+    )
+    plugins = []
+    if on_ray:
+        from ray.train.lightning import RayLightningEnvironment
+
+        plugins.append(RayLightningEnvironment())
+    trainer_kwargs = dict(
+        max_steps=config.train.max_steps,
+        max_epochs=-1,
+        accelerator="gpu" if use_gpu else "cpu",
+        devices="auto" if on_ray else 1,
+        strategy=build_strategy(config.train, world_size, on_ray),
+        plugins=plugins,
+        precision=precision,
+        # Clipping is the module's (DiffusionModule.on_before_optimizer_step), by train.grad_clip_norm.
+        gradient_clip_val=None,
+        accumulate_grad_batches=accumulation,
+        # Checkpoints go through Ray Train (StepReporter); Lightning's own would bypass it.
+        enable_checkpointing=False,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        num_sanity_val_steps=0,
+    )
+    return module, trainer_kwargs
+
+
+class StepTimer(pl.Callback):
+    """Wall time of each optimizer step after the first ``warmup`` (compilation, autotuning), and
+    the GPU's peak memory: what bench/gpu_throughput.py reports. Synchronizes the device at the
+    clock's start and end only."""
+
+    def __init__(self, warmup: int):
+        self.warmup = warmup
+        self.seconds = float("nan")
+        self.timed_steps = 0
+        self.peak_memory = 0
+        self._start: Optional[float] = None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self.warmup and self._start is None:
+            _synchronize(pl_module.device)
+            if pl_module.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(pl_module.device)
+            self._start = time.perf_counter()
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        _synchronize(pl_module.device)
+        if self._start is not None:
+            self.seconds = time.perf_counter() - self._start
+            self.timed_steps = trainer.global_step - self.warmup
+        if pl_module.device.type == "cuda":
+            self.peak_memory = torch.cuda.max_memory_allocated(pl_module.device)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def fit_without_ray(
+    config: Config,
+    batches: Iterable[dict[str, torch.Tensor]],
+    meta: dict[str, Any],
+    *,
+    use_gpu: bool,
+    callbacks: Sequence[pl.Callback] = (),
+    ckpt_path: Optional[str] = None,
+    default_root_dir: Optional[str] = None,
+) -> tuple[DiffusionModule, pl.Trainer]:
+    """Train ``config`` on ``batches`` (micro-batches, ``train.max_steps`` optimizer steps' worth) in
+    this process, on one GPU or the CPU, through :func:`build_training`; resume from ``ckpt_path``.
+
+    Args:
+        batches: dicts of ``latents`` (B x C x H x W) and ``captions`` (B x L x D).
+        meta: the run's checkpoint metadata (:func:`run_meta`).
+        callbacks: extra Lightning callbacks.
+        default_root_dir: where Lightning may write (FSDP's process group files, nothing else).
+    """
+    module, trainer_kwargs = build_training(config, meta, use_gpu=use_gpu)
+    trainer = pl.Trainer(callbacks=list(callbacks), default_root_dir=default_root_dir, **trainer_kwargs)
+    # Each epoch replays the batches, until train.max_steps.
+    loader = torch.utils.data.DataLoader(list(batches), batch_size=None)
+    trainer.fit(module, train_dataloaders=loader, ckpt_path=ckpt_path, weights_only=True)
+    return module, trainer
