@@ -1,0 +1,156 @@
+"""Every option the train config accepts, trained for real: the module and Trainer settings a Ray
+worker builds (sdtrain.training.build_training), in a Lightning Trainer on CPU, tiny UNet.
+
+What torch cannot run on a CPU is refused by config validation (tests/test_config.py) or trained
+on a GPU by tests/test_gpu.py (``pytest -m gpu``); the Ray runs of tests/test_train_ray.py add
+2-worker DDP and FSDP over gloo.
+"""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.plugins.precision import MixedPrecision
+from torch.distributed.tensor import DTensor
+
+from sdtrain.config import load_config
+from sdtrain.training import build_training, fit_without_ray, run_meta
+
+LATENTS, CAPTIONS = (4, 16, 16), (8, 32)
+
+
+def config(*overrides, steps=3):
+    return load_config(None, [
+        "data.train=/unused", "model.preset=tiny", f"train.max_steps={steps}", "train.global_batch_size=2",
+        "train.lr=1e-3", "train.warmup_steps=0", "scaling.use_gpu=false", *overrides,
+    ])
+
+
+def batches(n, nan_at=(), same=False, device="cpu"):
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for i in range(n):
+        if same and out:
+            out.append(out[0])
+            continue
+        latents = torch.randn(2, *LATENTS, generator=g)
+        if i in nan_at:
+            latents[0, 0, 0, 0] = float("nan")
+        out.append({"latents": latents.to(device), "captions": torch.randn(2, *CAPTIONS, generator=g).to(device)})
+    return out
+
+
+class Watch(pl.Callback):
+    """After each optimizer step: the UNet's and the EMA's first weights, the gradient norm the
+    optimizer saw (clipped: Lightning zeroes gradients only in the next step), the step's loss,
+    the skip counters."""
+
+    def __init__(self):
+        self.steps = []
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        grads = [p.grad for p in module.unet.parameters() if p.grad is not None]
+        self.steps.append(dict(
+            grad_norm=torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))).item(),
+            step=trainer.global_step, loss=float(outputs["loss"]),
+            weight=module.unet.conv_in.weight.detach().clone(),
+            ema=None if module.ema_unet is None else module.ema_unet.conv_in.weight.detach().clone(),
+            skipped=module.skipped_steps.item(), streak=module.longest_bad_streak.item(),
+        ))
+
+
+def fit(cfg, data, **kwargs):
+    watch = Watch()
+    module, trainer = fit_without_ray(cfg, data, run_meta(cfg, LATENTS, CAPTIONS), use_gpu=False, callbacks=[watch], **kwargs)
+    return module, trainer, watch.steps
+
+
+@pytest.mark.parametrize("ema", [None, 0.9])
+@pytest.mark.parametrize("clip", [0.0, 0.01])
+@pytest.mark.parametrize("precision", ["auto", "32-true", "bf16-mixed"])
+def test_every_precision_with_and_without_clipping_and_ema_trains(precision, clip, ema):
+    cfg = config(f"train.precision={precision}", f"train.grad_clip_norm={clip}", f"train.ema_decay={ema or 'null'}")
+    module, trainer, steps = fit(cfg, batches(3))
+    assert trainer.global_step == 3 and [s["step"] for s in steps] == [1, 2, 3]
+    assert trainer.precision == ("32-true" if precision == "auto" else precision)
+    assert all(0 < s["loss"] < 10 for s in steps)
+    assert not torch.equal(steps[0]["weight"], steps[-1]["weight"])
+    if clip:  # the natural norm of these gradients is well above 0.01 (see the unclipped runs)
+        assert all(s["grad_norm"] <= clip * 1.001 for s in steps)
+    else:
+        assert all(s["grad_norm"] > 0.05 for s in steps)
+    if ema:
+        assert not torch.equal(steps[0]["ema"], steps[-1]["ema"])
+        assert not torch.equal(steps[-1]["ema"], steps[-1]["weight"])  # an average, not a copy
+
+
+def test_a_nan_step_under_bf16_with_clipping_and_ema_is_skipped_entirely():
+    cfg = config("train.precision=bf16-mixed", "train.grad_clip_norm=1.0", "train.ema_decay=0.9")
+    module, trainer, steps = fit(cfg, batches(3, nan_at=[1]))
+    assert trainer.global_step == 3
+    assert [s["skipped"] for s in steps] == [0, 1, 1] and steps[-1]["streak"] == 1
+    assert torch.equal(steps[1]["weight"], steps[0]["weight"])  # no update from the NaN step
+    assert torch.equal(steps[1]["ema"], steps[0]["ema"])  # and the EMA did not average it in
+    assert not torch.equal(steps[2]["weight"], steps[1]["weight"])
+    assert torch.isfinite(steps[2]["weight"]).all() and torch.isfinite(steps[2]["ema"]).all()
+
+
+def test_a_gradscaler_overflow_is_skipped_without_counting_as_a_bad_step():
+    """16-mixed's path (GPUs only in a config): fp16 autocast with a GradScaler, here on CPU with the
+    plugin Lightning builds on GPUs. A huge initial scale overflows step 1; the scaler skips it and
+    lowers the scale. The module unscales before clipping, and the EMA leaves the step out too."""
+    cfg = config("train.grad_clip_norm=0.01", "train.ema_decay=0.9", "train.ema_start_step=0")
+    module, trainer_kwargs = build_training(cfg, run_meta(cfg, LATENTS, CAPTIONS), use_gpu=False)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**30, backoff_factor=2.0**-20)
+    trainer_kwargs.update(precision=None, plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)])
+    initial = (module.unet.conv_in.weight.detach().clone(), module.ema_unet.conv_in.weight.detach().clone())
+    watch = Watch()
+    trainer = pl.Trainer(callbacks=[watch], **trainer_kwargs)
+    trainer.fit(module, torch.utils.data.DataLoader(batches(3), batch_size=None))
+    steps = watch.steps
+    assert trainer.global_step == 3 and scaler.get_scale() == 2.0**10
+    assert [s["skipped"] for s in steps] == [1, 1, 1] and steps[-1]["streak"] == 0  # the scaler's business
+    assert torch.equal(steps[0]["weight"], initial[0]) and torch.equal(steps[0]["ema"], initial[1])
+    assert not torch.equal(steps[2]["weight"], steps[0]["weight"])
+    assert all(s["grad_norm"] <= 0.01 * 1.001 for s in steps[1:])  # clipped after unscaling
+
+
+@pytest.mark.parametrize("option", ["train.channels_last=true", "train.gradient_checkpointing=true", "train.attention=eager"])
+def test_each_gpu_option_trains_the_same_function(option):
+    """channels_last, checkpointing and the eager kernel change how, not what: the first step's loss
+    is the plain run's, and training goes on."""
+    _, trainer, steps = fit(config(option), batches(3))
+    _, _, plain = fit(config(), batches(3))
+    assert trainer.global_step == 3 and all(0 < s["loss"] < 10 for s in steps)
+    assert steps[0]["loss"] == pytest.approx(plain[0]["loss"], rel=1e-4)
+
+
+@pytest.mark.timeout(600)
+def test_compiled_training_under_bf16_matches_eager():
+    """torch.compile with inductor's CPU backend (gcc): minutes, once."""
+    module, trainer, steps = fit(config("train.compile=true", "train.precision=bf16-mixed", steps=2), batches(2))
+    _, _, eager = fit(config("train.precision=bf16-mixed", steps=2), batches(2))
+    assert trainer.global_step == 2 and module.unet._compiled_call_impl is not None
+    assert steps[0]["loss"] == pytest.approx(eager[0]["loss"], rel=2e-2)
+    assert all(0 < s["loss"] < 10 for s in steps)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_checkpoint_written_under_bf16_resumes_to_the_uninterrupted_weights(tmp_path, strategy):
+    """Same batch every step, so the data position plays no part: 2 steps, save, resume to 4 equals 4
+    straight, bitwise. FSDP (one process, gloo) writes the same full file as DDP."""
+    options = ("train.precision=bf16-mixed", "train.ema_decay=0.9", f"train.strategy={strategy}")
+    data = batches(4, same=True)
+    _, trainer, _ = fit(config(*options, steps=2), data, default_root_dir=str(tmp_path))
+    trainer.save_checkpoint(tmp_path / "step2.ckpt")
+    resumed, trainer, steps = fit(config(*options, steps=4), data, ckpt_path=str(tmp_path / "step2.ckpt"),
+                                  default_root_dir=str(tmp_path))
+    straight, _, _ = fit(config(*options, steps=4), data, default_root_dir=str(tmp_path))
+    assert trainer.global_step == 4 and [s["step"] for s in steps] == [3, 4]
+    assert isinstance(resumed.unet.conv_in.weight, DTensor) == isinstance(resumed.ema_unet.conv_in.weight, DTensor) == (strategy == "fsdp")
+    for name, value in straight.state_dict().items():
+        assert torch.equal(resumed.state_dict()[name], value), name
+    saved = torch.load(tmp_path / "step2.ckpt", weights_only=True)
+    assert any(k.startswith("unet.") for k in saved["state_dict"]) and any(k.startswith("ema_unet.") for k in saved["state_dict"])
+    assert all(type(v) is torch.Tensor for v in saved["state_dict"].values())  # full tensors: DDP's format
