@@ -16,7 +16,6 @@ import ray
 import ray.train
 from ray.train.torch import TorchTrainer
 
-from sdtrain import __version__
 from sdtrain.config import Config, ScalingConfig
 from sdtrain.data_startup import warm_up_ray_data
 from sdtrain.dataset import WindowReader, file_order_dataset
@@ -26,12 +25,13 @@ from sdtrain.errors import ConfigError, DataError, TrainingFailed
 from sdtrain.export import EXPORT_DIR, export_checkpoint
 from sdtrain.failures import StopOnDeterministicErrors, failure_message
 from sdtrain.files import absolute, ray_storage, resolve_parquet_files, resolved_s3_settings, set_aside, uri_for
-from sdtrain.model import noise_scheduler_config, unet_config
+from sdtrain.model import unet_config
 from sdtrain.outputs import read_history, write_run_outputs
 from sdtrain.recipe import load_unconditional_caption, stored_latent_scaling
 from sdtrain.sampling import SamplePlan
 from sdtrain.shards import PlannedShards
 from sdtrain.storage import preflight
+from sdtrain.training import resolve_precision, run_meta
 from sdtrain.worker import train_loop_per_worker
 
 
@@ -91,18 +91,8 @@ def train(config: Config) -> RunSummary:
     if val_spec is not None:
         datasets["val"] = file_order_dataset(val_spec, config.data)
 
-    checkpoint_meta = {
-        "sdtrain_version": __version__,
-        "unet_config": unet,
-        "noise_scheduler_config": noise_scheduler_config(config.model),
-        "latent_shape": list(train_spec.latent_shape),
-        "caption_shape": list(train_spec.caption_shape),
-        # The factor training multiplies the stored latents by (once), and the one the model's
-        # latents carry relative to raw VAE latents, when known (for decoding samples).
-        "latent_scale": config.data.latent_scaling_factor or 1.0,
-        "latent_scaling_factor": config.data.latent_scaling_factor or stored_scale,
-        "config": config.to_dict(),
-    }
+    resolve_precision(config.train, use_gpu)  # 16-mixed where scaling.use_gpu=auto found no GPU fails here
+    checkpoint_meta = run_meta(config, train_spec.latent_shape, train_spec.caption_shape, stored_scale)
     # Ray Train's controller and workers get the storage filesystem and the S3 settings from
     # here: on a cluster started separately they see neither storage.endpoint_url nor this
     # process's environment.
@@ -112,7 +102,6 @@ def train(config: Config) -> RunSummary:
         train_loop_config={
             "config": config.to_dict(),
             "use_gpu": use_gpu,
-            "noise_scheduler_config": checkpoint_meta["noise_scheduler_config"],
             "checkpoint_meta": checkpoint_meta,
             "plan": plan,
             "s3": resolved_s3_settings(),
