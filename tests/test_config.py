@@ -150,6 +150,7 @@ def test_batch_layout_keeps_the_global_batch_at_every_world_size():
         (["train.ema_start_step=-1"], r"train\.ema_start_step: must be >= 0"),
         (["train.strategy=deepspeed"], r"train\.strategy: must be one of ddp, fsdp"),
         (["train.strategy=fsdp", "train.precision=16-mixed"], r"train\.precision: 16-mixed cannot run with train\.strategy=fsdp"),
+        (["train.strategy=fsdp", "train.channels_last=true"], r"train\.channels_last: cannot be used with train\.strategy=fsdp"),
         (["train.precision=16-mixed", "scaling.use_gpu=false"], r"train\.precision: 16-mixed needs GPUs"),
         (["train.attention=flash"], r"train\.attention: must be one of sdpa, eager"),
         (["train.compile=3"], r"train\.compile: expected bool"),

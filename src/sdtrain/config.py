@@ -169,6 +169,8 @@ class TrainConfig(_Section):
             self._fail("caption_dropout_prob", f"must be in [0, 1), got {self.caption_dropout_prob}")
         if self.ema_decay is not None and not 0 < self.ema_decay < 1:
             self._fail("ema_decay", f"must be in (0, 1) or null, got {self.ema_decay}")
+        if self.strategy == "fsdp" and self.channels_last:
+            self._fail("channels_last", "cannot be used with train.strategy=fsdp: FSDP2 shards only contiguous parameters (torch: \"FSDP does not support non-contiguous parameters\"); turn one of them off")
         if self.strategy == "fsdp" and self.precision == "16-mixed":
             self._fail("precision", "16-mixed cannot run with train.strategy=fsdp (a GradScaler would skip a step on one rank's overflowed shard only); use bf16-mixed, or ddp")
 
