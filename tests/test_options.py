@@ -60,9 +60,9 @@ class Watch(pl.Callback):
         ))
 
 
-def fit(cfg, data, **kwargs):
+def fit(cfg, data, use_gpu=False, **kwargs):
     watch = Watch()
-    module, trainer = fit_without_ray(cfg, data, run_meta(cfg, LATENTS, CAPTIONS), use_gpu=False, callbacks=[watch], **kwargs)
+    module, trainer = fit_without_ray(cfg, data, run_meta(cfg, LATENTS, CAPTIONS), use_gpu=use_gpu, callbacks=[watch], **kwargs)
     return module, trainer, watch.steps
 
 
@@ -116,22 +116,30 @@ def test_a_gradscaler_overflow_is_skipped_without_counting_as_a_bad_step():
     assert all(s["grad_norm"] <= 0.01 * 1.001 for s in steps[1:])  # clipped after unscaling
 
 
-@pytest.mark.parametrize("option", ["train.channels_last=true", "train.gradient_checkpointing=true", "train.attention=eager"])
-def test_each_gpu_option_trains_the_same_function(option):
-    """channels_last, checkpointing and the eager kernel change how, not what: the first step's loss
-    is the plain run's, and training goes on."""
-    _, trainer, steps = fit(config(option), batches(3))
+@pytest.mark.parametrize("options", [
+    ("train.channels_last=true",), ("train.gradient_checkpointing=true",), ("train.attention=eager",),
+    ("train.strategy=fsdp", "train.gradient_checkpointing=true", "train.attention=eager"),
+])
+def test_each_gpu_option_trains_the_same_function(options, tmp_path):
+    """channels_last, checkpointing, the eager kernel and FSDP (one process) change how, not what:
+    the first step's loss is the plain run's, and training goes on."""
+    _, trainer, steps = fit(config(*options), batches(3), default_root_dir=str(tmp_path))
     _, _, plain = fit(config(), batches(3))
     assert trainer.global_step == 3 and all(0 < s["loss"] < 10 for s in steps)
     assert steps[0]["loss"] == pytest.approx(plain[0]["loss"], rel=1e-4)
 
 
 @pytest.mark.timeout(600)
-def test_compiled_training_under_bf16_matches_eager():
-    """torch.compile with inductor's CPU backend (gcc): minutes, once."""
-    module, trainer, steps = fit(config("train.compile=true", "train.precision=bf16-mixed", steps=2), batches(2))
+def test_compiled_training_with_every_other_option_under_bf16_matches_eager(tmp_path):
+    """torch.compile (inductor's CPU backend, gcc: minutes, so once) of the FSDP-sharded,
+    checkpointed UNet with an EMA, against the plain eager run (channels_last is compiled on the GPU
+    by tests/test_gpu.py; FSDP refuses it)."""
+    options = ("train.compile=true", "train.strategy=fsdp", "train.gradient_checkpointing=true",
+               "train.ema_decay=0.9", "train.precision=bf16-mixed")
+    module, trainer, steps = fit(config(*options, steps=2), batches(2), default_root_dir=str(tmp_path))
     _, _, eager = fit(config("train.precision=bf16-mixed", steps=2), batches(2))
     assert trainer.global_step == 2 and module.unet._compiled_call_impl is not None
+    assert isinstance(module.unet.conv_in.weight, DTensor)
     assert steps[0]["loss"] == pytest.approx(eager[0]["loss"], rel=2e-2)
     assert all(0 < s["loss"] < 10 for s in steps)
 
