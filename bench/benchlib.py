@@ -4,6 +4,7 @@ function, the pandas/DataLoader baseline of the seed notebook, and a process-tre
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import json
 import os
 import platform
@@ -369,10 +370,14 @@ def machine() -> str:
 
 def versions() -> str:
     import pyarrow
-    import ray
     import torch
 
-    return f"python {platform.python_version()}, torch {torch.__version__}, ray {ray.__version__}, pyarrow {pyarrow.__version__}"
+    try:  # not imported: bench/gpu_throughput.py runs without Ray, which a lent GPU machine lacks
+        ray_version = importlib.metadata.version("ray")
+    except importlib.metadata.PackageNotFoundError:
+        ray_version = "not installed"
+    cuda = f", CUDA {torch.version.cuda}" if torch.cuda.is_available() else ""
+    return f"python {platform.python_version()}, torch {torch.__version__}{cuda}, ray {ray_version}, pyarrow {pyarrow.__version__}"
 
 
 def git_commit() -> str:

@@ -1,23 +1,24 @@
-"""GPU throughput benchmark (issue #7, part 4): images/s per GPU and model FLOPs utilization (MFU)
-of sdtrain's training step, for the small and sd2-base UNets at 256 px (4x32x32 latents) and
-512 px (4x64x64), bf16 autocast (what ``train.precision: auto`` picks on GPUs), eager and with
-torch.compile and/or channels_last.
+"""GPU training throughput: images/s, model FLOPs utilization (MFU) and peak memory of sdtrain's
+training step for the tiny, small and sd2-base UNets at 256 px (4x32x32 latents) and 512 px
+(4x64x64), bf16-mixed, with compile and channels_last off and on.
 
-The step is the package's own: ``DiffusionModule.training_step`` (seeded noise and timesteps,
-DDPM ``add_noise``, the UNet, MSE loss) under bf16 autocast, backward, the module's non-finite
-gradient check (``on_before_optimizer_step``), gradient clipping at 1.0 and the module's fused
-AdamW, on one GPU with a fixed in-memory batch of float16 latents and 77x1024 captions (the
-data path is measured by bench/ingest.py; multi-GPU DDP scaling is not measured here).
+The step is the Ray worker's own: ``sdtrain.training.fit_without_ray`` builds the module and the
+Lightning Trainer (precision, the module's clipping and non-finite skip, the fused AdamW, compile,
+channels_last) through the same function a Ray Train worker calls, and trains on one fixed batch
+already on the GPU (the data path is bench/ingest.py's). Ray is not imported: this runs on a GPU
+machine where Ray cannot be installed. Multi-GPU scaling is not measured here.
 
-FLOPs: ``sdtrain.flops`` counts the UNet forward pass from its structure (convolutions, linear
-layers, attention matmuls; multiply-add = 2); a training step is 3 forward passes. MFU = model
-FLOP/s / the GPU's peak dense bf16 FLOP/s (A100 312 TFLOP/s, H100 SXM 989; --peak-tflops).
+Batch size: per (preset, size), the largest power-of-two multiple of a start size that trains
+without running out of memory and leaves room (peak under half the GPU before a doubling), found
+once with the eager variant and used for every variant, so the variants compare at one batch.
 
-Baseline: MosaicML's published SD 2 UNet training throughput with precomputed latents, about
-1100 img/s on 8 A100s at 256 px, i.e. ~137 img/s per A100.
+FLOPs: ``sdtrain.flops`` counts the UNet's forward pass from its structure (tested against torch's
+FlopCounterMode); a training step is 3 forward passes. MFU = model FLOP/s / the GPU's dense bf16
+peak (--peak-tflops, or the known A100/H100/H200 figures).
 
-    python bench/gpu_throughput.py                     # needs a CUDA GPU
-    python bench/gpu_throughput.py --smoke             # CPU, tiny UNet, a few steps: checks that it runs (CI)
+    python bench/gpu_throughput.py                                  # needs a CUDA GPU; every preset, size, variant
+    python bench/gpu_throughput.py --presets sd2-base --resolutions 256 --variants compile+channels_last
+    python bench/gpu_throughput.py --smoke                          # CPU, tiny UNet, 3 steps: checks that it runs (CI)
 """
 
 from __future__ import annotations
@@ -25,25 +26,25 @@ from __future__ import annotations
 import argparse
 import gc
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchlib  # noqa: E402
 
-MOSAIC_IMG_PER_S_PER_A100_256 = 1100 / 8  # ~137
-KNOWN_PEAKS_TFLOPS = {"A100": 312.0, "H100": 989.0, "A10G": 125.0, "L4": 121.0, "L40S": 362.0}
-DEFAULT_BATCH = {("small", 256): 128, ("small", 512): 32, ("sd2-base", 256): 64, ("sd2-base", 512): 16}
+MOSAIC_IMG_PER_S_PER_A100_256 = 1100 / 8  # ~137: MosaicML's SD2 UNet on precomputed 256 px latents
+KNOWN_PEAKS_TFLOPS = {"A100": 312.0, "H100": 989.0, "H200": 989.0, "A10G": 125.0, "L4": 121.0, "L40S": 362.0}
+START_BATCH = {"tiny": 256, "small": 64, "sd2-base": 32}
+MAX_DOUBLINGS = 4
 VARIANTS = ("eager", "channels_last", "compile", "compile+channels_last")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny UNet at 128 px, 3 steps: checks that it runs")
-    parser.add_argument("--presets", default="small,sd2-base")
+    parser.add_argument("--presets", default="tiny,small,sd2-base")
     parser.add_argument("--resolutions", default="256,512", help="image sizes in px (latents are 1/8 of it)")
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"any of {', '.join(VARIANTS)}")
-    parser.add_argument("--batch-size", type=int, help="per GPU (default: by preset and size, halved on out-of-memory)")
+    parser.add_argument("--batch-size", type=int, help="per GPU (default: the largest that fits, see above)")
     parser.add_argument("--steps", type=int, default=30, help="timed steps")
     parser.add_argument("--warmup", type=int, default=10, help="untimed steps first (compilation, autotuning)")
     parser.add_argument("--peak-tflops", type=float, help="the GPU's peak dense bf16 TFLOP/s (default: known A100/H100/...)")
@@ -52,19 +53,18 @@ def main() -> None:
     import torch
 
     if args.smoke:
-        device = torch.device("cpu")
-        presets, resolutions, variants = ["tiny"], [128], ["eager"]
-        args.steps, args.warmup = 3, 1
+        use_gpu, presets, resolutions, variants = False, ["tiny"], [128], ["eager"]
+        args.steps, args.warmup, args.batch_size = 3, 1, args.batch_size or 4
         peak = args.peak_tflops or 1.0  # a nominal peak: CPU figures only show that the arithmetic runs
-        gpu_name = "CPU (smoke: not a GPU figure)"
+        device_name = "CPU (smoke: not a GPU figure)"
     else:
         if not torch.cuda.is_available():
             raise SystemExit("no CUDA GPU: this benchmark measures GPU training throughput (use --smoke on CPU)")
-        device = torch.device("cuda")
-        gpu_name = torch.cuda.get_device_name(device)
-        peak = args.peak_tflops or next((v for k, v in KNOWN_PEAKS_TFLOPS.items() if k in gpu_name), None)
+        use_gpu = True
+        device_name = torch.cuda.get_device_name()
+        peak = args.peak_tflops or next((v for k, v in KNOWN_PEAKS_TFLOPS.items() if k in device_name), None)
         if peak is None:
-            raise SystemExit(f"unknown peak for {gpu_name}: pass --peak-tflops (dense bf16)")
+            raise SystemExit(f"unknown peak for {device_name}: pass --peak-tflops (dense bf16)")
         presets = args.presets.split(",")
         resolutions = [int(r) for r in args.resolutions.split(",")]
         variants = args.variants.split(",")
@@ -72,106 +72,96 @@ def main() -> None:
         torch.backends.cudnn.allow_tf32 = True
         torch.backends.cudnn.benchmark = True
 
-    print(f"# machine: {benchlib.machine()}; device: {gpu_name}, peak {peak:g} TFLOP/s bf16")
+    print(f"# machine: {benchlib.machine()}; device: {device_name}, peak {peak:g} TFLOP/s bf16")
     print(f"# {benchlib.versions()}, sdtrain commit {benchlib.git_commit()}")
-    print(f"# {args.steps} timed steps after {args.warmup} warm-up steps; FLOPs: sdtrain.flops, train step = 3 x forward")
+    print(f"# {args.steps} timed steps after {args.warmup} warm-up steps, bf16-mixed, through sdtrain.training.fit_without_ray")
     print(f"{'preset':9} {'px':>4} {'variant':22} {'batch':>5} {'img/s':>8} {'fwd GFLOP/img':>13} {'TFLOP/s':>8} {'MFU':>6} {'peak mem GiB':>12}")
     results = {}
     for preset in presets:
         for px in resolutions:
+            batch = args.batch_size or fitting_batch(preset, px, use_gpu)
+            if batch is None:
+                print(f"{preset:9} {px:4} out of memory down to batch 1")
+                continue
             for variant in variants:
-                batch = args.batch_size or DEFAULT_BATCH.get((preset, px), 8)
-                r = measure_with_backoff(preset, px, variant, batch, args.steps, args.warmup, device)
-                if r is None:
-                    print(f"{preset:9} {px:4} {variant:22} out of memory down to batch 1")
-                    continue
+                r = measure(preset, px, variant, batch, args.steps, args.warmup, use_gpu)
+                _release()
                 flops = r["train_flops_per_img"]
                 achieved = r["img_per_s"] * flops
                 results[preset, px, variant] = r
-                print(f"{preset:9} {px:4} {variant:22} {r['batch']:5} {r['img_per_s']:8.1f} {flops / 3e9:13.1f} "
+                print(f"{preset:9} {px:4} {variant:22} {batch:5} {r['img_per_s']:8.1f} {flops / 3e9:13.1f} "
                       f"{achieved / 1e12:8.2f} {achieved / (peak * 1e12):6.1%} {r['peak_mem'] / 2**30:12.1f}", flush=True)
     for (preset, px, variant), r in results.items():
         mfu = r["img_per_s"] * r["train_flops_per_img"] / (peak * 1e12)
-        print(f"RATIO MFU {preset} {px}px {variant} = {mfu:.3f}")
+        target = "(target >= 0.40: " + ("met)" if mfu >= 0.4 else "MISSED)") if preset in ("small", "sd2-base") and px == 256 else ""
+        print(f"RATIO MFU {preset} {px}px {variant} = {mfu:.3f}  {target}".rstrip())
         if px in (256, 128):
             print(benchlib.ratio_line(f"img/s per GPU {preset} {px}px {variant}", r["img_per_s"],
-                                      "MosaicML SD2 per A100 at 256px", MOSAIC_IMG_PER_S_PER_A100_256,
-                                      "> 1 (sd2-base, 256px)" if preset == "sd2-base" else None,
-                                      r["img_per_s"] > MOSAIC_IMG_PER_S_PER_A100_256 if preset == "sd2-base" else None))
+                                      "MosaicML SD2 per A100 at 256px", MOSAIC_IMG_PER_S_PER_A100_256))
 
 
-def measure_with_backoff(preset, px, variant, batch, steps, warmup, device):
+def fitting_batch(preset: str, px: int, use_gpu: bool):
+    """The largest start x 2^k batch (k <= MAX_DOUBLINGS) that trains a few eager steps with peak
+    memory under half the GPU before each doubling; halves from the start on out-of-memory."""
     import torch
 
-    while batch >= 1:
+    batch, best = START_BATCH.get(preset, 16), None
+    total = torch.cuda.get_device_properties(0).total_memory
+    for _ in range(MAX_DOUBLINGS + 1):
         try:
-            return measure(preset, px, variant, batch, steps, warmup, device)
+            r = measure(preset, px, "eager", batch, steps=1, warmup=1, use_gpu=use_gpu)
         except torch.cuda.OutOfMemoryError:
-            print(f"  {preset} {px}px {variant}: out of memory at batch {batch}, halving", flush=True)
+            if best is not None:
+                return best
             batch //= 2
+            if batch < 1:
+                return None
+            continue
         finally:
-            gc.collect()
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-    return None
+            _release()
+        best = batch
+        if r["peak_mem"] > total / 2:
+            return best
+        batch *= 2
+    return best
 
 
-def measure(preset: str, px: int, variant: str, batch: int, steps: int, warmup: int, device) -> dict:
+def measure(preset: str, px: int, variant: str, batch: int, steps: int, warmup: int, use_gpu: bool) -> dict:
     import torch
 
-    from sdtrain.config import ModelConfig, TrainConfig
+    from sdtrain.config import load_config
     from sdtrain.flops import unet_forward_flops
-    from sdtrain.model import build_unet, noise_scheduler_config, unet_config
-    from sdtrain.module import DiffusionModule
+    from sdtrain.training import StepTimer, fit_without_ray, run_meta
 
-    model_config = ModelConfig(preset=preset)
-    config = unet_config(model_config)
+    config = load_config(None, [
+        "data.train=/unused", f"model.preset={preset}", f"train.max_steps={warmup + steps}",
+        f"train.global_batch_size={batch}", "train.precision=bf16-mixed", "train.warmup_steps=0",
+        f"train.compile={'compile' in variant}", f"train.channels_last={'channels_last' in variant}",
+        f"scaling.use_gpu={use_gpu}",
+    ])
     side = px // 8
-    latent_shape, caption_shape = (config["in_channels"], side, side), (77, config["cross_attention_dim"])
-    train_flops_per_img = unet_forward_flops(config, latent_shape, caption_shape).train_step
-
-    torch.manual_seed(0)
-    module = DiffusionModule(
-        build_unet(model_config), noise_scheduler_config(model_config),
-        TrainConfig(lr=1e-4, warmup_steps=0), checkpoint_meta={},
-    ).to(device)
-    module.train()
-    optimizer = module.configure_optimizers()["optimizer"]  # the module's own fused AdamW
-    channels_last = "channels_last" in variant
-    if channels_last:
-        module.unet.to(memory_format=torch.channels_last)
-    if variant.startswith("compile"):
-        module.unet = torch.compile(module.unet)
+    meta = run_meta(config, (4, side, side), (77, 1024))
+    unet = meta["unet_config"]
+    latent_shape, caption_shape = (unet["in_channels"], side, side), (77, unet["cross_attention_dim"])
+    meta.update(latent_shape=list(latent_shape), caption_shape=list(caption_shape))
+    device = torch.device("cuda" if use_gpu else "cpu")
     latents = torch.randn(batch, *latent_shape, device=device, dtype=torch.float16)
-    if channels_last:
+    if "channels_last" in variant:
         latents = latents.contiguous(memory_format=torch.channels_last)
-    captions = torch.randn(batch, *caption_shape, device=device, dtype=torch.float16)
-    batch_data = {"latents": latents, "captions": captions}
-    parameters = list(module.unet.parameters())
+    batch_data = {"latents": latents, "captions": torch.randn(batch, *caption_shape, device=device, dtype=torch.float16)}
+    timer = StepTimer(warmup)
+    fit_without_ray(config, [batch_data] * (warmup + steps), meta, use_gpu=use_gpu, callbacks=[timer])
+    train_flops_per_img = unet_forward_flops(unet, latent_shape, caption_shape).train_step
+    return dict(img_per_s=batch * timer.timed_steps / timer.seconds, train_flops_per_img=train_flops_per_img,
+                peak_mem=timer.peak_memory)
 
-    def step(index: int) -> None:
-        with torch.autocast(device.type, dtype=torch.bfloat16):
-            loss = module.training_step(batch_data, index)
-        loss.backward()
-        module.on_before_optimizer_step(optimizer)
-        torch.nn.utils.clip_grad_norm_(parameters, 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
 
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    for i in range(warmup):
-        step(i)
-    sync()
-    start = time.perf_counter()
-    for i in range(steps):
-        step(warmup + i)
-    sync()
-    seconds = time.perf_counter() - start
-    peak_mem = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
-    del module, optimizer, batch_data, latents, captions, parameters
-    return dict(batch=batch, img_per_s=batch * steps / seconds, train_flops_per_img=train_flops_per_img, peak_mem=peak_mem)
+def _release() -> None:
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

@@ -75,8 +75,15 @@ def test_scheduler_spin_smoke():
 
 
 def test_gpu_throughput_smoke():
-    """On CPU with the tiny UNet: the step, the FLOP count and the MFU arithmetic run."""
-    out, ratios = run_bench("bench/gpu_throughput.py", "--smoke")
+    """On CPU with the tiny UNet: the Ray worker's module and Trainer (sdtrain.training), the FLOP
+    count and the MFU arithmetic run, and Ray is never imported (a lent GPU machine has none)."""
+    code = (
+        "import runpy, sys; sys.argv = ['bench/gpu_throughput.py', '--smoke']; "
+        "runpy.run_path('bench/gpu_throughput.py', run_name='__main__'); "
+        "print('RATIO modules from ray =', sum(m == 'ray' or m.startswith('ray.') for m in sys.modules))"
+    )
+    out, ratios = run_bench("-c", code)
+    assert ratios["modules from ray"] == 0, out
     assert "MFU tiny 128px eager" in ratios, out
     assert "img/s per GPU tiny 128px eager / MosaicML SD2 per A100 at 256px" in ratios, out
     assert ratios["MFU tiny 128px eager"] > 0, out
