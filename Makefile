@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.sdtrain-installed
 
-.PHONY: demo test setup clean-runs
+.PHONY: demo test test-gpu setup clean-runs
 
 setup: $(STAMP)
 
@@ -23,6 +23,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest
+
+# On a machine with a CUDA GPU (../shared/GPU.md): the training checks of tests/test_gpu.py.
+test-gpu: $(STAMP)
+	$(PY) -m pytest -m gpu
 
 clean-runs:
 	rm -rf runs .sdtrain-data
