@@ -15,6 +15,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from torch.distributed.tensor import DTensor
 
 from sdtrain.config import load_config
+from sdtrain.ema import local_tensor
 from sdtrain.training import build_training, fit_without_ray, run_meta
 
 LATENTS, CAPTIONS = (4, 16, 16), (8, 32)
@@ -50,7 +51,7 @@ class Watch(pl.Callback):
         self.steps = []
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-        grads = [p.grad for p in module.unet.parameters() if p.grad is not None]
+        grads = [local_tensor(p.grad) for p in module.unet.parameters() if p.grad is not None]  # one process: all of it
         self.steps.append(dict(
             grad_norm=torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))).item(),
             step=trainer.global_step, loss=float(outputs["loss"]),
@@ -66,12 +67,17 @@ def fit(cfg, data, use_gpu=False, **kwargs):
     return module, trainer, watch.steps
 
 
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 @pytest.mark.parametrize("ema", [None, 0.9])
 @pytest.mark.parametrize("clip", [0.0, 0.01])
 @pytest.mark.parametrize("precision", ["auto", "32-true", "bf16-mixed"])
-def test_every_precision_with_and_without_clipping_and_ema_trains(precision, clip, ema):
-    cfg = config(f"train.precision={precision}", f"train.grad_clip_norm={clip}", f"train.ema_decay={ema or 'null'}")
-    module, trainer, steps = fit(cfg, batches(3))
+def test_every_precision_with_and_without_clipping_and_ema_trains_under_each_strategy(precision, clip, ema, strategy, tmp_path):
+    """Every combination of the options that meet in the optimizer step (16-mixed: GPUs only, below
+    and in tests/test_gpu.py); FSDP in one process over gloo."""
+    cfg = config(f"train.precision={precision}", f"train.grad_clip_norm={clip}", f"train.ema_decay={ema or 'null'}",
+                 f"train.strategy={strategy}")
+    module, trainer, steps = fit(cfg, batches(3), default_root_dir=str(tmp_path))
+    assert isinstance(module.unet.conv_in.weight, DTensor) == (strategy == "fsdp")
     assert trainer.global_step == 3 and [s["step"] for s in steps] == [1, 2, 3]
     assert trainer.precision == ("32-true" if precision == "auto" else precision)
     assert all(0 < s["loss"] < 10 for s in steps)
