@@ -168,3 +168,21 @@ def test_a_checkpoint_written_under_bf16_resumes_to_the_uninterrupted_weights(tm
     saved = torch.load(tmp_path / "step2.ckpt", weights_only=True)
     assert any(k.startswith("unet.") for k in saved["state_dict"]) and any(k.startswith("ema_unet.") for k in saved["state_dict"])
     assert all(type(v) is torch.Tensor for v in saved["state_dict"].values())  # full tensors: DDP's format
+
+
+@pytest.mark.parametrize("name", ["small.yaml", "sd2-base.yaml", "retrain.yaml"])
+def test_the_shipped_gpu_configs_train_as_auto_resolves_on_a_gpu(name):
+    """The issue's crash: precision auto is bf16-mixed on every GPU, with the default clipping and the
+    fused AdamW. Each shipped GPU config's training settings, tiny UNet, on CPU."""
+    from conftest import REPO
+
+    shipped = load_config(REPO / "configs" / name, ["model.preset=tiny", "model.pretrained=null"])
+    cfg = load_config(REPO / "configs" / name, [
+        "model.preset=tiny", "model.pretrained=null", "data.train=/unused", "retrain.data_root=null",
+        "retrain.models_root=null", "train.max_steps=3", "train.global_batch_size=2", "train.micro_batch_size=null",
+        "scaling.num_workers=1", "scaling.use_gpu=false", "train.precision=bf16-mixed",
+    ])
+    assert shipped.train.precision == "auto" and shipped.train.grad_clip_norm > 0
+    module, trainer, steps = fit(cfg, batches(3))
+    assert trainer.global_step == 3 and trainer.precision == "bf16-mixed"
+    assert all(0 < s["loss"] < 10 for s in steps) and not torch.equal(steps[0]["weight"], steps[-1]["weight"])
