@@ -209,6 +209,7 @@ def test_endpoint_unreachable_fails_in_seconds(clean_storage_settings, monkeypat
 def test_credentials_in_uris_or_endpoints_are_refused_without_repeating_them(clean_storage_settings, monkeypatch):
     for override, key in [(f"data.train=s3://AKIAXXXX:{SECRET}@bucket/data", "data.train[0]"),
                           (f"run.storage_path=s3://AKIAXXXX:{SECRET}@bucket/runs", "run.storage_path"),
+                          (f"data.unconditional_caption=s3://AKIAXXXX:{SECRET}@bucket/empty.npy", "data.unconditional_caption"),
                           (f"storage.endpoint_url=http://minio:{SECRET}@minio:9000", "storage.endpoint_url")]:
         with pytest.raises(ConfigError) as e:
             _config("data.train=s3://bucket/data", override)

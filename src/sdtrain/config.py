@@ -363,6 +363,8 @@ class Config:
         """(key, path) for every path or URI the config names: data, models and storage."""
         named = [(f"data.train[{i}]", p) for i, p in enumerate(self.data.train)]
         named += [(f"data.val[{i}]", p) for i, p in enumerate(self.data.val)]
+        if self.data.unconditional_caption != "zeros":
+            named.append(("data.unconditional_caption", self.data.unconditional_caption))
         named += [("model.pretrained", self.model.pretrained), ("run.storage_path", self.run.storage_path)]
         named += [("retrain.data_root", self.retrain.data_root), ("retrain.models_root", self.retrain.models_root)]
         return [(key, path) for key, path in named if path is not None]
