@@ -15,6 +15,7 @@ import inspect
 import math
 import re
 import textwrap
+import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -467,10 +468,14 @@ def _build_section(cls: type, values: dict[str, Any]) -> Any:
     return cls(**kwargs)
 
 
+# Optional[X] and X | None: typing.Union and, before Python 3.14, types.UnionType.
+_UNIONS = (Union, types.UnionType)
+
+
 def _coerce(key: str, value: Any, tp: Any) -> Any:
     """Check ``value`` against the annotation ``tp``, converting only where it is lossless."""
     origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin is Union:
+    if origin in _UNIONS:
         if value is None and type(None) in args:
             return None
         # A bare string for a list field means a one-element list (data.train: path).
@@ -522,7 +527,7 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
 
 def _type_name(tp: Any) -> str:
     origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin is Union:
+    if origin in _UNIONS:
         names = [_type_name(a) for a in args if a is not type(None)]
         return " | ".join(names) + (" | null" if type(None) in args else "")
     if origin is Literal:
