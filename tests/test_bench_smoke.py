@@ -89,7 +89,16 @@ def test_gpu_throughput_smoke():
     assert ratios["MFU tiny 128px eager"] > 0, out
 
 
-@pytest.mark.parametrize("script", ["ingest.py", "step_overhead.py", "checkpoint_stall.py", "gpu_throughput.py", "scheduler_spin.py"])
+def test_fsdp_memory_smoke():
+    """2 gloo ranks, tiny UNet: FSDP2 holds half of DDP's state per rank and skips a one-rank NaN on both."""
+    out, ratios = run_bench("bench/fsdp_memory.py", "--smoke")
+    assert 0.45 < ratios["state per rank fsdp2 / ddp"] < 0.55, out
+    assert "fsdp2           " in out and out.count("True") >= 4, out
+
+
+@pytest.mark.parametrize(
+    "script", ["ingest.py", "step_overhead.py", "checkpoint_stall.py", "gpu_throughput.py", "scheduler_spin.py", "fsdp_memory.py"]
+)
 def test_help(script):
     out, _ = run_bench(f"bench/{script}", "--help", timeout=60)
     assert "--smoke" in out
