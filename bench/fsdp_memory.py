@@ -39,11 +39,12 @@ def main() -> None:
     preset = "tiny" if args.smoke else args.preset
     print(f"# machine: {benchlib.machine()}")
     print(f"# {benchlib.versions()}, sdtrain commit {benchlib.git_commit()}; preset {preset}, 2 ranks over gloo")
-    results = {}
-    for kind in KINDS:
-        queue = mp.get_context("spawn").SimpleQueue()
-        mp.start_processes(_rank, args=(kind, preset, queue, _free_port()), nprocs=2, start_method="spawn")
-        results[kind] = [queue.get() for _ in range(2)]
+    queue = mp.get_context("spawn").SimpleQueue()
+    mp.start_processes(_rank, args=(preset, queue, _free_port()), nprocs=2, start_method="spawn")
+    results: dict[str, list[dict]] = {kind: [] for kind in KINDS}
+    for _ in range(2 * len(KINDS)):
+        result = queue.get()
+        results[result["kind"]].append(result)
     print(f"{'strategy':8} {'GiB per rank':>12} {'fused AdamW':>12} {'NaN skipped on both':>20}")
     for kind, ranks in results.items():
         if "error" in ranks[0]:
@@ -65,7 +66,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank(rank: int, kind: str, preset: str, queue, port: int) -> None:
+def _rank(rank: int, preset: str, queue, port: int) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    for kind in KINDS:
+        queue.put({"kind": kind, "rank": rank, **_measure(rank, kind, preset)})
+    dist.destroy_process_group()
+
+
+def _measure(rank: int, kind: str, preset: str) -> dict:
     import torch
     import torch.distributed as dist
 
@@ -74,8 +85,6 @@ def _rank(rank: int, kind: str, preset: str, queue, port: int) -> None:
     from sdtrain.hardware import shard_unet
     from sdtrain.model import build_unet
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
     torch.manual_seed(0)
     unet = build_unet(ModelConfig(preset=preset))
     if kind == "fsdp2":
@@ -94,9 +103,7 @@ def _rank(rank: int, kind: str, preset: str, queue, port: int) -> None:
                 unet, auto_wrap_policy=ModuleWrapPolicy({ResnetBlock2D, Transformer2DModel}), use_orig_params=True
             )
         except RuntimeError as error:  # on CPU: "FSDP needs a non-CPU accelerator device"
-            queue.put({"rank": rank, "error": str(error).splitlines()[0]})
-            dist.destroy_process_group()
-            return
+            return {"error": str(error).splitlines()[0]}
     else:
         from torch.nn.parallel import DistributedDataParallel
 
@@ -139,8 +146,7 @@ def _rank(rank: int, kind: str, preset: str, queue, port: int) -> None:
         for v in state.values()
         if torch.is_tensor(v)
     )
-    queue.put({"rank": rank, "bytes": held, "fused": fused, "skipped": skipped})
-    dist.destroy_process_group()
+    return {"bytes": held, "fused": fused, "skipped": skipped}
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ import csv
 import dataclasses
 import json
 import math
+import shutil
 import time
 
 import numpy as np
@@ -97,6 +98,23 @@ def test_two_worker_run_checkpoints_reloads_and_resumes(ray_cluster, tmp_path):
     history = json.loads((run_dir / "checkpoint_000000009" / HISTORY_FILE).read_text())
     assert [row["step"] for row in history] == [2, 3, 4, 6, 8, 9]
     assert history[4]["lr"] == pytest.approx(LR * 8 / WARMUP)  # warmup continued, not restarted
+
+    # Re-running the finished run (a retry after training ended), or with a lowered train.max_steps,
+    # trains nothing and starts no worker: it names the final checkpoint, and writes the export only
+    # if it is missing.
+    export_info = run_dir / "export" / "sdtrain.json"
+    written = export_info.stat().st_mtime_ns
+    (run_dir / "metrics.csv").unlink()
+    for max_steps in (9, 7):
+        started = time.monotonic()
+        again = train(_config(tmp_path, max_steps=max_steps))
+        assert time.monotonic() - started < 15  # no worker group: Ray Train alone takes ~25 s to a first step
+        assert (again.final_step, again.checkpoint_path) == (9, summary.checkpoint_path)
+    assert _checkpoints(run_dir)[-2:] == ["checkpoint_000000009", "checkpoint_000000099"]
+    assert (run_dir / "metrics.csv").exists() and export_info.stat().st_mtime_ns == written
+    shutil.rmtree(run_dir / "export")
+    train(_config(tmp_path, max_steps=9))
+    assert json.loads(export_info.read_text())["source_checkpoint"] == summary.checkpoint_path
 
 
 @pytest.mark.timeout(60)

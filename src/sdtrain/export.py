@@ -69,6 +69,15 @@ def write_export(loaded: LoadedModel, destination: str, source: Optional[str] = 
     return destination
 
 
+def export_source(path: str) -> Optional[str]:
+    """The checkpoint the export at ``path`` was written from; None if there is no complete export."""
+    fs, fs_path = filesystem_for(path)
+    if not is_export(path) or fs.get_file_info(os.path.join(fs_path, INFO_FILE)).type != pafs.FileType.File:
+        return None
+    with fs.open_input_stream(os.path.join(fs_path, INFO_FILE)) as f:
+        return json.loads(f.read()).get("source_checkpoint")
+
+
 def is_export(path: str) -> bool:
     fs, fs_path = filesystem_for(path)
     return fs.get_file_info(os.path.join(fs_path, "unet", "config.json")).type == pafs.FileType.File

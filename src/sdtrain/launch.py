@@ -22,14 +22,14 @@ from sdtrain.dataset import WindowReader, file_order_dataset
 from sdtrain.dataspec import DatasetSpec, inspect_dataset
 from sdtrain.demo_data import ensure_demo_data
 from sdtrain.errors import ConfigError, DataError, TrainingFailed
-from sdtrain.export import EXPORT_DIR, export_checkpoint
+from sdtrain.export import EXPORT_DIR, export_checkpoint, export_source
 from sdtrain.failures import StopOnDeterministicErrors, failure_message
 from sdtrain.files import absolute, ray_storage, resolve_parquet_files, resolved_s3_settings, set_aside, uri_for
 from sdtrain.model import unet_config
 from sdtrain.outputs import read_history, write_run_outputs
 from sdtrain.recipe import load_unconditional_caption, stored_latent_scaling
 from sdtrain.sampling import SamplePlan
-from sdtrain.shards import PlannedShards
+from sdtrain.shards import PlannedShards, latest_position
 from sdtrain.storage import preflight
 from sdtrain.training import resolve_precision, run_meta
 from sdtrain.worker import train_loop_per_worker
@@ -79,6 +79,17 @@ def train(config: Config) -> RunSummary:
         replaced = set_aside(run_dir)
         if replaced:
             print(f"[sdtrain] run.start_fresh: moved the previous run to {replaced}", flush=True)
+
+    finished = _finished_run(run_dir, config.train.max_steps)
+    if finished is not None:
+        # A retry after training ended, a driver that died after fit(), a lowered train.max_steps:
+        # nothing to train, so no Ray and no workers; finish the outputs the run may lack.
+        print(
+            f"[sdtrain] {run_dir} is already at step {finished.step} (train.max_steps={config.train.max_steps}): "
+            "nothing to train; finishing its outputs from its final checkpoint",
+            flush=True,
+        )
+        return _finish(config, finished.result)
 
     if not ray.is_initialized():
         # Joins the cluster named by RAY_ADDRESS (as under `ray job submit`), else starts a local one.
@@ -139,12 +150,34 @@ def train(config: Config) -> RunSummary:
     finally:
         warm_up.join(timeout=60)  # seconds into a run it is long done; nothing of ours outlives train()
 
+    return _finish(config, result)
+
+
+@dataclass
+class _FinishedRun:
+    step: int
+    result: ray.train.Result
+
+
+def _finished_run(run_dir: str, max_steps: int) -> Optional[_FinishedRun]:
+    """The run in ``run_dir`` if its latest committed checkpoint is at or past ``max_steps``."""
+    filesystem, path = ray_storage(run_dir)
+    step, _ = latest_position(filesystem, path)
+    if step < max_steps:
+        return None
+    return _FinishedRun(step, ray.train.Result.from_path(path, storage_filesystem=filesystem))
+
+
+def _finish(config: Config, result: ray.train.Result) -> RunSummary:
+    """metrics.csv, loss_curve.png and the export (unless it is already that of the final checkpoint)."""
     checkpoint = result.checkpoint
     history = read_history(checkpoint)
     outputs = write_run_outputs(history, checkpoint.filesystem, result.path)
     if config.run.export:
         export_path = posixpath.join(result.path, EXPORT_DIR)
-        export_checkpoint(uri_for(checkpoint.filesystem, checkpoint.path), uri_for(checkpoint.filesystem, export_path))
+        source = uri_for(checkpoint.filesystem, checkpoint.path)
+        if export_source(uri_for(checkpoint.filesystem, export_path)) != source:
+            export_checkpoint(source, uri_for(checkpoint.filesystem, export_path))
         outputs.append(export_path)
     return RunSummary(
         run_dir=uri_for(checkpoint.filesystem, result.path),
