@@ -29,7 +29,7 @@ from sdtrain.model import unet_config
 from sdtrain.outputs import read_history, write_run_outputs
 from sdtrain.recipe import load_unconditional_caption, stored_latent_scaling
 from sdtrain.sampling import SamplePlan
-from sdtrain.shards import PlannedShards, latest_position
+from sdtrain.shards import PlannedShards, checkpoint_position, committed_run
 from sdtrain.storage import preflight
 from sdtrain.training import resolve_precision, run_meta
 from sdtrain.worker import train_loop_per_worker
@@ -161,11 +161,11 @@ class _FinishedRun:
 
 def _finished_run(run_dir: str, max_steps: int) -> Optional[_FinishedRun]:
     """The run in ``run_dir`` if its latest committed checkpoint is at or past ``max_steps``."""
-    filesystem, path = ray_storage(run_dir)
-    step, _ = latest_position(filesystem, path)
-    if step < max_steps:
+    result = committed_run(*ray_storage(run_dir))
+    if result is None:
         return None
-    return _FinishedRun(step, ray.train.Result.from_path(path, storage_filesystem=filesystem))
+    step, _ = checkpoint_position(result.checkpoint)
+    return _FinishedRun(step, result) if step >= max_steps else None
 
 
 def _finish(config: Config, result: ray.train.Result) -> RunSummary:

@@ -57,12 +57,21 @@ class PlannedShards(ray.train.DataConfig):
 def latest_position(filesystem: Optional[pafs.FileSystem], run_dir: str) -> tuple[int, DataState]:
     """(step, data state) of the latest checkpoint Ray Train committed for ``run_dir`` (a path on
     ``filesystem``, as from ``files.ray_storage``); (0, start) if none."""
+    result = committed_run(filesystem, run_dir)
+    return (0, DataState()) if result is None else checkpoint_position(result.checkpoint)
+
+
+def committed_run(filesystem: Optional[pafs.FileSystem], run_dir: str) -> Optional[ray.train.Result]:
+    """Ray Train's record of the run in ``run_dir``, if it has committed a checkpoint."""
     try:
-        checkpoint = ray.train.Result.from_path(run_dir, storage_filesystem=filesystem).checkpoint
+        result = ray.train.Result.from_path(run_dir, storage_filesystem=filesystem)
     except RuntimeError:  # no run directory or no committed checkpoint yet: a fresh run
-        return 0, DataState()
-    if checkpoint is None:
-        return 0, DataState()
+        return None
+    return result if result.checkpoint is not None else None
+
+
+def checkpoint_position(checkpoint: ray.train.Checkpoint) -> tuple[int, DataState]:
+    """(step, data state) a committed checkpoint was written at."""
     with checkpoint.filesystem.open_input_stream(posixpath.join(checkpoint.path, DATA_STATE_FILE)) as f:
         raw = json.loads(f.read())
     return int(raw["step"]), DataState.from_dict(raw["data"])
