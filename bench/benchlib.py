@@ -13,9 +13,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Optional
 
 import numpy as np
 import psutil
@@ -49,8 +49,12 @@ def write_dataset(
         table = pa.table(
             {
                 "id": pa.array(np.arange(start, start + n)),
-                IMAGE_COLUMN: _column(rng.standard_normal((n, *latent_shape), dtype=np.float32).astype(dtype), encoding),
-                CAPTION_COLUMN: _column(rng.standard_normal((n, *caption_shape), dtype=np.float32).astype(dtype), encoding),
+                IMAGE_COLUMN: _column(
+                    rng.standard_normal((n, *latent_shape), dtype=np.float32).astype(dtype), encoding
+                ),
+                CAPTION_COLUMN: _column(
+                    rng.standard_normal((n, *caption_shape), dtype=np.float32).astype(dtype), encoding
+                ),
             }
         )
         path = directory / f"part-{index:05d}.parquet"
@@ -88,8 +92,8 @@ def sdtrain_batches(
     files: list[str],
     batch_size: int,
     caption_dim: int = 1024,
-    prefetch_batches: Optional[int] = None,
-    object_store_limit: Optional[int] = None,
+    prefetch_batches: int | None = None,
+    object_store_limit: int | None = None,
     paced: bool = True,
 ):
     """The package's data path, as the one worker of a 1-worker group sees it: the sampling plan
@@ -113,7 +117,9 @@ def sdtrain_batches(
     spec = inspect_dataset(
         list(files), "data.train", IMAGE_COLUMN, CAPTION_COLUMN, in_channels=4, cross_attention_dim=caption_dim
     )
-    plan = SamplePlan(spec.rows_per_file, seed=0, chunk_rows=data.shuffle_chunk_rows, window_rows=data.shuffle_window_rows)
+    plan = SamplePlan(
+        spec.rows_per_file, seed=0, chunk_rows=data.shuffle_chunk_rows, window_rows=data.shuffle_window_rows
+    )
     (stretches,) = plan.rank_stretches(DataState(), 1, batch_size, spec.num_rows // batch_size)
     dataset = rank_dataset(WindowReader(spec, data, plan), stretches)
     if not paced:
@@ -313,15 +319,19 @@ class TreeMemorySampler(threading.Thread):
 
 
 @contextlib.contextmanager
-def moto_server(log_path: Path, env: Optional[dict[str, str]] = None) -> Iterator[str]:
+def moto_server(log_path: Path, env: dict[str, str] | None = None) -> Iterator[str]:
     """moto's S3/IAM server in its own process on a free loopback port; yields its endpoint URL.
     (The tests' S3 fixtures use it too.)"""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     log = open(log_path, "w")
-    server = subprocess.Popen([str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
-                              stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+    server = subprocess.Popen(
+        [str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, **(env or {})},
+    )
     try:
         deadline = time.monotonic() + 30
         while True:  # until it accepts connections (readiness, not a race); no request, so none is counted
@@ -349,12 +359,14 @@ def print_result(**figures) -> None:
 
 def parsed_result(stdout: str) -> dict:
     """The figures a measurement child printed last with ``print_result``."""
-    return json.loads([line for line in stdout.splitlines() if line.startswith(RESULT)][-1][len(RESULT):])
+    return json.loads([line for line in stdout.splitlines() if line.startswith(RESULT)][-1][len(RESULT) :])
 
 
 def medians(runs: list[dict]) -> dict:
     """Each numeric figure's median over repeated runs (the upper median for an even count)."""
-    return {key: sorted(r[key] for r in runs)[len(runs) // 2] for key in runs[0] if isinstance(runs[0][key], (int, float))}
+    return {
+        key: sorted(r[key] for r in runs)[len(runs) // 2] for key in runs[0] if isinstance(runs[0][key], (int, float))
+    }
 
 
 def machine() -> str:
@@ -383,13 +395,19 @@ def versions() -> str:
 def git_commit() -> str:
     try:
         return subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent, check=True
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            cwd=Path(__file__).parent,
+            check=True,
         ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
 
-def ratio_line(name: str, value: float, baseline_name: str, baseline: float, target: Optional[str] = None, met: Optional[bool] = None) -> str:
+def ratio_line(
+    name: str, value: float, baseline_name: str, baseline: float, target: str | None = None, met: bool | None = None
+) -> str:
     ratio = value / baseline if baseline else float("nan")
     line = f"RATIO {name} / {baseline_name} = {ratio:.3f}"
     if target is not None:

@@ -35,7 +35,9 @@ BUCKET = "sdtrain-bench"
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="tiny model, a few steps: checks that it runs")
-    parser.add_argument("--width", type=int, help="block_out_channels of the widened tiny UNet: (w, 2w) (default 192; smoke 32)")
+    parser.add_argument(
+        "--width", type=int, help="block_out_channels of the widened tiny UNet: (w, 2w) (default 192; smoke 32)"
+    )
     parser.add_argument("--checkpoints", type=int, help="checkpoints per run (default 4; smoke 2)")
     parser.add_argument("--every", type=int, default=4, help="run.checkpoint_every_n_steps (default %(default)s)")
     args = parser.parse_args()
@@ -51,9 +53,17 @@ def main() -> None:
 
     print(f"# machine: {benchlib.machine()}")
     print(f"# {benchlib.versions()}, sdtrain commit {benchlib.git_commit()}")
-    with tempfile.TemporaryDirectory(prefix="sdtrain-bench-") as workdir, benchlib.moto_server(Path(workdir) / "moto.log") as endpoint:
-        for key, value in {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
-                           "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}.items():
+    with (
+        tempfile.TemporaryDirectory(prefix="sdtrain-bench-") as workdir,
+        benchlib.moto_server(Path(workdir) / "moto.log") as endpoint,
+    ):
+        for key, value in {
+            "AWS_ENDPOINT_URL": endpoint,
+            "AWS_ACCESS_KEY_ID": "bench",
+            "AWS_SECRET_ACCESS_KEY": "bench",
+            "AWS_DEFAULT_REGION": "us-east-1",
+            "AWS_EC2_METADATA_DISABLED": "true",
+        }.items():
             os.environ[key] = value  # before Ray starts: its processes inherit them
         boto3.client("s3").create_bucket(Bucket=BUCKET)
         data = Path(workdir) / "train"
@@ -61,16 +71,27 @@ def main() -> None:
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=True)
 
         def config(mode: str) -> Config:
-            return Config.from_dict({
-                "data": {"train": [str(data)]},
-                "model": {"preset": "tiny", "unet": {"block_out_channels": [width, 2 * width], "norm_num_groups": 32}},
-                "train": {"max_steps": checkpoints * args.every, "global_batch_size": 4, "ema_decay": 0.999},
-                "scaling": {"num_workers": 1, "use_gpu": False},
-                "run": {"name": f"stall-{mode}", "storage_path": f"s3://{BUCKET}/runs", "checkpoint_upload": mode,
-                        "checkpoint_every_n_steps": args.every, "log_every_n_steps": args.every, "num_to_keep": 2,
-                        "export": False},
-                "failure": {"max_failures": 0},
-            })
+            return Config.from_dict(
+                {
+                    "data": {"train": [str(data)]},
+                    "model": {
+                        "preset": "tiny",
+                        "unet": {"block_out_channels": [width, 2 * width], "norm_num_groups": 32},
+                    },
+                    "train": {"max_steps": checkpoints * args.every, "global_batch_size": 4, "ema_decay": 0.999},
+                    "scaling": {"num_workers": 1, "use_gpu": False},
+                    "run": {
+                        "name": f"stall-{mode}",
+                        "storage_path": f"s3://{BUCKET}/runs",
+                        "checkpoint_upload": mode,
+                        "checkpoint_every_n_steps": args.every,
+                        "log_every_n_steps": args.every,
+                        "num_to_keep": 2,
+                        "export": False,
+                    },
+                    "failure": {"max_failures": 0},
+                }
+            )
 
         parameters = sum(p.numel() for p in build_unet(config("async").model).parameters())
         results = {}
@@ -85,9 +106,11 @@ def main() -> None:
             stalls = [float(r["checkpoint_stall_s"]) for r in rows[1:]]
             step_s = statistics.median(1 / float(r["steps_per_s"]) for r in rows)
             results[mode] = dict(stall=statistics.median(stalls), step=step_s, wall=wall, size=size)
-            print(f"{mode:5s}: checkpoint {size / 1e6:.0f} MB ({parameters / 1e6:.1f}M parameters); stall per checkpoint "
-                  f"{', '.join(f'{s:.2f}' for s in stalls)} s (median {results[mode]['stall']:.2f} s); "
-                  f"median step {step_s:.2f} s (windows include the stall); whole run {wall:.1f} s")
+            print(
+                f"{mode:5s}: checkpoint {size / 1e6:.0f} MB ({parameters / 1e6:.1f}M parameters); stall per checkpoint "
+                f"{', '.join(f'{s:.2f}' for s in stalls)} s (median {results[mode]['stall']:.2f} s); "
+                f"median step {step_s:.2f} s (windows include the stall); whole run {wall:.1f} s"
+            )
         ray.shutdown()
 
     a, s = results["async"], results["sync"]
@@ -110,7 +133,9 @@ def _checkpoint_bytes(checkpoint: str) -> int:
     from sdtrain.files import filesystem_for
 
     fs, path = filesystem_for(checkpoint)
-    return sum(i.size for i in fs.get_file_info(pafs.FileSelector(path, recursive=True)) if i.type == pafs.FileType.File)
+    return sum(
+        i.size for i in fs.get_file_info(pafs.FileSelector(path, recursive=True)) if i.type == pafs.FileType.File
+    )
 
 
 if __name__ == "__main__":

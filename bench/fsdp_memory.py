@@ -51,7 +51,9 @@ def main() -> None:
             print(f"{kind:8} cannot run here: {ranks[0]['error']}")
             continue
         gib = max(r["bytes"] for r in ranks) / 2**30
-        print(f"{kind:8} {gib:12.3f} {str(all(r['fused'] for r in ranks)):>12} {str(all(r['skipped'] for r in ranks)):>20}")
+        print(
+            f"{kind:8} {gib:12.3f} {str(all(r['fused'] for r in ranks)):>12} {str(all(r['skipped'] for r in ranks)):>20}"
+        )
     full = max(r["bytes"] for r in results["ddp"])
     for kind in ("fsdp1", "fsdp2"):
         if "error" not in results[kind][0]:

@@ -47,7 +47,9 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, help="per GPU (default: the largest that fits, see above)")
     parser.add_argument("--steps", type=int, default=30, help="timed steps")
     parser.add_argument("--warmup", type=int, default=10, help="untimed steps first (compilation, autotuning)")
-    parser.add_argument("--peak-tflops", type=float, help="the GPU's peak dense bf16 TFLOP/s (default: known A100/H100/...)")
+    parser.add_argument(
+        "--peak-tflops", type=float, help="the GPU's peak dense bf16 TFLOP/s (default: known A100/H100/...)"
+    )
     args = parser.parse_args()
 
     import torch
@@ -74,8 +76,12 @@ def main() -> None:
 
     print(f"# machine: {benchlib.machine()}; device: {device_name}, peak {peak:g} TFLOP/s bf16")
     print(f"# {benchlib.versions()}, sdtrain commit {benchlib.git_commit()}")
-    print(f"# {args.steps} timed steps after {args.warmup} warm-up steps, bf16-mixed, through sdtrain.training.fit_without_ray")
-    print(f"{'preset':9} {'px':>4} {'variant':22} {'batch':>5} {'img/s':>8} {'fwd GFLOP/img':>13} {'TFLOP/s':>8} {'MFU':>6} {'peak mem GiB':>12}")
+    print(
+        f"# {args.steps} timed steps after {args.warmup} warm-up steps, bf16-mixed, through sdtrain.training.fit_without_ray"
+    )
+    print(
+        f"{'preset':9} {'px':>4} {'variant':22} {'batch':>5} {'img/s':>8} {'fwd GFLOP/img':>13} {'TFLOP/s':>8} {'MFU':>6} {'peak mem GiB':>12}"
+    )
     results = {}
     for preset in presets:
         for px in resolutions:
@@ -89,15 +95,28 @@ def main() -> None:
                 flops = r["train_flops_per_img"]
                 achieved = r["img_per_s"] * flops
                 results[preset, px, variant] = r
-                print(f"{preset:9} {px:4} {variant:22} {batch:5} {r['img_per_s']:8.1f} {flops / 3e9:13.1f} "
-                      f"{achieved / 1e12:8.2f} {achieved / (peak * 1e12):6.1%} {r['peak_mem'] / 2**30:12.1f}", flush=True)
+                print(
+                    f"{preset:9} {px:4} {variant:22} {batch:5} {r['img_per_s']:8.1f} {flops / 3e9:13.1f} "
+                    f"{achieved / 1e12:8.2f} {achieved / (peak * 1e12):6.1%} {r['peak_mem'] / 2**30:12.1f}",
+                    flush=True,
+                )
     for (preset, px, variant), r in results.items():
         mfu = r["img_per_s"] * r["train_flops_per_img"] / (peak * 1e12)
-        target = "(target >= 0.40: " + ("met)" if mfu >= 0.4 else "MISSED)") if preset in ("small", "sd2-base") and px == 256 else ""
+        target = (
+            "(target >= 0.40: " + ("met)" if mfu >= 0.4 else "MISSED)")
+            if preset in ("small", "sd2-base") and px == 256
+            else ""
+        )
         print(f"RATIO MFU {preset} {px}px {variant} = {mfu:.3f}  {target}".rstrip())
         if px in (256, 128):
-            print(benchlib.ratio_line(f"img/s per GPU {preset} {px}px {variant}", r["img_per_s"],
-                                      "MosaicML SD2 per A100 at 256px", MOSAIC_IMG_PER_S_PER_A100_256))
+            print(
+                benchlib.ratio_line(
+                    f"img/s per GPU {preset} {px}px {variant}",
+                    r["img_per_s"],
+                    "MosaicML SD2 per A100 at 256px",
+                    MOSAIC_IMG_PER_S_PER_A100_256,
+                )
+            )
 
 
 def fitting_batch(preset: str, px: int, use_gpu: bool):
@@ -133,12 +152,20 @@ def measure(preset: str, px: int, variant: str, batch: int, steps: int, warmup: 
     from sdtrain.flops import unet_forward_flops
     from sdtrain.training import StepTimer, fit_without_ray, run_meta
 
-    config = load_config(None, [
-        "data.train=/unused", f"model.preset={preset}", f"train.max_steps={warmup + steps}",
-        f"train.global_batch_size={batch}", "train.precision=bf16-mixed", "train.warmup_steps=0",
-        f"train.compile={'compile' in variant}", f"train.channels_last={'channels_last' in variant}",
-        f"scaling.use_gpu={use_gpu}",
-    ])
+    config = load_config(
+        None,
+        [
+            "data.train=/unused",
+            f"model.preset={preset}",
+            f"train.max_steps={warmup + steps}",
+            f"train.global_batch_size={batch}",
+            "train.precision=bf16-mixed",
+            "train.warmup_steps=0",
+            f"train.compile={'compile' in variant}",
+            f"train.channels_last={'channels_last' in variant}",
+            f"scaling.use_gpu={use_gpu}",
+        ],
+    )
     side = px // 8
     meta = run_meta(config, (4, side, side), (77, 1024))
     unet = meta["unet_config"]
@@ -148,12 +175,18 @@ def measure(preset: str, px: int, variant: str, batch: int, steps: int, warmup: 
     latents = torch.randn(batch, *latent_shape, device=device, dtype=torch.float16)
     if "channels_last" in variant:
         latents = latents.contiguous(memory_format=torch.channels_last)
-    batch_data = {"latents": latents, "captions": torch.randn(batch, *caption_shape, device=device, dtype=torch.float16)}
+    batch_data = {
+        "latents": latents,
+        "captions": torch.randn(batch, *caption_shape, device=device, dtype=torch.float16),
+    }
     timer = StepTimer(warmup)
     fit_without_ray(config, [batch_data] * (warmup + steps), meta, use_gpu=use_gpu, callbacks=[timer])
     train_flops_per_img = unet_forward_flops(unet, latent_shape, caption_shape).train_step
-    return dict(img_per_s=batch * timer.timed_steps / timer.seconds, train_flops_per_img=train_flops_per_img,
-                peak_mem=timer.peak_memory)
+    return dict(
+        img_per_s=batch * timer.timed_steps / timer.seconds,
+        train_flops_per_img=train_flops_per_img,
+        peak_mem=timer.peak_memory,
+    )
 
 
 def _release() -> None:

@@ -32,7 +32,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -49,16 +48,25 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, a few seconds a run: checks that it runs")
     parser.add_argument("--scale", action="store_true", help="memory at 1x, 4x, 16x the dataset instead of throughput")
-    parser.add_argument("--rows", type=int, help="rows in the (1x) dataset (default 4096; --scale: 2048, above the pipeline's working set of a few 512-row windows)")
+    parser.add_argument(
+        "--rows",
+        type=int,
+        help="rows in the (1x) dataset (default 4096; --scale: 2048, above the pipeline's working set of a few 512-row windows)",
+    )
     parser.add_argument("--rows-per-file", type=int, default=64)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--dtypes", default=None, help="comma-separated (default float16,float32; --scale: float16)")
     parser.add_argument("--scales", default=None, help="comma-separated multiples of the dataset (default 1,4,16)")
     parser.add_argument("--paths", default=",".join(PATHS), help="which data paths to run")
-    parser.add_argument("--repeat", type=int, help="throughput: rounds of runs, each figure the median (default 3; --smoke: 1)")
+    parser.add_argument(
+        "--repeat", type=int, help="throughput: rounds of runs, each figure the median (default 3; --smoke: 1)"
+    )
     parser.add_argument("--stats", action="store_true", help="print Ray Data's execution stats of the sdtrain runs")
-    parser.add_argument("--object-store-limit-mib", type=int,
-                        help="experiment: cap Ray Data's object-store budget (the proposed fix; not what sdtrain does today)")
+    parser.add_argument(
+        "--object-store-limit-mib",
+        type=int,
+        help="experiment: cap Ray Data's object-store budget (the proposed fix; not what sdtrain does today)",
+    )
     parser.add_argument("--workdir", help="where to write the parquet files (default: a temporary directory)")
     parser.add_argument("--child", help=argparse.SUPPRESS)  # internal: run one measurement in this process
     parser.add_argument("--files", help=argparse.SUPPRESS)
@@ -84,24 +92,40 @@ def main() -> None:
     print(f"# machine: {benchlib.machine()}")
     print(f"# {benchlib.versions()}, sdtrain commit {benchlib.git_commit()}")
     if args.object_store_limit_mib:
-        print(f"# EXPERIMENT: Ray Data's object-store budget capped at {args.object_store_limit_mib} MiB (not the package's pipeline)")
+        print(
+            f"# EXPERIMENT: Ray Data's object-store budget capped at {args.object_store_limit_mib} MiB (not the package's pipeline)"
+        )
     with tempfile.TemporaryDirectory(prefix="sdtrain-bench-", dir=args.workdir) as workdir:
         if args.scale:
-            scale_benchmark(Path(workdir), rows, rows_per_file, dtypes[0], scales, [p for p in paths if p != "pyarrow"], args)
+            scale_benchmark(
+                Path(workdir), rows, rows_per_file, dtypes[0], scales, [p for p in paths if p != "pyarrow"], args
+            )
         else:
             results = throughput_benchmark(Path(workdir), rows, rows_per_file, dtypes, paths, args)
             if args.smoke:  # and the memory benchmark, whose 1x runs are the throughput runs just done
                 known = {(path, 1): r for (dtype, path), r in results.items() if dtype == dtypes[0]}
-                scale_benchmark(Path(workdir), rows, rows_per_file, dtypes[0], scales,
-                                [p for p in paths if p != "pyarrow"], args, known)
+                scale_benchmark(
+                    Path(workdir),
+                    rows,
+                    rows_per_file,
+                    dtypes[0],
+                    scales,
+                    [p for p in paths if p != "pyarrow"],
+                    args,
+                    known,
+                )
 
 
 def throughput_benchmark(workdir: Path, rows, rows_per_file, dtypes, paths, args) -> None:
-    print(f"# ingest throughput: {rows} rows of 4x32x32 latents + 77x1024 captions, flat lists, "
-          f"{rows_per_file} rows a file, batch {args.batch_size}; one fresh process per run, "
-          f"{args.repeat} interleaved round(s), figures are medians")
-    header = (f"{'dtype':8} {'path':8} {'steady samples/s':>17} {'end-to-end samples/s':>21} {'first batch s':>14} "
-              f"{'peak PSS MiB':>13} {'peak RSS MiB':>13}")
+    print(
+        f"# ingest throughput: {rows} rows of 4x32x32 latents + 77x1024 captions, flat lists, "
+        f"{rows_per_file} rows a file, batch {args.batch_size}; one fresh process per run, "
+        f"{args.repeat} interleaved round(s), figures are medians"
+    )
+    header = (
+        f"{'dtype':8} {'path':8} {'steady samples/s':>17} {'end-to-end samples/s':>21} {'first batch s':>14} "
+        f"{'peak PSS MiB':>13} {'peak RSS MiB':>13}"
+    )
     results = {}
     for dtype in dtypes:
         files = benchlib.write_dataset(workdir / dtype, rows, rows_per_file, dtype)
@@ -113,30 +137,61 @@ def throughput_benchmark(workdir: Path, rows, rows_per_file, dtypes, paths, args
                 r = run_child(path, files, dtype, args, interval=0.1 if args.smoke else 0.5)
                 runs[path].append(r)
                 if args.repeat > 1:
-                    print(f"  round {round_ + 1} {dtype} {path}: steady {r['steady_samples_per_s']:.0f}, end-to-end "
-                          f"{r['samples_per_s']:.0f} samples/s, first batch {r['first_batch_s']:.2f} s", flush=True)
+                    print(
+                        f"  round {round_ + 1} {dtype} {path}: steady {r['steady_samples_per_s']:.0f}, end-to-end "
+                        f"{r['samples_per_s']:.0f} samples/s, first batch {r['first_batch_s']:.2f} s",
+                        flush=True,
+                    )
         print(header)
         for path in paths:
             r = results[dtype, path] = benchlib.medians(runs[path])
-            print(f"{dtype:8} {path:8} {r['steady_samples_per_s']:17.0f} {r['samples_per_s']:21.0f} "
-                  f"{r['first_batch_s']:14.2f} {r['peak_pss'] / 2**20:13.0f} {r['peak_rss'] / 2**20:13.0f}", flush=True)
+            print(
+                f"{dtype:8} {path:8} {r['steady_samples_per_s']:17.0f} {r['samples_per_s']:21.0f} "
+                f"{r['first_batch_s']:14.2f} {r['peak_pss'] / 2**20:13.0f} {r['peak_rss'] / 2**20:13.0f}",
+                flush=True,
+            )
     for dtype in dtypes:
         if {"sdtrain", "pyarrow"} <= set(paths):
             ours, limit = results[dtype, "sdtrain"], results[dtype, "pyarrow"]
             ratio = ours["steady_samples_per_s"] / limit["steady_samples_per_s"]
-            print(benchlib.ratio_line(f"ingest {dtype} steady sdtrain", ours["steady_samples_per_s"], "pyarrow limit",
-                                      limit["steady_samples_per_s"], f">= {THROUGHPUT_TARGET}", ratio >= THROUGHPUT_TARGET))
-            print(benchlib.ratio_line(f"ingest {dtype} end-to-end sdtrain", ours["samples_per_s"], "pyarrow limit",
-                                      limit["samples_per_s"]))
+            print(
+                benchlib.ratio_line(
+                    f"ingest {dtype} steady sdtrain",
+                    ours["steady_samples_per_s"],
+                    "pyarrow limit",
+                    limit["steady_samples_per_s"],
+                    f">= {THROUGHPUT_TARGET}",
+                    ratio >= THROUGHPUT_TARGET,
+                )
+            )
+            print(
+                benchlib.ratio_line(
+                    f"ingest {dtype} end-to-end sdtrain", ours["samples_per_s"], "pyarrow limit", limit["samples_per_s"]
+                )
+            )
         if {"sdtrain", "pandas"} <= set(paths):
             ours, pandas = results[dtype, "sdtrain"], results[dtype, "pandas"]
             # The notebook's loader streams from memory once everything is loaded: its steady rate is
             # an in-memory rate; the comparison that counts is the epoch's, loading included.
-            print(benchlib.ratio_line(f"ingest {dtype} steady sdtrain", ours["steady_samples_per_s"], "pandas notebook",
-                                      pandas["steady_samples_per_s"]))
+            print(
+                benchlib.ratio_line(
+                    f"ingest {dtype} steady sdtrain",
+                    ours["steady_samples_per_s"],
+                    "pandas notebook",
+                    pandas["steady_samples_per_s"],
+                )
+            )
             ratio = ours["samples_per_s"] / pandas["samples_per_s"]
-            print(benchlib.ratio_line(f"ingest {dtype} end-to-end sdtrain", ours["samples_per_s"], "pandas notebook",
-                                      pandas["samples_per_s"], "> 1", ratio > 1))
+            print(
+                benchlib.ratio_line(
+                    f"ingest {dtype} end-to-end sdtrain",
+                    ours["samples_per_s"],
+                    "pandas notebook",
+                    pandas["samples_per_s"],
+                    "> 1",
+                    ratio > 1,
+                )
+            )
     return results
 
 
@@ -145,9 +200,13 @@ def scale_benchmark(workdir: Path, rows, rows_per_file, dtype, scales, paths, ar
     known = known or {}
     base = benchlib.write_dataset(workdir / "base", rows, rows_per_file, dtype)
     mib = sum(os.path.getsize(f) for f in base) / 2**20
-    print(f"# memory at scale: 1x = {rows} rows ({mib:.0f} MiB of {dtype} parquet, {len(base)} files), "
-          f"batch {args.batch_size}; peak of the summed PSS (and RSS) of the process tree, sampled every 0.1 s")
-    print(f"{'path':8} {'scale':>5} {'rows':>7} {'peak PSS MiB':>13} {'peak RSS MiB':>13} {'processes':>9} {'samples/s':>10}")
+    print(
+        f"# memory at scale: 1x = {rows} rows ({mib:.0f} MiB of {dtype} parquet, {len(base)} files), "
+        f"batch {args.batch_size}; peak of the summed PSS (and RSS) of the process tree, sampled every 0.1 s"
+    )
+    print(
+        f"{'path':8} {'scale':>5} {'rows':>7} {'peak PSS MiB':>13} {'peak RSS MiB':>13} {'processes':>9} {'samples/s':>10}"
+    )
     results = {}
     for scale in scales:
         files = benchlib.replicate(base, workdir / f"x{scale}", scale)
@@ -155,24 +214,44 @@ def scale_benchmark(workdir: Path, rows, rows_per_file, dtype, scales, paths, ar
         for path in paths:
             projected = _projected_rss(results, path, scale)
             if projected > RAM_SHARE * psutil.virtual_memory().total:
-                print(f"{path:8} {scale:4}x {rows * scale:7}  skipped: its growth so far projects {projected / 2**30:.0f} GiB "
-                      f"of RSS, more than {RAM_SHARE:.0%} of this machine's RAM", flush=True)
+                print(
+                    f"{path:8} {scale:4}x {rows * scale:7}  skipped: its growth so far projects {projected / 2**30:.0f} GiB "
+                    f"of RSS, more than {RAM_SHARE:.0%} of this machine's RAM",
+                    flush=True,
+                )
                 continue
             r = known.get((path, scale)) or run_child(path, files, dtype, args)
             results[path, scale] = r
-            print(f"{path:8} {scale:4}x {r['samples']:7} {r['peak_pss'] / 2**20:13.0f} {r['peak_rss'] / 2**20:13.0f} "
-                  f"{r['processes']:9} {r['samples_per_s']:10.0f}", flush=True)
+            print(
+                f"{path:8} {scale:4}x {r['samples']:7} {r['peak_pss'] / 2**20:13.0f} {r['peak_rss'] / 2**20:13.0f} "
+                f"{r['processes']:9} {r['samples_per_s']:10.0f}",
+                flush=True,
+            )
     low = min(scales)
     for path in paths:
         high = max(scale for p, scale in results if p == path)
         ratio = results[path, high]["peak_pss"] / results[path, low]["peak_pss"]
         target = f"<= {MEMORY_TARGET}" if path == "sdtrain" and high == max(scales) else None
-        print(benchlib.ratio_line(f"memory {path} peak PSS at {high}x", results[path, high]["peak_pss"],
-                                  f"at {low}x", results[path, low]["peak_pss"], target, ratio <= MEMORY_TARGET))
+        print(
+            benchlib.ratio_line(
+                f"memory {path} peak PSS at {high}x",
+                results[path, high]["peak_pss"],
+                f"at {low}x",
+                results[path, low]["peak_pss"],
+                target,
+                ratio <= MEMORY_TARGET,
+            )
+        )
     both = [scale for scale in scales if ("sdtrain", scale) in results and ("pandas", scale) in results]
     if both:
-        print(benchlib.ratio_line(f"memory peak PSS at {both[-1]}x sdtrain", results["sdtrain", both[-1]]["peak_pss"],
-                                  "pandas notebook", results["pandas", both[-1]]["peak_pss"]))
+        print(
+            benchlib.ratio_line(
+                f"memory peak PSS at {both[-1]}x sdtrain",
+                results["sdtrain", both[-1]]["peak_pss"],
+                "pandas notebook",
+                results["pandas", both[-1]]["peak_pss"],
+            )
+        )
 
 
 def _projected_rss(results, path: str, scale: int) -> float:
@@ -196,9 +275,22 @@ def run_child(path: str, files: list[str], dtype: str, args, interval: float = 0
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(files, f)
         file_list = f.name
-    command = [sys.executable, __file__, "--child", path, "--files", file_list, "--dtypes", dtype,
-               "--batch-size", str(args.batch_size)] + (["--stats"] if args.stats else []) + (
-               ["--object-store-limit-mib", str(args.object_store_limit_mib)] if args.object_store_limit_mib else [])
+    command = (
+        [
+            sys.executable,
+            __file__,
+            "--child",
+            path,
+            "--files",
+            file_list,
+            "--dtypes",
+            dtype,
+            "--batch-size",
+            str(args.batch_size),
+        ]
+        + (["--stats"] if args.stats else [])
+        + (["--object-store-limit-mib", str(args.object_store_limit_mib)] if args.object_store_limit_mib else [])
+    )
     process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
     sampler = benchlib.TreeMemorySampler(process.pid, interval=interval)
     sampler.start()
@@ -243,8 +335,10 @@ def child(args) -> None:
 
         def make():
             batches, holder["dataset"] = benchlib.sdtrain_batches(
-                files, args.batch_size,
-                object_store_limit=args.object_store_limit_mib and args.object_store_limit_mib * 2**20)
+                files,
+                args.batch_size,
+                object_store_limit=args.object_store_limit_mib and args.object_store_limit_mib * 2**20,
+            )
             return batches
     else:
         raise SystemExit(f"unknown path {args.child}")
@@ -255,8 +349,11 @@ def child(args) -> None:
     if args.child == "sdtrain" and args.stats:
         print(holder["dataset"].stats())
     benchlib.print_result(
-        samples=timing.samples, seconds=timing.seconds, samples_per_s=timing.samples_per_s,
-        steady_samples_per_s=timing.steady_samples_per_s, first_batch_s=timing.first_batch_s,
+        samples=timing.samples,
+        seconds=timing.seconds,
+        samples_per_s=timing.samples_per_s,
+        steady_samples_per_s=timing.steady_samples_per_s,
+        first_batch_s=timing.first_batch_s,
     )
 
 

@@ -36,7 +36,9 @@ BATCH = 16
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="a small stream: checks that it runs")
-    parser.add_argument("--rows", type=int, help="rows of 4x16x16 latents and 77x32 captions (default 8192; smoke 2048)")
+    parser.add_argument(
+        "--rows", type=int, help="rows of 4x16x16 latents and 77x32 captions (default 8192; smoke 2048)"
+    )
     parser.add_argument("--work", type=int, default=30, help="matmuls of 256x256 per step (default %(default)s)")
     parser.add_argument("--budget-mib", type=float, help="Ray Data's object-store budget (default 10; smoke 1)")
     parser.add_argument("--child", choices=["paced", "unpaced"], help=argparse.SUPPRESS)
@@ -49,23 +51,45 @@ def main() -> None:
 
     print(f"# machine: {benchlib.machine()}")
     print(f"# {benchlib.versions()}, sdtrain commit {benchlib.git_commit()}")
-    print(f"# {args.rows} rows in 512-row windows, batch {BATCH}, {args.work} matmuls a step, "
-          f"object-store budget {args.budget_mib:g} MiB; one fresh process per run")
+    print(
+        f"# {args.rows} rows in 512-row windows, batch {BATCH}, {args.work} matmuls a step, "
+        f"object-store budget {args.budget_mib:g} MiB; one fresh process per run"
+    )
     with tempfile.TemporaryDirectory(prefix="sdtrain-bench-") as workdir:
-        benchlib.write_dataset(Path(workdir), args.rows, 64, "float16", latent_shape=(4, 16, 16), caption_shape=(77, 32))
+        benchlib.write_dataset(
+            Path(workdir), args.rows, 64, "float16", latent_shape=(4, 16, 16), caption_shape=(77, 32)
+        )
         results = {mode: run_child(mode, workdir, args) for mode in ("unpaced", "paced")}
     print(f"{'stream':8} {'steps/s':>8} {'scheduler CPU s/s':>18} {'consumer CPU s/s':>17} {'steps':>6}")
     for mode, r in results.items():
         print(f"{mode:8} {r['steps_per_s']:8.2f} {r['scheduler_cpu']:18.2f} {r['consumer_cpu']:17.2f} {r['steps']:6}")
-    print(benchlib.ratio_line("consumer steps/s paced", results["paced"]["steps_per_s"],
-                              "unpaced", results["unpaced"]["steps_per_s"]))
-    print(benchlib.ratio_line("scheduler CPU paced", results["paced"]["scheduler_cpu"],
-                              "unpaced", results["unpaced"]["scheduler_cpu"]))
+    print(
+        benchlib.ratio_line(
+            "consumer steps/s paced", results["paced"]["steps_per_s"], "unpaced", results["unpaced"]["steps_per_s"]
+        )
+    )
+    print(
+        benchlib.ratio_line(
+            "scheduler CPU paced", results["paced"]["scheduler_cpu"], "unpaced", results["unpaced"]["scheduler_cpu"]
+        )
+    )
 
 
 def run_child(mode: str, workdir: str, args) -> dict:
-    command = [sys.executable, __file__, "--child", mode, "--data", workdir, "--rows", str(args.rows),
-               "--work", str(args.work), "--budget-mib", str(args.budget_mib)]
+    command = [
+        sys.executable,
+        __file__,
+        "--child",
+        mode,
+        "--data",
+        workdir,
+        "--rows",
+        str(args.rows),
+        "--work",
+        str(args.work),
+        "--budget-mib",
+        str(args.budget_mib),
+    ]
     process = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if process.returncode:
         raise SystemExit(f"the {mode} run failed with exit code {process.returncode}:\n{process.stdout[-4000:]}")
@@ -79,14 +103,17 @@ def child(args) -> None:
     torch.set_num_threads(1)
     ray.init(num_cpus=2, include_dashboard=False)
     files = sorted(str(p) for p in Path(args.data).glob("*.parquet"))
-    batches, _ = benchlib.sdtrain_batches(files, BATCH, caption_dim=32, paced=args.child == "paced",
-                                          object_store_limit=int(args.budget_mib * 2**20))
+    batches, _ = benchlib.sdtrain_batches(
+        files, BATCH, caption_dim=32, paced=args.child == "paced", object_store_limit=int(args.budget_mib * 2**20)
+    )
     batches = iter(batches)
     try:
         next(batches)  # start-up is not what this measures
         schedulers = [t for t in threading.enumerate() if t.name.startswith("StreamingExecutor")]
         if not schedulers:
-            raise SystemExit("the stream was read to its end before the first step: use more --rows or a smaller --budget-mib")
+            raise SystemExit(
+                "the stream was read to its end before the first step: use more --rows or a smaller --budget-mib"
+            )
         scheduler = schedulers[0]
         started, scheduler_cpu, consumer_cpu = time.perf_counter(), _thread_cpu(scheduler.native_id), time.thread_time()
         x, steps = torch.randn(256, 256), 0
@@ -105,8 +132,10 @@ def child(args) -> None:
     wall_end, scheduler_end, consumer_end, steps_end = last
     wall = wall_end - started
     benchlib.print_result(
-        steps_per_s=steps_end / wall, steps=steps_end,
-        scheduler_cpu=(scheduler_end - scheduler_cpu) / wall, consumer_cpu=(consumer_end - consumer_cpu) / wall,
+        steps_per_s=steps_end / wall,
+        steps=steps_end,
+        scheduler_cpu=(scheduler_end - scheduler_cpu) / wall,
+        consumer_cpu=(consumer_end - consumer_cpu) / wall,
     )
 
 

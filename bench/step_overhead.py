@@ -42,7 +42,9 @@ WAIT_TARGET = 0.02  # fraction of step time waiting for data
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="a few steps: checks that it runs")
-    parser.add_argument("--preset", default="tiny", help="model.preset (default tiny: the worst case, the shortest step)")
+    parser.add_argument(
+        "--preset", default="tiny", help="model.preset (default tiny: the worst case, the shortest step)"
+    )
     parser.add_argument("--steps", type=int, help="training steps (default 160; smoke 8)")
     parser.add_argument("--warmup", type=int, help="steps excluded from the steady state (default 40; smoke 3)")
     parser.add_argument("--batch-size", type=int, help="per step (default 16: the demo's per-worker batch; smoke 8)")
@@ -66,8 +68,10 @@ def main() -> None:
 
     print(f"# machine: {benchlib.machine()}")
     print(f"# {benchlib.versions()}, sdtrain commit {benchlib.git_commit()}")
-    print(f"# preset {args.preset}, batch {args.batch_size}, {args.steps} steps ({args.warmup} excluded as warm-up), "
-          f"fp32 on CPU, 1 Ray Train worker; {args.dtype} parquet latents")
+    print(
+        f"# preset {args.preset}, batch {args.batch_size}, {args.steps} steps ({args.warmup} excluded as warm-up), "
+        f"fp32 on CPU, 1 Ray Train worker; {args.dtype} parquet latents"
+    )
     fulls, bares = [], []
     with tempfile.TemporaryDirectory(prefix="sdtrain-bench-", dir=args.workdir) as workdir:
         args.data = workdir
@@ -75,34 +79,69 @@ def main() -> None:
             fulls.append(run_child("full", args))
             # As many torch threads as Ray Train gave its worker.
             bares.append(run_child("bare", args, "--threads", str(fulls[0]["worker_threads"])))
-            print(f"  round {round_ + 1}: full path {fulls[-1]['steady_steps_per_s']:.2f} steps/s, "
-                  f"bare loop {bares[-1]['steady_steps_per_s']:.2f} steps/s", flush=True)
+            print(
+                f"  round {round_ + 1}: full path {fulls[-1]['steady_steps_per_s']:.2f} steps/s, "
+                f"bare loop {bares[-1]['steady_steps_per_s']:.2f} steps/s",
+                flush=True,
+            )
     # Adjacent pairs in run order: (full 1, bare 1), (bare 1, full 2), (full 2, bare 2), ...
     rates = [run["steady_steps_per_s"] for pair in zip(fulls, bares) for run in pair]  # full at even positions
     ratios = sorted((a / b if i % 2 == 0 else b / a) for i, (a, b) in enumerate(zip(rates, rates[1:])))
     ratio = ratios[len(ratios) // 2]
     full, bare = benchlib.medians(fulls), benchlib.medians(bares)
 
-    print(f"full path (train(config)): {full['steady_steps_per_s']:.2f} steps/s after step {args.warmup} "
-          f"(the job's metrics.csv; median of {len(fulls)}); torch threads in the worker: {full['worker_threads']}")
-    print(f"bare PyTorch loop:         {bare['steady_steps_per_s']:.2f} steps/s steady (median of {len(bares)}; "
-          f"{bare['threads']} torch threads)")
+    print(
+        f"full path (train(config)): {full['steady_steps_per_s']:.2f} steps/s after step {args.warmup} "
+        f"(the job's metrics.csv; median of {len(fulls)}); torch threads in the worker: {full['worker_threads']}"
+    )
+    print(
+        f"bare PyTorch loop:         {bare['steady_steps_per_s']:.2f} steps/s steady (median of {len(bares)}; "
+        f"{bare['threads']} torch threads)"
+    )
     print(f"ratio of each adjacent (full, bare) pair: {', '.join(f'{r:.3f}' for r in ratios)}")
-    print(f"time to first step: {full['first_step_s']:.1f} s from calling train() (time_to_first_step_s); "
-          f"whole run {full['total_s']:.1f} s")
-    print(f"data wait: {100 * full['wait_fraction']:.2f}% of {full['steady_s']:.2f} s steady-state training (data_wait_fraction)")
-    print(f"RATIO steps/s full path / bare loop = {ratio:.3f}  (median of {len(ratios)} adjacent pairs; "
-          f"target >= {SPEED_TARGET}: {'met' if ratio >= SPEED_TARGET else 'MISSED'})")
+    print(
+        f"time to first step: {full['first_step_s']:.1f} s from calling train() (time_to_first_step_s); "
+        f"whole run {full['total_s']:.1f} s"
+    )
+    print(
+        f"data wait: {100 * full['wait_fraction']:.2f}% of {full['steady_s']:.2f} s steady-state training (data_wait_fraction)"
+    )
+    print(
+        f"RATIO steps/s full path / bare loop = {ratio:.3f}  (median of {len(ratios)} adjacent pairs; "
+        f"target >= {SPEED_TARGET}: {'met' if ratio >= SPEED_TARGET else 'MISSED'})"
+    )
     fraction = full["wait_fraction"]
-    print(f"RATIO data wait / step time = {fraction:.4f}  (target < {WAIT_TARGET}: {'met' if fraction < WAIT_TARGET else 'MISSED'})")
-    print(f"RATIO time to first step / steady step time = {full['first_step_s'] * full['steady_steps_per_s']:.1f}  "
-          f"({full['first_step_s']:.1f} s)")
+    print(
+        f"RATIO data wait / step time = {fraction:.4f}  (target < {WAIT_TARGET}: {'met' if fraction < WAIT_TARGET else 'MISSED'})"
+    )
+    print(
+        f"RATIO time to first step / steady step time = {full['first_step_s'] * full['steady_steps_per_s']:.1f}  "
+        f"({full['first_step_s']:.1f} s)"
+    )
 
 
 def run_child(kind: str, args, *extra: str) -> dict:
-    command = [sys.executable, __file__, "--child", kind, "--data", args.data, "--preset", args.preset,
-               "--steps", str(args.steps), "--warmup", str(args.warmup), "--batch-size", str(args.batch_size),
-               "--log-every", str(args.log_every), "--dtype", args.dtype, *extra]
+    command = [
+        sys.executable,
+        __file__,
+        "--child",
+        kind,
+        "--data",
+        args.data,
+        "--preset",
+        args.preset,
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+        "--batch-size",
+        str(args.batch_size),
+        "--log-every",
+        str(args.log_every),
+        "--dtype",
+        args.dtype,
+        *extra,
+    ]
     process = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = process.stdout.splitlines()
     if process.returncode:
@@ -129,18 +168,31 @@ def full_path(args) -> None:
     size, caption_dim = preset["sample_size"], preset["cross_attention_dim"]
     rows = (args.steps + 2) * args.batch_size  # one epoch covers the run
     data_dir = Path(args.data) / "train"
-    benchlib.write_dataset(data_dir, rows, max(args.batch_size * 8, rows // 16), args.dtype,
-                           latent_shape=(4, size, size), caption_shape=(77, caption_dim))
-    config = Config.from_dict({
-        "data": {"train": [str(data_dir)]},
-        "model": {"preset": args.preset},
-        "train": {"max_steps": args.steps, "global_batch_size": args.batch_size, "lr": 1e-4, "warmup_steps": 10},
-        "scaling": {"num_workers": 1, "use_gpu": False},
-        # A fresh storage directory per run: the same one would resume the previous run's checkpoint.
-        "run": {"name": "step-overhead", "storage_path": tempfile.mkdtemp(prefix="runs-", dir=args.data),
-                "checkpoint_every_n_steps": args.steps, "log_every_n_steps": args.log_every, "num_to_keep": 1},
-        "failure": {"max_failures": 0},
-    })
+    benchlib.write_dataset(
+        data_dir,
+        rows,
+        max(args.batch_size * 8, rows // 16),
+        args.dtype,
+        latent_shape=(4, size, size),
+        caption_shape=(77, caption_dim),
+    )
+    config = Config.from_dict(
+        {
+            "data": {"train": [str(data_dir)]},
+            "model": {"preset": args.preset},
+            "train": {"max_steps": args.steps, "global_batch_size": args.batch_size, "lr": 1e-4, "warmup_steps": 10},
+            "scaling": {"num_workers": 1, "use_gpu": False},
+            # A fresh storage directory per run: the same one would resume the previous run's checkpoint.
+            "run": {
+                "name": "step-overhead",
+                "storage_path": tempfile.mkdtemp(prefix="runs-", dir=args.data),
+                "checkpoint_every_n_steps": args.steps,
+                "log_every_n_steps": args.log_every,
+                "num_to_keep": 1,
+            },
+            "failure": {"max_failures": 0},
+        }
+    )
     assert unet_config(config.model)["cross_attention_dim"] == caption_dim
     launched = time.time()
     summary = sdtrain.launch.train(config)

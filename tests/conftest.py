@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import json
-import os
 import socket
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 import numpy as np
 import pyarrow as pa
@@ -19,6 +17,7 @@ REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 sys.path.insert(0, str(REPO / "bench"))
 import benchlib  # noqa: E402  (the S3 server process the benchmarks use too)
+
 ENCODINGS = ("list", "fixed_size_list", "tensor")
 
 
@@ -84,8 +83,12 @@ def free_ports(n: int) -> list[int]:
     return ports
 
 
-S3_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
-          "AWS_EC2_METADATA_DISABLED": "true"}
+S3_ENV = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_DEFAULT_REGION": "us-east-1",
+    "AWS_EC2_METADATA_DISABLED": "true",
+}
 
 
 moto_server = benchlib.moto_server
@@ -170,7 +173,11 @@ def s3_auth(monkeypatch, tmp_path, clean_storage_settings):
             keys[name] = (key["AccessKeyId"], key["SecretAccessKey"])
             if actions:
                 statement = {"Effect": "Allow", "Action": actions, "Resource": "*"}
-                iam.put_user_policy(UserName=name, PolicyName="p", PolicyDocument=json.dumps({"Version": "2012-10-17", "Statement": [statement]}))
+                iam.put_user_policy(
+                    UserName=name,
+                    PolicyName="p",
+                    PolicyDocument=json.dumps({"Version": "2012-10-17", "Statement": [statement]}),
+                )
 
         add_user(boto3.client("iam"), "admin", "*")
         admin = boto3.session.Session(*keys["admin"], region_name="us-east-1")

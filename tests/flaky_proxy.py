@@ -51,7 +51,9 @@ def _throttle(client: socket.socket) -> None:
             break
         request += chunk
     head, _, body = request.partition(b"\r\n\r\n")
-    length = next((int(line.split(b":")[1]) for line in head.lower().split(b"\r\n") if line.startswith(b"content-length:")), 0)
+    length = next(
+        (int(line.split(b":")[1]) for line in head.lower().split(b"\r\n") if line.startswith(b"content-length:")), 0
+    )
     if b"expect: 100-continue" in head.lower():  # the client waits for our answer before the body
         length = 0
     while len(body) < length:  # read the whole request, so the client sees the answer, not a reset

@@ -1,13 +1,13 @@
 """job.yaml and schedule.yaml, validated offline by the Anyscale SDK's own config models."""
 
 import shlex
-import tomllib
 
 import pytest
+import tomllib
 from anyscale.job.models import JobConfig
 from anyscale.schedule.models import ScheduleConfig
-
 from conftest import REPO
+
 from sdtrain.config import load_config
 
 
@@ -22,7 +22,9 @@ def _pins():
     return {d.split("==")[0]: d for d in dependencies}
 
 
-@pytest.mark.parametrize("name, entrypoint", [("job.yaml", "entrypoints/train.py"), ("schedule.yaml", "entrypoints/retrain.py")])
+@pytest.mark.parametrize(
+    "name, entrypoint", [("job.yaml", "entrypoints/train.py"), ("schedule.yaml", "entrypoints/retrain.py")]
+)
 def test_job_files_are_valid_and_consistent_with_their_config(name, entrypoint):
     job = _job(name)
     argv = shlex.split(job.entrypoint)

@@ -10,7 +10,6 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import REPO  # noqa: E402
 
 RATIO = re.compile(r"^RATIO (.+?) = (-?[0-9.]+|nan|inf)", re.M)
@@ -21,7 +20,12 @@ def run_bench(*args: str, timeout: int = 240) -> tuple[str, dict[str, float]]:
     # Its own process group: on a timeout, the script's measurement children (each with its own
     # Ray cluster) go with it instead of living on.
     process = subprocess.Popen(
-        [sys.executable, *args], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [sys.executable, *args],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
         start_new_session=True,
     )
     try:
@@ -97,7 +101,15 @@ def test_fsdp_memory_smoke():
 
 
 @pytest.mark.parametrize(
-    "script", ["ingest.py", "step_overhead.py", "checkpoint_stall.py", "gpu_throughput.py", "scheduler_spin.py", "fsdp_memory.py"]
+    "script",
+    [
+        "ingest.py",
+        "step_overhead.py",
+        "checkpoint_stall.py",
+        "gpu_throughput.py",
+        "scheduler_spin.py",
+        "fsdp_memory.py",
+    ],
 )
 def test_help(script):
     out, _ = run_bench(f"bench/{script}", "--help", timeout=60)

@@ -1,8 +1,8 @@
 import re
 
 import pytest
-
 from conftest import REPO
+
 from sdtrain.config import Config, describe_keys, help_text, load_config
 from sdtrain.errors import ConfigError
 
@@ -36,7 +36,9 @@ def test_defaults_follow_the_seed_notebook():
 
 
 def test_round_trip_through_dict():
-    config = load_config(None, BASE + ["scaling.num_workers=[2,4]", "train.global_batch_size=24", "model.unet.sample_size=8"])
+    config = load_config(
+        None, BASE + ["scaling.num_workers=[2,4]", "train.global_batch_size=24", "model.unet.sample_size=8"]
+    )
     assert Config.from_dict(config.to_dict()) == config
 
 
@@ -56,9 +58,15 @@ def test_round_trip_through_dict():
         (BASE + ["train.grad_clip_norm=-1"], r"train\.grad_clip_norm: must be >= 0"),
         (BASE + ["train.precision=fp8"], r"train\.precision: must be one of auto, bf16-mixed, 16-mixed, 32-true"),
         (BASE + ["model.preset=huge"], r"model\.preset: must be one of tiny, small, sd2-base; got 'huge'"),
-        (BASE + ["model.unet.layers_per_blok=2"], r"model\.unet\.layers_per_blok: is not a UNet2DConditionModel argument \(did you mean layers_per_block\?\)"),
+        (
+            BASE + ["model.unet.layers_per_blok=2"],
+            r"model\.unet\.layers_per_blok: is not a UNet2DConditionModel argument \(did you mean layers_per_block\?\)",
+        ),
         (BASE + ["model.unet=3"], r"model\.unet: expected a mapping"),
-        (BASE + ["model.pretrained=/m", "model.unet.sample_size=8"], r"model\.unet: cannot override the architecture of model\.pretrained"),
+        (
+            BASE + ["model.pretrained=/m", "model.unet.sample_size=8"],
+            r"model\.unet: cannot override the architecture of model\.pretrained",
+        ),
         (BASE + ["scaling.num_workers=0"], r"scaling\.num_workers: must be >= 1"),
         (BASE + ["scaling.num_workers=[4,2]"], r"scaling\.num_workers: as a list must be \[min, max\]"),
         (BASE + ["scaling.num_workers=[1,2,3]"], r"scaling\.num_workers: as a list must be \[min, max\]"),
@@ -119,7 +127,9 @@ def test_shipped_configs_load(name):
 
 
 def test_retrain_keys():
-    config = load_config(None, ["retrain.data_root=/d", "retrain.models_root=/m", "data.val=/v", "retrain.date=2026-11-22"])
+    config = load_config(
+        None, ["retrain.data_root=/d", "retrain.models_root=/m", "data.val=/v", "retrain.date=2026-11-22"]
+    )
     assert config.retrain.date == "2026-11-22" and config.data.train == []  # retraining picks its own partitions
     with pytest.raises(ConfigError, match=r"retrain\.date: must be a date YYYY-MM-DD, got '2026-13-01'"):
         load_config(None, BASE + ["retrain.date=2026-13-01"])
@@ -134,9 +144,14 @@ def test_retrain_keys():
 def test_batch_layout_keeps_the_global_batch_at_every_world_size():
     config = load_config(None, BASE + ["train.global_batch_size=48", "scaling.num_workers=[2,4]"])
     assert [config.batch_layout(n) for n in (2, 3, 4)] == [(4, 6), (4, 4), (4, 3)]
-    config = load_config(None, BASE + ["train.global_batch_size=48", "train.micro_batch_size=8", "scaling.num_workers=[2,3]"])
+    config = load_config(
+        None, BASE + ["train.global_batch_size=48", "train.micro_batch_size=8", "scaling.num_workers=[2,3]"]
+    )
     assert [config.batch_layout(n) for n in (2, 3)] == [(8, 3), (8, 2)]
-    assert all(n * micro * accumulation == 48 for n, (micro, accumulation) in zip((2, 3), [config.batch_layout(2), config.batch_layout(3)]))
+    assert all(
+        n * micro * accumulation == 48
+        for n, (micro, accumulation) in zip((2, 3), [config.batch_layout(2), config.batch_layout(3)])
+    )
 
 
 @pytest.mark.parametrize(
@@ -149,18 +164,35 @@ def test_batch_layout_keeps_the_global_batch_at_every_world_size():
         (["train.ema_decay=1.5"], r"train\.ema_decay: must be in \(0, 1\) or null, got 1\.5"),
         (["train.ema_start_step=-1"], r"train\.ema_start_step: must be >= 0"),
         (["train.strategy=deepspeed"], r"train\.strategy: must be one of ddp, fsdp"),
-        (["train.strategy=fsdp", "train.precision=16-mixed"], r"train\.precision: 16-mixed cannot run with train\.strategy=fsdp"),
-        (["train.strategy=fsdp", "train.channels_last=true"], r"train\.channels_last: cannot be used with train\.strategy=fsdp"),
+        (
+            ["train.strategy=fsdp", "train.precision=16-mixed"],
+            r"train\.precision: 16-mixed cannot run with train\.strategy=fsdp",
+        ),
+        (
+            ["train.strategy=fsdp", "train.channels_last=true"],
+            r"train\.channels_last: cannot be used with train\.strategy=fsdp",
+        ),
         (["train.precision=16-mixed", "scaling.use_gpu=false"], r"train\.precision: 16-mixed needs GPUs"),
         (["train.attention=flash"], r"train\.attention: must be one of sdpa, eager"),
         (["train.compile=3"], r"train\.compile: expected bool"),
         (["model.prediction_type=sample"], r"model\.prediction_type: must be one of epsilon, v_prediction"),
         (["data.latent_scaling_factor=0"], r"data\.latent_scaling_factor: must be > 0 or null"),
-        (["data.unconditional_caption=empty.txt"], r"data\.unconditional_caption: must be zeros or the path of a \.npy file"),
-        (["run.checkpoint_score_attribute=accuracy"], r"run\.checkpoint_score_attribute: expected val_loss \| loss \| null"),
+        (
+            ["data.unconditional_caption=empty.txt"],
+            r"data\.unconditional_caption: must be zeros or the path of a \.npy file",
+        ),
+        (
+            ["run.checkpoint_score_attribute=accuracy"],
+            r"run\.checkpoint_score_attribute: expected val_loss \| loss \| null",
+        ),
         (["run.checkpoint_score_attribute=val_loss"], r"run\.checkpoint_score_attribute: val_loss needs data\.val"),
         (
-            ["run.checkpoint_score_attribute=val_loss", "data.val=/v", "run.val_every_n_steps=300", "run.checkpoint_every_n_steps=1000"],
+            [
+                "run.checkpoint_score_attribute=val_loss",
+                "data.val=/v",
+                "run.val_every_n_steps=300",
+                "run.checkpoint_every_n_steps=1000",
+            ],
             r"run\.checkpoint_score_attribute: val_loss needs a validation loss with every checkpoint",
         ),
     ],
@@ -175,14 +207,37 @@ def test_recipe_defaults_change_nothing_and_options_reach_the_model():
 
     config = load_config(None, BASE)
     train = config.train
-    assert (train.snr_gamma, train.noise_offset, train.input_perturbation, train.caption_dropout_prob, train.ema_decay) == (None, 0, 0, 0, None)
-    assert (train.strategy, train.compile, train.channels_last, train.gradient_checkpointing, train.attention) == ("ddp", False, False, False, "sdpa")
+    assert (
+        train.snr_gamma,
+        train.noise_offset,
+        train.input_perturbation,
+        train.caption_dropout_prob,
+        train.ema_decay,
+    ) == (None, 0, 0, 0, None)
+    assert (train.strategy, train.compile, train.channels_last, train.gradient_checkpointing, train.attention) == (
+        "ddp",
+        False,
+        False,
+        False,
+        "sdpa",
+    )
     assert config.model.prediction_type == "epsilon" and config.run.export is True
     v = load_config(None, BASE + ["model.prediction_type=v_prediction", "model.preset=tiny"])
     scheduler = noise_scheduler_config(v.model)
     assert scheduler["prediction_type"] == "v_prediction" and scheduler["clip_sample"] is False
-    assert load_config(None, BASE + ["run.checkpoint_score_attribute=val_loss", "data.val=/v", "run.val_every_n_steps=500",
-                                     "run.checkpoint_every_n_steps=1000"]).run.checkpoint_score_attribute == "val_loss"
+    assert (
+        load_config(
+            None,
+            BASE
+            + [
+                "run.checkpoint_score_attribute=val_loss",
+                "data.val=/v",
+                "run.val_every_n_steps=500",
+                "run.checkpoint_every_n_steps=1000",
+            ],
+        ).run.checkpoint_score_attribute
+        == "val_loss"
+    )
 
 
 def test_gpu_options_and_strategies_are_built():
@@ -205,7 +260,11 @@ def test_gpu_options_and_strategies_are_built():
     assert type(build_strategy(TrainConfig(strategy="fsdp"), 1, on_ray=False)) is ModelParallelStrategy
 
     model = ModelConfig(preset="tiny")
-    meta = {"unet_config": unet_config(model), "noise_scheduler_config": noise_scheduler_config(model), "caption_shape": [5, 32]}
+    meta = {
+        "unet_config": unet_config(model),
+        "noise_scheduler_config": noise_scheduler_config(model),
+        "caption_shape": [5, 32],
+    }
 
     def module(**train):
         torch.manual_seed(0)

@@ -4,8 +4,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-
 from conftest import ENCODINGS, column, write_latents
+
 from sdtrain.dataspec import inspect_dataset
 from sdtrain.decode import decode_batch
 from sdtrain.demo_data import NUM_CLASSES, ensure_demo_data, load_digits
@@ -21,12 +21,16 @@ def _inspect(files, in_channels=4, cross_attention_dim=32, image="image_latents_
 @pytest.mark.parametrize("dtype", [np.float16, np.float32])
 def test_every_encoding_decodes_to_the_written_values(tmp_path, encoding, dtype):
     path = tmp_path / "part.parquet"
-    latents, captions = write_latents(path, rows=5, encoding=encoding, latent_shape=(4, 8, 8), caption_shape=(7, 32), dtype=dtype)
+    latents, captions = write_latents(
+        path, rows=5, encoding=encoding, latent_shape=(4, 8, 8), caption_shape=(7, 32), dtype=dtype
+    )
     spec = _inspect([path])
     assert spec.latent_shape == (4, 8, 8)  # from the data, not hard-coded
     assert spec.caption_shape == (7, 32)
     assert spec.num_rows == 5
-    batch = decode_batch(pq.read_table(path), "image_latents_256", "caption_latents", spec.latent_shape, spec.caption_shape)
+    batch = decode_batch(
+        pq.read_table(path), "image_latents_256", "caption_latents", spec.latent_shape, spec.caption_shape
+    )
     assert batch["latents"].dtype == dtype  # kept as stored; cast on the device
     np.testing.assert_array_equal(batch["latents"], latents)
     np.testing.assert_array_equal(batch["captions"], captions)
@@ -58,7 +62,10 @@ def test_a_ragged_row_mid_file_names_the_column_and_file(tmp_path):
             "path": pa.array(["/data/bad.parquet"] * 2),
         }
     )
-    with pytest.raises(DataError, match=r"column 'image_latents_256' has a row of 63 values; expected 64 = 4 x 4 x 4 in /data/bad\.parquet"):
+    with pytest.raises(
+        DataError,
+        match=r"column 'image_latents_256' has a row of 63 values; expected 64 = 4 x 4 x 4 in /data/bad\.parquet",
+    ):
         decode_batch(table, "image_latents_256", "caption_latents", (4, 4, 4), (1, 32))
 
 
@@ -66,7 +73,9 @@ def test_files_dirs_globs_and_lists(tmp_path):
     for name in ("a/1.parquet", "a/sub/2.parquet", "b/3.parquet", "a/_SUCCESS", "a/.tmp.parquet", "a/notes.txt"):
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_bytes(b"")
-    found = resolve_parquet_files([str(tmp_path / "a"), str(tmp_path / "b" / "*.parquet"), str(tmp_path / "a/1.parquet")], "data.train")
+    found = resolve_parquet_files(
+        [str(tmp_path / "a"), str(tmp_path / "b" / "*.parquet"), str(tmp_path / "a/1.parquet")], "data.train"
+    )
     assert [f[len(str(tmp_path)) + 1 :] for f in found] == ["a/1.parquet", "a/sub/2.parquet", "b/3.parquet"]
     with pytest.raises(DataError, match=r"data\.val: .*/nope matches no parquet files"):
         resolve_parquet_files([str(tmp_path / "nope")], "data.val")
@@ -87,22 +96,34 @@ def test_missing_column(tmp_path):
 
 def test_latent_length_not_c_h_w(tmp_path):
     write_latents(tmp_path / "p.parquet", latent_shape=(4, 99))  # 396 values: 4 x 99 is not 4 x H x H
-    with pytest.raises(DataError, match=r"p\.parquet, column 'image_latents_256' \(data\.image_column\) has 396 values a row, which is not C\*H\*W for C = the UNet's in_channels = 4"):
+    with pytest.raises(
+        DataError,
+        match=r"p\.parquet, column 'image_latents_256' \(data\.image_column\) has 396 values a row, which is not C\*H\*W for C = the UNet's in_channels = 4",
+    ):
         _inspect([tmp_path / "p.parquet"])
 
 
 def test_caption_width_is_not_cross_attention_dim(tmp_path):
     write_latents(tmp_path / "flat.parquet", caption_shape=(77, 30))
-    with pytest.raises(DataError, match=r"flat\.parquet, column 'caption_latents' \(data\.caption_column\) has 2310 values a row, which is not L\*D for D = the UNet's cross_attention_dim = 32"):
+    with pytest.raises(
+        DataError,
+        match=r"flat\.parquet, column 'caption_latents' \(data\.caption_column\) has 2310 values a row, which is not L\*D for D = the UNet's cross_attention_dim = 32",
+    ):
         _inspect([tmp_path / "flat.parquet"])
     write_latents(tmp_path / "tensor.parquet", caption_shape=(77, 1024), encoding="tensor")
-    with pytest.raises(DataError, match=r"holds caption embeddings of shape \(77, 1024\); expected \(L, D\) with D = the UNet's cross_attention_dim = 32"):
+    with pytest.raises(
+        DataError,
+        match=r"holds caption embeddings of shape \(77, 1024\); expected \(L, D\) with D = the UNet's cross_attention_dim = 32",
+    ):
         _inspect([tmp_path / "tensor.parquet"])
 
 
 def test_latent_channels_are_not_in_channels(tmp_path):
     write_latents(tmp_path / "p.parquet", latent_shape=(3, 16, 16), encoding="tensor")
-    with pytest.raises(DataError, match=r"holds latents of shape \(3, 16, 16\); expected \(C, H, W\) with C = the UNet's in_channels = 4"):
+    with pytest.raises(
+        DataError,
+        match=r"holds latents of shape \(3, 16, 16\); expected \(C, H, W\) with C = the UNet's in_channels = 4",
+    ):
         _inspect([tmp_path / "p.parquet"])
 
 
@@ -122,18 +143,36 @@ def test_unreadable_file(tmp_path):
 def test_files_that_disagree_on_encoding(tmp_path):
     write_latents(tmp_path / "a.parquet", encoding="list")
     write_latents(tmp_path / "b.parquet", encoding="fixed_size_list")
-    with pytest.raises(DataError, match=r"column 'image_latents_256' is a fixed-size list of 1024 halffloat in .*b\.parquet but a list of halffloat in .*a\.parquet"):
+    with pytest.raises(
+        DataError,
+        match=r"column 'image_latents_256' is a fixed-size list of 1024 halffloat in .*b\.parquet but a list of halffloat in .*a\.parquet",
+    ):
         _inspect([tmp_path / "a.parquet", tmp_path / "b.parquet"])
 
 
 def test_integer_values_and_nulls(tmp_path):
-    table = pa.table({"image_latents_256": pa.array([[1] * 1024], pa.list_(pa.int32())), "caption_latents": column(np.zeros((1, 2, 32), np.float32), "list")})
+    table = pa.table(
+        {
+            "image_latents_256": pa.array([[1] * 1024], pa.list_(pa.int32())),
+            "caption_latents": column(np.zeros((1, 2, 32), np.float32), "list"),
+        }
+    )
     pq.write_table(table, tmp_path / "ints.parquet")
-    with pytest.raises(DataError, match=r"column 'image_latents_256' \(data\.image_column\) holds int32 values; expected float16 or float32"):
+    with pytest.raises(
+        DataError,
+        match=r"column 'image_latents_256' \(data\.image_column\) holds int32 values; expected float16 or float32",
+    ):
         _inspect([tmp_path / "ints.parquet"])
-    table = pa.table({"image_latents_256": pa.array([None], pa.list_(pa.float32())), "caption_latents": column(np.zeros((1, 2, 32), np.float32), "list")})
+    table = pa.table(
+        {
+            "image_latents_256": pa.array([None], pa.list_(pa.float32())),
+            "caption_latents": column(np.zeros((1, 2, 32), np.float32), "list"),
+        }
+    )
     pq.write_table(table, tmp_path / "nulls.parquet")
-    with pytest.raises(DataError, match=r"nulls\.parquet, column 'image_latents_256' \(data\.image_column\): the first row is null"):
+    with pytest.raises(
+        DataError, match=r"nulls\.parquet, column 'image_latents_256' \(data\.image_column\): the first row is null"
+    ):
         _inspect([tmp_path / "nulls.parquet"])
 
 
@@ -163,7 +202,9 @@ def test_start_fresh_sets_the_old_run_aside_without_deleting_it(tmp_path):
     moved = set_aside(str(run_dir))
     assert moved is not None and moved.startswith(f"{run_dir}.replaced-")
     assert not run_dir.exists()
-    assert (tmp_path / "runs" / moved.split("/")[-1] / "checkpoint_000000010" / "checkpoint.ckpt").read_bytes() == b"weights"
+    assert (
+        tmp_path / "runs" / moved.split("/")[-1] / "checkpoint_000000010" / "checkpoint.ckpt"
+    ).read_bytes() == b"weights"
     assert set_aside(str(run_dir)) is None  # nothing there: nothing to do
 
 
@@ -176,11 +217,19 @@ def test_a_window_reads_the_planned_rows_in_the_planned_order(tmp_path, done_ste
     from sdtrain.dataspec import inspect_dataset
     from sdtrain.sampling import DataState, SamplePlan
 
-    written = [write_latents(tmp_path / "a.parquet", rows=30, seed=1, row_group_size=8),
-               write_latents(tmp_path / "b.parquet", rows=20, seed=2, row_group_size=8)]
+    written = [
+        write_latents(tmp_path / "a.parquet", rows=30, seed=1, row_group_size=8),
+        write_latents(tmp_path / "b.parquet", rows=20, seed=2, row_group_size=8),
+    ]
     latents = np.concatenate([w[0] for w in written])
-    spec = inspect_dataset([str(tmp_path / "a.parquet"), str(tmp_path / "b.parquet")], "data.train",
-                           "image_latents_256", "caption_latents", 4, 32)
+    spec = inspect_dataset(
+        [str(tmp_path / "a.parquet"), str(tmp_path / "b.parquet")],
+        "data.train",
+        "image_latents_256",
+        "caption_latents",
+        4,
+        32,
+    )
     plan = SamplePlan(spec.rows_per_file, seed=0, chunk_rows=5, window_rows=12)
     reader = WindowReader(spec, DataConfig(train=["x"]), plan)
     state = plan.advance(DataState(), 1, 10, done_steps)
@@ -201,6 +250,7 @@ def test_a_window_reads_the_planned_rows_in_the_planned_order(tmp_path, done_ste
 
 def test_an_unreadable_row_group_fails_naming_it_or_is_skipped_alone(tmp_path):
     from conftest import corrupt_row_group
+
     from sdtrain.config import DataConfig
     from sdtrain.dataset import WindowReader
     from sdtrain.sampling import SamplePlan, Window
@@ -210,7 +260,9 @@ def test_an_unreadable_row_group_fails_naming_it_or_is_skipped_alone(tmp_path):
     spec = inspect_dataset([str(tmp_path / "bad.parquet")], "data.train", "image_latents_256", "caption_latents", 4, 32)
     plan = SamplePlan(spec.rows_per_file, seed=0, chunk_rows=24, window_rows=24)
     window = Window(np.array([[0, 0, 24]]), (0,), 0, 24)
-    with pytest.raises(DataError, match=rf"data\.train: {tmp_path}/bad\.parquet: rows 8-15 cannot be read .* data\.on_read_error=skip"):
+    with pytest.raises(
+        DataError, match=rf"data\.train: {tmp_path}/bad\.parquet: rows 8-15 cannot be read .* data\.on_read_error=skip"
+    ):
         WindowReader(spec, DataConfig(train=["x"]), plan).read(window)
     block = WindowReader(spec, DataConfig(train=["x"], on_read_error="skip"), plan).read(window)
     invalid = block.column("sample_index").to_numpy()[~block.column("valid").to_numpy(zero_copy_only=False)]

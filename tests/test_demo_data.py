@@ -17,7 +17,9 @@ from sdtrain.demo_data import (
 
 def _read(directory):
     table = pq.read_table(directory)
-    return to_array(table.column("image_latents_256"), (4, 16, 16), "image_latents_256").astype(np.float32), np.asarray(table.column("label"))
+    return to_array(table.column("image_latents_256"), (4, 16, 16), "image_latents_256").astype(np.float32), np.asarray(
+        table.column("label")
+    )
 
 
 def test_real_demo_latents_agree_with_their_labels_and_shuffled_labels_do_not(tmp_path):
@@ -39,4 +41,3 @@ def test_the_classifier_reads_shape_not_contrast_and_refuses_blanks():
     assert (classify_digits(means) == np.arange(NUM_CLASSES)).all()
     assert (classify_digits(0.2 * means) == np.arange(NUM_CLASSES)).all()  # a faint digit is still that digit
     assert (classify_digits(np.stack([np.zeros((16, 16)), np.full((16, 16), 30.0)])) == -1).all()  # blank, saturated
-

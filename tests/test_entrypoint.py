@@ -6,7 +6,6 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import REPO, write_latents
 
 TRAIN = [sys.executable, str(REPO / "entrypoints" / "train.py")]
@@ -25,7 +24,15 @@ def _run(args, tmp_path, timeout):
 def test_help_lists_every_key(tmp_path):
     result = _run(["--help"], tmp_path, timeout=50)
     assert result.returncode == 0
-    for key in ("data.train", "model.preset", "model.unet", "train.precision", "scaling.num_workers", "run.num_to_keep", "failure.max_failures"):
+    for key in (
+        "data.train",
+        "model.preset",
+        "model.unet",
+        "train.precision",
+        "scaling.num_workers",
+        "run.num_to_keep",
+        "failure.max_failures",
+    ):
         assert key in result.stdout
 
 
@@ -34,7 +41,10 @@ def test_help_lists_every_key(tmp_path):
     "args, message",
     [
         (["train.lr=fast"], "error: train.lr: expected float, got 'fast'"),
-        (["data.train=bad.parquet"], "error: data.train: {tmp}/bad.parquet, column 'caption_latents' (data.caption_column) has 2464 values a row, which is not L*D for D = the UNet's cross_attention_dim = 1024"),
+        (
+            ["data.train=bad.parquet"],
+            "error: data.train: {tmp}/bad.parquet, column 'caption_latents' (data.caption_column) has 2464 values a row, which is not L*D for D = the UNet's cross_attention_dim = 1024",
+        ),
     ],
 )
 def test_bad_input_exits_2_with_one_paragraph(tmp_path, args, message):
@@ -49,11 +59,20 @@ def test_bad_input_exits_2_with_one_paragraph(tmp_path, args, message):
 def test_retrain_entrypoint_checks_its_input_before_anything_runs(tmp_path):
     retrain = [sys.executable, str(REPO / "entrypoints" / "retrain.py")]
     env = {**os.environ, "RAY_ADDRESS": "local", **CHECKOUT}
-    result = subprocess.run(retrain + ["retrain.date=2026-13-01"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=100)
-    assert result.returncode == 2 and "error: retrain.date: must be a date YYYY-MM-DD, got '2026-13-01'" in result.stderr
     result = subprocess.run(
-        retrain + [f"retrain.data_root={tmp_path}/none", f"retrain.models_root={tmp_path}/models", f"data.val={tmp_path}"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=100,
+        retrain + ["retrain.date=2026-13-01"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=100
+    )
+    assert (
+        result.returncode == 2 and "error: retrain.date: must be a date YYYY-MM-DD, got '2026-13-01'" in result.stderr
+    )
+    result = subprocess.run(
+        retrain
+        + [f"retrain.data_root={tmp_path}/none", f"retrain.models_root={tmp_path}/models", f"data.val={tmp_path}"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=100,
     )
     assert result.returncode == 2, result.stderr
     assert f"error: retrain.data_root: {tmp_path}/none holds no date=YYYY-MM-DD partitions up to" in result.stderr
@@ -74,7 +93,9 @@ def test_the_demo_survives_a_killed_driver_and_the_loss_falls(tmp_path):
 
     args = ["train.max_steps=40", "run.log_every_n_steps=10", "run.checkpoint_every_n_steps=10", "run.num_to_keep=null"]
     env = {**os.environ, "RAY_ADDRESS": "local", **CHECKOUT}
-    driver = subprocess.Popen(TRAIN + args, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    driver = subprocess.Popen(
+        TRAIN + args, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+    )
     run_dir = tmp_path / "runs" / "demo"
     snapshot = run_dir / "checkpoint_manager_snapshot.json"
     deadline = time.monotonic() + 400
@@ -104,7 +125,9 @@ def test_the_demo_survives_a_killed_driver_and_the_loss_falls(tmp_path):
     assert f"final checkpoint: {run_dir}/checkpoint_000000040" in result.stdout
     history = json.loads((run_dir / "checkpoint_000000040" / "history.json").read_text())
     assert [row["step"] for row in history] == [10, 20, 30, 40]
-    assert [row["start_step"] for row in history if row["step"] > resumed_from] == [resumed_from] * ((40 - resumed_from) // 10)
+    assert [row["start_step"] for row in history if row["step"] > resumed_from] == [resumed_from] * (
+        (40 - resumed_from) // 10
+    )
     with open(run_dir / "metrics.csv") as f:
         losses = [float(row["loss"]) for row in csv.DictReader(f)]
     assert len(losses) == 4 and losses[-1] < 0.7 * losses[0], losses
@@ -112,8 +135,19 @@ def test_the_demo_survives_a_killed_driver_and_the_loss_falls(tmp_path):
 
     # The README's next command, as written (a relative run directory), at a token size: a row per
     # digit, and the class agreement of the samples.
-    generate = [sys.executable, str(REPO / "entrypoints" / "generate.py"), "runs/demo", "--captions", ".sdtrain-data/digits/val",
-                "--out", "samples/demo", "--samples-per-caption", "1", "--steps", "2"]
+    generate = [
+        sys.executable,
+        str(REPO / "entrypoints" / "generate.py"),
+        "runs/demo",
+        "--captions",
+        ".sdtrain-data/digits/val",
+        "--out",
+        "samples/demo",
+        "--samples-per-caption",
+        "1",
+        "--steps",
+        "2",
+    ]
     result = subprocess.run(generate, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "of 10 samples look like the digit they were conditioned on" in result.stdout

@@ -10,19 +10,18 @@ import lightning.pytorch as pl
 import numpy as np
 import pytest
 import torch
+from conftest import REPO
 from diffusers import AutoencoderKL, DDIMScheduler, DDPMScheduler, StableDiffusionPipeline, UNet2DConditionModel
 from PIL import Image
 
-from conftest import REPO
 from sdtrain.checkpoint import load_checkpoint
-from sdtrain.config import ModelConfig, TrainConfig
-from sdtrain.local_data import iter_local_batches
+from sdtrain.config import DataConfig, ModelConfig, TrainConfig
 from sdtrain.dataspec import inspect_dataset
-from sdtrain.config import DataConfig
 from sdtrain.demo_data import digits_from_latents, ensure_demo_data, load_digits, pseudo_latents
 from sdtrain.export import export_checkpoint, load_export
 from sdtrain.files import resolve_parquet_files
 from sdtrain.generate import guided_prediction, sample_latents
+from sdtrain.local_data import iter_local_batches
 from sdtrain.model import build_unet, noise_scheduler_config, unet_config
 from sdtrain.module import DiffusionModule
 
@@ -36,7 +35,9 @@ def trained(tmp_path_factory):
     root = tmp_path_factory.mktemp("trained")
     ensure_demo_data(str(root / "train"), str(root / "val"), caption_dim=32)
     data = DataConfig(train=[str(root / "train")], val=[str(root / "val")], demo=True)
-    spec = inspect_dataset(resolve_parquet_files(data.train, "data.train"), "data.train", data.image_column, data.caption_column, 4, 32)
+    spec = inspect_dataset(
+        resolve_parquet_files(data.train, "data.train"), "data.train", data.image_column, data.caption_column, 4, 32
+    )
     batches = []
     for batch in iter_local_batches(spec, data, 16):
         batches.append(batch)
@@ -45,14 +46,24 @@ def trained(tmp_path_factory):
     model = ModelConfig(preset="tiny", prediction_type="v_prediction")
     train = TrainConfig(lr=1e-3, warmup_steps=0, ema_decay=0.5, caption_dropout_prob=0.2)
     meta = {
-        "unet_config": unet_config(model), "noise_scheduler_config": noise_scheduler_config(model),
-        "latent_shape": [4, 16, 16], "caption_shape": [77, 32], "latent_scale": 1.0, "latent_scaling_factor": None,
+        "unet_config": unet_config(model),
+        "noise_scheduler_config": noise_scheduler_config(model),
+        "latent_shape": [4, 16, 16],
+        "caption_shape": [77, 32],
+        "latent_scale": 1.0,
+        "latent_scaling_factor": None,
         "config": {"data": {"demo": True}, "train": {"caption_dropout_prob": 0.2}},
     }
     torch.manual_seed(0)
     module = DiffusionModule(build_unet(model), meta["noise_scheduler_config"], train, meta)
-    trainer = pl.Trainer(max_steps=4, accelerator="cpu", logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False)
+    trainer = pl.Trainer(
+        max_steps=4,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(batches, batch_size=None))
     checkpoint = root / "checkpoint_000000004"
     trainer.save_checkpoint(checkpoint / "checkpoint.ckpt", weights_only=False)
@@ -61,8 +72,14 @@ def trained(tmp_path_factory):
 
 def _tiny_vae(path):
     torch.manual_seed(0)
-    vae = AutoencoderKL(block_out_channels=(8, 16), down_block_types=("DownEncoderBlock2D",) * 2,
-                        up_block_types=("UpDecoderBlock2D",) * 2, latent_channels=4, norm_num_groups=8, sample_size=32)
+    vae = AutoencoderKL(
+        block_out_channels=(8, 16),
+        down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2,
+        latent_channels=4,
+        norm_num_groups=8,
+        sample_size=32,
+    )
     vae.save_pretrained(path)
     return vae
 
@@ -70,8 +87,13 @@ def _tiny_vae(path):
 def test_export_round_trips_through_from_pretrained(trained, tmp_path):
     out = export_checkpoint(trained["checkpoint"], str(tmp_path / "export"))
     files = sorted(str(p.relative_to(tmp_path / "export")) for p in (tmp_path / "export").rglob("*") if p.is_file())
-    assert files == ["scheduler/scheduler_config.json", "sdtrain.json", "unconditional_caption.npy",
-                     "unet/config.json", "unet/diffusion_pytorch_model.safetensors"]
+    assert files == [
+        "scheduler/scheduler_config.json",
+        "sdtrain.json",
+        "unconditional_caption.npy",
+        "unet/config.json",
+        "unet/diffusion_pytorch_model.safetensors",
+    ]
     unet = UNet2DConditionModel.from_pretrained(out, subfolder="unet").eval()
     scheduler = DDPMScheduler.from_pretrained(out, subfolder="scheduler")
     assert scheduler.config.prediction_type == "v_prediction" and scheduler.config.clip_sample is False
@@ -95,14 +117,32 @@ def test_exported_unet_works_inside_a_stable_diffusion_pipeline(trained, tmp_pat
     unet = UNet2DConditionModel.from_pretrained(out, subfolder="unet").eval()
     scheduler = DDIMScheduler.from_pretrained(out, subfolder="scheduler")
     vae = _tiny_vae(tmp_path / "vae")
-    pipe = StableDiffusionPipeline(vae=vae, text_encoder=None, tokenizer=None, unet=unet, scheduler=scheduler,
-                                   safety_checker=None, feature_extractor=None, requires_safety_checker=False)
+    pipe = StableDiffusionPipeline(
+        vae=vae,
+        text_encoder=None,
+        tokenizer=None,
+        unet=unet,
+        scheduler=scheduler,
+        safety_checker=None,
+        feature_extractor=None,
+        requires_safety_checker=False,
+    )
     cond = torch.randn(2, 77, 32, generator=torch.Generator().manual_seed(1))
     uncond = torch.zeros(1, 77, 32)
     size = 16 * pipe.vae_scale_factor
-    theirs = pipe(prompt_embeds=cond, negative_prompt_embeds=uncond.expand(2, -1, -1), guidance_scale=3.0, num_inference_steps=5,
-                  generator=torch.Generator().manual_seed(0), output_type="latent", height=size, width=size).images
-    ours = sample_latents(unet, dict(scheduler.config), cond, uncond[0], (4, 16, 16), sampler="ddim", steps=5, guidance_scale=3.0, seed=0)
+    theirs = pipe(
+        prompt_embeds=cond,
+        negative_prompt_embeds=uncond.expand(2, -1, -1),
+        guidance_scale=3.0,
+        num_inference_steps=5,
+        generator=torch.Generator().manual_seed(0),
+        output_type="latent",
+        height=size,
+        width=size,
+    ).images
+    ours = sample_latents(
+        unet, dict(scheduler.config), cond, uncond[0], (4, 16, 16), sampler="ddim", steps=5, guidance_scale=3.0, seed=0
+    )
     torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)
     assert ours.abs().max() < 50  # no blow-up (clip_sample off, v-prediction followed by the sampler)
 
@@ -124,10 +164,16 @@ def test_sampling_depends_on_the_seed_only():
     unet = UNet2DConditionModel(**unet_config(ModelConfig(preset="tiny"))).eval()
     config = noise_scheduler_config(ModelConfig(preset="tiny"))
     captions = torch.randn(3, 7, 32)
-    a = sample_latents(unet, config, captions, torch.zeros(7, 32), (4, 16, 16), sampler="dpm", steps=3, seed=5, batch_size=1)
-    b = sample_latents(unet, config, captions, torch.zeros(7, 32), (4, 16, 16), sampler="dpm", steps=3, seed=5, batch_size=3)
+    a = sample_latents(
+        unet, config, captions, torch.zeros(7, 32), (4, 16, 16), sampler="dpm", steps=3, seed=5, batch_size=1
+    )
+    b = sample_latents(
+        unet, config, captions, torch.zeros(7, 32), (4, 16, 16), sampler="dpm", steps=3, seed=5, batch_size=3
+    )
     torch.testing.assert_close(a, b, rtol=0, atol=1e-4)  # batching changes the samples only by float rounding
-    assert not torch.allclose(a, sample_latents(unet, config, captions, torch.zeros(7, 32), (4, 16, 16), sampler="dpm", steps=3, seed=6))
+    assert not torch.allclose(
+        a, sample_latents(unet, config, captions, torch.zeros(7, 32), (4, 16, 16), sampler="dpm", steps=3, seed=6)
+    )
 
 
 def test_digit_preview_inverts_the_demo_latents():
@@ -146,28 +192,74 @@ def _generate(args, tmp_path):
 @pytest.mark.timeout(180)
 def test_generate_end_to_end_writes_a_grid_per_class(trained, tmp_path):
     out = tmp_path / "samples"
-    result = _generate([trained["checkpoint"], "--captions", str(trained["root"] / "val"), "--out", str(out),
-                        "--samples-per-caption", "3", "--steps", "4", "--sampler", "dpm", "--guidance-scale", "2"], tmp_path)
-    assert sorted(p.name for p in out.iterdir()) == ["demo_accuracy.json", "generate.json", "latents.npy", "preview.png"]
+    result = _generate(
+        [
+            trained["checkpoint"],
+            "--captions",
+            str(trained["root"] / "val"),
+            "--out",
+            str(out),
+            "--samples-per-caption",
+            "3",
+            "--steps",
+            "4",
+            "--sampler",
+            "dpm",
+            "--guidance-scale",
+            "2",
+        ],
+        tmp_path,
+    )
+    assert sorted(p.name for p in out.iterdir()) == [
+        "demo_accuracy.json",
+        "generate.json",
+        "latents.npy",
+        "preview.png",
+    ]
     latents = np.load(out / "latents.npy")
     assert latents.shape == (10, 3, 4, 16, 16) and np.isfinite(latents).all()  # a row per digit class
     info = json.loads((out / "generate.json").read_text())
-    assert info["rows"] == [f"label {d}" for d in range(10)] and info["weights"] == "ema" and info["prediction_type"] == "v_prediction"
+    assert (
+        info["rows"] == [f"label {d}" for d in range(10)]
+        and info["weights"] == "ema"
+        and info["prediction_type"] == "v_prediction"
+    )
     with Image.open(out / "preview.png") as preview:
         width, height = preview.size
     assert height == 10 * (64 + 2) + 2 and width == 60 + 3 * (64 + 2) + 2  # 10 rows of 3 tiles of 64x64
     assert f"wrote {out}/preview.png" in result.stdout
     accuracy = json.loads((out / "demo_accuracy.json").read_text())  # the demo's class agreement, 30 samples
-    assert accuracy["samples"] == 30 and 0 <= accuracy["class_agreement"] <= 1 and sorted(accuracy["per_class"]) == [str(d) for d in range(10)]
-    assert accuracy["real_digits"] > 0.85 and f"class agreement {accuracy['class_agreement']:.2f}: {accuracy['agreeing']} of 30 samples" in result.stdout
+    assert (
+        accuracy["samples"] == 30
+        and 0 <= accuracy["class_agreement"] <= 1
+        and sorted(accuracy["per_class"]) == [str(d) for d in range(10)]
+    )
+    assert (
+        accuracy["real_digits"] > 0.85
+        and f"class agreement {accuracy['class_agreement']:.2f}: {accuracy['agreeing']} of 30 samples" in result.stdout
+    )
 
     # Export with the same entrypoint, then sample from the export with a VAE: decoded images and a grid.
     _generate([trained["checkpoint"], "--export-to", str(tmp_path / "export")], tmp_path)
     _tiny_vae(tmp_path / "vae")
     out = tmp_path / "decoded"
     np.save(tmp_path / "two.npy", np.random.default_rng(0).standard_normal((2, 77, 32)).astype(np.float32))
-    _generate([str(tmp_path / "export"), "--captions", str(tmp_path / "two.npy"), "--out", str(out), "--vae", str(tmp_path / "vae"),
-               "--samples-per-caption", "2", "--steps", "3"], tmp_path)
+    _generate(
+        [
+            str(tmp_path / "export"),
+            "--captions",
+            str(tmp_path / "two.npy"),
+            "--out",
+            str(out),
+            "--vae",
+            str(tmp_path / "vae"),
+            "--samples-per-caption",
+            "2",
+            "--steps",
+            "3",
+        ],
+        tmp_path,
+    )
     images = sorted(p.name for p in (out / "images").iterdir())
     assert images == ["row00_sample00.png", "row00_sample01.png", "row01_sample00.png", "row01_sample01.png"]
     with Image.open(out / "images" / images[0]) as image:
@@ -177,9 +269,22 @@ def test_generate_end_to_end_writes_a_grid_per_class(trained, tmp_path):
 
 def test_generate_rejects_bad_input_in_one_line(trained, tmp_path):
     np.save(tmp_path / "wide.npy", np.zeros((77, 64), np.float32))
-    result = subprocess.run(GENERATE + [trained["checkpoint"], "--captions", str(tmp_path / "wide.npy")],
-                            cwd=tmp_path, capture_output=True, text=True, timeout=120, env=ENV)
+    result = subprocess.run(
+        GENERATE + [trained["checkpoint"], "--captions", str(tmp_path / "wide.npy")],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=ENV,
+    )
     assert result.returncode == 2 and "error: --captions:" in result.stderr and "(L, 32)" in result.stderr
     assert "Traceback" not in result.stderr
-    result = subprocess.run(GENERATE + [str(tmp_path / "nowhere"), "--captions", "x.npy"], cwd=tmp_path, capture_output=True, text=True, timeout=120, env=ENV)
+    result = subprocess.run(
+        GENERATE + [str(tmp_path / "nowhere"), "--captions", "x.npy"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=ENV,
+    )
     assert result.returncode == 2 and "does not exist" in result.stderr

@@ -43,9 +43,12 @@ def test_hand_count_of_a_tiny_unet():
     transformer = conv(C, C, 1) + self_attention + cross_attention + feed_forward + conv(C, C, 1)  # proj_in/out 1x1
     expected = (
         conv(4, C, 3)  # conv_in
-        + linear(C, T) + linear(T, T)  # timestep embedding MLP
+        + linear(C, T)
+        + linear(T, T)  # timestep embedding MLP
         + resnet  # down block (the only level: no downsampler)
-        + resnet + transformer + resnet  # mid block
+        + resnet
+        + transformer
+        + resnet  # mid block
         + 2 * up_resnet  # up block: layers_per_block + 1 resnets
         + conv(C, 4, 3)  # conv_out
     )

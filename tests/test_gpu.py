@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from test_options import batches, config, fit
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -25,7 +24,9 @@ def gpu_fit(cfg, n=3, nan_at=(), same=False, **kwargs):
 @pytest.mark.parametrize("clip", [0.0, 0.01])
 @pytest.mark.parametrize("precision", ["auto", "bf16-mixed", "16-mixed", "32-true"])
 def test_every_precision_with_and_without_clipping_and_ema_trains_on_the_gpu(precision, clip, ema):
-    cfg = config(GPU, f"train.precision={precision}", f"train.grad_clip_norm={clip}", f"train.ema_decay={ema or 'null'}")
+    cfg = config(
+        GPU, f"train.precision={precision}", f"train.grad_clip_norm={clip}", f"train.ema_decay={ema or 'null'}"
+    )
     module, trainer, steps = gpu_fit(cfg)
     assert module.device.type == "cuda"
     assert trainer.global_step == 3 and all(0 < s["loss"] < 10 for s in steps)
@@ -48,13 +49,19 @@ def test_a_nan_step_is_skipped_and_counted_as_bad_on_the_gpu(precision):
     assert torch.isfinite(steps[2]["weight"]).all() and not torch.equal(steps[2]["weight"], steps[1]["weight"])
 
 
-@pytest.mark.parametrize("options", [
-    ("train.compile=true",), ("train.channels_last=true",), ("train.gradient_checkpointing=true",),
-    ("train.attention=eager",), ("train.attention=sdpa",),
-    ("train.compile=true", "train.channels_last=true", "train.gradient_checkpointing=true"),
-    ("train.strategy=fsdp", "train.ema_decay=0.9"),
-    ("train.strategy=fsdp", "train.compile=true", "train.gradient_checkpointing=true"),
-])
+@pytest.mark.parametrize(
+    "options",
+    [
+        ("train.compile=true",),
+        ("train.channels_last=true",),
+        ("train.gradient_checkpointing=true",),
+        ("train.attention=eager",),
+        ("train.attention=sdpa",),
+        ("train.compile=true", "train.channels_last=true", "train.gradient_checkpointing=true"),
+        ("train.strategy=fsdp", "train.ema_decay=0.9"),
+        ("train.strategy=fsdp", "train.compile=true", "train.gradient_checkpointing=true"),
+    ],
+)
 def test_each_gpu_option_trains_under_bf16(options, tmp_path):
     cfg = config(GPU, "train.precision=bf16-mixed", *options)
     _, trainer, steps = gpu_fit(cfg, default_root_dir=str(tmp_path))
@@ -68,7 +75,12 @@ def test_a_bf16_checkpoint_resumes_on_the_gpu(strategy, tmp_path):
     options = (GPU, "train.precision=bf16-mixed", "train.ema_decay=0.9", f"train.strategy={strategy}")
     _, trainer, _ = gpu_fit(config(*options, steps=2), n=4, same=True, default_root_dir=str(tmp_path))
     trainer.save_checkpoint(tmp_path / "step2.ckpt")
-    resumed, trainer, steps = gpu_fit(config(*options, steps=4), n=4, same=True, ckpt_path=str(tmp_path / "step2.ckpt"),
-                                      default_root_dir=str(tmp_path))
+    resumed, trainer, steps = gpu_fit(
+        config(*options, steps=4),
+        n=4,
+        same=True,
+        ckpt_path=str(tmp_path / "step2.ckpt"),
+        default_root_dir=str(tmp_path),
+    )
     assert trainer.global_step == 4 and [s["step"] for s in steps] == [3, 4]
     assert all(0 < s["loss"] < 10 for s in steps)

@@ -5,16 +5,15 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
-import sys
 import urllib.request
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-
 from conftest import BIN, REPO, S3_ENV, free_ports, write_latents
 
 
@@ -31,14 +30,26 @@ def ray_head():
     log = open(os.path.join(temp_dir, "head.log"), "w")
     head = subprocess.Popen(
         [
-            str(BIN / "ray"), "start", "--head", "--block", "--num-cpus=2",
-            "--node-ip-address=127.0.0.1", f"--port={gcs}", "--dashboard-host=127.0.0.1",
-            f"--dashboard-port={dashboard}", f"--ray-client-server-port={client}",
-            f"--dashboard-agent-grpc-port={agent_grpc}", f"--dashboard-agent-listen-port={agent_http}",
-            f"--runtime-env-agent-port={runtime_env}", f"--metrics-export-port={metrics}",
+            str(BIN / "ray"),
+            "start",
+            "--head",
+            "--block",
+            "--num-cpus=2",
+            "--node-ip-address=127.0.0.1",
+            f"--port={gcs}",
+            "--dashboard-host=127.0.0.1",
+            f"--dashboard-port={dashboard}",
+            f"--ray-client-server-port={client}",
+            f"--dashboard-agent-grpc-port={agent_grpc}",
+            f"--dashboard-agent-listen-port={agent_http}",
+            f"--runtime-env-agent-port={runtime_env}",
+            f"--metrics-export-port={metrics}",
             f"--temp-dir={temp_dir}",
         ],
-        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
     )
     address = f"http://127.0.0.1:{dashboard}"
     deadline = time.monotonic() + 90
@@ -66,17 +77,40 @@ def ray_head():
 
 def _submit(address, env, submission_id, job_args):
     submit = subprocess.run(
-        [str(BIN / "ray"), "job", "submit", "--address", address, "--submission-id", submission_id, "--no-wait",
-         "--working-dir", str(REPO), "--runtime-env", str(REPO / "runtime_env" / "local.yaml"), "--", *job_args],
-        env=env, cwd=REPO, capture_output=True, text=True, timeout=120,
+        [
+            str(BIN / "ray"),
+            "job",
+            "submit",
+            "--address",
+            address,
+            "--submission-id",
+            submission_id,
+            "--no-wait",
+            "--working-dir",
+            str(REPO),
+            "--runtime-env",
+            str(REPO / "runtime_env" / "local.yaml"),
+            "--",
+            *job_args,
+        ],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert submit.returncode == 0, submit.stderr
 
 
 def _follow(address, env, submission_id) -> str:
     """The job's whole log, once it has ended."""
-    logs = subprocess.run([str(BIN / "ray"), "job", "logs", "--address", address, "--follow", submission_id],
-                          env=env, capture_output=True, text=True, timeout=400)
+    logs = subprocess.run(
+        [str(BIN / "ray"), "job", "logs", "--address", address, "--follow", submission_id],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
     return logs.stdout
 
 
@@ -90,7 +124,9 @@ def _committed(s3, run_key: str) -> list[str]:
 
 
 @pytest.mark.timeout(900)
-def test_a_job_trains_from_a_bucket_into_a_bucket_is_stopped_and_resubmitted_and_resumes(s3_bucket, ray_head, tmp_path, monkeypatch):
+def test_a_job_trains_from_a_bucket_into_a_bucket_is_stopped_and_resubmitted_and_resumes(
+    s3_bucket, ray_head, tmp_path, monkeypatch
+):
     """`ray job submit` against a cluster that knows the S3 credentials (as from an instance
     role) but not the endpoint: only the job's storage.endpoint_url names it, so it must reach
     Ray Train's controller and workers and Ray Data's read tasks from the driver. The job is
@@ -102,15 +138,29 @@ def test_a_job_trains_from_a_bucket_into_a_bucket_is_stopped_and_resubmitted_and
     address, env = ray_head
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")  # for this process's JobSubmissionClient
     s3 = boto3.client("s3")
-    for name, rows, seed in (("train/part-0.parquet", 96, 0), ("train/part-1.parquet", 96, 1), ("val/part-0.parquet", 16, 2)):
+    for name, rows, seed in (
+        ("train/part-0.parquet", 96, 0),
+        ("train/part-1.parquet", 96, 1),
+        ("val/part-0.parquet", 16, 2),
+    ):
         write_latents(tmp_path / name, rows=rows, seed=seed, row_group_size=32)
         s3.upload_file(str(tmp_path / name), "sdtrain-test", f"data/{name}")
     run_uri = f"{s3_bucket}/runs/s3job"
     job_args = [
-        "python", "entrypoints/train.py", "data.demo=false", f"data.train={s3_bucket}/data/train",
-        f"data.val={s3_bucket}/data/val/", f"run.storage_path={s3_bucket}/runs", "run.name=s3job",
-        f"storage.endpoint_url={os.environ['AWS_ENDPOINT_URL']}", "train.max_steps=40", "train.global_batch_size=16",
-        "run.checkpoint_every_n_steps=10", "run.log_every_n_steps=10", "run.num_to_keep=null", "train.ema_start_step=0",
+        "python",
+        "entrypoints/train.py",
+        "data.demo=false",
+        f"data.train={s3_bucket}/data/train",
+        f"data.val={s3_bucket}/data/val/",
+        f"run.storage_path={s3_bucket}/runs",
+        "run.name=s3job",
+        f"storage.endpoint_url={os.environ['AWS_ENDPOINT_URL']}",
+        "train.max_steps=40",
+        "train.global_batch_size=16",
+        "run.checkpoint_every_n_steps=10",
+        "run.log_every_n_steps=10",
+        "run.num_to_keep=null",
+        "train.ema_start_step=0",
     ]
     client = JobSubmissionClient(address)
     first = f"sdtrain-s3-{os.getpid()}-1"
@@ -118,11 +168,18 @@ def test_a_job_trains_from_a_bucket_into_a_bucket_is_stopped_and_resubmitted_and
     deadline = time.monotonic() + 300
     while not _committed(s3, "runs/s3job"):
         status = client.get_job_status(first)
-        assert not status.is_terminal(), f"the job ended ({status}) before a checkpoint was committed:\n" + client.get_job_logs(first)[-4000:]
+        assert not status.is_terminal(), (
+            f"the job ended ({status}) before a checkpoint was committed:\n" + client.get_job_logs(first)[-4000:]
+        )
         assert time.monotonic() < deadline, "no checkpoint committed in 300 s"
         time.sleep(0.2)
-    stop = subprocess.run([str(BIN / "ray"), "job", "stop", "--address", address, first], env=env,
-                          capture_output=True, text=True, timeout=120)
+    stop = subprocess.run(
+        [str(BIN / "ray"), "job", "stop", "--address", address, first],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert stop.returncode == 0, stop.stderr
     assert client.get_job_status(first) == JobStatus.STOPPED
     committed = _committed(s3, "runs/s3job")
@@ -137,12 +194,19 @@ def test_a_job_trains_from_a_bucket_into_a_bucket_is_stopped_and_resubmitted_and
     assert "Started a local Ray instance" not in logs and "Connecting to existing Ray cluster" in logs
     assert f"resumed from step {resumed_from}" in logs
     assert f"final checkpoint: {run_uri}/checkpoint_000000040" in logs
-    history = json.loads(s3.get_object(Bucket="sdtrain-test", Key="runs/s3job/checkpoint_000000040/history.json")["Body"].read())
+    history = json.loads(
+        s3.get_object(Bucket="sdtrain-test", Key="runs/s3job/checkpoint_000000040/history.json")["Body"].read()
+    )
     assert [row["step"] for row in history] == [10, 20, 30, 40]
-    assert [row["start_step"] for row in history if row["step"] > resumed_from] == [resumed_from] * ((40 - resumed_from) // 10)
+    assert [row["start_step"] for row in history if row["step"] > resumed_from] == [resumed_from] * (
+        (40 - resumed_from) // 10
+    )
     exported = {o["Key"] for o in s3.list_objects_v2(Bucket="sdtrain-test", Prefix="runs/s3job/export/")["Contents"]}
-    assert {"runs/s3job/export/unet/config.json", "runs/s3job/export/unet/diffusion_pytorch_model.safetensors",
-            "runs/s3job/export/scheduler/scheduler_config.json"} <= exported
+    assert {
+        "runs/s3job/export/unet/config.json",
+        "runs/s3job/export/unet/diffusion_pytorch_model.safetensors",
+        "runs/s3job/export/scheduler/scheduler_config.json",
+    } <= exported
 
     # The export is the final checkpoint's EMA UNet, read back from the bucket.
     from sdtrain.checkpoint import load_checkpoint
@@ -154,9 +218,25 @@ def test_a_job_trains_from_a_bucket_into_a_bucket_is_stopped_and_resubmitted_and
     assert all(torch.equal(tensor, exported_state[name]) for name, tensor in final.unet.state_dict().items())
 
     generate = subprocess.run(
-        [sys.executable, str(REPO / "entrypoints" / "generate.py"), run_uri, "--captions", f"{s3_bucket}/data/val/",
-         "--rows", "2", "--samples-per-caption", "2", "--steps", "4", "--out", str(tmp_path / "samples")],
-        env={**os.environ, "PYTHONPATH": str(REPO / "src")}, capture_output=True, text=True, timeout=200,
+        [
+            sys.executable,
+            str(REPO / "entrypoints" / "generate.py"),
+            run_uri,
+            "--captions",
+            f"{s3_bucket}/data/val/",
+            "--rows",
+            "2",
+            "--samples-per-caption",
+            "2",
+            "--steps",
+            "4",
+            "--out",
+            str(tmp_path / "samples"),
+        ],
+        env={**os.environ, "PYTHONPATH": str(REPO / "src")},
+        capture_output=True,
+        text=True,
+        timeout=200,
     )
     assert generate.returncode == 0, generate.stderr[-3000:]
     latents = np.load(tmp_path / "samples" / "latents.npy")

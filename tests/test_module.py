@@ -18,7 +18,10 @@ from sdtrain.validation import validation_loss
 def _batches(n=4, batch=2, seed=0):
     g = torch.Generator().manual_seed(seed)
     return [
-        {"latents": torch.randn(batch, 4, 16, 16, generator=g).half(), "captions": torch.randn(batch, 5, 32, generator=g).half()}
+        {
+            "latents": torch.randn(batch, 4, 16, 16, generator=g).half(),
+            "captions": torch.randn(batch, 5, 32, generator=g).half(),
+        }
         for _ in range(n)
     ]
 
@@ -32,8 +35,13 @@ def _module(**train):
 
 def _fit(module, steps, batches):
     trainer = pl.Trainer(
-        max_steps=steps, accelerator="cpu", logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        max_steps=steps,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
     )
     trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(batches, batch_size=None))
     return trainer
@@ -125,7 +133,9 @@ def test_pretrained_directory_supplies_weights_and_schedule(tmp_path):
     torch.manual_seed(3)
     source = UNet2DConditionModel(**PRESETS["tiny"])
     source.save_pretrained(tmp_path / "unet")
-    DDPMScheduler(beta_schedule="linear", clip_sample=False, num_train_timesteps=500).save_pretrained(tmp_path / "scheduler")
+    DDPMScheduler(beta_schedule="linear", clip_sample=False, num_train_timesteps=500).save_pretrained(
+        tmp_path / "scheduler"
+    )
     model = ModelConfig(preset="tiny", pretrained=str(tmp_path))
     loaded = build_unet(model)
     for (name, a), b in zip(source.state_dict().items(), loaded.state_dict().values()):
@@ -173,6 +183,8 @@ def test_a_non_finite_step_is_skipped_entirely_and_counted():
 
     trainer = _fit(module, 2, [poisoned, good[0]])  # one bad step, then a good one that does update
     stats = module.take_window_stats()
-    assert stats["skipped_steps"].item() == 1 and stats["longest_bad_streak"].item() == 3  # 2 + 1 consecutive, across windows
+    assert (
+        stats["skipped_steps"].item() == 1 and stats["longest_bad_streak"].item() == 3
+    )  # 2 + 1 consecutive, across windows
     assert not torch.equal(module.unet.conv_in.weight, before["conv_in.weight"])
     assert torch.isfinite(module.unet.conv_in.weight).all()

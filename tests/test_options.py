@@ -22,10 +22,19 @@ LATENTS, CAPTIONS = (4, 16, 16), (8, 32)
 
 
 def config(*overrides, steps=3):
-    return load_config(None, [
-        "data.train=/unused", "model.preset=tiny", f"train.max_steps={steps}", "train.global_batch_size=2",
-        "train.lr=1e-3", "train.warmup_steps=0", "scaling.use_gpu=false", *overrides,
-    ])
+    return load_config(
+        None,
+        [
+            "data.train=/unused",
+            "model.preset=tiny",
+            f"train.max_steps={steps}",
+            "train.global_batch_size=2",
+            "train.lr=1e-3",
+            "train.warmup_steps=0",
+            "scaling.use_gpu=false",
+            *overrides,
+        ],
+    )
 
 
 def batches(n, nan_at=(), same=False, device="cpu"):
@@ -52,18 +61,24 @@ class Watch(pl.Callback):
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         grads = [local_tensor(p.grad) for p in module.unet.parameters() if p.grad is not None]  # one process: all of it
-        self.steps.append(dict(
-            grad_norm=torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))).item(),
-            step=trainer.global_step, loss=float(outputs["loss"]),
-            weight=module.unet.conv_in.weight.detach().clone(),
-            ema=None if module.ema_unet is None else module.ema_unet.conv_in.weight.detach().clone(),
-            skipped=module.skipped_steps.item(), streak=module.longest_bad_streak.item(),
-        ))
+        self.steps.append(
+            dict(
+                grad_norm=torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))).item(),
+                step=trainer.global_step,
+                loss=float(outputs["loss"]),
+                weight=module.unet.conv_in.weight.detach().clone(),
+                ema=None if module.ema_unet is None else module.ema_unet.conv_in.weight.detach().clone(),
+                skipped=module.skipped_steps.item(),
+                streak=module.longest_bad_streak.item(),
+            )
+        )
 
 
 def fit(cfg, data, use_gpu=False, **kwargs):
     watch = Watch()
-    module, trainer = fit_without_ray(cfg, data, run_meta(cfg, LATENTS, CAPTIONS), use_gpu=use_gpu, callbacks=[watch], **kwargs)
+    module, trainer = fit_without_ray(
+        cfg, data, run_meta(cfg, LATENTS, CAPTIONS), use_gpu=use_gpu, callbacks=[watch], **kwargs
+    )
     return module, trainer, watch.steps
 
 
@@ -71,11 +86,17 @@ def fit(cfg, data, use_gpu=False, **kwargs):
 @pytest.mark.parametrize("ema", [None, 0.9])
 @pytest.mark.parametrize("clip", [0.0, 0.01])
 @pytest.mark.parametrize("precision", ["auto", "32-true", "bf16-mixed"])
-def test_every_precision_with_and_without_clipping_and_ema_trains_under_each_strategy(precision, clip, ema, strategy, tmp_path):
+def test_every_precision_with_and_without_clipping_and_ema_trains_under_each_strategy(
+    precision, clip, ema, strategy, tmp_path
+):
     """Every combination of the options that meet in the optimizer step (16-mixed: GPUs only, below
     and in tests/test_gpu.py); FSDP in one process over gloo."""
-    cfg = config(f"train.precision={precision}", f"train.grad_clip_norm={clip}", f"train.ema_decay={ema or 'null'}",
-                 f"train.strategy={strategy}")
+    cfg = config(
+        f"train.precision={precision}",
+        f"train.grad_clip_norm={clip}",
+        f"train.ema_decay={ema or 'null'}",
+        f"train.strategy={strategy}",
+    )
     module, trainer, steps = fit(cfg, batches(3), default_root_dir=str(tmp_path))
     assert isinstance(module.unet.conv_in.weight, DTensor) == (strategy == "fsdp")
     assert trainer.global_step == 3 and [s["step"] for s in steps] == [1, 2, 3]
@@ -122,10 +143,15 @@ def test_a_gradscaler_overflow_is_skipped_without_counting_as_a_bad_step():
     assert all(s["grad_norm"] <= 0.01 * 1.001 for s in steps[1:])  # clipped after unscaling
 
 
-@pytest.mark.parametrize("options", [
-    ("train.channels_last=true",), ("train.gradient_checkpointing=true",), ("train.attention=eager",),
-    ("train.strategy=fsdp", "train.gradient_checkpointing=true", "train.attention=eager"),
-])
+@pytest.mark.parametrize(
+    "options",
+    [
+        ("train.channels_last=true",),
+        ("train.gradient_checkpointing=true",),
+        ("train.attention=eager",),
+        ("train.strategy=fsdp", "train.gradient_checkpointing=true", "train.attention=eager"),
+    ],
+)
 def test_each_gpu_option_trains_the_same_function(options, tmp_path):
     """channels_last, checkpointing, the eager kernel and FSDP (one process) change how, not what:
     the first step's loss is the plain run's, and training goes on."""
@@ -140,8 +166,13 @@ def test_compiled_training_with_every_other_option_under_bf16_matches_eager(tmp_
     """torch.compile (inductor's CPU backend, gcc: minutes, so once) of the FSDP-sharded,
     checkpointed UNet with an EMA, against the plain eager run (channels_last is compiled on the GPU
     by tests/test_gpu.py; FSDP refuses it)."""
-    options = ("train.compile=true", "train.strategy=fsdp", "train.gradient_checkpointing=true",
-               "train.ema_decay=0.9", "train.precision=bf16-mixed")
+    options = (
+        "train.compile=true",
+        "train.strategy=fsdp",
+        "train.gradient_checkpointing=true",
+        "train.ema_decay=0.9",
+        "train.precision=bf16-mixed",
+    )
     module, trainer, steps = fit(config(*options, steps=2), batches(2), default_root_dir=str(tmp_path))
     _, _, eager = fit(config("train.precision=bf16-mixed", steps=2), batches(2))
     assert trainer.global_step == 2 and module.unet._compiled_call_impl is not None
@@ -158,15 +189,22 @@ def test_a_checkpoint_written_under_bf16_resumes_to_the_uninterrupted_weights(tm
     data = batches(4, same=True)
     _, trainer, _ = fit(config(*options, steps=2), data, default_root_dir=str(tmp_path))
     trainer.save_checkpoint(tmp_path / "step2.ckpt")
-    resumed, trainer, steps = fit(config(*options, steps=4), data, ckpt_path=str(tmp_path / "step2.ckpt"),
-                                  default_root_dir=str(tmp_path))
+    resumed, trainer, steps = fit(
+        config(*options, steps=4), data, ckpt_path=str(tmp_path / "step2.ckpt"), default_root_dir=str(tmp_path)
+    )
     straight, _, _ = fit(config(*options, steps=4), data, default_root_dir=str(tmp_path))
     assert trainer.global_step == 4 and [s["step"] for s in steps] == [3, 4]
-    assert isinstance(resumed.unet.conv_in.weight, DTensor) == isinstance(resumed.ema_unet.conv_in.weight, DTensor) == (strategy == "fsdp")
+    assert (
+        isinstance(resumed.unet.conv_in.weight, DTensor)
+        == isinstance(resumed.ema_unet.conv_in.weight, DTensor)
+        == (strategy == "fsdp")
+    )
     for name, value in straight.state_dict().items():
         assert torch.equal(resumed.state_dict()[name], value), name
     saved = torch.load(tmp_path / "step2.ckpt", weights_only=True)
-    assert any(k.startswith("unet.") for k in saved["state_dict"]) and any(k.startswith("ema_unet.") for k in saved["state_dict"])
+    assert any(k.startswith("unet.") for k in saved["state_dict"]) and any(
+        k.startswith("ema_unet.") for k in saved["state_dict"]
+    )
     assert all(type(v) is torch.Tensor for v in saved["state_dict"].values())  # full tensors: DDP's format
 
 
@@ -177,11 +215,22 @@ def test_the_shipped_gpu_configs_train_as_auto_resolves_on_a_gpu(name):
     from conftest import REPO
 
     shipped = load_config(REPO / "configs" / name, ["model.preset=tiny", "model.pretrained=null"])
-    cfg = load_config(REPO / "configs" / name, [
-        "model.preset=tiny", "model.pretrained=null", "data.train=/unused", "retrain.data_root=null",
-        "retrain.models_root=null", "train.max_steps=3", "train.global_batch_size=2", "train.micro_batch_size=null",
-        "scaling.num_workers=1", "scaling.use_gpu=false", "train.precision=bf16-mixed",
-    ])
+    cfg = load_config(
+        REPO / "configs" / name,
+        [
+            "model.preset=tiny",
+            "model.pretrained=null",
+            "data.train=/unused",
+            "retrain.data_root=null",
+            "retrain.models_root=null",
+            "train.max_steps=3",
+            "train.global_batch_size=2",
+            "train.micro_batch_size=null",
+            "scaling.num_workers=1",
+            "scaling.use_gpu=false",
+            "train.precision=bf16-mixed",
+        ],
+    )
     assert shipped.train.precision == "auto" and shipped.train.grad_clip_norm > 0
     module, trainer, steps = fit(cfg, batches(3))
     assert trainer.global_step == 3 and trainer.precision == "bf16-mixed"

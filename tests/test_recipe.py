@@ -24,7 +24,9 @@ CAPTION_SHAPE = (5, 32)
 
 
 def _scheduler(prediction_type="epsilon"):
-    return DDPMScheduler.from_config(noise_scheduler_config(ModelConfig(preset="tiny", prediction_type=prediction_type)))
+    return DDPMScheduler.from_config(
+        noise_scheduler_config(ModelConfig(preset="tiny", prediction_type=prediction_type))
+    )
 
 
 def _module(prediction_type="epsilon", uncond=None, latent_scale=None, **train):
@@ -38,12 +40,17 @@ def _module(prediction_type="epsilon", uncond=None, latent_scale=None, **train):
     }
     if latent_scale is not None:
         meta["latent_scale"] = latent_scale
-    return DiffusionModule(build_unet(model), meta["noise_scheduler_config"], TrainConfig(**train), meta, unconditional_caption=uncond)
+    return DiffusionModule(
+        build_unet(model), meta["noise_scheduler_config"], TrainConfig(**train), meta, unconditional_caption=uncond
+    )
 
 
 def _batches(n=4, batch=4, seed=0, same=False):
     g = torch.Generator().manual_seed(seed)
-    one = lambda: {"latents": torch.randn(batch, 4, 16, 16, generator=g), "captions": torch.randn(batch, *CAPTION_SHAPE, generator=g)}
+    one = lambda: {
+        "latents": torch.randn(batch, 4, 16, 16, generator=g),
+        "captions": torch.randn(batch, *CAPTION_SHAPE, generator=g),
+    }
     if same:
         b = one()
         return [b for _ in range(n)]
@@ -52,10 +59,20 @@ def _batches(n=4, batch=4, seed=0, same=False):
 
 def _fit(module, steps, batches, ckpt_path=None):
     trainer = pl.Trainer(
-        max_steps=steps, accelerator="cpu", logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        max_steps=steps,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
     )
-    trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(batches, batch_size=None), ckpt_path=ckpt_path, weights_only=True)
+    trainer.fit(
+        module,
+        train_dataloaders=torch.utils.data.DataLoader(batches, batch_size=None),
+        ckpt_path=ckpt_path,
+        weights_only=True,
+    )
     return trainer
 
 
@@ -87,11 +104,17 @@ def test_min_snr_weights_match_the_paper_and_diffusers(prediction_type):
     clipped = torch.stack([snr, 5.0 * torch.ones_like(snr)], dim=1).min(dim=1)[0]
     expected = clipped / snr if prediction_type == "epsilon" else clipped / (snr + 1)
     assert torch.equal(weights, expected)
-    assert weights[0] < 1 and weights[-1] == pytest.approx(1.0 if prediction_type == "epsilon" else snr[-1] / (snr[-1] + 1))
+    assert weights[0] < 1 and weights[-1] == pytest.approx(
+        1.0 if prediction_type == "epsilon" else snr[-1] / (snr[-1] + 1)
+    )
     pred, target = torch.randn(6, 4, 2, 2), torch.randn(6, 4, 2, 2)
     per_sample = ((pred - target) ** 2).mean(dim=(1, 2, 3))
-    assert recipe.diffusion_loss(pred, target, scheduler, t, 5.0).item() == pytest.approx((per_sample * expected).mean().item(), rel=1e-6)
-    assert recipe.diffusion_loss(pred, target, scheduler, t, None).item() == pytest.approx(F.mse_loss(pred, target).item(), rel=1e-6)
+    assert recipe.diffusion_loss(pred, target, scheduler, t, 5.0).item() == pytest.approx(
+        (per_sample * expected).mean().item(), rel=1e-6
+    )
+    assert recipe.diffusion_loss(pred, target, scheduler, t, None).item() == pytest.approx(
+        F.mse_loss(pred, target).item(), rel=1e-6
+    )
 
 
 def test_offset_noise_perturbation_and_caption_dropout():
@@ -99,8 +122,15 @@ def test_offset_noise_perturbation_and_caption_dropout():
     g = torch.Generator().manual_seed(1)
     offset = recipe.offset_noise(noise, 0.1, g)
     shift = offset - noise
-    torch.testing.assert_close(shift, shift[:, :, :1, :1].expand_as(shift), rtol=0, atol=1e-6)  # one constant per sample and channel
-    torch.testing.assert_close(shift[:, :, 0, 0], 0.1 * torch.randn(8, 4, 1, 1, generator=torch.Generator().manual_seed(1))[:, :, 0, 0], rtol=0, atol=1e-6)
+    torch.testing.assert_close(
+        shift, shift[:, :, :1, :1].expand_as(shift), rtol=0, atol=1e-6
+    )  # one constant per sample and channel
+    torch.testing.assert_close(
+        shift[:, :, 0, 0],
+        0.1 * torch.randn(8, 4, 1, 1, generator=torch.Generator().manual_seed(1))[:, :, 0, 0],
+        rtol=0,
+        atol=1e-6,
+    )
     perturbed = recipe.perturb(noise, 0.2, torch.Generator().manual_seed(2))
     assert torch.equal(perturbed, noise + 0.2 * torch.randn(noise.shape, generator=torch.Generator().manual_seed(2)))
 
@@ -146,7 +176,9 @@ def test_latents_are_scaled_exactly_once(tmp_path):
     plain = _module()
     prescaled = {"latents": batch["latents"] * 0.18215, "captions": batch["captions"]}
     assert scaled.training_step(batch, 0).item() == pytest.approx(plain.training_step(prescaled, 0).item(), rel=1e-6)
-    assert scaled.validation_loss([batch], seed=0) == pytest.approx(plain.validation_loss([prescaled], seed=0), rel=1e-6)
+    assert scaled.validation_loss([batch], seed=0) == pytest.approx(
+        plain.validation_loss([prescaled], seed=0), rel=1e-6
+    )
 
     # Files that record an applied factor, and the config asking for another: refused before training.
     table = pa.table({"x": [1]}).replace_schema_metadata({recipe.LATENT_SCALING_METADATA_KEY: b"0.18215"})
@@ -155,7 +187,10 @@ def test_latents_are_scaled_exactly_once(tmp_path):
     files = [str(tmp_path / "raw.parquet"), str(tmp_path / "scaled.parquet")]
     assert recipe.stored_latent_scaling(files, DataConfig(train=["x"])) == pytest.approx(0.18215)
     assert recipe.stored_latent_scaling(files[:1], DataConfig(train=["x"], latent_scaling_factor=0.18215)) is None
-    with pytest.raises(ConfigError, match=r"data\.latent_scaling_factor: .*scaled\.parquet records that its latents are already multiplied by 0\.18215.*twice"):
+    with pytest.raises(
+        ConfigError,
+        match=r"data\.latent_scaling_factor: .*scaled\.parquet records that its latents are already multiplied by 0\.18215.*twice",
+    ):
         recipe.stored_latent_scaling(files, DataConfig(train=["x"], latent_scaling_factor=0.18215))
 
 
@@ -163,8 +198,13 @@ def test_unconditional_caption_from_zeros_or_a_file(tmp_path):
     assert torch.equal(recipe.load_unconditional_caption("zeros", CAPTION_SHAPE), torch.zeros(CAPTION_SHAPE))
     empty = np.random.default_rng(0).standard_normal((1, *CAPTION_SHAPE)).astype(np.float32)
     np.save(tmp_path / "empty.npy", empty)
-    assert torch.equal(recipe.load_unconditional_caption(str(tmp_path / "empty.npy"), CAPTION_SHAPE), torch.from_numpy(empty[0]))
-    with pytest.raises(ConfigError, match=r"data\.unconditional_caption: .*empty\.npy holds an array of shape \(5, 32\), but the dataset's captions are \(77, 32\)"):
+    assert torch.equal(
+        recipe.load_unconditional_caption(str(tmp_path / "empty.npy"), CAPTION_SHAPE), torch.from_numpy(empty[0])
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"data\.unconditional_caption: .*empty\.npy holds an array of shape \(5, 32\), but the dataset's captions are \(77, 32\)",
+    ):
         recipe.load_unconditional_caption(str(tmp_path / "empty.npy"), (77, 32))
     with pytest.raises(ConfigError, match=r"data\.unconditional_caption: cannot read"):
         recipe.load_unconditional_caption(str(tmp_path / "missing.npy"), CAPTION_SHAPE)
@@ -176,11 +216,15 @@ def test_validation_follows_the_prediction_type():
     loss = validation_loss(module.unet, module.noise_scheduler, [batch], seed=4)
     # Recompute with validation's fixed grid and noise, against the velocity.
     t = torch.linspace(0, 999, 10).round().long()
-    noise = torch.stack([torch.randn(4, 16, 16, generator=torch.Generator().manual_seed(4 * 1_000_003 + i)) for i in range(10)])
+    noise = torch.stack(
+        [torch.randn(4, 16, 16, generator=torch.Generator().manual_seed(4 * 1_000_003 + i)) for i in range(10)]
+    )
     a = module.noise_scheduler.alphas_cumprod[t].view(-1, 1, 1, 1)
     with torch.no_grad():
         pred = module.unet(a.sqrt() * batch["latents"] + (1 - a).sqrt() * noise, t, batch["captions"]).sample
-    assert loss == pytest.approx(F.mse_loss(pred, a.sqrt() * noise - (1 - a).sqrt() * batch["latents"]).item(), rel=1e-5)
+    assert loss == pytest.approx(
+        F.mse_loss(pred, a.sqrt() * noise - (1 - a).sqrt() * batch["latents"]).item(), rel=1e-5
+    )
 
 
 # --- EMA --------------------------------------------------------------------------------
@@ -206,8 +250,15 @@ def test_ema_tracks_training_and_is_used_for_validation_and_loading(tmp_path):
         def on_train_batch_end(self, trainer, pl_module, *args):
             snapshots.append(pl_module.unet.conv_in.weight.detach().clone())
 
-    trainer = pl.Trainer(max_steps=3, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, callbacks=[Snap()])
+    trainer = pl.Trainer(
+        max_steps=3,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[Snap()],
+    )
     trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(batches, batch_size=None))
     # step 1: copy; steps 2, 3: ema = 0.5 ema + 0.5 w
     expected = 0.5 * (0.5 * snapshots[0] + 0.5 * snapshots[1]) + 0.5 * snapshots[2]

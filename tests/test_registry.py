@@ -42,7 +42,12 @@ def test_registry_on_local_disk(tmp_path):
     (tmp_path / "models" / "versions" / "v0003" / "unet").mkdir(parents=True)  # a write cut short: no manifest
     registry = ModelRegistry(str(tmp_path / "models"))
     assert registry.versions() == ["v0001", "v0002"]
-    assert registry.write_version(UNet2DConditionModel(**PRESETS["tiny"]), DDPMScheduler(), {"schedule_date": "x", "promoted": False}) == "v0004"
+    assert (
+        registry.write_version(
+            UNet2DConditionModel(**PRESETS["tiny"]), DDPMScheduler(), {"schedule_date": "x", "promoted": False}
+        )
+        == "v0004"
+    )
 
 
 @pytest.mark.timeout(120)

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from sdtrain.config import load_config
-from sdtrain.errors import DataError
 from sdtrain.demo_data import ensure_demo_data
+from sdtrain.errors import DataError
 from sdtrain.registry import ModelRegistry
 from sdtrain.retrain import find_partitions, retrain
 
@@ -35,10 +35,21 @@ def _config(tmp_path, root, val, *overrides):
     return load_config(
         None,
         [
-            f"retrain.data_root={root}", f"retrain.models_root={tmp_path}/models", "retrain.tolerance=0.05",
-            f"data.val={val}", "model.preset=tiny", "train.max_steps=12", "train.global_batch_size=16",
-            "train.lr=1e-3", "train.warmup_steps=2", "scaling.num_workers=1", f"run.storage_path={tmp_path}/runs",
-            "run.name=retrain", "run.checkpoint_every_n_steps=12", "run.log_every_n_steps=6", *overrides,
+            f"retrain.data_root={root}",
+            f"retrain.models_root={tmp_path}/models",
+            "retrain.tolerance=0.05",
+            f"data.val={val}",
+            "model.preset=tiny",
+            "train.max_steps=12",
+            "train.global_batch_size=16",
+            "train.lr=1e-3",
+            "train.warmup_steps=2",
+            "scaling.num_workers=1",
+            f"run.storage_path={tmp_path}/runs",
+            "run.name=retrain",
+            "run.checkpoint_every_n_steps=12",
+            "run.log_every_n_steps=6",
+            *overrides,
         ],
     )
 
@@ -50,7 +61,9 @@ def test_partitions_up_to_the_schedule_date(partitions):
 
 
 @pytest.mark.timeout(600)
-def test_retrain_promotes_better_keeps_production_on_worse_and_is_idempotent(ray_cluster, tmp_path, partitions, monkeypatch):
+def test_retrain_promotes_better_keeps_production_on_worse_and_is_idempotent(
+    ray_cluster, tmp_path, partitions, monkeypatch
+):
     root, val = partitions
     registry = ModelRegistry(str(tmp_path / "models"))
 

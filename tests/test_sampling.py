@@ -11,11 +11,13 @@ from sdtrain.sampling import DataState, SamplePlan
 def consumed(plan: SamplePlan, state: DataState, world_size: int, rows_per_step: int, steps: int) -> list[np.ndarray]:
     """Sample indices each rank reads in the next ``steps`` steps."""
     return [
-        np.concatenate([
-            plan.sample_indices(plan.window(stretch, i))
-            for stretch in stretches
-            for i in range(stretch.num_windows(plan.window_rows))
-        ])
+        np.concatenate(
+            [
+                plan.sample_indices(plan.window(stretch, i))
+                for stretch in stretches
+                for i in range(stretch.num_windows(plan.window_rows))
+            ]
+        )
         for stretches in plan.rank_stretches(state, world_size, rows_per_step, steps)
     ]
 

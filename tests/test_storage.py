@@ -12,8 +12,8 @@ import boto3
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
-
 from conftest import REPO, free_ports, write_latents
+
 from sdtrain import files
 from sdtrain.config import load_config
 from sdtrain.dataspec import inspect_dataset
@@ -61,7 +61,9 @@ def test_endpoint_precedence_config_then_environment_then_aws(monkeypatch, clean
     assert s3_client().meta.endpoint_url == "https://s3.amazonaws.com"
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9001")
     assert s3_endpoint() == ("http://127.0.0.1:9001", "AWS_ENDPOINT_URL")
-    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", "http://127.0.0.1:9002")  # the S3-specific variable wins, as in the AWS SDKs
+    monkeypatch.setenv(
+        "AWS_ENDPOINT_URL_S3", "http://127.0.0.1:9002"
+    )  # the S3-specific variable wins, as in the AWS SDKs
     assert s3_endpoint() == ("http://127.0.0.1:9002", "AWS_ENDPOINT_URL_S3")
     configure_s3("http://127.0.0.1:9003", 7)  # storage.endpoint_url wins over both
     assert s3_endpoint() == ("http://127.0.0.1:9003", "storage.endpoint_url")
@@ -81,7 +83,9 @@ def test_the_filesystem_keeps_endpoint_and_retries_when_pickled_to_ray_workers(c
 
 
 def test_storage_config_is_validated():
-    with pytest.raises(ConfigError, match=r"storage\.endpoint_url: must be http\(s\)://host\[:port\], got 'minio:9000'"):
+    with pytest.raises(
+        ConfigError, match=r"storage\.endpoint_url: must be http\(s\)://host\[:port\], got 'minio:9000'"
+    ):
         _config("data.train=x", "storage.endpoint_url=minio:9000")
     with pytest.raises(ConfigError, match=r"storage\.max_attempts: must be >= 1 \(1 = no retries\), got 0"):
         _config("data.train=x", "storage.max_attempts=0")
@@ -105,9 +109,13 @@ def test_storage_endpoint_url_beats_the_environment(s3_bucket, monkeypatch, tmp_
 
 @pytest.mark.timeout(60)
 def test_s3_files_prefixes_globs_and_lists(s3_bucket, tmp_path):
-    for i, key in enumerate(["d/a/1.parquet", "d/a/sub/2.parquet", "d/b/3.parquet", "d/a/_SUCCESS", "d/a/.tmp.parquet"]):
+    for i, key in enumerate(
+        ["d/a/1.parquet", "d/a/sub/2.parquet", "d/b/3.parquet", "d/a/_SUCCESS", "d/a/.tmp.parquet"]
+    ):
         _upload(tmp_path, key, rows=2, seed=i)
-    found = resolve_parquet_files([f"{s3_bucket}/d/a/", f"{s3_bucket}/d/?/3.parquet", f"{s3_bucket}/d/a/1.parquet"], "data.train")
+    found = resolve_parquet_files(
+        [f"{s3_bucket}/d/a/", f"{s3_bucket}/d/?/3.parquet", f"{s3_bucket}/d/a/1.parquet"], "data.train"
+    )
     assert found == [f"{s3_bucket}/d/a/1.parquet", f"{s3_bucket}/d/a/sub/2.parquet", f"{s3_bucket}/d/b/3.parquet"]
     spec = inspect_dataset(found, "data.train", "image_latents_256", "caption_latents", 4, 32)
     assert (spec.num_rows, spec.latent_shape, spec.caption_shape) == (6, (4, 16, 16), (77, 32))
@@ -119,12 +127,17 @@ def test_s3_files_prefixes_globs_and_lists(s3_bucket, tmp_path):
 @pytest.mark.timeout(60)
 def test_bucket_missing(s3_bucket):
     _expect(
-        ConfigError, _config("data.train=s3://no-such-bucket/data"),
+        ConfigError,
+        _config("data.train=s3://no-such-bucket/data"),
         "data.train[0]: s3://no-such-bucket/data: bucket 'no-such-bucket' does not exist at http://127.0.0.1:",
-        "(from AWS_ENDPOINT_URL)", "Create it, or fix the bucket name in data.train[0]",
+        "(from AWS_ENDPOINT_URL)",
+        "Create it, or fix the bucket name in data.train[0]",
     )
     _expect(
-        ConfigError, _config("data.train=/data/local", "run.storage_path=s3://no-such-runs/runs"),  # local paths are checked where read
+        ConfigError,
+        _config(
+            "data.train=/data/local", "run.storage_path=s3://no-such-runs/runs"
+        ),  # local paths are checked where read
         "run.storage_path: s3://no-such-runs/runs: bucket 'no-such-runs' does not exist",
     )
 
@@ -132,9 +145,12 @@ def test_bucket_missing(s3_bucket):
 @pytest.mark.timeout(60)
 def test_prefix_empty(s3_bucket, tmp_path):
     _upload(tmp_path, "data/part.parquet")
-    preflight(_config(f"data.train={s3_bucket}/data/", f"run.storage_path={s3_bucket}/runs"))  # an empty run prefix is fine
+    preflight(
+        _config(f"data.train={s3_bucket}/data/", f"run.storage_path={s3_bucket}/runs")
+    )  # an empty run prefix is fine
     _expect(
-        DataError, _config(f"data.train={s3_bucket}/data/", f"data.val={s3_bucket}/Data/val/"),
+        DataError,
+        _config(f"data.train={s3_bucket}/data/", f"data.val={s3_bucket}/Data/val/"),
         f"data.val[0]: {s3_bucket}/Data/val/: bucket 'sdtrain-test' holds no objects under 'Data/val'",
         "Check the path (keys are case-sensitive",
     )
@@ -142,17 +158,28 @@ def test_prefix_empty(s3_bucket, tmp_path):
 
 @pytest.mark.timeout(60)
 def test_no_credentials(s3_bucket, monkeypatch, tmp_path):
-    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE", "AWS_DEFAULT_PROFILE",
-                "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI", "AWS_CONTAINER_CREDENTIALS_FULL_URI", "AWS_WEB_IDENTITY_TOKEN_FILE"):
+    for var in (
+        "AWS_ACCESS_KEY_ID",
+        "AWS_SECRET_ACCESS_KEY",
+        "AWS_SESSION_TOKEN",
+        "AWS_PROFILE",
+        "AWS_DEFAULT_PROFILE",
+        "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
+        "AWS_CONTAINER_CREDENTIALS_FULL_URI",
+        "AWS_WEB_IDENTITY_TOKEN_FILE",
+    ):
         monkeypatch.delenv(var, raising=False)
     for var in ("AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE"):
         (tmp_path / var).write_text("")
         monkeypatch.setenv(var, str(tmp_path / var))
     assert os.environ["AWS_EC2_METADATA_DISABLED"] == "true"  # no instance role to fall back on
     _expect(
-        ConfigError, _config(f"data.train={s3_bucket}/data"),
-        f"data.train[0]: {s3_bucket}/data: no AWS credentials found", "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY",
-        "attach a role", "never takes credentials from its config",
+        ConfigError,
+        _config(f"data.train={s3_bucket}/data"),
+        f"data.train[0]: {s3_bucket}/data: no AWS credentials found",
+        "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY",
+        "attach a role",
+        "never takes credentials from its config",
     )
 
 
@@ -161,8 +188,10 @@ def test_rejected_credentials(s3_auth, monkeypatch):
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIANOTAREALKEY00000")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET)
     _expect(
-        ConfigError, _config("data.train=s3://sdtrain-test/data"),
-        "data.train[0]: s3://sdtrain-test/data: the S3 endpoint at http://127.0.0.1:", "rejected the credentials (InvalidAccessKeyId)",
+        ConfigError,
+        _config("data.train=s3://sdtrain-test/data"),
+        "data.train[0]: s3://sdtrain-test/data: the S3 endpoint at http://127.0.0.1:",
+        "rejected the credentials (InvalidAccessKeyId)",
         "Check AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY",
     )
 
@@ -172,7 +201,8 @@ def test_access_denied_to_read_and_to_write(s3_auth, monkeypatch):
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3_auth.keys["nobody"][0])
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3_auth.keys["nobody"][1])
     _expect(
-        ConfigError, _config("data.train=s3://sdtrain-test/data"),
+        ConfigError,
+        _config("data.train=s3://sdtrain-test/data"),
         "data.train[0]: s3://sdtrain-test/data: access denied: these credentials may not list in bucket 'sdtrain-test'",
         "Grant s3:ListBucket on it",
     )
@@ -181,9 +211,11 @@ def test_access_denied_to_read_and_to_write(s3_auth, monkeypatch):
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3_auth.keys["reader"][1])
     preflight(_config("data.train=s3://sdtrain-test/data"))
     _expect(
-        ConfigError, _config("data.train=s3://sdtrain-test/data", "run.storage_path=s3://sdtrain-test/runs"),
+        ConfigError,
+        _config("data.train=s3://sdtrain-test/data", "run.storage_path=s3://sdtrain-test/runs"),
         "run.storage_path: s3://sdtrain-test/runs: access denied: these credentials may not write in bucket 'sdtrain-test'",
-        "Grant s3:PutObject on it", "s3:DeleteObject",
+        "Grant s3:PutObject on it",
+        "s3:DeleteObject",
     )
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3_auth.keys["admin"][0])
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3_auth.keys["admin"][1])
@@ -199,24 +231,32 @@ def test_endpoint_unreachable_fails_in_seconds(clean_storage_settings, monkeypat
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET)
     start = time.monotonic()
     _expect(
-        ConfigError, _config("data.train=s3://bucket/data", f"storage.endpoint_url=http://127.0.0.1:{closed}"),
+        ConfigError,
+        _config("data.train=s3://bucket/data", f"storage.endpoint_url=http://127.0.0.1:{closed}"),
         f"data.train[0]: s3://bucket/data: cannot connect to the S3 endpoint http://127.0.0.1:{closed} (from storage.endpoint_url;",
-        f"[Errno 111] Connection refused; {files.DEFAULT_MAX_ATTEMPTS} attempt(s)", "Check the URL and port in storage.endpoint_url, that the server is running",
+        f"[Errno 111] Connection refused; {files.DEFAULT_MAX_ATTEMPTS} attempt(s)",
+        "Check the URL and port in storage.endpoint_url, that the server is running",
     )
     assert time.monotonic() - start < 20  # standard backoff over 5 attempts: at most 1+2+4+8 s
 
 
 def test_credentials_in_uris_or_endpoints_are_refused_without_repeating_them(clean_storage_settings, monkeypatch):
-    for override, key in [(f"data.train=s3://AKIAXXXX:{SECRET}@bucket/data", "data.train[0]"),
-                          (f"run.storage_path=s3://AKIAXXXX:{SECRET}@bucket/runs", "run.storage_path"),
-                          (f"data.unconditional_caption=s3://AKIAXXXX:{SECRET}@bucket/empty.npy", "data.unconditional_caption"),
-                          (f"storage.endpoint_url=http://minio:{SECRET}@minio:9000", "storage.endpoint_url")]:
+    for override, key in [
+        (f"data.train=s3://AKIAXXXX:{SECRET}@bucket/data", "data.train[0]"),
+        (f"run.storage_path=s3://AKIAXXXX:{SECRET}@bucket/runs", "run.storage_path"),
+        (f"data.unconditional_caption=s3://AKIAXXXX:{SECRET}@bucket/empty.npy", "data.unconditional_caption"),
+        (f"storage.endpoint_url=http://minio:{SECRET}@minio:9000", "storage.endpoint_url"),
+    ]:
         with pytest.raises(ConfigError) as e:
             _config("data.train=s3://bucket/data", override)
         assert str(e.value).startswith(f"{key}: ") and "***@" in str(e.value), str(e.value)
         assert SECRET not in str(e.value) and "AWS credential chain" in str(e.value)
     monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://minio:{SECRET}@127.0.0.1:9000")
-    _expect(ConfigError, _config("data.train=s3://bucket/data"), "from AWS_ENDPOINT_URL (http://***@127.0.0.1:9000) holds a user name or password")
+    _expect(
+        ConfigError,
+        _config("data.train=s3://bucket/data"),
+        "from AWS_ENDPOINT_URL (http://***@127.0.0.1:9000) holds a user name or password",
+    )
 
 
 # --- transient faults, retried ---------------------------------------------------------------
@@ -231,8 +271,11 @@ def flaky_proxy(s3_bucket, tmp_path):
     def start(mode: str, faults: int):
         log = tmp_path / f"faults-{len(proxies)}.log"
         log.write_text("")
-        proxy = subprocess.Popen([sys.executable, str(REPO / "tests" / "flaky_proxy.py"), str(target), mode, str(faults), str(log)],
-                                 stdout=subprocess.PIPE, text=True)
+        proxy = subprocess.Popen(
+            [sys.executable, str(REPO / "tests" / "flaky_proxy.py"), str(target), mode, str(faults), str(log)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         proxies.append(proxy)
         return f"http://127.0.0.1:{proxy.stdout.readline().strip()}", log
 
@@ -243,9 +286,17 @@ def flaky_proxy(s3_bucket, tmp_path):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("mode, pyarrow_error", [("drop", "AWS Error NETWORK_CONNECTION"), ("throttle", r"AWS Error UNKNOWN \(HTTP status 503\) during HeadObject")],
-                         ids=["drop", "throttle"])
-def test_transient_faults_are_retried_and_fail_clearly_without_retries(flaky_proxy, s3_bucket, tmp_path, mode, pyarrow_error):
+@pytest.mark.parametrize(
+    "mode, pyarrow_error",
+    [
+        ("drop", "AWS Error NETWORK_CONNECTION"),
+        ("throttle", r"AWS Error UNKNOWN \(HTTP status 503\) during HeadObject"),
+    ],
+    ids=["drop", "throttle"],
+)
+def test_transient_faults_are_retried_and_fail_clearly_without_retries(
+    flaky_proxy, s3_bucket, tmp_path, mode, pyarrow_error
+):
     _upload(tmp_path, "data/part.parquet", rows=5)
     uri = f"{s3_bucket}/data/part.parquet"
     for client in ("pyarrow", "boto3"):
@@ -268,12 +319,16 @@ def test_transient_faults_are_retried_and_fail_clearly_without_retries(flaky_pro
             with pytest.raises(ConfigError) as e:
                 check_s3(uri, "data.train", write=False)
             message = str(e.value)
-            assert message.startswith(f"data.train: {uri}: ") and endpoint in message and "1 attempt(s)" in message, message
+            assert message.startswith(f"data.train: {uri}: ") and endpoint in message and "1 attempt(s)" in message, (
+                message
+            )
             assert "run again, or raise storage.max_attempts" in message
             # A reset that lands before the request is sent is a failed connect to boto3, one that
             # lands after it a dropped connection: which one is a matter of timing.
-            causes = {"drop": ("[Errno 104] Connection reset by peer", "the connection was dropped (ConnectionClosedError)"),
-                      "throttle": ("SlowDown: the server is throttling or failing",)}[mode]
+            causes = {
+                "drop": ("[Errno 104] Connection reset by peer", "the connection was dropped (ConnectionClosedError)"),
+                "throttle": ("SlowDown: the server is throttling or failing",),
+            }[mode]
             assert any(cause in message for cause in causes), message
         assert log.read_text().split() == [mode], client
 
@@ -291,13 +346,18 @@ def test_no_secret_in_config_dumps_or_the_model_registry(s3_bucket, monkeypatch,
 
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET)  # moto accepts any secret
     _upload(tmp_path, "data/part.parquet")
-    config = _config(f"data.train={s3_bucket}/data", f"run.storage_path={s3_bucket}/runs",
-                     f"storage.endpoint_url={os.environ['AWS_ENDPOINT_URL']}")
+    config = _config(
+        f"data.train={s3_bucket}/data",
+        f"run.storage_path={s3_bucket}/runs",
+        f"storage.endpoint_url={os.environ['AWS_ENDPOINT_URL']}",
+    )
     preflight(config)
     assert SECRET not in repr(config.to_dict())
     torch.manual_seed(0)
     registry = ModelRegistry(f"{s3_bucket}/models")
-    version = registry.write_version(UNet2DConditionModel(**PRESETS["tiny"]), DDPMScheduler(), {"config": config.to_dict()})
+    version = registry.write_version(
+        UNet2DConditionModel(**PRESETS["tiny"]), DDPMScheduler(), {"config": config.to_dict()}
+    )
     registry.set_production(version)
     assert registry.manifest(version)["config"]["storage"]["endpoint_url"] == os.environ["AWS_ENDPOINT_URL"]
     s3 = _s3()
@@ -313,15 +373,21 @@ def test_no_secret_in_config_dumps_or_the_model_registry(s3_bucket, monkeypatch,
 
 @pytest.mark.timeout(60)
 def test_retrain_checks_its_roots_before_reading_anything(s3_bucket, tmp_path):
-    from sdtrain.retrain import retrain
-
     import datetime
+
+    from sdtrain.retrain import retrain
 
     _upload(tmp_path, "parts/date=2026-11-01/part.parquet")
     _upload(tmp_path, "val/part.parquet")
-    config = _config(f"data.val={s3_bucket}/val", f"retrain.data_root={s3_bucket}/parts", "retrain.models_root=s3://no-models/m",
-                     f"run.storage_path={s3_bucket}/runs")
-    with pytest.raises(ConfigError, match=r"^retrain\.models_root: s3://no-models/m: bucket 'no-models' does not exist"):
+    config = _config(
+        f"data.val={s3_bucket}/val",
+        f"retrain.data_root={s3_bucket}/parts",
+        "retrain.models_root=s3://no-models/m",
+        f"run.storage_path={s3_bucket}/runs",
+    )
+    with pytest.raises(
+        ConfigError, match=r"^retrain\.models_root: s3://no-models/m: bucket 'no-models' does not exist"
+    ):
         retrain(config, datetime.date(2026, 11, 1))
 
 
@@ -329,15 +395,26 @@ def test_retrain_checks_its_roots_before_reading_anything(s3_bucket, tmp_path):
 def test_the_train_entrypoint_stops_before_ray_starts(s3_bucket, tmp_path):
     start = time.monotonic()
     result = subprocess.run(
-        [sys.executable, str(REPO / "entrypoints" / "train.py"), "data.train=s3://no-such-bucket/latents", "data.val=[]",
-         "data.demo=false", f"run.storage_path={s3_bucket}/runs"],
+        [
+            sys.executable,
+            str(REPO / "entrypoints" / "train.py"),
+            "data.train=s3://no-such-bucket/latents",
+            "data.val=[]",
+            "data.demo=false",
+            f"run.storage_path={s3_bucket}/runs",
+        ],
         # This checkout's package, whatever an editable install elsewhere points at.
-        cwd=tmp_path, env={**os.environ, "RAY_ADDRESS": "local", "PYTHONPATH": str(REPO / "src")},
-        capture_output=True, text=True, timeout=170,
+        cwd=tmp_path,
+        env={**os.environ, "RAY_ADDRESS": "local", "PYTHONPATH": str(REPO / "src")},
+        capture_output=True,
+        text=True,
+        timeout=170,
     )
     elapsed = time.monotonic() - start
     assert result.returncode == 2, result.stderr[-3000:]
-    assert result.stderr.startswith("error: data.train[0]: s3://no-such-bucket/latents: bucket 'no-such-bucket' does not exist")
+    assert result.stderr.startswith(
+        "error: data.train[0]: s3://no-such-bucket/latents: bucket 'no-such-bucket' does not exist"
+    )
     assert "Traceback" not in result.stderr
     assert "Started a local Ray instance" not in result.stdout + result.stderr
     print(f"entrypoint stopped with exit code 2 after {elapsed:.1f}s")

@@ -11,10 +11,10 @@ import pytest
 import ray.cloudpickle
 import ray.data
 import torch
+from conftest import write_latents
 from ray.data import ExecutionResources
 from ray.data._internal.execution.execution_callback import ExecutionCallback
 
-from conftest import write_latents
 from sdtrain.config import DataConfig
 from sdtrain.dataset import WindowReader, file_order_dataset, rank_dataset
 from sdtrain.dataspec import inspect_dataset
@@ -87,7 +87,11 @@ def test_a_workers_stream_starts_reading_before_it_is_iterated_and_hands_over_ev
     first = stream.start()
     assert first.result(timeout=120)["sample_index"].tolist() == stream.expected_first.tolist()  # read before iterating
     batches = [batch["sample_index"].tolist() for batch in stream]
-    planned = [index for w in range(stretches[0].num_windows(16)) for index in plan.sample_indices(plan.window(stretches[0], w))]
+    planned = [
+        index
+        for w in range(stretches[0].num_windows(16))
+        for index in plan.sample_indices(plan.window(stretches[0], w))
+    ]
     assert [index for batch in batches for index in batch] == planned  # the background first batch, then the rest
     assert len(batches) == 6
 
@@ -104,8 +108,10 @@ def test_validation_streams_are_paced_too_and_keep_it_through_ray_trains_copy(tm
 def test_ray_trains_controller_loads_no_model_libraries():
     """Ray Train's controller unpickles the data hook (sdtrain.shards) and the failure callback:
     diffusers and Lightning imported there cost ~6 s of every run's start-up."""
-    code = ("import sys, sdtrain.shards, sdtrain.failures; "
-            "loaded = [m for m in ('torch', 'diffusers', 'lightning') if m in sys.modules]; assert not loaded, loaded")
+    code = (
+        "import sys, sdtrain.shards, sdtrain.failures; "
+        "loaded = [m for m in ('torch', 'diffusers', 'lightning') if m in sys.modules]; assert not loaded, loaded"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

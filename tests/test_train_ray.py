@@ -11,8 +11,8 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
-
 from conftest import corrupt_row_group, write_latents
+
 from sdtrain.checkpoint import load_model, read_checkpoint
 from sdtrain.checkpoint_layout import CHECKPOINT_FILE, DATA_STATE_FILE, HISTORY_FILE, SAMPLES_FILE
 from sdtrain.config import load_config
@@ -74,7 +74,9 @@ def test_two_worker_run_checkpoints_reloads_and_resumes(ray_cluster, tmp_path):
     assert [bool(r["val_loss"]) for r in rows] == [False, True, False, True]  # validation with each checkpoint
     assert all(0 <= float(r["data_wait_fraction"]) < 1 for r in rows)
     # One worker group: the same launch-to-first-step time in every row, within the run's duration.
-    assert len({r["time_to_first_step_s"] for r in rows}) == 1 and 0 < float(rows[0]["time_to_first_step_s"]) < run_seconds
+    assert (
+        len({r["time_to_first_step_s"] for r in rows}) == 1 and 0 < float(rows[0]["time_to_first_step_s"]) < run_seconds
+    )
     assert (run_dir / "loss_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     # The model comes back from the checkpoint alone and reproduces the validation loss the
@@ -82,7 +84,9 @@ def test_two_worker_run_checkpoints_reloads_and_resumes(ray_cluster, tmp_path):
     unet, scheduler, meta = load_model(str(run_dir / "checkpoint_000000006"))
     assert meta["global_step"] == 6 and meta["latent_shape"] == [4, 16, 16] and meta["caption_shape"] == [77, 32]
     assert meta["config"]["run"]["name"] == "two-workers"
-    val = decode_batch(pq.read_table(tmp_path / "val/v.parquet"), "image_latents_256", "caption_latents", (4, 16, 16), (77, 32))
+    val = decode_batch(
+        pq.read_table(tmp_path / "val/v.parquet"), "image_latents_256", "caption_latents", (4, 16, 16), (77, 32)
+    )
     batches = [{k: torch.from_numpy(v[i : i + 4]) for k, v in val.items()} for i in range(0, 12, 4)]
     assert validation_loss(unet, scheduler, batches, seed=0) == pytest.approx(float(rows[-1]["val_loss"]), rel=1e-5)
 
@@ -94,7 +98,12 @@ def test_two_worker_run_checkpoints_reloads_and_resumes(ray_cluster, tmp_path):
     # Same name and storage: the run resumes from step 6 with its optimizer and LR schedule.
     summary = train(_config(tmp_path, max_steps=9))
     assert summary.final_step == 9
-    assert _checkpoints(run_dir) == ["checkpoint_000000003", "checkpoint_000000006", "checkpoint_000000009", "checkpoint_000000099"]
+    assert _checkpoints(run_dir) == [
+        "checkpoint_000000003",
+        "checkpoint_000000006",
+        "checkpoint_000000009",
+        "checkpoint_000000099",
+    ]
     history = json.loads((run_dir / "checkpoint_000000009" / HISTORY_FILE).read_text())
     assert [row["step"] for row in history] == [2, 3, 4, 6, 8, 9]
     assert history[4]["lr"] == pytest.approx(LR * 8 / WARMUP)  # warmup continued, not restarted
@@ -128,7 +137,10 @@ def test_cpu_workers_always_leave_ray_data_a_cpu(ray_cluster):
     assert _cpus_per_worker(ScalingConfig(num_workers=2), use_gpu=False) == 0.5
     assert _cpus_per_worker(ScalingConfig(num_workers=[1, 4]), use_gpu=False) == 0.25
     assert _cpus_per_worker(ScalingConfig(num_workers=2), use_gpu=True) == 1.0
-    with pytest.raises(ConfigError, match=r"scaling\.cpus_per_worker: 1 x 2 worker\(s\) reserves more than 1 of the cluster's 2 CPUs, leaving Ray Data no CPU"):
+    with pytest.raises(
+        ConfigError,
+        match=r"scaling\.cpus_per_worker: 1 x 2 worker\(s\) reserves more than 1 of the cluster's 2 CPUs, leaving Ray Data no CPU",
+    ):
         _cpus_per_worker(ScalingConfig(num_workers=2, cpus_per_worker=1.0), use_gpu=False)
 
 
@@ -137,23 +149,38 @@ def test_diverging_run_stops_with_a_clear_error(ray_cluster, tmp_path, run_attem
     """Every row but the first is NaN: each step is skipped, and after max_bad_steps the run stops."""
     import pyarrow as pa
     import pyarrow.parquet as pq
-
     from conftest import column
 
     latents = np.full((32, 4, 16, 16), np.nan, np.float32)
     latents[0] = 0.0  # the pre-flight check reads the first row
     captions = np.zeros((32, 77, 32), np.float32)
-    pq.write_table(pa.table({"image_latents_256": column(latents, "list"), "caption_latents": column(captions, "list")}), tmp_path / "nan.parquet")
-    config = load_config(None, [
-        f"data.train={tmp_path}/nan.parquet", "model.preset=tiny", "train.max_steps=20", "train.global_batch_size=8",
-        "train.max_bad_steps=3", "scaling.num_workers=1", f"run.storage_path={tmp_path}/runs", "run.name=nan",
-        "run.log_every_n_steps=4", "failure.max_failures=2",
-    ])
+    pq.write_table(
+        pa.table({"image_latents_256": column(latents, "list"), "caption_latents": column(captions, "list")}),
+        tmp_path / "nan.parquet",
+    )
+    config = load_config(
+        None,
+        [
+            f"data.train={tmp_path}/nan.parquet",
+            "model.preset=tiny",
+            "train.max_steps=20",
+            "train.global_batch_size=8",
+            "train.max_bad_steps=3",
+            "scaling.num_workers=1",
+            f"run.storage_path={tmp_path}/runs",
+            "run.name=nan",
+            "run.log_every_n_steps=4",
+            "failure.max_failures=2",
+        ],
+    )
     with pytest.raises(TrainingFailed) as failure:
         train(config)
     assert run_attempts("nan") == 1  # retries would diverge the same way: none are spent
     message = str(failure.value)
-    assert "4 consecutive optimizer steps up to step 4 had NaN/inf gradients and were skipped (train.max_bad_steps=3)" in message
+    assert (
+        "4 consecutive optimizer steps up to step 4 had NaN/inf gradients and were skipped (train.max_bad_steps=3)"
+        in message
+    )
     assert "no checkpoint was written" in message
 
 
@@ -170,11 +197,22 @@ def test_a_killed_worker_is_restarted_and_the_run_ends_exactly_at_max_steps(ray_
 
     write_latents(tmp_path / "train/a.parquet", rows=64, encoding="list", seed=4)
     run_dir = tmp_path / "runs" / "killed"
-    config = load_config(None, [
-        f"data.train={tmp_path}/train", "model.preset=tiny", "train.max_steps=24", "train.global_batch_size=8",
-        "scaling.num_workers=2", f"run.storage_path={tmp_path}/runs", "run.name=killed",
-        "run.checkpoint_every_n_steps=4", "run.log_every_n_steps=2", "run.num_to_keep=null", "failure.max_failures=2",
-    ])
+    config = load_config(
+        None,
+        [
+            f"data.train={tmp_path}/train",
+            "model.preset=tiny",
+            "train.max_steps=24",
+            "train.global_batch_size=8",
+            "scaling.num_workers=2",
+            f"run.storage_path={tmp_path}/runs",
+            "run.name=killed",
+            "run.checkpoint_every_n_steps=4",
+            "run.log_every_n_steps=2",
+            "run.num_to_keep=null",
+            "failure.max_failures=2",
+        ],
+    )
     killed = []
 
     def committed_checkpoints():
@@ -218,13 +256,26 @@ def test_a_killed_worker_is_restarted_and_the_run_ends_exactly_at_max_steps(ray_
 
 
 def _ids_config(tmp_path, name, max_steps, workers, *extra):
-    return load_config(None, [
-        f"data.train={tmp_path}/train", "model.preset=tiny", f"train.max_steps={max_steps}",
-        "train.global_batch_size=8", "train.micro_batch_size=2", f"scaling.num_workers={workers}",
-        "data.shuffle_chunk_rows=5", "data.shuffle_window_rows=12", f"run.storage_path={tmp_path}/runs",
-        f"run.name={name}", "run.checkpoint_every_n_steps=3", "run.log_every_n_steps=3", "run.num_to_keep=null",
-        "run.record_samples=true", *extra,
-    ])
+    return load_config(
+        None,
+        [
+            f"data.train={tmp_path}/train",
+            "model.preset=tiny",
+            f"train.max_steps={max_steps}",
+            "train.global_batch_size=8",
+            "train.micro_batch_size=2",
+            f"scaling.num_workers={workers}",
+            "data.shuffle_chunk_rows=5",
+            "data.shuffle_window_rows=12",
+            f"run.storage_path={tmp_path}/runs",
+            f"run.name={name}",
+            "run.checkpoint_every_n_steps=3",
+            "run.log_every_n_steps=3",
+            "run.num_to_keep=null",
+            "run.record_samples=true",
+            *extra,
+        ],
+    )
 
 
 def _trained_ids(run_dir):
@@ -259,12 +310,14 @@ def test_every_sample_once_per_epoch_across_restarts_and_world_sizes_and_bitwise
 
     train(_ids_config(tmp_path, "c", 5, 2))
     assert json.loads((tmp_path / "runs/c/checkpoint_000000005" / DATA_STATE_FILE).read_text()) == {
-        "step": 5, "data": {"epoch": 0, "segments": [[2, 20]]}
+        "step": 5,
+        "data": {"epoch": 0, "segments": [[2, 20]]},
     }
     train(_ids_config(tmp_path, "c", 12, 1))
     assert sorted(_trained_ids(tmp_path / "runs/c")) == every_row
     assert json.loads((tmp_path / "runs/c/checkpoint_000000012" / DATA_STATE_FILE).read_text())["data"] == {
-        "epoch": 1, "segments": []
+        "epoch": 1,
+        "segments": [],
     }
 
 
@@ -273,10 +326,19 @@ def test_an_unreadable_file_fails_the_run_at_once_naming_it(ray_cluster, tmp_pat
     write_latents(tmp_path / "train/good.parquet", rows=32, seed=1)
     write_latents(tmp_path / "train/bad.parquet", rows=32, seed=2, row_group_size=16)
     corrupt_row_group(tmp_path / "train/bad.parquet", 1)  # the first row, read before the run, is fine
-    config = load_config(None, [
-        f"data.train={tmp_path}/train", "model.preset=tiny", "train.max_steps=8", "train.global_batch_size=8",
-        "scaling.num_workers=1", f"run.storage_path={tmp_path}/runs", "run.name=corrupt", "failure.max_failures=3",
-    ])
+    config = load_config(
+        None,
+        [
+            f"data.train={tmp_path}/train",
+            "model.preset=tiny",
+            "train.max_steps=8",
+            "train.global_batch_size=8",
+            "scaling.num_workers=1",
+            f"run.storage_path={tmp_path}/runs",
+            "run.name=corrupt",
+            "failure.max_failures=3",
+        ],
+    )
     with pytest.raises(TrainingFailed) as failure:
         train(config)
     assert run_attempts("corrupt") == 1  # a damaged file stays damaged: no restart is spent on it
@@ -284,9 +346,13 @@ def test_an_unreadable_file_fails_the_run_at_once_naming_it(ray_cluster, tmp_pat
     assert f"data.train: {tmp_path}/train/bad.parquet: rows " in message
     assert "cannot be read" in message and "data.on_read_error=skip" in message
 
-    summary = train(dataclasses.replace(
-        config, data=dataclasses.replace(config.data, on_read_error="skip"), run=dataclasses.replace(config.run, name="skip")
-    ))
+    summary = train(
+        dataclasses.replace(
+            config,
+            data=dataclasses.replace(config.data, on_read_error="skip"),
+            run=dataclasses.replace(config.run, name="skip"),
+        )
+    )
     assert summary.final_step == 8
     history = json.loads((tmp_path / "runs/skip/checkpoint_000000008" / HISTORY_FILE).read_text())
     assert sum(row["skipped_samples"] for row in history) == 16  # the damaged row group, each row once
@@ -296,10 +362,11 @@ def _rows_with_a_nan(path, rows, nan_row, seed):
     latents, captions = write_latents(path, rows=rows, dtype="float32", seed=seed)
     latents[nan_row, 0, 0, 0] = np.nan  # row 0 stays finite: the pre-flight check reads it
     import pyarrow as pa
-
     from conftest import column
 
-    pq.write_table(pa.table({"image_latents_256": column(latents, "list"), "caption_latents": column(captions, "list")}), path)
+    pq.write_table(
+        pa.table({"image_latents_256": column(latents, "list"), "caption_latents": column(captions, "list")}), path
+    )
 
 
 @pytest.mark.timeout(400)
@@ -311,12 +378,23 @@ def test_bf16_with_clipping_and_ema_skips_a_nan_step_on_both_ranks_and_resumes(r
     run_dir = tmp_path / "runs" / "bf16"
 
     def config(max_steps):
-        return load_config(None, [
-            f"data.train={tmp_path}/train", "model.preset=tiny", f"train.max_steps={max_steps}",
-            "train.global_batch_size=8", "train.precision=bf16-mixed", "train.ema_decay=0.9", "scaling.num_workers=2",
-            f"run.storage_path={tmp_path}/runs", "run.name=bf16", "run.checkpoint_every_n_steps=2",
-            "run.log_every_n_steps=1", "run.num_to_keep=null",
-        ])
+        return load_config(
+            None,
+            [
+                f"data.train={tmp_path}/train",
+                "model.preset=tiny",
+                f"train.max_steps={max_steps}",
+                "train.global_batch_size=8",
+                "train.precision=bf16-mixed",
+                "train.ema_decay=0.9",
+                "scaling.num_workers=2",
+                f"run.storage_path={tmp_path}/runs",
+                "run.name=bf16",
+                "run.checkpoint_every_n_steps=2",
+                "run.log_every_n_steps=1",
+                "run.num_to_keep=null",
+            ],
+        )
 
     assert train(config(4)).final_step == 4
     first = json.loads((run_dir / "checkpoint_000000004" / HISTORY_FILE).read_text())
@@ -342,13 +420,25 @@ def test_fsdp_on_two_cpu_workers_validates_with_its_ema_and_resumes_on_one(ray_c
     run_dir = tmp_path / "runs" / "fsdp"
 
     def config(max_steps, workers):
-        return load_config(None, [
-            f"data.train={tmp_path}/train", f"data.val={tmp_path}/val", "model.preset=tiny",
-            f"train.max_steps={max_steps}", "train.global_batch_size=8", "train.strategy=fsdp",
-            "train.precision=bf16-mixed", "train.ema_decay=0.9", f"scaling.num_workers={workers}",
-            f"run.storage_path={tmp_path}/runs", "run.name=fsdp", "run.checkpoint_every_n_steps=2",
-            "run.log_every_n_steps=2", "run.num_to_keep=null",
-        ])
+        return load_config(
+            None,
+            [
+                f"data.train={tmp_path}/train",
+                f"data.val={tmp_path}/val",
+                "model.preset=tiny",
+                f"train.max_steps={max_steps}",
+                "train.global_batch_size=8",
+                "train.strategy=fsdp",
+                "train.precision=bf16-mixed",
+                "train.ema_decay=0.9",
+                f"scaling.num_workers={workers}",
+                f"run.storage_path={tmp_path}/runs",
+                "run.name=fsdp",
+                "run.checkpoint_every_n_steps=2",
+                "run.log_every_n_steps=2",
+                "run.num_to_keep=null",
+            ],
+        )
 
     assert train(config(4, workers=2)).final_step == 4
     history = json.loads((run_dir / "checkpoint_000000004" / HISTORY_FILE).read_text())
@@ -356,7 +446,9 @@ def test_fsdp_on_two_cpu_workers_validates_with_its_ema_and_resumes_on_one(ray_c
     # The EMA the ranks kept shard by shard, gathered, reproduces the validation loss they computed.
     unet, scheduler, meta = load_model(str(run_dir / "checkpoint_000000004"))
     assert meta["weights"] == "ema" and meta["config"]["train"]["strategy"] == "fsdp"
-    val = decode_batch(pq.read_table(tmp_path / "val/v.parquet"), "image_latents_256", "caption_latents", (4, 16, 16), (77, 32))
+    val = decode_batch(
+        pq.read_table(tmp_path / "val/v.parquet"), "image_latents_256", "caption_latents", (4, 16, 16), (77, 32)
+    )
     batches = [{k: torch.from_numpy(v[i : i + 4]) for k, v in val.items()} for i in range(0, 8, 4)]
     assert validation_loss(unet, scheduler, batches, seed=0) == pytest.approx(history[-1]["val_loss"], rel=1e-5)
 

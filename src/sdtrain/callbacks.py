@@ -14,7 +14,7 @@ import os
 import shutil
 import tempfile
 import time
-from typing import Callable, Iterable, Optional
+from collections.abc import Callable, Iterable
 
 import lightning.pytorch as pl
 import numpy as np
@@ -45,7 +45,7 @@ class StepReporter(pl.Callback):
         data_position: Callable[[int], DataState],
         data_wait_s: Callable[[], float],
         launched_at: float,
-        val_batches: Optional[ValBatches] = None,
+        val_batches: ValBatches | None = None,
         val_seed: int = 0,
     ):
         """``history`` holds the rows of the checkpoint being resumed from ([] for a fresh run);

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import posixpath
 from dataclasses import dataclass
-from typing import Any, Literal, Optional
+from typing import Any, Literal
 
 import pyarrow.fs as pafs
-
 import torch
 from diffusers import DDPMScheduler, UNet2DConditionModel
 
@@ -34,7 +33,7 @@ class LoadedModel:
     unet: UNet2DConditionModel
     noise_scheduler: DDPMScheduler
     meta: dict[str, Any]  # the checkpoint's sdtrain metadata, plus global_step and weights ("ema" or "raw")
-    unconditional_caption: Optional[torch.Tensor]  # (L, D); None in checkpoints from before caption dropout
+    unconditional_caption: torch.Tensor | None  # (L, D); None in checkpoints from before caption dropout
 
 
 def load_model(path: str, weights: Weights = "auto") -> tuple[UNet2DConditionModel, DDPMScheduler, dict[str, Any]]:
@@ -60,4 +59,6 @@ def load_checkpoint(path: str, weights: Weights = "auto") -> LoadedModel:
     unet.load_state_dict({k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)})
     unet.eval()
     meta = {**meta, "global_step": checkpoint["global_step"], "weights": chosen}
-    return LoadedModel(unet, build_noise_scheduler(meta["noise_scheduler_config"]), meta, state.get("unconditional_caption"))
+    return LoadedModel(
+        unet, build_noise_scheduler(meta["noise_scheduler_config"]), meta, state.get("unconditional_caption")
+    )

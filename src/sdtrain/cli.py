@@ -5,21 +5,33 @@ from __future__ import annotations
 import argparse
 import datetime
 import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Optional, Sequence
 
 from sdtrain.config import Config, help_text, load_config
 from sdtrain.errors import SdtrainError, TrainingFailed
 
 
-def train_main(argv: Optional[Sequence[str]], default_config: Path) -> int:
+def train_main(argv: Sequence[str] | None, default_config: Path) -> int:
     """Run the training job; the exit code is 0 on success, 2 for bad input, 1 for a failed run."""
-    return _main(argv, default_config, "train.py", "Train a Stable Diffusion UNet on parquet latents with Ray Train + Lightning.", _train)
+    return _main(
+        argv,
+        default_config,
+        "train.py",
+        "Train a Stable Diffusion UNet on parquet latents with Ray Train + Lightning.",
+        _train,
+    )
 
 
-def retrain_main(argv: Optional[Sequence[str]], default_config: Path) -> int:
+def retrain_main(argv: Sequence[str] | None, default_config: Path) -> int:
     """Run one scheduled retraining; exit codes as for training (a rejected model is not a failure)."""
-    return _main(argv, default_config, "retrain.py", "Retrain on new date partitions and promote the result if it is better.", _retrain)
+    return _main(
+        argv,
+        default_config,
+        "retrain.py",
+        "Retrain on new date partitions and promote the result if it is better.",
+        _retrain,
+    )
 
 
 def _main(argv, default_config: Path, prog: str, description: str, job: Callable[[Config], list[str]]) -> int:
@@ -56,6 +68,10 @@ def _retrain(config: Config) -> list[str]:
 
     if config.retrain.data_root is None:
         raise ConfigError("retrain.data_root and retrain.models_root are required for retraining")
-    day = datetime.date.fromisoformat(config.retrain.date) if config.retrain.date else datetime.datetime.now(datetime.timezone.utc).date()
+    day = (
+        datetime.date.fromisoformat(config.retrain.date)
+        if config.retrain.date
+        else datetime.datetime.now(datetime.timezone.utc).date()
+    )
     outcome = retrain(config, day)
     return [f"{outcome.status}: {outcome.message}", f"production: {outcome.production or 'none'}"]

@@ -19,7 +19,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Literal, Optional, Union
+from typing import Any, ClassVar, Literal, Union
 
 import yaml
 
@@ -60,7 +60,7 @@ class DataConfig(_Section):
     """Each worker reads its chunks in windows of this many rows (one Ray Data block) and shuffles rows within a window."""
     on_read_error: Literal["fail", "skip"] = "fail"
     """A training file that cannot be read mid-run: fail stops the run at once naming the file (no retries); skip leaves its rows out of the loss and counts them (metric skipped_samples)."""
-    latent_scaling_factor: Optional[float] = None
+    latent_scaling_factor: float | None = None
     """Multiply the stored latents by this, once, as training reads them: set it (0.18215 for SD's VAE) when the files hold raw VAE latents; null = they are already scaled (the Anyscale notebook's files, the demo). Refused if a file's parquet metadata says its latents are already scaled (key sdtrain.latent_scaling_factor)."""
     unconditional_caption: str = "zeros"
     """The caption embedding of the empty prompt, which caption dropout substitutes and classifier-free guidance samples against: zeros, or a .npy file (L x D, the text encoder's output for "") readable by every node."""
@@ -79,7 +79,9 @@ class DataConfig(_Section):
         if self.latent_scaling_factor is not None and not self.latent_scaling_factor > 0:
             self._fail("latent_scaling_factor", f"must be > 0 or null, got {self.latent_scaling_factor}")
         if self.unconditional_caption != "zeros" and not self.unconditional_caption.endswith(".npy"):
-            self._fail("unconditional_caption", f"must be zeros or the path of a .npy file, got {self.unconditional_caption!r}")
+            self._fail(
+                "unconditional_caption", f"must be zeros or the path of a .npy file, got {self.unconditional_caption!r}"
+            )
 
 
 @dataclass
@@ -90,7 +92,7 @@ class ModelConfig(_Section):
     """UNet architecture: tiny (CPU tests and demo), small (the Anyscale notebook's UNet), sd2-base (Stable Diffusion 2 base)."""
     unet: dict[str, Any] = field(default_factory=dict)
     """UNet2DConditionModel keyword arguments that override the preset, e.g. model.unet.cross_attention_dim=768."""
-    pretrained: Optional[str] = None
+    pretrained: str | None = None
     """Local directory, s3:// URI or hub id of a diffusers model (unet/ and scheduler/ subfolders, or a bare UNet) to start from."""
     prediction_type: Literal["epsilon", "v_prediction"] = "epsilon"
     """What the UNet predicts: epsilon (the noise) or v_prediction (velocity, from the scheduler's get_velocity). Written into the noise scheduler config, so validation, the exported scheduler and sampling all follow it."""
@@ -114,7 +116,7 @@ class TrainConfig(_Section):
     """Optimizer steps to train for; the run ends exactly here, across restarts."""
     global_batch_size: int = 32
     """Samples per optimizer step across all workers, at every world size: world size x train.micro_batch_size x gradient accumulation."""
-    micro_batch_size: Optional[int] = None
+    micro_batch_size: int | None = None
     """Samples per worker per forward/backward pass; gradients accumulate until global_batch_size. null = the largest size that divides the per-worker batch at every allowed world size."""
     lr: float = 1e-4
     """AdamW peak learning rate, reached after train.warmup_steps and then held."""
@@ -130,7 +132,7 @@ class TrainConfig(_Section):
     """Seed for weight init, and with rank and step for each step's noise and timesteps; also the validation noise."""
     max_bad_steps: int = 20
     """Stop the run after this many consecutive steps skipped for a NaN/inf gradient (checked at each log step)."""
-    snr_gamma: Optional[float] = None
+    snr_gamma: float | None = None
     """Min-SNR-gamma loss weighting (arXiv 2303.09556): each sample's MSE is weighted by min(SNR, gamma)/SNR (epsilon) or min(SNR, gamma)/(SNR+1) (v_prediction); 5.0 is the paper's value; null = unweighted."""
     noise_offset: float = 0.0
     """Offset noise: add noise_offset x N(0,1) per sample and channel to the noise (0.05-0.1 typical); 0 = off."""
@@ -138,7 +140,7 @@ class TrainConfig(_Section):
     """Input perturbation: noise the UNet input with noise + input_perturbation x N(0,1) while the target keeps the noise (0.1 typical); 0 = off."""
     caption_dropout_prob: float = 0.0
     """Probability that a sample's caption is replaced by data.unconditional_caption, so the model also learns the unconditional prediction that classifier-free guidance needs (0.1 typical)."""
-    ema_decay: Optional[float] = None
+    ema_decay: float | None = None
     """Keep an exponential moving average of the UNet weights with this decay (e.g. 0.9999), saved in checkpoints and used for validation, export and generation; null = no EMA."""
     ema_start_step: int = 0
     """Until this step the EMA copies the weights; after it, it averages them with train.ema_decay."""
@@ -161,7 +163,14 @@ class TrainConfig(_Section):
             self._fail("micro_batch_size", f"must be > 0 or null, got {self.micro_batch_size}")
         if not self.lr > 0:
             self._fail("lr", f"must be > 0, got {self.lr}")
-        for key in ("warmup_steps", "weight_decay", "grad_clip_norm", "noise_offset", "input_perturbation", "ema_start_step"):
+        for key in (
+            "warmup_steps",
+            "weight_decay",
+            "grad_clip_norm",
+            "noise_offset",
+            "input_perturbation",
+            "ema_start_step",
+        ):
             if getattr(self, key) < 0:
                 self._fail(key, f"must be >= 0, got {getattr(self, key)}")
         if self.snr_gamma is not None and not self.snr_gamma > 0:
@@ -171,20 +180,26 @@ class TrainConfig(_Section):
         if self.ema_decay is not None and not 0 < self.ema_decay < 1:
             self._fail("ema_decay", f"must be in (0, 1) or null, got {self.ema_decay}")
         if self.strategy == "fsdp" and self.channels_last:
-            self._fail("channels_last", "cannot be used with train.strategy=fsdp: FSDP2 shards only contiguous parameters (torch: \"FSDP does not support non-contiguous parameters\"); turn one of them off")
+            self._fail(
+                "channels_last",
+                'cannot be used with train.strategy=fsdp: FSDP2 shards only contiguous parameters (torch: "FSDP does not support non-contiguous parameters"); turn one of them off',
+            )
         if self.strategy == "fsdp" and self.precision == "16-mixed":
-            self._fail("precision", "16-mixed cannot run with train.strategy=fsdp (a GradScaler would skip a step on one rank's overflowed shard only); use bf16-mixed, or ddp")
+            self._fail(
+                "precision",
+                "16-mixed cannot run with train.strategy=fsdp (a GradScaler would skip a step on one rank's overflowed shard only); use bf16-mixed, or ddp",
+            )
 
 
 @dataclass
 class ScalingConfig(_Section):
     section: ClassVar[str] = "scaling"
 
-    num_workers: Union[int, list[int]] = 1
+    num_workers: int | list[int] = 1
     """Training workers: an int, or [min, max] for elastic training that starts with what the cluster can give."""
-    use_gpu: Union[Literal["auto"], bool] = "auto"
+    use_gpu: Literal["auto"] | bool = "auto"
     """One GPU per worker; auto = yes when the cluster has GPUs when the job starts. Set true on autoscaling clusters."""
-    cpus_per_worker: Union[Literal["auto"], float] = "auto"
+    cpus_per_worker: Literal["auto"] | float = "auto"
     """CPUs reserved per worker; auto = 1 with GPUs, else a share that leaves Ray Data at least one CPU."""
 
     def __post_init__(self):
@@ -215,11 +230,11 @@ class RunConfig(_Section):
     """Where runs are stored: s3://bucket/prefix (needed on a multi-node cluster), a shared filesystem path, or a local directory (relative to the current directory)."""
     checkpoint_every_n_steps: int = 1000
     """Report a checkpoint every this many optimizer steps, and always at the end."""
-    num_to_keep: Optional[int] = 3
+    num_to_keep: int | None = 3
     """Checkpoints to keep (the newest); null keeps all."""
     log_every_n_steps: int = 50
     """Log a progress line and report metrics every this many steps."""
-    val_every_n_steps: Optional[int] = None
+    val_every_n_steps: int | None = None
     """Compute the validation loss on data.val every this many steps; null = at every checkpoint."""
     checkpoint_upload: Literal["async", "sync"] = "async"
     """async: training goes on while Ray Train uploads a checkpoint to run.storage_path (committed, and older ones pruned, once it is all there); sync: wait for the upload. The wait shows in the metric checkpoint_stall_s."""
@@ -227,7 +242,7 @@ class RunConfig(_Section):
     """Save into each checkpoint, as samples.npy, the sample index (row number in data.train's files, in order) of every row trained on since the previous checkpoint, all ranks: an exact record of what the model saw."""
     start_fresh: bool = False
     """Start from step 0 even if run.storage_path/run.name holds a run; the old run is kept, renamed to <name>.replaced-<UTC time>. For one-off command lines, not a retried job (each retry would start over)."""
-    checkpoint_score_attribute: Optional[Literal["val_loss", "loss"]] = None
+    checkpoint_score_attribute: Literal["val_loss", "loss"] | None = None
     """Keep the run.num_to_keep checkpoints with the lowest value of this metric (plus the latest, which a resume starts from) instead of the newest; null = the newest."""
     export: bool = True
     """At the end of the run, export the final (EMA) UNet and noise scheduler in diffusers format to run.storage_path/run.name/export/."""
@@ -262,7 +277,7 @@ class FailureConfig(_Section):
 class StorageConfig(_Section):
     section: ClassVar[str] = "storage"
 
-    endpoint_url: Optional[str] = None
+    endpoint_url: str | None = None
     """S3-compatible endpoint (e.g. http://minio:9000) for every s3:// URI; null = AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL if set, else AWS S3. Credentials never go here."""
     max_attempts: int = DEFAULT_MAX_ATTEMPTS
     """Attempts per S3 request, with exponential backoff, before a throttled or dropped request fails; 1 = no retries."""
@@ -287,13 +302,13 @@ _NO_SECRETS = (
 class RetrainConfig(_Section):
     section: ClassVar[str] = "retrain"
 
-    data_root: Optional[str] = None
+    data_root: str | None = None
     """Directory of date partitions (date=YYYY-MM-DD/ holding parquet files) that entrypoints/retrain.py takes new data from."""
-    models_root: Optional[str] = None
+    models_root: str | None = None
     """Where retraining keeps model versions (versions/vNNNN/) and the production pointer (production.json)."""
     tolerance: float = 0.0
     """Promote a retrained model if its validation loss <= the production model's x (1 + tolerance)."""
-    date: Optional[str] = None
+    date: str | None = None
     """Schedule date (YYYY-MM-DD) a retrain run is for: it takes partitions up to it, once; null = today (UTC)."""
 
     def __post_init__(self):
@@ -305,7 +320,9 @@ class RetrainConfig(_Section):
         if self.tolerance < 0:
             self._fail("tolerance", f"must be >= 0, got {self.tolerance}")
         if (self.data_root is None) != (self.models_root is None):
-            self._fail("models_root" if self.models_root is None else "data_root", "is required with the other retrain key")
+            self._fail(
+                "models_root" if self.models_root is None else "data_root", "is required with the other retrain key"
+            )
 
 
 @dataclass
@@ -326,9 +343,13 @@ class Config:
         if not self.data.train and self.retrain.data_root is None:
             raise ConfigError("data.train: is required: give a parquet file, directory, glob or list of them")
         if self.retrain.data_root is not None and not self.data.val:
-            raise ConfigError("data.val: retraining needs a fixed held-out set to compare the new and production models on")
+            raise ConfigError(
+                "data.val: retraining needs a fixed held-out set to compare the new and production models on"
+            )
         if self.train.precision == "16-mixed" and self.scaling.use_gpu is False:
-            raise ConfigError("train.precision: 16-mixed needs GPUs (CPUs have no fp16 autocast); use bf16-mixed or 32-true")
+            raise ConfigError(
+                "train.precision: 16-mixed needs GPUs (CPUs have no fp16 autocast); use bf16-mixed or 32-true"
+            )
         if self.run.checkpoint_score_attribute == "val_loss":
             if not self.data.val:
                 raise ConfigError("run.checkpoint_score_attribute: val_loss needs data.val")
@@ -371,7 +392,7 @@ class Config:
         return [(key, path) for key, path in named if path is not None]
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> "Config":
+    def from_dict(cls, raw: dict[str, Any]) -> Config:
         """Build and validate a Config from nested plain data (YAML, or ``to_dict`` output)."""
         raw = dict(raw)
         sections = {}
@@ -390,12 +411,19 @@ class Config:
         return dataclasses.asdict(self)
 
 
-_SECTIONS = {"data": DataConfig, "model": ModelConfig, "train": TrainConfig,
-             "scaling": ScalingConfig, "run": RunConfig, "failure": FailureConfig, "storage": StorageConfig,
-             "retrain": RetrainConfig}
+_SECTIONS = {
+    "data": DataConfig,
+    "model": ModelConfig,
+    "train": TrainConfig,
+    "scaling": ScalingConfig,
+    "run": RunConfig,
+    "failure": FailureConfig,
+    "storage": StorageConfig,
+    "retrain": RetrainConfig,
+}
 
 
-def load_config(path: Optional[str | Path] = None, overrides: typing.Sequence[str] = ()) -> Config:
+def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> Config:
     """Load a YAML config (if given), apply ``key.sub=value`` overrides, and validate."""
     raw: dict[str, Any] = {}
     if path is not None:

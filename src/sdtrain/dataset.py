@@ -102,11 +102,15 @@ class WindowReader:
                     columns = [self.data.image_column, self.data.caption_column]
                     row_groups[file_index, group] = files[file_index].read_row_group(group, columns=columns)
                 table = row_groups[file_index, group].slice(lo - int(offsets[group]), hi - lo)
-                pieces.append((
-                    to_array(table.column(self.data.image_column), self.spec.latent_shape, self.data.image_column),
-                    to_array(table.column(self.data.caption_column), self.spec.caption_shape, self.data.caption_column),
-                    np.ones(hi - lo, bool),
-                ))
+                pieces.append(
+                    (
+                        to_array(table.column(self.data.image_column), self.spec.latent_shape, self.data.image_column),
+                        to_array(
+                            table.column(self.data.caption_column), self.spec.caption_shape, self.data.caption_column
+                        ),
+                        np.ones(hi - lo, bool),
+                    )
+                )
             except (OSError, pa.ArrowException, DataError) as error:
                 pieces.append(self._unreadable(file, lo, hi, error))
         return pieces
@@ -136,13 +140,15 @@ def rank_dataset(reader: WindowReader, stretches: list[Stretch]) -> ray.data.Dat
     dataset.context.execution_options.preserve_order = True
     # Our DataError (naming the file) reaches the worker as itself, not as a UserCodeException.
     dataset.context.raise_original_map_exception = True
-    return paced(dataset.map_batches(
-        _read_windows,
-        # Whole blocks (one window id each): Ray Data then fuses the read of the ids into the
-        # window's task instead of running a task per id first (batch_size=1 prevents fusion).
-        batch_size=None,
-        fn_kwargs=dict(reader=reader, stretches=stretches, first_index=np.cumsum([0] + counts)),
-    ))
+    return paced(
+        dataset.map_batches(
+            _read_windows,
+            # Whole blocks (one window id each): Ray Data then fuses the read of the ids into the
+            # window's task instead of running a task per id first (batch_size=1 prevents fusion).
+            batch_size=None,
+            fn_kwargs=dict(reader=reader, stretches=stretches, first_index=np.cumsum([0] + counts)),
+        )
+    )
 
 
 def _read_windows(batch: dict[str, np.ndarray], reader: WindowReader, stretches, first_index) -> pa.Table:
@@ -166,15 +172,16 @@ def file_order_dataset(spec: DatasetSpec, data: DataConfig) -> ray.data.Dataset:
         include_paths=True,
     )
     dataset.context.execution_options.preserve_order = True
-    return paced(dataset.map_batches(
-        decode_batch,
-        batch_format="pyarrow",
-        batch_size=None,  # whole blocks: decoding is vectorized, bigger is cheaper
-        fn_kwargs=dict(
-            image_column=data.image_column,
-            caption_column=data.caption_column,
-            latent_shape=spec.latent_shape,
-            caption_shape=spec.caption_shape,
-        ),
-    ))
-
+    return paced(
+        dataset.map_batches(
+            decode_batch,
+            batch_format="pyarrow",
+            batch_size=None,  # whole blocks: decoding is vectorized, bigger is cheaper
+            fn_kwargs=dict(
+                image_column=data.image_column,
+                caption_column=data.caption_column,
+                latent_shape=spec.latent_shape,
+                caption_shape=spec.caption_shape,
+            ),
+        )
+    )

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Optional
 
 import numpy as np
 import pyarrow as pa
@@ -27,8 +26,8 @@ class ColumnLayout:
 
     encoding: str  # "list", "fixed_size_list" or "tensor"
     value_type: pa.DataType
-    values_per_row: Optional[int]  # None for a variable-size list: known only from a row
-    shape: Optional[tuple[int, ...]]  # only the tensor type records the shape itself
+    values_per_row: int | None  # None for a variable-size list: known only from a row
+    shape: tuple[int, ...] | None  # only the tensor type records the shape itself
 
     def describe(self) -> str:
         if self.encoding == "tensor":

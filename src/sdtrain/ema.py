@@ -16,7 +16,7 @@ weights into its own shard of the EMA, which is the same thing, sharded.
 from __future__ import annotations
 
 import copy
-from typing import Iterable, Optional
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -36,7 +36,7 @@ def ema_update_(
     step: int,
     decay: float,
     start_step: int,
-    skipped: Optional[torch.Tensor] = None,
+    skipped: torch.Tensor | None = None,
 ) -> None:
     """Update ``ema_params`` in place after optimizer step number ``step`` (1-based).
 

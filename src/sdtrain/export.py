@@ -20,7 +20,7 @@ import io
 import json
 import os
 import tempfile
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 import pyarrow.fs as pafs
@@ -40,7 +40,7 @@ def export_checkpoint(checkpoint: str, destination: str, weights: Weights = "aut
     return write_export(loaded, destination, source=checkpoint)
 
 
-def write_export(loaded: LoadedModel, destination: str, source: Optional[str] = None) -> str:
+def write_export(loaded: LoadedModel, destination: str, source: str | None = None) -> str:
     """Write ``loaded`` into ``destination``, replacing what was there; returns ``destination``."""
     meta = loaded.meta
     info = {
@@ -69,7 +69,7 @@ def write_export(loaded: LoadedModel, destination: str, source: Optional[str] = 
     return destination
 
 
-def export_source(path: str) -> Optional[str]:
+def export_source(path: str) -> str | None:
     """The checkpoint the export at ``path`` was written from; None if there is no complete export."""
     fs, fs_path = filesystem_for(path)
     if not is_export(path) or fs.get_file_info(os.path.join(fs_path, INFO_FILE)).type != pafs.FileType.File:

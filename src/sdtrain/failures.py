@@ -33,7 +33,9 @@ def failure_message(error: Exception, run_dir: str) -> str:
         latest = ray.train.Result.from_path(path, storage_filesystem=filesystem).checkpoint
     except Exception:  # no checkpoint manager state yet: the run failed before its first checkpoint
         latest = None
-    where = f"the latest checkpoint is {uri_for(latest.filesystem, latest.path)}" if latest else "no checkpoint was written"
+    where = (
+        f"the latest checkpoint is {uri_for(latest.filesystem, latest.path)}" if latest else "no checkpoint was written"
+    )
     rerun = "re-running the same command resumes from it" if latest else "re-running starts from scratch"
     ours = find_sdtrain_error(error)
     cause: Any = ours if ours is not None else error

@@ -15,7 +15,6 @@ import os
 import re
 import tempfile
 from dataclasses import dataclass
-from typing import Optional
 
 import pyarrow.fs as pafs
 
@@ -36,14 +35,14 @@ _USERINFO = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://)([^/@:]*:[^@]*@|[^/@]*@)")
 
 @dataclass(frozen=True)
 class S3Settings:
-    endpoint_url: Optional[str] = None  # None: AWS_ENDPOINT_URL_S3, AWS_ENDPOINT_URL, else AWS S3
+    endpoint_url: str | None = None  # None: AWS_ENDPOINT_URL_S3, AWS_ENDPOINT_URL, else AWS S3
     max_attempts: int = DEFAULT_MAX_ATTEMPTS
 
 
 _s3_settings = S3Settings()
 
 
-def configure_s3(endpoint_url: Optional[str], max_attempts: int) -> None:
+def configure_s3(endpoint_url: str | None, max_attempts: int) -> None:
     """Use this endpoint (if not None) and retry budget for every S3 client this process creates.
 
     An explicit endpoint is also exported as AWS_ENDPOINT_URL and AWS_ENDPOINT_URL_S3: Ray Data
@@ -58,7 +57,7 @@ def configure_s3(endpoint_url: Optional[str], max_attempts: int) -> None:
             os.environ[var] = endpoint_url
 
 
-def s3_endpoint() -> tuple[Optional[str], str]:
+def s3_endpoint() -> tuple[str | None, str]:
     """(endpoint URL or None for AWS S3, where it came from): storage.endpoint_url, then the environment."""
     if _s3_settings.endpoint_url:
         return _s3_settings.endpoint_url, "storage.endpoint_url"
@@ -131,7 +130,7 @@ def _rebuild_s3(max_attempts: int, options: dict) -> RetryingS3FileSystem:
     return RetryingS3FileSystem(max_attempts, **options)
 
 
-def _bucket_region(bucket: str) -> Optional[str]:
+def _bucket_region(bucket: str) -> str | None:
     if bucket not in _REGIONS:
         try:
             _REGIONS[bucket] = pafs.resolve_s3_region(bucket)
@@ -263,7 +262,7 @@ def filesystem_for(path: str) -> tuple[pafs.FileSystem, str]:
     return pafs.LocalFileSystem(), os.path.abspath(os.path.expanduser(path))
 
 
-def ray_storage(path: str) -> tuple[Optional[pafs.FileSystem], str]:
+def ray_storage(path: str) -> tuple[pafs.FileSystem | None, str]:
     """(storage_filesystem, storage path) to hand Ray Train for ``path``: for a URI our own
     filesystem (endpoint and retries travel with it to the controller and workers) and the path
     within it; for a local path (None, its absolute path: Ray refuses relative ones), Ray's default."""
@@ -272,7 +271,7 @@ def ray_storage(path: str) -> tuple[Optional[pafs.FileSystem], str]:
     return filesystem_for(path)
 
 
-def set_aside(path: str) -> Optional[str]:
+def set_aside(path: str) -> str | None:
     """Rename the directory at ``path`` (local or URI) to ``<path>.replaced-<UTC time>``; return
     the new location, or None if nothing is there. Object stores have no rename: copy, then delete."""
     fs, fs_path = filesystem_for(path)

@@ -22,8 +22,9 @@ definition; the small noise-schedule, loss and optimizer arithmetic is not count
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 from torch import nn

@@ -13,7 +13,7 @@ import json
 import os
 import posixpath
 from dataclasses import dataclass, field
-from typing import Any, Literal, Optional
+from typing import Any, Literal
 
 import numpy as np
 import pyarrow.fs as pafs
@@ -44,11 +44,16 @@ def load_for_sampling(path: str, weights: Weights = "auto") -> LoadedModel:
     info = fs.get_file_info(fs_path)
     if info.type == pafs.FileType.NotFound:
         raise SdtrainError(f"model: {path} does not exist")
-    if info.type == pafs.FileType.File or fs.get_file_info(posixpath.join(fs_path, CHECKPOINT_FILE)).type == pafs.FileType.File:
+    if (
+        info.type == pafs.FileType.File
+        or fs.get_file_info(posixpath.join(fs_path, CHECKPOINT_FILE)).type == pafs.FileType.File
+    ):
         return load_checkpoint(path, weights)
     if is_export(path):
         if weights == "raw":
-            raise SdtrainError(f"model: {path} is an export, which holds one set of weights; --weights raw needs a checkpoint")
+            raise SdtrainError(
+                f"model: {path} is an export, which holds one set of weights; --weights raw needs a checkpoint"
+            )
         return load_export(path)
     from ray.train import Result
 
@@ -72,7 +77,7 @@ def load_for_sampling(path: str, weights: Weights = "auto") -> LoadedModel:
 class Captions:
     embeddings: torch.Tensor  # (R, L, D)
     names: list[str]  # one per row of the grid
-    labels: Optional[list[Any]] = None
+    labels: list[Any] | None = None
 
 
 def read_captions(path: str, caption_dim: int, column: str = "caption_latents", rows: int = 8) -> Captions:
@@ -85,7 +90,9 @@ def read_captions(path: str, caption_dim: int, column: str = "caption_latents", 
         if array.ndim == 2:
             array = array[None]
         if array.ndim != 3 or array.shape[-1] != caption_dim:
-            raise DataError(f"--captions: {path} holds shape {array.shape}; expected (L, {caption_dim}) or (N, L, {caption_dim})")
+            raise DataError(
+                f"--captions: {path} holds shape {array.shape}; expected (L, {caption_dim}) or (N, L, {caption_dim})"
+            )
         return Captions(torch.from_numpy(array.astype(np.float32)), [f"caption {i}" for i in range(len(array))])
 
     import pyarrow as pa
@@ -99,7 +106,9 @@ def read_captions(path: str, caption_dim: int, column: str = "caption_latents", 
         with fs.open_input_file(fs_path) as f:
             schema = pq.read_schema(f)
             if column not in schema.names:
-                raise DataError(f"--captions: {file} has no column {column!r}; its columns are {', '.join(schema.names)} (see --caption-column)")
+                raise DataError(
+                    f"--captions: {file} has no column {column!r}; its columns are {', '.join(schema.names)} (see --caption-column)"
+                )
             tables.append(pq.read_table(f, columns=[column] + (["label"] if "label" in schema.names else [])))
     table = pa.concat_tables(tables)
     if "label" in table.column_names:
@@ -118,7 +127,9 @@ def read_captions(path: str, caption_dim: int, column: str = "caption_latents", 
     first_row = width.storage[0] if isinstance(width, pa.ExtensionArray) else width[0]
     length = len(first_row.values) if hasattr(first_row, "values") else len(first_row)
     if length % caption_dim:
-        raise DataError(f"--captions: column {column!r} has {length} values a row, not a multiple of the UNet's cross_attention_dim {caption_dim}")
+        raise DataError(
+            f"--captions: column {column!r} has {length} values a row, not a multiple of the UNet's cross_attention_dim {caption_dim}"
+        )
     embeddings = to_array(table.column(column), (length // caption_dim, caption_dim), column).astype(np.float32)
     return Captions(torch.from_numpy(embeddings), names, order)
 
@@ -137,7 +148,7 @@ def make_sampler(noise_scheduler_config: dict[str, Any], name: Literal["ddim", "
 
 
 def guided_prediction(
-    unet: UNet2DConditionModel, latents: torch.Tensor, t, cond: torch.Tensor, uncond: Optional[torch.Tensor], scale: float
+    unet: UNet2DConditionModel, latents: torch.Tensor, t, cond: torch.Tensor, uncond: torch.Tensor | None, scale: float
 ) -> torch.Tensor:
     """Classifier-free guidance: uncond + scale * (cond - uncond); at scale 1, the conditional prediction itself."""
     if scale == 1.0 or uncond is None:
@@ -152,7 +163,7 @@ def sample_latents(
     unet: UNet2DConditionModel,
     noise_scheduler_config: dict[str, Any],
     captions: torch.Tensor,
-    unconditional: Optional[torch.Tensor],
+    unconditional: torch.Tensor | None,
     latent_shape: tuple[int, int, int],
     *,
     sampler: Literal["ddim", "dpm"] = "ddim",
@@ -222,7 +233,9 @@ def load_vae(vae: str):
 
     root = os.path.expanduser(vae)
     if os.path.isdir(root):
-        return AutoencoderKL.from_pretrained(root, subfolder="vae" if os.path.isdir(os.path.join(root, "vae")) else None)
+        return AutoencoderKL.from_pretrained(
+            root, subfolder="vae" if os.path.isdir(os.path.join(root, "vae")) else None
+        )
     return AutoencoderKL.from_pretrained(vae, subfolder="vae")  # a hub id: a pipeline's vae/ (needs network)
 
 
@@ -252,7 +265,7 @@ class GenerateRequest:
     steps: int = 25
     guidance_scale: float = 3.0
     seed: int = 0
-    vae: Optional[str] = None
+    vae: str | None = None
     weights: Weights = "auto"
     preview: Literal["auto", "digits", "channels"] = "auto"
     batch_size: int = 64
@@ -268,7 +281,9 @@ def generate(request: GenerateRequest) -> list[str]:
     unet = loaded.unet.to(device).eval()
     meta = loaded.meta
     captions = read_captions(request.captions, unet.config.cross_attention_dim, request.caption_column, request.rows)
-    latent_shape = tuple(meta.get("latent_shape") or (unet.config.in_channels, unet.config.sample_size, unet.config.sample_size))
+    latent_shape = tuple(
+        meta.get("latent_shape") or (unet.config.in_channels, unet.config.sample_size, unet.config.sample_size)
+    )
     unconditional = loaded.unconditional_caption
     if unconditional is not None and tuple(unconditional.shape) != tuple(captions.embeddings.shape[1:]):
         raise DataError(
@@ -287,9 +302,16 @@ def generate(request: GenerateRequest) -> list[str]:
     k = request.samples_per_caption
     repeated = captions.embeddings.repeat_interleave(k, dim=0)
     latents = sample_latents(
-        unet, dict(loaded.noise_scheduler.config), repeated, unconditional, latent_shape,
-        sampler=request.sampler, steps=request.steps, guidance_scale=request.guidance_scale,
-        seed=request.seed, batch_size=request.batch_size,
+        unet,
+        dict(loaded.noise_scheduler.config),
+        repeated,
+        unconditional,
+        latent_shape,
+        sampler=request.sampler,
+        steps=request.steps,
+        guidance_scale=request.guidance_scale,
+        seed=request.seed,
+        batch_size=request.batch_size,
     )
     os.makedirs(request.out, exist_ok=True)
     written = []
@@ -330,9 +352,15 @@ def generate(request: GenerateRequest) -> list[str]:
         from sdtrain.demo_data import class_agreement, real_digits_agreement
 
         accuracy = class_agreement(latents.numpy(), np.repeat(labels, k))
-        accuracy = {**accuracy, "chance": 0.1, "real_digits": round(real_digits_agreement(), 4), "classifier": (
-            "nearest class mean (correlation) of the demo's training digits, on each sample decoded by "
-            "demo_data.digits_from_latents; real_digits = its agreement on the real validation digits")}
+        accuracy = {
+            **accuracy,
+            "chance": 0.1,
+            "real_digits": round(real_digits_agreement(), 4),
+            "classifier": (
+                "nearest class mean (correlation) of the demo's training digits, on each sample decoded by "
+                "demo_data.digits_from_latents; real_digits = its agreement on the real validation digits"
+            ),
+        }
         path = os.path.join(request.out, DEMO_ACCURACY_FILE)
         with open(path, "w") as f:
             json.dump(accuracy, f, indent=2)
@@ -372,7 +400,7 @@ def _trained_on_demo(meta: dict[str, Any]) -> bool:
     return bool(meta.get("demo") or meta.get("config", {}).get("data", {}).get("demo"))
 
 
-def demo_labels(meta: dict[str, Any], captions: Captions) -> Optional[list[int]]:
+def demo_labels(meta: dict[str, Any], captions: Captions) -> list[int] | None:
     """Each grid row's digit when the model was trained on the digits demo and the captions are the
     demo's own (a ``label`` column of digits, each row's embedding the demo's caption of its
     digit); else None, and there is no class agreement to measure."""
@@ -384,7 +412,9 @@ def demo_labels(meta: dict[str, Any], captions: Captions) -> Optional[list[int]]
     if not all(isinstance(label, int) and 0 <= label < NUM_CLASSES for label in labels):
         return None
     expected = class_captions(captions.embeddings.shape[-1])[labels]
-    if expected.shape != tuple(captions.embeddings.shape) or not np.allclose(captions.embeddings.numpy(), expected, atol=1e-2):
+    if expected.shape != tuple(captions.embeddings.shape) or not np.allclose(
+        captions.embeddings.numpy(), expected, atol=1e-2
+    ):
         return None
     return list(labels)
 
@@ -403,23 +433,55 @@ def generate_main(argv=None) -> int:
         prog="generate.py",
         description="Sample from a trained model (run directory, checkpoint or export; local or s3://), or export a checkpoint.",
     )
-    parser.add_argument("model", help="a run directory (its latest checkpoint), a checkpoint directory or .ckpt, or an export directory")
-    parser.add_argument("--captions", help="caption embeddings: a .npy file ((L, D) or (N, L, D)) or parquet (file, directory or glob); "
-                        "parquet with a label column gives one row per label")
+    parser.add_argument(
+        "model", help="a run directory (its latest checkpoint), a checkpoint directory or .ckpt, or an export directory"
+    )
+    parser.add_argument(
+        "--captions",
+        help="caption embeddings: a .npy file ((L, D) or (N, L, D)) or parquet (file, directory or glob); "
+        "parquet with a label column gives one row per label",
+    )
     parser.add_argument("--out", default="samples", help="output directory (default: %(default)s)")
-    parser.add_argument("--caption-column", default="caption_latents", help="parquet column of the embeddings (default: %(default)s)")
-    parser.add_argument("--rows", type=int, default=8, help="parquet rows to take when there is no label column (default: %(default)s)")
+    parser.add_argument(
+        "--caption-column", default="caption_latents", help="parquet column of the embeddings (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--rows", type=int, default=8, help="parquet rows to take when there is no label column (default: %(default)s)"
+    )
     parser.add_argument("--samples-per-caption", type=int, default=8, help="grid columns (default: %(default)s)")
-    parser.add_argument("--sampler", choices=SAMPLERS, default="ddim", help="ddim or dpm (DPM-Solver++) (default: %(default)s)")
+    parser.add_argument(
+        "--sampler", choices=SAMPLERS, default="ddim", help="ddim or dpm (DPM-Solver++) (default: %(default)s)"
+    )
     parser.add_argument("--steps", type=int, default=25, help="sampling steps (default: %(default)s)")
-    parser.add_argument("--guidance-scale", type=float, default=3.0, help="classifier-free guidance scale; 1 = none (default: %(default)s)")
+    parser.add_argument(
+        "--guidance-scale",
+        type=float,
+        default=3.0,
+        help="classifier-free guidance scale; 1 = none (default: %(default)s)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the initial noise (default: %(default)s)")
-    parser.add_argument("--vae", help="decode with this AutoencoderKL (local directory or hub id); without it, latents and a preview are saved")
-    parser.add_argument("--weights", choices=("auto", "ema", "raw"), default="auto", help="auto = EMA if the run kept one (default: %(default)s)")
-    parser.add_argument("--preview", choices=("auto", "digits", "channels"), default="auto",
-                        help="latent preview without a VAE: digits (the demo's inverse), channels (first 3 as RGB); auto = digits for demo runs")
+    parser.add_argument(
+        "--vae",
+        help="decode with this AutoencoderKL (local directory or hub id); without it, latents and a preview are saved",
+    )
+    parser.add_argument(
+        "--weights",
+        choices=("auto", "ema", "raw"),
+        default="auto",
+        help="auto = EMA if the run kept one (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--preview",
+        choices=("auto", "digits", "channels"),
+        default="auto",
+        help="latent preview without a VAE: digits (the demo's inverse), channels (first 3 as RGB); auto = digits for demo runs",
+    )
     parser.add_argument("--batch-size", type=int, default=64, help="samples per UNet batch (default: %(default)s)")
-    parser.add_argument("--export-to", metavar="DIR", help="instead of sampling: export the model in diffusers format to DIR (local or s3://)")
+    parser.add_argument(
+        "--export-to",
+        metavar="DIR",
+        help="instead of sampling: export the model in diffusers format to DIR (local or s3://)",
+    )
     args = parser.parse_args(argv)
     for name in ("rows", "samples_per_caption", "steps", "batch_size"):
         if getattr(args, name) < 1:
@@ -430,15 +492,27 @@ def generate_main(argv=None) -> int:
 
             loaded = load_for_sampling(args.model, args.weights)
             write_export(loaded, args.export_to, source=args.model)
-            print(f"[sdtrain] exported {loaded.meta.get('weights')} weights of step {loaded.meta.get('global_step')} to {args.export_to}")
+            print(
+                f"[sdtrain] exported {loaded.meta.get('weights')} weights of step {loaded.meta.get('global_step')} to {args.export_to}"
+            )
             return 0
         if not args.captions:
             parser.error("--captions is required to sample")
         request = GenerateRequest(
-            model=args.model, captions=args.captions, out=args.out, caption_column=args.caption_column, rows=args.rows,
-            samples_per_caption=args.samples_per_caption, sampler=args.sampler, steps=args.steps,
-            guidance_scale=args.guidance_scale, seed=args.seed, vae=args.vae, weights=args.weights,
-            preview=args.preview, batch_size=args.batch_size,
+            model=args.model,
+            captions=args.captions,
+            out=args.out,
+            caption_column=args.caption_column,
+            rows=args.rows,
+            samples_per_caption=args.samples_per_caption,
+            sampler=args.sampler,
+            steps=args.steps,
+            guidance_scale=args.guidance_scale,
+            seed=args.seed,
+            vae=args.vae,
+            weights=args.weights,
+            preview=args.preview,
+            batch_size=args.batch_size,
         )
         written = generate(request)
     except (SdtrainError, ValueError) as e:

@@ -10,8 +10,6 @@ state dict on rank 0: the same file as DDP's, resumable at any world size and by
 
 from __future__ import annotations
 
-from typing import Optional
-
 import lightning.pytorch as pl
 import torch
 from diffusers.models.attention_processor import AttnProcessor, AttnProcessor2_0
@@ -46,7 +44,7 @@ class RayModelParallelStrategy(ModelParallelStrategy):
         return ray.train.torch.get_device()
 
 
-def apply_options(module, train: TrainConfig, mesh: Optional["torch.distributed.device_mesh.DeviceMesh"] = None) -> None:
+def apply_options(module, train: TrainConfig, mesh: torch.distributed.device_mesh.DeviceMesh | None = None) -> None:
     """Set the attention kernel, memory format and gradient checkpointing of ``module.unet`` (and
     its EMA, which only runs inference), shard both over ``mesh`` (FSDP), then compile the UNet:
     in place, in that order (compile sees the sharded module). Lightning calls it through

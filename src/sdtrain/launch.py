@@ -9,8 +9,8 @@ import dataclasses
 import math
 import posixpath
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping, Optional
 
 import ray
 import ray.train
@@ -159,7 +159,7 @@ class _FinishedRun:
     result: ray.train.Result
 
 
-def _finished_run(run_dir: str, max_steps: int) -> Optional[_FinishedRun]:
+def _finished_run(run_dir: str, max_steps: int) -> _FinishedRun | None:
     """The run in ``run_dir`` if its latest committed checkpoint is at or past ``max_steps``."""
     result = committed_run(*ray_storage(run_dir))
     if result is None:
@@ -209,7 +209,7 @@ def dataset_spec(config: Config, key: str, specs: list[str], unet: Mapping) -> D
     )
 
 
-def _check_shapes_agree(train: DatasetSpec, val: Optional[DatasetSpec]) -> None:
+def _check_shapes_agree(train: DatasetSpec, val: DatasetSpec | None) -> None:
     if val is not None and (val.latent_shape, val.caption_shape) != (train.latent_shape, train.caption_shape):
         raise ConfigError(
             f"data.val holds latents {val.latent_shape} and captions {val.caption_shape}, but data.train "

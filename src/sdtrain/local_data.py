@@ -6,7 +6,7 @@ one needs torch, which costs each fresh read worker about 1.6 s before its first
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -23,8 +23,14 @@ def iter_local_batches(spec: DatasetSpec, data: DataConfig, batch_size: int) -> 
     for file in spec.files:
         fs, path = filesystem_for(file)
         with fs.open_input_file(path) as handle:
-            for batch in pq.ParquetFile(handle).iter_batches(batch_size, columns=[data.image_column, data.caption_column]):
+            for batch in pq.ParquetFile(handle).iter_batches(
+                batch_size, columns=[data.image_column, data.caption_column]
+            ):
                 arrays = decode_batch(
-                    pa.Table.from_batches([batch]), data.image_column, data.caption_column, spec.latent_shape, spec.caption_shape
+                    pa.Table.from_batches([batch]),
+                    data.image_column,
+                    data.caption_column,
+                    spec.latent_shape,
+                    spec.caption_shape,
                 )
                 yield {name: torch.tensor(values) for name, values in arrays.items()}

@@ -4,7 +4,8 @@ an optional EMA of its weights (sdtrain.ema)."""
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Optional
+from collections.abc import Iterable
+from typing import Any
 
 import lightning.pytorch as pl
 import numpy as np
@@ -29,7 +30,7 @@ class DiffusionModule(pl.LightningModule):
         noise_scheduler_config: dict[str, Any],
         train: TrainConfig,
         checkpoint_meta: dict[str, Any],
-        unconditional_caption: Optional[torch.Tensor] = None,
+        unconditional_caption: torch.Tensor | None = None,
         accumulation: int = 1,
         record_samples: bool = False,
     ):
@@ -56,10 +57,14 @@ class DiffusionModule(pl.LightningModule):
         if unconditional_caption is None and "caption_shape" in checkpoint_meta:
             unconditional_caption = torch.zeros(checkpoint_meta["caption_shape"])
         if unconditional_caption is None and train.caption_dropout_prob > 0:
-            raise ValueError("train.caption_dropout_prob needs an unconditional caption embedding (or caption_shape in the meta)")
+            raise ValueError(
+                "train.caption_dropout_prob needs an unconditional caption embedding (or caption_shape in the meta)"
+            )
         # A frozen parameter rather than a buffer: saved in the checkpoint, but not broadcast by DDP every step.
         self.unconditional_caption = (
-            None if unconditional_caption is None else torch.nn.Parameter(unconditional_caption.float(), requires_grad=False)
+            None
+            if unconditional_caption is None
+            else torch.nn.Parameter(unconditional_caption.float(), requires_grad=False)
         )
         self.ema_unet = make_ema(unet) if train.ema_decay is not None else None
         # Summed on the device and read only when a log line is due: no per-step host sync.
@@ -100,10 +105,16 @@ class DiffusionModule(pl.LightningModule):
         generator.manual_seed(int(key.generate_state(1, np.uint64)[0]))
         return generator
 
-    def _draw_noise_and_timesteps(self, latents: torch.Tensor, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    def _draw_noise_and_timesteps(
+        self, latents: torch.Tensor, generator: torch.Generator
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         noise = torch.randn(latents.shape, generator=generator, device=latents.device, dtype=latents.dtype)
         timesteps = torch.randint(
-            0, self.noise_scheduler.config.num_train_timesteps, (latents.shape[0],), generator=generator, device=latents.device
+            0,
+            self.noise_scheduler.config.num_train_timesteps,
+            (latents.shape[0],),
+            generator=generator,
+            device=latents.device,
         )
         return noise, timesteps
 
@@ -115,7 +126,12 @@ class DiffusionModule(pl.LightningModule):
         noise, timesteps = self._draw_noise_and_timesteps(latents, generator)
         config = self.train_config
         inputs = step_inputs(
-            self.noise_scheduler, latents, captions, noise, timesteps, generator,
+            self.noise_scheduler,
+            latents,
+            captions,
+            noise,
+            timesteps,
+            generator,
             noise_offset=config.noise_offset,
             input_perturbation=config.input_perturbation,
             caption_dropout_prob=config.caption_dropout_prob,
@@ -175,8 +191,12 @@ class DiffusionModule(pl.LightningModule):
         if self.ema_unet is not None:
             # global_step still counts the steps before this one here. A skipped step leaves the EMA too.
             ema_update_(
-                self.ema_unet.parameters(), self.unet.parameters(), self.global_step + 1,
-                self.train_config.ema_decay, self.train_config.ema_start_step, self.step_skipped,
+                self.ema_unet.parameters(),
+                self.unet.parameters(),
+                self.global_step + 1,
+                self.train_config.ema_decay,
+                self.train_config.ema_start_step,
+                self.step_skipped,
             )
 
     @property

@@ -22,7 +22,6 @@ function of (seed, rank, step) like the noise, and resumed runs draw what uninte
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import numpy as np
 import torch
@@ -68,14 +67,16 @@ def diffusion_loss(
     target: torch.Tensor,
     noise_scheduler: DDPMScheduler,
     timesteps: torch.Tensor,
-    snr_gamma: Optional[float] = None,
-    valid: Optional[torch.Tensor] = None,
+    snr_gamma: float | None = None,
+    valid: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Mean squared error, each sample weighted by min-SNR-gamma when ``snr_gamma`` is set, over
     the samples ``valid`` marks (all when None)."""
     if snr_gamma is None and valid is None:
         return F.mse_loss(prediction.float(), target.float())
-    per_sample = F.mse_loss(prediction.float(), target.float(), reduction="none").mean(dim=tuple(range(1, prediction.ndim)))
+    per_sample = F.mse_loss(prediction.float(), target.float(), reduction="none").mean(
+        dim=tuple(range(1, prediction.ndim))
+    )
     if snr_gamma is not None:
         per_sample = per_sample * min_snr_weights(noise_scheduler, timesteps, snr_gamma)
     if valid is None:
@@ -111,7 +112,7 @@ class StepInputs:
     noisy: torch.Tensor
     captions: torch.Tensor
     target: torch.Tensor
-    dropped: Optional[torch.Tensor] = None
+    dropped: torch.Tensor | None = None
 
 
 def step_inputs(
@@ -125,7 +126,7 @@ def step_inputs(
     noise_offset: float = 0.0,
     input_perturbation: float = 0.0,
     caption_dropout_prob: float = 0.0,
-    unconditional_caption: Optional[torch.Tensor] = None,
+    unconditional_caption: torch.Tensor | None = None,
 ) -> StepInputs:
     """Apply the recipe to a batch whose noise and timesteps are drawn. The extra draws come from
     ``generator`` in this order, each only when its option is on: offset, perturbation, dropout."""
@@ -170,11 +171,10 @@ def load_unconditional_caption(source: str, caption_shape: tuple[int, int] | lis
     return torch.from_numpy(np.asarray(array, dtype=np.float32))
 
 
-
 LATENT_SCALING_METADATA_KEY = b"sdtrain.latent_scaling_factor"
 
 
-def stored_latent_scaling(files: list[str], data) -> Optional[float]:
+def stored_latent_scaling(files: list[str], data) -> float | None:
     """The scaling factor the files say their latents already carry (parquet schema metadata key
     ``sdtrain.latent_scaling_factor``), or None. Setting data.latent_scaling_factor as well would
     scale them twice: refused, naming the file."""

@@ -16,7 +16,7 @@ import json
 import posixpath
 import re
 import tempfile
-from typing import Any, Optional
+from typing import Any
 
 import pyarrow.fs as pafs
 from diffusers import DDPMScheduler, UNet2DConditionModel
@@ -40,7 +40,7 @@ class ModelRegistry:
     def manifest(self, version: str) -> dict[str, Any]:
         return json.loads(self._read(self._path("versions", version, MANIFEST_FILE)))
 
-    def production(self) -> Optional[str]:
+    def production(self) -> str | None:
         pointer = self._path(PRODUCTION_FILE)
         return json.loads(self._read(pointer))["version"] if self._exists(pointer) else None
 

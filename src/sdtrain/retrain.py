@@ -13,7 +13,6 @@ import math
 import re
 import subprocess
 from dataclasses import dataclass
-from typing import Optional
 
 import pyarrow.fs as pafs
 import torch
@@ -21,10 +20,10 @@ import torch
 from sdtrain import __version__
 from sdtrain.checkpoint import load_model
 from sdtrain.config import Config
-from sdtrain.local_data import iter_local_batches
 from sdtrain.errors import DataError
 from sdtrain.files import absolute, filesystem_for, uri_prefix
 from sdtrain.launch import dataset_spec, train
+from sdtrain.local_data import iter_local_batches
 from sdtrain.registry import ModelRegistry
 from sdtrain.storage import preflight
 from sdtrain.validation import validation_loss
@@ -36,8 +35,8 @@ EVAL_BATCH_SIZE = 32
 @dataclass
 class RetrainOutcome:
     status: str  # promoted | rejected | already-done | completed-promotion | no-new-data
-    version: Optional[str]
-    production: Optional[str]
+    version: str | None
+    production: str | None
     message: str
 
 
@@ -53,15 +52,30 @@ def retrain(config: Config, schedule_date: datetime.date) -> RetrainOutcome:
             continue
         if manifest["promoted"] and production != version:
             registry.set_production(version)
-            return RetrainOutcome("completed-promotion", version, version, f"{day}: finished promoting {version}, written before an interruption")
-        return RetrainOutcome("already-done", version, production, f"{day}: already retrained as {version} ({manifest['reason']}); nothing to do")
+            return RetrainOutcome(
+                "completed-promotion",
+                version,
+                version,
+                f"{day}: finished promoting {version}, written before an interruption",
+            )
+        return RetrainOutcome(
+            "already-done",
+            version,
+            production,
+            f"{day}: already retrained as {version} ({manifest['reason']}); nothing to do",
+        )
 
     partitions = find_partitions(config.retrain.data_root, schedule_date)
     seen = registry.manifest(production)["partitions_seen"] if production else []
     new = [d for d in partitions if d not in seen]
     if not new:
-        return RetrainOutcome("no-new-data", None, production, f"{day}: no partitions since {production or 'the start'}; nothing to train")
-    print(f"[sdtrain] retraining on {len(new)} new partition(s): {', '.join(new)}; production is {production or 'none yet'}", flush=True)
+        return RetrainOutcome(
+            "no-new-data", None, production, f"{day}: no partitions since {production or 'the start'}; nothing to train"
+        )
+    print(
+        f"[sdtrain] retraining on {len(new)} new partition(s): {', '.join(new)}; production is {production or 'none yet'}",
+        flush=True,
+    )
 
     model = config.model
     if production:  # warm start: the production weights, a fresh optimizer and the configured short warmup
@@ -103,7 +117,9 @@ def retrain(config: Config, schedule_date: datetime.date) -> RetrainOutcome:
     if promote:
         registry.set_production(version)
         return RetrainOutcome("promoted", version, version, f"{day}: promoted {version}: {reason}")
-    return RetrainOutcome("rejected", version, production, f"{day}: kept {production} in production, {version} not promoted: {reason}")
+    return RetrainOutcome(
+        "rejected", version, production, f"{day}: kept {production} in production, {version} not promoted: {reason}"
+    )
 
 
 def find_partitions(data_root: str, up_to: datetime.date) -> dict[str, str]:
@@ -128,7 +144,7 @@ def heldout_loss(config: Config, unet, scheduler) -> float:
     return validation_loss(unet.to(device), scheduler, batches, seed=config.train.seed, latent_scale=latent_scale)
 
 
-def _decide(new_loss: float, production_loss: Optional[float], production: Optional[str], tolerance: float):
+def _decide(new_loss: float, production_loss: float | None, production: str | None, tolerance: float):
     if not math.isfinite(new_loss):
         return False, f"the new model's val_loss is {new_loss}: training diverged"
     if production_loss is None:
@@ -139,12 +155,12 @@ def _decide(new_loss: float, production_loss: Optional[float], production: Optio
     return new_loss <= limit, reason
 
 
-def _finite_or_none(value: Optional[float]) -> Optional[float]:
+def _finite_or_none(value: float | None) -> float | None:
     """Manifests are strict JSON: a diverged loss is recorded as null (the reason says why)."""
     return value if value is not None and math.isfinite(value) else None
 
 
-def _git_commit() -> Optional[str]:
+def _git_commit() -> str | None:
     try:
         result = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
     except OSError:

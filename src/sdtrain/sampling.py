@@ -38,7 +38,7 @@ class DataState:
         return {"epoch": self.epoch, "segments": [list(s) for s in self.segments]}
 
     @classmethod
-    def from_dict(cls, raw: dict) -> "DataState":
+    def from_dict(cls, raw: dict) -> DataState:
         return cls(int(raw["epoch"]), tuple((int(w), int(n)) for w, n in raw["segments"]))
 
 
@@ -86,8 +86,12 @@ class SamplePlan:
 
     def __getstate__(self):
         # Pickled into every read task: rebuild the chunk table there instead of shipping it.
-        return {"rows_per_file": self.rows_per_file, "seed": self.seed, "chunk_rows": self.chunk_rows,
-                "window_rows": self.window_rows}
+        return {
+            "rows_per_file": self.rows_per_file,
+            "seed": self.seed,
+            "chunk_rows": self.chunk_rows,
+            "window_rows": self.window_rows,
+        }
 
     def __setstate__(self, state):
         self.__init__(**state)
@@ -119,9 +123,7 @@ class SamplePlan:
             )
         return spans
 
-    def rank_stretches(
-        self, state: DataState, world_size: int, rows_per_step: int, steps: int
-    ) -> list[list[Stretch]]:
+    def rank_stretches(self, state: DataState, world_size: int, rows_per_step: int, steps: int) -> list[list[Stretch]]:
         """Each rank's reads for the next ``steps`` optimizer steps, one stretch per epoch they touch."""
         stretches: list[list[Stretch]] = [[] for _ in range(world_size)]
         while steps > 0:

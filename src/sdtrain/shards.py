@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import posixpath
-from typing import Optional
 
 import pyarrow.fs as pafs
 import ray.train
@@ -54,14 +53,14 @@ class PlannedShards(ray.train.DataConfig):
         return options
 
 
-def latest_position(filesystem: Optional[pafs.FileSystem], run_dir: str) -> tuple[int, DataState]:
+def latest_position(filesystem: pafs.FileSystem | None, run_dir: str) -> tuple[int, DataState]:
     """(step, data state) of the latest checkpoint Ray Train committed for ``run_dir`` (a path on
     ``filesystem``, as from ``files.ray_storage``); (0, start) if none."""
     result = committed_run(filesystem, run_dir)
     return (0, DataState()) if result is None else checkpoint_position(result.checkpoint)
 
 
-def committed_run(filesystem: Optional[pafs.FileSystem], run_dir: str) -> Optional[ray.train.Result]:
+def committed_run(filesystem: pafs.FileSystem | None, run_dir: str) -> ray.train.Result | None:
     """Ray Train's record of the run in ``run_dir``, if it has committed a checkpoint."""
     try:
         result = ray.train.Result.from_path(run_dir, storage_filesystem=filesystem)

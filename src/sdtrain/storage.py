@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 import uuid
-from typing import Callable, Optional
+from collections.abc import Callable
 
 from botocore.exceptions import (
     BotoCoreError,
@@ -39,10 +39,27 @@ from sdtrain.files import (
 )
 
 # Error codes S3 (and S3-compatible stores) answer with, by what the user has to do about them.
-_REJECTED_CREDENTIALS = {"InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken", "TokenRefreshRequired"}
+_REJECTED_CREDENTIALS = {
+    "InvalidAccessKeyId",
+    "SignatureDoesNotMatch",
+    "ExpiredToken",
+    "InvalidToken",
+    "TokenRefreshRequired",
+}
 _DENIED = {"AccessDenied", "403", "AllAccessDisabled", "AccountProblem"}
 _MISSING_BUCKET = {"NoSuchBucket"}
-_TRANSIENT = {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "InternalError", "ServiceUnavailable", "500", "502", "503", "504"}
+_TRANSIENT = {
+    "SlowDown",
+    "Throttling",
+    "ThrottlingException",
+    "RequestTimeout",
+    "InternalError",
+    "ServiceUnavailable",
+    "500",
+    "502",
+    "503",
+    "504",
+}
 
 
 def preflight(config: Config) -> None:
@@ -93,7 +110,7 @@ def check_s3(uri: str, key: str, write: bool) -> None:
 class _Where:
     """What a check was about, to turn a boto3 exception into one actionable paragraph."""
 
-    def __init__(self, key: str, uri: str, bucket: str, endpoint: Optional[str], source: str):
+    def __init__(self, key: str, uri: str, bucket: str, endpoint: str | None, source: str):
         self.key, self.uri, self.bucket, self.endpoint, self.source = key, uri, bucket, endpoint, source
         self.url = endpoint or "AWS S3"  # the URL the client really uses, once there is one
 
@@ -136,7 +153,8 @@ class _Where:
         if code in _MISSING_BUCKET:
             return ConfigError(
                 f"{self.key}: {self.uri}: bucket '{self.bucket}' does not exist{self.at()}. Create it, or fix the "
-                f"bucket name in {self.key}" + (f" (or the endpoint in {self._endpoint_setting()})" if self.endpoint else "")
+                f"bucket name in {self.key}"
+                + (f" (or the endpoint in {self._endpoint_setting()})" if self.endpoint else "")
             )
         if code in _REJECTED_CREDENTIALS:
             return ConfigError(
@@ -145,7 +163,12 @@ class _Where:
                 "this endpoint; temporary credentials may have expired"
             )
         if code in _DENIED or status == "403":
-            needed = {"list": "s3:ListBucket", "read": "s3:GetObject", "write": "s3:PutObject", "delete": "s3:DeleteObject"}
+            needed = {
+                "list": "s3:ListBucket",
+                "read": "s3:GetObject",
+                "write": "s3:PutObject",
+                "delete": "s3:DeleteObject",
+            }
             return ConfigError(
                 f"{self.key}: {self.uri}: access denied: these credentials may not {action} in bucket "
                 f"'{self.bucket}'{self.at()}. Grant {needed.get(action, 's3:*')} on it (for run storage and "
@@ -154,7 +177,9 @@ class _Where:
             )
         if code in _TRANSIENT or status in _TRANSIENT:
             return ConfigError(self._transient(action, f"{code or status}: the server is throttling or failing"))
-        return ConfigError(f"{self.key}: {self.uri}: cannot {action}{self.at()}: {code}: {error.response.get('Error', {}).get('Message', '')}")
+        return ConfigError(
+            f"{self.key}: {self.uri}: cannot {action}{self.at()}: {code}: {error.response.get('Error', {}).get('Message', '')}"
+        )
 
     def _transient(self, action: str, what: str) -> str:
         return (

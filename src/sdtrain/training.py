@@ -10,7 +10,8 @@ code a Ray worker runs on a machine where Ray cannot be installed.
 from __future__ import annotations
 
 import time
-from typing import Any, Iterable, Optional, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -27,7 +28,9 @@ def resolve_precision(train: TrainConfig, use_gpu: bool) -> str:
     """Lightning's precision for ``train.precision`` on this machine (auto: bf16-mixed on GPUs that
     have bf16, else 16-mixed; 32-true on CPU), refusing what cannot run here."""
     if train.precision == "16-mixed" and not use_gpu:  # scaling.use_gpu=auto found no GPU
-        raise ConfigError("train.precision: 16-mixed needs GPUs (CPUs have no fp16 autocast); use bf16-mixed or 32-true")
+        raise ConfigError(
+            "train.precision: 16-mixed needs GPUs (CPUs have no fp16 autocast); use bf16-mixed or 32-true"
+        )
     if train.precision != "auto":
         return train.precision
     if not use_gpu:
@@ -42,8 +45,12 @@ def resolve_precision(train: TrainConfig, use_gpu: bool) -> str:
     return "16-mixed"
 
 
-def run_meta(config: Config, latent_shape: Sequence[int], caption_shape: Sequence[int],
-             latent_scaling_factor: Optional[float] = None) -> dict[str, Any]:
+def run_meta(
+    config: Config,
+    latent_shape: Sequence[int],
+    caption_shape: Sequence[int],
+    latent_scaling_factor: float | None = None,
+) -> dict[str, Any]:
     """The metadata stored in every checkpoint, enough to rebuild the model from it alone.
 
     Args:
@@ -73,7 +80,7 @@ def build_training(
     world_size: int = 1,
     accumulation: int = 1,
     on_ray: bool = False,
-    unconditional_caption: Optional[torch.Tensor] = None,
+    unconditional_caption: torch.Tensor | None = None,
     record_samples: bool = False,
 ) -> tuple[DiffusionModule, dict[str, Any]]:
     """The module and the ``pl.Trainer`` keyword arguments for a run of ``config``.
@@ -92,8 +99,13 @@ def build_training(
     # seeded by (seed, rank, step, micro-batch) in the module, not by this global seed.
     pl.seed_everything(config.train.seed, verbose=False)
     module = DiffusionModule(
-        build_unet(config.model), meta["noise_scheduler_config"], config.train, meta,
-        unconditional_caption=unconditional_caption, accumulation=accumulation, record_samples=record_samples,
+        build_unet(config.model),
+        meta["noise_scheduler_config"],
+        config.train,
+        meta,
+        unconditional_caption=unconditional_caption,
+        accumulation=accumulation,
+        record_samples=record_samples,
     )
     plugins = []
     if on_ray:
@@ -132,7 +144,7 @@ class StepTimer(pl.Callback):
         self.seconds = float("nan")
         self.timed_steps = 0
         self.peak_memory = 0
-        self._start: Optional[float] = None
+        self._start: float | None = None
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if trainer.global_step == self.warmup and self._start is None:
@@ -162,8 +174,8 @@ def fit_without_ray(
     *,
     use_gpu: bool,
     callbacks: Sequence[pl.Callback] = (),
-    ckpt_path: Optional[str] = None,
-    default_root_dir: Optional[str] = None,
+    ckpt_path: str | None = None,
+    default_root_dir: str | None = None,
 ) -> tuple[DiffusionModule, pl.Trainer]:
     """Train ``config`` on ``batches`` (micro-batches, ``train.max_steps`` optimizer steps' worth) in
     this process, on one GPU or the CPU, through :func:`build_training`; resume from ``ckpt_path``.

@@ -12,7 +12,7 @@ no offset noise, perturbation, caption dropout or min-SNR weights.
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
@@ -46,7 +46,10 @@ def validation_loss(
         captions = batch["captions"].to(device).float()
         indices = range(count, count + latents.shape[0])
         noise = torch.stack(
-            [torch.randn(latents.shape[1:], generator=torch.Generator().manual_seed(seed * 1_000_003 + i)) for i in indices]
+            [
+                torch.randn(latents.shape[1:], generator=torch.Generator().manual_seed(seed * 1_000_003 + i))
+                for i in indices
+            ]
         ).to(device)
         timesteps = grid[torch.tensor([i % NUM_TIMESTEPS for i in indices])].to(device)
         noisy = noise_scheduler.add_noise(latents, noise, timesteps)

@@ -8,8 +8,9 @@ import os
 import threading
 import time
 import warnings
+from collections.abc import Iterator
 from concurrent.futures import Future
-from typing import Any, Iterator, Optional
+from typing import Any
 
 import lightning.pytorch as pl
 import ray.train
@@ -46,17 +47,19 @@ class TrainStream:
         self.device = device
         self.expected_first = None
         self._batches = None
-        self._first: Optional[Future] = None
+        self._first: Future | None = None
         self._started = False
         self._wait_s = 0.0
 
     def start(self) -> Future:
         """Fetch the first batch in the background from now on; returns its future (None: no rows)."""
-        self._batches = iter(self.shard.iter_torch_batches(
-            batch_size=self.micro_batch,
-            prefetch_batches=self.prefetch_batches,
-            device=self.device,
-        ))
+        self._batches = iter(
+            self.shard.iter_torch_batches(
+                batch_size=self.micro_batch,
+                prefetch_batches=self.prefetch_batches,
+                device=self.device,
+            )
+        )
         self._first = Future()
 
         def fetch_first():
@@ -125,15 +128,30 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
 
     meta = loop_config["checkpoint_meta"]
     module, trainer_kwargs = build_training(
-        config, meta, use_gpu=use_gpu, world_size=world_size, accumulation=accumulation, on_ray=True,
+        config,
+        meta,
+        use_gpu=use_gpu,
+        world_size=world_size,
+        accumulation=accumulation,
+        on_ray=True,
         unconditional_caption=load_unconditional_caption(config.data.unconditional_caption, meta["caption_shape"]),
         record_samples=config.run.record_samples,
     )
 
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is None:
-        _fit(config, module, trainer_kwargs, train_batches, plan, (world_size, micro_batch, accumulation),
-             history=[], start=(0, DataState()), ckpt_path=None, launched_at=loop_config["launched_at"])
+        _fit(
+            config,
+            module,
+            trainer_kwargs,
+            train_batches,
+            plan,
+            (world_size, micro_batch, accumulation),
+            history=[],
+            start=(0, DataState()),
+            ckpt_path=None,
+            launched_at=loop_config["launched_at"],
+        )
         return
     with checkpoint.as_directory() as directory:
         with open(os.path.join(directory, HISTORY_FILE)) as f:
@@ -142,13 +160,31 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             raw = json.load(f)
         start = (int(raw["step"]), DataState.from_dict(raw["data"]))
         ckpt_path = os.path.join(directory, CHECKPOINT_FILE)
-        _fit(config, module, trainer_kwargs, train_batches, plan, (world_size, micro_batch, accumulation), history,
-             start, ckpt_path, launched_at=loop_config["launched_at"])
+        _fit(
+            config,
+            module,
+            trainer_kwargs,
+            train_batches,
+            plan,
+            (world_size, micro_batch, accumulation),
+            history,
+            start,
+            ckpt_path,
+            launched_at=loop_config["launched_at"],
+        )
 
 
 def _fit(
-    config: Config, module, trainer_kwargs, train_batches: TrainStream, plan: SamplePlan, layout, history, start,
-    ckpt_path, launched_at: float,
+    config: Config,
+    module,
+    trainer_kwargs,
+    train_batches: TrainStream,
+    plan: SamplePlan,
+    layout,
+    history,
+    start,
+    ckpt_path,
+    launched_at: float,
 ) -> None:
     world_size, micro_batch, accumulation = layout
     rank = ray.train.get_context().get_world_rank()
@@ -158,7 +194,12 @@ def _fit(
         log.info(
             "world size %d: %d samples per worker per step = micro-batch %d x %d accumulation; data epoch %d; "
             "%d torch thread(s) per worker",
-            world_size, rows_per_step, micro_batch, accumulation, start_state.epoch, torch.get_num_threads(),
+            world_size,
+            rows_per_step,
+            micro_batch,
+            accumulation,
+            start_state.epoch,
+            torch.get_num_threads(),
         )
     val_batches = None
     if config.data.val:
@@ -167,7 +208,9 @@ def _fit(
         def val_batches():
             return val_shard.iter_torch_batches(batch_size=micro_batch, device=ray.train.torch.get_device())
 
-    first_stretch = plan.rank_stretches(start_state, world_size, rows_per_step, config.train.max_steps - start_step)[rank][0]
+    first_stretch = plan.rank_stretches(start_state, world_size, rows_per_step, config.train.max_steps - start_step)[
+        rank
+    ][0]
     train_batches.expected_first = plan.sample_indices(plan.window(first_stretch, 0))[:micro_batch]
     reporter = StepReporter(
         config.run,
@@ -199,4 +242,3 @@ def _configure_logging() -> None:
     logging.getLogger(ray_train_context.__file__).setLevel(logging.WARNING)
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", message=".*LeafSpec.*")  # Lightning internals, not actionable
-
