@@ -377,7 +377,8 @@ def machine() -> str:
     except (OSError, StopIteration):
         model = cpu
     load = os.getloadavg()[0]
-    return f"{os.cpu_count()} CPUs ({model}), {memory:.0f} GiB RAM, {platform.system()} {platform.release()}, load {load:.2f}"
+    system = f"{platform.system()} {platform.release()}"
+    return f"{os.cpu_count()} CPUs ({model}), {memory:.0f} GiB RAM, {system}, load {load:.2f}"
 
 
 def versions() -> str:
@@ -389,7 +390,10 @@ def versions() -> str:
     except importlib.metadata.PackageNotFoundError:
         ray_version = "not installed"
     cuda = f", CUDA {torch.version.cuda}" if torch.cuda.is_available() else ""
-    return f"python {platform.python_version()}, torch {torch.__version__}{cuda}, ray {ray_version}, pyarrow {pyarrow.__version__}"
+    return (
+        f"python {platform.python_version()}, torch {torch.__version__}{cuda}, ray {ray_version}, "
+        f"pyarrow {pyarrow.__version__}"
+    )
 
 
 def git_commit() -> str:

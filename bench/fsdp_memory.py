@@ -52,7 +52,8 @@ def main() -> None:
             continue
         gib = max(r["bytes"] for r in ranks) / 2**30
         print(
-            f"{kind:8} {gib:12.3f} {str(all(r['fused'] for r in ranks)):>12} {str(all(r['skipped'] for r in ranks)):>20}"
+            f"{kind:8} {gib:12.3f} {str(all(r['fused'] for r in ranks)):>12} "
+            f"{str(all(r['skipped'] for r in ranks)):>20}"
         )
     full = max(r["bytes"] for r in results["ddp"])
     for kind in ("fsdp1", "fsdp2"):

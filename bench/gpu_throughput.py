@@ -77,10 +77,12 @@ def main() -> None:
     print(f"# machine: {benchlib.machine()}; device: {device_name}, peak {peak:g} TFLOP/s bf16")
     print(f"# {benchlib.versions()}, sdtrain commit {benchlib.git_commit()}")
     print(
-        f"# {args.steps} timed steps after {args.warmup} warm-up steps, bf16-mixed, through sdtrain.training.fit_without_ray"
+        f"# {args.steps} timed steps after {args.warmup} warm-up steps, bf16-mixed, through "
+        f"sdtrain.training.fit_without_ray"
     )
     print(
-        f"{'preset':9} {'px':>4} {'variant':22} {'batch':>5} {'img/s':>8} {'fwd GFLOP/img':>13} {'TFLOP/s':>8} {'MFU':>6} {'peak mem GiB':>12}"
+        f"{'preset':9} {'px':>4} {'variant':22} {'batch':>5} {'img/s':>8} {'fwd GFLOP/img':>13} {'TFLOP/s':>8} "
+        f"{'MFU':>6} {'peak mem GiB':>12}"
     )
     results = {}
     for preset in presets:

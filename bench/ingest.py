@@ -51,7 +51,10 @@ def main() -> None:
     parser.add_argument(
         "--rows",
         type=int,
-        help="rows in the (1x) dataset (default 4096; --scale: 2048, above the pipeline's working set of a few 512-row windows)",
+        help=(
+            "rows in the (1x) dataset (default 4096; --scale: 2048, above the pipeline's working set of a few "
+            "512-row windows)"
+        ),
     )
     parser.add_argument("--rows-per-file", type=int, default=64)
     parser.add_argument("--batch-size", type=int, default=32)
@@ -93,7 +96,8 @@ def main() -> None:
     print(f"# {benchlib.versions()}, sdtrain commit {benchlib.git_commit()}")
     if args.object_store_limit_mib:
         print(
-            f"# EXPERIMENT: Ray Data's object-store budget capped at {args.object_store_limit_mib} MiB (not the package's pipeline)"
+            f"# EXPERIMENT: Ray Data's object-store budget capped at {args.object_store_limit_mib} MiB (not "
+            f"the package's pipeline)"
         )
     with tempfile.TemporaryDirectory(prefix="sdtrain-bench-", dir=args.workdir) as workdir:
         if args.scale:
@@ -205,7 +209,8 @@ def scale_benchmark(workdir: Path, rows, rows_per_file, dtype, scales, paths, ar
         f"batch {args.batch_size}; peak of the summed PSS (and RSS) of the process tree, sampled every 0.1 s"
     )
     print(
-        f"{'path':8} {'scale':>5} {'rows':>7} {'peak PSS MiB':>13} {'peak RSS MiB':>13} {'processes':>9} {'samples/s':>10}"
+        f"{'path':8} {'scale':>5} {'rows':>7} {'peak PSS MiB':>13} {'peak RSS MiB':>13} {'processes':>9} "
+        f"{'samples/s':>10}"
     )
     results = {}
     for scale in scales:
@@ -215,7 +220,8 @@ def scale_benchmark(workdir: Path, rows, rows_per_file, dtype, scales, paths, ar
             projected = _projected_rss(results, path, scale)
             if projected > RAM_SHARE * psutil.virtual_memory().total:
                 print(
-                    f"{path:8} {scale:4}x {rows * scale:7}  skipped: its growth so far projects {projected / 2**30:.0f} GiB "
+                    f"{path:8} {scale:4}x {rows * scale:7}  skipped: its growth so far projects "
+                    f"{projected / 2**30:.0f} GiB "
                     f"of RSS, more than {RAM_SHARE:.0%} of this machine's RAM",
                     flush=True,
                 )
@@ -314,7 +320,6 @@ def child(args) -> None:
     files = json.load(open(args.files))
     dtype = args.dtypes
     expected = {"float16": torch.float16, "float32": torch.float32}[dtype]
-    dataset = None
     if args.child == "pyarrow":
         make = lambda: benchlib.pyarrow_batches(files, args.batch_size)  # noqa: E731
     elif args.child == "pandas":

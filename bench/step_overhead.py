@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import itertools
 import os
 import re
 import subprocess
@@ -85,8 +86,10 @@ def main() -> None:
                 flush=True,
             )
     # Adjacent pairs in run order: (full 1, bare 1), (bare 1, full 2), (full 2, bare 2), ...
-    rates = [run["steady_steps_per_s"] for pair in zip(fulls, bares) for run in pair]  # full at even positions
-    ratios = sorted((a / b if i % 2 == 0 else b / a) for i, (a, b) in enumerate(zip(rates, rates[1:])))
+    rates = [
+        run["steady_steps_per_s"] for pair in zip(fulls, bares, strict=True) for run in pair
+    ]  # full at even positions
+    ratios = sorted((a / b if i % 2 == 0 else b / a) for i, (a, b) in enumerate(itertools.pairwise(rates)))
     ratio = ratios[len(ratios) // 2]
     full, bare = benchlib.medians(fulls), benchlib.medians(bares)
 
@@ -104,7 +107,8 @@ def main() -> None:
         f"whole run {full['total_s']:.1f} s"
     )
     print(
-        f"data wait: {100 * full['wait_fraction']:.2f}% of {full['steady_s']:.2f} s steady-state training (data_wait_fraction)"
+        f"data wait: {100 * full['wait_fraction']:.2f}% of {full['steady_s']:.2f} s steady-state training "
+        f"(data_wait_fraction)"
     )
     print(
         f"RATIO steps/s full path / bare loop = {ratio:.3f}  (median of {len(ratios)} adjacent pairs; "
@@ -112,7 +116,8 @@ def main() -> None:
     )
     fraction = full["wait_fraction"]
     print(
-        f"RATIO data wait / step time = {fraction:.4f}  (target < {WAIT_TARGET}: {'met' if fraction < WAIT_TARGET else 'MISSED'})"
+        f"RATIO data wait / step time = {fraction:.4f}  (target < {WAIT_TARGET}: "
+        f"{'met' if fraction < WAIT_TARGET else 'MISSED'})"
     )
     print(
         f"RATIO time to first step / steady step time = {full['first_step_s'] * full['steady_steps_per_s']:.1f}  "

@@ -84,7 +84,8 @@ def test_round_trip_through_dict():
         (["data.train=[a,b]", "data.demo=true"], r"data\.demo: needs data\.train .* single directory"),
         (
             BASE + ["train.global_batch_size=12", "scaling.num_workers=[2,5]"],
-            r"train\.global_batch_size: 12 does not divide evenly over 5 worker\(s\), which scaling\.num_workers=\[2, 5\] allows",
+            r"train\.global_batch_size: 12 does not divide evenly over 5 worker\(s\), which "
+            r"scaling\.num_workers=\[2, 5\] allows",
         ),
         (
             BASE + ["train.global_batch_size=48", "train.micro_batch_size=12", "scaling.num_workers=[2,4]"],
@@ -150,7 +151,7 @@ def test_batch_layout_keeps_the_global_batch_at_every_world_size():
     assert [config.batch_layout(n) for n in (2, 3)] == [(8, 3), (8, 2)]
     assert all(
         n * micro * accumulation == 48
-        for n, (micro, accumulation) in zip((2, 3), [config.batch_layout(2), config.batch_layout(3)])
+        for n, (micro, accumulation) in zip((2, 3), [config.batch_layout(2), config.batch_layout(3)], strict=True)
     )
 
 

@@ -98,7 +98,10 @@ def test_latent_length_not_c_h_w(tmp_path):
     write_latents(tmp_path / "p.parquet", latent_shape=(4, 99))  # 396 values: 4 x 99 is not 4 x H x H
     with pytest.raises(
         DataError,
-        match=r"p\.parquet, column 'image_latents_256' \(data\.image_column\) has 396 values a row, which is not C\*H\*W for C = the UNet's in_channels = 4",
+        match=(
+            r"p\.parquet, column 'image_latents_256' \(data\.image_column\) has 396 values a row, which is "
+            r"not C\*H\*W for C = the UNet's in_channels = 4"
+        ),
     ):
         _inspect([tmp_path / "p.parquet"])
 
@@ -107,13 +110,19 @@ def test_caption_width_is_not_cross_attention_dim(tmp_path):
     write_latents(tmp_path / "flat.parquet", caption_shape=(77, 30))
     with pytest.raises(
         DataError,
-        match=r"flat\.parquet, column 'caption_latents' \(data\.caption_column\) has 2310 values a row, which is not L\*D for D = the UNet's cross_attention_dim = 32",
+        match=(
+            r"flat\.parquet, column 'caption_latents' \(data\.caption_column\) has 2310 values a row, which "
+            r"is not L\*D for D = the UNet's cross_attention_dim = 32"
+        ),
     ):
         _inspect([tmp_path / "flat.parquet"])
     write_latents(tmp_path / "tensor.parquet", caption_shape=(77, 1024), encoding="tensor")
     with pytest.raises(
         DataError,
-        match=r"holds caption embeddings of shape \(77, 1024\); expected \(L, D\) with D = the UNet's cross_attention_dim = 32",
+        match=(
+            r"holds caption embeddings of shape \(77, 1024\); expected \(L, D\) with D = the UNet's "
+            r"cross_attention_dim = 32"
+        ),
     ):
         _inspect([tmp_path / "tensor.parquet"])
 
@@ -145,7 +154,10 @@ def test_files_that_disagree_on_encoding(tmp_path):
     write_latents(tmp_path / "b.parquet", encoding="fixed_size_list")
     with pytest.raises(
         DataError,
-        match=r"column 'image_latents_256' is a fixed-size list of 1024 halffloat in .*b\.parquet but a list of halffloat in .*a\.parquet",
+        match=(
+            r"column 'image_latents_256' is a fixed-size list of 1024 halffloat in .*b\.parquet but a list "
+            r"of halffloat in .*a\.parquet"
+        ),
     ):
         _inspect([tmp_path / "a.parquet", tmp_path / "b.parquet"])
 
@@ -188,7 +200,9 @@ def test_demo_dataset_is_learnable_shape_and_written_once(tmp_path):
     assert table.num_rows == 197
     # One caption per class: identical within a class, different across classes.
     captions = {}
-    for label, caption in zip(table.column("label").to_pylist(), table.column("caption_latents").to_pylist()):
+    for label, caption in zip(
+        table.column("label").to_pylist(), table.column("caption_latents").to_pylist(), strict=True
+    ):
         assert captions.setdefault(label, caption) == caption
     assert len({tuple(c[:8]) for c in captions.values()}) == len(captions)
 

@@ -43,7 +43,8 @@ def test_help_lists_every_key(tmp_path):
         (["train.lr=fast"], "error: train.lr: expected float, got 'fast'"),
         (
             ["data.train=bad.parquet"],
-            "error: data.train: {tmp}/bad.parquet, column 'caption_latents' (data.caption_column) has 2464 values a row, which is not L*D for D = the UNet's cross_attention_dim = 1024",
+            "error: data.train: {tmp}/bad.parquet, column 'caption_latents' (data.caption_column) has 2464 "
+            "values a row, which is not L*D for D = the UNet's cross_attention_dim = 1024",
         ),
     ],
 )

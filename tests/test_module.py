@@ -85,7 +85,7 @@ def test_noise_depends_only_on_seed_rank_and_step():
     first = module.noise_and_timesteps(latents)
     torch.manual_seed(456)
     again = module.noise_and_timesteps(latents)
-    assert all(torch.equal(a, b) for a, b in zip(first, again))
+    assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
     assert not torch.equal(first[0], other_seed.noise_and_timesteps(latents)[0])
 
 
@@ -111,7 +111,7 @@ def test_checkpoint_rebuilds_the_model_alone(tmp_path):
 def test_validation_loss_is_deterministic_and_independent_of_batching():
     module = _module()
     batches = _batches(4, batch=2, seed=3)
-    regrouped = [{k: torch.cat([a[k], b[k]]) for k in a} for a, b in zip(batches[::2], batches[1::2])]
+    regrouped = [{k: torch.cat([a[k], b[k]]) for k in a} for a, b in zip(batches[::2], batches[1::2], strict=True)]
     first = validation_loss(module.unet, module.noise_scheduler, batches, seed=7)
     assert first == pytest.approx(validation_loss(module.unet, module.noise_scheduler, regrouped, seed=7), rel=1e-6)
     assert first != validation_loss(module.unet, module.noise_scheduler, batches, seed=8)
@@ -138,7 +138,7 @@ def test_pretrained_directory_supplies_weights_and_schedule(tmp_path):
     )
     model = ModelConfig(preset="tiny", pretrained=str(tmp_path))
     loaded = build_unet(model)
-    for (name, a), b in zip(source.state_dict().items(), loaded.state_dict().values()):
+    for (name, a), b in zip(source.state_dict().items(), loaded.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
     assert noise_scheduler_config(model)["num_train_timesteps"] == 500
     bare = ModelConfig(preset="tiny", pretrained=str(tmp_path / "unet"))  # a bare UNet: the shipped schedule

@@ -47,10 +47,13 @@ def _module(prediction_type="epsilon", uncond=None, latent_scale=None, **train):
 
 def _batches(n=4, batch=4, seed=0, same=False):
     g = torch.Generator().manual_seed(seed)
-    one = lambda: {
-        "latents": torch.randn(batch, 4, 16, 16, generator=g),
-        "captions": torch.randn(batch, *CAPTION_SHAPE, generator=g),
-    }
+
+    def one():
+        return {
+            "latents": torch.randn(batch, 4, 16, 16, generator=g),
+            "captions": torch.randn(batch, *CAPTION_SHAPE, generator=g),
+        }
+
     if same:
         b = one()
         return [b for _ in range(n)]
@@ -153,7 +156,9 @@ def test_training_step_applies_the_whole_recipe_with_one_generator(prediction_ty
     g = module._step_generator(latents.device, 0)
     noise = torch.randn(latents.shape, generator=g)
     t = torch.randint(0, 1000, (6,), generator=g)
-    assert all(torch.equal(a, b) for a, b in zip((noise, t), module.noise_and_timesteps(latents)))  # same first draws
+    assert all(
+        torch.equal(a, b) for a, b in zip((noise, t), module.noise_and_timesteps(latents), strict=True)
+    )  # same first draws
     noise = noise + 0.1 * torch.randn(6, 4, 1, 1, generator=g)
     input_noise = noise + 0.05 * torch.randn(noise.shape, generator=g)
     dropped = torch.rand(6, generator=g) < 0.5
@@ -189,7 +194,10 @@ def test_latents_are_scaled_exactly_once(tmp_path):
     assert recipe.stored_latent_scaling(files[:1], DataConfig(train=["x"], latent_scaling_factor=0.18215)) is None
     with pytest.raises(
         ConfigError,
-        match=r"data\.latent_scaling_factor: .*scaled\.parquet records that its latents are already multiplied by 0\.18215.*twice",
+        match=(
+            r"data\.latent_scaling_factor: .*scaled\.parquet records that its latents are already multiplied "
+            r"by 0\.18215.*twice"
+        ),
     ):
         recipe.stored_latent_scaling(files, DataConfig(train=["x"], latent_scaling_factor=0.18215))
 
@@ -203,7 +211,10 @@ def test_unconditional_caption_from_zeros_or_a_file(tmp_path):
     )
     with pytest.raises(
         ConfigError,
-        match=r"data\.unconditional_caption: .*empty\.npy holds an array of shape \(5, 32\), but the dataset's captions are \(77, 32\)",
+        match=(
+            r"data\.unconditional_caption: .*empty\.npy holds an array of shape \(5, 32\), but the dataset's "
+            r"captions are \(77, 32\)"
+        ),
     ):
         recipe.load_unconditional_caption(str(tmp_path / "empty.npy"), (77, 32))
     with pytest.raises(ConfigError, match=r"data\.unconditional_caption: cannot read"):
@@ -288,7 +299,9 @@ def test_ema_is_saved_and_restored_across_a_resume(tmp_path):
     assert not torch.equal(resumed.ema_unet.conv_in.weight, first.ema_unet.conv_in.weight)
     trainer = _fit(resumed, 4, batches, ckpt_path=str(tmp_path / "checkpoint.ckpt"))
     assert trainer.global_step == 4
-    for (name, a), b in zip(straight.ema_unet.state_dict().items(), resumed.ema_unet.state_dict().values()):
+    for (name, a), b in zip(
+        straight.ema_unet.state_dict().items(), resumed.ema_unet.state_dict().values(), strict=True
+    ):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7, msg=name)
     assert not torch.allclose(resumed.ema_unet.conv_in.weight, resumed.unet.conv_in.weight)
 

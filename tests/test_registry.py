@@ -27,7 +27,7 @@ def _exercise(root: str) -> None:
     with pytest.raises(ValueError, match="v0009 is not a complete version"):
         registry.set_production("v0009")
     loaded, loaded_scheduler = registry.load(registry.production())
-    for (name, a), b in zip(unet.state_dict().items(), loaded.state_dict().values()):
+    for (name, a), b in zip(unet.state_dict().items(), loaded.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
     assert loaded_scheduler.config.num_train_timesteps == 700
     # A version is a valid model.pretrained: weights and schedule for a warm start, from any node.

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 
@@ -42,7 +44,7 @@ def test_interrupted_epoch_reads_the_same_rows_once_at_any_world_size(sizes):
     steps_per_epoch = 240 // global_batch
     state, seen, done = DataState(), [], 0
     cuts = np.linspace(0, steps_per_epoch, len(sizes) + 1).astype(int)
-    for world_size, (a, b) in zip(sizes, zip(cuts[:-1], cuts[1:])):
+    for world_size, (a, b) in zip(sizes, itertools.pairwise(cuts), strict=True):
         seen += consumed(plan, state, world_size, global_batch // world_size, b - a)
         state = plan.advance(state, world_size, global_batch // world_size, b - a)
         done += b - a
@@ -60,7 +62,7 @@ def test_a_restart_at_the_same_world_size_reads_what_an_uninterrupted_run_reads(
         for rank, ids in enumerate(consumed(plan, state, 2, 8, steps)):
             pieces[rank].append(ids)
         state = plan.advance(state, 2, 8, steps)
-    assert all(np.array_equal(np.concatenate(p), s) for p, s in zip(pieces, straight))
+    assert all(np.array_equal(np.concatenate(p), s) for p, s in zip(pieces, straight, strict=True))
     assert state == plan.advance(DataState(), 2, 8, 12)
 
 

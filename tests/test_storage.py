@@ -213,7 +213,8 @@ def test_access_denied_to_read_and_to_write(s3_auth, monkeypatch):
     _expect(
         ConfigError,
         _config("data.train=s3://sdtrain-test/data", "run.storage_path=s3://sdtrain-test/runs"),
-        "run.storage_path: s3://sdtrain-test/runs: access denied: these credentials may not write in bucket 'sdtrain-test'",
+        "run.storage_path: s3://sdtrain-test/runs: access denied: these credentials may not write in bucket "
+        "'sdtrain-test'",
         "Grant s3:PutObject on it",
         "s3:DeleteObject",
     )
@@ -233,7 +234,8 @@ def test_endpoint_unreachable_fails_in_seconds(clean_storage_settings, monkeypat
     _expect(
         ConfigError,
         _config("data.train=s3://bucket/data", f"storage.endpoint_url=http://127.0.0.1:{closed}"),
-        f"data.train[0]: s3://bucket/data: cannot connect to the S3 endpoint http://127.0.0.1:{closed} (from storage.endpoint_url;",
+        f"data.train[0]: s3://bucket/data: cannot connect to the S3 endpoint http://127.0.0.1:{closed} (from "
+        f"storage.endpoint_url;",
         f"[Errno 111] Connection refused; {files.DEFAULT_MAX_ATTEMPTS} attempt(s)",
         "Check the URL and port in storage.endpoint_url, that the server is running",
     )

@@ -139,7 +139,10 @@ def test_cpu_workers_always_leave_ray_data_a_cpu(ray_cluster):
     assert _cpus_per_worker(ScalingConfig(num_workers=2), use_gpu=True) == 1.0
     with pytest.raises(
         ConfigError,
-        match=r"scaling\.cpus_per_worker: 1 x 2 worker\(s\) reserves more than 1 of the cluster's 2 CPUs, leaving Ray Data no CPU",
+        match=(
+            r"scaling\.cpus_per_worker: 1 x 2 worker\(s\) reserves more than 1 of the cluster's 2 CPUs, "
+            r"leaving Ray Data no CPU"
+        ),
     ):
         _cpus_per_worker(ScalingConfig(num_workers=2, cpus_per_worker=1.0), use_gpu=False)
 

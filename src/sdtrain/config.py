@@ -12,6 +12,7 @@ import dataclasses
 import datetime
 import difflib
 import inspect
+import itertools
 import math
 import re
 import textwrap
@@ -43,7 +44,8 @@ class DataConfig(_Section):
     section: ClassVar[str] = "data"
 
     train: list[str] = field(default_factory=list)
-    """Training parquet files: a file, a directory (all *.parquet below it), a glob, or a list of these; local or s3://bucket/prefix (retraining picks its own from retrain.data_root)."""
+    """Training parquet files: a file, a directory (all *.parquet below it), a glob, or a list of these; local or
+    s3://bucket/prefix (retraining picks its own from retrain.data_root)."""
     val: list[str] = field(default_factory=list)
     """Validation parquet files, in the same forms as data.train; empty means no validation."""
     image_column: str = "image_latents_256"
@@ -57,13 +59,18 @@ class DataConfig(_Section):
     shuffle_chunk_rows: int = 64
     """Each epoch reads the training files as a seeded shuffle of chunks of this many consecutive rows of a file."""
     shuffle_window_rows: int = 512
-    """Each worker reads its chunks in windows of this many rows (one Ray Data block) and shuffles rows within a window."""
+    """Each worker reads its chunks in windows of this many rows (one Ray Data block) and shuffles rows within a
+    window."""
     on_read_error: Literal["fail", "skip"] = "fail"
-    """A training file that cannot be read mid-run: fail stops the run at once naming the file (no retries); skip leaves its rows out of the loss and counts them (metric skipped_samples)."""
+    """A training file that cannot be read mid-run: fail stops the run at once naming the file (no retries); skip
+    leaves its rows out of the loss and counts them (metric skipped_samples)."""
     latent_scaling_factor: float | None = None
-    """Multiply the stored latents by this, once, as training reads them: set it (0.18215 for SD's VAE) when the files hold raw VAE latents; null = they are already scaled (the Anyscale notebook's files, the demo). Refused if a file's parquet metadata says its latents are already scaled (key sdtrain.latent_scaling_factor)."""
+    """Multiply the stored latents by this, once, as training reads them: set it (0.18215 for SD's VAE) when the files
+    hold raw VAE latents; null = they are already scaled (the Anyscale notebook's files, the demo). Refused if a
+    file's parquet metadata says its latents are already scaled (key sdtrain.latent_scaling_factor)."""
     unconditional_caption: str = "zeros"
-    """The caption embedding of the empty prompt, which caption dropout substitutes and classifier-free guidance samples against: zeros, or a .npy file (L x D, the text encoder's output for "") readable by every node."""
+    """The caption embedding of the empty prompt, which caption dropout substitutes and classifier-free guidance
+    samples against: zeros, or a .npy file (L x D, the text encoder's output for "") readable by every node."""
 
     def __post_init__(self):
         if self.demo and (len(self.train) != 1 or len(self.val) > 1):
@@ -89,13 +96,16 @@ class ModelConfig(_Section):
     section: ClassVar[str] = "model"
 
     preset: Literal["tiny", "small", "sd2-base"] = "small"
-    """UNet architecture: tiny (CPU tests and demo), small (the Anyscale notebook's UNet), sd2-base (Stable Diffusion 2 base)."""
+    """UNet architecture: tiny (CPU tests and demo), small (the Anyscale notebook's UNet), sd2-base (Stable Diffusion 2
+    base)."""
     unet: dict[str, Any] = field(default_factory=dict)
     """UNet2DConditionModel keyword arguments that override the preset, e.g. model.unet.cross_attention_dim=768."""
     pretrained: str | None = None
-    """Local directory, s3:// URI or hub id of a diffusers model (unet/ and scheduler/ subfolders, or a bare UNet) to start from."""
+    """Local directory, s3:// URI or hub id of a diffusers model (unet/ and scheduler/ subfolders, or a bare UNet) to
+    start from."""
     prediction_type: Literal["epsilon", "v_prediction"] = "epsilon"
-    """What the UNet predicts: epsilon (the noise) or v_prediction (velocity, from the scheduler's get_velocity). Written into the noise scheduler config, so validation, the exported scheduler and sampling all follow it."""
+    """What the UNet predicts: epsilon (the noise) or v_prediction (velocity, from the scheduler's get_velocity).
+    Written into the noise scheduler config, so validation, the exported scheduler and sampling all follow it."""
 
     def __post_init__(self):
         from diffusers import UNet2DConditionModel
@@ -115,9 +125,11 @@ class TrainConfig(_Section):
     max_steps: int = 550_000
     """Optimizer steps to train for; the run ends exactly here, across restarts."""
     global_batch_size: int = 32
-    """Samples per optimizer step across all workers, at every world size: world size x train.micro_batch_size x gradient accumulation."""
+    """Samples per optimizer step across all workers, at every world size: world size x train.micro_batch_size x
+    gradient accumulation."""
     micro_batch_size: int | None = None
-    """Samples per worker per forward/backward pass; gradients accumulate until global_batch_size. null = the largest size that divides the per-worker batch at every allowed world size."""
+    """Samples per worker per forward/backward pass; gradients accumulate until global_batch_size. null = the largest
+    size that divides the per-worker batch at every allowed world size."""
     lr: float = 1e-4
     """AdamW peak learning rate, reached after train.warmup_steps and then held."""
     warmup_steps: int = 10_000
@@ -127,25 +139,33 @@ class TrainConfig(_Section):
     grad_clip_norm: float = 1.0
     """Clip the global gradient norm to this value; 0 turns clipping off."""
     precision: Literal["auto", "bf16-mixed", "16-mixed", "32-true"] = "auto"
-    """Lightning precision; auto = bf16-mixed on GPU (16-mixed where bf16 is unsupported), 32-true on CPU. 16-mixed (fp16 with a GradScaler, whose overflow steps are skipped without counting toward train.max_bad_steps) needs GPUs and ddp."""
+    """Lightning precision; auto = bf16-mixed on GPU (16-mixed where bf16 is unsupported), 32-true on CPU. 16-mixed
+    (fp16 with a GradScaler, whose overflow steps are skipped without counting toward train.max_bad_steps) needs
+    GPUs and ddp."""
     seed: int = 0
     """Seed for weight init, and with rank and step for each step's noise and timesteps; also the validation noise."""
     max_bad_steps: int = 20
     """Stop the run after this many consecutive steps skipped for a NaN/inf gradient (checked at each log step)."""
     snr_gamma: float | None = None
-    """Min-SNR-gamma loss weighting (arXiv 2303.09556): each sample's MSE is weighted by min(SNR, gamma)/SNR (epsilon) or min(SNR, gamma)/(SNR+1) (v_prediction); 5.0 is the paper's value; null = unweighted."""
+    """Min-SNR-gamma loss weighting (arXiv 2303.09556): each sample's MSE is weighted by min(SNR, gamma)/SNR (epsilon)
+    or min(SNR, gamma)/(SNR+1) (v_prediction); 5.0 is the paper's value; null = unweighted."""
     noise_offset: float = 0.0
     """Offset noise: add noise_offset x N(0,1) per sample and channel to the noise (0.05-0.1 typical); 0 = off."""
     input_perturbation: float = 0.0
-    """Input perturbation: noise the UNet input with noise + input_perturbation x N(0,1) while the target keeps the noise (0.1 typical); 0 = off."""
+    """Input perturbation: noise the UNet input with noise + input_perturbation x N(0,1) while the target keeps the
+    noise (0.1 typical); 0 = off."""
     caption_dropout_prob: float = 0.0
-    """Probability that a sample's caption is replaced by data.unconditional_caption, so the model also learns the unconditional prediction that classifier-free guidance needs (0.1 typical)."""
+    """Probability that a sample's caption is replaced by data.unconditional_caption, so the model also learns the
+    unconditional prediction that classifier-free guidance needs (0.1 typical)."""
     ema_decay: float | None = None
-    """Keep an exponential moving average of the UNet weights with this decay (e.g. 0.9999), saved in checkpoints and used for validation, export and generation; null = no EMA."""
+    """Keep an exponential moving average of the UNet weights with this decay (e.g. 0.9999), saved in checkpoints and
+    used for validation, export and generation; null = no EMA."""
     ema_start_step: int = 0
     """Until this step the EMA copies the weights; after it, it averages them with train.ema_decay."""
     strategy: Literal["ddp", "fsdp"] = "ddp"
-    """Distributed strategy: ddp (Ray's RayDDPStrategy: every worker holds the whole model) or fsdp (FSDP2, torch's fully_shard: weights, gradients, optimizer state and EMA sharded over the workers, for UNets too large for ddp; checkpoints are the same full files as ddp's, resumable at any world size)."""
+    """Distributed strategy: ddp (Ray's RayDDPStrategy: every worker holds the whole model) or fsdp (FSDP2, torch's
+    fully_shard: weights, gradients, optimizer state and EMA sharded over the workers, for UNets too large for ddp;
+    checkpoints are the same full files as ddp's, resumable at any world size)."""
     compile: bool = False
     """torch.compile the UNet (the first steps are slow while it compiles)."""
     channels_last: bool = False
@@ -153,7 +173,8 @@ class TrainConfig(_Section):
     gradient_checkpointing: bool = False
     """Recompute the UNet's activations in the backward pass instead of storing them: less memory, about 30% slower."""
     attention: Literal["sdpa", "eager"] = "sdpa"
-    """Attention kernel: sdpa (torch's scaled_dot_product_attention: flash or memory-efficient kernels on GPUs) or eager (plain matmul and softmax)."""
+    """Attention kernel: sdpa (torch's scaled_dot_product_attention: flash or memory-efficient kernels on GPUs) or
+    eager (plain matmul and softmax)."""
 
     def __post_init__(self):
         for key in ("max_steps", "global_batch_size", "max_bad_steps"):
@@ -182,12 +203,14 @@ class TrainConfig(_Section):
         if self.strategy == "fsdp" and self.channels_last:
             self._fail(
                 "channels_last",
-                'cannot be used with train.strategy=fsdp: FSDP2 shards only contiguous parameters (torch: "FSDP does not support non-contiguous parameters"); turn one of them off',
+                "cannot be used with train.strategy=fsdp: FSDP2 shards only contiguous parameters (torch: "
+                '"FSDP does not support non-contiguous parameters"); turn one of them off',
             )
         if self.strategy == "fsdp" and self.precision == "16-mixed":
             self._fail(
                 "precision",
-                "16-mixed cannot run with train.strategy=fsdp (a GradScaler would skip a step on one rank's overflowed shard only); use bf16-mixed, or ddp",
+                "16-mixed cannot run with train.strategy=fsdp (a GradScaler would skip a step on one rank's "
+                "overflowed shard only); use bf16-mixed, or ddp",
             )
 
 
@@ -198,7 +221,8 @@ class ScalingConfig(_Section):
     num_workers: int | list[int] = 1
     """Training workers: an int, or [min, max] for elastic training that starts with what the cluster can give."""
     use_gpu: Literal["auto"] | bool = "auto"
-    """One GPU per worker; auto = yes when the cluster has GPUs when the job starts. Set true on autoscaling clusters."""
+    """One GPU per worker; auto = yes when the cluster has GPUs when the job starts. Set true on autoscaling
+    clusters."""
     cpus_per_worker: Literal["auto"] | float = "auto"
     """CPUs reserved per worker; auto = 1 with GPUs, else a share that leaves Ray Data at least one CPU."""
 
@@ -227,7 +251,8 @@ class RunConfig(_Section):
     name: str = "sdtrain"
     """Run name; the run lives in run.storage_path/run.name. Re-running with the same name resumes it."""
     storage_path: str = "runs"
-    """Where runs are stored: s3://bucket/prefix (needed on a multi-node cluster), a shared filesystem path, or a local directory (relative to the current directory)."""
+    """Where runs are stored: s3://bucket/prefix (needed on a multi-node cluster), a shared filesystem path, or a local
+    directory (relative to the current directory)."""
     checkpoint_every_n_steps: int = 1000
     """Report a checkpoint every this many optimizer steps, and always at the end."""
     num_to_keep: int | None = 3
@@ -237,15 +262,20 @@ class RunConfig(_Section):
     val_every_n_steps: int | None = None
     """Compute the validation loss on data.val every this many steps; null = at every checkpoint."""
     checkpoint_upload: Literal["async", "sync"] = "async"
-    """async: training goes on while Ray Train uploads a checkpoint to run.storage_path (committed, and older ones pruned, once it is all there); sync: wait for the upload. The wait shows in the metric checkpoint_stall_s."""
+    """async: training goes on while Ray Train uploads a checkpoint to run.storage_path (committed, and older ones
+    pruned, once it is all there); sync: wait for the upload. The wait shows in the metric checkpoint_stall_s."""
     record_samples: bool = False
-    """Save into each checkpoint, as samples.npy, the sample index (row number in data.train's files, in order) of every row trained on since the previous checkpoint, all ranks: an exact record of what the model saw."""
+    """Save into each checkpoint, as samples.npy, the sample index (row number in data.train's files, in order) of
+    every row trained on since the previous checkpoint, all ranks: an exact record of what the model saw."""
     start_fresh: bool = False
-    """Start from step 0 even if run.storage_path/run.name holds a run; the old run is kept, renamed to <name>.replaced-<UTC time>. For one-off command lines, not a retried job (each retry would start over)."""
+    """Start from step 0 even if run.storage_path/run.name holds a run; the old run is kept, renamed to
+    <name>.replaced-<UTC time>. For one-off command lines, not a retried job (each retry would start over)."""
     checkpoint_score_attribute: Literal["val_loss", "loss"] | None = None
-    """Keep the run.num_to_keep checkpoints with the lowest value of this metric (plus the latest, which a resume starts from) instead of the newest; null = the newest."""
+    """Keep the run.num_to_keep checkpoints with the lowest value of this metric (plus the latest, which a resume
+    starts from) instead of the newest; null = the newest."""
     export: bool = True
-    """At the end of the run, export the final (EMA) UNet and noise scheduler in diffusers format to run.storage_path/run.name/export/."""
+    """At the end of the run, export the final (EMA) UNet and noise scheduler in diffusers format to
+    run.storage_path/run.name/export/."""
 
     def __post_init__(self):
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", self.name):
@@ -278,9 +308,11 @@ class StorageConfig(_Section):
     section: ClassVar[str] = "storage"
 
     endpoint_url: str | None = None
-    """S3-compatible endpoint (e.g. http://minio:9000) for every s3:// URI; null = AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL if set, else AWS S3. Credentials never go here."""
+    """S3-compatible endpoint (e.g. http://minio:9000) for every s3:// URI; null = AWS_ENDPOINT_URL_S3 or
+    AWS_ENDPOINT_URL if set, else AWS S3. Credentials never go here."""
     max_attempts: int = DEFAULT_MAX_ATTEMPTS
-    """Attempts per S3 request, with exponential backoff, before a throttled or dropped request fails; 1 = no retries."""
+    """Attempts per S3 request, with exponential backoff, before a throttled or dropped request fails; 1 = no
+    retries."""
 
     def __post_init__(self):
         if self.endpoint_url is not None:
@@ -303,7 +335,8 @@ class RetrainConfig(_Section):
     section: ClassVar[str] = "retrain"
 
     data_root: str | None = None
-    """Directory of date partitions (date=YYYY-MM-DD/ holding parquet files) that entrypoints/retrain.py takes new data from."""
+    """Directory of date partitions (date=YYYY-MM-DD/ holding parquet files) that entrypoints/retrain.py takes new data
+    from."""
     models_root: str | None = None
     """Where retraining keeps model versions (versions/vNNNN/) and the production pointer (production.json)."""
     tolerance: float = 0.0
@@ -357,7 +390,8 @@ class Config:
             if every is not None and self.run.checkpoint_every_n_steps % every:
                 raise ConfigError(
                     f"run.checkpoint_score_attribute: val_loss needs a validation loss with every checkpoint, but "
-                    f"run.val_every_n_steps={every} does not divide run.checkpoint_every_n_steps={self.run.checkpoint_every_n_steps}"
+                    f"run.val_every_n_steps={every} does not divide "
+                    f"run.checkpoint_every_n_steps={self.run.checkpoint_every_n_steps}"
                 )
         for world_size in range(self.scaling.min_workers, self.scaling.max_workers + 1):
             self.batch_layout(world_size)
@@ -577,7 +611,7 @@ def _field_docs(cls: type) -> dict[str, str]:
     tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
     body = tree.body[0].body
     docs = {}
-    for node, nxt in zip(body, body[1:]):
+    for node, nxt in itertools.pairwise(body):
         if (
             isinstance(node, ast.AnnAssign)
             and isinstance(node.target, ast.Name)

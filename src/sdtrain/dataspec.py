@@ -48,7 +48,7 @@ def inspect_dataset(
 
     layouts = {}
     for column, role in ((image_column, "data.image_column"), (caption_column, "data.caption_column")):
-        for file, (schema, _) in zip(files, footers):
+        for file, (schema, _) in zip(files, footers, strict=True):
             if column not in schema.names:
                 raise DataError(
                     f"{key}: {file} has no column {column!r} ({role}); its columns are "

@@ -5,7 +5,8 @@
     <destination>/unet/config.json, diffusion_pytorch_model.safetensors   UNet2DConditionModel.save_pretrained
     <destination>/scheduler/scheduler_config.json                         the training noise schedule (DDPMScheduler,
                                                                           with the run's prediction_type)
-    <destination>/unconditional_caption.npy                               the empty-prompt embedding trained with (L x D)
+    <destination>/unconditional_caption.npy                               the empty-prompt embedding trained with
+                                                                          (L x D)
     <destination>/sdtrain.json                                            where it came from: checkpoint, step, weights
                                                                           (ema or raw), data shapes, latent scaling
 

@@ -107,7 +107,8 @@ def read_captions(path: str, caption_dim: int, column: str = "caption_latents", 
             schema = pq.read_schema(f)
             if column not in schema.names:
                 raise DataError(
-                    f"--captions: {file} has no column {column!r}; its columns are {', '.join(schema.names)} (see --caption-column)"
+                    f"--captions: {file} has no column {column!r}; its columns are {', '.join(schema.names)} "
+                    f"(see --caption-column)"
                 )
             tables.append(pq.read_table(f, columns=[column] + (["label"] if "label" in schema.names else [])))
     table = pa.concat_tables(tables)
@@ -128,7 +129,8 @@ def read_captions(path: str, caption_dim: int, column: str = "caption_latents", 
     length = len(first_row.values) if hasattr(first_row, "values") else len(first_row)
     if length % caption_dim:
         raise DataError(
-            f"--captions: column {column!r} has {length} values a row, not a multiple of the UNet's cross_attention_dim {caption_dim}"
+            f"--captions: column {column!r} has {length} values a row, not a multiple of the UNet's "
+            f"cross_attention_dim {caption_dim}"
         )
     embeddings = to_array(table.column(column), (length // caption_dim, caption_dim), column).astype(np.float32)
     return Captions(torch.from_numpy(embeddings), names, order)
@@ -366,8 +368,10 @@ def generate(request: GenerateRequest) -> list[str]:
             json.dump(accuracy, f, indent=2)
         written.append(path)
         request.results.append(
-            f"class agreement {accuracy['class_agreement']:.2f}: {accuracy['agreeing']} of {accuracy['samples']} samples "
-            f"look like the digit they were conditioned on (nearest class mean; chance 0.10, real digits {accuracy['real_digits']:.2f})"
+            f"class agreement {accuracy['class_agreement']:.2f}: {accuracy['agreeing']} of "
+            f"{accuracy['samples']} samples "
+            f"look like the digit they were conditioned on (nearest class mean; chance 0.10, real digits "
+            f"{accuracy['real_digits']:.2f})"
         )
 
     path = os.path.join(request.out, INFO_FILE)
@@ -431,7 +435,9 @@ def generate_main(argv=None) -> int:
 
     parser = argparse.ArgumentParser(
         prog="generate.py",
-        description="Sample from a trained model (run directory, checkpoint or export; local or s3://), or export a checkpoint.",
+        description=(
+            "Sample from a trained model (run directory, checkpoint or export; local or s3://), or export a checkpoint."
+        ),
     )
     parser.add_argument(
         "model", help="a run directory (its latest checkpoint), a checkpoint directory or .ckpt, or an export directory"
@@ -474,7 +480,10 @@ def generate_main(argv=None) -> int:
         "--preview",
         choices=("auto", "digits", "channels"),
         default="auto",
-        help="latent preview without a VAE: digits (the demo's inverse), channels (first 3 as RGB); auto = digits for demo runs",
+        help=(
+            "latent preview without a VAE: digits (the demo's inverse), channels (first 3 as RGB); auto = "
+            "digits for demo runs"
+        ),
     )
     parser.add_argument("--batch-size", type=int, default=64, help="samples per UNet batch (default: %(default)s)")
     parser.add_argument(
@@ -493,7 +502,8 @@ def generate_main(argv=None) -> int:
             loaded = load_for_sampling(args.model, args.weights)
             write_export(loaded, args.export_to, source=args.model)
             print(
-                f"[sdtrain] exported {loaded.meta.get('weights')} weights of step {loaded.meta.get('global_step')} to {args.export_to}"
+                f"[sdtrain] exported {loaded.meta.get('weights')} weights of step "
+                f"{loaded.meta.get('global_step')} to {args.export_to}"
             )
             return 0
         if not args.captions:

@@ -29,7 +29,7 @@ def write_run_outputs(history: list[dict[str, float]], filesystem: pafs.FileSyst
     writer.writeheader()
     writer.writerows(history)
     paths = [posixpath.join(run_dir, METRICS_FILE), posixpath.join(run_dir, LOSS_CURVE_FILE)]
-    for path, payload in zip(paths, (text.getvalue().encode(), loss_curve_png(history))):
+    for path, payload in zip(paths, (text.getvalue().encode(), loss_curve_png(history)), strict=True):
         with filesystem.open_output_stream(path) as f:
             f.write(payload)
     return paths
@@ -45,7 +45,7 @@ def loss_curve_png(history: list[dict[str, float]]) -> bytes:
     ax.plot([r["step"] for r in history], [r["loss"] for r in history], label="train loss")
     val = [(r["step"], r["val_loss"]) for r in history if "val_loss" in r]
     if val:
-        ax.plot(*zip(*val), "o-", label="validation loss (fixed noise)")
+        ax.plot(*zip(*val, strict=True), "o-", label="validation loss (fixed noise)")
     ax.set_xlabel("step")
     ax.set_ylabel("noise-prediction MSE")
     ax.set_yscale("log")

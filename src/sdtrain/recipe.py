@@ -194,6 +194,7 @@ def stored_latent_scaling(files: list[str], data) -> float | None:
             raise ConfigError(
                 f"data.latent_scaling_factor: {file} records that its latents are already multiplied by {found:g} "
                 f"(parquet metadata {LATENT_SCALING_METADATA_KEY.decode()}); scaling them by "
-                f"{data.latent_scaling_factor:g} again would apply the factor twice. Set data.latent_scaling_factor: null"
+                f"{data.latent_scaling_factor:g} again would apply the factor twice. Set "
+                f"data.latent_scaling_factor: null"
             )
     return found

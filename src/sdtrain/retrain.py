@@ -73,7 +73,8 @@ def retrain(config: Config, schedule_date: datetime.date) -> RetrainOutcome:
             "no-new-data", None, production, f"{day}: no partitions since {production or 'the start'}; nothing to train"
         )
     print(
-        f"[sdtrain] retraining on {len(new)} new partition(s): {', '.join(new)}; production is {production or 'none yet'}",
+        f"[sdtrain] retraining on {len(new)} new partition(s): {', '.join(new)}; production is "
+        f"{production or 'none yet'}",
         flush=True,
     )
 

@@ -178,7 +178,8 @@ class _Where:
         if code in _TRANSIENT or status in _TRANSIENT:
             return ConfigError(self._transient(action, f"{code or status}: the server is throttling or failing"))
         return ConfigError(
-            f"{self.key}: {self.uri}: cannot {action}{self.at()}: {code}: {error.response.get('Error', {}).get('Message', '')}"
+            f"{self.key}: {self.uri}: cannot {action}{self.at()}: {code}: "
+            f"{error.response.get('Error', {}).get('Message', '')}"
         )
 
     def _transient(self, action: str, what: str) -> str:

@@ -119,7 +119,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     use_gpu: bool = loop_config["use_gpu"]
     plan: SamplePlan = loop_config["plan"]
     context = ray.train.get_context()
-    world_size, rank = context.get_world_size(), context.get_world_rank()
+    world_size = context.get_world_size()
     micro_batch, accumulation = config.batch_layout(world_size)
     train_batches = TrainStream(
         ray.train.get_dataset_shard("train"), micro_batch, config.data.prefetch_batches, ray.train.torch.get_device()
