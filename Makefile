@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.sdtrain-installed
 
-.PHONY: demo test test-gpu setup clean-runs
+.PHONY: demo test test-gpu lint setup clean-runs
 
 setup: $(STAMP)
 
@@ -23,6 +23,11 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest
+
+# ruff's lint and format check (settings in pyproject.toml); CI runs it before the tests.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests bench entrypoints
+	$(VENV)/bin/ruff format --check src tests bench entrypoints
 
 # On a machine with a CUDA GPU (../shared/GPU.md): the training checks of tests/test_gpu.py.
 test-gpu: $(STAMP)
