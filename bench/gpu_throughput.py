@@ -109,7 +109,7 @@ def main() -> None:
             if preset in ("small", "sd2-base") and px == 256
             else ""
         )
-        print(f"RATIO MFU {preset} {px}px {variant} = {mfu:.3f}  {target}".rstrip())
+        print(f"RATIO MFU {preset} {px}px {variant} = {mfu:.6f}  {target}".rstrip())  # CPU smoke: ~1e-3
         if px in (256, 128):
             print(
                 benchlib.ratio_line(
