@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.sdtrain-installed
 
-.PHONY: demo test test-gpu lint setup clean-runs
+.PHONY: demo test test-fast test-gpu lint setup clean-runs
 
 setup: $(STAMP)
 
@@ -23,6 +23,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest
+
+# The unit tier: everything but the tests marked slow (Ray runs, servers, compilation).
+test-fast: $(STAMP)
+	$(PY) -m pytest -m "not slow and not gpu"
 
 # ruff's lint and format check (settings in pyproject.toml); CI runs it before the tests.
 lint: $(STAMP)

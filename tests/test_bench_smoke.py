@@ -12,6 +12,8 @@ import sys
 import pytest
 from conftest import REPO  # noqa: E402
 
+pytestmark = pytest.mark.slow  # each benchmark runs in its own process, most with a Ray cluster
+
 RATIO = re.compile(r"^RATIO (.+?) = (-?[0-9.]+|nan|inf)", re.M)
 
 

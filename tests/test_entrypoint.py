@@ -81,6 +81,7 @@ def test_retrain_entrypoint_checks_its_input_before_anything_runs(tmp_path):
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.slow
 def test_the_demo_survives_a_killed_driver_and_the_loss_falls(tmp_path):
     """The README's demo command, shortened to 40 steps (everything else is configs/demo.yaml).
     Once a checkpoint is committed, SIGKILL the driver and the local Ray it started (as when a

@@ -16,6 +16,8 @@ import pytest
 import torch
 from conftest import BIN, REPO, S3_ENV, free_ports, write_latents
 
+pytestmark = pytest.mark.slow  # a Ray head, ray job submit and an S3 server, in their own processes
+
 
 @pytest.fixture
 def ray_head():

@@ -161,6 +161,7 @@ def test_each_gpu_option_trains_the_same_function(options, tmp_path):
     assert steps[0]["loss"] == pytest.approx(plain[0]["loss"], rel=1e-4)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_compiled_training_with_every_other_option_under_bf16_matches_eager(tmp_path):
     """torch.compile (inductor's CPU backend, gcc: minutes, so once) of the FSDP-sharded,

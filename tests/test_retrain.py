@@ -12,6 +12,8 @@ from sdtrain.errors import DataError
 from sdtrain.registry import ModelRegistry
 from sdtrain.retrain import find_partitions, retrain
 
+pytestmark = pytest.mark.slow  # retraining runs Ray Train
+
 DAY1, DAY2, DAY3 = (datetime.date(2026, 11, d) for d in (1, 2, 3))
 
 

@@ -22,6 +22,8 @@ from sdtrain.pacing import ROUND_S, PacedScheduling
 from sdtrain.sampling import DataState, SamplePlan
 from sdtrain.worker import TrainStream
 
+pytestmark = pytest.mark.slow  # Ray Data streams on a local Ray cluster
+
 
 class CountRounds(ExecutionCallback):
     """Counts rounds of the scheduling loop (it runs on a thread of this process)."""

@@ -21,6 +21,8 @@ from sdtrain.errors import TrainingFailed
 from sdtrain.launch import train
 from sdtrain.validation import validation_loss
 
+pytestmark = pytest.mark.slow  # each test runs Ray Train on a local Ray cluster
+
 LR, WARMUP = 1e-3, 20
 
 
