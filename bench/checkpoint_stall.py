@@ -27,7 +27,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import benchlib  # noqa: E402
+from s3_server import moto_server  # noqa: E402
 
 BUCKET = "sdtrain-bench"
 
@@ -55,7 +57,7 @@ def main() -> None:
     print(f"# {benchlib.versions()}, sdtrain commit {benchlib.git_commit()}")
     with (
         tempfile.TemporaryDirectory(prefix="sdtrain-bench-") as workdir,
-        benchlib.moto_server(Path(workdir) / "moto.log") as endpoint,
+        moto_server(Path(workdir) / "moto.log") as endpoint,
     ):
         for key, value in {
             "AWS_ENDPOINT_URL": endpoint,

@@ -12,11 +12,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from s3_server import moto_server
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
-sys.path.insert(0, str(REPO / "bench"))
-import benchlib  # noqa: E402  (the S3 server process the benchmarks use too)
 
 ENCODINGS = ("list", "fixed_size_list", "tensor")
 
@@ -89,9 +88,6 @@ S3_ENV = {
     "AWS_DEFAULT_REGION": "us-east-1",
     "AWS_EC2_METADATA_DISABLED": "true",
 }
-
-
-moto_server = benchlib.moto_server
 
 
 @pytest.fixture
