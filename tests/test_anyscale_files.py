@@ -45,10 +45,24 @@ def test_job_files_are_valid_and_consistent_with_their_config(name, entrypoint):
     (gpu_group,) = job.compute_config.worker_nodes
     assert config.scaling.use_gpu is True
     assert (gpu_group.min_nodes, gpu_group.max_nodes) == (config.scaling.min_workers, config.scaling.max_workers)
-    # Dependencies in one place: the job's requirements, pinned exactly as pyproject.toml pins them.
+    # Dependencies in one place: the job's requirements are pyproject.toml's pins, torch included;
+    # Ray comes with the image.
+    _assert_pyproject_pins(job.requirements, job.image_uri)
+
+
+def _assert_pyproject_pins(requirements, image_uri):
     pins = _pins()
-    for requirement in job.requirements:
-        assert pins[requirement.split("==")[0]] == requirement
+    ray = pins.pop("ray[default,train,data]")
+    assert sorted(requirements) == sorted(pins.values())
+    assert image_uri.split(":")[1].startswith(ray.split("==")[1] + "-")  # the image's Ray is the pinned one
+
+
+def test_the_gpu_runtime_env_installs_pyprojects_pins():
+    import yaml
+
+    env = yaml.safe_load((REPO / "runtime_env" / "gpu.yaml").read_text())
+    _assert_pyproject_pins(env["pip"], "rayproject/ray:2.60.0-py311-gpu")
+    assert env["py_modules"] == ["src/sdtrain"]
 
 
 def test_schedule_is_daily_and_stores_models_with_the_artifacts():
