@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -139,27 +140,16 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     )
 
     checkpoint = ray.train.get_checkpoint()
-    if checkpoint is None:
-        _fit(
-            config,
-            module,
-            trainer_kwargs,
-            train_batches,
-            plan,
-            (world_size, micro_batch, accumulation),
-            history=[],
-            start=(0, DataState()),
-            ckpt_path=None,
-            launched_at=loop_config["launched_at"],
-        )
-        return
-    with checkpoint.as_directory() as directory:
-        with open(os.path.join(directory, HISTORY_FILE)) as f:
-            history = json.load(f)
-        with open(os.path.join(directory, DATA_STATE_FILE)) as f:
-            raw = json.load(f)
-        start = (int(raw["step"]), DataState.from_dict(raw["data"]))
-        ckpt_path = os.path.join(directory, CHECKPOINT_FILE)
+    # Restored: the checkpoint's directory stays open while fitting (Lightning reads its file).
+    with checkpoint.as_directory() if checkpoint is not None else contextlib.nullcontext() as directory:
+        history, start, ckpt_path = [], (0, DataState()), None
+        if directory is not None:
+            with open(os.path.join(directory, HISTORY_FILE)) as f:
+                history = json.load(f)
+            with open(os.path.join(directory, DATA_STATE_FILE)) as f:
+                raw = json.load(f)
+            start = (int(raw["step"]), DataState.from_dict(raw["data"]))
+            ckpt_path = os.path.join(directory, CHECKPOINT_FILE)
         _fit(
             config,
             module,
