@@ -375,52 +375,44 @@ def _rows_with_a_nan(path, rows, nan_row, seed):
 
 
 @pytest.mark.timeout(400)
-def test_bf16_with_clipping_and_ema_skips_a_nan_step_on_both_ranks_and_resumes(ray_cluster, tmp_path):
+def test_bf16_with_clipping_and_ema_skips_a_nan_step_on_both_ddp_ranks(ray_cluster, tmp_path):
     """What train.precision: auto runs on every GPU (bf16-mixed, clipping at 1.0 by default, the fused
-    AdamW), with an EMA, on 2 DDP workers: one NaN row in 32, so one step of each 4-step epoch
-    is skipped, on both ranks (the reporter checks that they agree), then save and resume."""
+    AdamW), with an EMA, on 2 DDP workers: one NaN row in 32, so one step of each 4-step epoch is
+    skipped, on both ranks (the reporter checks that they agree). Resuming bf16 runs: the FSDP test."""
     _rows_with_a_nan(tmp_path / "train/a.parquet", rows=32, nan_row=13, seed=5)
-    run_dir = tmp_path / "runs" / "bf16"
-
-    def config(max_steps):
-        return load_config(
-            None,
-            [
-                f"data.train={tmp_path}/train",
-                "model.preset=tiny",
-                f"train.max_steps={max_steps}",
-                "train.global_batch_size=8",
-                "train.precision=bf16-mixed",
-                "train.ema_decay=0.9",
-                "scaling.num_workers=2",
-                f"run.storage_path={tmp_path}/runs",
-                "run.name=bf16",
-                "run.checkpoint_every_n_steps=2",
-                "run.log_every_n_steps=1",
-                "run.num_to_keep=null",
-            ],
-        )
-
-    assert train(config(4)).final_step == 4
-    first = json.loads((run_dir / "checkpoint_000000004" / HISTORY_FILE).read_text())
-    assert [row["step"] for row in first] == [1, 2, 3, 4] and sum(row["skipped_steps"] for row in first) == 1
-
-    summary = train(config(8))  # resumes from the bf16 checkpoint at step 4
-    assert summary.final_step == 8
-    history = json.loads((run_dir / "checkpoint_000000008" / HISTORY_FILE).read_text())
-    assert [row["step"] for row in history] == list(range(1, 9)) and history[4]["start_step"] == 4
+    config = load_config(
+        None,
+        [
+            f"data.train={tmp_path}/train",
+            "model.preset=tiny",
+            "train.max_steps=8",
+            "train.global_batch_size=8",
+            "train.precision=bf16-mixed",
+            "train.ema_decay=0.9",
+            "scaling.num_workers=2",
+            f"run.storage_path={tmp_path}/runs",
+            "run.name=bf16",
+            "run.checkpoint_every_n_steps=4",
+            "run.log_every_n_steps=1",
+            "run.num_to_keep=null",
+        ],
+    )
+    assert train(config).final_step == 8
+    history = json.loads((tmp_path / "runs/bf16/checkpoint_000000008" / HISTORY_FILE).read_text())
+    assert [row["step"] for row in history] == list(range(1, 9))
     assert sum(row["skipped_steps"] for row in history) == 2  # one per epoch
     # A report every step: the skipped step's window has only its NaN loss, every other a finite one.
     assert [math.isfinite(row["loss"]) for row in history] == [row["skipped_steps"] == 0 for row in history]
-    state = read_checkpoint(str(run_dir / "checkpoint_000000008"))["state_dict"]
+    state = read_checkpoint(str(tmp_path / "runs/bf16/checkpoint_000000008"))["state_dict"]
     assert any(k.startswith("ema_unet.") for k in state) and all(torch.isfinite(v).all() for v in state.values())
 
 
 @pytest.mark.timeout(400)
 def test_fsdp_on_two_cpu_workers_validates_with_its_ema_and_resumes_on_one(ray_cluster, tmp_path):
-    """FSDP2 over gloo: weights, optimizer state and EMA sharded over 2 workers, validation run by
-    both, checkpoints in DDP's format (one full file); resumed at world size 1."""
-    write_latents(tmp_path / "train/a.parquet", rows=32, seed=6)
+    """FSDP2 over gloo, bf16 with clipping: weights, optimizer state and EMA sharded over 2 workers,
+    validation run by both, a NaN row's step skipped on both (their gradients are sharded: the norm
+    is all-reduced), checkpoints in DDP's format (one full file); resumed at world size 1."""
+    _rows_with_a_nan(tmp_path / "train/a.parquet", rows=32, nan_row=13, seed=6)
     write_latents(tmp_path / "val/v.parquet", rows=8, dtype="float32", seed=7)
     run_dir = tmp_path / "runs" / "fsdp"
 
@@ -448,6 +440,7 @@ def test_fsdp_on_two_cpu_workers_validates_with_its_ema_and_resumes_on_one(ray_c
     assert train(config(4, workers=2)).final_step == 4
     history = json.loads((run_dir / "checkpoint_000000004" / HISTORY_FILE).read_text())
     assert [row["step"] for row in history] == [2, 4] and all(math.isfinite(row["val_loss"]) for row in history)
+    assert sum(row["skipped_steps"] for row in history) == 1  # one epoch, one NaN row
     # The EMA the ranks kept shard by shard, gathered, reproduces the validation loss they computed.
     unet, scheduler, meta = load_model(str(run_dir / "checkpoint_000000004"))
     assert meta["weights"] == "ema" and meta["config"]["train"]["strategy"] == "fsdp"
@@ -457,8 +450,9 @@ def test_fsdp_on_two_cpu_workers_validates_with_its_ema_and_resumes_on_one(ray_c
     batches = [{k: torch.from_numpy(v[i : i + 4]) for k, v in val.items()} for i in range(0, 8, 4)]
     assert validation_loss(unet, scheduler, batches, seed=0) == pytest.approx(history[-1]["val_loss"], rel=1e-5)
 
-    summary = train(config(6, workers=1))
-    assert summary.final_step == 6
-    history = json.loads((run_dir / "checkpoint_000000006" / HISTORY_FILE).read_text())
-    assert [row["step"] for row in history] == [2, 4, 6] and history[-1]["start_step"] == 4
+    summary = train(config(8, workers=1))
+    assert summary.final_step == 8
+    history = json.loads((run_dir / "checkpoint_000000008" / HISTORY_FILE).read_text())
+    assert [row["step"] for row in history] == [2, 4, 6, 8] and history[-1]["start_step"] == 4
     assert all(math.isfinite(row["val_loss"]) for row in history)
+    assert sum(row["skipped_steps"] for row in history) == 2  # the second epoch's NaN step too
