@@ -93,19 +93,19 @@ def sdtrain_batches(
     paced: bool = True,
 ):
     """The package's data path, as the one worker of a 1-worker group sees it: the sampling plan
-    (sdtrain.sampling) -> that rank's Ray Data stream of shuffled windows (read + decode in one task
-    each, sdtrain.dataset.rank_dataset) -> ``iter_torch_batches``, one epoch. The one place the
+    (sdtrain.data.read_order) -> that rank's Ray Data stream of shuffled windows (read + decode in one task
+    each, sdtrain.data.streams.rank_dataset) -> ``iter_torch_batches``, one epoch. The one place the
     benchmarks call into sdtrain's data pipeline: re-point it here when the pipeline's API changes.
 
     ``object_store_limit`` (bytes) is an experiment, not the package: Ray Data's object-store
     budget for this dataset capped at that. ``paced=False`` is the stream without the package's
-    pace for Ray Data's scheduling loop (sdtrain.pacing), for comparison.
+    pace for Ray Data's scheduling loop (sdtrain.data.pacing), for comparison.
 
     Returns (iterator of {"latents", "captions", ...} CPU tensor batches, the DataIterator for its stats)."""
-    from sdtrain.config import DataConfig
-    from sdtrain.dataset import WindowReader, rank_dataset
-    from sdtrain.dataspec import inspect_dataset
-    from sdtrain.sampling import DataState, SamplePlan
+    from sdtrain.config.schema import DataConfig
+    from sdtrain.data.inspection import inspect_dataset
+    from sdtrain.data.read_order import DataState, SamplePlan
+    from sdtrain.data.streams import WindowReader, rank_dataset
 
     data = DataConfig(train=list(files), image_column=IMAGE_COLUMN, caption_column=CAPTION_COLUMN)
     if prefetch_batches is not None:
@@ -119,14 +119,14 @@ def sdtrain_batches(
     (stretches,) = plan.rank_stretches(DataState(), 1, batch_size, spec.num_rows // batch_size)
     dataset = rank_dataset(WindowReader(spec, data, plan), stretches)
     if not paced:
-        from sdtrain.pacing import PacedScheduling
+        from sdtrain.data.pacing import PacedScheduling
 
         dataset.context.custom_execution_callback_classes.remove(PacedScheduling)
     if object_store_limit is not None:
         from ray.data import ExecutionResources
 
         dataset.context.execution_options.resource_limits = ExecutionResources(object_store_memory=object_store_limit)
-    shard = dataset.iterator()  # what sdtrain.shards.PlannedShards hands a worker
+    shard = dataset.iterator()  # what sdtrain.train.shards.PlannedShards hands a worker
     batches = shard.iter_torch_batches(batch_size=batch_size, prefetch_batches=data.prefetch_batches)
     return batches, shard
 

@@ -49,9 +49,9 @@ def main() -> None:
     import boto3
     import ray
 
-    from sdtrain.config import Config
+    from sdtrain.config.schema import Config
     from sdtrain.launch import train
-    from sdtrain.model import build_unet
+    from sdtrain.model.unet import build_unet
 
     print(f"# machine: {benchlib.machine()}")
     print(f"# {benchlib.versions()}, sdtrain commit {benchlib.git_commit()}")
@@ -122,7 +122,7 @@ def main() -> None:
 
 
 def _metrics(run_dir: str) -> list[dict]:
-    from sdtrain.files import filesystem_for
+    from sdtrain.storage.files import filesystem_for
 
     fs, path = filesystem_for(f"{run_dir}/metrics.csv")
     with fs.open_input_stream(path) as f:
@@ -132,7 +132,7 @@ def _metrics(run_dir: str) -> list[dict]:
 def _checkpoint_bytes(checkpoint: str) -> int:
     import pyarrow.fs as pafs
 
-    from sdtrain.files import filesystem_for
+    from sdtrain.storage.files import filesystem_for
 
     fs, path = filesystem_for(checkpoint)
     return sum(

@@ -7,7 +7,7 @@ then each counts the bytes it holds of weights, gradients and optimizer state (l
 - ddp: the whole model on every rank (the baseline).
 - fsdp1: ``FullyShardedDataParallel``, per ResNet and transformer block, ``use_orig_params`` (what
   Ray's ``RayFSDPStrategy`` was configured with); deprecated upstream.
-- fsdp2: ``fully_shard`` per block (sdtrain.hardware.shard_unet), what the package runs.
+- fsdp2: ``fully_shard`` per block (sdtrain.train.strategy.shard_unet), what the package runs.
 
 It also checks the step itself: whether the fused AdamW took the sharded parameters and whether a
 NaN gradient on one rank was skipped on both. Memory, not speed: CPU timings say nothing of GPUs.
@@ -83,10 +83,10 @@ def _measure(rank: int, kind: str, preset: str) -> dict:
     import torch
     import torch.distributed as dist
 
-    from sdtrain.config import ModelConfig
-    from sdtrain.ema import local_tensor
-    from sdtrain.hardware import shard_unet
-    from sdtrain.model import build_unet
+    from sdtrain.config.schema import ModelConfig
+    from sdtrain.model.ema import local_tensor
+    from sdtrain.model.unet import build_unet
+    from sdtrain.train.strategy import shard_unet
 
     torch.manual_seed(0)
     unet = build_unet(ModelConfig(preset=preset))

@@ -2,7 +2,7 @@
 training step for the tiny, small and sd2-base UNets at 256 px (4x32x32 latents) and 512 px
 (4x64x64), bf16-mixed, with compile and channels_last off and on.
 
-The step is the Ray worker's own: ``sdtrain.training.fit_without_ray`` builds the module and the
+The step is the Ray worker's own: ``sdtrain.train.trainer.fit_without_ray`` builds the module and the
 Lightning Trainer (precision, the module's clipping and non-finite skip, the fused AdamW, compile,
 channels_last) through the same function a Ray Train worker calls, and trains on one fixed batch
 already on the GPU (the data path is bench/ingest.py's). Ray is not imported: this runs on a GPU
@@ -12,7 +12,7 @@ Batch size: per (preset, size), the largest power-of-two multiple of a start siz
 without running out of memory and leaves room (peak under half the GPU before a doubling), found
 once with the eager variant and used for every variant, so the variants compare at one batch.
 
-FLOPs: ``sdtrain.flops`` counts the UNet's forward pass from its structure (tested against torch's
+FLOPs: ``sdtrain.model.flops`` counts the UNet's forward pass from its structure (tested against torch's
 FlopCounterMode); a training step is 3 forward passes. MFU = model FLOP/s / the GPU's dense bf16
 peak (--peak-tflops, or the known A100/H100/H200 figures).
 
@@ -78,7 +78,7 @@ def main() -> None:
     print(f"# {benchlib.versions()}, sdtrain commit {benchlib.git_commit()}")
     print(
         f"# {args.steps} timed steps after {args.warmup} warm-up steps, bf16-mixed, through "
-        f"sdtrain.training.fit_without_ray"
+        f"sdtrain.train.trainer.fit_without_ray"
     )
     print(
         f"{'preset':9} {'px':>4} {'variant':22} {'batch':>5} {'img/s':>8} {'fwd GFLOP/img':>13} {'TFLOP/s':>8} "
@@ -150,9 +150,9 @@ def fitting_batch(preset: str, px: int, use_gpu: bool):
 def measure(preset: str, px: int, variant: str, batch: int, steps: int, warmup: int, use_gpu: bool) -> dict:
     import torch
 
-    from sdtrain.config import load_config
-    from sdtrain.flops import unet_forward_flops
-    from sdtrain.training import StepTimer, fit_without_ray, run_meta
+    from sdtrain.config.schema import load_config
+    from sdtrain.model.flops import unet_forward_flops
+    from sdtrain.train.trainer import StepTimer, fit_without_ray, run_meta
 
     config = load_config(
         None,

@@ -333,7 +333,7 @@ def child(args) -> None:
         context.print_on_execution_start = False
         # sdtrain.launch starts Ray Data's cluster-wide actors while the trainer starts, ~10 s
         # before the first stream: done (not timed) here, as the cluster is.
-        from sdtrain.data_startup import warm_up_ray_data
+        from sdtrain.data.ray_data_startup import warm_up_ray_data
 
         warm_up_ray_data().join()
         holder = {}

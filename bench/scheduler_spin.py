@@ -3,7 +3,7 @@ a training loop in the same process while the stream is held back.
 
 A training worker iterates its rank's stream, so Ray Data's scheduling loop runs on a thread of
 the training process. With no read task running (the stream is ahead of the trainer, held back
-by its memory budget) the loop does not wait: it spins. ``sdtrain.pacing`` paces it. This runs
+by its memory budget) the loop does not wait: it spins. ``sdtrain.data.pacing`` paces it. This runs
 the package's stream (``benchlib.sdtrain_batches``: the plan's windows, one Ray Data task each)
 to a consumer that does a fixed amount of CPU work per batch (a stand-in for a training step,
 1 torch thread), with the budget capped so the stream is held back, once paced (the package)

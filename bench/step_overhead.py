@@ -2,7 +2,7 @@
 
 Full path: sdtrain's real ``sdtrain.launch.train(config)`` (Ray start, data checks, Ray Data,
 Ray Train's TorchTrainer with one CPU worker, Lightning, the package's module and callbacks)
-on parquet latents. Baseline: a bare PyTorch loop with the same UNet (``sdtrain.model.build_unet``),
+on parquet latents. Baseline: a bare PyTorch loop with the same UNet (``sdtrain.model.unet.build_unet``),
 batch size, noise schedule, loss, AdamW and gradient clipping on in-memory tensors, in a process
 with as many torch threads as the Ray Train worker had.
 
@@ -165,9 +165,9 @@ def run_child(kind: str, args, *extra: str) -> dict:
 
 def full_path(args) -> None:
     import sdtrain.launch
-    from sdtrain.config import Config
-    from sdtrain.model import unet_config
-    from sdtrain.presets import PRESETS
+    from sdtrain.config.schema import Config
+    from sdtrain.model.presets import PRESETS
+    from sdtrain.model.unet import unet_config
 
     preset = PRESETS[args.preset]
     size, caption_dim = preset["sample_size"], preset["cross_attention_dim"]
@@ -231,9 +231,9 @@ def bare_loop(args) -> None:
     import torch
     import torch.nn.functional as F
 
-    from sdtrain.config import ModelConfig
-    from sdtrain.model import build_noise_scheduler, build_unet, noise_scheduler_config
-    from sdtrain.presets import PRESETS
+    from sdtrain.config.schema import ModelConfig
+    from sdtrain.model.presets import PRESETS
+    from sdtrain.model.unet import build_noise_scheduler, build_unet, noise_scheduler_config
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)

@@ -122,8 +122,8 @@ def corrupt_row_group(path: Path, row_group: int) -> None:
 @pytest.fixture
 def clean_storage_settings(monkeypatch):
     """Storage settings and endpoint variables as a fresh process has them, restored afterwards
-    (sdtrain.files.configure_s3 sets both)."""
-    from sdtrain import files
+    (sdtrain.storage.files.configure_s3 sets both)."""
+    from sdtrain.storage import files
 
     for var in files.ENDPOINT_VARS:
         monkeypatch.delenv(var, raising=False)

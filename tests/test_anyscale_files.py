@@ -8,7 +8,7 @@ from anyscale.job.models import JobConfig
 from anyscale.schedule.models import ScheduleConfig
 from conftest import REPO
 
-from sdtrain.config import load_config
+from sdtrain.config.schema import load_config
 
 
 def _job(name):

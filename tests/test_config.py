@@ -3,7 +3,7 @@ import re
 import pytest
 from conftest import REPO
 
-from sdtrain.config import Config, describe_keys, help_text, load_config
+from sdtrain.config.schema import Config, describe_keys, help_text, load_config
 from sdtrain.errors import ConfigError
 
 BASE = ["data.train=/data/train"]
@@ -204,7 +204,7 @@ def test_recipe_keys_are_validated(overrides, message):
 
 
 def test_recipe_defaults_change_nothing_and_options_reach_the_model():
-    from sdtrain.model import noise_scheduler_config
+    from sdtrain.model.unet import noise_scheduler_config
 
     config = load_config(None, BASE)
     train = config.train
@@ -248,10 +248,10 @@ def test_gpu_options_and_strategies_are_built():
     from lightning.pytorch.strategies import ModelParallelStrategy
     from ray.train.lightning import RayDDPStrategy
 
-    from sdtrain.config import ModelConfig, TrainConfig
-    from sdtrain.hardware import RayModelParallelStrategy, apply_options, build_strategy
-    from sdtrain.model import build_unet, noise_scheduler_config, unet_config
-    from sdtrain.module import DiffusionModule
+    from sdtrain.config.schema import ModelConfig, TrainConfig
+    from sdtrain.model.unet import build_unet, noise_scheduler_config, unet_config
+    from sdtrain.train.module import DiffusionModule
+    from sdtrain.train.strategy import RayModelParallelStrategy, apply_options, build_strategy
 
     assert type(build_strategy(TrainConfig(), 2, on_ray=True)) is RayDDPStrategy
     assert build_strategy(TrainConfig(), 1, on_ray=False) == "auto"

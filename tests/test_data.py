@@ -6,11 +6,11 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import ENCODINGS, column, write_latents
 
-from sdtrain.dataspec import inspect_dataset
-from sdtrain.decode import decode_batch
-from sdtrain.demo_data import NUM_CLASSES, ensure_demo_data, load_digits
+from sdtrain.data.decode import decode_batch
+from sdtrain.data.demo import NUM_CLASSES, ensure_demo_data, load_digits
+from sdtrain.data.inspection import inspect_dataset
 from sdtrain.errors import DataError
-from sdtrain.files import resolve_parquet_files
+from sdtrain.storage.files import resolve_parquet_files
 
 
 def _inspect(files, in_channels=4, cross_attention_dim=32, image="image_latents_256", caption="caption_latents"):
@@ -208,7 +208,7 @@ def test_demo_dataset_is_learnable_shape_and_written_once(tmp_path):
 
 
 def test_start_fresh_sets_the_old_run_aside_without_deleting_it(tmp_path):
-    from sdtrain.files import set_aside
+    from sdtrain.storage.files import set_aside
 
     run_dir = tmp_path / "runs" / "demo"
     (run_dir / "checkpoint_000000010").mkdir(parents=True)
@@ -226,10 +226,10 @@ def test_start_fresh_sets_the_old_run_aside_without_deleting_it(tmp_path):
 def test_a_window_reads_the_planned_rows_in_the_planned_order(tmp_path, done_steps, steps):
     """The read task (no Ray): rows come from the right files and row groups, in the plan's order,
     also for windows a resume or the last step cuts (10 rows a step, 12 a window)."""
-    from sdtrain.config import DataConfig
-    from sdtrain.dataset import WindowReader
-    from sdtrain.dataspec import inspect_dataset
-    from sdtrain.sampling import DataState, SamplePlan
+    from sdtrain.config.schema import DataConfig
+    from sdtrain.data.inspection import inspect_dataset
+    from sdtrain.data.read_order import DataState, SamplePlan
+    from sdtrain.data.streams import WindowReader
 
     written = [
         write_latents(tmp_path / "a.parquet", rows=30, seed=1, row_group_size=8),
@@ -265,9 +265,9 @@ def test_a_window_reads_the_planned_rows_in_the_planned_order(tmp_path, done_ste
 def test_an_unreadable_row_group_fails_naming_it_or_is_skipped_alone(tmp_path):
     from conftest import corrupt_row_group
 
-    from sdtrain.config import DataConfig
-    from sdtrain.dataset import WindowReader
-    from sdtrain.sampling import SamplePlan, Window
+    from sdtrain.config.schema import DataConfig
+    from sdtrain.data.read_order import SamplePlan, Window
+    from sdtrain.data.streams import WindowReader
 
     write_latents(tmp_path / "bad.parquet", rows=24, seed=1, row_group_size=8)
     corrupt_row_group(tmp_path / "bad.parquet", 1)  # rows 8-15

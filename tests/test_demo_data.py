@@ -4,8 +4,8 @@ data as written to parquet (no model, under a few seconds)."""
 import numpy as np
 import pyarrow.parquet as pq
 
-from sdtrain.decode import to_array
-from sdtrain.demo_data import (
+from sdtrain.data.decode import to_array
+from sdtrain.data.demo import (
     NUM_CLASSES,
     class_agreement,
     classify_digits,

@@ -14,16 +14,16 @@ from conftest import REPO
 from diffusers import AutoencoderKL, DDIMScheduler, DDPMScheduler, StableDiffusionPipeline, UNet2DConditionModel
 from PIL import Image
 
-from sdtrain.checkpoint import load_checkpoint
-from sdtrain.config import DataConfig, ModelConfig, TrainConfig
-from sdtrain.dataspec import inspect_dataset
-from sdtrain.demo_data import digits_from_latents, ensure_demo_data, load_digits, pseudo_latents
-from sdtrain.export import export_checkpoint, load_export
-from sdtrain.files import resolve_parquet_files
-from sdtrain.generate import guided_prediction, sample_latents
-from sdtrain.local_data import iter_local_batches
-from sdtrain.model import build_unet, noise_scheduler_config, unet_config
-from sdtrain.module import DiffusionModule
+from sdtrain.artifacts.export import export_checkpoint, load_export
+from sdtrain.artifacts.loading import load_checkpoint
+from sdtrain.config.schema import DataConfig, ModelConfig, TrainConfig
+from sdtrain.data.demo import digits_from_latents, ensure_demo_data, load_digits, pseudo_latents
+from sdtrain.data.inspection import inspect_dataset
+from sdtrain.data.local_read import iter_local_batches
+from sdtrain.model.unet import build_unet, noise_scheduler_config, unet_config
+from sdtrain.sample.generate import guided_prediction, sample_latents
+from sdtrain.storage.files import resolve_parquet_files
+from sdtrain.train.module import DiffusionModule
 
 GENERATE = [sys.executable, str(REPO / "entrypoints" / "generate.py")]
 ENV = {**os.environ, "PYTHONPATH": str(REPO / "src")}  # this checkout's package, whatever the cwd

@@ -5,8 +5,8 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from sdtrain.flops import TRAIN_STEP_FACTOR, count_forward_flops, mfu, unet_forward_flops
-from sdtrain.presets import PRESETS
+from sdtrain.model.flops import TRAIN_STEP_FACTOR, count_forward_flops, mfu, unet_forward_flops
+from sdtrain.model.presets import PRESETS
 
 # One resolution level, no down/up-sampling, a cross-attention mid block: small enough to count by hand.
 HAND_CONFIG = dict(

@@ -211,8 +211,8 @@ def test_a_job_trains_from_a_bucket_into_a_bucket_is_stopped_and_resubmitted_and
     } <= exported
 
     # The export is the final checkpoint's EMA UNet, read back from the bucket.
-    from sdtrain.checkpoint import load_checkpoint
-    from sdtrain.export import load_export
+    from sdtrain.artifacts.export import load_export
+    from sdtrain.artifacts.loading import load_checkpoint
 
     final, export = load_checkpoint(f"{run_uri}/checkpoint_000000040"), load_export(f"{run_uri}/export")
     assert final.meta["weights"] == "ema"

@@ -7,12 +7,12 @@ import pytest
 import torch
 from diffusers import DDPMScheduler, UNet2DConditionModel
 
-from sdtrain.checkpoint import load_model, read_checkpoint
-from sdtrain.config import ModelConfig, TrainConfig
-from sdtrain.model import build_unet, noise_scheduler_config, unet_config
-from sdtrain.module import DiffusionModule
-from sdtrain.presets import PRESETS
-from sdtrain.validation import validation_loss
+from sdtrain.artifacts.loading import load_model, read_checkpoint
+from sdtrain.config.schema import ModelConfig, TrainConfig
+from sdtrain.model.presets import PRESETS
+from sdtrain.model.unet import build_unet, noise_scheduler_config, unet_config
+from sdtrain.model.validation import validation_loss
+from sdtrain.train.module import DiffusionModule
 
 
 def _batches(n=4, batch=2, seed=0):
@@ -149,8 +149,8 @@ def test_pretrained_directory_supplies_weights_and_schedule(tmp_path):
 def test_clip_sample_stays_off_whatever_a_scheduler_config_says(tmp_path):
     """DDPMScheduler's default clip_sample=True (taken when a config omits the key) clips predicted
     latents to [-1, 1] and wrecks samples: training, stored configs and samplers all keep it off."""
-    from sdtrain.generate import make_sampler
-    from sdtrain.model import build_noise_scheduler
+    from sdtrain.model.unet import build_noise_scheduler
+    from sdtrain.sample.generate import make_sampler
 
     DDPMScheduler(clip_sample=True).save_pretrained(tmp_path / "on" / "scheduler")
     (tmp_path / "omitted" / "scheduler").mkdir(parents=True)

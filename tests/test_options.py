@@ -1,5 +1,5 @@
 """Every option the train config accepts, trained for real: the module and Trainer settings a Ray
-worker builds (sdtrain.training.build_training), in a Lightning Trainer on CPU, tiny UNet.
+worker builds (sdtrain.train.trainer.build_training), in a Lightning Trainer on CPU, tiny UNet.
 
 What torch cannot run on a CPU is refused by config validation (tests/test_config.py) or trained
 on a GPU by tests/test_gpu.py (``pytest -m gpu``); the Ray runs of tests/test_train_ray.py add
@@ -14,9 +14,9 @@ import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
 from torch.distributed.tensor import DTensor
 
-from sdtrain.config import load_config
-from sdtrain.ema import local_tensor
-from sdtrain.training import build_training, fit_without_ray, run_meta
+from sdtrain.config.schema import load_config
+from sdtrain.model.ema import local_tensor
+from sdtrain.train.trainer import build_training, fit_without_ray, run_meta
 
 LATENTS, CAPTIONS = (4, 16, 16), (8, 32)
 

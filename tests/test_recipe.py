@@ -11,14 +11,14 @@ import torch.nn.functional as F
 from diffusers import DDPMScheduler
 from diffusers.training_utils import compute_snr
 
-from sdtrain import recipe
-from sdtrain.checkpoint import load_checkpoint, load_model
-from sdtrain.config import DataConfig, ModelConfig, TrainConfig
-from sdtrain.ema import ema_update_
+from sdtrain.artifacts.loading import load_checkpoint, load_model
+from sdtrain.config.schema import DataConfig, ModelConfig, TrainConfig
 from sdtrain.errors import ConfigError
-from sdtrain.model import build_unet, noise_scheduler_config, unet_config
-from sdtrain.module import DiffusionModule
-from sdtrain.validation import validation_loss
+from sdtrain.model import recipe
+from sdtrain.model.ema import ema_update_
+from sdtrain.model.unet import build_unet, noise_scheduler_config, unet_config
+from sdtrain.model.validation import validation_loss
+from sdtrain.train.module import DiffusionModule
 
 CAPTION_SHAPE = (5, 32)
 

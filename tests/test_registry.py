@@ -6,10 +6,10 @@ import pytest
 import torch
 from diffusers import DDPMScheduler, UNet2DConditionModel
 
-from sdtrain.config import ModelConfig
-from sdtrain.model import build_unet, noise_scheduler_config
-from sdtrain.presets import PRESETS
-from sdtrain.registry import ModelRegistry
+from sdtrain.artifacts.registry import ModelRegistry
+from sdtrain.config.schema import ModelConfig
+from sdtrain.model.presets import PRESETS
+from sdtrain.model.unet import build_unet, noise_scheduler_config
 
 
 def _exercise(root: str) -> None:

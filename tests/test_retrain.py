@@ -6,10 +6,10 @@ import shutil
 import pytest
 import torch
 
-from sdtrain.config import load_config
-from sdtrain.demo_data import ensure_demo_data
+from sdtrain.artifacts.registry import ModelRegistry
+from sdtrain.config.schema import load_config
+from sdtrain.data.demo import ensure_demo_data
 from sdtrain.errors import DataError
-from sdtrain.registry import ModelRegistry
 from sdtrain.retrain import find_partitions, retrain
 
 pytestmark = pytest.mark.slow  # retraining runs Ray Train

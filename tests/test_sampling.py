@@ -7,7 +7,7 @@ import itertools
 import numpy as np
 import pytest
 
-from sdtrain.sampling import DataState, SamplePlan
+from sdtrain.data.read_order import DataState, SamplePlan
 
 
 def consumed(plan: SamplePlan, state: DataState, world_size: int, rows_per_step: int, steps: int) -> list[np.ndarray]:

@@ -14,12 +14,12 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import REPO, free_ports, write_latents
 
-from sdtrain import files
-from sdtrain.config import load_config
-from sdtrain.dataspec import inspect_dataset
+from sdtrain.config.schema import load_config
+from sdtrain.data.inspection import inspect_dataset
 from sdtrain.errors import ConfigError, DataError
-from sdtrain.files import configure_s3, filesystem_for, resolve_parquet_files, s3_client, s3_endpoint
-from sdtrain.storage import check_s3, preflight
+from sdtrain.preflight import check_s3, preflight
+from sdtrain.storage import files
+from sdtrain.storage.files import configure_s3, filesystem_for, resolve_parquet_files, s3_client, s3_endpoint
 
 SECRET = "sdtrain-test-secret/Do+Not+Leak"
 
@@ -343,8 +343,8 @@ def test_no_secret_in_config_dumps_or_the_model_registry(s3_bucket, monkeypatch,
     import torch
     from diffusers import DDPMScheduler, UNet2DConditionModel
 
-    from sdtrain.presets import PRESETS
-    from sdtrain.registry import ModelRegistry
+    from sdtrain.artifacts.registry import ModelRegistry
+    from sdtrain.model.presets import PRESETS
 
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET)  # moto accepts any secret
     _upload(tmp_path, "data/part.parquet")

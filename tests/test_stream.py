@@ -15,12 +15,12 @@ from conftest import write_latents
 from ray.data import ExecutionResources
 from ray.data._internal.execution.execution_callback import ExecutionCallback
 
-from sdtrain.config import DataConfig
-from sdtrain.dataset import WindowReader, file_order_dataset, rank_dataset
-from sdtrain.dataspec import inspect_dataset
-from sdtrain.pacing import ROUND_S, PacedScheduling
-from sdtrain.sampling import DataState, SamplePlan
-from sdtrain.worker import TrainStream
+from sdtrain.config.schema import DataConfig
+from sdtrain.data.inspection import inspect_dataset
+from sdtrain.data.pacing import ROUND_S, PacedScheduling
+from sdtrain.data.read_order import DataState, SamplePlan
+from sdtrain.data.streams import WindowReader, file_order_dataset, rank_dataset
+from sdtrain.train.worker import TrainStream
 
 pytestmark = pytest.mark.slow  # Ray Data streams on a local Ray cluster
 
@@ -70,7 +70,7 @@ def test_the_scheduling_loop_waits_instead_of_spinning_while_the_trainer_is_behi
     allowed = paced_s / ROUND_S + 1
     assert paced_rounds <= allowed, (paced_rounds, paced_s)
     # Ray Data's own loop goes round many times more in the same time: the spin the pace removes
-    # (if a Ray upgrade stops it, sdtrain.pacing can go).
+    # (if a Ray upgrade stops it, sdtrain.data.pacing can go).
     assert unpaced_rounds > 5 * unpaced_s / ROUND_S, (unpaced_rounds, unpaced_s)
 
 
@@ -108,23 +108,23 @@ def test_validation_streams_are_paced_too_and_keep_it_through_ray_trains_copy(tm
 
 
 def test_ray_trains_controller_loads_no_model_libraries():
-    """Ray Train's controller unpickles the data hook (sdtrain.shards) and the failure callback:
+    """Ray Train's controller unpickles the data hook (sdtrain.train.shards) and the failure callback:
     diffusers and Lightning imported there cost ~6 s of every run's start-up."""
     code = (
-        "import sys, sdtrain.shards, sdtrain.failures; "
+        "import sys, sdtrain.train.shards, sdtrain.train.failures; "
         "loaded = [m for m in ('torch', 'diffusers', 'lightning') if m in sys.modules]; assert not loaded, loaded"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_read_tasks_do_not_import_torch():
-    """A fresh read worker imports sdtrain.dataset before its first window: torch would add ~1.6 s."""
-    code = "import sys, sdtrain.dataset; assert 'torch' not in sys.modules, 'sdtrain.dataset imports torch'"
+    """A fresh read worker imports sdtrain.data.streams before its first window: torch would add ~1.6 s."""
+    code = "import sys, sdtrain.data.streams; assert 'torch' not in sys.modules, 'sdtrain.data.streams imports torch'"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_the_driver_starts_ray_datas_cluster_actors_before_any_stream_and_quietly():
-    """sdtrain.data_startup: until Ray Data's autoscaling coordinator answers, a stream's executor
+    """sdtrain.data.ray_data_startup: until Ray Data's autoscaling coordinator answers, a stream's executor
     sees no CPUs and reads one window at a time; on a fresh cluster the coordinator takes seconds
     to start. The warm-up (a fresh cluster of its own here) starts it and the stats actor, and
     keeps its own dataset's lines off the console."""
@@ -133,7 +133,7 @@ def test_the_driver_starts_ray_datas_cluster_actors_before_any_stream_and_quietl
         ray.init(num_cpus=1, include_dashboard=False)
         named = lambda: {actor["name"] for actor in ray.util.list_named_actors(all_namespaces=True)}
         assert "AutoscalingCoordinator" not in named(), named()
-        from sdtrain.data_startup import warm_up_ray_data
+        from sdtrain.data.ray_data_startup import warm_up_ray_data
         thread = warm_up_ray_data()
         thread.join(120)
         assert not thread.is_alive(), "the warm-up did not finish in 120 s"

@@ -13,13 +13,13 @@ import pytest
 import torch
 from conftest import corrupt_row_group, write_latents
 
-from sdtrain.checkpoint import load_model, read_checkpoint
-from sdtrain.checkpoint_layout import CHECKPOINT_FILE, DATA_STATE_FILE, HISTORY_FILE, SAMPLES_FILE
-from sdtrain.config import load_config
-from sdtrain.decode import decode_batch
+from sdtrain.artifacts.checkpoint_format import CHECKPOINT_FILE, DATA_STATE_FILE, HISTORY_FILE, SAMPLES_FILE
+from sdtrain.artifacts.loading import load_model, read_checkpoint
+from sdtrain.config.schema import load_config
+from sdtrain.data.decode import decode_batch
 from sdtrain.errors import TrainingFailed
 from sdtrain.launch import train
-from sdtrain.validation import validation_loss
+from sdtrain.model.validation import validation_loss
 
 pytestmark = pytest.mark.slow  # each test runs Ray Train on a local Ray cluster
 
@@ -131,7 +131,7 @@ def test_two_worker_run_checkpoints_reloads_and_resumes(ray_cluster, tmp_path):
 @pytest.mark.timeout(60)
 def test_cpu_workers_always_leave_ray_data_a_cpu(ray_cluster):
     """2 CPUs and 2 workers at 1 CPU each would starve Ray Data and hang: auto never does that."""
-    from sdtrain.config import ScalingConfig
+    from sdtrain.config.schema import ScalingConfig
     from sdtrain.errors import ConfigError
     from sdtrain.launch import _cpus_per_worker
 

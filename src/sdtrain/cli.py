@@ -8,7 +8,7 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from sdtrain.config import Config, help_text, load_config
+from sdtrain.config.schema import Config, help_text, load_config
 from sdtrain.errors import SdtrainError, TrainingFailed
 
 

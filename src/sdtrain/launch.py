@@ -16,23 +16,23 @@ import ray
 import ray.train
 from ray.train.torch import TorchTrainer
 
-from sdtrain.config import Config, ScalingConfig
-from sdtrain.data_startup import warm_up_ray_data
-from sdtrain.dataset import WindowReader, file_order_dataset
-from sdtrain.dataspec import DatasetSpec, inspect_dataset
-from sdtrain.demo_data import ensure_demo_data
+from sdtrain.artifacts.export import EXPORT_DIR, export_checkpoint, export_source
+from sdtrain.artifacts.run_outputs import read_history, write_run_outputs
+from sdtrain.config.schema import Config, ScalingConfig
+from sdtrain.data.demo import ensure_demo_data
+from sdtrain.data.inspection import DatasetSpec, inspect_dataset
+from sdtrain.data.ray_data_startup import warm_up_ray_data
+from sdtrain.data.read_order import SamplePlan
+from sdtrain.data.streams import WindowReader, file_order_dataset
 from sdtrain.errors import ConfigError, DataError, TrainingFailed
-from sdtrain.export import EXPORT_DIR, export_checkpoint, export_source
-from sdtrain.failures import StopOnDeterministicErrors, failure_message
-from sdtrain.files import absolute, ray_storage, resolve_parquet_files, resolved_s3_settings, set_aside, uri_for
-from sdtrain.model import unet_config
-from sdtrain.outputs import read_history, write_run_outputs
-from sdtrain.recipe import load_unconditional_caption, stored_latent_scaling
-from sdtrain.sampling import SamplePlan
-from sdtrain.shards import PlannedShards, checkpoint_position, committed_run
-from sdtrain.storage import preflight
-from sdtrain.training import resolve_precision, run_meta
-from sdtrain.worker import train_loop_per_worker
+from sdtrain.model.recipe import load_unconditional_caption, stored_latent_scaling
+from sdtrain.model.unet import unet_config
+from sdtrain.preflight import preflight
+from sdtrain.storage.files import absolute, ray_storage, resolve_parquet_files, resolved_s3_settings, set_aside, uri_for
+from sdtrain.train.failures import StopOnDeterministicErrors, failure_message
+from sdtrain.train.shards import PlannedShards, checkpoint_position, committed_run
+from sdtrain.train.trainer import resolve_precision, run_meta
+from sdtrain.train.worker import train_loop_per_worker
 
 
 @dataclass
@@ -47,7 +47,7 @@ class RunSummary:
 def train(config: Config) -> RunSummary:
     launched_at = time.time()  # the origin of the metric time_to_first_step_s
     config = _with_absolute_paths(config)
-    preflight(config)  # object storage: endpoint, credentials, buckets, permissions (sdtrain.storage)
+    preflight(config)  # object storage: endpoint, credentials, buckets, permissions (sdtrain.preflight)
     unet = unet_config(config.model)
     if config.data.demo:
         val_dir = config.data.val[0] if config.data.val else None
@@ -142,7 +142,7 @@ def train(config: Config) -> RunSummary:
             WindowReader(train_spec, config.data, plan), run_dir, config.train.global_batch_size, config.train.max_steps
         ),
     )
-    warm_up = warm_up_ray_data()  # in the background, while Ray Train starts (sdtrain.data_startup)
+    warm_up = warm_up_ray_data()  # in the background, while Ray Train starts (sdtrain.data.ray_data_startup)
     try:
         result = trainer.fit()
     except ray.train.TrainingFailedError as e:

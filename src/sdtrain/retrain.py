@@ -18,15 +18,15 @@ import pyarrow.fs as pafs
 import torch
 
 from sdtrain import __version__
-from sdtrain.checkpoint import load_model
-from sdtrain.config import Config
+from sdtrain.artifacts.loading import load_model
+from sdtrain.artifacts.registry import ModelRegistry
+from sdtrain.config.schema import Config
+from sdtrain.data.local_read import iter_local_batches
 from sdtrain.errors import DataError
-from sdtrain.files import absolute, filesystem_for, uri_prefix
 from sdtrain.launch import dataset_spec, train
-from sdtrain.local_data import iter_local_batches
-from sdtrain.registry import ModelRegistry
-from sdtrain.storage import preflight
-from sdtrain.validation import validation_loss
+from sdtrain.model.validation import validation_loss
+from sdtrain.preflight import preflight
+from sdtrain.storage.files import absolute, filesystem_for, uri_prefix
 
 _PARTITION = re.compile(r"date=(\d{4}-\d{2}-\d{2})")
 EVAL_BATCH_SIZE = 32

@@ -15,7 +15,7 @@ import torch
 from diffusers.models.attention_processor import AttnProcessor, AttnProcessor2_0
 from lightning.pytorch.strategies import ModelParallelStrategy
 
-from sdtrain.config import TrainConfig
+from sdtrain.config.schema import TrainConfig
 
 
 def build_strategy(train: TrainConfig, world_size: int, on_ray: bool):

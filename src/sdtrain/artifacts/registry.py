@@ -21,7 +21,7 @@ from typing import Any
 import pyarrow.fs as pafs
 from diffusers import DDPMScheduler, UNet2DConditionModel
 
-from sdtrain.files import absolute, filesystem_for
+from sdtrain.storage.files import absolute, filesystem_for
 
 PRODUCTION_FILE = "production.json"
 MANIFEST_FILE = "manifest.json"

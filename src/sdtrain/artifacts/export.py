@@ -27,8 +27,8 @@ import numpy as np
 import pyarrow.fs as pafs
 
 from sdtrain import __version__
-from sdtrain.checkpoint import LoadedModel, Weights, load_checkpoint
-from sdtrain.files import filesystem_for, local_copy
+from sdtrain.artifacts.loading import LoadedModel, Weights, load_checkpoint
+from sdtrain.storage.files import filesystem_for, local_copy
 
 EXPORT_DIR = "export"
 INFO_FILE = "sdtrain.json"

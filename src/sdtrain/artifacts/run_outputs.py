@@ -9,7 +9,7 @@ import posixpath
 
 import pyarrow.fs as pafs
 
-from sdtrain.checkpoint_layout import HISTORY_FILE
+from sdtrain.artifacts.checkpoint_format import HISTORY_FILE
 
 METRICS_FILE = "metrics.csv"
 LOSS_CURVE_FILE = "loss_curve.png"

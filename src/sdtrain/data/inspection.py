@@ -17,9 +17,9 @@ import pyarrow.parquet as pq
 # Registers Ray's tensor extension types with pyarrow, so their shapes are read from footers.
 import ray.data  # noqa: F401
 
-from sdtrain.decode import ColumnLayout, column_layout, to_array
+from sdtrain.data.decode import ColumnLayout, column_layout, to_array
 from sdtrain.errors import DataError
-from sdtrain.files import filesystem_for
+from sdtrain.storage.files import filesystem_for
 
 
 @dataclass(frozen=True)

@@ -19,14 +19,14 @@ import ray.train.torch
 import torch
 from ray.train.lightning import RayDDPStrategy, prepare_trainer
 
-from sdtrain.callbacks import StepReporter, log
-from sdtrain.checkpoint_layout import CHECKPOINT_FILE, DATA_STATE_FILE, HISTORY_FILE
-from sdtrain.config import Config
+from sdtrain.artifacts.checkpoint_format import CHECKPOINT_FILE, DATA_STATE_FILE, HISTORY_FILE
+from sdtrain.config.schema import Config
+from sdtrain.data.read_order import DataState, SamplePlan
 from sdtrain.errors import TrainingFailed, find_sdtrain_error
-from sdtrain.files import apply_s3_settings
-from sdtrain.recipe import load_unconditional_caption
-from sdtrain.sampling import DataState, SamplePlan
-from sdtrain.training import build_training
+from sdtrain.model.recipe import load_unconditional_caption
+from sdtrain.storage.files import apply_s3_settings
+from sdtrain.train.reporting import StepReporter, log
+from sdtrain.train.trainer import build_training
 
 
 class TrainStream:
@@ -217,7 +217,7 @@ def _fit(
     trainer = pl.Trainer(callbacks=[reporter], **trainer_kwargs)
     if isinstance(trainer.strategy, RayDDPStrategy):
         # Ray's check that the strategy and cluster environment are its own; it knows no FSDP2
-        # strategy (sdtrain.hardware.RayModelParallelStrategy), which needs nothing more from it.
+        # strategy (sdtrain.train.strategy.RayModelParallelStrategy), which needs nothing more from it.
         trainer = prepare_trainer(trainer)
     trainer.fit(module, train_dataloaders=train_batches, ckpt_path=ckpt_path, weights_only=True)
 

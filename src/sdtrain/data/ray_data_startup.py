@@ -54,7 +54,7 @@ def warm_up_ray_data() -> threading.Thread:
 def _run() -> None:
     started = time.perf_counter()
     try:
-        # One block, read and mapped in one task, as a stream's windows are (sdtrain.dataset).
+        # One block, read and mapped in one task, as a stream's windows are (sdtrain.data.streams).
         dataset = ray.data.range(1, override_num_blocks=1).map_batches(_import_reader, batch_size=None)
         dataset.materialize()
     except Exception as error:  # e.g. Ray shut down before it finished
@@ -64,6 +64,6 @@ def _run() -> None:
 
 
 def _import_reader(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    import sdtrain.dataset  # noqa: F401  (what every read task imports before its first window)
+    import sdtrain.data.streams  # noqa: F401  (what every read task imports before its first window)
 
     return batch

@@ -25,9 +25,9 @@ from botocore.exceptions import (
 )
 from botocore.exceptions import ConnectionError as BotoConnectionError
 
-from sdtrain.config import Config
+from sdtrain.config.schema import Config
 from sdtrain.errors import ConfigError, DataError
-from sdtrain.files import (
+from sdtrain.storage.files import (
     CONNECT_TIMEOUT_S,
     configure_s3,
     has_userinfo,

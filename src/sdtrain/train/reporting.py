@@ -21,11 +21,17 @@ import numpy as np
 import ray.train
 import torch
 
-from sdtrain.checkpoint_layout import CHECKPOINT_FILE, DATA_STATE_FILE, HISTORY_FILE, SAMPLES_FILE, checkpoint_dir_name
-from sdtrain.config import RunConfig
+from sdtrain.artifacts.checkpoint_format import (
+    CHECKPOINT_FILE,
+    DATA_STATE_FILE,
+    HISTORY_FILE,
+    SAMPLES_FILE,
+    checkpoint_dir_name,
+)
+from sdtrain.config.schema import RunConfig
+from sdtrain.data.read_order import DataState
 from sdtrain.errors import NonFiniteTraining, TrainingFailed
-from sdtrain.hardware import is_sharded
-from sdtrain.sampling import DataState
+from sdtrain.train.strategy import is_sharded
 
 log = logging.getLogger("sdtrain")
 

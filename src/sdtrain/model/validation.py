@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from diffusers import DDPMScheduler, UNet2DConditionModel
 
-from sdtrain.recipe import training_target
+from sdtrain.model.recipe import training_target
 
 NUM_TIMESTEPS = 10
 

@@ -1,6 +1,6 @@
 """The Ray Data pipelines: parquet files -> decoded latent/caption tensors, streamed.
 
-Training data is read per rank in the order :mod:`sdtrain.sampling` plans (one Ray Data
+Training data is read per rank in the order :mod:`sdtrain.data.read_order` plans (one Ray Data
 block per window); validation data is read in file order.
 """
 
@@ -15,13 +15,13 @@ import pyarrow.parquet as pq
 import ray.data
 from ray.data.extensions import ArrowTensorArray
 
-from sdtrain.config import DataConfig
-from sdtrain.dataspec import DatasetSpec
-from sdtrain.decode import decode_batch, to_array
+from sdtrain.config.schema import DataConfig
+from sdtrain.data.decode import decode_batch, to_array
+from sdtrain.data.inspection import DatasetSpec
+from sdtrain.data.pacing import paced
+from sdtrain.data.read_order import SamplePlan, Stretch, Window, window_sample_indices
 from sdtrain.errors import DataError
-from sdtrain.files import filesystems_for
-from sdtrain.pacing import paced
-from sdtrain.sampling import SamplePlan, Stretch, Window, window_sample_indices
+from sdtrain.storage.files import filesystems_for
 
 log = logging.getLogger("sdtrain")
 

@@ -25,7 +25,7 @@ from typing import Any, ClassVar, Literal, Union
 import yaml
 
 from sdtrain.errors import ConfigError
-from sdtrain.files import DEFAULT_MAX_ATTEMPTS, has_userinfo, redact
+from sdtrain.storage.files import DEFAULT_MAX_ATTEMPTS, has_userinfo, redact
 
 PRESETS = ("tiny", "small", "sd2-base")
 

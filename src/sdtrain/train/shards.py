@@ -3,7 +3,7 @@
 Ray Train calls ``DataConfig.configure`` each time it starts a worker group (first start,
 restart after a failure, resize, or a new driver on the same run). :class:`PlannedShards`
 reads the data position from the latest checkpoint Ray Train has committed, the same one the
-workers are restored from, and gives each rank the rows :mod:`sdtrain.sampling` assigns it
+workers are restored from, and gives each rank the rows :mod:`sdtrain.data.read_order` assigns it
 from there to ``train.max_steps``. Open-source Ray Data keeps no iterator state across
 restarts (ray-project/ray#37633); the position lives in our checkpoints instead.
 """
@@ -16,10 +16,10 @@ import posixpath
 import pyarrow.fs as pafs
 import ray.train
 
-from sdtrain.checkpoint_layout import DATA_STATE_FILE
-from sdtrain.dataset import WindowReader, rank_dataset
-from sdtrain.files import ray_storage
-from sdtrain.sampling import DataState
+from sdtrain.artifacts.checkpoint_format import DATA_STATE_FILE
+from sdtrain.data.read_order import DataState
+from sdtrain.data.streams import WindowReader, rank_dataset
+from sdtrain.storage.files import ray_storage
 
 
 class PlannedShards(ray.train.DataConfig):

@@ -1,4 +1,4 @@
-"""Rebuilding a trained model from a checkpoint alone (the layout: :mod:`sdtrain.checkpoint_layout`)."""
+"""Rebuilding a trained model from a checkpoint alone (the layout: :mod:`sdtrain.artifacts.checkpoint_format`)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import pyarrow.fs as pafs
 import torch
 from diffusers import DDPMScheduler, UNet2DConditionModel
 
-from sdtrain.checkpoint_layout import CHECKPOINT_FILE
-from sdtrain.files import filesystem_for
-from sdtrain.model import build_noise_scheduler
-from sdtrain.module import CHECKPOINT_META_KEY
+from sdtrain.artifacts.checkpoint_format import CHECKPOINT_FILE
+from sdtrain.model.unet import build_noise_scheduler
+from sdtrain.storage.files import filesystem_for
+from sdtrain.train.module import CHECKPOINT_META_KEY
 
 
 def read_checkpoint(path: str) -> dict[str, Any]:

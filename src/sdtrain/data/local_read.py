@@ -1,6 +1,6 @@
 """A dataset read in this process, in file order, without Ray: for evaluation on the driver.
 
-Kept apart from :mod:`sdtrain.dataset`, whose module every Ray Data read task imports: this
+Kept apart from :mod:`sdtrain.data.streams`, whose module every Ray Data read task imports: this
 one needs torch, which costs each fresh read worker about 1.6 s before its first window.
 """
 
@@ -12,10 +12,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from sdtrain.config import DataConfig
-from sdtrain.dataspec import DatasetSpec
-from sdtrain.decode import decode_batch
-from sdtrain.files import filesystem_for
+from sdtrain.config.schema import DataConfig
+from sdtrain.data.decode import decode_batch
+from sdtrain.data.inspection import DatasetSpec
+from sdtrain.storage.files import filesystem_for
 
 
 def iter_local_batches(spec: DatasetSpec, data: DataConfig, batch_size: int) -> Iterator[dict[str, torch.Tensor]]:

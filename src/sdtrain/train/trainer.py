@@ -1,7 +1,7 @@
 """The one place that turns a config into a module and a Lightning Trainer's settings (precision,
 clipping, strategy, GPU options), for the Ray worker and for a run without Ray alike.
 
-The Ray Train worker (sdtrain.worker) adds Ray's data stream, reporting and checkpoints around
+The Ray Train worker (sdtrain.train.worker) adds Ray's data stream, reporting and checkpoints around
 it; :func:`fit_without_ray` runs it on batches in memory, on one device, with Ray not even
 imported, which is how the GPU tests (``pytest -m gpu``) and bench/gpu_throughput.py run the very
 code a Ray worker runs on a machine where Ray cannot be installed.
@@ -17,11 +17,11 @@ import lightning.pytorch as pl
 import torch
 
 from sdtrain import __version__
-from sdtrain.config import Config, TrainConfig
+from sdtrain.config.schema import Config, TrainConfig
 from sdtrain.errors import ConfigError
-from sdtrain.hardware import build_strategy
-from sdtrain.model import build_unet, noise_scheduler_config, unet_config
-from sdtrain.module import DiffusionModule
+from sdtrain.model.unet import build_unet, noise_scheduler_config, unet_config
+from sdtrain.train.module import DiffusionModule
+from sdtrain.train.strategy import build_strategy
 
 
 def resolve_precision(train: TrainConfig, use_gpu: bool) -> str:

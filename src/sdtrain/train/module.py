@@ -1,6 +1,6 @@
-"""The LightningModule: a diffusers UNet trained on a DDPM schedule, with the recipe of sdtrain.recipe
+"""The LightningModule: a diffusers UNet trained on a DDPM schedule, with the recipe of sdtrain.model.recipe
 (epsilon or v-prediction, min-SNR weighting, offset noise, input perturbation, caption dropout) and
-an optional EMA of its weights (sdtrain.ema)."""
+an optional EMA of its weights (sdtrain.model.ema)."""
 
 from __future__ import annotations
 
@@ -13,12 +13,12 @@ import torch
 from diffusers import UNet2DConditionModel
 from transformers import get_constant_schedule_with_warmup
 
-from sdtrain.config import TrainConfig
-from sdtrain.ema import ema_update_, local_tensor, make_ema
-from sdtrain.hardware import apply_options, is_sharded
-from sdtrain.model import build_noise_scheduler
-from sdtrain.recipe import diffusion_loss, step_inputs
-from sdtrain.validation import validation_loss
+from sdtrain.config.schema import TrainConfig
+from sdtrain.model.ema import ema_update_, local_tensor, make_ema
+from sdtrain.model.recipe import diffusion_loss, step_inputs
+from sdtrain.model.unet import build_noise_scheduler
+from sdtrain.model.validation import validation_loss
+from sdtrain.train.strategy import apply_options, is_sharded
 
 CHECKPOINT_META_KEY = "sdtrain"
 
@@ -205,7 +205,7 @@ class DiffusionModule(pl.LightningModule):
         return self.ema_unet if self.ema_unet is not None else self.unet
 
     def validation_loss(self, batches: Iterable[dict[str, torch.Tensor]], seed: int) -> float:
-        """Validation loss of ``eval_unet`` (see sdtrain.validation), on the data as training sees it."""
+        """Validation loss of ``eval_unet`` (see sdtrain.model.validation), on the data as training sees it."""
         return validation_loss(self.eval_unet, self.noise_scheduler, batches, seed, latent_scale=self.latent_scale)
 
     def take_window_stats(self) -> dict[str, torch.Tensor]:
@@ -243,7 +243,7 @@ class DiffusionModule(pl.LightningModule):
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # Lightning decides where an optimizer step falls from the micro-batches counted in the
-        # current epoch. A resumed run starts a new data stream (sdtrain.sampling), possibly with
+        # current epoch. A resumed run starts a new data stream (sdtrain.data.read_order), possibly with
         # another accumulation: count from 0, or the first step would take too few micro-batches.
         # Checkpoints are saved at an optimizer step's last micro-batch, before Lightning marks it
         # completed: mark it, or Lightning would count it again on resume.

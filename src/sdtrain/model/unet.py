@@ -9,10 +9,10 @@ from typing import Any
 
 from diffusers import DDPMScheduler, UNet2DConditionModel
 
-from sdtrain.config import ModelConfig
+from sdtrain.config.schema import ModelConfig
 from sdtrain.errors import ConfigError
-from sdtrain.files import is_uri, local_copy
-from sdtrain.presets import PRESETS
+from sdtrain.model.presets import PRESETS
+from sdtrain.storage.files import is_uri, local_copy
 
 
 def unet_config(model: ModelConfig) -> dict[str, Any]:

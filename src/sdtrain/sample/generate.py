@@ -20,11 +20,11 @@ import pyarrow.fs as pafs
 import torch
 from diffusers import DDIMScheduler, DPMSolverMultistepScheduler, UNet2DConditionModel
 
-from sdtrain.checkpoint import LoadedModel, Weights, load_checkpoint
-from sdtrain.checkpoint_layout import CHECKPOINT_FILE
+from sdtrain.artifacts.checkpoint_format import CHECKPOINT_FILE
+from sdtrain.artifacts.export import is_export, load_export
+from sdtrain.artifacts.loading import LoadedModel, Weights, load_checkpoint
 from sdtrain.errors import DataError, SdtrainError
-from sdtrain.export import is_export, load_export
-from sdtrain.files import filesystem_for, ray_storage, resolve_parquet_files, uri_for
+from sdtrain.storage.files import filesystem_for, ray_storage, resolve_parquet_files, uri_for
 
 SAMPLERS = ("ddim", "dpm")
 LATENTS_FILE = "latents.npy"
@@ -98,7 +98,7 @@ def read_captions(path: str, caption_dim: int, column: str = "caption_latents", 
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from sdtrain.decode import to_array
+    from sdtrain.data.decode import to_array
 
     tables = []
     for file in resolve_parquet_files([path], "--captions"):
@@ -200,7 +200,7 @@ def sample_latents(
 
 def digits_preview(latents: np.ndarray) -> np.ndarray:
     """(N, 4, 16, 16) demo latents -> (N, 16, 16) uint8, dark ink on white."""
-    from sdtrain.demo_data import digits_from_latents
+    from sdtrain.data.demo import digits_from_latents
 
     ink = np.clip(digits_from_latents(latents) / 16.0, 0, 1)
     return (255 * (1 - ink)).astype(np.uint8)
@@ -351,7 +351,7 @@ def generate(request: GenerateRequest) -> list[str]:
 
     labels = demo_labels(meta, captions)
     if labels is not None:
-        from sdtrain.demo_data import class_agreement, real_digits_agreement
+        from sdtrain.data.demo import class_agreement, real_digits_agreement
 
         accuracy = class_agreement(latents.numpy(), np.repeat(labels, k))
         accuracy = {
@@ -408,7 +408,7 @@ def demo_labels(meta: dict[str, Any], captions: Captions) -> list[int] | None:
     """Each grid row's digit when the model was trained on the digits demo and the captions are the
     demo's own (a ``label`` column of digits, each row's embedding the demo's caption of its
     digit); else None, and there is no class agreement to measure."""
-    from sdtrain.demo_data import NUM_CLASSES, class_captions
+    from sdtrain.data.demo import NUM_CLASSES, class_captions
 
     if not _trained_on_demo(meta) or captions.labels is None:
         return None
@@ -497,7 +497,7 @@ def generate_main(argv=None) -> int:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     try:
         if args.export_to:
-            from sdtrain.export import write_export
+            from sdtrain.artifacts.export import write_export
 
             loaded = load_for_sampling(args.model, args.weights)
             write_export(loaded, args.export_to, source=args.model)
