@@ -122,7 +122,7 @@ def main() -> None:
 
 
 def _metrics(run_dir: str) -> list[dict]:
-    from sdtrain.storage.files import filesystem_for
+    from sdtrain.storage.filesystems import filesystem_for
 
     fs, path = filesystem_for(f"{run_dir}/metrics.csv")
     with fs.open_input_stream(path) as f:
@@ -132,7 +132,7 @@ def _metrics(run_dir: str) -> list[dict]:
 def _checkpoint_bytes(checkpoint: str) -> int:
     import pyarrow.fs as pafs
 
-    from sdtrain.storage.files import filesystem_for
+    from sdtrain.storage.filesystems import filesystem_for
 
     fs, path = filesystem_for(checkpoint)
     return sum(

@@ -122,14 +122,14 @@ def corrupt_row_group(path: Path, row_group: int) -> None:
 @pytest.fixture
 def clean_storage_settings(monkeypatch):
     """Storage settings and endpoint variables as a fresh process has them, restored afterwards
-    (sdtrain.storage.files.configure_s3 sets both)."""
-    from sdtrain.storage import files
+    (sdtrain.storage.s3.configure_s3 sets both)."""
+    from sdtrain.storage import s3
 
-    for var in files.ENDPOINT_VARS:
+    for var in s3.ENDPOINT_VARS:
         monkeypatch.delenv(var, raising=False)
-    files.configure_s3(None, files.DEFAULT_MAX_ATTEMPTS)
+    s3.configure_s3(None, s3.DEFAULT_MAX_ATTEMPTS)
     yield
-    files.configure_s3(None, files.DEFAULT_MAX_ATTEMPTS)
+    s3.configure_s3(None, s3.DEFAULT_MAX_ATTEMPTS)
 
 
 @pytest.fixture

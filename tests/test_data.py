@@ -9,8 +9,8 @@ from conftest import ENCODINGS, column, write_latents
 from sdtrain.data.decode import decode_batch
 from sdtrain.data.demo import NUM_CLASSES, ensure_demo_data, load_digits
 from sdtrain.data.inspection import inspect_dataset
+from sdtrain.data.parquet_files import resolve_parquet_files
 from sdtrain.errors import DataError
-from sdtrain.storage.files import resolve_parquet_files
 
 
 def _inspect(files, in_channels=4, cross_attention_dim=32, image="image_latents_256", caption="caption_latents"):
@@ -208,7 +208,7 @@ def test_demo_dataset_is_learnable_shape_and_written_once(tmp_path):
 
 
 def test_start_fresh_sets_the_old_run_aside_without_deleting_it(tmp_path):
-    from sdtrain.storage.files import set_aside
+    from sdtrain.storage.filesystems import set_aside
 
     run_dir = tmp_path / "runs" / "demo"
     (run_dir / "checkpoint_000000010").mkdir(parents=True)

@@ -20,9 +20,9 @@ from sdtrain.config.schema import DataConfig, ModelConfig, TrainConfig
 from sdtrain.data.demo import digits_from_latents, ensure_demo_data, load_digits, pseudo_latents
 from sdtrain.data.inspection import inspect_dataset
 from sdtrain.data.local_read import iter_local_batches
+from sdtrain.data.parquet_files import resolve_parquet_files
 from sdtrain.model.unet import build_unet, noise_scheduler_config, unet_config
 from sdtrain.sample.generate import guided_prediction, sample_latents
-from sdtrain.storage.files import resolve_parquet_files
 from sdtrain.train.module import DiffusionModule
 
 GENERATE = [sys.executable, str(REPO / "entrypoints" / "generate.py")]

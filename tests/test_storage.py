@@ -16,10 +16,12 @@ from conftest import REPO, free_ports, write_latents
 
 from sdtrain.config.schema import load_config
 from sdtrain.data.inspection import inspect_dataset
+from sdtrain.data.parquet_files import resolve_parquet_files
 from sdtrain.errors import ConfigError, DataError
 from sdtrain.preflight import check_s3, preflight
-from sdtrain.storage import files
-from sdtrain.storage.files import configure_s3, filesystem_for, resolve_parquet_files, s3_client, s3_endpoint
+from sdtrain.storage import s3
+from sdtrain.storage.filesystems import filesystem_for
+from sdtrain.storage.s3 import configure_s3, s3_client, s3_endpoint
 
 SECRET = "sdtrain-test-secret/Do+Not+Leak"
 
@@ -236,7 +238,7 @@ def test_endpoint_unreachable_fails_in_seconds(clean_storage_settings, monkeypat
         _config("data.train=s3://bucket/data", f"storage.endpoint_url=http://127.0.0.1:{closed}"),
         f"data.train[0]: s3://bucket/data: cannot connect to the S3 endpoint http://127.0.0.1:{closed} (from "
         f"storage.endpoint_url;",
-        f"[Errno 111] Connection refused; {files.DEFAULT_MAX_ATTEMPTS} attempt(s)",
+        f"[Errno 111] Connection refused; {s3.DEFAULT_MAX_ATTEMPTS} attempt(s)",
         "Check the URL and port in storage.endpoint_url, that the server is running",
     )
     assert time.monotonic() - start < 20  # standard backoff over 5 attempts: at most 1+2+4+8 s

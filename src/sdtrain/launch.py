@@ -21,6 +21,7 @@ from sdtrain.artifacts.run_outputs import read_history, write_run_outputs
 from sdtrain.config.schema import Config, ScalingConfig
 from sdtrain.data.demo import ensure_demo_data
 from sdtrain.data.inspection import DatasetSpec, inspect_dataset
+from sdtrain.data.parquet_files import resolve_parquet_files
 from sdtrain.data.ray_data_startup import warm_up_ray_data
 from sdtrain.data.read_order import SamplePlan
 from sdtrain.data.streams import WindowReader, file_order_dataset
@@ -28,7 +29,9 @@ from sdtrain.errors import ConfigError, DataError, TrainingFailed
 from sdtrain.model.recipe import load_unconditional_caption, stored_latent_scaling
 from sdtrain.model.unet import unet_config
 from sdtrain.preflight import preflight
-from sdtrain.storage.files import absolute, ray_storage, resolve_parquet_files, resolved_s3_settings, set_aside, uri_for
+from sdtrain.storage.filesystems import ray_storage, set_aside, uri_for
+from sdtrain.storage.s3 import resolved_s3_settings
+from sdtrain.storage.uris import absolute
 from sdtrain.train.failures import StopOnDeterministicErrors, failure_message
 from sdtrain.train.shards import PlannedShards, checkpoint_position, committed_run
 from sdtrain.train.trainer import resolve_precision, run_meta

@@ -27,16 +27,8 @@ from botocore.exceptions import ConnectionError as BotoConnectionError
 
 from sdtrain.config.schema import Config
 from sdtrain.errors import ConfigError, DataError
-from sdtrain.storage.files import (
-    CONNECT_TIMEOUT_S,
-    configure_s3,
-    has_userinfo,
-    redact,
-    s3_client,
-    s3_endpoint,
-    s3_max_attempts,
-    split_s3,
-)
+from sdtrain.storage.s3 import CONNECT_TIMEOUT_S, configure_s3, s3_client, s3_endpoint, s3_max_attempts
+from sdtrain.storage.uris import has_userinfo, redact, split_s3
 
 # Error codes S3 (and S3-compatible stores) answer with, by what the user has to do about them.
 _REJECTED_CREDENTIALS = {

@@ -26,7 +26,8 @@ from sdtrain.errors import DataError
 from sdtrain.launch import dataset_spec, train
 from sdtrain.model.validation import validation_loss
 from sdtrain.preflight import preflight
-from sdtrain.storage.files import absolute, filesystem_for, uri_prefix
+from sdtrain.storage.filesystems import filesystem_for
+from sdtrain.storage.uris import absolute, uri_prefix
 
 _PARTITION = re.compile(r"date=(\d{4}-\d{2}-\d{2})")
 EVAL_BATCH_SIZE = 32

@@ -28,7 +28,7 @@ import pyarrow.fs as pafs
 
 from sdtrain import __version__
 from sdtrain.artifacts.loading import LoadedModel, Weights, load_checkpoint
-from sdtrain.storage.files import filesystem_for, local_copy
+from sdtrain.storage.filesystems import filesystem_for, local_copy
 
 EXPORT_DIR = "export"
 INFO_FILE = "sdtrain.json"

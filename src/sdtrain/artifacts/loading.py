@@ -12,7 +12,7 @@ from diffusers import DDPMScheduler, UNet2DConditionModel
 
 from sdtrain.artifacts.checkpoint_format import CHECKPOINT_FILE
 from sdtrain.model.unet import build_noise_scheduler
-from sdtrain.storage.files import filesystem_for
+from sdtrain.storage.filesystems import filesystem_for
 from sdtrain.train.module import CHECKPOINT_META_KEY
 
 

@@ -21,7 +21,8 @@ from typing import Any
 import pyarrow.fs as pafs
 from diffusers import DDPMScheduler, UNet2DConditionModel
 
-from sdtrain.storage.files import absolute, filesystem_for
+from sdtrain.storage.filesystems import filesystem_for
+from sdtrain.storage.uris import absolute
 
 PRODUCTION_FILE = "production.json"
 MANIFEST_FILE = "manifest.json"

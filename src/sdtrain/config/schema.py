@@ -25,7 +25,8 @@ from typing import Any, ClassVar, Literal, Union
 import yaml
 
 from sdtrain.errors import ConfigError
-from sdtrain.storage.files import DEFAULT_MAX_ATTEMPTS, has_userinfo, redact
+from sdtrain.storage.s3 import DEFAULT_MAX_ATTEMPTS
+from sdtrain.storage.uris import has_userinfo, redact
 
 PRESETS = ("tiny", "small", "sd2-base")
 

@@ -19,7 +19,7 @@ import ray.data  # noqa: F401
 
 from sdtrain.data.decode import ColumnLayout, column_layout, to_array
 from sdtrain.errors import DataError
-from sdtrain.storage.files import filesystem_for
+from sdtrain.storage.filesystems import filesystem_for
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ import torch
 from sdtrain.config.schema import DataConfig
 from sdtrain.data.decode import decode_batch
 from sdtrain.data.inspection import DatasetSpec
-from sdtrain.storage.files import filesystem_for
+from sdtrain.storage.filesystems import filesystem_for
 
 
 def iter_local_batches(spec: DatasetSpec, data: DataConfig, batch_size: int) -> Iterator[dict[str, torch.Tensor]]:

@@ -21,7 +21,7 @@ from sdtrain.data.inspection import DatasetSpec
 from sdtrain.data.pacing import paced
 from sdtrain.data.read_order import SamplePlan, Stretch, Window, window_sample_indices
 from sdtrain.errors import DataError
-from sdtrain.storage.files import filesystems_for
+from sdtrain.storage.filesystems import filesystems_for
 
 log = logging.getLogger("sdtrain")
 

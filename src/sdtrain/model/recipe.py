@@ -151,7 +151,7 @@ def load_unconditional_caption(source: str, caption_shape: tuple[int, int] | lis
     shape = tuple(int(n) for n in caption_shape)
     if source == "zeros":
         return torch.zeros(shape)
-    from sdtrain.storage.files import filesystem_for
+    from sdtrain.storage.filesystems import filesystem_for
 
     fs, path = filesystem_for(source)
     try:
@@ -180,7 +180,7 @@ def stored_latent_scaling(files: list[str], data) -> float | None:
     scale them twice: refused, naming the file."""
     import pyarrow.parquet as pq
 
-    from sdtrain.storage.files import filesystem_for
+    from sdtrain.storage.filesystems import filesystem_for
 
     found = None
     for file in files:

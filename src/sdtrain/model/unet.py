@@ -12,7 +12,8 @@ from diffusers import DDPMScheduler, UNet2DConditionModel
 from sdtrain.config.schema import ModelConfig
 from sdtrain.errors import ConfigError
 from sdtrain.model.presets import PRESETS
-from sdtrain.storage.files import is_uri, local_copy
+from sdtrain.storage.filesystems import local_copy
+from sdtrain.storage.uris import is_uri
 
 
 def unet_config(model: ModelConfig) -> dict[str, Any]:

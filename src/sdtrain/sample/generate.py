@@ -23,8 +23,9 @@ from diffusers import DDIMScheduler, DPMSolverMultistepScheduler, UNet2DConditio
 from sdtrain.artifacts.checkpoint_format import CHECKPOINT_FILE
 from sdtrain.artifacts.export import is_export, load_export
 from sdtrain.artifacts.loading import LoadedModel, Weights, load_checkpoint
+from sdtrain.data.parquet_files import resolve_parquet_files
 from sdtrain.errors import DataError, SdtrainError
-from sdtrain.storage.files import filesystem_for, ray_storage, resolve_parquet_files, uri_for
+from sdtrain.storage.filesystems import filesystem_for, ray_storage, uri_for
 
 SAMPLERS = ("ddim", "dpm")
 LATENTS_FILE = "latents.npy"

@@ -8,7 +8,7 @@ import ray.train
 from ray.train import UserCallback
 
 from sdtrain.errors import find_sdtrain_error
-from sdtrain.storage.files import ray_storage, uri_for
+from sdtrain.storage.filesystems import ray_storage, uri_for
 
 
 class StopOnDeterministicErrors(UserCallback):

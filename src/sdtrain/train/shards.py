@@ -19,7 +19,7 @@ import ray.train
 from sdtrain.artifacts.checkpoint_format import DATA_STATE_FILE
 from sdtrain.data.read_order import DataState
 from sdtrain.data.streams import WindowReader, rank_dataset
-from sdtrain.storage.files import ray_storage
+from sdtrain.storage.filesystems import ray_storage
 
 
 class PlannedShards(ray.train.DataConfig):

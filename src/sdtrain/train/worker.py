@@ -24,7 +24,7 @@ from sdtrain.config.schema import Config
 from sdtrain.data.read_order import DataState, SamplePlan
 from sdtrain.errors import TrainingFailed, find_sdtrain_error
 from sdtrain.model.recipe import load_unconditional_caption
-from sdtrain.storage.files import apply_s3_settings
+from sdtrain.storage.s3 import apply_s3_settings
 from sdtrain.train.reporting import StepReporter, log
 from sdtrain.train.trainer import build_training
 

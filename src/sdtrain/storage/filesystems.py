@@ -1,0 +1,85 @@
+"""Any path or URI to the pyarrow filesystem that holds it, and the operations on whole
+directories that work the same on local disk and on object storage."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import tempfile
+
+import pyarrow.fs as pafs
+
+from sdtrain.storage.s3 import s3_filesystem
+from sdtrain.storage.uris import absolute, is_uri, split_s3, uri_prefix
+
+
+def filesystem_for(path: str) -> tuple[pafs.FileSystem, str]:
+    """The pyarrow filesystem that holds ``path``, and the path within it."""
+    if path.startswith("s3://"):
+        # Not from_uri: it reads '?' (a glob character here) as the start of URI options, and
+        # would not apply our endpoint and retries.
+        bucket, key = split_s3(path)
+        return s3_filesystem(bucket), f"{bucket}/{key}" if key else bucket
+    if is_uri(path):
+        return pafs.FileSystem.from_uri(path)
+    return pafs.LocalFileSystem(), os.path.abspath(os.path.expanduser(path))
+
+
+def filesystems_for(paths: list[str]) -> list[tuple[pafs.FileSystem, str]]:
+    """``filesystem_for`` of each path, with one filesystem per S3 bucket (many files, few buckets)."""
+    buckets: dict[str, pafs.FileSystem] = {}
+    out = []
+    for path in paths:
+        if not path.startswith("s3://"):
+            out.append(filesystem_for(path))
+            continue
+        bucket, key = split_s3(path)
+        if bucket not in buckets:
+            buckets[bucket] = s3_filesystem(bucket)
+        out.append((buckets[bucket], f"{bucket}/{key}"))
+    return out
+
+
+def uri_for(filesystem: pafs.FileSystem, path: str) -> str:
+    """The URI of ``path`` on ``filesystem`` (pyarrow and Ray hand back paths without a scheme)."""
+    if isinstance(filesystem, pafs.LocalFileSystem):
+        return path
+    return f"{filesystem.type_name}://{path}"
+
+
+def ray_storage(path: str) -> tuple[pafs.FileSystem | None, str]:
+    """(storage_filesystem, storage path) to hand Ray Train for ``path``: for a URI our own
+    filesystem (endpoint and retries travel with it to the controller and workers) and the path
+    within it; for a local path (None, its absolute path: Ray refuses relative ones), Ray's default."""
+    if not is_uri(path):
+        return None, absolute(path)
+    return filesystem_for(path)
+
+
+def local_copy(uri: str) -> str:
+    """A local directory holding the directory at ``uri``, downloaded once per process and URI."""
+    if uri not in _LOCAL_COPIES:
+        fs, path = filesystem_for(uri)
+        local = tempfile.mkdtemp(prefix="sdtrain-")
+        pafs.copy_files(path, local, source_filesystem=fs)
+        _LOCAL_COPIES[uri] = local
+    return _LOCAL_COPIES[uri]
+
+
+_LOCAL_COPIES: dict[str, str] = {}
+
+
+def set_aside(path: str) -> str | None:
+    """Rename the directory at ``path`` (local or URI) to ``<path>.replaced-<UTC time>``; return
+    the new location, or None if nothing is there. Object stores have no rename: copy, then delete."""
+    fs, fs_path = filesystem_for(path)
+    if fs.get_file_info(fs_path).type == pafs.FileType.NotFound:
+        return None
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    target = f"{fs_path.rstrip('/')}.replaced-{stamp}"
+    if isinstance(fs, pafs.LocalFileSystem):
+        fs.move(fs_path, target)
+    else:
+        pafs.copy_files(fs_path, target, source_filesystem=fs, destination_filesystem=fs)
+        fs.delete_dir(fs_path)
+    return uri_prefix(path) + target

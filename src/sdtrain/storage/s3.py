@@ -1,0 +1,130 @@
+"""S3 clients: every one sdtrain creates, pyarrow or boto3, is made here with the same endpoint,
+retry policy and connect timeout (``configure_s3``), and takes its credentials from the standard
+AWS chain: nothing here reads or stores a secret.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import pyarrow.fs as pafs
+
+# Attempts per S3 request when nothing configured them (the storage.max_attempts default).
+DEFAULT_MAX_ATTEMPTS = 5
+
+
+# Seconds to wait for a TCP connection: a wrong or firewalled endpoint must fail in seconds,
+# not after botocore's default minute.
+CONNECT_TIMEOUT_S = 5.0
+
+
+ENDPOINT_VARS = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")  # the AWS SDKs' own order of precedence
+
+
+@dataclass(frozen=True)
+class S3Settings:
+    endpoint_url: str | None = None  # None: AWS_ENDPOINT_URL_S3, AWS_ENDPOINT_URL, else AWS S3
+    max_attempts: int = DEFAULT_MAX_ATTEMPTS
+
+
+_s3_settings = S3Settings()
+
+
+def configure_s3(endpoint_url: str | None, max_attempts: int) -> None:
+    """Use this endpoint (if not None) and retry budget for every S3 client this process creates.
+
+    An explicit endpoint is also exported as AWS_ENDPOINT_URL and AWS_ENDPOINT_URL_S3: Ray Data
+    and Ray Train resolve s3:// URIs with their own pyarrow calls, in this process and in the
+    processes of a local Ray cluster started after this call, and the environment is what they
+    read (pyarrow and boto3 read both variables themselves).
+    """
+    global _s3_settings
+    _s3_settings = S3Settings(endpoint_url, max_attempts)
+    if endpoint_url is not None:
+        for var in ENDPOINT_VARS:
+            os.environ[var] = endpoint_url
+
+
+def s3_endpoint() -> tuple[str | None, str]:
+    """(endpoint URL or None for AWS S3, where it came from): storage.endpoint_url, then the environment."""
+    if _s3_settings.endpoint_url:
+        return _s3_settings.endpoint_url, "storage.endpoint_url"
+    for var in ENDPOINT_VARS:
+        if os.environ.get(var):
+            return os.environ[var], var
+    return None, "the AWS default"
+
+
+def s3_max_attempts() -> int:
+    return _s3_settings.max_attempts
+
+
+def resolved_s3_settings() -> S3Settings:
+    """This process's S3 settings with the endpoint resolved now (config, else environment): what
+    other processes of the job (Ray Train's controller and workers, Ray Data's tasks) must use.
+    On a cluster started separately they see neither storage.endpoint_url nor the driver's
+    environment, so the driver hands them this."""
+    return S3Settings(s3_endpoint()[0], s3_max_attempts())
+
+
+def apply_s3_settings(settings: S3Settings) -> None:
+    """Use the driver's S3 settings in this process (a Ray worker)."""
+    configure_s3(settings.endpoint_url, settings.max_attempts)
+
+
+def s3_filesystem(bucket: str) -> pafs.S3FileSystem:
+    """A pyarrow S3 filesystem for ``bucket`` with the configured endpoint and retries (it pickles
+    with both, so one made on the driver works in any Ray process)."""
+    endpoint, _ = s3_endpoint()
+    # As pyarrow's own from_uri does on AWS: a bucket outside the SDK's default region answers
+    # with a redirect that pyarrow does not follow. An S3-compatible endpoint has one region.
+    region = None if endpoint else _bucket_region(bucket)
+    return RetryingS3FileSystem(
+        s3_max_attempts(), endpoint_override=endpoint, region=region, connect_timeout=CONNECT_TIMEOUT_S
+    )
+
+
+class RetryingS3FileSystem(pafs.S3FileSystem):
+    """pyarrow's S3FileSystem with AWS's standard retries (exponential backoff, throttling and
+    dropped connections retried), which survive pickling: pyarrow's own pickle of an
+    S3FileSystem drops the retry strategy, and Ray pickles filesystems to its workers."""
+
+    def __init__(self, max_attempts: int, **options):
+        super().__init__(retry_strategy=pafs.AwsStandardS3RetryStrategy(max_attempts=max_attempts), **options)
+        self.max_attempts = max_attempts
+
+    def __reduce__(self):
+        _, (options,) = super().__reduce__()
+        return _rebuild_s3, (self.max_attempts, options)
+
+
+def _rebuild_s3(max_attempts: int, options: dict) -> RetryingS3FileSystem:
+    return RetryingS3FileSystem(max_attempts, **options)
+
+
+def _bucket_region(bucket: str) -> str | None:
+    if bucket not in _REGIONS:
+        try:
+            _REGIONS[bucket] = pafs.resolve_s3_region(bucket)
+        except OSError:  # unknown for now (not cached): the SDK's default; the pre-flight check says why
+            return None
+    return _REGIONS[bucket]
+
+
+_REGIONS: dict[str, str] = {}
+
+
+def s3_client():
+    """A boto3 S3 client with the configured endpoint, retries and connect timeout (for the checks
+    and operations pyarrow has no call for)."""
+    import boto3
+    from botocore.config import Config as BotoConfig
+
+    endpoint, _ = s3_endpoint()
+    config = BotoConfig(
+        connect_timeout=CONNECT_TIMEOUT_S,
+        retries={"mode": "standard", "total_max_attempts": s3_max_attempts()},
+    )
+    # A fresh session: credentials are looked up now, from the environment as it is now.
+    return boto3.session.Session().client("s3", endpoint_url=endpoint, config=config)
