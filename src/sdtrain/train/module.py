@@ -11,7 +11,7 @@ import lightning.pytorch as pl
 import numpy as np
 import torch
 from diffusers import UNet2DConditionModel
-from transformers import get_constant_schedule_with_warmup
+from diffusers.optimization import get_constant_schedule_with_warmup
 
 from sdtrain.config.schema import TrainConfig
 from sdtrain.model.ema import ema_update_, local_tensor, make_ema
