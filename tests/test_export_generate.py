@@ -14,15 +14,16 @@ from conftest import REPO
 from diffusers import AutoencoderKL, DDIMScheduler, DDPMScheduler, StableDiffusionPipeline, UNet2DConditionModel
 from PIL import Image
 
-from sdtrain.artifacts.export import export_checkpoint, load_export
-from sdtrain.artifacts.loading import load_checkpoint
+from sdtrain.artifacts.checkpoint_format import CheckpointMeta
+from sdtrain.artifacts.export import export_checkpoint
+from sdtrain.artifacts.loading import load_model
 from sdtrain.config.schema import DataConfig, ModelConfig, TrainConfig
 from sdtrain.data.demo import digits_from_latents, ensure_demo_data, load_digits, pseudo_latents
 from sdtrain.data.inspection import inspect_dataset
 from sdtrain.data.local_read import iter_local_batches
 from sdtrain.data.parquet_files import resolve_parquet_files
 from sdtrain.model.unet import build_unet, noise_scheduler_config, unet_config
-from sdtrain.sample.generate import guided_prediction, sample_latents
+from sdtrain.sample.sampler import guided_prediction, sample_latents
 from sdtrain.train.module import DiffusionModule
 
 GENERATE = [sys.executable, str(REPO / "entrypoints" / "generate.py")]
@@ -45,17 +46,16 @@ def trained(tmp_path_factory):
             break
     model = ModelConfig(preset="tiny", prediction_type="v_prediction")
     train = TrainConfig(lr=1e-3, warmup_steps=0, ema_decay=0.5, caption_dropout_prob=0.2)
-    meta = {
-        "unet_config": unet_config(model),
-        "noise_scheduler_config": noise_scheduler_config(model),
-        "latent_shape": [4, 16, 16],
-        "caption_shape": [77, 32],
-        "latent_scale": 1.0,
-        "latent_scaling_factor": None,
-        "config": {"data": {"demo": True}, "train": {"caption_dropout_prob": 0.2}},
-    }
+    meta = CheckpointMeta(
+        "test",
+        unet_config(model),
+        noise_scheduler_config(model),
+        latent_shape=(4, 16, 16),
+        caption_shape=(77, 32),
+        config={"data": {"demo": True}, "train": {"caption_dropout_prob": 0.2}},
+    )
     torch.manual_seed(0)
-    module = DiffusionModule(build_unet(model), meta["noise_scheduler_config"], train, meta)
+    module = DiffusionModule(build_unet(model), meta.noise_scheduler_config, train, meta)
     trainer = pl.Trainer(
         max_steps=4,
         accelerator="cpu",
@@ -108,7 +108,7 @@ def test_export_round_trips_through_from_pretrained(trained, tmp_path):
     torch.testing.assert_close(got, want, rtol=0, atol=0)  # identical outputs: the EMA weights, exactly
     with torch.no_grad():
         assert not torch.equal(module.unet(x, t, c).sample, want)  # and not the raw weights
-    assert torch.equal(load_export(out).unconditional_caption, torch.zeros(77, 32))
+    assert torch.equal(load_model(out).unconditional_caption, torch.zeros(77, 32))
 
 
 def test_exported_unet_works_inside_a_stable_diffusion_pipeline(trained, tmp_path):
@@ -148,7 +148,7 @@ def test_exported_unet_works_inside_a_stable_diffusion_pipeline(trained, tmp_pat
 
 
 def test_guidance_scale_one_is_the_conditional_prediction(trained):
-    unet = load_checkpoint(trained["checkpoint"]).unet
+    unet = load_model(trained["checkpoint"]).unet
     x, t = torch.randn(3, 4, 16, 16), torch.tensor(400)
     cond, uncond = torch.randn(3, 77, 32), torch.zeros(3, 77, 32)
     with torch.no_grad():

@@ -211,11 +211,10 @@ def test_a_job_trains_from_a_bucket_into_a_bucket_is_stopped_and_resubmitted_and
     } <= exported
 
     # The export is the final checkpoint's EMA UNet, read back from the bucket.
-    from sdtrain.artifacts.export import load_export
-    from sdtrain.artifacts.loading import load_checkpoint
+    from sdtrain.artifacts.loading import load_model
 
-    final, export = load_checkpoint(f"{run_uri}/checkpoint_000000040"), load_export(f"{run_uri}/export")
-    assert final.meta["weights"] == "ema"
+    final, export = load_model(f"{run_uri}/checkpoint_000000040"), load_model(f"{run_uri}/export")
+    assert final.weights == "ema"
     exported_state = export.unet.state_dict()
     assert all(torch.equal(tensor, exported_state[name]) for name, tensor in final.unet.state_dict().items())
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 from diffusers import DDPMScheduler, UNet2DConditionModel
 
+from sdtrain.artifacts.checkpoint_format import CheckpointMeta
 from sdtrain.artifacts.loading import load_model, read_checkpoint
 from sdtrain.config.schema import ModelConfig, TrainConfig
 from sdtrain.model.presets import PRESETS
@@ -29,8 +30,8 @@ def _batches(n=4, batch=2, seed=0):
 def _module(**train):
     model = ModelConfig(preset="tiny")
     torch.manual_seed(0)
-    meta = {"unet_config": unet_config(model), "noise_scheduler_config": noise_scheduler_config(model)}
-    return DiffusionModule(build_unet(model), meta["noise_scheduler_config"], TrainConfig(**train), meta)
+    meta = CheckpointMeta("test", unet_config(model), noise_scheduler_config(model), (4, 16, 16), (77, 32))
+    return DiffusionModule(build_unet(model), meta.noise_scheduler_config, TrainConfig(**train), meta)
 
 
 def _fit(module, steps, batches):
@@ -96,8 +97,9 @@ def test_checkpoint_rebuilds_the_model_alone(tmp_path):
     # weights_only=True loading: no pickled code in the file.
     raw = read_checkpoint(str(tmp_path))
     assert raw["global_step"] == 2 and "optimizer_states" in raw and "lr_schedulers" in raw
-    unet, scheduler, meta = load_model(str(tmp_path))
-    assert meta["global_step"] == 2
+    loaded = load_model(str(tmp_path))
+    unet, scheduler = loaded.unet, loaded.noise_scheduler
+    assert loaded.global_step == 2
     assert scheduler.config.clip_sample is False
     batch = _batches(1, seed=5)[0]
     t = torch.tensor([10, 900])
@@ -150,7 +152,7 @@ def test_clip_sample_stays_off_whatever_a_scheduler_config_says(tmp_path):
     """DDPMScheduler's default clip_sample=True (taken when a config omits the key) clips predicted
     latents to [-1, 1] and wrecks samples: training, stored configs and samplers all keep it off."""
     from sdtrain.model.unet import build_noise_scheduler
-    from sdtrain.sample.generate import make_sampler
+    from sdtrain.sample.sampler import make_sampler
 
     DDPMScheduler(clip_sample=True).save_pretrained(tmp_path / "on" / "scheduler")
     (tmp_path / "omitted" / "scheduler").mkdir(parents=True)

@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor
 
 from sdtrain.config.schema import load_config
 from sdtrain.model.ema import local_tensor
-from sdtrain.train.trainer import build_training, fit_without_ray, run_meta
+from sdtrain.train.trainer import build_training, checkpoint_meta, fit_without_ray
 
 LATENTS, CAPTIONS = (4, 16, 16), (8, 32)
 
@@ -77,7 +77,7 @@ class Watch(pl.Callback):
 def fit(cfg, data, use_gpu=False, **kwargs):
     watch = Watch()
     module, trainer = fit_without_ray(
-        cfg, data, run_meta(cfg, LATENTS, CAPTIONS), use_gpu=use_gpu, callbacks=[watch], **kwargs
+        cfg, data, checkpoint_meta(cfg, LATENTS, CAPTIONS), use_gpu=use_gpu, callbacks=[watch], **kwargs
     )
     return module, trainer, watch.steps
 
@@ -128,7 +128,7 @@ def test_a_gradscaler_overflow_is_skipped_without_counting_as_a_bad_step():
     plugin Lightning builds on GPUs. A huge initial scale overflows step 1; the scaler skips it and
     lowers the scale. The module unscales before clipping, and the EMA leaves the step out too."""
     cfg = config("train.grad_clip_norm=0.01", "train.ema_decay=0.9", "train.ema_start_step=0")
-    module, trainer_kwargs = build_training(cfg, run_meta(cfg, LATENTS, CAPTIONS), use_gpu=False)
+    module, trainer_kwargs = build_training(cfg, checkpoint_meta(cfg, LATENTS, CAPTIONS), use_gpu=False)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**30, backoff_factor=2.0**-20)
     trainer_kwargs.update(precision=None, plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)])
     initial = (module.unet.conv_in.weight.detach().clone(), module.ema_unet.conv_in.weight.detach().clone())

@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from diffusers import DDPMScheduler
 from diffusers.training_utils import compute_snr
 
-from sdtrain.artifacts.loading import load_checkpoint, load_model
+from sdtrain.artifacts.checkpoint_format import CheckpointMeta
+from sdtrain.artifacts.loading import load_model
 from sdtrain.config.schema import DataConfig, ModelConfig, TrainConfig
 from sdtrain.errors import ConfigError
 from sdtrain.model import recipe
@@ -32,16 +33,17 @@ def _scheduler(prediction_type="epsilon"):
 def _module(prediction_type="epsilon", uncond=None, latent_scale=None, **train):
     model = ModelConfig(preset="tiny", prediction_type=prediction_type)
     torch.manual_seed(0)
-    meta = {
-        "unet_config": unet_config(model),
-        "noise_scheduler_config": noise_scheduler_config(model),
-        "caption_shape": list(CAPTION_SHAPE),
-        "config": {"data": {"demo": False}, "train": {"caption_dropout_prob": train.get("caption_dropout_prob", 0.0)}},
-    }
-    if latent_scale is not None:
-        meta["latent_scale"] = latent_scale
+    meta = CheckpointMeta(
+        "test",
+        unet_config(model),
+        noise_scheduler_config(model),
+        latent_shape=(4, 16, 16),
+        caption_shape=tuple(CAPTION_SHAPE),
+        latent_scale=1.0 if latent_scale is None else latent_scale,
+        config={"data": {"demo": False}, "train": {"caption_dropout_prob": train.get("caption_dropout_prob", 0.0)}},
+    )
     return DiffusionModule(
-        build_unet(model), meta["noise_scheduler_config"], TrainConfig(**train), meta, unconditional_caption=uncond
+        build_unet(model), meta.noise_scheduler_config, TrainConfig(**train), meta, unconditional_caption=uncond
     )
 
 
@@ -280,10 +282,10 @@ def test_ema_tracks_training_and_is_used_for_validation_and_loading(tmp_path):
     assert module.validation_loss(val, seed=0) == validation_loss(module.ema_unet, module.noise_scheduler, val, seed=0)
 
     trainer.save_checkpoint(tmp_path / "checkpoint.ckpt", weights_only=False)
-    unet, _, meta = load_model(str(tmp_path))
-    assert meta["weights"] == "ema" and torch.equal(unet.conv_in.weight, module.ema_unet.conv_in.weight)
-    raw = load_checkpoint(str(tmp_path), weights="raw")
-    assert raw.meta["weights"] == "raw" and torch.equal(raw.unet.conv_in.weight, module.unet.conv_in.weight)
+    ema = load_model(str(tmp_path))
+    assert ema.weights == "ema" and torch.equal(ema.unet.conv_in.weight, module.ema_unet.conv_in.weight)
+    raw = load_model(str(tmp_path), weights="raw")
+    assert raw.weights == "raw" and torch.equal(raw.unet.conv_in.weight, module.unet.conv_in.weight)
     assert torch.equal(raw.unconditional_caption, torch.zeros(CAPTION_SHAPE))
 
 

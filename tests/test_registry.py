@@ -6,6 +6,7 @@ import pytest
 import torch
 from diffusers import DDPMScheduler, UNet2DConditionModel
 
+from sdtrain.artifacts.loading import load_model
 from sdtrain.artifacts.registry import ModelRegistry
 from sdtrain.config.schema import ModelConfig
 from sdtrain.model.presets import PRESETS
@@ -26,7 +27,8 @@ def _exercise(root: str) -> None:
     assert registry.production() == "v0001" and registry.manifest("v0002")["promoted"] is False
     with pytest.raises(ValueError, match="v0009 is not a complete version"):
         registry.set_production("v0009")
-    loaded, loaded_scheduler = registry.load(registry.production())
+    production = load_model(registry.location(registry.production()))
+    loaded, loaded_scheduler = production.unet, production.noise_scheduler
     for (name, a), b in zip(unet.state_dict().items(), loaded.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
     assert loaded_scheduler.config.num_train_timesteps == 700

@@ -6,6 +6,7 @@ import shutil
 import pytest
 import torch
 
+from sdtrain.artifacts.loading import load_model
 from sdtrain.artifacts.registry import ModelRegistry
 from sdtrain.config.schema import load_config
 from sdtrain.data.demo import ensure_demo_data
@@ -104,7 +105,7 @@ def test_retrain_promotes_better_keeps_production_on_worse_and_is_idempotent(
     assert registry.production() == "v0001" and registry.versions() == ["v0001", "v0002", "v0003"]
     manifest = registry.manifest("v0003")
     assert manifest["promoted"] is True and manifest["partitions"] == ["2026-11-02", "2026-11-03"]  # v0002's day too
-    unet, _ = registry.load(registry.production())  # readers still get a complete model
+    unet = load_model(registry.location(registry.production())).unet  # readers still get a complete model
     assert torch.isfinite(unet(torch.zeros(1, 4, 16, 16), 10, torch.zeros(1, 77, 32)).sample).all()
 
     # ...and the next run for that date finishes the promotion without training again.
@@ -113,7 +114,7 @@ def test_retrain_promotes_better_keeps_production_on_worse_and_is_idempotent(
     assert (finished.status, registry.production()) == ("completed-promotion", "v0003")
     assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == runs_before
     for version in registry.versions():  # every version stays loadable
-        registry.load(version)
+        load_model(registry.location(version))
 
     # A run that fails (here: an unreadable file in the new partition) writes no version and
     # leaves production alone, saying what is wrong.

@@ -83,9 +83,10 @@ def test_two_worker_run_checkpoints_reloads_and_resumes(ray_cluster, tmp_path):
 
     # The model comes back from the checkpoint alone and reproduces the validation loss the
     # worker computed with the trained weights: same weights, same outputs.
-    unet, scheduler, meta = load_model(str(run_dir / "checkpoint_000000006"))
-    assert meta["global_step"] == 6 and meta["latent_shape"] == [4, 16, 16] and meta["caption_shape"] == [77, 32]
-    assert meta["config"]["run"]["name"] == "two-workers"
+    loaded = load_model(str(run_dir / "checkpoint_000000006"))
+    unet, scheduler, meta = loaded.unet, loaded.noise_scheduler, loaded.meta
+    assert loaded.global_step == 6 and meta.latent_shape == (4, 16, 16) and meta.caption_shape == (77, 32)
+    assert meta.config["run"]["name"] == "two-workers"
     val = decode_batch(
         pq.read_table(tmp_path / "val/v.parquet"), "image_latents_256", "caption_latents", (4, 16, 16), (77, 32)
     )
@@ -442,8 +443,9 @@ def test_fsdp_on_two_cpu_workers_validates_with_its_ema_and_resumes_on_one(ray_c
     assert [row["step"] for row in history] == [2, 4] and all(math.isfinite(row["val_loss"]) for row in history)
     assert sum(row["skipped_steps"] for row in history) == 1  # one epoch, one NaN row
     # The EMA the ranks kept shard by shard, gathered, reproduces the validation loss they computed.
-    unet, scheduler, meta = load_model(str(run_dir / "checkpoint_000000004"))
-    assert meta["weights"] == "ema" and meta["config"]["train"]["strategy"] == "fsdp"
+    loaded = load_model(str(run_dir / "checkpoint_000000004"))
+    unet, scheduler = loaded.unet, loaded.noise_scheduler
+    assert loaded.weights == "ema" and loaded.meta.config["train"]["strategy"] == "fsdp"
     val = decode_batch(
         pq.read_table(tmp_path / "val/v.parquet"), "image_latents_256", "caption_latents", (4, 16, 16), (77, 32)
     )

@@ -1,4 +1,4 @@
-"""Command lines of entrypoints/train.py and entrypoints/retrain.py: parse, load the config, run, report."""
+"""Command lines of entrypoints/train.py, retrain.py and generate.py: parse, load the config, run, report."""
 
 from __future__ import annotations
 
@@ -75,3 +75,110 @@ def _retrain(config: Config) -> list[str]:
     )
     outcome = retrain(config, day)
     return [f"{outcome.status}: {outcome.message}", f"production: {outcome.production or 'none'}"]
+
+
+def generate_main(argv=None) -> int:
+    """The command line of entrypoints/generate.py; exit code 0 on success, 2 for bad input."""
+    from sdtrain.sample.generate import GenerateRequest, generate
+    from sdtrain.sample.sampler import SAMPLERS
+
+    parser = argparse.ArgumentParser(
+        prog="generate.py",
+        description=(
+            "Sample from a trained model (run directory, checkpoint or export; local or s3://), or export a checkpoint."
+        ),
+    )
+    parser.add_argument(
+        "model", help="a run directory (its latest checkpoint), a checkpoint directory or .ckpt, or an export directory"
+    )
+    parser.add_argument(
+        "--captions",
+        help="caption embeddings: a .npy file ((L, D) or (N, L, D)) or parquet (file, directory or glob); "
+        "parquet with a label column gives one row per label",
+    )
+    parser.add_argument("--out", default="samples", help="output directory (default: %(default)s)")
+    parser.add_argument(
+        "--caption-column", default="caption_latents", help="parquet column of the embeddings (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--rows", type=int, default=8, help="parquet rows to take when there is no label column (default: %(default)s)"
+    )
+    parser.add_argument("--samples-per-caption", type=int, default=8, help="grid columns (default: %(default)s)")
+    parser.add_argument(
+        "--sampler", choices=SAMPLERS, default="ddim", help="ddim or dpm (DPM-Solver++) (default: %(default)s)"
+    )
+    parser.add_argument("--steps", type=int, default=25, help="sampling steps (default: %(default)s)")
+    parser.add_argument(
+        "--guidance-scale",
+        type=float,
+        default=3.0,
+        help="classifier-free guidance scale; 1 = none (default: %(default)s)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of the initial noise (default: %(default)s)")
+    parser.add_argument(
+        "--vae",
+        help="decode with this AutoencoderKL (local directory or hub id); without it, latents and a preview are saved",
+    )
+    parser.add_argument(
+        "--weights",
+        choices=("auto", "ema", "raw"),
+        default="auto",
+        help="auto = EMA if the run kept one (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--preview",
+        choices=("auto", "digits", "channels"),
+        default="auto",
+        help=(
+            "latent preview without a VAE: digits (the demo's inverse), channels (first 3 as RGB); auto = "
+            "digits for demo runs"
+        ),
+    )
+    parser.add_argument("--batch-size", type=int, default=64, help="samples per UNet batch (default: %(default)s)")
+    parser.add_argument(
+        "--export-to",
+        metavar="DIR",
+        help="instead of sampling: export the model in diffusers format to DIR (local or s3://)",
+    )
+    args = parser.parse_args(argv)
+    for name in ("rows", "samples_per_caption", "steps", "batch_size"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    try:
+        if args.export_to:
+            from sdtrain.artifacts.export import write_export
+            from sdtrain.artifacts.loading import load_model
+
+            loaded = load_model(args.model, args.weights)
+            write_export(loaded, args.export_to)
+            print(f"[sdtrain] exported {loaded.weights} weights of step {loaded.global_step} to {args.export_to}")
+            return 0
+        if not args.captions:
+            parser.error("--captions is required to sample")
+        request = GenerateRequest(
+            model=args.model,
+            captions=args.captions,
+            out=args.out,
+            caption_column=args.caption_column,
+            rows=args.rows,
+            samples_per_caption=args.samples_per_caption,
+            sampler=args.sampler,
+            steps=args.steps,
+            guidance_scale=args.guidance_scale,
+            seed=args.seed,
+            vae=args.vae,
+            weights=args.weights,
+            preview=args.preview,
+            batch_size=args.batch_size,
+        )
+        written = generate(request)
+    except (SdtrainError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for note in request.notes:
+        print(f"[sdtrain] note: {note}")
+    for line in request.results:
+        print(f"[sdtrain] {line}")
+    for path in written:
+        print(f"[sdtrain] wrote {path}")
+    return 0

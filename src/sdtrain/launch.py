@@ -34,7 +34,7 @@ from sdtrain.storage.s3 import resolved_s3_settings
 from sdtrain.storage.uris import absolute
 from sdtrain.train.failures import StopOnDeterministicErrors, failure_message
 from sdtrain.train.shards import PlannedShards, checkpoint_position, committed_run
-from sdtrain.train.trainer import resolve_precision, run_meta
+from sdtrain.train.trainer import checkpoint_meta, resolve_precision
 from sdtrain.train.worker import train_loop_per_worker
 
 
@@ -106,7 +106,7 @@ def train(config: Config) -> RunSummary:
         datasets["val"] = file_order_dataset(val_spec, config.data)
 
     resolve_precision(config.train, use_gpu)  # 16-mixed where scaling.use_gpu=auto found no GPU fails here
-    checkpoint_meta = run_meta(config, train_spec.latent_shape, train_spec.caption_shape, stored_scale)
+    meta = checkpoint_meta(config, train_spec.latent_shape, train_spec.caption_shape, stored_scale)
     # Ray Train's controller and workers get the storage filesystem and the S3 settings from
     # here: on a cluster started separately they see neither storage.endpoint_url nor this
     # process's environment.
@@ -116,7 +116,7 @@ def train(config: Config) -> RunSummary:
         train_loop_config={
             "config": config.to_dict(),
             "use_gpu": use_gpu,
-            "checkpoint_meta": checkpoint_meta,
+            "checkpoint_meta": meta,
             "plan": plan,
             "s3": resolved_s3_settings(),
             "launched_at": launched_at,

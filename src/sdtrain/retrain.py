@@ -90,13 +90,16 @@ def retrain(config: Config, schedule_date: datetime.date) -> RetrainOutcome:
     )
     summary = train(run_config)
 
-    unet, scheduler, _ = load_model(summary.checkpoint_path)
-    new_loss = heldout_loss(run_config, unet, scheduler)
-    production_loss = heldout_loss(run_config, *registry.load(production)) if production else None
+    trained = load_model(summary.checkpoint_path)
+    new_loss = heldout_loss(run_config, trained.unet, trained.noise_scheduler)
+    production_loss = None
+    if production:
+        current = load_model(registry.location(production))
+        production_loss = heldout_loss(run_config, current.unet, current.noise_scheduler)
     promote, reason = _decide(new_loss, production_loss, production, config.retrain.tolerance)
     version = registry.write_version(
-        unet,
-        scheduler,
+        trained.unet,
+        trained.noise_scheduler,
         {
             "parent": production,
             "schedule_date": day,

@@ -1,18 +1,24 @@
-"""A checkpoint directory's layout: its name and the files in it.
+"""The checkpoint format: a checkpoint directory's name, the files in it, and its metadata.
 
 A checkpoint is a directory ``checkpoint_<step>/`` holding ``checkpoint.ckpt``: Lightning's
-full training state (weights, optimizer, LR scheduler, loop progress) plus, under the
-``sdtrain`` key, the UNet and noise-scheduler configs, the data shapes and the run config; the
-state dict holds the UNet (``unet.``), its EMA when train.ema_decay is set (``ema_unet.``) and
-the unconditional caption embedding (``unconditional_caption``);
-``history.json``, the metric rows reported up to that step; and ``data_state.json``, the data
-position to resume from. Only plain data and tensors are stored, so loading never unpickles code
-(``torch.load(weights_only=True)``; :mod:`sdtrain.artifacts.loading` loads them).
+full training state (weights, optimizer, LR scheduler, loop progress) plus, under
+:data:`CHECKPOINT_META_KEY`, a :class:`CheckpointMeta` as plain data; the state dict holds the
+UNet (``unet.``), its EMA when train.ema_decay is set (``ema_unet.``) and the unconditional
+caption embedding (``unconditional_caption``); ``history.json``, the metric rows reported up to
+that step; and ``data_state.json``, the data position to resume from. Only plain data and tensors
+are stored, so loading never unpickles code (``torch.load(weights_only=True)``;
+:mod:`sdtrain.artifacts.loading` loads them).
 
 This module imports nothing heavy: Ray Train's controller loads it (through
-:mod:`sdtrain.train.shards`, which reads the data position), and importing diffusers and Lightning
-there cost about 6 s of every run's start-up.
+:mod:`sdtrain.train.shards`, which reads the data position), where importing diffusers and
+Lightning would delay every run's start.
 """
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
 
 CHECKPOINT_FILE = "checkpoint.ckpt"
 # The metric rows reported up to the checkpoint's step: the run's curve, readable without the weights.
@@ -21,7 +27,63 @@ HISTORY_FILE = "history.json"
 DATA_STATE_FILE = "data_state.json"
 # With run.record_samples: (world size, rows) sample indices trained on since the previous checkpoint.
 SAMPLES_FILE = "samples.npy"
+# The key of checkpoint.ckpt's top-level dict that holds CheckpointMeta.to_dict().
+CHECKPOINT_META_KEY = "sdtrain"
 
 
 def checkpoint_dir_name(step: int) -> str:
     return f"checkpoint_{step:09d}"
+
+
+@dataclass(frozen=True)
+class CheckpointMeta:
+    """What every checkpoint of a run stores besides the weights: enough to rebuild the model
+    from the checkpoint alone, with no config file."""
+
+    sdtrain_version: str
+    """The sdtrain version that wrote the checkpoint."""
+    unet_config: dict[str, Any]
+    """``UNet2DConditionModel``'s constructor arguments."""
+    noise_scheduler_config: dict[str, Any]
+    """``DDPMScheduler``'s constructor arguments: the training noise schedule and prediction type."""
+    latent_shape: tuple[int, ...]
+    """C x H x W of the training latents."""
+    caption_shape: tuple[int, ...]
+    """L x D of the caption embeddings."""
+    latent_scale: float = 1.0
+    """The factor training multiplies stored latents by as it reads them (1.0: stored already scaled)."""
+    latent_scaling_factor: float | None = None
+    """The VAE scaling factor the model's latents carry relative to raw VAE latents, when known
+    (what decoding samples divides by)."""
+    config: dict[str, Any] = field(default_factory=dict)
+    """The run's config (``Config.to_dict()``)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (lists, not tuples) for ``torch.load(weights_only=True)`` and JSON."""
+        raw = dataclasses.asdict(self)
+        raw["latent_shape"], raw["caption_shape"] = list(self.latent_shape), list(self.caption_shape)
+        return raw
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], source: str) -> CheckpointMeta:
+        """The metadata of the checkpoint at ``source`` (named in the error if a key is missing)."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        required = {f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING} - {"config"}
+        missing = sorted(required - raw.keys())
+        if missing:
+            raise ValueError(
+                f"{source}: the checkpoint's {CHECKPOINT_META_KEY!r} metadata lacks {', '.join(missing)}; "
+                "it was not written by sdtrain's training"
+            )
+        values = {k: v for k, v in raw.items() if k in known}
+        values["latent_shape"], values["caption_shape"] = tuple(raw["latent_shape"]), tuple(raw["caption_shape"])
+        return cls(**values)
+
+    @property
+    def trained_on_demo(self) -> bool:
+        return bool(self.config.get("data", {}).get("demo", False))
+
+    @property
+    def caption_dropout_prob(self) -> float | None:
+        """The train.caption_dropout_prob the model was trained with (None: not recorded)."""
+        return self.config.get("train", {}).get("caption_dropout_prob")

@@ -46,15 +46,9 @@ class ModelRegistry:
         return json.loads(self._read(pointer))["version"] if self._exists(pointer) else None
 
     def location(self, version: str) -> str:
-        """The version's directory, usable as ``model.pretrained`` (unet/ and scheduler/ inside)."""
+        """The version's directory (unet/ and scheduler/ inside): usable as ``model.pretrained``, and
+        loaded by ``sdtrain.artifacts.loading.load_model``."""
         return posixpath.join(self.root_uri, "versions", version)
-
-    def load(self, version: str) -> tuple[UNet2DConditionModel, DDPMScheduler]:
-        with tempfile.TemporaryDirectory() as local:
-            pafs.copy_files(self._path("versions", version), local, source_filesystem=self.fs)
-            unet = UNet2DConditionModel.from_pretrained(local, subfolder="unet")
-            scheduler = DDPMScheduler.from_pretrained(local, subfolder="scheduler")
-        return unet.eval(), scheduler
 
     def write_version(self, unet: UNet2DConditionModel, scheduler: DDPMScheduler, manifest: dict[str, Any]) -> str:
         """Write a new version (weights first, manifest last) and return its name."""

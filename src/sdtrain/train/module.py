@@ -13,14 +13,13 @@ import torch
 from diffusers import UNet2DConditionModel
 from diffusers.optimization import get_constant_schedule_with_warmup
 
+from sdtrain.artifacts.checkpoint_format import CHECKPOINT_META_KEY, CheckpointMeta
 from sdtrain.config.schema import TrainConfig
 from sdtrain.model.ema import ema_update_, local_tensor, make_ema
 from sdtrain.model.recipe import diffusion_loss, step_inputs
 from sdtrain.model.unet import build_noise_scheduler
 from sdtrain.model.validation import validation_loss
 from sdtrain.train.strategy import apply_options, is_sharded
-
-CHECKPOINT_META_KEY = "sdtrain"
 
 
 class DiffusionModule(pl.LightningModule):
@@ -29,15 +28,13 @@ class DiffusionModule(pl.LightningModule):
         unet: UNet2DConditionModel,
         noise_scheduler_config: dict[str, Any],
         train: TrainConfig,
-        checkpoint_meta: dict[str, Any],
+        checkpoint_meta: CheckpointMeta,
         unconditional_caption: torch.Tensor | None = None,
         accumulation: int = 1,
         record_samples: bool = False,
     ):
-        """``checkpoint_meta`` (plain JSON data) is stored in every checkpoint, so the model can be
-        rebuilt from the checkpoint alone: UNet and scheduler configs, data shapes, the run config,
-        and ``latent_scale``, the factor stored latents are multiplied by as they are read (1.0
-        when the data is already scaled).
+        """``checkpoint_meta`` is stored in every checkpoint, so the model can be rebuilt from the
+        checkpoint alone; its ``latent_scale`` multiplies stored latents as they are read.
 
         ``unconditional_caption`` (L x D) replaces dropped captions; default: zeros of the meta's
         ``caption_shape``. It is stored in the checkpoint (``unconditional_caption``), so sampling
@@ -53,19 +50,11 @@ class DiffusionModule(pl.LightningModule):
         self.noise_scheduler = build_noise_scheduler(noise_scheduler_config)
         self.train_config = train
         self.checkpoint_meta = checkpoint_meta
-        self.latent_scale = float(checkpoint_meta.get("latent_scale", 1.0))
-        if unconditional_caption is None and "caption_shape" in checkpoint_meta:
-            unconditional_caption = torch.zeros(checkpoint_meta["caption_shape"])
-        if unconditional_caption is None and train.caption_dropout_prob > 0:
-            raise ValueError(
-                "train.caption_dropout_prob needs an unconditional caption embedding (or caption_shape in the meta)"
-            )
+        self.latent_scale = float(checkpoint_meta.latent_scale)
+        if unconditional_caption is None:
+            unconditional_caption = torch.zeros(checkpoint_meta.caption_shape)
         # A frozen parameter rather than a buffer: saved in the checkpoint, but not broadcast by DDP every step.
-        self.unconditional_caption = (
-            None
-            if unconditional_caption is None
-            else torch.nn.Parameter(unconditional_caption.float(), requires_grad=False)
-        )
+        self.unconditional_caption = torch.nn.Parameter(unconditional_caption.float(), requires_grad=False)
         self.ema_unet = make_ema(unet) if train.ema_decay is not None else None
         # Summed on the device and read only when a log line is due: no per-step host sync.
         self.register_buffer("loss_sum", torch.zeros(()), persistent=False)
@@ -239,7 +228,7 @@ class DiffusionModule(pl.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        checkpoint[CHECKPOINT_META_KEY] = self.checkpoint_meta
+        checkpoint[CHECKPOINT_META_KEY] = self.checkpoint_meta.to_dict()
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # Lightning decides where an optimizer step falls from the micro-batches counted in the

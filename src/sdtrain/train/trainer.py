@@ -17,6 +17,7 @@ import lightning.pytorch as pl
 import torch
 
 from sdtrain import __version__
+from sdtrain.artifacts.checkpoint_format import CheckpointMeta
 from sdtrain.config.schema import Config, TrainConfig
 from sdtrain.errors import ConfigError
 from sdtrain.model.unet import build_unet, noise_scheduler_config, unet_config
@@ -45,36 +46,34 @@ def resolve_precision(train: TrainConfig, use_gpu: bool) -> str:
     return "16-mixed"
 
 
-def run_meta(
+def checkpoint_meta(
     config: Config,
     latent_shape: Sequence[int],
     caption_shape: Sequence[int],
     latent_scaling_factor: float | None = None,
-) -> dict[str, Any]:
-    """The metadata stored in every checkpoint, enough to rebuild the model from it alone.
+) -> CheckpointMeta:
+    """The metadata every checkpoint of a run of ``config`` stores.
 
     Args:
         latent_shape: C x H x W of the data's latents.
         caption_shape: L x D of its caption embeddings.
         latent_scaling_factor: the factor the stored latents already carry (parquet metadata), if known.
     """
-    return {
-        "sdtrain_version": __version__,
-        "unet_config": unet_config(config.model),
-        "noise_scheduler_config": noise_scheduler_config(config.model),
-        "latent_shape": list(latent_shape),
-        "caption_shape": list(caption_shape),
-        # The factor training multiplies the stored latents by (once), and the one the model's
-        # latents carry relative to raw VAE latents, when known (for decoding samples).
-        "latent_scale": config.data.latent_scaling_factor or 1.0,
-        "latent_scaling_factor": config.data.latent_scaling_factor or latent_scaling_factor,
-        "config": config.to_dict(),
-    }
+    return CheckpointMeta(
+        sdtrain_version=__version__,
+        unet_config=unet_config(config.model),
+        noise_scheduler_config=noise_scheduler_config(config.model),
+        latent_shape=tuple(latent_shape),
+        caption_shape=tuple(caption_shape),
+        latent_scale=config.data.latent_scaling_factor or 1.0,
+        latent_scaling_factor=config.data.latent_scaling_factor or latent_scaling_factor,
+        config=config.to_dict(),
+    )
 
 
 def build_training(
     config: Config,
-    meta: dict[str, Any],
+    meta: CheckpointMeta,
     *,
     use_gpu: bool,
     world_size: int = 1,
@@ -86,7 +85,7 @@ def build_training(
     """The module and the ``pl.Trainer`` keyword arguments for a run of ``config``.
 
     Args:
-        meta: the run's checkpoint metadata (:func:`run_meta`).
+        meta: the run's checkpoint metadata (:func:`checkpoint_meta`).
         use_gpu: one GPU per process, else CPU.
         world_size: training processes in all.
         accumulation: micro-batches per optimizer step.
@@ -100,7 +99,7 @@ def build_training(
     pl.seed_everything(config.train.seed, verbose=False)
     module = DiffusionModule(
         build_unet(config.model),
-        meta["noise_scheduler_config"],
+        meta.noise_scheduler_config,
         config.train,
         meta,
         unconditional_caption=unconditional_caption,
@@ -170,7 +169,7 @@ def _synchronize(device: torch.device) -> None:
 def fit_without_ray(
     config: Config,
     batches: Iterable[dict[str, torch.Tensor]],
-    meta: dict[str, Any],
+    meta: CheckpointMeta,
     *,
     use_gpu: bool,
     callbacks: Sequence[pl.Callback] = (),
@@ -182,7 +181,7 @@ def fit_without_ray(
 
     Args:
         batches: dicts of ``latents`` (B x C x H x W) and ``captions`` (B x L x D).
-        meta: the run's checkpoint metadata (:func:`run_meta`).
+        meta: the run's checkpoint metadata (:func:`checkpoint_meta`).
         callbacks: extra Lightning callbacks.
         default_root_dir: where Lightning may write (FSDP's process group files, nothing else).
     """

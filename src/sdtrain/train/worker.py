@@ -135,7 +135,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         world_size=world_size,
         accumulation=accumulation,
         on_ray=True,
-        unconditional_caption=load_unconditional_caption(config.data.unconditional_caption, meta["caption_shape"]),
+        unconditional_caption=load_unconditional_caption(config.data.unconditional_caption, meta.caption_shape),
         record_samples=config.run.record_samples,
     )
 

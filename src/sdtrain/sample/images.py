@@ -1,0 +1,68 @@
+"""Latents to pictures: decoded by a VAE, or previewed without one (the demo's digits, or three
+channels as RGB), and laid out as a grid with a row per caption."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+
+
+def digits_preview(latents: np.ndarray) -> np.ndarray:
+    """(N, 4, 16, 16) demo latents -> (N, 16, 16) uint8, dark ink on white."""
+    from sdtrain.data.demo import digits_from_latents
+
+    ink = np.clip(digits_from_latents(latents) / 16.0, 0, 1)
+    return (255 * (1 - ink)).astype(np.uint8)
+
+
+def channels_preview(latents: np.ndarray) -> np.ndarray:
+    """(N, C, H, W) latents -> (N, H, W, 3) uint8: the first three channels as RGB, [-3, 3] mapped to [0, 255]
+    (SD latents, scaled by 0.18215, have roughly unit variance)."""
+    rgb = latents[:, :3] if latents.shape[1] >= 3 else np.repeat(latents[:, :1], 3, axis=1)
+    return (255 * np.clip((rgb + 3) / 6, 0, 1)).transpose(0, 2, 3, 1).astype(np.uint8)
+
+
+def grid_image(tiles: np.ndarray, names: list[str], zoom: int = 1):
+    """(R, K, H, W[, 3]) uint8 tiles -> one PIL image, a row per caption with its name on the left."""
+    from PIL import Image, ImageDraw
+
+    rows, cols, h, w = tiles.shape[:4]
+    h, w = h * zoom, w * zoom
+    pad, margin = 2, 60
+    canvas = Image.new("RGB", (margin + cols * (w + pad) + pad, rows * (h + pad) + pad), "white")
+    draw = ImageDraw.Draw(canvas)
+    for r in range(rows):
+        draw.text((4, pad + r * (h + pad) + h // 2 - 5), names[r][:9], fill="black")
+        for k in range(cols):
+            tile = Image.fromarray(tiles[r, k]).convert("RGB").resize((w, h), Image.NEAREST)
+            canvas.paste(tile, (margin + pad + k * (w + pad), pad + r * (h + pad)))
+    return canvas
+
+
+def load_vae(vae: str):
+    from diffusers import AutoencoderKL
+
+    root = os.path.expanduser(vae)
+    if os.path.isdir(root):
+        return AutoencoderKL.from_pretrained(
+            root, subfolder="vae" if os.path.isdir(os.path.join(root, "vae")) else None
+        )
+    return AutoencoderKL.from_pretrained(vae, subfolder="vae")  # a hub id: a pipeline's vae/ (needs network)
+
+
+@torch.no_grad()
+def decode(vae, latents: torch.Tensor, scaling_factor: float, batch_size: int = 8) -> np.ndarray:
+    """Model-space latents -> (N, H, W, 3) uint8 images: divided by the scaling factor once, then decoded."""
+    device = next(vae.parameters()).device
+    images = []
+    for start in range(0, len(latents), batch_size):
+        batch = latents[start : start + batch_size].to(device, vae.dtype) / scaling_factor
+        images.append(((vae.decode(batch).sample.float().cpu() / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8))
+    return torch.cat(images).permute(0, 2, 3, 1).numpy()
+
+
+def decode_shape(latents: torch.Tensor, vae) -> tuple[int, int, int]:
+    factor = 2 ** (len(vae.config.block_out_channels) - 1)
+    return (latents.shape[-2] * factor, latents.shape[-1] * factor, 3)

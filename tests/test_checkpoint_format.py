@@ -1,0 +1,43 @@
+"""The checkpoint format's metadata and the one model loader's errors (the loads themselves are
+tested where checkpoints are written: test_module, test_recipe, test_export_generate, test_train_ray)."""
+
+import pytest
+import torch
+
+from sdtrain.artifacts.checkpoint_format import CHECKPOINT_FILE, CHECKPOINT_META_KEY, CheckpointMeta
+from sdtrain.artifacts.loading import load_model
+from sdtrain.config.schema import Config, ModelConfig
+from sdtrain.errors import SdtrainError
+from sdtrain.model.unet import noise_scheduler_config, unet_config
+from sdtrain.train.trainer import checkpoint_meta
+
+
+def test_metadata_round_trips_as_plain_data_and_names_what_is_missing():
+    config = Config.from_dict({"model": {"preset": "tiny"}, "data": {"demo": True, "train": ["d/train"]}})
+    meta = checkpoint_meta(config, [4, 16, 16], [77, 32], latent_scaling_factor=0.18215)
+    raw = meta.to_dict()
+    assert raw["latent_shape"] == [4, 16, 16] and raw["caption_shape"] == [77, 32]  # lists: weights_only loads them
+    assert CheckpointMeta.from_dict(raw, "x") == meta
+    assert meta.trained_on_demo and meta.latent_scaling_factor == 0.18215 and meta.latent_scale == 1.0
+    # An older writer's extra key is ignored; a missing one is named with the checkpoint.
+    assert CheckpointMeta.from_dict({**raw, "retired_key": 1}, "x") == meta
+    del raw["caption_shape"]
+    with pytest.raises(ValueError, match=r"runs/a/checkpoint_000000004: .* lacks caption_shape"):
+        CheckpointMeta.from_dict(raw, "runs/a/checkpoint_000000004")
+
+
+def test_load_model_says_what_a_path_is_not(tmp_path):
+    with pytest.raises(SdtrainError, match="does not exist"):
+        load_model(str(tmp_path / "missing"))
+    with pytest.raises(SdtrainError, match="neither an export .* nor a run directory"):
+        load_model(str(tmp_path))  # an empty directory
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    torch.save({"state_dict": {}, "global_step": 1}, plain / CHECKPOINT_FILE)
+    with pytest.raises(SdtrainError, match="without sdtrain's metadata"):
+        load_model(str(plain))
+    model = ModelConfig(preset="tiny")
+    meta = CheckpointMeta("test", unet_config(model), noise_scheduler_config(model), (4, 16, 16), (77, 32))
+    torch.save({"state_dict": {}, "global_step": 1, CHECKPOINT_META_KEY: meta.to_dict()}, plain / CHECKPOINT_FILE)
+    with pytest.raises(SdtrainError, match="holds no EMA weights"):
+        load_model(str(plain), weights="ema")
