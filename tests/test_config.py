@@ -4,7 +4,9 @@ import pytest
 from conftest import REPO
 
 from sdtrain.artifacts.checkpoint_format import CheckpointMeta
-from sdtrain.config.schema import Config, describe_keys, help_text, load_config
+from sdtrain.config.keys import describe_keys, help_text
+from sdtrain.config.loader import load_config
+from sdtrain.config.schema import Config
 from sdtrain.errors import ConfigError
 
 BASE = ["data.train=/data/train"]

@@ -14,7 +14,7 @@ import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
 from torch.distributed.tensor import DTensor
 
-from sdtrain.config.schema import load_config
+from sdtrain.config.loader import load_config
 from sdtrain.model.ema import local_tensor
 from sdtrain.train.trainer import build_training, checkpoint_meta, fit_without_ray
 

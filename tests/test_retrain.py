@@ -8,7 +8,7 @@ import torch
 
 from sdtrain.artifacts.loading import load_model
 from sdtrain.artifacts.registry import ModelRegistry
-from sdtrain.config.schema import load_config
+from sdtrain.config.loader import load_config
 from sdtrain.data.demo import ensure_demo_data
 from sdtrain.errors import DataError
 from sdtrain.retrain import find_partitions, retrain

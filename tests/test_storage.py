@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import REPO, free_ports, write_latents
 
-from sdtrain.config.schema import load_config
+from sdtrain.config.loader import load_config
 from sdtrain.data.inspection import inspect_dataset
 from sdtrain.data.parquet_files import resolve_parquet_files
 from sdtrain.errors import ConfigError, DataError

@@ -15,7 +15,7 @@ from conftest import corrupt_row_group, write_latents
 
 from sdtrain.artifacts.checkpoint_format import CHECKPOINT_FILE, DATA_STATE_FILE, HISTORY_FILE, SAMPLES_FILE
 from sdtrain.artifacts.loading import load_model, read_checkpoint
-from sdtrain.config.schema import load_config
+from sdtrain.config.loader import load_config
 from sdtrain.data.decode import decode_batch
 from sdtrain.errors import TrainingFailed
 from sdtrain.launch import train

@@ -8,7 +8,9 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from sdtrain.config.schema import Config, help_text, load_config
+from sdtrain.config.keys import help_text
+from sdtrain.config.loader import load_config
+from sdtrain.config.schema import Config
 from sdtrain.errors import SdtrainError, TrainingFailed
 
 

@@ -1,29 +1,22 @@
-"""The run configuration: a YAML file plus dotted overrides, loaded into typed dataclasses.
+"""The run configuration's sections as typed dataclasses, one docstring per field.
 
-Every field has a docstring (shown by ``train.py --help`` and in the README). Values are
-checked in ``__post_init__`` so that a bad config fails on the driver, before Ray starts,
-with an error that names the key and what is allowed.
+The field docstrings are the reference (``train.py --help``, docs/configuration.md: see
+:mod:`sdtrain.config.keys`). Values are checked in ``__post_init__`` so that a bad config fails
+on the driver, before Ray starts, with an error that names the key and what is allowed.
 """
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import datetime
-import difflib
 import inspect
-import itertools
 import math
 import re
-import textwrap
-import types
 import typing
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, ClassVar, Literal, Union
+from typing import Any, ClassVar, Literal
 
-import yaml
-
+from sdtrain.config.coercion import build_section, suggest
 from sdtrain.errors import ConfigError
 from sdtrain.storage.s3 import DEFAULT_MAX_ATTEMPTS
 from sdtrain.storage.uris import has_userinfo, redact
@@ -114,7 +107,7 @@ class ModelConfig(_Section):
         allowed = set(inspect.signature(UNet2DConditionModel.__init__).parameters) - {"self"}
         for key in self.unet:
             if key not in allowed:
-                self._fail(f"unet.{key}", "is not a UNet2DConditionModel argument" + _suggest(key, allowed))
+                self._fail(f"unet.{key}", "is not a UNet2DConditionModel argument" + suggest(key, allowed))
         if self.pretrained is not None and self.unet:
             self._fail("unet", "cannot override the architecture of model.pretrained; remove one of them")
 
@@ -432,21 +425,21 @@ class Config:
         raw = dict(raw)
         sections = {}
         for f in dataclasses.fields(cls):
-            section_cls = _SECTIONS[f.name]
+            section_cls = SECTIONS[f.name]
             value = raw.pop(f.name, None) or {}
             if not isinstance(value, dict):
                 raise ConfigError(f"{f.name}: must be a mapping of keys, got {value!r}")
-            sections[f.name] = _build_section(section_cls, value)
+            sections[f.name] = build_section(section_cls, value)
         if raw:
             key = next(iter(raw))
-            raise ConfigError(f"{key}: unknown section" + _suggest(key, [f.name for f in dataclasses.fields(cls)]))
+            raise ConfigError(f"{key}: unknown section" + suggest(key, [f.name for f in dataclasses.fields(cls)]))
         return cls(**sections)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 
-_SECTIONS = {
+SECTIONS = {
     "data": DataConfig,
     "model": ModelConfig,
     "train": TrainConfig,
@@ -456,169 +449,3 @@ _SECTIONS = {
     "storage": StorageConfig,
     "retrain": RetrainConfig,
 }
-
-
-def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> Config:
-    """Load a YAML config (if given), apply ``key.sub=value`` overrides, and validate."""
-    raw: dict[str, Any] = {}
-    if path is not None:
-        path = Path(path)
-        try:
-            raw = yaml.safe_load(path.read_text()) or {}
-        except OSError as e:
-            raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
-        except (yaml.YAMLError, ValueError) as e:  # ValueError: a date-shaped value that is no date
-            raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
-        if not isinstance(raw, dict):
-            raise ConfigError(f"config file {path} must be a mapping of sections (data:, model:, ...)")
-    for override in overrides:
-        key, sep, text = override.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"override {override!r} must look like key.sub=value, e.g. train.lr=3e-4")
-        try:
-            value = yaml.safe_load(text)
-        except (yaml.YAMLError, ValueError):
-            value = text
-        node = raw
-        parts = key.split(".")
-        for part in parts[:-1]:
-            child = node.setdefault(part, {})
-            if not isinstance(child, dict):
-                raise ConfigError(f"{key}: {part} is a value, not a section")
-            node = child
-        node[parts[-1]] = value
-    return Config.from_dict(raw)
-
-
-def describe_keys() -> list[tuple[str, str, str, str]]:
-    """(key, type, default, doc) for every config key, in declaration order."""
-    rows = []
-    for section in dataclasses.fields(Config):
-        cls = _SECTIONS[section.name]
-        docs = _field_docs(cls)
-        hints = typing.get_type_hints(cls)
-        for f in dataclasses.fields(cls):
-            if f.default is not dataclasses.MISSING:
-                default = f.default
-            elif f.default_factory is not dataclasses.MISSING:
-                default = f.default_factory()
-            else:
-                default = None
-            shown = yaml.safe_dump(default, default_flow_style=True).strip().removesuffix("\n...")
-            rows.append((f"{section.name}.{f.name}", _type_name(hints[f.name]), shown, docs.get(f.name, "")))
-    return rows
-
-
-def help_text() -> str:
-    lines = ["config keys (set in the YAML file, or as key.sub=value on the command line):", ""]
-    for key, type_name, default, doc in describe_keys():
-        lines.append(f"  {key}  ({type_name}, default {default})")
-        lines.extend("      " + line for line in textwrap.wrap(doc, 88))
-    return "\n".join(lines)
-
-
-# --- loading helpers ---------------------------------------------------------------------
-
-
-def _build_section(cls: type, values: dict[str, Any]) -> Any:
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    kwargs = {}
-    for key, value in values.items():
-        if key not in names:
-            raise ConfigError(f"{cls.section}.{key}: unknown key" + _suggest(key, names))
-        kwargs[key] = _coerce(f"{cls.section}.{key}", value, hints[key])
-    return cls(**kwargs)
-
-
-# Optional[X] and X | None: typing.Union and, before Python 3.14, types.UnionType.
-_UNIONS = (Union, types.UnionType)
-
-
-def _coerce(key: str, value: Any, tp: Any) -> Any:
-    """Check ``value`` against the annotation ``tp``, converting only where it is lossless."""
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin in _UNIONS:
-        if value is None and type(None) in args:
-            return None
-        # A bare string for a list field means a one-element list (data.train: path).
-        for arg in sorted((a for a in args if a is not type(None)), key=lambda a: typing.get_origin(a) is list):
-            try:
-                return _coerce(key, value, arg)
-            except ConfigError:
-                pass
-        raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
-    if origin is Literal:
-        if value in args and type(value) is type(args[args.index(value)]):
-            return value
-        raise ConfigError(f"{key}: must be one of {', '.join(map(str, args))}; got {value!r}")
-    if origin is list:
-        (item,) = args
-        if item is str and isinstance(value, str):
-            value = [value]
-        if not isinstance(value, list):
-            raise ConfigError(f"{key}: expected a list of {_type_name(item)}, got {value!r}")
-        return [_coerce(f"{key}[{i}]", v, item) for i, v in enumerate(value)]
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
-        return dict(value)
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-    elif tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    elif tp is float:
-        # YAML reads 1e-4 (no dot) as a string; accept any numeric spelling.
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                pass
-    elif tp is str:
-        if isinstance(value, str):
-            return value
-        if isinstance(value, datetime.date):  # YAML reads 2026-11-22 as a date
-            return value.isoformat()
-    else:  # pragma: no cover - a new annotation kind must be taught here
-        raise TypeError(f"unsupported config annotation {tp!r} for {key}")
-    raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r} ({type(value).__name__})")
-
-
-def _type_name(tp: Any) -> str:
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin in _UNIONS:
-        names = [_type_name(a) for a in args if a is not type(None)]
-        return " | ".join(names) + (" | null" if type(None) in args else "")
-    if origin is Literal:
-        return " | ".join(map(str, args))
-    if origin is list:
-        return f"list of {_type_name(args[0])}"
-    if origin is dict:
-        return "mapping"
-    return getattr(tp, "__name__", str(tp))
-
-
-def _suggest(key: str, choices: typing.Iterable[str]) -> str:
-    close = difflib.get_close_matches(key, list(choices), n=1)
-    return f" (did you mean {close[0]}?)" if close else f"; known: {', '.join(sorted(choices))}"
-
-
-def _field_docs(cls: type) -> dict[str, str]:
-    """The string literal under each field: the field's docstring."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    body = tree.body[0].body
-    docs = {}
-    for node, nxt in itertools.pairwise(body):
-        if (
-            isinstance(node, ast.AnnAssign)
-            and isinstance(node.target, ast.Name)
-            and isinstance(nxt, ast.Expr)
-            and isinstance(nxt.value, ast.Constant)
-            and isinstance(nxt.value.value, str)
-        ):
-            docs[node.target.id] = " ".join(nxt.value.value.split())
-    return docs

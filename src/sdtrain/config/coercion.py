@@ -1,0 +1,100 @@
+"""Plain YAML values to a config section's typed fields: checked against each annotation and
+converted only where that loses nothing, with errors that name the key."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import difflib
+import types
+import typing
+from typing import Any, Literal, Union
+
+from sdtrain.errors import ConfigError
+
+
+def build_section(cls: type, values: dict[str, Any]) -> Any:
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in values.items():
+        if key not in names:
+            raise ConfigError(f"{cls.section}.{key}: unknown key" + suggest(key, names))
+        kwargs[key] = coerce(f"{cls.section}.{key}", value, hints[key])
+    return cls(**kwargs)
+
+
+# Optional[X] and X | None: typing.Union and, before Python 3.14, types.UnionType.
+_UNIONS = (Union, types.UnionType)
+
+
+def coerce(key: str, value: Any, tp: Any) -> Any:
+    """Check ``value`` against the annotation ``tp``, converting only where it is lossless."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in _UNIONS:
+        if value is None and type(None) in args:
+            return None
+        # A bare string for a list field means a one-element list (data.train: path).
+        for arg in sorted((a for a in args if a is not type(None)), key=lambda a: typing.get_origin(a) is list):
+            try:
+                return coerce(key, value, arg)
+            except ConfigError:
+                pass
+        raise ConfigError(f"{key}: expected {type_name(tp)}, got {value!r}")
+    if origin is Literal:
+        if value in args and type(value) is type(args[args.index(value)]):
+            return value
+        raise ConfigError(f"{key}: must be one of {', '.join(map(str, args))}; got {value!r}")
+    if origin is list:
+        (item,) = args
+        if item is str and isinstance(value, str):
+            value = [value]
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected a list of {type_name(item)}, got {value!r}")
+        return [coerce(f"{key}[{i}]", v, item) for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
+        return dict(value)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        # YAML reads 1e-4 (no dot) as a string; accept any numeric spelling.
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, datetime.date):  # YAML reads 2026-11-22 as a date
+            return value.isoformat()
+    else:  # pragma: no cover - a new annotation kind must be taught here
+        raise TypeError(f"unsupported config annotation {tp!r} for {key}")
+    raise ConfigError(f"{key}: expected {type_name(tp)}, got {value!r} ({type(value).__name__})")
+
+
+def type_name(tp: Any) -> str:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in _UNIONS:
+        names = [type_name(a) for a in args if a is not type(None)]
+        return " | ".join(names) + (" | null" if type(None) in args else "")
+    if origin is Literal:
+        return " | ".join(map(str, args))
+    if origin is list:
+        return f"list of {type_name(args[0])}"
+    if origin is dict:
+        return "mapping"
+    return getattr(tp, "__name__", str(tp))
+
+
+def suggest(key: str, choices: typing.Iterable[str]) -> str:
+    close = difflib.get_close_matches(key, list(choices), n=1)
+    return f" (did you mean {close[0]}?)" if close else f"; known: {', '.join(sorted(choices))}"
