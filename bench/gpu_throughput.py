@@ -12,9 +12,9 @@ Batch size: per (preset, size), the largest power-of-two multiple of a start siz
 without running out of memory and leaves room (peak under half the GPU before a doubling), found
 once with the eager variant and used for every variant, so the variants compare at one batch.
 
-FLOPs: ``sdtrain.model.flops`` counts the UNet's forward pass from its structure (tested against torch's
-FlopCounterMode); a training step is 3 forward passes. MFU = model FLOP/s / the GPU's dense bf16
-peak (--peak-tflops, or the known A100/H100/H200 figures).
+FLOPs: ``sdtrain.model.flops`` counts the UNet's forward pass with torch's FlopCounterMode on the meta
+device; a training step is 3 forward passes. MFU = model FLOP/s / the GPU's dense bf16 peak
+(--peak-tflops, or the known A100/H100/H200 figures).
 
     python bench/gpu_throughput.py                                  # needs a CUDA GPU; every preset, size, variant
     python bench/gpu_throughput.py --presets sd2-base --resolutions 256 --variants compile+channels_last
@@ -53,6 +53,8 @@ def main() -> None:
     args = parser.parse_args()
 
     import torch
+
+    from sdtrain.model.flops import mfu
 
     if args.smoke:
         use_gpu, presets, resolutions, variants = False, ["tiny"], [128], ["eager"]
@@ -103,13 +105,13 @@ def main() -> None:
                     flush=True,
                 )
     for (preset, px, variant), r in results.items():
-        mfu = r["img_per_s"] * r["train_flops_per_img"] / (peak * 1e12)
+        utilization = mfu(r["img_per_s"], r["train_flops_per_img"], peak * 1e12)
         target = (
-            "(target >= 0.40: " + ("met)" if mfu >= 0.4 else "MISSED)")
+            "(target >= 0.40: " + ("met)" if utilization >= 0.4 else "MISSED)")
             if preset in ("small", "sd2-base") and px == 256
             else ""
         )
-        print(f"RATIO MFU {preset} {px}px {variant} = {mfu:.6f}  {target}".rstrip())  # CPU smoke: ~1e-3
+        print(f"RATIO MFU {preset} {px}px {variant} = {utilization:.6f}  {target}".rstrip())  # CPU smoke: ~1e-3
         if px in (256, 128):
             print(
                 benchlib.ratio_line(
@@ -151,7 +153,7 @@ def measure(preset: str, px: int, variant: str, batch: int, steps: int, warmup: 
     import torch
 
     from sdtrain.config.schema import load_config
-    from sdtrain.model.flops import unet_forward_flops
+    from sdtrain.model.flops import unet_train_step_flops
     from sdtrain.train.trainer import StepTimer, fit_without_ray, run_meta
 
     config = load_config(
@@ -183,7 +185,7 @@ def measure(preset: str, px: int, variant: str, batch: int, steps: int, warmup: 
     }
     timer = StepTimer(warmup)
     fit_without_ray(config, [batch_data] * (warmup + steps), meta, use_gpu=use_gpu, callbacks=[timer])
-    train_flops_per_img = unet_forward_flops(unet, latent_shape, caption_shape).train_step
+    train_flops_per_img = unet_train_step_flops(unet, latent_shape, caption_shape)
     return dict(
         img_per_s=batch * timer.timed_steps / timer.seconds,
         train_flops_per_img=train_flops_per_img,
