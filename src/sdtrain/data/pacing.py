@@ -5,10 +5,10 @@ training worker. The loop blocks (in ``ray.wait``, up to 0.1 s) only while some 
 running. When none is (the stream is ahead of the trainer and held back by its memory budget,
 or a read waits for a CPU) the loop goes round with no pause at all: it burns a core and holds
 the GIL against the training loop in the same process, for as long as the stream lasts: the
-whole run, since one stream runs to ``train.max_steps``. Measured on 2 CPUs
-(``bench/scheduler_spin.py``): unpaced, the scheduler thread took 0.90 s of CPU per second of a
-held-back stream and a CPU-bound consumer ran at a third of its paced rate; the 2-worker demo
-stepped at 14 samples/s while its streams ran and 36 once they had ended.
+whole run, since one stream runs to ``train.max_steps``. On a machine with few CPUs per worker
+that slows the training step itself. ``bench/scheduler_spin.py`` measures the scheduler thread's
+CPU and a CPU-bound consumer's rate with and without the pace (method in bench/README.md, figures
+in bench/results/).
 
 ``PacedScheduling`` is an execution callback that holds each round of the loop to at least
 :data:`ROUND_S`. A round that waited for a task already took that long and is not delayed; a

@@ -4,14 +4,15 @@ A stream's executor sizes itself by what Ray Data's autoscaling coordinator (a c
 says the cluster has. The first execution on a cluster creates that actor, and the stats actor,
 each in a new worker process that must import Ray Data first. Until the coordinator answers, the
 executor sees no CPUs at all and runs one read task at a time (its rule that some task may always
-run). Measured on 2 CPUs, the float32 stream of ``bench/ingest.py``: its second read task was
-submitted 2.0-2.1 s after its first (four runs); with the coordinator already up, 1.1 s after it
-(two runs; the rest is the executor refreshing its view of the cluster once a second).
+run), so a stream's first windows are read one after another instead of in parallel; with the
+coordinator already up, the executor waits only for its next refresh of its view of the cluster.
+``bench/ingest.py`` measures a stream's first batch and throughput with this start-up done (method
+in bench/README.md, figures in bench/results/).
 
 :func:`warm_up_ray_data` runs one tiny dataset on the driver, in the background, while Ray Train
-starts its controller and workers (about 10 s before the first stream starts). It creates both
-actors, and leaves an idle worker process that has imported Ray Data and the package's reader,
-which the first read task can take.
+starts its controller and workers, which usually takes longer, so the first stream finds it done.
+It creates both actors, and leaves an idle worker process that has imported Ray Data and the
+package's reader, which the first read task can take.
 """
 
 from __future__ import annotations
