@@ -1,41 +1,29 @@
-"""Step-based reporting to Ray Train: metrics, progress lines, validation and checkpoints.
+"""Step-based reporting to Ray Train: metrics, progress lines, validation, and when a checkpoint
+is due, the checkpoint (written by :mod:`sdtrain.train.checkpointing`).
 
 Ray's own ``RayTrainReportCallback`` reports at epoch end only, which never comes in time for
 a 550k-step single-epoch run; this one reports by optimizer step. Every rank calls
-``ray.train.report`` at the same steps (it is a barrier); only rank 0 writes the checkpoint.
+``ray.train.report`` at the same steps (it is a barrier).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import math
-import os
-import shutil
-import tempfile
 import time
 from collections.abc import Callable, Iterable
 
 import lightning.pytorch as pl
-import numpy as np
 import ray.train
 import torch
 
-from sdtrain.artifacts.checkpoint_format import (
-    CHECKPOINT_FILE,
-    DATA_STATE_FILE,
-    HISTORY_FILE,
-    SAMPLES_FILE,
-    checkpoint_dir_name,
-)
 from sdtrain.config.schema import RunConfig
 from sdtrain.data.read_order import DataState
 from sdtrain.errors import NonFiniteTraining, TrainingFailed
+from sdtrain.train.checkpointing import report_with_checkpoint
 from sdtrain.train.strategy import is_sharded
 
 log = logging.getLogger("sdtrain")
-
-_UPLOAD_MODES = {"async": ray.train.CheckpointUploadMode.ASYNC, "sync": ray.train.CheckpointUploadMode.SYNC}
 
 ValBatches = Callable[[], Iterable[dict[str, torch.Tensor]]]
 
@@ -113,40 +101,12 @@ class StepReporter(pl.Callback):
         if trainer.is_global_zero:
             log.info(_progress_line(metrics, self.max_steps))
             self.history.append(metrics)
-        name = checkpoint_dir_name(step)
-        if not with_checkpoint:
-            ray.train.report(metrics)
+        if with_checkpoint:
+            self._checkpoint_stall = report_with_checkpoint(
+                trainer, pl_module, metrics, step, position, self.history, self.run.checkpoint_upload
+            )
         else:
-            started = time.perf_counter()
-            directory = tempfile.mkdtemp(prefix=f"sdtrain-{name}-") if trainer.is_global_zero else ""
-            if pl_module.sample_record is not None:
-                # Collective: every rank trained on as many rows; rank 0 saves them all.
-                record = trainer.strategy.all_gather(pl_module.take_sample_record().to(pl_module.device))
-                if trainer.is_global_zero:
-                    np.save(os.path.join(directory, SAMPLES_FILE), record.cpu().numpy())
-            # Collective: every rank builds the state, rank 0 writes it.
-            trainer.save_checkpoint(os.path.join(directory, CHECKPOINT_FILE), weights_only=False)
-            if trainer.is_global_zero:
-                with open(os.path.join(directory, HISTORY_FILE), "w") as f:
-                    json.dump(self.history, f)
-                with open(os.path.join(directory, DATA_STATE_FILE), "w") as f:
-                    json.dump({"step": step, "data": position.to_dict()}, f)
-            checkpoint = ray.train.Checkpoint.from_directory(directory) if trainer.is_global_zero else None
-            try:
-                # Ray Train uploads (in the background when async), commits the checkpoint once it is
-                # fully in storage, prunes older ones only after that, and deletes the local copy.
-                ray.train.report(
-                    metrics,
-                    checkpoint=checkpoint,
-                    checkpoint_dir_name=name,
-                    checkpoint_upload_mode=_UPLOAD_MODES[self.run.checkpoint_upload],
-                    delete_local_checkpoint_after_upload=True,
-                )
-            except BaseException:
-                if directory:
-                    shutil.rmtree(directory, ignore_errors=True)
-                raise
-            self._checkpoint_stall = time.perf_counter() - started
+            ray.train.report(metrics)
         self._reported_step = step
 
     def _metrics(self, trainer: pl.Trainer, pl_module, step: int, epoch: int) -> dict[str, float]:

@@ -1,0 +1,80 @@
+"""Writing a checkpoint (:mod:`sdtrain.artifacts.checkpoint_format`) and handing it to Ray Train.
+
+Every rank takes part (saving the state and gathering the sample record are collectives); rank 0
+alone writes the directory. Ray Train uploads it, commits it once it is fully in storage, and only
+then prunes older ones: nothing here deletes a checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from typing import Literal
+
+import lightning.pytorch as pl
+import numpy as np
+import ray.train
+
+from sdtrain.artifacts.checkpoint_format import (
+    CHECKPOINT_FILE,
+    DATA_STATE_FILE,
+    HISTORY_FILE,
+    SAMPLES_FILE,
+    checkpoint_dir_name,
+)
+from sdtrain.data.read_order import DataState
+
+_UPLOAD_MODES = {"async": ray.train.CheckpointUploadMode.ASYNC, "sync": ray.train.CheckpointUploadMode.SYNC}
+
+
+def report_with_checkpoint(
+    trainer: pl.Trainer,
+    pl_module,
+    metrics: dict[str, float],
+    step: int,
+    position: DataState,
+    history: list[dict[str, float]],
+    upload: Literal["async", "sync"],
+) -> float:
+    """Write the checkpoint of ``step`` and report it with ``metrics``; returns the seconds the
+    training loop waited (the save, and the upload when ``upload`` is sync).
+
+    Args:
+        position: the data state after ``step``, where a resumed stream starts.
+        history: the metric rows reported up to ``step``, saved with the checkpoint.
+        upload: run.checkpoint_upload.
+    """
+    started = time.perf_counter()
+    name = checkpoint_dir_name(step)
+    directory = tempfile.mkdtemp(prefix=f"sdtrain-{name}-") if trainer.is_global_zero else ""
+    if pl_module.sample_record is not None:
+        # Collective: every rank trained on as many rows; rank 0 saves them all.
+        record = trainer.strategy.all_gather(pl_module.take_sample_record().to(pl_module.device))
+        if trainer.is_global_zero:
+            np.save(os.path.join(directory, SAMPLES_FILE), record.cpu().numpy())
+    # Collective: every rank builds the state, rank 0 writes it.
+    trainer.save_checkpoint(os.path.join(directory, CHECKPOINT_FILE), weights_only=False)
+    if trainer.is_global_zero:
+        with open(os.path.join(directory, HISTORY_FILE), "w") as f:
+            json.dump(history, f)
+        with open(os.path.join(directory, DATA_STATE_FILE), "w") as f:
+            json.dump({"step": step, "data": position.to_dict()}, f)
+    checkpoint = ray.train.Checkpoint.from_directory(directory) if trainer.is_global_zero else None
+    try:
+        # Ray Train uploads (in the background when async), commits the checkpoint once it is
+        # fully in storage, prunes older ones only after that, and deletes the local copy.
+        ray.train.report(
+            metrics,
+            checkpoint=checkpoint,
+            checkpoint_dir_name=name,
+            checkpoint_upload_mode=_UPLOAD_MODES[upload],
+            delete_local_checkpoint_after_upload=True,
+        )
+    except BaseException:
+        if directory:
+            shutil.rmtree(directory, ignore_errors=True)
+        raise
+    return time.perf_counter() - started
