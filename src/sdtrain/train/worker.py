@@ -11,6 +11,7 @@ import time
 import warnings
 from collections.abc import Iterator
 from concurrent.futures import Future
+from dataclasses import dataclass, field
 from typing import Any
 
 import lightning.pytorch as pl
@@ -113,17 +114,68 @@ class TrainStream:
             )
 
 
+@dataclass(frozen=True)
+class BatchLayout:
+    """How this run's global batch falls on the workers at this world size."""
+
+    world_size: int
+    micro_batch: int
+    accumulation: int
+    """Micro-batches per optimizer step."""
+
+    @property
+    def rows_per_step(self) -> int:
+        """Rows each worker trains on per optimizer step."""
+        return self.micro_batch * self.accumulation
+
+
+@dataclass
+class StartPoint:
+    """Where this worker group starts: step 0 of a fresh run, or the checkpoint Ray Train restored."""
+
+    step: int = 0
+    data: DataState = field(default_factory=DataState)
+    """The data position after ``step``."""
+    history: list[dict[str, float]] = field(default_factory=list)
+    """The metric rows reported up to ``step``."""
+    ckpt_path: str | None = None
+    """The restored checkpoint file, for Lightning to resume from; None for a fresh run."""
+
+    @classmethod
+    def from_directory(cls, directory: str) -> StartPoint:
+        with open(os.path.join(directory, HISTORY_FILE)) as f:
+            history = json.load(f)
+        with open(os.path.join(directory, DATA_STATE_FILE)) as f:
+            raw = json.load(f)
+        return cls(
+            int(raw["step"]), DataState.from_dict(raw["data"]), history, os.path.join(directory, CHECKPOINT_FILE)
+        )
+
+
+@dataclass(frozen=True)
+class WorkerRun:
+    """What a worker needs besides the module and its data stream to fit."""
+
+    config: Config
+    plan: SamplePlan
+    layout: BatchLayout
+    start: StartPoint
+    launched_at: float
+    """Wall-clock time the driver started the run (for time to first step)."""
+
+
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     _configure_logging()
     apply_s3_settings(loop_config["s3"])  # model.pretrained, data.unconditional_caption on s3://
     config = Config.from_dict(loop_config["config"])
     use_gpu: bool = loop_config["use_gpu"]
-    plan: SamplePlan = loop_config["plan"]
-    context = ray.train.get_context()
-    world_size = context.get_world_size()
-    micro_batch, accumulation = config.batch_layout(world_size)
+    world_size = ray.train.get_context().get_world_size()
+    layout = BatchLayout(world_size, *config.batch_layout(world_size))
     train_batches = TrainStream(
-        ray.train.get_dataset_shard("train"), micro_batch, config.data.prefetch_batches, ray.train.torch.get_device()
+        ray.train.get_dataset_shard("train"),
+        layout.micro_batch,
+        config.data.prefetch_batches,
+        ray.train.torch.get_device(),
     )
     train_batches.start()  # before the model is built: see TrainStream
 
@@ -133,7 +185,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         meta,
         use_gpu=use_gpu,
         world_size=world_size,
-        accumulation=accumulation,
+        accumulation=layout.accumulation,
         on_ray=True,
         unconditional_caption=load_unconditional_caption(config.data.unconditional_caption, meta.caption_shape),
         record_samples=config.run.record_samples,
@@ -142,53 +194,25 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     checkpoint = ray.train.get_checkpoint()
     # Restored: the checkpoint's directory stays open while fitting (Lightning reads its file).
     with checkpoint.as_directory() if checkpoint is not None else contextlib.nullcontext() as directory:
-        history, start, ckpt_path = [], (0, DataState()), None
-        if directory is not None:
-            with open(os.path.join(directory, HISTORY_FILE)) as f:
-                history = json.load(f)
-            with open(os.path.join(directory, DATA_STATE_FILE)) as f:
-                raw = json.load(f)
-            start = (int(raw["step"]), DataState.from_dict(raw["data"]))
-            ckpt_path = os.path.join(directory, CHECKPOINT_FILE)
-        _fit(
-            config,
-            module,
-            trainer_kwargs,
-            train_batches,
-            plan,
-            (world_size, micro_batch, accumulation),
-            history,
-            start,
-            ckpt_path,
-            launched_at=loop_config["launched_at"],
-        )
+        start = StartPoint.from_directory(directory) if directory is not None else StartPoint()
+        run = WorkerRun(config, loop_config["plan"], layout, start, loop_config["launched_at"])
+        _fit(run, module, trainer_kwargs, train_batches)
 
 
 def _fit(
-    config: Config,
-    module,
-    trainer_kwargs,
-    train_batches: TrainStream,
-    plan: SamplePlan,
-    layout,
-    history,
-    start,
-    ckpt_path,
-    launched_at: float,
+    run: WorkerRun, module: pl.LightningModule, trainer_kwargs: dict[str, Any], train_batches: TrainStream
 ) -> None:
-    world_size, micro_batch, accumulation = layout
+    config, plan, layout, start = run.config, run.plan, run.layout, run.start
     rank = ray.train.get_context().get_world_rank()
-    start_step, start_state = start
-    rows_per_step = config.train.global_batch_size // world_size
     if rank == 0:
         log.info(
             "world size %d: %d samples per worker per step = micro-batch %d x %d accumulation; data epoch %d; "
             "%d torch thread(s) per worker",
-            world_size,
-            rows_per_step,
-            micro_batch,
-            accumulation,
-            start_state.epoch,
+            layout.world_size,
+            layout.rows_per_step,
+            layout.micro_batch,
+            layout.accumulation,
+            start.data.epoch,
             torch.get_num_threads(),
         )
     val_batches = None
@@ -196,30 +220,30 @@ def _fit(
         val_shard = ray.train.get_dataset_shard("val")
 
         def val_batches():
-            return val_shard.iter_torch_batches(batch_size=micro_batch, device=ray.train.torch.get_device())
+            return val_shard.iter_torch_batches(batch_size=layout.micro_batch, device=ray.train.torch.get_device())
 
-    first_stretch = plan.rank_stretches(start_state, world_size, rows_per_step, config.train.max_steps - start_step)[
-        rank
-    ][0]
-    train_batches.expected_first = plan.sample_indices(plan.window(first_stretch, 0))[:micro_batch]
+    stretches = plan.rank_stretches(
+        start.data, layout.world_size, layout.rows_per_step, config.train.max_steps - start.step
+    )
+    train_batches.expected_first = plan.sample_indices(plan.window(stretches[rank][0], 0))[: layout.micro_batch]
     reporter = StepReporter(
         config.run,
         max_steps=config.train.max_steps,
         samples_per_step=config.train.global_batch_size,
         max_bad_steps=config.train.max_bad_steps,
-        history=history,
-        data_position=lambda step: plan.advance(start_state, world_size, rows_per_step, step - start_step),
+        history=start.history,
+        data_position=lambda step: plan.advance(start.data, layout.world_size, layout.rows_per_step, step - start.step),
         val_batches=val_batches,
         val_seed=config.train.seed,
         data_wait_s=train_batches.take_wait_s,
-        launched_at=launched_at,
+        launched_at=run.launched_at,
     )
     trainer = pl.Trainer(callbacks=[reporter], **trainer_kwargs)
     if isinstance(trainer.strategy, RayDDPStrategy):
         # Ray's check that the strategy and cluster environment are its own; it knows no FSDP2
         # strategy (sdtrain.train.strategy.RayModelParallelStrategy), which needs nothing more from it.
         trainer = prepare_trainer(trainer)
-    trainer.fit(module, train_dataloaders=train_batches, ckpt_path=ckpt_path, weights_only=True)
+    trainer.fit(module, train_dataloaders=train_batches, ckpt_path=start.ckpt_path, weights_only=True)
 
 
 def _configure_logging() -> None:
