@@ -1,0 +1,46 @@
+"""The package's folders follow the data, and nothing imports upward: a module may import from its
+own folder and from the layers before it, never from a layer after it."""
+
+import ast
+from pathlib import Path
+
+import sdtrain
+
+ROOT = Path(sdtrain.__file__).parent
+# In data-flow order; the driver (launch, cli, preflight, retrain) sits on top of everything.
+LAYERS = ["errors", "storage", "config", "data", "model", "artifacts", "train", "sample"]
+DRIVER = len(LAYERS)
+
+
+def _layer(module: str) -> int:
+    parts = module.split(".")
+    if parts[0] != "sdtrain" or len(parts) == 1:
+        return 0  # sdtrain itself: __version__
+    return LAYERS.index(parts[1]) if parts[1] in LAYERS else DRIVER
+
+
+def _sdtrain_imports(path: Path) -> list[str]:
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):  # function-level imports count too
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("sdtrain"):
+            found.append(node.module)
+        elif isinstance(node, ast.Import):
+            found += [alias.name for alias in node.names if alias.name.startswith("sdtrain")]
+    return found
+
+
+def test_no_module_imports_from_a_later_layer():
+    upward = []
+    for path in sorted(ROOT.rglob("*.py")):
+        module = "sdtrain." + ".".join(path.relative_to(ROOT).with_suffix("").parts)
+        for imported in _sdtrain_imports(path):
+            if _layer(imported) > _layer(module):
+                upward.append(f"{module} imports {imported}")
+    assert not upward, "imports against the data flow:\n" + "\n".join(upward)
+    assert {p.parent.name for p in ROOT.glob("*/__init__.py")} == set(LAYERS[1:])  # every folder is a layer
+
+
+def test_package_init_files_are_empty():
+    # Ray Train's controller imports sdtrain.train.shards: an __init__ that imported the module
+    # (Lightning, diffusers) would load them there (test_stream checks the controller's imports).
+    assert [p for p in ROOT.glob("*/__init__.py") if p.read_text().strip()] == []
