@@ -1,4 +1,5 @@
-"""job.yaml and schedule.yaml, validated offline by the Anyscale SDK's own config models."""
+"""job.yaml, schedule.yaml and the Containerfile they build their image from, validated offline (the job
+files by the Anyscale SDK's own config models)."""
 
 import shlex
 
@@ -8,6 +9,7 @@ from anyscale.job.models import JobConfig
 from anyscale.schedule.models import ScheduleConfig
 from conftest import REPO
 
+from sdtrain.artifacts.provenance import COMMIT_ENV
 from sdtrain.config.schema import load_config
 
 
@@ -37,7 +39,10 @@ def test_job_files_are_valid_and_consistent_with_their_config(name, entrypoint):
     config = load_config(REPO / config_path, overrides)
     assert "$" not in config.run.name
 
-    assert job.image_uri.startswith("anyscale/ray:2.60.0-") and "-cu" in job.image_uri  # Ray 2.60, GPU
+    # The image is built from the Containerfile (checked below): it has the dependencies, so a node
+    # starting mid-run (a spot replacement) installs nothing before it trains.
+    assert job.containerfile == "Containerfile" and job.image_uri is None
+    assert job.requirements is None
     assert job.max_retries >= 1 and job.timeout_s > 0
     assert job.working_dir == "."
     assert job.py_modules == ["src/sdtrain"]  # the train and Ray Data workers import sdtrain
@@ -45,9 +50,6 @@ def test_job_files_are_valid_and_consistent_with_their_config(name, entrypoint):
     (gpu_group,) = job.compute_config.worker_nodes
     assert config.scaling.use_gpu is True
     assert (gpu_group.min_nodes, gpu_group.max_nodes) == (config.scaling.min_workers, config.scaling.max_workers)
-    # Dependencies in one place: the job's requirements are pyproject.toml's pins, torch included;
-    # Ray comes with the image.
-    _assert_pyproject_pins(job.requirements, job.image_uri)
 
 
 def _assert_pyproject_pins(requirements, image_uri):
@@ -63,6 +65,50 @@ def test_the_gpu_runtime_env_installs_pyprojects_pins():
     env = yaml.safe_load((REPO / "runtime_env" / "gpu.yaml").read_text())
     _assert_pyproject_pins(env["pip"], "rayproject/ray:2.60.0-py311-gpu")
     assert env["py_modules"] == ["src/sdtrain"]
+
+
+def _containerfile():
+    """(instruction, arguments) pairs, continuation lines joined, comments dropped."""
+    text = (REPO / "Containerfile").read_text().replace("\\\n", " ")
+    lines = [line.strip() for line in text.splitlines()]
+    return [tuple(line.split(None, 1)) for line in lines if line and not line.startswith("#")]
+
+
+def _pip_installs(instructions):
+    """(index URL or None, sorted requirements) of each RUN pip install."""
+    installs = []
+    for op, arguments in instructions:
+        argv = shlex.split(arguments)
+        if op != "RUN" or argv[:2] != ["pip", "install"]:
+            continue
+        index = argv[argv.index("--index-url") + 1] if "--index-url" in argv else None
+        requirements = [a for a in argv[2:] if not a.startswith("-") and a != index]
+        installs.append((index, sorted(requirements)))
+    return installs
+
+
+def test_the_containerfile_has_pyprojects_pins():
+    instructions = _containerfile()
+    (base,) = [arguments for op, arguments in instructions if op == "FROM"]
+    pins = _pins()
+    ray = pins.pop("ray[default,train,data]").split("==")[1]
+    image, tag = base.split(":")
+    assert image == "anyscale/ray" and tag.startswith(f"{ray}-")  # Anyscale's image of the pinned Ray
+    cuda = tag.split("-")[-1]
+    assert cuda.startswith("cu")
+    installs = _pip_installs(instructions)
+    # torch: the CUDA build for the image's CUDA, from PyTorch's index, pinned as in pyproject.toml
+    assert installs[0] == (f"https://download.pytorch.org/whl/{cuda}", [pins["torch"]])
+    # then every other pin, torch again so that nothing replaces that build
+    assert installs[1:] == [(None, sorted(pins.values()))]
+    # Anyscale builds the image from the file's text alone: there is no build context to copy from.
+    assert not any(op in ("COPY", "ADD") for op, _ in instructions)
+
+
+def test_a_job_names_its_code_at_submission():
+    """The uploaded working dir has no .git: the submit command passes the commit provenance reads."""
+    submit = (REPO / "job.yaml").read_text().splitlines()[0]
+    assert submit == f"# anyscale job submit -f job.yaml --env {COMMIT_ENV}=$(git rev-parse HEAD)"
 
 
 def test_schedule_is_daily_and_stores_models_with_the_artifacts():
