@@ -152,9 +152,10 @@ def fitting_batch(preset: str, px: int, use_gpu: bool):
 def measure(preset: str, px: int, variant: str, batch: int, steps: int, warmup: int, use_gpu: bool) -> dict:
     import torch
 
-    from sdtrain.config.schema import load_config
+    from sdtrain.config.loader import load_config
     from sdtrain.model.flops import unet_train_step_flops
-    from sdtrain.train.trainer import StepTimer, fit_without_ray, run_meta
+    from sdtrain.model.unet import unet_config
+    from sdtrain.train.trainer import StepTimer, checkpoint_meta, fit_without_ray
 
     config = load_config(
         None,
@@ -171,10 +172,9 @@ def measure(preset: str, px: int, variant: str, batch: int, steps: int, warmup: 
         ],
     )
     side = px // 8
-    meta = run_meta(config, (4, side, side), (77, 1024))
-    unet = meta["unet_config"]
+    unet = unet_config(config.model)
     latent_shape, caption_shape = (unet["in_channels"], side, side), (77, unet["cross_attention_dim"])
-    meta.update(latent_shape=list(latent_shape), caption_shape=list(caption_shape))
+    meta = checkpoint_meta(config, latent_shape, caption_shape)
     device = torch.device("cuda" if use_gpu else "cpu")
     latents = torch.randn(batch, *latent_shape, device=device, dtype=torch.float16)
     if "channels_last" in variant:

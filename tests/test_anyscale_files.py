@@ -10,7 +10,7 @@ from anyscale.schedule.models import ScheduleConfig
 from conftest import REPO
 
 from sdtrain.artifacts.provenance import COMMIT_ENV
-from sdtrain.config.schema import load_config
+from sdtrain.config.loader import load_config
 
 
 def _job(name):
