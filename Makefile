@@ -28,10 +28,12 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(PY) -m pytest -m "not slow and not gpu"
 
-# ruff's lint and format check (settings in pyproject.toml); CI runs it before the tests.
+# ruff's lint and format check and mypy's type check of src/ (settings for both in
+# pyproject.toml); CI runs it before the tests.
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests bench entrypoints
 	$(VENV)/bin/ruff format --check src tests bench entrypoints
+	$(VENV)/bin/mypy
 
 # On a machine with a CUDA GPU (../shared/GPU.md): the training checks of tests/test_gpu.py.
 test-gpu: $(STAMP)
