@@ -9,6 +9,7 @@ from diffusers import DDPMScheduler, UNet2DConditionModel
 from sdtrain.artifacts.loading import load_model
 from sdtrain.artifacts.registry import ModelRegistry
 from sdtrain.config.schema import ModelConfig
+from sdtrain.errors import DataError
 from sdtrain.model.presets import PRESETS
 from sdtrain.model.unet import build_unet, noise_scheduler_config
 
@@ -50,6 +51,15 @@ def test_registry_on_local_disk(tmp_path):
         )
         == "v0004"
     )
+    assert not list((tmp_path / "models").rglob("*.tmp"))  # manifests and the pointer were moved into place whole
+
+    # What a crash or a hand edit can leave is refused, naming the file, never joined into a path.
+    (tmp_path / "models" / "versions" / "v0002" / "manifest.json").write_text('{"version": "v0002", "promo')
+    with pytest.raises(DataError, match=r"v0002/manifest.json is not valid JSON"):
+        registry.manifest("v0002")
+    (tmp_path / "models" / "production.json").write_text('{"version": "../../elsewhere"}')
+    with pytest.raises(DataError, match=r'production.json must hold \{"version": "vNNNN"\}'):
+        registry.production()
 
 
 @pytest.mark.timeout(120)

@@ -29,7 +29,9 @@ def partitions(tmp_path):
         (root / f"date={day}").mkdir(parents=True)
         for f in files:
             shutil.copy(f, root / f"date={day}" / f.name)
+        (root / f"date={day}" / "_SUCCESS").touch()  # the writer's last act: the partition is complete
     (root / "date=2026-12-31").mkdir()  # in the future for every run here: never taken
+    (root / "date=2026-12-31" / "_SUCCESS").touch()
     (root / "notes").mkdir()
     return root, demo / "val"
 
@@ -57,10 +59,17 @@ def _config(tmp_path, root, val, *overrides):
     )
 
 
-def test_partitions_up_to_the_schedule_date(partitions):
+def test_complete_partitions_up_to_the_schedule_date(partitions):
     root, _ = partitions
     assert list(find_partitions(str(root), DAY2)) == ["2026-11-01", "2026-11-02"]
     assert find_partitions(str(root), DAY3)["2026-11-03"] == f"{root}/date=2026-11-03"
+    # A partition still filling (no marker yet) is not taken, whatever its date...
+    (root / "date=2026-11-02" / "_SUCCESS").unlink()
+    assert list(find_partitions(str(root), DAY3)) == ["2026-11-01", "2026-11-03"]
+    # ...and without markers, only dates before the schedule date count.
+    assert list(find_partitions(str(root), DAY3, complete_marker=None)) == ["2026-11-01", "2026-11-02"]
+    with pytest.raises(DataError, match=r"no complete date=YYYY-MM-DD partitions up to 2026-11-01 \(before it\)"):
+        find_partitions(str(root), DAY1, complete_marker=None)
 
 
 @pytest.mark.timeout(600)
@@ -120,6 +129,7 @@ def test_retrain_promotes_better_keeps_production_on_worse_and_is_idempotent(
     # leaves production alone, saying what is wrong.
     (root / "date=2026-11-04").mkdir()
     (root / "date=2026-11-04" / "part.parquet").write_bytes(b"not parquet")
+    (root / "date=2026-11-04" / "_SUCCESS").touch()
     with pytest.raises(DataError, match=r"data\.train: cannot read .*date=2026-11-04/part\.parquet as parquet"):
         retrain(_config(tmp_path, root, val), datetime.date(2026, 11, 4))
     assert registry.production() == "v0003" and registry.versions() == ["v0001", "v0002", "v0003"]

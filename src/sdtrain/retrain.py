@@ -10,8 +10,8 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import math
+import posixpath
 import re
-import subprocess
 from dataclasses import dataclass
 
 import pyarrow.fs as pafs
@@ -19,6 +19,7 @@ import torch
 
 from sdtrain import __version__
 from sdtrain.artifacts.loading import load_model
+from sdtrain.artifacts.provenance import code_version
 from sdtrain.artifacts.registry import ModelRegistry
 from sdtrain.config.schema import Config
 from sdtrain.data.local_read import iter_local_batches
@@ -35,7 +36,7 @@ EVAL_BATCH_SIZE = 32
 
 @dataclass
 class RetrainOutcome:
-    status: str  # promoted | rejected | already-done | completed-promotion | no-new-data
+    status: str  # promoted | rejected | already-done | completed-promotion | superseded | no-new-data
     version: str | None
     production: str | None
     message: str
@@ -52,12 +53,21 @@ def retrain(config: Config, schedule_date: datetime.date) -> RetrainOutcome:
         if manifest["schedule_date"] != day:
             continue
         if manifest["promoted"] and production != version:
-            registry.set_production(version)
+            # Only if nothing was promoted since: the version was compared with its parent alone.
+            if production == manifest["parent"]:
+                registry.set_production(version)
+                return RetrainOutcome(
+                    "completed-promotion",
+                    version,
+                    version,
+                    f"{day}: finished promoting {version}, written before an interruption",
+                )
             return RetrainOutcome(
-                "completed-promotion",
+                "superseded",
                 version,
-                version,
-                f"{day}: finished promoting {version}, written before an interruption",
+                production,
+                f"{day}: {version} was written to replace {manifest['parent'] or 'nothing'}, but production is now "
+                f"{production}, which it was never compared with; not promoted (train a later date to compare again)",
             )
         return RetrainOutcome(
             "already-done",
@@ -66,7 +76,7 @@ def retrain(config: Config, schedule_date: datetime.date) -> RetrainOutcome:
             f"{day}: already retrained as {version} ({manifest['reason']}); nothing to do",
         )
 
-    partitions = find_partitions(config.retrain.data_root, schedule_date)
+    partitions = find_partitions(config.retrain.data_root, schedule_date, config.retrain.complete_marker)
     seen = registry.manifest(production)["partitions_seen"] if production else []
     new = [d for d in partitions if d not in seen]
     if not new:
@@ -96,7 +106,7 @@ def retrain(config: Config, schedule_date: datetime.date) -> RetrainOutcome:
     if production:
         current = load_model(registry.location(production))
         production_loss = heldout_loss(run_config, current.unet, current.noise_scheduler)
-    promote, reason = _decide(new_loss, production_loss, production, config.retrain.tolerance)
+    promote, reason = _decide(new_loss, production_loss, production, _best_promoted(registry), config.retrain.tolerance)
     version = registry.write_version(
         trained.unet,
         trained.noise_scheduler,
@@ -115,7 +125,7 @@ def retrain(config: Config, schedule_date: datetime.date) -> RetrainOutcome:
             "promoted": promote,
             "reason": reason,
             "config": run_config.to_dict(),
-            "code_version": {"sdtrain": __version__, "git": _git_commit()},
+            "code_version": {"sdtrain": __version__, "git": code_version()},
             "created_at": datetime.datetime.now(datetime.timezone.utc).isoformat(),
         },
     )
@@ -127,17 +137,44 @@ def retrain(config: Config, schedule_date: datetime.date) -> RetrainOutcome:
     )
 
 
-def find_partitions(data_root: str, up_to: datetime.date) -> dict[str, str]:
-    """{date: path} for the ``date=YYYY-MM-DD`` directories under ``data_root`` up to ``up_to``, in date order."""
+def find_partitions(data_root: str, up_to: datetime.date, complete_marker: str | None = "_SUCCESS") -> dict[str, str]:
+    """{date: path} of the complete ``date=YYYY-MM-DD`` partitions under ``data_root`` up to ``up_to``,
+    in date order. With ``complete_marker``, a partition is complete once it holds that file (its
+    writer's last act); without, only dates before ``up_to`` count (``up_to``'s may still be filling)."""
     fs, root = filesystem_for(absolute(data_root))
     found = {}
     for info in fs.get_file_info(pafs.FileSelector(root, allow_not_found=True)):
         match = _PARTITION.fullmatch(info.base_name)
-        if info.type == pafs.FileType.Directory and match and match.group(1) <= up_to.isoformat():
-            found[match.group(1)] = uri_prefix(data_root) + info.path
+        if info.type != pafs.FileType.Directory or not match:
+            continue
+        date = match.group(1)
+        if complete_marker is None:
+            complete = date < up_to.isoformat()
+        else:
+            complete = date <= up_to.isoformat() and _is_file(fs, posixpath.join(info.path, complete_marker))
+        if complete:
+            found[date] = uri_prefix(data_root) + info.path
     if not found:
-        raise DataError(f"retrain.data_root: {data_root} holds no date=YYYY-MM-DD partitions up to {up_to}")
+        which = f"holding {complete_marker}" if complete_marker else "before it"
+        raise DataError(
+            f"retrain.data_root: {data_root} holds no complete date=YYYY-MM-DD partitions up to {up_to} ({which})"
+        )
     return dict(sorted(found.items()))
+
+
+def _is_file(fs: pafs.FileSystem, path: str) -> bool:
+    return fs.get_file_info(path).type == pafs.FileType.File
+
+
+def _best_promoted(registry: ModelRegistry) -> tuple[str, float] | None:
+    """The promoted version with the lowest val_loss on the held-out set, with that loss."""
+    scored = []
+    for version in registry.versions():
+        manifest = registry.manifest(version)
+        loss = manifest["metrics"].get("val_loss")
+        if manifest.get("promoted") and loss is not None:
+            scored.append((loss, version))
+    return (min(scored)[1], min(scored)[0]) if scored else None
 
 
 def heldout_loss(config: Config, unet, scheduler) -> float:
@@ -149,25 +186,32 @@ def heldout_loss(config: Config, unet, scheduler) -> float:
     return validation_loss(unet.to(device), scheduler, batches, seed=config.train.seed, latent_scale=latent_scale)
 
 
-def _decide(new_loss: float, production_loss: float | None, production: str | None, tolerance: float):
+def _decide(
+    new_loss: float,
+    production_loss: float | None,
+    production: str | None,
+    best: tuple[str, float] | None,
+    tolerance: float,
+) -> tuple[bool, str]:
+    """Promote within ``tolerance`` of production and of the best model ever promoted: a gate on
+    production alone would let each promotion drift up to (1 + tolerance) worse than the last."""
     if not math.isfinite(new_loss):
         return False, f"the new model's val_loss is {new_loss}: training diverged"
     if production_loss is None:
         return True, f"first version (val_loss {new_loss:.5f}); there is no production model to compare with"
-    limit = production_loss * (1 + tolerance)
-    verdict = "<=" if new_loss <= limit else ">"
-    reason = f"val_loss {new_loss:.5f} {verdict} {production}'s {production_loss:.5f} x (1 + {tolerance:g})"
-    return new_loss <= limit, reason
+    gates = [(production, production_loss)]
+    if best is not None and best[0] != production:
+        gates.append(best)
+    verdicts = []
+    for name, loss in gates:
+        limit = loss * (1 + tolerance)
+        verdicts.append((new_loss <= limit, f"{'<=' if new_loss <= limit else '>'} {name}'s {loss:.5f}"))
+    reason = f"val_loss {new_loss:.5f} " + " and ".join(v for _, v in verdicts) + f" x (1 + {tolerance:g})"
+    if len(gates) > 1:
+        reason += f" ({gates[1][0]} is the best promoted)"
+    return all(ok for ok, _ in verdicts), reason
 
 
 def _finite_or_none(value: float | None) -> float | None:
     """Manifests are strict JSON: a diverged loss is recorded as null (the reason says why)."""
     return value if value is not None and math.isfinite(value) else None
-
-
-def _git_commit() -> str | None:
-    try:
-        result = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
-    except OSError:
-        return None
-    return result.stdout.strip() or None if result.returncode == 0 else None

@@ -3,7 +3,7 @@
     production.json              {"version": "v0002"}: replaced whole, never edited in place
     versions/v0001/unet/         UNet2DConditionModel.save_pretrained (safetensors)
     versions/v0001/scheduler/    the noise schedule
-    versions/v0001/manifest.json written last: a version directory without it is incomplete
+    versions/v0001/manifest.json written last, whole: a version directory without it is incomplete
 
 A reader resolves production.json and loads that version. Because a version is complete
 (manifest written) before the pointer can name it, and the pointer is swapped by a rename (a
@@ -16,11 +16,13 @@ import json
 import posixpath
 import re
 import tempfile
+import uuid
 from typing import Any
 
 import pyarrow.fs as pafs
 from diffusers import DDPMScheduler, UNet2DConditionModel
 
+from sdtrain.errors import DataError
 from sdtrain.storage.filesystems import filesystem_for
 from sdtrain.storage.uris import absolute
 
@@ -39,11 +41,28 @@ class ModelRegistry:
         return [v for v in self._version_dirs() if self._exists(self._path("versions", v, MANIFEST_FILE))]
 
     def manifest(self, version: str) -> dict[str, Any]:
-        return json.loads(self._read(self._path("versions", version, MANIFEST_FILE)))
+        path = self._path("versions", version, MANIFEST_FILE)
+        try:
+            return json.loads(self._read(path))
+        except json.JSONDecodeError as e:
+            raise DataError(f"retrain.models_root: {path} is not valid JSON ({e}); restore or remove it") from None
 
     def production(self) -> str | None:
         pointer = self._path(PRODUCTION_FILE)
-        return json.loads(self._read(pointer))["version"] if self._exists(pointer) else None
+        if not self._exists(pointer):
+            return None
+        text = self._read(pointer)
+        try:
+            version = json.loads(text)["version"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            version = None
+        # The name is joined into paths: anything but vNNNN could point outside the registry.
+        if not isinstance(version, str) or not _VERSION.fullmatch(version):
+            raise DataError(
+                f'retrain.models_root: {pointer} must hold {{"version": "vNNNN"}}, not {text[:80]!r}; '
+                "point it at a complete version under versions/"
+            )
+        return version
 
     def location(self, version: str) -> str:
         """The version's directory (unet/ and scheduler/ inside): usable as ``model.pretrained``, and
@@ -66,9 +85,7 @@ class ModelRegistry:
     def set_production(self, version: str) -> None:
         if version not in self.versions():
             raise ValueError(f"version {version} is not a complete version under {self.root_uri}")
-        staged = self._path(f".{PRODUCTION_FILE}.{version}.tmp")
-        self._write(staged, json.dumps({"version": version}))
-        self.fs.move(staged, self._path(PRODUCTION_FILE))
+        self._write(self._path(PRODUCTION_FILE), json.dumps({"version": version}))
 
     def _version_dirs(self) -> list[str]:
         infos = self.fs.get_file_info(pafs.FileSelector(self._path("versions"), allow_not_found=True))
@@ -86,6 +103,13 @@ class ModelRegistry:
             return f.read().decode()
 
     def _write(self, path: str, text: str) -> None:
+        """Write ``path`` whole: under a temporary name first, then moved into place, so a crash
+        mid-write never leaves a truncated file under the real name."""
         self.fs.create_dir(posixpath.dirname(path))
+        staged = f"{posixpath.dirname(path)}/.{posixpath.basename(path)}.{uuid.uuid4().hex}.tmp"
+        self._write_new(staged, text)
+        self.fs.move(staged, path)
+
+    def _write_new(self, path: str, text: str) -> None:
         with self.fs.open_output_stream(path) as f:
             f.write(text.encode())

@@ -337,6 +337,9 @@ class RetrainConfig(_Section):
     """Promote a retrained model if its validation loss <= the production model's x (1 + tolerance)."""
     date: str | None = None
     """Schedule date (YYYY-MM-DD) a retrain run is for: it takes partitions up to it, once; null = today (UTC)."""
+    complete_marker: str | None = "_SUCCESS"
+    """A partition is taken once it holds this file, written last by the partition's writer; null = take only
+    partitions dated before the schedule date (the schedule date's may still be filling)."""
 
     def __post_init__(self):
         if self.date is not None:
