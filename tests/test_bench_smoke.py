@@ -1,6 +1,6 @@
 """Each benchmark in bench/ runs (--smoke: tiny sizes, seconds) and prints its ratio lines.
 
-Not timed tests: the figures of a smoke run mean nothing; bench/README.md has the real ones.
+Not timed tests: the figures of a smoke run mean nothing; bench/results/ has the real ones.
 """
 
 import os

@@ -76,7 +76,9 @@ def test_retrain_entrypoint_checks_its_input_before_anything_runs(tmp_path):
         timeout=100,
     )
     assert result.returncode == 2, result.stderr
-    assert f"error: retrain.data_root: {tmp_path}/none holds no complete date=YYYY-MM-DD partitions up to" in result.stderr
+    assert (
+        f"error: retrain.data_root: {tmp_path}/none holds no complete date=YYYY-MM-DD partitions up to" in result.stderr
+    )
     assert "Traceback" not in result.stderr
 
 

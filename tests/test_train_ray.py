@@ -257,7 +257,7 @@ def test_a_killed_worker_is_restarted_and_the_run_ends_exactly_at_max_steps(ray_
     assert [row["step"] for row in history] == list(range(2, 25, 2))
     restarted = [row for row in history if row["start_step"] > 0]
     assert restarted and restarted[0]["start_step"] % 4 == 0 and restarted[0]["step"] == restarted[0]["start_step"] + 2
-    # The README's restart cost: kill to the first progress report after the restart (2 steps in).
+    # The restart cost (bench/results/ records it): kill to the first report after the restart (2 steps in).
     print(f"restart cost: {restarted[0]['time'] - killed_at:.1f} s from SIGKILL to step {restarted[0]['step']}")
 
 
