@@ -55,6 +55,10 @@ class DataConfig(_Section):
     shuffle_window_rows: int = 512
     """Each worker reads its chunks in windows of this many rows (one Ray Data block) and shuffles rows within a
     window."""
+    on_change: Literal["fail", "new_epoch"] = "fail"
+    """When data.train, train.seed or the shuffle sizes changed since the checkpoint a run resumes from (its data
+    position would read rows twice or never): fail says what changed, before Ray starts; new_epoch resumes the
+    weights and starts the next epoch on the data as it is now."""
     on_read_error: Literal["fail", "skip"] = "fail"
     """A training file that cannot be read mid-run: fail stops the run at once naming the file (no retries); skip
     leaves its rows out of the loss and counts them (metric skipped_samples)."""
