@@ -274,6 +274,36 @@ class RunConfig(_Section):
     export: bool = True
     """At the end of the run, export the final (EMA) UNet and noise scheduler in diffusers format to
     run.storage_path/run.name/export/."""
+    trackers: list[Literal["tensorboard", "mlflow", "wandb"]] = field(default_factory=lambda: ["tensorboard"])
+    """Experiment trackers rank 0 logs the full config, every reported metric at its step and the sample grids to
+    (one tracker run per training run, continued across restarts; ids in trackers.json in the run directory):
+    tensorboard (event files in the run directory's tensorboard/), mlflow (run.mlflow_tracking_uri), wandb
+    (project run.wandb_project; credentials and WANDB_MODE from the environment). [] = none."""
+    mlflow_tracking_uri: str | None = None
+    """MLflow tracking server for run.trackers' mlflow (e.g. http://mlflow:5000); null = MLFLOW_TRACKING_URI."""
+    mlflow_experiment: str = "sdtrain"
+    """MLflow experiment the run is logged under."""
+    mlflow_register_as: str | None = None
+    """Register the final export as a new version of this MLflow model; null = only attach it to the run."""
+    wandb_project: str = "sdtrain"
+    """W&B project the run is logged under."""
+    sample_every_n_steps: int | None = None
+    """Rank 0 samples a fixed grid (run.sample_captions, fixed seed, the EMA weights) every this many steps and at
+    the end, saved as samples/step_<N>.png in the run directory and sent to run.trackers; null = with each
+    checkpoint. No grid when neither run.sample_captions nor data.val is set, or under train.strategy=fsdp."""
+    sample_captions: str | None = None
+    """Captions of the sample grid's rows: a .npy of embeddings ((L, D) or (N, L, D)) or parquet with
+    data.caption_column; null = data.val (one row per label for the digits demo, else its first run.sample_rows)."""
+    sample_rows: int = 4
+    """Rows (captions) of the sample grid, when its captions are not one per label."""
+    sample_columns: int = 4
+    """Samples per caption in the sample grid."""
+    sample_sampler: Literal["ddim", "dpm"] = "ddim"
+    """Sampler of the sample grid: ddim or dpm (DPM-Solver++)."""
+    sample_steps: int = 20
+    """Denoising steps per sample of the sample grid."""
+    sample_guidance_scale: float = 3.0
+    """Classifier-free guidance scale of the sample grid (1 = none)."""
 
     def __post_init__(self):
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", self.name):
@@ -287,6 +317,13 @@ class RunConfig(_Section):
             self._fail("num_to_keep", f"must be >= 1 or null (keep all), got {self.num_to_keep}")
         if self.val_every_n_steps is not None and self.val_every_n_steps < 1:
             self._fail("val_every_n_steps", f"must be >= 1 or null, got {self.val_every_n_steps}")
+        if len(set(self.trackers)) != len(self.trackers):
+            self._fail("trackers", f"names a tracker twice: {self.trackers}")
+        if self.sample_every_n_steps is not None and self.sample_every_n_steps < 1:
+            self._fail("sample_every_n_steps", f"must be >= 1 or null, got {self.sample_every_n_steps}")
+        for key in ("sample_rows", "sample_columns", "sample_steps"):
+            if getattr(self, key) < 1:
+                self._fail(key, f"must be >= 1, got {getattr(self, key)}")
 
 
 @dataclass
