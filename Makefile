@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	# torch first and pinned: this takes the CPU build from the local wheel store, where
 	# an unpinned torch (or one pulled in by another package) would be a multi-GB CUDA build.
 	$(PY) -m pip install --quiet --disable-pip-version-check torch==2.13.0
-	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[test,trackers]'
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[test,trackers,preprocess]'
 	touch $(STAMP)
 
 demo: $(STAMP)

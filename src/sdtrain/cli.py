@@ -1,4 +1,4 @@
-"""Command lines of entrypoints/train.py, retrain.py and generate.py: parse, load the config, run, report."""
+"""Command lines of entrypoints/train.py, retrain.py, preprocess.py and generate.py: parse, load, run, report."""
 
 from __future__ import annotations
 
@@ -77,6 +77,41 @@ def _retrain(config: Config) -> list[str]:
     )
     outcome = retrain(config, day)
     return [f"{outcome.status}: {outcome.message}", f"production: {outcome.production or 'none'}"]
+
+
+def preprocess_main(argv: Sequence[str] | None, default_config: Path) -> int:
+    """Run the preprocessing job (images and captions to parquet latents); 0 on success, 2 for bad input."""
+    from sdtrain.preprocess.config import load_preprocess_config, preprocess_help
+
+    parser = argparse.ArgumentParser(
+        prog="preprocess.py",
+        description="Encode images and captions into the parquet latents training reads (Ray Data).",
+        epilog=preprocess_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--config", default=str(default_config), help="YAML config file (default: %(default)s)")
+    parser.add_argument("--max-shards", type=int, help="do at most this many pending shards (a re-run does the rest)")
+    parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="override a config key")
+    args = parser.parse_args(argv)
+    try:
+        from sdtrain.preprocess.job import run_preprocess
+
+        summary = run_preprocess(load_preprocess_config(args.config, args.overrides), max_shards=args.max_shards)
+    except SdtrainError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    manifest = summary.manifest
+    print(
+        f"[sdtrain] {len(summary.shards_written)} shard(s) written this run, {summary.shards_done_before} done "
+        f"before, of {summary.shards_total}; {summary.seconds:.1f} s"
+    )
+    print(
+        f"[sdtrain] in all: {manifest['inputs_read']} inputs read, {manifest['rows_written']} rows written, "
+        f"{manifest['rows_skipped']} skipped {manifest['skipped_by_reason']}"
+    )
+    for name, error in summary.shards_failed.items():
+        print(f"[sdtrain] shard {name} could not be read ({error}); a re-run retries it", file=sys.stderr)
+    return 1 if summary.shards_failed else 0
 
 
 def generate_main(argv=None) -> int:

@@ -1,0 +1,204 @@
+"""The preprocessing job's configuration: typed sections with one docstring per field, loaded like
+training's (a YAML file plus ``key.sub=value`` overrides, checked before Ray starts)."""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+import yaml
+
+from sdtrain.config.coercion import build_section, suggest
+from sdtrain.errors import ConfigError
+
+
+class _Section:
+    section: ClassVar[str] = ""
+
+    def _fail(self, key: str, message: str) -> typing.NoReturn:
+        raise ConfigError(f"{self.section}.{key}: {message}")
+
+
+@dataclass
+class InputConfig(_Section):
+    section: ClassVar[str] = "input"
+
+    paths: list[str] = field(default_factory=list)
+    """Where the images are, local or s3://: parquet files or directories (format parquet), .tar shards or directories
+    of them (webdataset), or one directory of images (folder)."""
+    format: Literal["parquet", "webdataset", "folder"] = "parquet"
+    """parquet: img2dataset/LAION-style rows of image bytes and a caption; webdataset: tar shards of
+    <key>.jpg/.png/... with <key>.txt or <key>.json (img2dataset's layout); folder: image files with a captions file
+    (input.captions_file)."""
+    image_column: str = "jpg"
+    """parquet: the column of encoded image bytes (img2dataset writes jpg)."""
+    caption_column: str = "caption"
+    """parquet: the caption column; folder: the caption field of the captions file; webdataset: the caption key of
+    <key>.json when there is no <key>.txt."""
+    captions_file: str | None = None
+    """folder: a .jsonl or .csv file mapping each image to its caption; null = <folder>/captions.jsonl."""
+    file_column: str = "file_name"
+    """folder: the field of the captions file that names the image (relative to the folder)."""
+    rows_per_shard: int = 1000
+    """parquet and folder inputs are cut into shards of this many rows; each shard becomes one output file (a
+    WebDataset tar is one shard). Sets the output files' size."""
+
+    def __post_init__(self):
+        if self.rows_per_shard < 1:
+            self._fail("rows_per_shard", f"must be >= 1, got {self.rows_per_shard}")
+        if self.format == "folder" and len(self.paths) > 1:
+            self._fail("paths", f"format folder reads one directory, got {len(self.paths)} paths")
+        if self.captions_file is not None and not self.captions_file.endswith((".jsonl", ".csv")):
+            self._fail("captions_file", f"must be a .jsonl or .csv file, got {self.captions_file!r}")
+
+
+@dataclass
+class ImageConfig(_Section):
+    section: ClassVar[str] = "image"
+
+    resolution: int = 256
+    """Output image side in pixels (a multiple of 8): the short side is resized to it, then the center is cropped."""
+    small_images: Literal["skip", "upscale"] = "skip"
+    """An image whose short side is below image.resolution: skip it (counted in the manifest) or upscale it."""
+
+    def __post_init__(self):
+        if self.resolution < 8 or self.resolution % 8:
+            self._fail("resolution", f"must be a positive multiple of 8, got {self.resolution}")
+
+
+@dataclass
+class EncodeConfig(_Section):
+    section: ClassVar[str] = "encode"
+
+    model: str = "stabilityai/stable-diffusion-2-base"
+    """Diffusers Stable Diffusion model (local directory or hub id) whose vae/, tokenizer/ and text_encoder/
+    subfolders encode the images and captions; recorded in the output's metadata."""
+    latent: Literal["mean", "sample"] = "mean"
+    """Which latent of the VAE's distribution to store: its mean, or a sample (seeded by encode.seed and the row)."""
+    seed: int = 0
+    """Seed of the latent samples (encode.latent: sample)."""
+    batch_size: int = 32
+    """Images per encoder batch."""
+    concurrency: int = 1
+    """Encoder actors (each loads the VAE and text encoder once)."""
+    num_gpus: Literal["auto"] | float = "auto"
+    """GPUs per encoder actor; auto = 1 when the cluster has GPUs, else 0 (CPU actors)."""
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    """Encoder weights and activations: auto = float16 on GPU, float32 on CPU."""
+
+    def __post_init__(self):
+        for key in ("batch_size", "concurrency"):
+            if getattr(self, key) < 1:
+                self._fail(key, f"must be >= 1, got {getattr(self, key)}")
+        if self.num_gpus != "auto" and self.num_gpus < 0:
+            self._fail("num_gpus", f"must be >= 0 or auto, got {self.num_gpus}")
+        if not self.model:
+            self._fail("model", "must be a model directory or hub id")
+
+
+@dataclass
+class OutputConfig(_Section):
+    section: ClassVar[str] = "output"
+
+    path: str = ""
+    """Directory (local or s3://) the parquet files, the empty prompt's embedding and the manifest are written to;
+    give it to training as data.train."""
+    image_column: str = "image_latents_256"
+    """Column of the latents (C*H*W float16 values a row): training's data.image_column."""
+    caption_column: str = "caption_latents"
+    """Column of the caption embeddings (77*D float16 values a row): training's data.caption_column."""
+    row_group_rows: int = 64
+    """Rows per parquet row group: training's data.shuffle_chunk_rows (the reader reads whole row groups)."""
+
+    def __post_init__(self):
+        if not self.path:
+            self._fail("path", "is required: the directory to write the latents to")
+        if self.row_group_rows < 1:
+            self._fail("row_group_rows", f"must be >= 1, got {self.row_group_rows}")
+        if self.image_column == self.caption_column:
+            self._fail("caption_column", f"must differ from output.image_column ({self.image_column!r})")
+
+
+@dataclass
+class PreprocessConfig:
+    input: InputConfig = field(default_factory=InputConfig)
+    image: ImageConfig = field(default_factory=ImageConfig)
+    encode: EncodeConfig = field(default_factory=EncodeConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+
+    def __post_init__(self):
+        if not self.input.paths:
+            raise ConfigError("input.paths: is required: the parquet files, tar shards or image folder to read")
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> PreprocessConfig:
+        raw = dict(raw)
+        sections = {}
+        for f in dataclasses.fields(cls):
+            value = raw.pop(f.name, None) or {}
+            if not isinstance(value, dict):
+                raise ConfigError(f"{f.name}: must be a mapping of keys, got {value!r}")
+            sections[f.name] = build_section(SECTIONS[f.name], value)
+        if raw:
+            key = next(iter(raw))
+            raise ConfigError(f"{key}: unknown section" + suggest(key, SECTIONS))
+        return cls(**sections)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+SECTIONS: dict[str, type] = {"input": InputConfig, "image": ImageConfig, "encode": EncodeConfig, "output": OutputConfig}
+
+
+def load_preprocess_config(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> PreprocessConfig:
+    """A YAML file (if given) plus ``key.sub=value`` overrides, validated.
+
+    Args:
+        path: the YAML file.
+        overrides: ``key.sub=value`` strings, applied in order.
+    """
+    raw: dict[str, Any] = {}
+    if path is not None:
+        try:
+            raw = yaml.safe_load(Path(path).read_text()) or {}
+        except OSError as e:
+            raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
+        except (yaml.YAMLError, ValueError) as e:
+            raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"config file {path} must be a mapping of sections (input:, image:, ...)")
+    for override in overrides:
+        key, sep, text = override.partition("=")
+        if not sep or not key or "." not in key:
+            raise ConfigError(f"override {override!r} must look like section.key=value, e.g. image.resolution=512")
+        try:
+            value = yaml.safe_load(text)
+        except (yaml.YAMLError, ValueError):
+            value = text
+        section, _, name = key.partition(".")
+        node = raw.setdefault(section, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"{key}: {section} is a value, not a section")
+        node[name] = value
+    return PreprocessConfig.from_dict(raw)
+
+
+def preprocess_help() -> str:
+    """Every key with its type, default and docstring, for ``preprocess.py --help``."""
+    import textwrap
+
+    from sdtrain.config.coercion import type_name
+    from sdtrain.config.keys import field_docs
+
+    lines = ["config keys (set in the YAML file, or as section.key=value on the command line):", ""]
+    for name, cls in SECTIONS.items():
+        docs, hints = field_docs(cls), typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            lines.append(f"  {name}.{f.name}  ({type_name(hints[f.name])}, default {default!r})")
+            lines.extend("      " + line for line in textwrap.wrap(docs.get(f.name, ""), 88))
+    return "\n".join(lines)

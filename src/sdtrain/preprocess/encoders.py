@@ -1,0 +1,130 @@
+"""The encode stage: a Stable Diffusion model's VAE (images to scaled latents) and its tokenizer and
+text encoder (captions to embeddings, as StableDiffusionPipeline.encode_prompt computes them), and
+the Ray Data callable class that runs them in an actor pool."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from sdtrain.preprocess.images import to_unit_range
+from sdtrain.storage.filesystems import local_copy
+from sdtrain.storage.uris import is_uri
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_dtype(name: str, device: str) -> torch.dtype:
+    """auto = float16 on a GPU (the VAE and CLIP run in it in every SD pipeline), float32 on the CPU."""
+    if name == "auto":
+        return torch.float16 if device == "cuda" else torch.float32
+    return DTYPES[name]
+
+
+def _local(source: str) -> str:
+    return local_copy(source) if is_uri(source) else source
+
+
+def load_vae(source: str, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Any:
+    """The AutoencoderKL in ``source``'s vae/ subfolder (a local directory, s3:// URI or hub id)."""
+    from diffusers import AutoencoderKL
+
+    return AutoencoderKL.from_pretrained(_local(source), subfolder="vae").to(device, dtype).eval()
+
+
+def load_text_encoder(source: str, device: str = "cpu", dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
+    """(tokenizer, text encoder) from ``source``'s tokenizer/ and text_encoder/ subfolders."""
+    from transformers import AutoTokenizer, CLIPTextModel
+
+    local = _local(source)
+    tokenizer = AutoTokenizer.from_pretrained(local, subfolder="tokenizer")
+    text_encoder: Any = CLIPTextModel.from_pretrained(local, subfolder="text_encoder")
+    return tokenizer, text_encoder.to(device, dtype).eval()
+
+
+@torch.no_grad()
+def encode_prompts(tokenizer: Any, text_encoder: Any, prompts: list[str]) -> torch.Tensor:
+    """(N, L, D) float32 embeddings: padded to the tokenizer's max length (77 for SD), truncated, and the text
+    encoder's last hidden state, with the attention mask only where the model asks for one (as
+    StableDiffusionPipeline.encode_prompt does)."""
+    device = next(text_encoder.parameters()).device
+    tokens = tokenizer(
+        prompts, padding="max_length", max_length=tokenizer.model_max_length, truncation=True, return_tensors="pt"
+    )
+    mask = tokens.attention_mask.to(device) if getattr(text_encoder.config, "use_attention_mask", False) else None
+    return text_encoder(tokens.input_ids.to(device), attention_mask=mask)[0].float().cpu()
+
+
+@torch.no_grad()
+def encode_images(
+    vae: Any, pixels: np.ndarray, latent: Literal["mean", "sample"], seeds: list[int] | None = None
+) -> torch.Tensor:
+    """(N, H, W, 3) uint8 -> (N, C, H/f, W/f) float32 latents times the VAE's scaling_factor (applied here, once).
+
+    Args:
+        vae: an AutoencoderKL.
+        pixels: the CPU stage's output.
+        latent: the distribution's mean, or a sample.
+        seeds: one seed per row for ``sample``: a row's latent does not depend on its batch.
+    """
+    param = next(vae.parameters())
+    images = torch.from_numpy(to_unit_range(pixels)).to(param.device, param.dtype)
+    dist = vae.encode(images).latent_dist
+    latents = dist.mean
+    if latent == "sample":
+        noise = torch.stack(
+            [torch.randn(latents.shape[1:], generator=torch.Generator().manual_seed(s)) for s in seeds or []]
+        )
+        latents = latents + dist.std * noise.to(latents)
+    return latents.float().cpu() * float(vae.config.scaling_factor)
+
+
+def row_seed(seed: int, key: str) -> int:
+    return int.from_bytes(hashlib.sha256(f"{seed}:{key}".encode()).digest()[:8], "little") & (2**63 - 1)
+
+
+class Encoder:
+    """Ray Data callable class (one per actor): loads the models once, then encodes batches.
+
+    Input columns: pixels (N, H, W, 3 uint8), caption (str), valid (bool), key (str), plus any others, passed
+    through. Output: the same without pixels and caption, plus ``latents`` and ``embeddings`` as flat float16
+    rows (zeros where valid is false: those rows carry only a shard's statistics).
+    """
+
+    def __init__(self, model: str, latent: Literal["mean", "sample"], seed: int, dtype: str, resolution: int):
+        self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        torch_dtype = resolve_dtype(dtype, self.device)
+        self.vae = load_vae(model, self.device, torch_dtype)
+        self.tokenizer, self.text_encoder = load_text_encoder(model, self.device, torch_dtype)
+        self.latent, self.seed = latent, seed
+        # Fixed row widths, also for a batch with no valid row (every batch's columns must have one shape).
+        side = resolution // 2 ** (len(self.vae.config.block_out_channels) - 1)
+        self.latent_width = self.vae.config.latent_channels * side * side
+        self.embedding_width = self.tokenizer.model_max_length * self.text_encoder.config.hidden_size
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        valid = np.asarray(batch["valid"], dtype=bool)
+        pixels = batch.pop("pixels")
+        captions = batch.pop("caption")
+        n = len(valid)
+        keep = np.flatnonzero(valid)
+        latents: np.ndarray | None = None
+        embeddings: np.ndarray | None = None
+        if len(keep):
+            seeds = [row_seed(self.seed, str(batch["key"][i])) for i in keep] if self.latent == "sample" else None
+            latents = encode_images(self.vae, pixels[keep], self.latent, seeds).flatten(1).numpy()
+            prompts = [str(captions[i]) for i in keep]
+            embeddings = encode_prompts(self.tokenizer, self.text_encoder, prompts).flatten(1).numpy()
+        batch["latents"] = _scatter(latents, keep, n, self.latent_width)
+        batch["embeddings"] = _scatter(embeddings, keep, n, self.embedding_width)
+        return batch
+
+
+def _scatter(values: np.ndarray | None, rows: np.ndarray, n: int, width: int) -> np.ndarray:
+    out = np.zeros((n, width), dtype=np.float16)
+    if values is not None:
+        out[rows] = values.astype(np.float16)
+    return out

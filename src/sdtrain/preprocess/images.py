@@ -1,0 +1,92 @@
+"""The CPU stage: encoded image bytes to a square RGB array of the output resolution, or the reason
+the image is skipped. Never raises on bad input: every failure becomes a counted skip reason."""
+
+from __future__ import annotations
+
+import io
+import warnings
+from typing import Literal
+
+import numpy as np
+
+# Skip reasons, as counted in the manifest.
+UNDECODABLE = "undecodable_image"
+EMPTY_IMAGE = "empty_image"
+TOO_SMALL = "image_too_small"
+NO_CAPTION = "missing_caption"
+NO_IMAGE = "missing_image"
+
+
+def prepare_image(
+    data: bytes | None, resolution: int, small_images: Literal["skip", "upscale"]
+) -> tuple[np.ndarray | None, str | None]:
+    """(H x W x 3 uint8 array of side ``resolution``, None) or (None, skip reason).
+
+    Args:
+        data: the encoded image file (JPEG, PNG, WebP, ...).
+        resolution: the output side; the short side is resized to it and the center cropped.
+        small_images: what to do when the short side is below ``resolution``.
+    """
+    from PIL import Image, ImageOps
+
+    if not data:
+        return None, NO_IMAGE
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # PIL warns on odd EXIF and huge images; the result decides
+            opened = Image.open(io.BytesIO(data))
+            opened.load()  # a truncated file fails here, not at open
+            image = ImageOps.exif_transpose(opened)
+    except Exception:  # PIL raises many types (OSError, SyntaxError, ValueError, DecompressionBombError)
+        return None, UNDECODABLE
+    if image.width == 0 or image.height == 0:
+        return None, EMPTY_IMAGE
+    if min(image.size) < resolution and small_images == "skip":
+        return None, TOO_SMALL
+    return center_crop(to_rgb(image), resolution), None
+
+
+def to_rgb(image):
+    """Any PIL mode as RGB: alpha composited on white (not dropped to black), palette and CMYK converted."""
+    from PIL import Image
+
+    if image.mode == "P" and "transparency" in image.info:
+        image = image.convert("RGBA")
+    if image.mode in ("RGBA", "LA", "PA"):
+        image = image.convert("RGBA")
+        background = Image.new("RGBA", image.size, (255, 255, 255, 255))
+        image = Image.alpha_composite(background, image)
+    if image.mode in ("I;16", "I;16B", "I;16L", "I"):
+        # 16/32-bit grayscale: PIL's convert("RGB") would clip at 255; scale to 8 bits instead.
+        array = np.asarray(image, dtype=np.float64)
+        peak = 65535.0 if array.max() > 255 else 255.0
+        image = Image.fromarray((array / peak * 255).round().astype(np.uint8), "L")
+    return image.convert("RGB")
+
+
+def center_crop(image, resolution: int) -> np.ndarray:
+    """Resize the short side to ``resolution`` (bicubic, antialiased) and crop the center square."""
+    from PIL import Image
+
+    scale = resolution / min(image.size)
+    size = (max(resolution, round(image.width * scale)), max(resolution, round(image.height * scale)))
+    image = image.resize(size, Image.Resampling.BICUBIC, reducing_gap=None)
+    left, top = (size[0] - resolution) // 2, (size[1] - resolution) // 2
+    return np.asarray(image.crop((left, top, left + resolution, top + resolution)), dtype=np.uint8)
+
+
+def to_unit_range(pixels: np.ndarray) -> np.ndarray:
+    """(N, H, W, 3) uint8 -> (N, 3, H, W) float32 in [-1, 1], the VAE's input."""
+    return pixels.transpose(0, 3, 1, 2).astype(np.float32) / 127.5 - 1.0
+
+
+def clean_caption(caption: object) -> str | None:
+    """The caption as a stripped string, or None when it is missing or empty."""
+    if caption is None:
+        return None
+    if isinstance(caption, bytes):
+        caption = caption.decode("utf-8", errors="replace")
+    if not isinstance(caption, str):
+        return None
+    caption = caption.strip()
+    return caption or None

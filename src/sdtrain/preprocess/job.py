@@ -1,0 +1,254 @@
+"""The preprocessing job: images and captions in, the parquet latents training reads out.
+
+A Ray Data pipeline over the shards not yet done: a CPU stage (one task per shard: read, decode,
+convert to RGB, resize and center-crop, skip and count bad rows) feeds an actor pool that runs the
+VAE and the text encoder (GPU actors where the cluster has GPUs). The driver gathers each shard's
+rows and writes its file whole once the shard's last row is in, so an interrupted job loses at
+most the shards in flight, and a re-run does only the shards without a file.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from sdtrain.preprocess.config import ImageConfig, InputConfig, PreprocessConfig
+from sdtrain.preprocess.images import NO_CAPTION, clean_caption, prepare_image
+from sdtrain.preprocess.outputs import (
+    MANIFEST_FILE,
+    RESOLUTION_KEY,
+    SCALING_KEY,
+    TEXT_ENCODER_KEY,
+    UNCONDITIONAL_FILE,
+    VAE_KEY,
+    done_shards,
+    join,
+    read_shard_stats,
+    shard_table,
+    summarize,
+    write_bytes,
+    write_shard,
+)
+from sdtrain.preprocess.sources import Shard, list_shards, read_shard
+
+# Rows per CPU-stage batch: a few MB of pixels at 512 px.
+_PREPARE_ROWS = 16
+
+
+@dataclass
+class PreprocessSummary:
+    shards_total: int
+    shards_done_before: int
+    shards_written: list[str] = field(default_factory=list)
+    shards_failed: dict[str, str] = field(default_factory=dict)
+    manifest: dict[str, Any] = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+def run_preprocess(config: PreprocessConfig, max_shards: int | None = None) -> PreprocessSummary:
+    """Preprocess every shard of ``config.input`` that ``config.output.path`` does not hold yet.
+
+    Args:
+        config: the job's configuration.
+        max_shards: do at most this many of the pending shards (a partial run; a later run does the rest).
+    """
+    import ray
+
+    started = time.perf_counter()
+    shards = list_shards(config.input)
+    done = done_shards(config.output.path)
+    pending = [s for s in shards if s.name not in done][:max_shards]
+    summary = PreprocessSummary(len(shards), len(shards) - len([s for s in shards if s.name not in done]))
+    scaling_factor = _scaling_factor(config.encode.model)
+    _write_unconditional(config)
+    if pending:
+        if not ray.is_initialized():
+            ray.init()  # in a submitted job: the job's cluster; locally: a new one
+        _run_pipeline(config, pending, scaling_factor, summary)
+    stats = read_shard_stats(config.output.path)
+    summary.manifest = {
+        **summarize(stats),
+        "shards_in_input": len(shards),
+        "failed_shards_last_run": summary.shards_failed,
+        "latent_scaling_factor": scaling_factor,
+        "resolution": config.image.resolution,
+        "model": config.encode.model,
+        "config": config.to_dict(),
+    }
+    write_bytes(join(config.output.path, MANIFEST_FILE), json.dumps(summary.manifest, indent=2).encode())
+    summary.seconds = time.perf_counter() - started
+    return summary
+
+
+def _scaling_factor(model: str) -> float:
+    from diffusers import AutoencoderKL
+
+    from sdtrain.preprocess.encoders import _local
+
+    config = AutoencoderKL.load_config(_local(model), subfolder="vae")
+    return float(config.get("scaling_factor", 0.18215))
+
+
+def _write_unconditional(config: PreprocessConfig) -> None:
+    """The empty prompt's embedding, computed once on the driver (CPU, float32)."""
+    from sdtrain.preprocess.encoders import encode_prompts, load_text_encoder
+
+    path = join(config.output.path, UNCONDITIONAL_FILE)
+    if _exists(path):
+        return
+    tokenizer, text_encoder = load_text_encoder(config.encode.model)
+    embedding = encode_prompts(tokenizer, text_encoder, [""])[0].numpy()
+    buffer = io.BytesIO()
+    np.save(buffer, embedding, allow_pickle=False)
+    write_bytes(path, buffer.getvalue())
+
+
+def _exists(uri: str) -> bool:
+    import pyarrow.fs as pafs
+
+    from sdtrain.storage.filesystems import filesystem_for
+
+    fs, path = filesystem_for(uri)
+    return fs.get_file_info(path).type == pafs.FileType.File
+
+
+def _run_pipeline(config: PreprocessConfig, pending: list[Shard], scaling_factor: float, summary: PreprocessSummary):
+    import ray
+    import ray.data
+
+    from sdtrain.preprocess.encoders import Encoder
+
+    gpus = ray.cluster_resources().get("GPU", 0)
+    num_gpus = (1 if gpus else 0) if config.encode.num_gpus == "auto" else config.encode.num_gpus
+    metadata = {
+        SCALING_KEY: repr(scaling_factor),
+        RESOLUTION_KEY: str(config.image.resolution),
+        VAE_KEY: config.encode.model,
+        TEXT_ENCODER_KEY: config.encode.model,
+        "sdtrain.latent": config.encode.latent,
+    }
+    prepare = _Prepare(pending, config.input, config.image)
+    dataset: ray.data.Dataset = ray.data.from_items(
+        [{"shard": i} for i in range(len(pending))], override_num_blocks=len(pending)
+    )
+    # A ray_remote_args_fn keeps Ray Data from fusing this stage into the encoder's actors (it fuses a task
+    # map into a following actor map with the same resources): the CPU stage then runs as tasks on every
+    # free CPU, in parallel with the encoders, instead of inside them.
+    dataset = dataset.map_batches(prepare, batch_size=1, batch_format="numpy", ray_remote_args_fn=_one_cpu)
+    dataset = dataset.map_batches(
+        Encoder,
+        fn_constructor_kwargs=dict(
+            model=config.encode.model,
+            latent=config.encode.latent,
+            seed=config.encode.seed,
+            dtype=config.encode.dtype,
+            resolution=config.image.resolution,
+        ),
+        batch_size=config.encode.batch_size,
+        batch_format="numpy",
+        concurrency=config.encode.concurrency,
+        num_gpus=num_gpus,
+    )
+    gathering: dict[str, dict[str, Any]] = {s.name: {"rows": [], "stats": None} for s in pending}
+    for batch in dataset.iter_batches(batch_size=None, batch_format="numpy"):
+        touched = set()
+        for i in range(len(batch["valid"])):
+            name = str(batch["shard"][i])
+            touched.add(name)
+            if batch["valid"][i]:
+                gathering[name]["rows"].append(
+                    {
+                        "index": int(batch["index"][i]),
+                        "key": str(batch["key"][i]),
+                        "caption": str(batch["caption_text"][i]),
+                        "latents": batch["latents"][i],
+                        "embeddings": batch["embeddings"][i],
+                    }
+                )
+            else:
+                gathering[name]["stats"] = json.loads(str(batch["stats"][i]))
+        for name in touched:
+            entry = gathering[name]
+            stats = entry["stats"]
+            if stats is None or len(entry["rows"]) < stats["rows_written"]:
+                continue
+            del gathering[name]
+            if stats.get("error"):  # not marked done: a re-run tries the shard again
+                summary.shards_failed[name] = stats["error"]
+                continue
+            rows = sorted(entry["rows"], key=lambda r: r["index"])
+            table = shard_table(rows, config.output.image_column, config.output.caption_column, metadata)
+            write_shard(config.output.path, name, table, stats, config.output.row_group_rows)
+            summary.shards_written.append(name)
+
+
+def _one_cpu() -> dict[str, Any]:
+    return {"num_cpus": 1}
+
+
+class _Prepare:
+    """The CPU stage as a generator over one shard at a time: batches of prepared rows, then one row (valid
+    false) with the shard's counts, so the driver knows when it has all of the shard."""
+
+    def __init__(self, shards: list[Shard], input_config: InputConfig, image_config: ImageConfig):
+        self.shards, self.input, self.image = shards, input_config, image_config
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> Iterator[dict[str, np.ndarray]]:
+        for index in batch["shard"]:
+            yield from self._shard(self.shards[int(index)])
+
+    def _shard(self, shard: Shard) -> Iterator[dict[str, np.ndarray]]:
+        stats: dict[str, Any] = {"shard": shard.name, "source": shard.source, "inputs_read": 0, "rows_written": 0}
+        skipped: dict[str, int] = {}
+        pending: list[tuple[int, str, np.ndarray, str]] = []
+        try:
+            for row in read_shard(shard, self.input):
+                number = stats["inputs_read"]
+                stats["inputs_read"] += 1
+                caption = clean_caption(row.caption)
+                pixels, reason = prepare_image(row.image, self.image.resolution, self.image.small_images)
+                if reason is None and caption is None:
+                    reason = NO_CAPTION
+                if reason is not None:
+                    skipped[reason] = skipped.get(reason, 0) + 1
+                    continue
+                assert pixels is not None and caption is not None
+                pending.append((number, row.key, pixels, caption))
+                stats["rows_written"] += 1
+                if len(pending) == _PREPARE_ROWS:
+                    yield self._batch(shard, pending)
+                    pending = []
+        except Exception as e:  # an unreadable file (truncated tar, vanished object): the shard fails, not the job
+            stats["error"] = f"{type(e).__name__}: {e}"
+        if pending:
+            yield self._batch(shard, pending)
+        stats["skipped"] = dict(sorted(skipped.items()))
+        resolution = self.image.resolution
+        yield {
+            "shard": np.array([shard.name]),
+            "index": np.array([-1]),
+            "key": np.array([""]),
+            "pixels": np.zeros((1, resolution, resolution, 3), np.uint8),
+            "caption": np.array([""]),
+            "caption_text": np.array([""]),
+            "valid": np.array([False]),
+            "stats": np.array([json.dumps(stats)]),
+        }
+
+    def _batch(self, shard: Shard, rows: list[tuple[int, str, np.ndarray, str]]) -> dict[str, np.ndarray]:
+        return {
+            "shard": np.array([shard.name] * len(rows)),
+            "index": np.array([r[0] for r in rows]),
+            "key": np.array([r[1] for r in rows]),
+            "pixels": np.stack([r[2] for r in rows]),
+            "caption": np.array([r[3] for r in rows]),
+            "caption_text": np.array([r[3] for r in rows]),
+            "valid": np.ones(len(rows), dtype=bool),
+            "stats": np.array([""] * len(rows)),
+        }

@@ -1,0 +1,170 @@
+"""What the preprocessing job writes, and how a later reader finds where the latents came from.
+
+::
+
+    <output.path>/<shard>.parquet            one file per input shard: latents, caption embeddings, caption, key
+    <output.path>/_shards/<shard>.json       that shard's counts, written after its parquet: the shard is done
+    <output.path>/unconditional_caption.npy  the text encoder's embedding of "" (L x D): data.unconditional_caption
+    <output.path>/manifest.json              totals: inputs read, rows written, rows skipped by reason
+
+Training lists only the *.parquet files outside '_'/'.' names (sdtrain.data.parquet_files), so the
+side files and a half-written temporary never reach it.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import posixpath
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+
+from sdtrain.errors import DataError
+from sdtrain.storage.filesystems import filesystem_for
+from sdtrain.storage.uris import is_uri
+
+SHARDS_DIR = "_shards"
+MANIFEST_FILE = "manifest.json"
+UNCONDITIONAL_FILE = "unconditional_caption.npy"
+# Schema metadata keys. The first is the one training honours (sdtrain.model.recipe.LATENT_SCALING_METADATA_KEY).
+SCALING_KEY = "sdtrain.latent_scaling_factor"
+RESOLUTION_KEY = "sdtrain.resolution"
+VAE_KEY = "sdtrain.vae_source"
+TEXT_ENCODER_KEY = "sdtrain.text_encoder_source"
+
+
+@dataclass(frozen=True)
+class EncoderSources:
+    """Where a dataset's latents and caption embeddings came from: diffusers model directories or hub ids holding
+    vae/ and tokenizer/ + text_encoder/ subfolders."""
+
+    vae: str
+    text_encoder: str
+    resolution: int | None = None
+
+
+def join(root: str, *parts: str) -> str:
+    return posixpath.join(root.rstrip("/"), *parts) if is_uri(root) else os.path.join(root, *parts)
+
+
+def write_bytes(uri: str, data: bytes) -> None:
+    """The whole file at once: locally a temporary name then an atomic rename; on object storage a single put
+    (an object appears only once complete)."""
+    fs, path = filesystem_for(uri)
+    if is_uri(uri):
+        with fs.open_output_stream(path) as f:
+            f.write(data)
+        return
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    temporary = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.{uuid.uuid4().hex}.tmp")
+    with open(temporary, "wb") as f:
+        f.write(data)
+    os.replace(temporary, path)
+
+
+def done_shards(output: str) -> set[str]:
+    """Names of the shards whose output is complete (their _shards/<name>.json exists)."""
+    fs, path = filesystem_for(join(output, SHARDS_DIR))
+    infos = fs.get_file_info(pafs.FileSelector(path, allow_not_found=True))
+    return {posixpath.basename(i.path)[: -len(".json")] for i in infos if i.path.endswith(".json")}
+
+
+def shard_table(
+    rows: list[dict[str, Any]], image_column: str, caption_column: str, metadata: dict[str, str]
+) -> pa.Table:
+    """The rows of one shard as a table: float16 flat lists (the layout training reads without conversion)."""
+    latents = np.stack([r["latents"] for r in rows]).astype(np.float16) if rows else np.zeros((0, 0), np.float16)
+    embeddings = np.stack([r["embeddings"] for r in rows]).astype(np.float16) if rows else np.zeros((0, 0), np.float16)
+    schema = pa.schema(
+        [
+            (image_column, pa.list_(pa.float16())),
+            (caption_column, pa.list_(pa.float16())),
+            ("caption", pa.string()),
+            ("key", pa.string()),
+        ],
+        metadata=metadata,
+    )
+    return pa.table(
+        [
+            _flat_lists(latents),
+            _flat_lists(embeddings),
+            pa.array([r["caption"] for r in rows], pa.string()),
+            pa.array([r["key"] for r in rows], pa.string()),
+        ],
+        schema=schema,
+    )
+
+
+def _flat_lists(values: np.ndarray) -> pa.Array:
+    width = values.shape[1] if values.ndim == 2 else 0
+    offsets = np.arange(len(values) + 1, dtype=np.int32) * width
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values.reshape(-1), pa.float16()))
+
+
+def parquet_bytes(table: pa.Table, row_group_rows: int) -> bytes:
+    buffer = io.BytesIO()
+    pq.write_table(table, buffer, row_group_size=row_group_rows, compression="zstd")
+    return buffer.getvalue()
+
+
+def write_shard(output: str, name: str, table: pa.Table | None, stats: dict[str, Any], row_group_rows: int) -> None:
+    """The shard's parquet (when it has rows), then its counts: the counts file marks the shard done."""
+    if table is not None and table.num_rows:
+        write_bytes(join(output, f"{name}.parquet"), parquet_bytes(table, row_group_rows))
+    write_bytes(join(output, SHARDS_DIR, f"{name}.json"), json.dumps(stats, indent=2).encode())
+
+
+def read_shard_stats(output: str) -> list[dict[str, Any]]:
+    fs, path = filesystem_for(join(output, SHARDS_DIR))
+    stats = []
+    for info in sorted(fs.get_file_info(pafs.FileSelector(path, allow_not_found=True)), key=lambda i: i.path):
+        if info.path.endswith(".json"):
+            with fs.open_input_stream(info.path) as f:
+                stats.append(json.loads(f.read()))
+    return stats
+
+
+def summarize(stats: list[dict[str, Any]]) -> dict[str, Any]:
+    """Totals over the shards' counts."""
+    skipped: dict[str, int] = {}
+    for shard in stats:
+        for reason, count in shard["skipped"].items():
+            skipped[reason] = skipped.get(reason, 0) + count
+    return {
+        "shards": len(stats),
+        "inputs_read": sum(s["inputs_read"] for s in stats),
+        "rows_written": sum(s["rows_written"] for s in stats),
+        "rows_skipped": sum(skipped.values()),
+        "skipped_by_reason": dict(sorted(skipped.items())),
+        "unreadable_shards": [s["shard"] for s in stats if s.get("error")],
+    }
+
+
+def encoder_sources(files: list[str]) -> EncoderSources | None:
+    """The VAE and text encoder the first of ``files`` records in its parquet metadata, if any.
+
+    Args:
+        files: parquet files written by the preprocessing job (or any parquet: None when they record nothing).
+    """
+    for file in files[:1]:
+        fs, path = filesystem_for(file)
+        try:
+            with fs.open_input_file(path) as f:
+                metadata = pq.read_schema(f).metadata or {}
+        except (OSError, pa.ArrowException) as e:
+            raise DataError(f"cannot read the parquet metadata of {file}: {e}") from None
+        if VAE_KEY.encode() in metadata and TEXT_ENCODER_KEY.encode() in metadata:
+            resolution = metadata.get(RESOLUTION_KEY.encode())
+            return EncoderSources(
+                vae=metadata[VAE_KEY.encode()].decode(),
+                text_encoder=metadata[TEXT_ENCODER_KEY.encode()].decode(),
+                resolution=int(resolution) if resolution else None,
+            )
+    return None

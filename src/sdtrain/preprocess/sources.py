@@ -1,0 +1,251 @@
+"""The inputs as shards: img2dataset-style parquet, WebDataset tars, or a folder of images with a
+captions file. Each shard becomes one output file, so a shard is also the unit of resuming.
+
+Listing runs on the driver and checks what it can before any worker starts (a missing column, an
+unreadable captions file); reading a shard runs in Ray Data tasks and never raises on bad rows.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import posixpath
+import tarfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+
+from sdtrain.data.parquet_files import resolve_parquet_files
+from sdtrain.errors import ConfigError, DataError
+from sdtrain.preprocess.config import InputConfig
+from sdtrain.storage.filesystems import filesystem_for
+from sdtrain.storage.uris import uri_prefix
+
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Rows ``start``..``stop`` of one input (a tar is read whole); ``name`` is its output file's stem."""
+
+    name: str
+    source: str
+    start: int = 0
+    stop: int = -1
+    rows: tuple[tuple[str, str | None], ...] = ()
+    """folder: (image file, caption or None) of each row."""
+
+
+@dataclass
+class Row:
+    key: str
+    image: bytes | None
+    caption: object
+
+
+def list_shards(config: InputConfig) -> list[Shard]:
+    """Every shard of the input, in a stable order; ConfigError/DataError naming the path if it is unusable."""
+    if config.format == "parquet":
+        shards = _parquet_shards(config)
+    elif config.format == "webdataset":
+        shards = [Shard(_stem(tar), tar) for tar in _expand(config.paths, (".tar",), "input.paths")]
+    else:
+        shards = _folder_shards(config)
+    seen: dict[str, str] = {}
+    for shard in shards:
+        if seen.setdefault(shard.name, shard.source) != shard.source:
+            raise ConfigError(
+                f"input.paths: {seen[shard.name]} and {shard.source} would both write {shard.name}.parquet; "
+                "rename one of them or preprocess them into different output.path directories"
+            )
+    return shards
+
+
+def read_shard(shard: Shard, config: InputConfig) -> Iterator[Row]:
+    """The rows of ``shard``. A file that cannot be opened raises OSError (the job counts the shard as unreadable)."""
+    if config.format == "parquet":
+        yield from _parquet_rows(shard, config)
+    elif config.format == "webdataset":
+        yield from _tar_rows(shard, config)
+    else:
+        yield from _folder_rows(shard)
+
+
+def _stem(path: str) -> str:
+    return posixpath.basename(path.rstrip("/")).split(".")[0] or "shard"
+
+
+def _expand(paths: list[str], suffixes: tuple[str, ...], key: str) -> list[str]:
+    found: list[str] = []
+    for spec in paths:
+        fs, path = filesystem_for(spec)
+        info = fs.get_file_info(path)
+        if info.type == pafs.FileType.File:
+            found.append(spec)
+        elif info.type == pafs.FileType.Directory:
+            prefix = uri_prefix(spec)
+            infos = fs.get_file_info(pafs.FileSelector(path, recursive=True))
+            found += sorted(
+                prefix + i.path for i in infos if i.type == pafs.FileType.File and i.path.lower().endswith(suffixes)
+            )
+        else:
+            raise DataError(f"{key}: {spec} does not exist")
+    if not found:
+        raise DataError(f"{key}: {', '.join(paths)} holds no {' or '.join(suffixes)} files")
+    return found
+
+
+def _ranges(total: int, size: int) -> list[tuple[int, int]]:
+    return [(start, min(start + size, total)) for start in range(0, total, size)]
+
+
+def _parquet_shards(config: InputConfig) -> list[Shard]:
+    shards = []
+    for file in resolve_parquet_files(config.paths, "input.paths"):
+        fs, path = filesystem_for(file)
+        try:
+            metadata = pq.read_metadata(path, filesystem=fs)
+        except (OSError, ValueError) as e:
+            raise DataError(f"input.paths: cannot read {file} as parquet: {e}") from None
+        names = metadata.schema.to_arrow_schema().names
+        for column, key in (
+            (config.image_column, "input.image_column"),
+            (config.caption_column, "input.caption_column"),
+        ):
+            if column not in names:
+                raise DataError(
+                    f"{key}: {file} has no column {column!r}; its columns are {', '.join(names)}. Set {key} to the "
+                    "column that holds the " + ("image bytes" if key == "input.image_column" else "captions")
+                )
+        shards += [
+            Shard(f"{_stem(file)}-{start:08d}", file, start, stop)
+            for start, stop in _ranges(metadata.num_rows, config.rows_per_shard)
+        ]
+    return shards
+
+
+def _parquet_rows(shard: Shard, config: InputConfig) -> Iterator[Row]:
+    fs, path = filesystem_for(shard.source)
+    with fs.open_input_file(path) as handle:
+        reader = pq.ParquetFile(handle)
+        starts = [0]
+        for g in range(reader.num_row_groups):
+            starts.append(starts[-1] + reader.metadata.row_group(g).num_rows)
+        # Only the row groups that hold the shard's rows.
+        groups = [g for g in range(reader.num_row_groups) if starts[g] < shard.stop and starts[g + 1] > shard.start]
+        offset = starts[groups[0]] if groups else 0
+        table = reader.read_row_groups(groups, columns=[config.image_column, config.caption_column])
+    table = table.slice(shard.start - offset, shard.stop - shard.start)
+    images = table.column(config.image_column).to_pylist()
+    captions = table.column(config.caption_column).to_pylist()
+    for i, (image, caption) in enumerate(zip(images, captions, strict=True)):
+        yield Row(f"{shard.source}:{shard.start + i}", image if isinstance(image, bytes) else None, caption)
+
+
+def _tar_rows(shard: Shard, config: InputConfig) -> Iterator[Row]:
+    fs, path = filesystem_for(shard.source)
+    key: str | None = None
+    parts: dict[str, bytes] = {}
+    with fs.open_input_stream(path) as stream, tarfile.open(fileobj=stream, mode="r|*") as tar:
+        for member in tar:  # streamed: img2dataset writes a sample's files next to each other
+            if not member.isfile():
+                continue
+            directory, base = posixpath.split(member.name)
+            stem, _, ext = base.partition(".")
+            if stem.startswith("."):
+                continue
+            member_key = posixpath.join(directory, stem)
+            if member_key != key:
+                if key is not None:
+                    yield _tar_row(key, parts, config)
+                key, parts = member_key, {}
+            handle = tar.extractfile(member)
+            parts["." + ext.lower()] = handle.read() if handle is not None else b""
+    if key is not None:
+        yield _tar_row(key, parts, config)
+
+
+def _tar_row(key: str, parts: dict[str, bytes], config: InputConfig) -> Row:
+    image = next((parts[ext] for ext in IMAGE_EXTENSIONS if ext in parts), None)
+    caption: object = None
+    if ".txt" in parts:
+        caption = parts[".txt"].decode("utf-8", errors="replace")
+    elif ".json" in parts:
+        try:
+            caption = json.loads(parts[".json"]).get(config.caption_column)
+        except (ValueError, AttributeError):
+            caption = None
+    return Row(key, image, caption)
+
+
+def _folder_shards(config: InputConfig) -> list[Shard]:
+    (folder,) = config.paths
+    fs, root = filesystem_for(folder)
+    if fs.get_file_info(root).type != pafs.FileType.Directory:
+        raise DataError(f"input.paths: {folder} is not a directory (format folder reads a directory of images)")
+    captions_file = config.captions_file or posixpath.join(folder.rstrip("/"), "captions.jsonl")
+    captions = _read_captions_file(captions_file, config)
+    infos = fs.get_file_info(pafs.FileSelector(root, recursive=True))
+    images = sorted(
+        os.path.relpath(i.path, root) if not uri_prefix(folder) else i.path[len(root) :].lstrip("/")
+        for i in infos
+        if i.type == pafs.FileType.File and i.path.lower().endswith(IMAGE_EXTENSIONS)
+    )
+    # Every image and every caption entry is a row: an image without a caption, or a caption whose image is
+    # absent, is skipped and counted rather than silently dropped.
+    names = images + sorted(set(captions) - set(images))
+    rows = tuple((name, captions.get(name)) for name in names)
+    if not rows:
+        raise DataError(
+            f"input.paths: {folder} holds no images ({', '.join(IMAGE_EXTENSIONS)}) and {captions_file} none"
+        )
+    stem = _stem(folder)
+    return [Shard(f"{stem}-{a:08d}", folder, a, b, rows[a:b]) for a, b in _ranges(len(rows), config.rows_per_shard)]
+
+
+def _read_captions_file(path: str, config: InputConfig) -> dict[str, str | None]:
+    fs, fs_path = filesystem_for(path)
+    try:
+        with fs.open_input_stream(fs_path) as f:
+            text = f.read().decode("utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise DataError(f"input.captions_file: cannot read {path}: {e}") from None
+    if path.endswith(".csv"):
+        records = list(csv.DictReader(io.StringIO(text)))
+    else:
+        records = []
+        for number, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError as e:
+                raise DataError(f"input.captions_file: {path} line {number} is not JSON: {e}") from None
+            if not isinstance(record, dict):
+                raise DataError(f"input.captions_file: {path} line {number} is not a JSON object")
+            records.append(record)
+    captions: dict[str, str | None] = {}
+    for number, record in enumerate(records, 1):
+        if config.file_column not in record:
+            raise DataError(
+                f"input.file_column: record {number} of {path} has no field {config.file_column!r}; its fields are "
+                f"{', '.join(map(str, record))}"
+            )
+        caption = record.get(config.caption_column)
+        captions[posixpath.normpath(str(record[config.file_column]))] = caption if isinstance(caption, str) else None
+    return captions
+
+
+def _folder_rows(shard: Shard) -> Iterator[Row]:
+    fs, root = filesystem_for(shard.source)
+    for name, caption in shard.rows:
+        try:
+            with fs.open_input_stream(posixpath.join(root, name)) as f:
+                image: bytes | None = f.read()
+        except (OSError, FileNotFoundError):
+            image = None
+        yield Row(name, image, caption)

@@ -1,0 +1,70 @@
+"""A tiny Stable Diffusion model directory (vae/, tokenizer/, text_encoder/) built from configs with
+random weights: the real classes at toy size, for tests and benchmarks that must not download."""
+
+from __future__ import annotations
+
+import json
+import os
+
+
+def _byte_characters() -> list[str]:
+    """CLIP's byte-to-unicode table: every byte as a printable character (its BPE alphabet)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    characters, extra = list(printable), 0
+    for b in range(256):
+        if b not in printable:
+            characters.append(256 + extra)
+            extra += 1
+    return [chr(c) for c in characters]
+
+
+def write_tiny_sd_model(root: str, caption_dim: int = 32, vae_blocks: int = 2) -> str:
+    """Write a tiny SD model to ``root``: a character-level CLIP tokenizer (77 tokens), a 2-layer CLIPTextModel of
+    width ``caption_dim`` and an AutoencoderKL that downsamples by 2 ** (vae_blocks - 1). Returns ``root``.
+
+    Args:
+        root: the model directory (created).
+        caption_dim: the text encoder's width: the UNet's cross_attention_dim (32 for model.preset=tiny).
+        vae_blocks: the VAE's encoder blocks.
+    """
+    from diffusers import AutoencoderKL
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
+
+    characters = _byte_characters()
+    vocab = {c: i for i, c in enumerate(characters)}
+    vocab.update({c + "</w>": len(characters) + i for i, c in enumerate(characters)})
+    for token in ("<|startoftext|>", "<|endoftext|>"):
+        vocab[token] = len(vocab)
+    tokenizer_dir = os.path.join(root, "tokenizer")
+    os.makedirs(tokenizer_dir, exist_ok=True)
+    with open(os.path.join(tokenizer_dir, "vocab.json"), "w") as f:
+        json.dump(vocab, f)
+    with open(os.path.join(tokenizer_dir, "merges.txt"), "w") as f:
+        f.write("#version: 0.2\n")  # no merges: one token per character
+    tokenizer = CLIPTokenizer(
+        os.path.join(tokenizer_dir, "vocab.json"), os.path.join(tokenizer_dir, "merges.txt"), model_max_length=77
+    )
+    tokenizer.save_pretrained(tokenizer_dir)
+    text_config = CLIPTextConfig(
+        vocab_size=len(vocab),
+        hidden_size=caption_dim,
+        intermediate_size=2 * caption_dim,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=77,
+        bos_token_id=vocab["<|startoftext|>"],
+        eos_token_id=vocab["<|endoftext|>"],
+        pad_token_id=vocab["<|endoftext|>"],
+    )
+    CLIPTextModel(text_config).save_pretrained(os.path.join(root, "text_encoder"))
+    vae = AutoencoderKL(
+        block_out_channels=tuple(16 * 2**i for i in range(vae_blocks)),
+        down_block_types=("DownEncoderBlock2D",) * vae_blocks,
+        up_block_types=("UpDecoderBlock2D",) * vae_blocks,
+        latent_channels=4,
+        norm_num_groups=8,
+        layers_per_block=1,
+        sample_size=32,
+    )
+    vae.save_pretrained(os.path.join(root, "vae"))
+    return root

@@ -1,0 +1,252 @@
+"""The preprocessing job on real parts: tiny VAE and CLIP text encoder built from configs (with a tokenizer
+written here), crops of the photographs scikit-learn ships, and damaged, grayscale, CMYK, tiny and caption-less
+rows among them; parquet, WebDataset tars and a folder in; parquet that training reads out."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from PIL import Image
+
+from sdtrain.errors import ConfigError, DataError
+from sdtrain.preprocess.config import load_preprocess_config
+from sdtrain.preprocess.encoders import encode_images, encode_prompts, load_text_encoder, load_vae
+from sdtrain.preprocess.images import NO_CAPTION, NO_IMAGE, TOO_SMALL, UNDECODABLE, prepare_image, to_unit_range
+from sdtrain.preprocess.outputs import SCALING_KEY, encoder_sources
+from sdtrain.preprocess.tiny_models import write_tiny_sd_model
+
+ROOT = Path(__file__).resolve().parent.parent
+RESOLUTION = 32  # tiny VAE halves it: 4 x 16 x 16 latents, model.preset=tiny's sample_size
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> str:
+    return write_tiny_sd_model(str(tmp_path_factory.mktemp("sd") / "tiny-sd"))
+
+
+def photographs() -> list[tuple[bytes, str]]:
+    """JPEG crops of scikit-learn's two sample photographs, each with a caption naming what it shows."""
+    from sklearn.datasets import load_sample_images
+
+    crops = []
+    for name, image in zip(("china", "flower"), load_sample_images().images, strict=True):
+        height, width = image.shape[:2]
+        for i, (top, left) in enumerate([(0, 0), (0, width // 2), (height // 2, 0), (height // 2, width // 2)]):
+            crop = Image.fromarray(image[top : top + height // 2, left : left + width // 2])
+            buffer = io.BytesIO()
+            crop.save(buffer, "JPEG", quality=90)
+            crops.append((buffer.getvalue(), f"a photograph of a {name}, part {i}"))
+    return crops
+
+
+def _encoded(image: Image.Image, fmt: str, **kwargs) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, fmt, **kwargs)
+    return buffer.getvalue()
+
+
+def odd_rows() -> list[tuple[bytes | None, str | None, str | None]]:
+    """(image bytes, caption, the skip reason or None if the row must be kept)."""
+    good = photographs()[0][0]
+    rgb = Image.open(io.BytesIO(good))
+    palette = rgb.convert("P", palette=Image.Palette.ADAPTIVE, colors=16)
+    palette.info["transparency"] = 0
+    return [
+        (good[: len(good) // 3], "a truncated jpeg", UNDECODABLE),
+        (b"not an image at all", "garbage bytes", UNDECODABLE),
+        (None, "no image", NO_IMAGE),
+        (_encoded(rgb.convert("L"), "JPEG"), "a grayscale photograph", None),
+        (_encoded(rgb.convert("CMYK"), "JPEG"), "a cmyk photograph", None),
+        (_encoded(rgb.convert("RGBA"), "PNG"), "a photograph with alpha", None),
+        (_encoded(palette, "PNG"), "a palette photograph", None),
+        (_encoded(rgb.resize((8, 6)), "PNG"), "a tiny image", TOO_SMALL),
+        (good, None, NO_CAPTION),
+        (good, "   ", NO_CAPTION),
+    ]
+
+
+def all_rows() -> list[tuple[bytes | None, str | None, str | None]]:
+    return [(data, caption, None) for data, caption in photographs()] + odd_rows()
+
+
+def write_parquet_input(directory: Path, files: int = 3) -> list[tuple[bytes | None, str | None, str | None]]:
+    """img2dataset-style parquet (jpg, caption, url columns) split over ``files`` files."""
+    rows = all_rows()
+    directory.mkdir(parents=True, exist_ok=True)
+    for f, part in enumerate(np.array_split(np.arange(len(rows)), files)):
+        table = pa.table(
+            {
+                "jpg": pa.array([rows[i][0] for i in part], pa.binary()),
+                "caption": pa.array([rows[i][1] for i in part], pa.string()),
+                "url": [f"https://example.com/{i}.jpg" for i in part],
+            }
+        )
+        pq.write_table(table, directory / f"part-{f:05d}.parquet")
+    return rows
+
+
+def config_for(tmp_path: Path, model: str, *overrides: str, fmt: str = "parquet", source: Path | None = None):
+    source = source or tmp_path / "input"
+    return load_preprocess_config(
+        ROOT / "configs" / "preprocess.yaml",
+        [
+            f"input.paths={source}",
+            f"input.format={fmt}",
+            f"encode.model={model}",
+            f"output.path={tmp_path / 'latents'}",
+            f"image.resolution={RESOLUTION}",
+            "encode.batch_size=4",
+            "output.row_group_rows=4",
+            *overrides,
+        ],
+    )
+
+
+# --- the CPU stage, without Ray ---
+
+
+def test_prepare_image_converts_every_mode_and_skips_bad_input():
+    for data, caption, reason in odd_rows():
+        pixels, why = prepare_image(data, RESOLUTION, "skip")
+        if reason in (None, NO_CAPTION):
+            assert why is None, caption
+            assert pixels is not None and pixels.shape == (RESOLUTION, RESOLUTION, 3) and pixels.dtype == np.uint8
+        else:
+            assert (pixels, why) == (None, reason), caption
+    tiny = odd_rows()[7][0]
+    pixels, why = prepare_image(tiny, RESOLUTION, "upscale")
+    assert why is None and pixels is not None and pixels.shape == (RESOLUTION, RESOLUTION, 3)
+
+
+def test_alpha_is_composited_on_white_and_the_center_is_cropped():
+    image = Image.new("RGBA", (60, 40), (255, 0, 0, 0))  # fully transparent red
+    image.paste((0, 0, 255, 255), (20, 0, 40, 40))  # an opaque blue band in the middle third
+    pixels, why = prepare_image(_encoded(image, "PNG"), 40, "skip")
+    assert why is None and pixels is not None
+    assert pixels.shape == (40, 40, 3)
+    assert tuple(pixels[20, 2]) == (255, 255, 255)  # transparent -> white, not black or red
+    assert tuple(pixels[20, 20]) == (0, 0, 255)  # the crop is centered on the blue band
+    unit = to_unit_range(pixels[None])
+    assert unit.shape == (1, 3, 40, 40) and unit.min() == -1.0 and unit.max() == 1.0
+
+
+def test_config_errors_name_the_key(tmp_path):
+    with pytest.raises(ConfigError, match="image.resolution: must be a positive multiple of 8, got 100"):
+        load_preprocess_config(None, ["input.paths=x", "output.path=y", "image.resolution=100"])
+    with pytest.raises(ConfigError, match=r"encode.latnt: unknown key \(did you mean latent\?\)"):
+        load_preprocess_config(None, ["input.paths=x", "output.path=y", "encode.latnt=mean"])
+    with pytest.raises(ConfigError, match="output.path: is required"):
+        load_preprocess_config(None, ["input.paths=x"])
+    write_parquet_input(tmp_path / "input", files=1)
+    from sdtrain.preprocess.sources import list_shards
+
+    config = config_for(tmp_path, "unused", "input.caption_column=text")
+    with pytest.raises(DataError, match=r"input.caption_column: .*part-00000.parquet has no column 'text'"):
+        list_shards(config.input)
+
+
+def test_encoders_match_the_diffusers_pipeline(tiny_model):
+    """Captions as StableDiffusionPipeline.encode_prompt computes them; latents scaled by the VAE's factor once."""
+    from diffusers import StableDiffusionPipeline
+
+    tokenizer, text_encoder = load_text_encoder(tiny_model)
+    vae = load_vae(tiny_model)
+    ours = encode_prompts(tokenizer, text_encoder, ["a red fox", ""])
+    assert ours.shape == (2, 77, 32)
+    pipeline = StableDiffusionPipeline(
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        unet=None,
+        scheduler=None,
+        safety_checker=None,
+        feature_extractor=None,
+        requires_safety_checker=False,
+    )
+    theirs, _ = pipeline.encode_prompt(["a red fox", ""], "cpu", 1, False)
+    torch.testing.assert_close(ours, theirs)
+
+    pixels = np.stack([prepare_image(data, RESOLUTION, "skip")[0] for data, _ in photographs()[:2]])
+    latents = encode_images(vae, pixels, "mean")
+    expected = vae.encode(torch.from_numpy(to_unit_range(pixels))).latent_dist.mean * vae.config.scaling_factor
+    torch.testing.assert_close(latents, expected)
+    assert latents.shape == (2, 4, 16, 16)
+    sampled = encode_images(vae, pixels, "sample", seeds=[1, 2])
+    again = encode_images(vae, pixels[1:], "sample", seeds=[2])
+    torch.testing.assert_close(sampled[1:], again)  # a row's sample depends on its seed, not its batch
+    assert not torch.allclose(sampled, latents)
+
+
+# --- the job on Ray ---
+
+
+def _written(output: Path) -> dict[str, int]:
+    return {p.name: p.stat().st_ino for p in sorted(output.glob("*.parquet"))}
+
+
+@pytest.mark.slow
+def test_parquet_input_interrupted_and_resumed(tmp_path, tiny_model, ray_cluster):
+    from sdtrain.data.inspection import inspect_dataset
+    from sdtrain.preprocess.job import run_preprocess
+    from sdtrain.preprocess.sources import list_shards
+
+    rows = write_parquet_input(tmp_path / "input", files=3)
+    config = config_for(tmp_path, tiny_model, "input.rows_per_shard=3")
+    shards = list_shards(config.input)
+    assert len(shards) == 6  # 3 files of 6 rows, in shards of 3 rows
+    output = tmp_path / "latents"
+
+    first = run_preprocess(config, max_shards=2)  # the job stopped after two shards
+    assert len(first.shards_written) == 2 and first.shards_done_before == 0
+    before = _written(output)
+    assert len(before) == 2
+
+    second = run_preprocess(config)
+    assert second.shards_done_before == 2
+    assert not set(second.shards_written) & set(first.shards_written)  # no shard written twice
+    after = _written(output)
+    assert {name: after[name] for name in before} == before  # the first run's files were left alone
+    marked = sorted(p.stem for p in (output / "_shards").glob("*.json"))
+    assert sorted(first.shards_written + second.shards_written) == marked == sorted(s.name for s in shards)
+    assert {p[: -len(".parquet")] for p in after} <= set(marked)  # a shard of only skipped rows has no file
+
+    kept = [caption.strip() for _, caption, reason in rows if reason is None]
+    files = sorted(str(p) for p in output.glob("*.parquet"))
+    table = pa.concat_tables(pq.read_table(f) for f in files)
+    assert sorted(table.column("caption").to_pylist()) == sorted(kept)  # none lost, none twice
+    manifest = json.loads((output / "manifest.json").read_text())
+    assert manifest["inputs_read"] == len(rows)
+    assert manifest["rows_written"] == len(kept)
+    expected_skips: dict[str, int] = {}
+    for _, _, reason in rows:
+        if reason is not None:
+            expected_skips[reason] = expected_skips.get(reason, 0) + 1
+    assert manifest["skipped_by_reason"] == expected_skips
+
+    spec = inspect_dataset(files, "data.train", "image_latents_256", "caption_latents", 4, 32)
+    assert spec.latent_shape == (4, 16, 16) and spec.caption_shape == (77, 32)
+    for file in files:
+        parquet = pq.ParquetFile(file)
+        assert parquet.schema_arrow.field("image_latents_256").type == pa.list_(pa.float16())
+        assert all(parquet.metadata.row_group(g).num_rows <= 4 for g in range(parquet.num_row_groups))
+        assert float(parquet.schema_arrow.metadata[SCALING_KEY.encode()]) == 0.18215
+    sources = encoder_sources(files)
+    assert sources is not None and sources.vae == tiny_model and sources.resolution == RESOLUTION
+
+    # The stored rows are what the encoders give for the same inputs, row for row.
+    tokenizer, text_encoder = load_text_encoder(tiny_model)
+    captions = table.column("caption").to_pylist()[:3]
+    stored = np.array(table.column("caption_latents").to_pylist()[:3], dtype=np.float32).reshape(3, 77, 32)
+    np.testing.assert_allclose(stored, encode_prompts(tokenizer, text_encoder, captions).numpy(), atol=2e-3, rtol=1e-2)
+    empty = np.load(output / "unconditional_caption.npy")
+    np.testing.assert_allclose(empty, encode_prompts(tokenizer, text_encoder, [""])[0].numpy(), atol=1e-6)
+
+    third = run_preprocess(config)  # everything done: nothing is read or written
+    assert third.shards_written == [] and _written(output) == after
