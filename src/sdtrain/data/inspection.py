@@ -46,7 +46,7 @@ def inspect_dataset(
     with ThreadPoolExecutor(max_workers=16) as pool:
         footers = list(pool.map(lambda f: _read_footer(f, key), files))
 
-    layouts = {}
+    layouts: dict[str, tuple[str, ColumnLayout]] = {}  # column: (first file, its layout there)
     for column, role in ((image_column, "data.image_column"), (caption_column, "data.caption_column")):
         for file, (schema, _) in zip(files, footers, strict=True):
             if column not in schema.names:

@@ -33,7 +33,7 @@ class PacedScheduling(ExecutionCallback):
     """Sleeps out the rest of :data:`ROUND_S` after a scheduling round that took less."""
 
     def __init__(self) -> None:
-        self._round_started = None
+        self._round_started: float | None = None
 
     def on_execution_step(self, executor) -> None:
         now = time.monotonic()

@@ -94,7 +94,7 @@ class SamplePlan:
         }
 
     def __setstate__(self, state):
-        self.__init__(**state)
+        type(self).__init__(self, **state)
 
     def _make_chunks(self) -> None:
         chunks = []

@@ -7,10 +7,11 @@ block per window); validation data is read in file order.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import ray.data
 from ray.data.extensions import ArrowTensorArray
@@ -38,6 +39,7 @@ class WindowReader:
     spec: DatasetSpec
     data: DataConfig
     plan: SamplePlan
+    _sources: list[tuple[pafs.FileSystem, str]] = field(init=False, repr=False, compare=False)  # per file
 
     def __post_init__(self):
         # Resolved here, on the driver: the filesystems carry the job's S3 endpoint and retries
@@ -142,7 +144,7 @@ def rank_dataset(reader: WindowReader, stretches: list[Stretch]) -> ray.data.Dat
     dataset.context.raise_original_map_exception = True
     return paced(
         dataset.map_batches(
-            _read_windows,
+            _read_windows,  # type: ignore[arg-type]  # Ray types fn as one-argument; the rest are fn_kwargs
             # Whole blocks (one window id each): Ray Data then fuses the read of the ids into the
             # window's task instead of running a task per id first (batch_size=1 prevents fusion).
             batch_size=None,
@@ -174,7 +176,7 @@ def file_order_dataset(spec: DatasetSpec, data: DataConfig) -> ray.data.Dataset:
     dataset.context.execution_options.preserve_order = True
     return paced(
         dataset.map_batches(
-            decode_batch,
+            decode_batch,  # type: ignore[arg-type]  # Ray types fn as one-argument; the rest are fn_kwargs
             batch_format="pyarrow",
             batch_size=None,  # whole blocks: decoding is vectorized, bigger is cheaper
             fn_kwargs=dict(

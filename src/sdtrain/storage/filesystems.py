@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime
 import os
 import tempfile
+from collections.abc import Sequence
 
 import pyarrow.fs as pafs
 
@@ -25,7 +26,7 @@ def filesystem_for(path: str) -> tuple[pafs.FileSystem, str]:
     return pafs.LocalFileSystem(), os.path.abspath(os.path.expanduser(path))
 
 
-def filesystems_for(paths: list[str]) -> list[tuple[pafs.FileSystem, str]]:
+def filesystems_for(paths: Sequence[str]) -> list[tuple[pafs.FileSystem, str]]:
     """``filesystem_for`` of each path, with one filesystem per S3 bucket (many files, few buckets)."""
     buckets: dict[str, pafs.FileSystem] = {}
     out = []
