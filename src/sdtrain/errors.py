@@ -25,7 +25,7 @@ def find_sdtrain_error(error: BaseException) -> "SdtrainError | None":
     """Our own error inside ``error``, however Ray wrapped it (task errors, worker failures of a
     Ray Train run, a controller failure, exception chains); None if there is none."""
     seen: set[int] = set()
-    pending = [error]
+    pending: list[BaseException | None] = [error]  # causes and contexts may be None
     while pending:
         current = pending.pop()
         if current is None or id(current) in seen:

@@ -17,12 +17,15 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterable
+from typing import TypeVar
 
 import torch
 from torch import nn
 
+M = TypeVar("M", bound=nn.Module)
 
-def make_ema(model: nn.Module) -> nn.Module:
+
+def make_ema(model: M) -> M:
     """A frozen copy of ``model``: its parameters require no grad, so DDP neither reduces nor broadcasts them."""
     ema = copy.deepcopy(model)
     ema.requires_grad_(False)  # left in train mode like the UNet: the UNet has no dropout or batch norm by default
@@ -49,7 +52,9 @@ def ema_update_(
         return
     device_weight = (1.0 - skipped.to(ema_params[0].device, torch.float32)) * weight
     for ema_group, param_group in _by_dtype(ema_params, params):
-        torch._foreach_lerp_(ema_group, param_group, device_weight.to(ema_group[0].dtype))
+        # .item(): _foreach_lerp_ takes the weight as a Python scalar (it has no 0-d tensor overload;
+        # a tensor passed here is converted the same way, implicitly), which syncs with the device.
+        torch._foreach_lerp_(ema_group, param_group, device_weight.to(ema_group[0].dtype).item())
 
 
 def _by_dtype(ema_params, params):

@@ -54,7 +54,7 @@ def read_captions(path: str, caption_dim: int, column: str = "caption_latents", 
     table = pa.concat_tables(tables)
     if "label" in table.column_names:
         labels = table.column("label").to_pylist()
-        first = {}
+        first: dict[Any, int] = {}  # label: the first row that has it
         for i, label in enumerate(labels):
             first.setdefault(label, i)
         order = sorted(first)

@@ -36,7 +36,7 @@ def grid_image(tiles: np.ndarray, names: list[str], zoom: int = 1):
     for r in range(rows):
         draw.text((4, pad + r * (h + pad) + h // 2 - 5), names[r][:9], fill="black")
         for k in range(cols):
-            tile = Image.fromarray(tiles[r, k]).convert("RGB").resize((w, h), Image.NEAREST)
+            tile = Image.fromarray(tiles[r, k]).convert("RGB").resize((w, h), Image.Resampling.NEAREST)
             canvas.paste(tile, (margin + pad + k * (w + pad), pad + r * (h + pad)))
     return canvas
 

@@ -43,7 +43,7 @@ def sample_latents(
     noise_scheduler_config: dict[str, Any],
     captions: torch.Tensor,
     unconditional: torch.Tensor | None,
-    latent_shape: tuple[int, int, int],
+    latent_shape: tuple[int, ...],  # (C, H, W)
     *,
     sampler: Literal["ddim", "dpm"] = "ddim",
     steps: int = 25,
