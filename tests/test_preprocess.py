@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+import tarfile
 from pathlib import Path
 
 import numpy as np
@@ -250,3 +251,87 @@ def test_parquet_input_interrupted_and_resumed(tmp_path, tiny_model, ray_cluster
 
     third = run_preprocess(config)  # everything done: nothing is read or written
     assert third.shards_written == [] and _written(output) == after
+
+
+def write_webdataset_input(directory: Path, per_tar: int = 6) -> list[tuple[bytes | None, str | None, str | None]]:
+    """img2dataset's tar layout (<key>.jpg + <key>.txt, or <key>.json with a caption field); the last tar is cut
+    short mid-member, as an interrupted upload leaves it."""
+    rows = all_rows()
+    directory.mkdir(parents=True, exist_ok=True)
+    for t, start in enumerate(range(0, len(rows), per_tar)):
+        with tarfile.open(directory / f"{t:05d}.tar", "w") as tar:
+            for i in range(start, min(start + per_tar, len(rows))):
+                data, caption, _ = rows[i]
+                members = {}
+                if data is not None:
+                    members[f"{i:09d}.jpg"] = data
+                if caption is not None:
+                    if i % 2:
+                        members[f"{i:09d}.txt"] = caption.encode()
+                    else:
+                        members[f"{i:09d}.json"] = json.dumps({"caption": caption, "url": "x"}).encode()
+                else:
+                    members[f"{i:09d}.json"] = json.dumps({"url": "x"}).encode()  # img2dataset: no caption
+                for name, payload in members.items():
+                    info = tarfile.TarInfo(name)
+                    info.size = len(payload)
+                    tar.addfile(info, io.BytesIO(payload))
+    good = (directory / "00000.tar").read_bytes()
+    (directory / "99999.tar").write_bytes(good[: len(good) // 2])
+    return rows
+
+
+def write_folder_input(directory: Path) -> list[tuple[bytes | None, str | None, str | None]]:
+    """Image files plus captions.jsonl; a caption entry whose file is absent, and an image with no entry."""
+    rows = [r for r in all_rows() if r[0] is not None]
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / "captions.jsonl", "w") as f:
+        for i, (data, caption, _) in enumerate(rows):
+            (directory / f"{i:03d}.jpg").write_bytes(data)
+            if caption is not None:  # a row without a caption has no entry: the image stands alone
+                f.write(json.dumps({"file_name": f"{i:03d}.jpg", "text": caption}) + "\n")
+        f.write(json.dumps({"file_name": "missing.jpg", "text": "an image that is not there"}) + "\n")
+    return rows + [(None, "an image that is not there", NO_IMAGE)]
+
+
+def _skips(rows) -> dict[str, int]:
+    found: dict[str, int] = {}
+    for _, _, reason in rows:
+        if reason is not None:
+            found[reason] = found.get(reason, 0) + 1
+    return found
+
+
+@pytest.mark.slow
+def test_webdataset_tars_and_an_image_folder(tmp_path, tiny_model, ray_cluster):
+    from sdtrain.preprocess.job import run_preprocess
+
+    rows = write_webdataset_input(tmp_path / "tars")
+    config = config_for(tmp_path / "wds", tiny_model, fmt="webdataset", source=tmp_path / "tars")
+    summary = run_preprocess(config)
+    assert list(summary.shards_failed) == ["99999"]  # the cut tar fails alone, and is not marked done
+    assert "ReadError" in summary.shards_failed["99999"] or "EOF" in summary.shards_failed["99999"]
+    manifest = summary.manifest
+    assert manifest["inputs_read"] == len(rows) and manifest["skipped_by_reason"] == _skips(rows)
+    output = tmp_path / "wds" / "latents"
+    files = sorted(output.glob("*.parquet"))
+    captions = sorted(c for f in files for c in pq.read_table(f).column("caption").to_pylist())
+    assert captions == sorted(c.strip() for _, c, reason in rows if reason is None)
+    assert not (output / "_shards" / "99999.json").exists()
+    (tmp_path / "tars" / "99999.tar").unlink()  # the upload is redone whole...
+    (tmp_path / "tars" / "00000.tar").rename(tmp_path / "tars" / "99999.tar")
+    # ...and a re-run does that shard only (00000 stays done: its file is not rewritten).
+    again = run_preprocess(config)
+    assert again.shards_written == ["99999"] and again.shards_failed == {}
+
+    rows = write_folder_input(tmp_path / "images")
+    config = config_for(
+        tmp_path / "folder", tiny_model, "input.caption_column=text", fmt="folder", source=tmp_path / "images"
+    )
+    summary = run_preprocess(config)
+    manifest = summary.manifest
+    assert manifest["inputs_read"] == len(rows)
+    assert manifest["skipped_by_reason"] == _skips(rows)
+    files = sorted((tmp_path / "folder" / "latents").glob("*.parquet"))
+    keys = sorted(k for f in files for k in pq.read_table(f).column("key").to_pylist())
+    assert keys == sorted(f"{i:03d}.jpg" for i, r in enumerate(rows) if r[2] is None)
