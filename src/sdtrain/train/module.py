@@ -23,6 +23,16 @@ from sdtrain.train.strategy import apply_options, is_sharded
 
 
 class DiffusionModule(pl.LightningModule):
+    # The buffers registered in __init__ (register_buffer sets them; declared here for their type).
+    loss_sum: torch.Tensor
+    loss_count: torch.Tensor
+    skipped_steps: torch.Tensor
+    skipped_samples: torch.Tensor
+    bad_streak: torch.Tensor
+    longest_bad_streak: torch.Tensor
+    step_loss_nonfinite: torch.Tensor
+    step_skipped: torch.Tensor
+
     def __init__(
         self,
         unet: UNet2DConditionModel,
@@ -165,7 +175,9 @@ class DiffusionModule(pl.LightningModule):
         if self.train_config.grad_clip_norm > 0:
             torch._foreach_mul_(grads, torch.clamp(self.train_config.grad_clip_norm / (norm + 1e-6), max=1.0))
         if scaler is None:
-            optimizer.found_inf = nonfinite
+            # Not declared by torch's Optimizer: the fused step reads it with getattr, and torch's own
+            # GradScaler sets it this same way (with the same ignore).
+            optimizer.found_inf = nonfinite  # type: ignore[attr-defined]
             bad = nonfinite
         else:
             bad = self.step_loss_nonfinite.clone()
@@ -178,12 +190,14 @@ class DiffusionModule(pl.LightningModule):
     def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None) -> None:
         super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
         if self.ema_unet is not None:
+            decay = self.train_config.ema_decay
+            assert decay is not None  # ema_unet exists only when train.ema_decay is set (__init__)
             # global_step still counts the steps before this one here. A skipped step leaves the EMA too.
             ema_update_(
                 self.ema_unet.parameters(),
                 self.unet.parameters(),
                 self.global_step + 1,
-                self.train_config.ema_decay,
+                decay,
                 self.train_config.ema_start_step,
                 self.step_skipped,
             )

@@ -23,8 +23,8 @@ def build_strategy(train: TrainConfig, world_size: int, on_ray: bool):
     (the device Ray Train assigned this worker) when ``on_ray``."""
     if train.strategy == "fsdp":
         # Every process is one data-parallel rank: the whole world shards the UNet.
-        kwargs = dict(data_parallel_size=world_size, tensor_parallel_size=1, save_distributed_checkpoint=False)
-        return RayModelParallelStrategy(**kwargs) if on_ray else ModelParallelStrategy(**kwargs)
+        strategy = RayModelParallelStrategy if on_ray else ModelParallelStrategy
+        return strategy(data_parallel_size=world_size, tensor_parallel_size=1, save_distributed_checkpoint=False)
     if on_ray:
         from ray.train.lightning import RayDDPStrategy
 

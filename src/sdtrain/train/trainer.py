@@ -188,6 +188,10 @@ def fit_without_ray(
     module, trainer_kwargs = build_training(config, meta, use_gpu=use_gpu)
     trainer = pl.Trainer(callbacks=list(callbacks), default_root_dir=default_root_dir, **trainer_kwargs)
     # Each epoch replays the batches, until train.max_steps.
-    loader = torch.utils.data.DataLoader(list(batches), batch_size=None)
+    # A list is a map-style dataset (__getitem__, __len__), which torch's annotation (Dataset) leaves out.
+    loader: torch.utils.data.DataLoader[dict[str, torch.Tensor]] = torch.utils.data.DataLoader(
+        list(batches),  # type: ignore[arg-type]
+        batch_size=None,
+    )
     trainer.fit(module, train_dataloaders=loader, ckpt_path=ckpt_path, weights_only=True)
     return module, trainer

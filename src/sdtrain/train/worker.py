@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import lightning.pytorch as pl
+import numpy as np
 import ray.train
 import ray.train.torch
 import torch
@@ -47,28 +48,29 @@ class TrainStream:
         self.micro_batch = micro_batch
         self.prefetch_batches = prefetch_batches
         self.device = device
-        self.expected_first = None
-        self._batches = None
-        self._first: Future | None = None
+        self.expected_first: np.ndarray | None = None  # set by _fit, before Lightning iterates
+        self._batches: Iterator[dict[str, torch.Tensor]] | None = None
+        self._first: Future[dict[str, torch.Tensor] | None] | None = None
         self._started = False
         self._wait_s = 0.0
 
-    def start(self) -> Future:
+    def start(self) -> Future[dict[str, torch.Tensor] | None]:
         """Fetch the first batch in the background from now on; returns its future (None: no rows)."""
-        self._batches = iter(
+        batches: Iterator[dict[str, torch.Tensor]] = iter(
             self.shard.iter_torch_batches(
                 batch_size=self.micro_batch,
                 prefetch_batches=self.prefetch_batches,
                 device=self.device,
             )
         )
-        self._first = Future()
+        first: Future[dict[str, torch.Tensor] | None] = Future()
+        self._batches, self._first = batches, first
 
         def fetch_first():
             try:
-                self._first.set_result(next(self._batches, None))
+                first.set_result(next(batches, None))
             except BaseException as error:  # handed to the training thread, which raises it
-                self._first.set_exception(error)
+                first.set_exception(error)
 
         # A daemon thread: a worker that fails while building its model must not wait for it.
         threading.Thread(target=fetch_first, name="sdtrain-first-batch", daemon=True).start()
@@ -84,6 +86,8 @@ class TrainStream:
         if self._started:
             raise RuntimeError("the training stream was read to its end before train.max_steps")
         self._started = True
+        # train_loop_per_worker starts the stream before it builds the model, long before Lightning iterates it.
+        assert self._first is not None and self._batches is not None, "TrainStream.start() was not called"
         try:
             batch = self._first.result()
             if batch is None:
@@ -106,10 +110,12 @@ class TrainStream:
 
     def _check_position(self, indices: torch.Tensor) -> None:
         found = indices.tolist()
-        if found != list(self.expected_first):
+        expected = self.expected_first
+        assert expected is not None  # _fit sets it before the trainer reads the first batch
+        if found != list(expected):
             raise TrainingFailed(
                 f"the training data stream starts at samples {found[:4]}..., but the restored checkpoint's "
-                f"data position expects {list(self.expected_first[:4])}...: the data was positioned from "
+                f"data position expects {list(expected[:4])}...: the data was positioned from "
                 "another checkpoint than the one restored. Re-run to resume from the latest checkpoint"
             )
 
