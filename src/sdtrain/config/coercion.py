@@ -8,12 +8,15 @@ import datetime
 import difflib
 import types
 import typing
-from typing import Any, Literal, Union
+from typing import TYPE_CHECKING, Any, Literal, Union
 
 from sdtrain.errors import ConfigError
 
+if TYPE_CHECKING:  # schema imports this module
+    from sdtrain.config.schema import _Section
 
-def build_section(cls: type, values: dict[str, Any]) -> Any:
+
+def build_section(cls: type[_Section], values: dict[str, Any]) -> Any:
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     kwargs = {}

@@ -45,8 +45,9 @@ def help_text() -> str:
 
 def field_docs(cls: type) -> dict[str, str]:
     """The string literal under each field: the field's docstring."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    body = tree.body[0].body
+    class_def = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0]
+    assert isinstance(class_def, ast.ClassDef)  # the source of a class is its class statement
+    body = class_def.body
     docs = {}
     for node, nxt in itertools.pairwise(body):
         if (

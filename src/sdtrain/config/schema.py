@@ -24,6 +24,7 @@ from sdtrain.storage.uris import has_userinfo, redact
 PRESETS = ("tiny", "small", "sd2-base")
 
 
+@dataclass  # without fields (section is a ClassVar): so that a type[_Section] is a dataclass to the type checker
 class _Section:
     """Base for config sections: knows its own name so errors can say ``train.lr``."""
 
@@ -455,7 +456,7 @@ class Config:
 
     def storage_uris(self) -> list[tuple[str, str]]:
         """(key, path) for every path or URI the config names: data, models and storage."""
-        named = [(f"data.train[{i}]", p) for i, p in enumerate(self.data.train)]
+        named: list[tuple[str, str | None]] = [(f"data.train[{i}]", p) for i, p in enumerate(self.data.train)]
         named += [(f"data.val[{i}]", p) for i, p in enumerate(self.data.val)]
         if self.data.unconditional_caption != "zeros":
             named.append(("data.unconditional_caption", self.data.unconditional_caption))
@@ -483,7 +484,7 @@ class Config:
         return dataclasses.asdict(self)
 
 
-SECTIONS = {
+SECTIONS: dict[str, type[_Section]] = {
     "data": DataConfig,
     "model": ModelConfig,
     "train": TrainConfig,
