@@ -17,7 +17,7 @@ import ray.train
 from ray.train.torch import TorchTrainer
 
 from sdtrain.artifacts.export import EXPORT_DIR, export_checkpoint, export_source
-from sdtrain.artifacts.run_outputs import read_history, write_run_outputs
+from sdtrain.artifacts.run_outputs import LossLabels, read_history, write_run_outputs
 from sdtrain.config.schema import Config, ScalingConfig
 from sdtrain.data.demo import ensure_demo_data
 from sdtrain.data.inspection import DatasetSpec, inspect_dataset
@@ -34,6 +34,7 @@ from sdtrain.storage.s3 import resolved_s3_settings
 from sdtrain.storage.uris import absolute
 from sdtrain.train.failures import StopOnDeterministicErrors, failure_message
 from sdtrain.train.shards import PlannedShards, checkpoint_position, committed_run
+from sdtrain.train.trackers import check_trackers, log_export, tracker_env
 from sdtrain.train.trainer import checkpoint_meta, resolve_precision
 from sdtrain.train.worker import train_loop_per_worker
 
@@ -51,6 +52,7 @@ def train(config: Config) -> RunSummary:
     launched_at = time.time()  # the origin of the metric time_to_first_step_s
     config = _with_absolute_paths(config)
     preflight(config)  # object storage: endpoint, credentials, buckets, permissions (sdtrain.preflight)
+    check_trackers(config)
     unet = unet_config(config.model)
     if config.data.demo:
         val_dir = config.data.val[0] if config.data.val else None
@@ -120,6 +122,7 @@ def train(config: Config) -> RunSummary:
             "plan": plan,
             "s3": resolved_s3_settings(),
             "launched_at": launched_at,
+            "tracker_env": tracker_env(),
         },
         scaling_config=ray.train.ScalingConfig(
             num_workers=_ray_num_workers(config.scaling),
@@ -175,12 +178,18 @@ def _finish(config: Config, result: ray.train.Result) -> RunSummary:
     """metrics.csv, loss_curve.png and the export (unless it is already that of the final checkpoint)."""
     checkpoint = result.checkpoint
     history = read_history(checkpoint)
-    outputs = write_run_outputs(history, checkpoint.filesystem, result.path)
+    labels = LossLabels(config.model.prediction_type, config.train.snr_gamma)
+    outputs = write_run_outputs(history, checkpoint.filesystem, result.path, labels)
     if config.run.export:
         export_path = posixpath.join(result.path, EXPORT_DIR)
         source = uri_for(checkpoint.filesystem, checkpoint.path)
         if export_source(uri_for(checkpoint.filesystem, export_path)) != source:
             export_checkpoint(source, uri_for(checkpoint.filesystem, export_path))
+            try:
+                fs = checkpoint.filesystem
+                log_export(config, uri_for(fs, result.path), uri_for(fs, export_path))
+            except Exception as error:  # the run and its export are done: a tracker's failure must not undo that
+                print(f"[sdtrain] could not attach the export to the trackers: {error}", flush=True)
         outputs.append(export_path)
     return RunSummary(
         run_dir=uri_for(checkpoint.filesystem, result.path),

@@ -21,6 +21,7 @@ from sdtrain.config.schema import RunConfig
 from sdtrain.data.read_order import DataState
 from sdtrain.errors import NonFiniteTraining, TrainingFailed
 from sdtrain.train.checkpointing import report_with_checkpoint
+from sdtrain.train.run_view import RunView
 from sdtrain.train.strategy import is_sharded
 
 log = logging.getLogger("sdtrain")
@@ -41,12 +42,14 @@ class StepReporter(pl.Callback):
         launched_at: float,
         val_batches: ValBatches | None = None,
         val_seed: int = 0,
+        view: RunView | None = None,
     ):
         """``history`` holds the rows of the checkpoint being resumed from ([] for a fresh run);
         ``data_position(step)`` is the data state after that step, saved with its checkpoint;
         ``data_wait_s()`` the seconds this rank waited for data since its previous call;
         ``launched_at`` the wall-clock time the driver started the run;
-        ``val_batches`` yields the validation set on rank 0 (None: no validation)."""
+        ``val_batches`` yields the validation set on rank 0 (None: no validation);
+        ``view`` rank 0's live files, trackers and Ray gauges (None on other ranks)."""
         self.run = run
         self.max_steps = max_steps
         self.samples_per_step = samples_per_step
@@ -56,6 +59,7 @@ class StepReporter(pl.Callback):
         self.launched_at = launched_at
         self.val_batches = val_batches
         self.val_seed = val_seed
+        self.view = view
         self.val_every = run.val_every_n_steps or run.checkpoint_every_n_steps
         # One row per report, saved with each checkpoint so the curve survives restarts exactly:
         # rows after the checkpoint a restart resumes from are dropped with the steps they describe.
@@ -70,6 +74,8 @@ class StepReporter(pl.Callback):
         self._reported_step = self._seen_step = self._start_step = trainer.global_step
         if trainer.is_global_zero and trainer.global_step:
             log.info("resumed from step %d", trainer.global_step)
+        if self.view is not None:
+            self.view.started(self.history)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         step = trainer.global_step
@@ -85,6 +91,12 @@ class StepReporter(pl.Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.global_step != self._reported_step:
             self._report(trainer, pl_module, trainer.global_step, with_checkpoint=True)
+        if self.view is not None:
+            self.view.finished("success")
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        if self.view is not None:
+            self.view.finished("failed")
 
     def _report(self, trainer: pl.Trainer, pl_module, step: int, with_checkpoint: bool) -> None:
         # Replays the epoch's order: computed once per report, for the metrics and the checkpoint.
@@ -101,6 +113,8 @@ class StepReporter(pl.Callback):
         if trainer.is_global_zero:
             log.info(_progress_line(metrics, self.max_steps))
             self.history.append(metrics)
+            if self.view is not None:
+                self.view.reported(metrics, self.history, pl_module)
         if with_checkpoint:
             self._checkpoint_stall = report_with_checkpoint(
                 trainer, pl_module, metrics, step, position, self.history, self.run.checkpoint_upload

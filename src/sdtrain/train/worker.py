@@ -6,6 +6,7 @@ import contextlib
 import json
 import logging
 import os
+import posixpath
 import threading
 import time
 import warnings
@@ -28,6 +29,9 @@ from sdtrain.errors import TrainingFailed, find_sdtrain_error
 from sdtrain.model.recipe import load_unconditional_caption
 from sdtrain.storage.s3 import apply_s3_settings
 from sdtrain.train.reporting import StepReporter, log
+from sdtrain.train.run_view import RunView
+from sdtrain.train.sample_grids import SampleGrids, grid_captions
+from sdtrain.train.trackers import apply_tracker_env
 from sdtrain.train.trainer import build_training
 
 
@@ -173,6 +177,7 @@ class WorkerRun:
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     _configure_logging()
     apply_s3_settings(loop_config["s3"])  # model.pretrained, data.unconditional_caption on s3://
+    apply_tracker_env(loop_config.get("tracker_env", {}))
     config = Config.from_dict(loop_config["config"])
     use_gpu: bool = loop_config["use_gpu"]
     world_size = ray.train.get_context().get_world_size()
@@ -241,6 +246,7 @@ def _fit(
         data_position=lambda step: plan.advance(start.data, layout.world_size, layout.rows_per_step, step - start.step),
         val_batches=val_batches,
         val_seed=config.train.seed,
+        view=_run_view(config, module) if rank == 0 else None,
         data_wait_s=train_batches.take_wait_s,
         launched_at=run.launched_at,
     )
@@ -250,6 +256,23 @@ def _fit(
         # strategy (sdtrain.train.strategy.RayModelParallelStrategy), which needs nothing more from it.
         trainer = prepare_trainer(trainer)
     trainer.fit(module, train_dataloaders=train_batches, ckpt_path=start.ckpt_path, weights_only=True)
+
+
+def _run_view(config: Config, module: Any) -> RunView:
+    """Rank 0's live files, trackers, gauges and sample grids (``module``: the DiffusionModule)."""
+    meta = module.checkpoint_meta
+    run_dir = posixpath.join(config.run.storage_path, config.run.name)
+    grids = None
+    captions = grid_captions(config, meta.caption_shape[-1])
+    if captions is None:
+        log.info("no sample grids: neither run.sample_captions nor data.val is set")
+    elif config.train.strategy == "fsdp":
+        # Each rank holds a shard of the weights: rank 0 alone cannot sample.
+        log.info("no sample grids under train.strategy=fsdp")
+    else:
+        unconditional = module.unconditional_caption.detach().cpu()
+        grids = SampleGrids(config, meta, captions, run_dir, unconditional)
+    return RunView(config, run_dir, grids, config.train.max_steps)
 
 
 def _configure_logging() -> None:

@@ -1,0 +1,114 @@
+"""Rank 0's window on a running job, fed by :class:`sdtrain.train.reporting.StepReporter` at every
+report: the live files in the run directory, the experiment trackers, and Ray metrics (gauges that
+Ray's dashboard, Prometheus/Grafana and Anyscale show)."""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from sdtrain.artifacts.run_outputs import LossLabels
+from sdtrain.config.schema import Config
+from sdtrain.train.live import LiveOutputs
+from sdtrain.train.sample_grids import SampleGrids
+from sdtrain.train.trackers import Trackers
+
+log = logging.getLogger("sdtrain")
+
+# metric -> (gauge name, description): what a dashboard needs to tell a healthy run from a stalled one.
+GAUGES = {
+    "loss": ("sdtrain_train_loss", "Training loss (recipe-weighted) over the latest report's window"),
+    "samples_per_s": ("sdtrain_samples_per_second", "Training samples per second over the latest report's window"),
+    "data_wait_fraction": ("sdtrain_data_wait_fraction", "Fraction of the wall time the training loop waited for data"),
+    "checkpoint_stall_s": (
+        "sdtrain_checkpoint_stall_seconds",
+        "Seconds training waited on the last checkpoint",
+    ),
+    "step": ("sdtrain_step", "Optimizer steps done"),
+}
+
+
+class RayGauges:
+    """The run's metrics as ``ray.util.metrics`` gauges, tagged with the run's name."""
+
+    def __init__(self, run_name: str):
+        """Args: run_name: run.name (the tag ``run``)."""
+        from ray.util.metrics import Gauge
+
+        self.tags = {"run": run_name}
+        self.gauges = {
+            key: Gauge(name, description=description, tag_keys=("run",)) for key, (name, description) in GAUGES.items()
+        }
+
+    def set(self, metrics: Mapping[str, float]) -> dict[str, float]:
+        """Set every gauge whose metric is in ``metrics`` and finite; returns what was set."""
+        values = {key: float(metrics[key]) for key in self.gauges if key in metrics and math.isfinite(metrics[key])}
+        for key, value in values.items():
+            self.gauges[key].set(value, tags=self.tags)
+        return values
+
+
+class RunView:
+    """What rank 0 shows of a run while it trains."""
+
+    def __init__(
+        self,
+        config: Config,
+        run_dir: str,
+        grids: SampleGrids | None = None,
+        max_steps: int = 0,
+        ray_metrics: bool = True,
+    ):
+        """Args:
+        config: the run's config.
+        run_dir: run.storage_path/run.name, local or s3://.
+        grids: the sample grids to draw (None: none).
+        max_steps: train.max_steps (a grid is drawn at the last step).
+        ray_metrics: export Ray gauges (only inside a Ray worker).
+        """
+        self.grids = grids
+        self.max_steps = max_steps
+        self.live = LiveOutputs(run_dir, LossLabels(config.model.prediction_type, config.train.snr_gamma))
+        self.trackers = Trackers(config, run_dir) if config.run.trackers else None
+        self.gauges = RayGauges(config.run.name) if ray_metrics else None
+
+    def started(self, history: list[dict[str, float]]) -> None:
+        """The worker group starts from the checkpoint whose rows are ``history`` ([] for a fresh run):
+        the live files drop rows of steps re-done after a restart."""
+        self.live.update(history)
+
+    def reported(self, metrics: dict[str, float], history: list[dict[str, float]], module: Any) -> None:
+        """A report of ``metrics``, already appended to ``history``; a sample grid when one is due, from
+        ``module.eval_unet``, adds its metrics (sample_grid_s, and sample_class_agreement for the demo)."""
+        step = int(metrics["step"])
+        if self.grids is not None and self.grids.due(step, self.max_steps):
+            grid = self.grids.sample(module.eval_unet, step)
+            metrics["sample_grid_s"] = grid.seconds
+            if grid.class_agreement is not None:
+                metrics["sample_class_agreement"] = grid.class_agreement
+            self.image("samples", grid.image, step)
+        self.live.update(history)
+        if self.gauges is not None:
+            self.gauges.set(metrics)
+        if self.trackers is not None:
+            self.trackers.log_metrics(metrics, int(metrics["step"]))
+
+    def image(self, key: str, image: np.ndarray, step: int) -> None:
+        """An H x W x 3 uint8 image of ``step`` for the trackers (before that step's report)."""
+        if self.trackers is not None:
+            self.trackers.log_image(key, image, step)
+
+    def finished(self, status: str) -> None:
+        """Training ended (success) or raised (failed): flush what is pending.
+
+        Args:
+            status: success or failed.
+        """
+        if self.trackers is not None:
+            self.trackers.finish(status)
+        if not self.live.writer.flush(timeout=120):
+            log.warning("the run directory's live files were not up to date after 120 s")

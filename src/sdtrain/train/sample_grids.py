@@ -1,0 +1,123 @@
+"""Sample grids while a run trains: rank 0 samples the same captions from the same noise every
+run.sample_every_n_steps with the weights that export and generation use (the EMA's when there is one),
+so the grids of successive steps show what the model learned in between."""
+
+from __future__ import annotations
+
+import io
+import logging
+import posixpath
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from sdtrain.artifacts.checkpoint_format import CheckpointMeta
+from sdtrain.artifacts.run_outputs import write_whole
+from sdtrain.config.schema import Config
+from sdtrain.errors import ConfigError
+from sdtrain.sample.captions import Captions, read_captions
+from sdtrain.sample.images import channels_preview, digits_preview, grid_image
+from sdtrain.sample.sampler import sample_latents
+from sdtrain.storage.filesystems import filesystem_for
+
+log = logging.getLogger("sdtrain")
+
+SAMPLES_DIR = "samples"
+
+
+@dataclass
+class Grid:
+    """One grid: the picture (H x W x 3 uint8), and for the digits demo the class agreement."""
+
+    image: np.ndarray
+    path: str
+    seconds: float
+    class_agreement: float | None = None
+
+
+def grid_captions(config: Config, caption_dim: int) -> Captions | None:
+    """The captions of the grid's rows: run.sample_captions, else data.val's (one row per digit for the demo);
+    None when neither is set.
+
+    Args:
+        caption_dim: the UNet's cross-attention width.
+    """
+    source = config.run.sample_captions or (config.data.val[0] if config.data.val else None)
+    if source is None:
+        return None
+    try:
+        return read_captions(source, caption_dim, column=config.data.caption_column, rows=config.run.sample_rows)
+    except Exception as error:
+        raise ConfigError(
+            f"run.sample_captions: cannot read the sample grid's captions from {source}: {error}"
+        ) from None
+
+
+class SampleGrids:
+    """Rank 0's grids: due at every run.sample_every_n_steps (null: with each checkpoint) and at the last step."""
+
+    def __init__(
+        self, config: Config, meta: CheckpointMeta, captions: Captions, run_dir: str, unconditional: torch.Tensor
+    ):
+        """Args:
+        config: the run's config.
+        meta: the run's checkpoint metadata (latent shape, scheduler, whether it trains on the demo).
+        captions: the grid's rows (:func:`grid_captions`).
+        run_dir: run.storage_path/run.name (grids go to its samples/).
+        unconditional: the empty-prompt embedding for classifier-free guidance.
+        """
+        self.config = config
+        self.meta = meta
+        self.captions = captions
+        self.unconditional = unconditional
+        self.every = config.run.sample_every_n_steps or config.run.checkpoint_every_n_steps
+        self.filesystem, self.dir = filesystem_for(posixpath.join(run_dir, SAMPLES_DIR))
+        self.labels = captions.labels if meta.trained_on_demo and _digits(captions.labels) else None
+
+    def due(self, step: int, max_steps: int) -> bool:
+        return step % self.every == 0 or step >= max_steps
+
+    def sample(self, unet: torch.nn.Module, step: int) -> Grid:
+        """The grid of ``step`` from ``unet``, saved as samples/step_<step>.png."""
+        started = time.perf_counter()
+        run = self.config.run
+        columns = run.sample_columns
+        captions = self.captions.embeddings.repeat_interleave(columns, dim=0)
+        was_training = unet.training
+        unet.eval()
+        try:
+            latents = sample_latents(
+                unet,
+                self.meta.noise_scheduler_config,
+                captions,
+                self.unconditional,
+                tuple(self.meta.latent_shape),
+                sampler=run.sample_sampler,
+                steps=run.sample_steps,
+                guidance_scale=run.sample_guidance_scale,
+                seed=self.config.train.seed,
+            ).numpy()
+        finally:
+            unet.train(was_training)
+        rows = len(self.captions.names)
+        if self.meta.trained_on_demo and tuple(latents.shape[1:]) == (4, 16, 16):
+            tiles = digits_preview(latents)
+        else:
+            tiles = channels_preview(latents)
+        picture = grid_image(tiles.reshape(rows, columns, *tiles.shape[1:]), self.captions.names, zoom=2)
+        agreement = None
+        if self.labels is not None:
+            from sdtrain.data.demo import class_agreement
+
+            agreement = float(class_agreement(latents, np.repeat(self.labels, columns))["class_agreement"])
+        buffer = io.BytesIO()
+        picture.save(buffer, format="PNG")
+        path = posixpath.join(self.dir, f"step_{step}.png")
+        write_whole(self.filesystem, path, buffer.getvalue())
+        return Grid(np.asarray(picture.convert("RGB")), path, time.perf_counter() - started, agreement)
+
+
+def _digits(labels: list | None) -> bool:
+    return labels is not None and all(isinstance(label, int) and 0 <= label < 10 for label in labels)

@@ -1,0 +1,413 @@
+"""A run seen while it trains: live files in the run directory, experiment trackers (TensorBoard, MLflow, W&B)
+read back through their own formats, and Ray gauges."""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import glob
+import io
+import os
+import signal
+import struct
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pyarrow.fs as pafs
+import pytest
+from conftest import free_ports
+
+from sdtrain.artifacts.run_outputs import LOSS_CURVE_FILE, METRICS_FILE, LossLabels
+from sdtrain.config.loader import load_config
+from sdtrain.train.live import BackgroundWriter, LiveOutputs
+from sdtrain.train.trackers import STATE_FILE, TENSORBOARD_DIR, Trackers, read_state
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def _rows(steps):
+    return [{"step": s, "loss": 1.0 / s, "lr": 1e-4, **({"val_loss": 0.5} if s % 4 == 0 else {})} for s in steps]
+
+
+def test_live_files_follow_the_history_and_are_replaced_whole(tmp_path):
+    live = LiveOutputs(str(tmp_path / "run"), LossLabels("v_prediction", 5.0))
+    live.update(_rows([2, 4, 6]))
+    assert live.writer.flush(timeout=60)
+    with open(tmp_path / "run" / METRICS_FILE) as f:
+        assert [int(r["step"]) for r in csv.DictReader(f)] == [2, 4, 6]
+    assert (tmp_path / "run" / LOSS_CURVE_FILE).read_bytes()[:8] == PNG
+    # A restart from the checkpoint of step 4: the rows after it go, the re-done steps follow.
+    live.update(_rows([2, 4]))
+    live.update(_rows([2, 4, 6, 8]))
+    assert live.writer.flush(timeout=60)
+    with open(tmp_path / "run" / METRICS_FILE) as f:
+        assert [int(r["step"]) for r in csv.DictReader(f)] == [2, 4, 6, 8]
+    # Written through a temporary file moved over the old one: no temporary file is left behind.
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [LOSS_CURVE_FILE, METRICS_FILE]
+
+
+def test_loss_labels_say_what_is_plotted():
+    assert LossLabels("epsilon", None).train == "train loss (unweighted, random noise and timesteps)"
+    assert LossLabels("v_prediction", 5.0).train == "train loss (min-SNR-5 weighted, random noise and timesteps)"
+
+
+@pytest.mark.slow
+def test_live_files_on_object_storage(s3_bucket):
+    live = LiveOutputs(f"{s3_bucket}/runs/r", LossLabels())
+    live.update(_rows([1, 2]))
+    assert live.writer.flush(timeout=60)
+    fs, path = live.filesystem, live.path
+    with fs.open_input_stream(f"{path}/{METRICS_FILE}") as f:
+        assert [int(r["step"]) for r in csv.DictReader(io.StringIO(f.read().decode()))] == [1, 2]
+    assert fs.get_file_info(f"{path}/{LOSS_CURVE_FILE}").type == pafs.FileType.File
+
+
+def test_background_writer_runs_the_newest_job_and_survives_a_failing_one(caplog):
+    writer = BackgroundWriter("test-writer")
+    release, done = threading.Event(), []
+    writer.submit(release.wait)  # holds the thread while the next jobs queue up
+    writer.submit(lambda: done.append("replaced"))
+    writer.submit(lambda: 1 / 0)
+    writer.submit(lambda: done.append("newest"))
+    release.set()
+    assert writer.flush(timeout=30)
+    assert done == ["newest"]
+    writer.submit(lambda: 1 / 0)
+    writer.close(timeout=30)
+    assert "could not update the run directory's live files: division by zero" in caplog.text
+
+
+def test_mlflow_without_a_tracking_server_is_refused_before_ray_starts(monkeypatch):
+    from sdtrain.errors import ConfigError
+    from sdtrain.train.trackers import check_trackers
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    config = load_config(None, ["data.train=unused", "run.trackers=[tensorboard, mlflow]"])
+    with pytest.raises(ConfigError, match=r"run.trackers: mlflow needs a tracking server: set run.mlflow_tracking_uri"):
+        check_trackers(config)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:1")
+    check_trackers(config)
+
+
+def _tracker_config(tmp_path, mlflow_uri, *extra):
+    return load_config(
+        None,
+        [
+            "data.train=unused",
+            "model.preset=tiny",
+            f"run.storage_path={tmp_path}/runs",
+            "run.name=tracked",
+            "run.trackers=[tensorboard, mlflow, wandb]",
+            f"run.mlflow_tracking_uri={mlflow_uri}",
+            *extra,
+        ],
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_trackers_hold_each_step_once_across_a_restart(tmp_path, monkeypatch):
+    """Two worker groups of one run: the second resumes from the checkpoint of step 4 after the first
+    logged up to step 6, re-does steps 5 and 6 and goes on to 8."""
+    import mlflow
+    import numpy as np
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    run_dir = tmp_path / "runs" / "tracked"
+    grid = np.zeros((16, 24, 3), np.uint8)
+    with mlflow_server(tmp_path) as uri:
+        config = _tracker_config(tmp_path, uri)
+        first = Trackers(config, str(run_dir))
+        for step in (2, 4, 6):
+            if step in (4, 6):
+                first.log_image("samples", grid, step)
+            assert first.log_metrics({"step": step, "loss": 1.0 / step}, step)
+        first.finish("failed")
+        ids = read_state(str(run_dir))["ids"]
+        assert read_state(str(run_dir))["logged_through"] == 6 and set(ids) == {"tensorboard", "mlflow", "wandb"}
+
+        second = Trackers(config, str(run_dir))
+        assert second.logged_through == 6
+        second.log_image("samples", grid, 6)  # re-done: already logged
+        second.log_image("samples", grid, 8)
+        logged = [second.log_metrics({"step": step, "loss": 10.0 / step}, step) for step in (6, 8)]
+        assert logged == [False, True]
+        second.finish("success")
+        assert read_state(str(run_dir)) == {"ids": ids, "logged_through": 8}
+
+        scalars, images = tensorboard_scalars(run_dir / TENSORBOARD_DIR)
+        assert [(s, round(v, 4)) for s, v in scalars["loss"]] == [(2, 0.5), (4, 0.25), (6, 0.1667), (8, 1.25)]
+        assert images == {"samples": [4, 6, 8]}
+        assert (run_dir / TENSORBOARD_DIR / "hparams.yaml").read_text().count("tracked") >= 1
+
+        client = mlflow.MlflowClient(uri)
+        run = client.get_run(ids["mlflow"])
+        assert run.data.params["run/name"] == "tracked" and run.data.params["model/preset"] == "tiny"
+        assert [(m.step, m.value) for m in client.get_metric_history(ids["mlflow"], "loss")] == [
+            (2, 0.5),
+            (4, 0.25),
+            (6, 1 / 6),
+            (8, 1.25),
+        ]
+        assert len(client.search_runs([run.info.experiment_id])) == 1  # the restart continued the same run
+        assert run.info.status == "FINISHED"
+        artifacts = [a.path for a in client.list_artifacts(ids["mlflow"], "images")]
+        assert len(artifacts) >= 3, artifacts
+
+    runs = wandb_offline_runs(run_dir)
+    assert [run_id for run_id, _ in runs] == [ids["wandb"], ids["wandb"]]
+    steps = [int(row["trainer/global_step"]) for _, rows in runs for row in rows if "loss" in row]
+    assert steps == [2, 4, 6, 8]
+    image_steps = [int(row["trainer/global_step"]) for _, rows in runs for row in rows if "samples/_type" in row]
+    assert image_steps == [4, 6, 8]
+    assert (run_dir / STATE_FILE).exists()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_ray_gauges_reach_rays_metrics_export(ray_cluster):
+    """The gauges rank 0 sets, read back from the node's Prometheus endpoint that Ray's dashboard,
+    Prometheus/Grafana and Anyscale scrape."""
+    import ray
+
+    @ray.remote
+    class Rank0:
+        def report(self, metrics):
+            from sdtrain.train.run_view import RayGauges
+
+            self.gauges = RayGauges("gauge-test")  # kept: the process exports what it holds
+            return self.gauges.set(metrics)
+
+    rank0 = Rank0.remote()
+    metrics = {"step": 7, "loss": 0.25, "samples_per_s": 12.5, "data_wait_fraction": float("nan"), "lr": 1e-4}
+    assert ray.get(rank0.report.remote(metrics)) == {"step": 7.0, "loss": 0.25, "samples_per_s": 12.5}
+    node = next(n for n in ray.nodes() if n["Alive"])
+    url = f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics"
+    wanted = {"ray_sdtrain_train_loss": 0.25, "ray_sdtrain_samples_per_second": 12.5, "ray_sdtrain_step": 7.0}
+    found: dict[str, float] = {}
+    deadline = time.monotonic() + 90
+    while found != wanted and time.monotonic() < deadline:
+        with urllib.request.urlopen(url, timeout=10) as response:
+            for line in response.read().decode().splitlines():
+                name = line.split("{", 1)[0]
+                if name in wanted and 'run="gauge-test"' in line:
+                    found[name] = float(line.rsplit(" ", 1)[1])
+        time.sleep(1)  # Ray exports metrics every few seconds: polling the endpoint until they appear
+    assert found == wanted
+    ray.kill(rank0)
+
+
+# Readers of what the trackers wrote, each through the tracker's own format, and a real MLflow server.
+
+
+@contextlib.contextmanager
+def mlflow_server(directory: Path) -> Iterator[str]:
+    """A real ``mlflow server`` on loopback with a SQLite backend and local artifacts; yields its URI."""
+    port = free_ports(1)[0]
+    log = open(directory / "mlflow-server.log", "wb")
+    process = subprocess.Popen(
+        [
+            os.path.join(os.path.dirname(sys.executable), "mlflow"),
+            "server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--backend-store-uri",
+            f"sqlite:///{directory / 'mlflow.db'}",
+            "--artifacts-destination",
+            str(directory / "mlflow-artifacts"),
+            "--workers",
+            "1",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,  # its uvicorn workers go with it
+    )
+    uri = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                with urllib.request.urlopen(f"{uri}/health", timeout=2) as response:
+                    if response.status == 200:
+                        break
+            except OSError:
+                if process.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"mlflow server did not start: {(directory / 'mlflow-server.log').read_text()[-2000:]}"
+                    ) from None
+                time.sleep(0.5)  # polling a server coming up, not dodging a race
+        yield uri
+    finally:
+        os.killpg(process.pid, signal.SIGTERM)
+        process.wait(timeout=30)
+        log.close()
+
+
+def tensorboard_scalars(log_dir: Path) -> tuple[dict[str, list[tuple[int, float]]], dict[str, list[int]]]:
+    """(tag -> [(step, value)], image tag -> [step]) as TensorBoard itself reads ``log_dir``."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    accumulator = EventAccumulator(str(log_dir), size_guidance={"scalars": 0, "images": 0})
+    accumulator.Reload()
+    tags = accumulator.Tags()
+    scalars = {tag: [(e.step, e.value) for e in accumulator.Scalars(tag)] for tag in tags["scalars"]}
+    images = {tag: [e.step for e in accumulator.Images(tag)] for tag in tags["images"]}
+    return scalars, images
+
+
+def wandb_offline_runs(save_dir: Path) -> list[tuple[str, list[dict[str, str]]]]:
+    """Every offline W&B run under ``save_dir``, oldest first: (run id, its history rows, values as JSON)."""
+    from wandb.proto import wandb_internal_pb2
+
+    runs = []
+    for path in sorted(glob.glob(str(save_dir / "wandb" / "offline-run-*" / "run-*.wandb"))):
+        run_id, rows = "", []
+        for data in _leveldb_records(Path(path).read_bytes()):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(data)
+            kind = record.WhichOneof("record_type")
+            if kind == "run":
+                run_id = record.run.run_id
+            elif kind == "history":
+                rows.append({item.key or "/".join(item.nested_key): item.value_json for item in record.history.item})
+        runs.append((run_id, rows))
+    return runs
+
+
+def _leveldb_records(data: bytes) -> Iterator[bytes]:
+    # W&B's transaction log: a 7-byte header (":W&B", magic, version), then LevelDB's log format
+    # (32 KiB blocks of records: crc32 4 bytes, length 2, type 1; FULL=1, FIRST=2, MIDDLE=3, LAST=4).
+    assert data[:4] == b":W&B", "not a W&B transaction log"
+    block, position, parts = 32768, 7, b""
+    while position + 7 <= len(data):
+        left = block - position % block
+        if left < 7:
+            position += left
+            continue
+        _, length, kind = struct.unpack("<IHB", data[position : position + 7])
+        if kind == 0:
+            return
+        position += 7
+        parts += data[position : position + length]
+        position += length
+        if kind in (1, 4):
+            yield parts
+            parts = b""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(500)
+def test_a_killed_and_resumed_run_shows_each_step_once_everywhere(ray_cluster, tmp_path, monkeypatch, run_attempts):
+    """One worker, SIGKILLed once the first checkpoint is committed: the live files were there while it
+    trained, and after the restart every tracker and metrics.csv hold each step once; the sample grids,
+    the export artifact and the registered model version are there."""
+    import json
+
+    import mlflow
+    import psutil
+    from conftest import write_latents
+
+    from sdtrain.launch import train
+    from sdtrain.train.sample_grids import SAMPLES_DIR
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    write_latents(tmp_path / "train/a.parquet", rows=64, encoding="list", seed=4)
+    write_latents(tmp_path / "val/v.parquet", rows=8, encoding="list", dtype="float32", seed=5)
+    run_dir = tmp_path / "runs" / "watched"
+    max_steps, every = 20, 4
+    killed, seen_live = [], []
+
+    def committed_checkpoints():
+        try:
+            snapshot = json.loads((run_dir / "checkpoint_manager_snapshot.json").read_text())
+        except (OSError, ValueError):
+            return []
+        return [c["checkpoint_dir_name"] for c in snapshot["checkpoint_results"]]
+
+    def kill_the_worker_after_the_first_checkpoint():
+        deadline = time.monotonic() + 300
+        while not committed_checkpoints():
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.2)  # polling the run directory of a run in another process
+        with open(run_dir / METRICS_FILE) as f:  # written by rank 0 while it trains, not by the driver at the end
+            seen_live.extend(int(r["step"]) for r in csv.DictReader(f))
+        for process in psutil.process_iter(["pid", "cmdline"]):
+            if "RayTrainWorker" in " ".join(process.info["cmdline"] or []):
+                os.kill(process.info["pid"], signal.SIGKILL)
+                killed.append(process.info["pid"])
+                return
+
+    with mlflow_server(tmp_path) as uri:
+        config = load_config(
+            None,
+            [
+                f"data.train={tmp_path}/train",
+                f"data.val={tmp_path}/val",
+                "model.preset=tiny",
+                f"train.max_steps={max_steps}",
+                "train.global_batch_size=8",
+                "train.ema_decay=0.9",
+                "scaling.num_workers=1",
+                f"run.storage_path={tmp_path}/runs",
+                "run.name=watched",
+                f"run.checkpoint_every_n_steps={every}",
+                "run.log_every_n_steps=2",
+                "run.trackers=[tensorboard, mlflow, wandb]",
+                f"run.mlflow_tracking_uri={uri}",
+                "run.mlflow_register_as=watched-unet",
+                "run.sample_steps=4",
+                "failure.max_failures=2",
+            ],
+        )
+        killer = threading.Thread(target=kill_the_worker_after_the_first_checkpoint)
+        killer.start()
+        summary = train(config)
+        killer.join()
+        assert killed, "no RayTrainWorker process was found to kill"
+        assert run_attempts("watched") == 2 and summary.final_step == max_steps
+        assert seen_live and seen_live[-1] >= every and seen_live == sorted(set(seen_live))
+
+        expected = list(range(2, max_steps + 1, 2))
+        grids = list(range(every, max_steps + 1, every))
+        with open(run_dir / METRICS_FILE) as f:
+            rows = list(csv.DictReader(f))
+        assert [int(r["step"]) for r in rows] == expected
+        assert [int(r["step"]) for r in rows if r["sample_grid_s"]] == grids
+        assert {p.name for p in (run_dir / SAMPLES_DIR).iterdir()} == {f"step_{s}.png" for s in grids}
+        assert all(p.read_bytes()[:8] == PNG for p in (run_dir / SAMPLES_DIR).iterdir())
+
+        state = read_state(str(run_dir))
+        assert state["logged_through"] == max_steps
+        scalars, images = tensorboard_scalars(run_dir / TENSORBOARD_DIR)
+        assert [s for s, _ in scalars["loss"]] == expected
+        assert [s for s, _ in scalars["val_loss"]] == grids
+        assert images == {"samples": grids}
+
+        client = mlflow.MlflowClient(uri)
+        run = client.get_run(state["ids"]["mlflow"])
+        assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == expected
+        assert [m.step for m in client.get_metric_history(run.info.run_id, "sample_grid_s")] == grids
+        assert len(client.search_runs([run.info.experiment_id])) == 1
+        assert run.data.params["train/max_steps"] == str(max_steps)
+        exported = {a.path for a in client.list_artifacts(run.info.run_id, "export")}
+        assert "export/sdtrain.json" in exported, exported
+        versions = client.search_model_versions("name='watched-unet'")
+        assert [(v.version, v.run_id) for v in versions] == [("1", run.info.run_id)]
+
+    runs = wandb_offline_runs(run_dir)
+    assert {run_id for run_id, _ in runs} == {state["ids"]["wandb"]} and len(runs) >= 2
+    steps = [int(row["trainer/global_step"]) for _, rows in runs for row in rows if "loss" in row]
+    # Each step at most once. What the killed worker's W&B service still held unwritten is lost with it
+    # (docs/observability.md): the steps between its last flush and the kill may be missing.
+    assert steps == sorted(set(steps)) and set(steps) <= set(expected)
+    assert steps[0] == 2 and set(expected[-4:]) <= set(steps)
