@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import io
 import json
+import subprocess
+import sys
 import tarfile
 from pathlib import Path
 
@@ -335,3 +337,86 @@ def test_webdataset_tars_and_an_image_folder(tmp_path, tiny_model, ray_cluster):
     files = sorted((tmp_path / "folder" / "latents").glob("*.parquet"))
     keys = sorted(k for f in files for k in pq.read_table(f).column("key").to_pylist())
     assert keys == sorted(f"{i:03d}.jpg" for i, r in enumerate(rows) if r[2] is None)
+
+
+# --- the whole loop ---
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_images_to_latents_to_training_to_prompted_pipeline(tmp_path, tiny_model, ray_cluster):
+    """preprocess -> train a few steps -> generate.py --prompt -> PNGs; the run's export is a diffusers pipeline
+    that from_pretrained loads and prompts."""
+    from diffusers import DiffusionPipeline
+
+    from sdtrain.artifacts.loading import load_model
+    from sdtrain.config.loader import load_config
+    from sdtrain.launch import train
+    from sdtrain.preprocess.job import run_preprocess
+
+    write_parquet_input(tmp_path / "input", files=2)
+    run_preprocess(config_for(tmp_path, tiny_model))
+    latents = tmp_path / "latents"
+    summary = train(
+        load_config(
+            None,
+            [
+                f"data.train={latents}",
+                f"data.unconditional_caption={latents / 'unconditional_caption.npy'}",
+                "data.shuffle_chunk_rows=4",
+                "data.shuffle_window_rows=8",
+                "model.preset=tiny",
+                "train.max_steps=4",
+                "train.global_batch_size=4",
+                "train.warmup_steps=1",
+                "train.caption_dropout_prob=0.1",
+                "scaling.num_workers=1",
+                "scaling.use_gpu=false",
+                f"run.storage_path={tmp_path / 'runs'}",
+                "run.name=loop",
+                "run.checkpoint_every_n_steps=4",
+                "run.log_every_n_steps=2",
+            ],
+        )
+    )
+    assert summary.final_step == 4
+    run_dir = tmp_path / "runs" / "loop"
+
+    out = tmp_path / "samples"
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "entrypoints" / "generate.py"),
+            str(run_dir),
+            "--prompt",
+            "a photograph of a china",
+            "--prompt",
+            "a photograph of a flower",
+            "--samples-per-caption",
+            "2",
+            "--steps",
+            "3",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    pngs = sorted((out / "images").glob("*.png"))
+    assert len(pngs) == 4 and (out / "grid.png").is_file()
+    assert Image.open(pngs[0]).size == (RESOLUTION, RESOLUTION)
+    info = json.loads((out / "generate.json").read_text())
+    assert info["prompts"] == ["a photograph of a china", "a photograph of a flower"] and info["vae"] == tiny_model
+
+    export = run_dir / "export"
+    for part in ("model_index.json", "README.md", "unet", "vae", "text_encoder", "tokenizer", "scheduler"):
+        assert (export / part).exists(), part
+    assert "step 4" in (export / "README.md").read_text()
+    pipeline = DiffusionPipeline.from_pretrained(str(export))
+    assert type(pipeline).__name__ == "StableDiffusionPipeline"
+    images = pipeline("a red fox", num_inference_steps=2, height=RESOLUTION, width=RESOLUTION, output_type="np").images
+    assert images.shape == (1, RESOLUTION, RESOLUTION, 3) and np.isfinite(images).all()
+    loaded = load_model(str(export))  # sdtrain still loads the pipeline export as a model
+    assert loaded.global_step == 4 and loaded.unconditional_caption is not None

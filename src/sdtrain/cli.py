@@ -133,6 +133,17 @@ def generate_main(argv=None) -> int:
         help="caption embeddings: a .npy file ((L, D) or (N, L, D)) or parquet (file, directory or glob); "
         "parquet with a label column gives one row per label",
     )
+    parser.add_argument(
+        "--prompt",
+        action="append",
+        default=[],
+        help="a prompt in words (repeatable): encoded with the text encoder the model's data records (or "
+        "--text-encoder), decoded with its VAE (or --vae)",
+    )
+    parser.add_argument("--prompts-file", help="a text file of prompts, one a line")
+    parser.add_argument(
+        "--text-encoder", help="diffusers model directory or hub id whose tokenizer/ and text_encoder/ encode prompts"
+    )
     parser.add_argument("--out", default="samples", help="output directory (default: %(default)s)")
     parser.add_argument(
         "--caption-column", default="caption_latents", help="parquet column of the embeddings (default: %(default)s)"
@@ -190,11 +201,20 @@ def generate_main(argv=None) -> int:
             write_export(loaded, args.export_to)
             print(f"[sdtrain] exported {loaded.weights} weights of step {loaded.global_step} to {args.export_to}")
             return 0
-        if not args.captions:
-            parser.error("--captions is required to sample")
+        prompts = list(args.prompt)
+        if args.prompts_file:
+            from sdtrain.sample.prompts import read_prompts_file
+
+            prompts += read_prompts_file(args.prompts_file)
+        if not args.captions and not prompts:
+            parser.error("--captions or --prompt/--prompts-file is required to sample")
+        if args.captions and prompts:
+            parser.error("give --captions or prompts, not both")
         request = GenerateRequest(
             model=args.model,
             captions=args.captions,
+            prompts=prompts,
+            text_encoder=args.text_encoder,
             out=args.out,
             caption_column=args.caption_column,
             rows=args.rows,

@@ -13,19 +13,30 @@
 ``UNet2DConditionModel.from_pretrained(destination, subfolder="unet")`` loads it, and it drops into a
 ``StableDiffusionPipeline`` as its ``unet`` (with a matching VAE and text encoder). Weights are
 safetensors: loading them never unpickles anything.
+
+When the run's data names the VAE and text encoder that made it (parquet metadata written by
+``entrypoints/preprocess.py``), the export is a whole pipeline instead: ``model_index.json``,
+``vae/``, ``text_encoder/``, ``tokenizer/``, ``unet/``, and in ``scheduler/`` a DPM-Solver++ sampler on
+the training schedule, so ``DiffusionPipeline.from_pretrained(destination)("a red fox")`` works; plus
+a model card (README.md).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import posixpath
 import tempfile
 
 import numpy as np
 import pyarrow.fs as pafs
 
 from sdtrain import __version__
+from sdtrain.artifacts.checkpoint_format import HISTORY_FILE
 from sdtrain.artifacts.loading import EXPORT_INFO_FILE, UNCONDITIONAL_FILE, LoadedModel, Weights, is_export, load_model
+from sdtrain.data.parquet_files import resolve_parquet_files
+from sdtrain.errors import SdtrainError
+from sdtrain.preprocess.outputs import EncoderSources, encoder_sources
 from sdtrain.storage.filesystems import filesystem_for
 
 EXPORT_DIR = "export"
@@ -38,6 +49,7 @@ def export_checkpoint(checkpoint: str, destination: str, weights: Weights = "aut
 
 def write_export(loaded: LoadedModel, destination: str) -> str:
     """Write ``loaded`` into ``destination``, replacing what was there; returns ``destination``."""
+    sources = model_sources(loaded)
     info = {
         "sdtrain_version": __version__,
         "source_checkpoint": loaded.source,
@@ -48,11 +60,16 @@ def write_export(loaded: LoadedModel, destination: str) -> str:
         "caption_shape": list(loaded.caption_shape) if loaded.caption_shape else None,
         "latent_scaling_factor": loaded.latent_scaling_factor,
         "demo": loaded.trained_on_demo,
+        "vae_source": sources.vae if sources else None,
+        "text_encoder_source": sources.text_encoder if sources else None,
     }
     fs, path = filesystem_for(destination)
     with tempfile.TemporaryDirectory() as local:
-        loaded.unet.save_pretrained(os.path.join(local, "unet"), safe_serialization=True)
-        loaded.noise_scheduler.save_pretrained(os.path.join(local, "scheduler"))
+        if sources is not None:
+            _write_pipeline(loaded, sources, local)
+        else:
+            loaded.unet.save_pretrained(os.path.join(local, "unet"), safe_serialization=True)
+            loaded.noise_scheduler.save_pretrained(os.path.join(local, "scheduler"))
         if loaded.unconditional_caption is not None:
             np.save(os.path.join(local, UNCONDITIONAL_FILE), loaded.unconditional_caption.float().numpy())
         with open(os.path.join(local, EXPORT_INFO_FILE), "w") as f:
@@ -62,6 +79,111 @@ def write_export(loaded: LoadedModel, destination: str) -> str:
         fs.create_dir(path)
         pafs.copy_files(local, path, destination_filesystem=fs)
     return destination
+
+
+def model_sources(loaded: LoadedModel) -> EncoderSources | None:
+    """The VAE and text encoder that made the model's training data: recorded in the export (its own vae/ and
+    text_encoder/, or sdtrain.json), or in the parquet metadata of the run's data.train files; None if unknown.
+
+    Args:
+        loaded: a model from :func:`sdtrain.artifacts.loading.load_model`.
+    """
+    if loaded.meta is None:
+        fs, root = filesystem_for(loaded.source)
+        if all(_is_file(fs, posixpath.join(root, d, "config.json")) for d in ("vae", "text_encoder")):
+            return EncoderSources(vae=loaded.source, text_encoder=loaded.source)
+        info_path = posixpath.join(root, EXPORT_INFO_FILE)
+        if _is_file(fs, info_path):
+            with fs.open_input_stream(info_path) as f:
+                info = json.loads(f.read())
+            if info.get("vae_source") and info.get("text_encoder_source"):
+                return EncoderSources(vae=info["vae_source"], text_encoder=info["text_encoder_source"])
+        return None
+    train = loaded.meta.config.get("data", {}).get("train") or []
+    try:
+        files = resolve_parquet_files(list(train), "data.train")
+        return encoder_sources(files)
+    except (SdtrainError, OSError):  # the data moved or is not reachable from here: the export stays UNet-only
+        return None
+
+
+def _write_pipeline(loaded: LoadedModel, sources: EncoderSources, local: str) -> None:
+    from diffusers import DPMSolverMultistepScheduler, StableDiffusionPipeline
+
+    from sdtrain.preprocess.encoders import load_text_encoder, load_vae
+
+    tokenizer, text_encoder = load_text_encoder(sources.text_encoder)
+    # A sampler on the training schedule (same betas and prediction type) with clip_sample off: what a user
+    # of the pipeline wants to sample with, where the training DDPMScheduler would need 1000 steps.
+    scheduler = DPMSolverMultistepScheduler.from_config({**loaded.noise_scheduler.config, "clip_sample": False})
+    pipeline = StableDiffusionPipeline(
+        vae=load_vae(sources.vae),
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        unet=loaded.unet,
+        scheduler=scheduler,
+        safety_checker=None,
+        feature_extractor=None,
+        requires_safety_checker=False,
+    )
+    pipeline.save_pretrained(local, safe_serialization=True)
+    _write_model_card(loaded, sources, os.path.join(local, "README.md"))
+
+
+def _write_model_card(loaded: LoadedModel, sources: EncoderSources, path: str) -> None:
+    from diffusers.utils.hub_utils import MODEL_CARD_TEMPLATE_PATH, populate_model_card
+    from huggingface_hub import ModelCard, ModelCardData
+
+    config = loaded.meta.config if loaded.meta is not None else {}
+    train = config.get("train", {})
+    recipe = ", ".join(
+        f"{key}={train[key]}"
+        for key in ("prediction_type", "lr", "global_batch_size", "snr_gamma", "caption_dropout_prob", "ema_decay")
+        if train.get(key) is not None
+    )
+    lines = [
+        f"A Stable Diffusion UNet trained from scratch with sdtrain {__version__}, step {loaded.global_step} "
+        f"({loaded.weights} weights), in a pipeline with the VAE of `{sources.vae}` and the text encoder of "
+        f"`{sources.text_encoder}`.",
+        "",
+        f"- Data: {', '.join(config.get('data', {}).get('train', [])) or 'not recorded'}",
+        f"- Latents {list(loaded.latent_shape or [])}, captions {list(loaded.caption_shape or [])}, "
+        f"latent scaling factor {loaded.latent_scaling_factor}",
+        f"- Prediction type: {loaded.noise_scheduler.config.prediction_type}; recipe: {recipe or 'not recorded'}",
+        f"- Final losses: {_final_losses(loaded.source) or 'not recorded'}",
+        f"- Source checkpoint: `{loaded.source}`",
+    ]
+    # diffusers' training-script card, from its template: load_or_create_model_card would first look the
+    # card up on the Hub, which an export must not depend on.
+    card = ModelCard.from_template(
+        card_data=ModelCardData(license="other", library_name="diffusers", inference=True),
+        template_path=str(MODEL_CARD_TEMPLATE_PATH),
+        model_description="\n".join(lines),
+    )
+    card = populate_model_card(card, tags=["stable-diffusion", "text-to-image", "sdtrain"])
+    card.save(path)
+
+
+def _final_losses(checkpoint: str) -> str:
+    """The last loss and val_loss in the checkpoint's history.json, where there is one."""
+    fs, root = filesystem_for(checkpoint)
+    if _is_file(fs, root):
+        root = posixpath.dirname(root)
+    history_path = posixpath.join(root, HISTORY_FILE)
+    if not _is_file(fs, history_path):
+        return ""
+    with fs.open_input_stream(history_path) as f:
+        history = json.loads(f.read())
+    found = {}
+    for row in history if isinstance(history, list) else []:
+        for key in ("loss", "val_loss"):
+            if isinstance(row, dict) and isinstance(row.get(key), (int, float)):
+                found[key] = row[key]
+    return ", ".join(f"{key} {value:.4f}" for key, value in found.items())
+
+
+def _is_file(fs: pafs.FileSystem, path: str) -> bool:
+    return fs.get_file_info(path).type == pafs.FileType.File
 
 
 def export_source(path: str) -> str | None:

@@ -28,7 +28,7 @@ DEMO_ACCURACY_FILE = "demo_accuracy.json"
 @dataclass
 class GenerateRequest:
     model: str
-    captions: str
+    captions: str | None = None
     out: str = "samples"
     caption_column: str = "caption_latents"
     rows: int = 8
@@ -41,6 +41,10 @@ class GenerateRequest:
     weights: Weights = "auto"
     preview: Literal["auto", "digits", "channels"] = "auto"
     batch_size: int = 64
+    prompts: list[str] = field(default_factory=list)
+    """Prompts in words, encoded with request.text_encoder or the one the model's data records (instead of
+    captions)."""
+    text_encoder: str | None = None
     notes: list[str] = field(default_factory=list)
     results: list[str] = field(default_factory=list)
 
@@ -51,7 +55,18 @@ def generate(request: GenerateRequest) -> list[str]:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     loaded = load_model(request.model, request.weights)
     unet = loaded.unet.to(device).eval()
-    captions = read_captions(request.captions, unet.config.cross_attention_dim, request.caption_column, request.rows)
+    if request.prompts:
+        from sdtrain.sample.prompts import encode_prompt_captions, resolve_sources
+
+        sources = resolve_sources(loaded, request.text_encoder, request.vae)
+        captions = encode_prompt_captions(request.prompts, sources.text_encoder, loaded.caption_shape)
+        request.vae = sources.vae  # prompts mean pictures: decode with the VAE the data was encoded with
+    elif request.captions is not None:
+        captions = read_captions(
+            request.captions, unet.config.cross_attention_dim, request.caption_column, request.rows
+        )
+    else:
+        raise DataError("give --captions or --prompt/--prompts-file")
     latent_shape = loaded.latent_shape or (unet.config.in_channels, unet.config.sample_size, unet.config.sample_size)
     unconditional = loaded.unconditional_caption
     if unconditional is not None and tuple(unconditional.shape) != tuple(captions.embeddings.shape[1:]):
@@ -138,6 +153,8 @@ def generate(request: GenerateRequest) -> list[str]:
                 "global_step": loaded.global_step,
                 "prediction_type": loaded.noise_scheduler.config.prediction_type,
                 "captions": request.captions,
+                "prompts": request.prompts,
+                "text_encoder": request.text_encoder,
                 "rows": captions.names,
                 "samples_per_caption": k,
                 "sampler": request.sampler,
