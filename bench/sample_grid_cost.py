@@ -1,0 +1,124 @@
+"""What watching a run costs its training loop (issue #19): sample grids and the live files.
+
+Sample grids: the training loop stops for a grid (rank 0 samples while the other ranks wait at the
+next all-reduce), so its cost is the grid's time over the training time between two grids. Measured
+in this process with the code a worker runs: ``sdtrain.train.trainer.fit_without_ray`` times
+--steps optimizer steps (after --warmup) and ``sdtrain.train.sample_grids.SampleGrids.sample``
+draws the grid of the default settings (4 captions x 4 samples, 20 DDIM steps, guidance 3) from the
+trained module's weights, --repeat times.
+
+Live files: at each report the training loop only hands a copy of the metric rows to a background
+thread (``LiveOutputs.update``), which writes metrics.csv and loss_curve.png. Measured: the hand-over
+in the training thread and the background write, with a history of --rows rows (a 550k-step run
+reporting every 50 steps has 11k).
+
+    python bench/sample_grid_cost.py           # tiny UNet, grid every 1000 steps (run.checkpoint_every_n_steps)
+    python bench/sample_grid_cost.py --smoke   # seconds: checks that it runs (CI)
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import benchlib  # noqa: E402
+
+from sdtrain.artifacts.run_outputs import LossLabels  # noqa: E402
+from sdtrain.config.loader import load_config  # noqa: E402
+from sdtrain.sample.captions import Captions  # noqa: E402
+from sdtrain.train.live import LiveOutputs  # noqa: E402
+from sdtrain.train.sample_grids import SampleGrids  # noqa: E402
+from sdtrain.train.trainer import StepTimer, checkpoint_meta, fit_without_ray  # noqa: E402
+
+TARGET = 0.03  # "at most a few percent" of the training loop
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--smoke", action="store_true", help="a few steps: checks that it runs")
+    parser.add_argument("--preset", default="tiny", help="model.preset (default tiny)")
+    parser.add_argument("--batch-size", type=int, default=16, help="samples per training step (default 16)")
+    parser.add_argument("--steps", type=int, help="timed training steps (default 30; smoke 4)")
+    parser.add_argument("--warmup", type=int, help="untimed first steps (default 10; smoke 2)")
+    parser.add_argument("--every", type=int, default=1000, help="steps between grids (default 1000)")
+    parser.add_argument("--repeat", type=int, help="grids timed (default 3; smoke 1)")
+    parser.add_argument("--rows", type=int, help="metric rows of the live files (default 11000; smoke 100)")
+    args = parser.parse_args()
+    steps = args.steps or (4 if args.smoke else 30)
+    warmup = args.warmup or (2 if args.smoke else 10)
+    repeat = args.repeat or (1 if args.smoke else 3)
+    rows = args.rows or (100 if args.smoke else 11000)
+
+    config = load_config(
+        None,
+        [
+            "data.train=unused",
+            f"model.preset={args.preset}",
+            f"train.max_steps={warmup + steps}",
+            f"train.global_batch_size={args.batch_size}",
+            "train.ema_decay=0.999",
+        ],
+    )
+    from sdtrain.model.unet import unet_config
+
+    unet = unet_config(config.model)
+    size = unet["sample_size"]
+    latent_shape, caption_shape = (unet["in_channels"], size, size), (77, unet["cross_attention_dim"])
+    meta = checkpoint_meta(config, latent_shape, caption_shape)
+    generator = torch.Generator().manual_seed(0)
+    batches = [
+        {
+            "latents": torch.randn((args.batch_size, *latent_shape), generator=generator),
+            "captions": torch.randn((args.batch_size, *caption_shape), generator=generator),
+        }
+        for _ in range(8)
+    ]
+    timer = StepTimer(warmup)
+    with tempfile.TemporaryDirectory() as workdir:
+        module, _ = fit_without_ray(config, batches, meta, use_gpu=False, callbacks=[timer], default_root_dir=workdir)
+        step_s = timer.seconds / timer.timed_steps
+
+        captions = Captions(torch.randn((4, *caption_shape), generator=generator), [f"row {i}" for i in range(4)])
+        grids = SampleGrids(config, meta, captions, workdir, torch.zeros(caption_shape))
+        grid_times = [grids.sample(module.eval_unet, step).seconds for step in range(repeat)]
+        grid_s = statistics.median(grid_times)
+
+        history = [
+            {"step": 50 * i, "loss": float(np.exp(-i / 1000)), "lr": 1e-4, "samples_per_s": 100.0}
+            for i in range(1, rows + 1)
+        ]
+        live = LiveOutputs(workdir + "/live", LossLabels())
+        started = time.perf_counter()
+        live.update(history)
+        handover_s = time.perf_counter() - started
+        live.writer.flush()
+        write_s = time.perf_counter() - started
+
+    cost = grid_s / (args.every * step_s)
+    print(f"machine: {benchlib.machine()}")
+    print(f"preset {args.preset}, batch {args.batch_size}: {step_s * 1000:.1f} ms per training step ({steps} timed)")
+    print(f"sample grid (4 x 4, 20 DDIM steps, guidance 3): {grid_s:.2f} s (median of {repeat})")
+    print(f"live files with {rows} rows: hand-over {handover_s * 1000:.2f} ms, background write {write_s:.2f} s")
+    print(
+        benchlib.ratio_line(
+            "sample grid time",
+            grid_s,
+            f"training time between grids (every {args.every} steps)",
+            args.every * step_s,
+            target=f"<= {TARGET}",
+            met=cost <= TARGET,
+        )
+    )
+    print(benchlib.ratio_line("live-file hand-over", handover_s, "one training step", step_s))
+
+
+if __name__ == "__main__":
+    main()
