@@ -9,7 +9,7 @@ import dataclasses
 import math
 import posixpath
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import ray
@@ -103,7 +103,10 @@ def train(config: Config) -> RunSummary:
     _quiet_ray_data()
     use_gpu = _resolve_use_gpu(config.scaling)
     # PlannedShards replaces "train" by each rank's planned stream; Ray Train needs the name.
-    datasets = {"train": file_order_dataset(train_spec, config.data)}
+    # TorchTrainer's own value type: its dict is invariant.
+    datasets: dict[str, ray.data.Dataset | Callable[[], ray.data.Dataset]] = {
+        "train": file_order_dataset(train_spec, config.data)
+    }
     if val_spec is not None:
         datasets["val"] = file_order_dataset(val_spec, config.data)
 
@@ -139,9 +142,12 @@ def train(config: Config) -> RunSummary:
                 checkpoint_score_attribute=config.run.checkpoint_score_attribute,
                 checkpoint_score_order="min",
             ),
+            # The two ignores: ray/train/__init__.py imports Ray Train v1's RunConfig and then, when v2 is
+            # enabled (the default, and what runs), v2's over it; mypy keeps the first, which lacks
+            # logging_config and types callbacks as v1 (Tune) callbacks.
             # Ray Train logs every report at INFO; our own progress line already says it all.
-            logging_config=ray.train.LoggingConfig(log_level="WARNING"),
-            callbacks=[StopOnDeterministicErrors()],
+            logging_config=ray.train.LoggingConfig(log_level="WARNING"),  # type: ignore[call-arg]
+            callbacks=[StopOnDeterministicErrors()],  # type: ignore[list-item]
         ),
         datasets=datasets,
         dataset_config=PlannedShards(
@@ -170,6 +176,7 @@ def _finished_run(run_dir: str, max_steps: int) -> _FinishedRun | None:
     result = committed_run(*ray_storage(run_dir))
     if result is None:
         return None
+    assert result.checkpoint is not None  # committed_run returns only runs with a committed checkpoint
     step, _ = checkpoint_position(result.checkpoint)
     return _FinishedRun(step, result) if step >= max_steps else None
 
@@ -177,6 +184,8 @@ def _finished_run(run_dir: str, max_steps: int) -> _FinishedRun | None:
 def _finish(config: Config, result: ray.train.Result) -> RunSummary:
     """metrics.csv, loss_curve.png and the export (unless it is already that of the final checkpoint)."""
     checkpoint = result.checkpoint
+    # A committed run (_finished_run), or a fit() that returned: its final step reported a checkpoint.
+    assert checkpoint is not None
     history = read_history(checkpoint)
     labels = LossLabels(config.model.prediction_type, config.train.snr_gamma)
     outputs = write_run_outputs(history, checkpoint.filesystem, result.path, labels)

@@ -57,7 +57,10 @@ def latest_position(filesystem: pafs.FileSystem | None, run_dir: str) -> tuple[i
     """(step, data state) of the latest checkpoint Ray Train committed for ``run_dir`` (a path on
     ``filesystem``, as from ``files.ray_storage``); (0, start) if none."""
     result = committed_run(filesystem, run_dir)
-    return (0, DataState()) if result is None else checkpoint_position(result.checkpoint)
+    if result is None:
+        return 0, DataState()
+    assert result.checkpoint is not None  # committed_run returns only runs with a committed checkpoint
+    return checkpoint_position(result.checkpoint)
 
 
 def committed_run(filesystem: pafs.FileSystem | None, run_dir: str) -> ray.train.Result | None:
@@ -71,6 +74,8 @@ def committed_run(filesystem: pafs.FileSystem | None, run_dir: str) -> ray.train
 
 def checkpoint_position(checkpoint: ray.train.Checkpoint) -> tuple[int, DataState]:
     """(step, data state) a committed checkpoint was written at."""
-    with checkpoint.filesystem.open_input_stream(posixpath.join(checkpoint.path, DATA_STATE_FILE)) as f:
+    filesystem = checkpoint.filesystem
+    assert filesystem is not None  # Checkpoint() resolves one from the path when it is given none
+    with filesystem.open_input_stream(posixpath.join(checkpoint.path, DATA_STATE_FILE)) as f:
         raw = json.loads(f.read())
     return int(raw["step"]), DataState.from_dict(raw["data"])
