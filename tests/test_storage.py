@@ -21,7 +21,7 @@ from sdtrain.errors import ConfigError, DataError
 from sdtrain.preflight import check_s3, preflight
 from sdtrain.storage import s3
 from sdtrain.storage.filesystems import filesystem_for
-from sdtrain.storage.s3 import configure_s3, s3_client, s3_endpoint
+from sdtrain.storage.s3 import configure_s3, is_transient, s3_client, s3_endpoint
 
 SECRET = "sdtrain-test-secret/Do+Not+Leak"
 
@@ -317,8 +317,9 @@ def test_transient_faults_are_retried_and_fail_clearly_without_retries(
         configure_s3(endpoint, 1)  # no retries: the first fault is final
         if client == "pyarrow":
             fs, path = filesystem_for(uri)
-            with pytest.raises(OSError, match=pyarrow_error):
+            with pytest.raises(OSError, match=pyarrow_error) as failed:
                 pq.read_table(path, filesystem=fs)
+            assert is_transient(failed.value)  # a failure for now, not a damaged file
         else:
             with pytest.raises(ConfigError) as e:
                 check_s3(uri, "data.train", write=False)
@@ -423,3 +424,38 @@ def test_the_train_entrypoint_stops_before_ray_starts(s3_bucket, tmp_path):
     assert "Started a local Ray instance" not in result.stdout + result.stderr
     print(f"entrypoint stopped with exit code 2 after {elapsed:.1f}s")
     assert elapsed < 60
+
+
+@pytest.mark.timeout(120)
+def test_a_storage_failure_mid_run_is_neither_a_damaged_file_nor_skipped(flaky_proxy, s3_bucket, tmp_path):
+    from sdtrain.config.schema import DataConfig
+    from sdtrain.data.inspection import DatasetSpec
+    from sdtrain.data.read_order import DataState, SamplePlan
+    from sdtrain.data.streams import WindowReader
+
+    _upload(tmp_path, "data/part.parquet", rows=8)
+    plan = SamplePlan((8,), seed=0, chunk_rows=8, window_rows=8)
+    spec = DatasetSpec((f"{s3_bucket}/data/part.parquet",), (8,), (4, 16, 16), (77, 32))
+    window = plan.window(plan.rank_stretches(DataState(), 1, 8, 1)[0][0], 0)
+    moto = os.environ["AWS_ENDPOINT_URL"]
+    for on_read_error in ("fail", "skip"):
+        endpoint, log = flaky_proxy("drop", 1000)
+        configure_s3(endpoint, 1)
+        reader = WindowReader(spec, DataConfig(train=["x"], on_read_error=on_read_error), plan)
+        # Not the DataError that stops a run without retries, and no rows dropped under skip: the
+        # attempt fails, and Ray Train restarts it from the latest checkpoint.
+        with pytest.raises(OSError, match=r"data.train: s3://sdtrain-test/data/part.parquet: storage failed after"):
+            reader.read(window)
+        assert log.read_text().split(), "the proxy dropped no connection"
+    configure_s3(moto, 3)
+    assert WindowReader(spec, DataConfig(train=["x"]), plan).read(window).num_rows == 8  # the data itself is fine
+
+    # A damaged file is a damaged file, wherever it is.
+    damaged = tmp_path / "damaged.parquet"
+    write_latents(damaged, rows=8)
+    raw = bytearray(damaged.read_bytes())
+    raw[4:24] = b"\xff" * 20  # the first page header; the footer still reads
+    damaged.write_bytes(bytes(raw))
+    with pytest.raises(OSError, match="Deserializing page header failed") as error:  # an OSError, like the above
+        pq.read_table(damaged)
+    assert not is_transient(error.value)

@@ -23,6 +23,7 @@ from sdtrain.data.pacing import paced
 from sdtrain.data.read_order import SamplePlan, Stretch, Window, window_sample_indices
 from sdtrain.errors import DataError
 from sdtrain.storage.filesystems import filesystems_for
+from sdtrain.storage.s3 import is_transient
 
 log = logging.getLogger("sdtrain")
 
@@ -92,6 +93,7 @@ class WindowReader:
                 files[file_index] = pq.ParquetFile(fs.open_input_file(path))
             meta = files[file_index].metadata
         except (OSError, pa.ArrowException) as error:
+            _raise_if_transient(error, file)
             return [self._unreadable(file, start, stop, error)]
         offsets = np.cumsum([0] + [meta.row_group(i).num_rows for i in range(meta.num_row_groups)])
         first = int(np.searchsorted(offsets, start, side="right")) - 1
@@ -114,6 +116,7 @@ class WindowReader:
                     )
                 )
             except (OSError, pa.ArrowException, DataError) as error:
+                _raise_if_transient(error, file)
                 pieces.append(self._unreadable(file, lo, hi, error))
         return pieces
 
@@ -131,6 +134,14 @@ class WindowReader:
             np.zeros((stop - start, *self.spec.caption_shape), np.float16),
             np.zeros(stop - start, bool),
         )
+
+
+def _raise_if_transient(error: BaseException, file: str) -> None:
+    """A storage failure that outlasted the client's retries is not a damaged file: it must neither
+    stop the run as one nor drop rows under data.on_read_error=skip. It fails this attempt, and Ray
+    Train restarts the workers from the latest checkpoint (failure.max_failures)."""
+    if is_transient(error):
+        raise OSError(f"data.train: {file}: storage failed after retries: {' '.join(str(error).split())}") from error
 
 
 def rank_dataset(reader: WindowReader, stretches: list[Stretch]) -> ray.data.Dataset:

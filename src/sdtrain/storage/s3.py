@@ -128,3 +128,35 @@ def s3_client():
     )
     # A fresh session: credentials are looked up now, from the environment as it is now.
     return boto3.session.Session().client("s3", endpoint_url=endpoint, config=config)
+
+
+# What the AWS SDK (under pyarrow) and S3 say when a request failed for now, not for good: the
+# network, throttling, a server error. Anything else from a read is about the object itself.
+_TRANSIENT_MARKERS = (
+    "NETWORK_CONNECTION",
+    "curlCode",
+    "SLOW_DOWN",
+    "SlowDown",
+    "THROTTLING",
+    "Throttl",
+    "REQUEST_TIMEOUT",
+    "RequestTimeout",
+    "SERVICE_UNAVAILABLE",
+    "ServiceUnavailable",
+    "INTERNAL_FAILURE",
+    "InternalError",
+    "Connection reset",
+    "connection was reset",
+    "timed out",
+    "HTTP status 429",  # too many requests
+    "HTTP status 500",
+    "HTTP status 502",
+    "HTTP status 503",  # S3's SlowDown, as the SDK reports it when it cannot parse the reply
+    "HTTP status 504",
+)
+
+
+def is_transient(error: BaseException) -> bool:
+    """Whether ``error`` (from reading an object, after the client's own retries) is a storage or
+    network failure that a later attempt can get past, rather than a damaged object."""
+    return isinstance(error, OSError) and any(marker in str(error) for marker in _TRANSIENT_MARKERS)
