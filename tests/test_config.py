@@ -287,3 +287,18 @@ def test_gpu_options_and_strategies_are_built():
     x, t, c = torch.randn(2, 4, 16, 16), torch.tensor([3, 600]), torch.randn(2, 5, 32)
     with torch.no_grad():
         torch.testing.assert_close(eager.unet(x, t, c).sample, plain.unet(x, t, c).sample, rtol=1e-4, atol=1e-5)
+
+
+def test_an_impossible_unet_or_a_missing_pretrained_directory_fails_on_the_driver(tmp_path, monkeypatch):
+    from sdtrain.config.schema import ModelConfig
+    from sdtrain.errors import ConfigError
+    from sdtrain.model.unet import check_unet, unet_config
+
+    check_unet(ModelConfig(preset="tiny"), (4, 16, 16), (77, 32))  # on the meta device: no weights allocated
+    with pytest.raises(ConfigError, match=r"^model.unet: model.preset=tiny with model.unet=\{'block_out_channels'"):
+        check_unet(ModelConfig(preset="tiny", unet={"block_out_channels": [32, 64, 128]}), (4, 16, 16), (77, 32))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "models").mkdir()  # models/sd2 looks like a hub id, but models/ is a local directory
+    for missing in ("models/sd2", "./sd2", str(tmp_path / "sd2"), "a/b/c"):
+        with pytest.raises(ConfigError, match=rf"^model.pretrained: directory {missing} does not exist"):
+            unet_config(ModelConfig(pretrained=missing))

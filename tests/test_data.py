@@ -281,3 +281,31 @@ def test_an_unreadable_row_group_fails_naming_it_or_is_skipped_alone(tmp_path):
     block = WindowReader(spec, DataConfig(train=["x"], on_read_error="skip"), plan).read(window)
     invalid = block.column("sample_index").to_numpy()[~block.column("valid").to_numpy(zero_copy_only=False)]
     assert sorted(invalid) == list(range(8, 16))
+
+
+def test_sd1_captions_against_a_1024_wide_unet_are_named_for_what_they_are(tmp_path):
+    write_latents(tmp_path / "sd1.parquet", rows=2, caption_shape=(77, 768))
+    with pytest.raises(DataError) as error:
+        _inspect([tmp_path / "sd1.parquet"], cross_attention_dim=1024)
+    assert (
+        "59136 = 77 x 768: 768-wide embeddings (CLIP ViT-L/14, as SD 1.x writes), for a UNet with cross_attention_dim "
+        "768. Set model.unet.cross_attention_dim=768" in str(error.value)
+    )
+    # The same as a tensor column (its shape is in the footer).
+    write_latents(tmp_path / "sd1t.parquet", rows=2, caption_shape=(77, 768), encoding="tensor")
+    with pytest.raises(DataError, match=r"59136 = 77 x 768: 768-wide embeddings"):
+        _inspect([tmp_path / "sd1t.parquet"], cross_attention_dim=1024)
+    # Latents of another channel count say which resolution they are.
+    write_latents(tmp_path / "sd.parquet", rows=2, latent_shape=(4, 32, 32))
+    with pytest.raises(DataError, match=r"4096 = 4x32x32: the latents of 256 px images through SD's VAE"):
+        _inspect([tmp_path / "sd.parquet"], in_channels=9)
+
+
+def test_a_damaged_first_row_group_is_named_not_a_traceback(tmp_path):
+    path = tmp_path / "damaged.parquet"
+    write_latents(path, rows=4)
+    raw = bytearray(path.read_bytes())
+    raw[8:2000] = b"\xff" * 1992  # the first data pages; the footer at the end still reads
+    path.write_bytes(bytes(raw))
+    with pytest.raises(DataError, match=r"data.train: cannot read the first row of .*damaged\.parquet: "):
+        _inspect([path])

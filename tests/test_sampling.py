@@ -7,7 +7,8 @@ import itertools
 import numpy as np
 import pytest
 
-from sdtrain.data.read_order import DataState, SamplePlan
+from sdtrain.data.read_order import DataState, SamplePlan, files_digest, plan_changes, resume_position
+from sdtrain.errors import DataError
 
 
 def consumed(plan: SamplePlan, state: DataState, world_size: int, rows_per_step: int, steps: int) -> list[np.ndarray]:
@@ -80,3 +81,27 @@ def test_too_small_dataset_is_an_error():
     plan = SamplePlan((10,), seed=0, chunk_rows=4, window_rows=8)
     with pytest.raises(ValueError, match="10 rows cannot fill one step of 8 rows on each of 2 ranks"):
         plan.rank_stretches(DataState(), 2, 8, 1)
+
+
+def test_a_position_is_resumed_only_against_the_data_and_settings_it_refers_to():
+    plan = SamplePlan((48, 48), seed=0, chunk_rows=8, window_rows=16, files_digest=files_digest(["a", "b"]))
+    state = plan.advance(DataState(), 2, 12, 2)  # 48 of the 96 rows consumed
+    saved = {"step": 2, "data": state.to_dict(), "plan": plan.fingerprint()}
+    assert resume_position(saved, plan, "fail", "ckpt") == (2, state)
+    old = {"step": 2, "data": state.to_dict()}  # a checkpoint from before fingerprints: replayed as before
+    assert resume_position(old, SamplePlan((48, 48, 24), 0, 8, 16), "fail", "ckpt") == (2, state)
+
+    added = SamplePlan((48, 48, 24), 0, 8, 16, files_digest(["a", "b", "c"]))
+    with pytest.raises(
+        DataError, match=r"ckpt \(step 2, epoch 0\) .* data.train has 3 file\(s\), the checkpoint's had 2"
+    ):
+        resume_position(saved, added, "fail", "ckpt")
+    assert plan_changes(plan.fingerprint(), SamplePlan((48, 48), 1, 4, 16, plan.files_digest).fingerprint()) == [
+        "train.seed is 1, was 0",
+        "data.shuffle_chunk_rows is 4, was 8",
+    ]
+    assert plan_changes(plan.fingerprint(), SamplePlan((48, 48), 0, 8, 16, files_digest(["a", "x"])).fingerprint()) == [
+        "the list of data.train files changed (renamed, moved or replaced)"
+    ]
+    # Deliberately: keep the weights, start the next epoch on the data as it is now.
+    assert resume_position(saved, added, "new_epoch", "ckpt") == (2, DataState(epoch=1))

@@ -17,7 +17,7 @@ from sdtrain.artifacts.checkpoint_format import CHECKPOINT_FILE, DATA_STATE_FILE
 from sdtrain.artifacts.loading import load_model, read_checkpoint
 from sdtrain.config.loader import load_config
 from sdtrain.data.decode import decode_batch
-from sdtrain.errors import TrainingFailed
+from sdtrain.errors import DataError, TrainingFailed
 from sdtrain.launch import train
 from sdtrain.model.validation import validation_loss
 
@@ -127,6 +127,13 @@ def test_two_worker_run_checkpoints_reloads_and_resumes(ray_cluster, tmp_path):
     shutil.rmtree(run_dir / "export")
     train(_config(tmp_path, max_steps=9))
     assert json.loads(export_info.read_text())["source_checkpoint"] == summary.checkpoint_path
+
+    # A file that grew since the checkpoint: its data position would be replayed against other rows
+    # (some twice, some never). Refused before Ray Train starts, saying what changed and what to do.
+    write_latents(tmp_path / "train/b.parquet", rows=36, encoding="tensor", seed=5)
+    with pytest.raises(DataError, match=r"checkpoint_000000009 \(step 9, epoch 1\) .* data.train has 60 rows, the "):
+        train(_config(tmp_path, max_steps=12))
+    assert _checkpoints(run_dir)[-2:] == ["checkpoint_000000009", "checkpoint_000000099"]
 
 
 @pytest.mark.timeout(60)

@@ -23,17 +23,17 @@ from sdtrain.data.demo import ensure_demo_data
 from sdtrain.data.inspection import DatasetSpec, inspect_dataset
 from sdtrain.data.parquet_files import resolve_parquet_files
 from sdtrain.data.ray_data_startup import warm_up_ray_data
-from sdtrain.data.read_order import SamplePlan
+from sdtrain.data.read_order import DataState, SamplePlan, files_digest, resume_position
 from sdtrain.data.streams import WindowReader, file_order_dataset
 from sdtrain.errors import ConfigError, DataError, TrainingFailed
 from sdtrain.model.recipe import load_unconditional_caption, stored_latent_scaling
-from sdtrain.model.unet import unet_config
+from sdtrain.model.unet import check_unet, unet_config
 from sdtrain.preflight import preflight
 from sdtrain.storage.filesystems import ray_storage, set_aside, uri_for
 from sdtrain.storage.s3 import resolved_s3_settings
 from sdtrain.storage.uris import absolute
 from sdtrain.train.failures import StopOnDeterministicErrors, failure_message
-from sdtrain.train.shards import PlannedShards, checkpoint_position, committed_run
+from sdtrain.train.shards import PlannedShards, committed_run, read_data_state
 from sdtrain.train.trackers import check_trackers, log_export, tracker_env
 from sdtrain.train.trainer import checkpoint_meta, resolve_precision
 from sdtrain.train.worker import train_loop_per_worker
@@ -61,6 +61,7 @@ def train(config: Config) -> RunSummary:
     train_spec = dataset_spec(config, "data.train", config.data.train, unet)
     val_spec = dataset_spec(config, "data.val", config.data.val, unet) if config.data.val else None
     _check_shapes_agree(train_spec, val_spec)
+    check_unet(config.model, train_spec.latent_shape, train_spec.caption_shape)  # on the meta device, in a second
     # Before Ray starts: a wrong empty-prompt file or a double latent scaling fails here.
     load_unconditional_caption(config.data.unconditional_caption, train_spec.caption_shape)
     stored_scale = stored_latent_scaling([train_spec.files[0]] + ([val_spec.files[0]] if val_spec else []), config.data)
@@ -77,7 +78,11 @@ def train(config: Config) -> RunSummary:
             f"{config.train.global_batch_size} samples; add data or lower the batch size"
         )
     plan = SamplePlan(
-        train_spec.rows_per_file, config.train.seed, config.data.shuffle_chunk_rows, config.data.shuffle_window_rows
+        train_spec.rows_per_file,
+        config.train.seed,
+        config.data.shuffle_chunk_rows,
+        config.data.shuffle_window_rows,
+        files_digest(train_spec.files),
     )
     run_dir = posixpath.join(config.run.storage_path, config.run.name)
     if config.run.start_fresh:
@@ -95,6 +100,18 @@ def train(config: Config) -> RunSummary:
             flush=True,
         )
         return _finish(config, finished.result)
+    committed = committed_run(*ray_storage(run_dir))
+    if committed is not None:  # a resume: its data position must refer to this data, checked before Ray starts
+        assert committed.checkpoint is not None  # committed_run returns only runs with a committed checkpoint
+        saved = read_data_state(committed.checkpoint)
+        where = uri_for(committed.checkpoint.filesystem, committed.checkpoint.path)
+        step, state = resume_position(saved, plan, config.data.on_change, where)
+        if config.data.on_change == "new_epoch" and state != DataState.from_dict(saved["data"]):
+            print(
+                f"[sdtrain] data.on_change=new_epoch: the data changed since {where}; resuming its weights "
+                f"at step {step} and starting epoch {state.epoch} on the data as it is now",
+                flush=True,
+            )
 
     if not ray.is_initialized():
         # Joins the cluster named by RAY_ADDRESS (as under `ray job submit`), else starts a local one.
@@ -151,7 +168,11 @@ def train(config: Config) -> RunSummary:
         ),
         datasets=datasets,
         dataset_config=PlannedShards(
-            WindowReader(train_spec, config.data, plan), run_dir, config.train.global_batch_size, config.train.max_steps
+            WindowReader(train_spec, config.data, plan),
+            run_dir,
+            config.train.global_batch_size,
+            config.train.max_steps,
+            config.data.on_change,
         ),
     )
     warm_up = warm_up_ray_data()  # in the background, while Ray Train starts (sdtrain.data.ray_data_startup)
@@ -177,7 +198,7 @@ def _finished_run(run_dir: str, max_steps: int) -> _FinishedRun | None:
     if result is None:
         return None
     assert result.checkpoint is not None  # committed_run returns only runs with a committed checkpoint
-    step, _ = checkpoint_position(result.checkpoint)
+    step = int(read_data_state(result.checkpoint)["step"])
     return _FinishedRun(step, result) if step >= max_steps else None
 
 

@@ -23,7 +23,7 @@ from sdtrain.artifacts.provenance import code_version
 from sdtrain.artifacts.registry import ModelRegistry
 from sdtrain.config.schema import Config
 from sdtrain.data.local_read import iter_local_batches
-from sdtrain.errors import DataError
+from sdtrain.errors import ConfigError, DataError
 from sdtrain.launch import dataset_spec, train
 from sdtrain.model.validation import validation_loss
 from sdtrain.preflight import preflight
@@ -43,8 +43,11 @@ class RetrainOutcome:
 
 
 def retrain(config: Config, schedule_date: datetime.date) -> RetrainOutcome:
+    data_root, models_root = config.retrain.data_root, config.retrain.models_root
+    if data_root is None or models_root is None:
+        raise ConfigError("retrain.data_root and retrain.models_root are required for retraining")
     preflight(config)  # retrain.data_root, retrain.models_root and the rest, before anything is read
-    registry = ModelRegistry(config.retrain.models_root)
+    registry = ModelRegistry(models_root)
     day = schedule_date.isoformat()
     production = registry.production()
 
@@ -76,7 +79,7 @@ def retrain(config: Config, schedule_date: datetime.date) -> RetrainOutcome:
             f"{day}: already retrained as {version} ({manifest['reason']}); nothing to do",
         )
 
-    partitions = find_partitions(config.retrain.data_root, schedule_date, config.retrain.complete_marker)
+    partitions = find_partitions(data_root, schedule_date, config.retrain.complete_marker)
     seen = registry.manifest(production)["partitions_seen"] if production else []
     new = [d for d in partitions if d not in seen]
     if not new:

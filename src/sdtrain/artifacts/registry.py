@@ -71,7 +71,7 @@ class ModelRegistry:
 
     def write_version(self, unet: UNet2DConditionModel, scheduler: DDPMScheduler, manifest: dict[str, Any]) -> str:
         """Write a new version (weights first, manifest last) and return its name."""
-        numbers = [int(_VERSION.fullmatch(v).group(1)) for v in self._version_dirs()]
+        numbers = [int(v[1:]) for v in self._version_dirs()]  # every name matched _VERSION
         version = f"v{max(numbers, default=0) + 1:04d}"
         destination = self._path("versions", version)
         with tempfile.TemporaryDirectory() as local:

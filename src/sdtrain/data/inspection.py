@@ -70,7 +70,7 @@ def inspect_dataset(
         raise DataError(f"{key}: the {len(files)} parquet file(s) hold no rows (first: {files[0]})")
 
     file = files[next(i for i, n in enumerate(rows) if n)]
-    row = _first_row(file, [image_column, caption_column])
+    row = _first_row(file, key, [image_column, caption_column])
     latent_shape = _latent_shape(key, file, image_column, layouts[image_column][1], row, in_channels)
     caption_shape = _caption_shape(key, file, caption_column, layouts[caption_column][1], row, cross_attention_dim)
     for column, shape in ((image_column, latent_shape), (caption_column, caption_shape)):
@@ -92,10 +92,13 @@ def _read_footer(file: str, key: str) -> tuple[pa.Schema, int]:
     return metadata.schema.to_arrow_schema(), metadata.num_rows
 
 
-def _first_row(file: str, columns: list[str]) -> pa.Table:
+def _first_row(file: str, key: str, columns: list[str]) -> pa.Table:
     fs, path = filesystem_for(file)
-    with fs.open_input_file(path) as handle:
-        batch = next(pq.ParquetFile(handle).iter_batches(batch_size=1, columns=columns))
+    try:
+        with fs.open_input_file(path) as handle:
+            batch = next(pq.ParquetFile(handle).iter_batches(batch_size=1, columns=columns))
+    except (OSError, pa.ArrowException, StopIteration) as e:  # a footer that reads, over damaged pages
+        raise DataError(f"{key}: cannot read the first row of {file}: {type(e).__name__}: {e}") from None
     return pa.Table.from_batches([batch.slice(0, 1)])
 
 
@@ -122,7 +125,7 @@ def _latent_shape(key, file, column, layout, row, in_channels) -> tuple[int, int
     if side == 0 or in_channels * side * side != n:
         raise DataError(
             f"{where} has {n} values a row, which is not C*H*W for C = the UNet's in_channels = "
-            f"{in_channels} and a square H = W (e.g. 4096 = 4x32x32). Check data.image_column "
+            f"{in_channels} and a square H = W (e.g. 4096 = 4x32x32). {_latent_hint(n)}Check data.image_column "
             "and model.unet.in_channels, or store the latents as a Ray tensor column with their shape"
         )
     return (in_channels, side, side)
@@ -134,14 +137,39 @@ def _caption_shape(key, file, column, layout, row, cross_attention_dim) -> tuple
         if len(layout.shape) != 2 or layout.shape[1] != cross_attention_dim:
             raise DataError(
                 f"{where} holds caption embeddings of shape {layout.shape}; expected (L, D) with "
-                f"D = the UNet's cross_attention_dim = {cross_attention_dim}"
+                f"D = the UNet's cross_attention_dim = {cross_attention_dim}. "
+                + _caption_hint(math.prod(layout.shape), cross_attention_dim)
             )
         return tuple(layout.shape)
     n = _values_per_row(where, layout, row, column)
     if n == 0 or n % cross_attention_dim:
         raise DataError(
             f"{where} has {n} values a row, which is not L*D for D = the UNet's cross_attention_dim = "
-            f"{cross_attention_dim} (e.g. 78848 = 77x1024). The caption width must match the UNet: "
-            "check data.caption_column and model.unet.cross_attention_dim (or model.preset)"
+            f"{cross_attention_dim} (e.g. 78848 = 77x1024). {_caption_hint(n, cross_attention_dim)}"
         )
     return (n // cross_attention_dim, cross_attention_dim)
+
+
+# Caption widths of the text encoders Stable Diffusion models use, for errors in the user's terms.
+_TEXT_ENCODERS = {768: "CLIP ViT-L/14, as SD 1.x writes", 1024: "OpenCLIP ViT-H/14, as SD 2.x writes"}
+
+
+def _caption_hint(n: int, cross_attention_dim: int) -> str:
+    """What ``n`` values a row most likely are, when a 77-token embedding of another width."""
+    if n and n % 77 == 0:
+        width = n // 77
+        encoder = f" ({_TEXT_ENCODERS[width]})" if width in _TEXT_ENCODERS else ""
+        return (
+            f"{n} = 77 x {width}: {width}-wide embeddings{encoder}, for a UNet with cross_attention_dim "
+            f"{width}. Set model.unet.cross_attention_dim={width} (or a preset of that width), or re-encode the "
+            f"captions with a {cross_attention_dim}-wide text encoder"
+        )
+    return "The caption width must match the UNet: check data.caption_column and model.unet.cross_attention_dim"
+
+
+def _latent_hint(n: int) -> str:
+    """What ``n`` values a row are if they are SD VAE latents (4 channels, 8x downsampling)."""
+    side = math.isqrt(n // 4) if n % 4 == 0 else 0
+    if side and 4 * side * side == n:
+        return f"{n} = 4x{side}x{side}: the latents of {side * 8} px images through SD's VAE (4 channels). "
+    return ""

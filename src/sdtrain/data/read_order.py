@@ -18,9 +18,14 @@ Rows are named by their *sample index*: the row's position in the file list read
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
+
+from sdtrain.errors import DataError
 
 # Spans are int64 arrays of shape (n, 3): (file index, first row, end row), rows [start, stop).
 FILE, START, STOP = 0, 1, 2
@@ -77,6 +82,8 @@ class SamplePlan:
     seed: int
     chunk_rows: int
     window_rows: int
+    files_digest: str = ""
+    """:func:`files_digest` of the files, in order: what the sample indices name."""
     _chunks: np.ndarray = field(init=False, repr=False)
     _parts_cache: dict = field(init=False, repr=False, default_factory=dict)
 
@@ -91,6 +98,7 @@ class SamplePlan:
             "seed": self.seed,
             "chunk_rows": self.chunk_rows,
             "window_rows": self.window_rows,
+            "files_digest": self.files_digest,
         }
 
     def __setstate__(self, state):
@@ -107,6 +115,19 @@ class SamplePlan:
     @property
     def num_rows(self) -> int:
         return int(self.file_offsets[-1])
+
+    def fingerprint(self) -> dict[str, Any]:
+        """What a :class:`DataState` of this plan refers to, saved beside it in every checkpoint."""
+        rows = hashlib.sha256(np.asarray(self.rows_per_file, np.int64).tobytes()).hexdigest()[:16]
+        return {
+            "files": len(self.rows_per_file),
+            "rows": self.num_rows,
+            "files_digest": self.files_digest,
+            "rows_digest": rows,
+            "seed": self.seed,
+            "chunk_rows": self.chunk_rows,
+            "window_rows": self.window_rows,
+        }
 
     def epoch_order(self, epoch: int) -> np.ndarray:
         permutation = np.random.default_rng([self.seed, epoch]).permutation(len(self._chunks))
@@ -242,3 +263,50 @@ def window_sample_indices(spans: np.ndarray, file_offsets: np.ndarray) -> np.nda
     if len(spans) == 0:
         return np.zeros(0, np.int64)
     return np.concatenate([np.arange(file_offsets[f] + a, file_offsets[f] + b) for f, a, b in spans])
+
+
+def files_digest(files: Sequence[str]) -> str:
+    return hashlib.sha256("\n".join(files).encode()).hexdigest()[:16]
+
+
+def resume_position(saved: dict[str, Any], plan: SamplePlan, on_change: str, where: str) -> tuple[int, DataState]:
+    """(step, data state) to resume from, given a checkpoint's saved data state (``data_state.json``).
+
+    Args:
+        saved: the checkpoint's data state: step, position and the fingerprint of the plan it refers to.
+        plan: the plan of this run (the data and settings as they are now).
+        on_change: data.on_change: fail, or new_epoch (start the next epoch on the current plan).
+        where: the checkpoint, for the error.
+    """
+    step, state = int(saved["step"]), DataState.from_dict(saved["data"])
+    stored = saved.get("plan")  # None: written before fingerprints were kept; replayed as before
+    changes = [] if stored is None else plan_changes(stored, plan.fingerprint())
+    if not changes:
+        return step, state
+    if on_change == "new_epoch":
+        return step, DataState(epoch=state.epoch + 1)
+    raise DataError(
+        f"data.train: the data position of {where} (step {step}, epoch {state.epoch}) refers to other data than "
+        f"this run's: {'; '.join(changes)}. Resuming would read rows twice or never. Restore the data and settings, "
+        "set data.on_change=new_epoch to keep the weights and start the next epoch on the data as it is now, or "
+        "start a new run (another run.name) with model.pretrained set to this run's export"
+    )
+
+
+_CHANGES = {
+    "files": "data.train has {new} file(s), the checkpoint's had {old}",
+    "rows": "data.train has {new} rows, the checkpoint's had {old}",
+    "files_digest": "the list of data.train files changed (renamed, moved or replaced)",
+    "rows_digest": "the rows per file of data.train changed",
+    "seed": "train.seed is {new}, was {old}",
+    "chunk_rows": "data.shuffle_chunk_rows is {new}, was {old}",
+    "window_rows": "data.shuffle_window_rows is {new}, was {old}",
+}
+
+
+def plan_changes(stored: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """What differs between two :meth:`SamplePlan.fingerprint` s, in the config's terms."""
+    changed = [key for key in _CHANGES if stored.get(key) != current.get(key)]
+    if "files" in changed or "rows" in changed:  # the digests differ too; the counts say more
+        changed = [key for key in changed if key not in ("files_digest", "rows_digest")]
+    return [_CHANGES[key].format(new=current.get(key), old=stored.get(key)) for key in changed]

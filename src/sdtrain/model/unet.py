@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -20,8 +21,40 @@ def unet_config(model: ModelConfig) -> dict[str, Any]:
     """The UNet2DConditionModel kwargs a run uses: preset, then overrides (or the pretrained model's own)."""
     if model.pretrained is not None:
         path, subfolder = _pretrained_location(model.pretrained, "unet")
-        return json_safe(UNet2DConditionModel.load_config(path, subfolder=subfolder))
+        try:
+            return json_safe(UNet2DConditionModel.load_config(path, subfolder=subfolder))
+        except OSError as e:  # a hub id that is unknown or unreachable (no network, no token)
+            first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ConfigError(
+                f"model.pretrained: {model.pretrained} is not a local directory, and as a Hugging Face hub id its "
+                f"unet/config.json could not be fetched ({first_line}); give a diffusers model directory (local or "
+                "s3://) or a hub id this machine can reach"
+            ) from None
     return json_safe({**PRESETS[model.preset], **model.unet})
+
+
+def check_unet(model: ModelConfig, latent_shape: tuple[int, ...], caption_shape: tuple[int, ...]) -> None:
+    """Build the run's UNet on the meta device (no memory) and run one forward pass with the data's
+    shapes, on the driver: a model.unet combination diffusers refuses, or one that cannot take
+    these latents and captions, fails here in a second instead of on every worker."""
+    import torch
+
+    config = unet_config(model)
+    try:
+        with torch.device("meta"):
+            unet = UNet2DConditionModel(**config)
+            unet(
+                torch.zeros(1, *latent_shape),
+                torch.zeros(1, dtype=torch.long),
+                encoder_hidden_states=torch.zeros(1, *caption_shape),
+            )
+    except Exception as e:  # diffusers raises ValueError, TypeError, RuntimeError, AssertionError...
+        source = f"model.pretrained={model.pretrained}" if model.pretrained else f"model.preset={model.preset}"
+        overrides = f" with model.unet={model.unet}" if model.unet and not model.pretrained else ""
+        raise ConfigError(
+            f"model.unet: {source}{overrides} does not give a UNet2DConditionModel that takes latents of shape "
+            f"{tuple(latent_shape)} and captions of shape {tuple(caption_shape)}: {type(e).__name__}: {e}"
+        ) from None
 
 
 def build_unet(model: ModelConfig) -> UNet2DConditionModel:
@@ -82,6 +115,13 @@ def _pretrained_location(pretrained: str, subfolder: str, required: bool = True)
             f"model.pretrained: {root} has neither {subfolder}/config.json nor config.json; "
             "expected a diffusers model directory (save_pretrained output)"
         )
-    if Path(pretrained).is_absolute() or pretrained.startswith((".", "~")):
-        raise ConfigError(f"model.pretrained: directory {pretrained} does not exist")
+    # A hub id is exactly "owner/name"; anything else that is not a directory is a missing local path.
+    if not _HUB_ID.fullmatch(pretrained) or Path(pretrained).parent.is_dir():
+        raise ConfigError(
+            f"model.pretrained: directory {pretrained} does not exist (relative paths are taken from "
+            f"{Path.cwd()}); expected a diffusers model directory, an s3:// URI or a hub id owner/name"
+        )
     return pretrained, subfolder
+
+
+_HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*")

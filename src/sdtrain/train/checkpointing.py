@@ -12,7 +12,7 @@ import os
 import shutil
 import tempfile
 import time
-from typing import Literal
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 import numpy as np
@@ -36,6 +36,7 @@ def report_with_checkpoint(
     metrics: dict[str, float],
     step: int,
     position: DataState,
+    plan_fingerprint: dict[str, Any],
     history: list[dict[str, float]],
     upload: Literal["async", "sync"],
 ) -> float:
@@ -44,6 +45,7 @@ def report_with_checkpoint(
 
     Args:
         position: the data state after ``step``, where a resumed stream starts.
+        plan_fingerprint: what ``position`` refers to (``SamplePlan.fingerprint``), checked on resume.
         history: the metric rows reported up to ``step``, saved with the checkpoint.
         upload: run.checkpoint_upload.
     """
@@ -61,7 +63,7 @@ def report_with_checkpoint(
         with open(os.path.join(directory, HISTORY_FILE), "w") as f:
             json.dump(history, f)
         with open(os.path.join(directory, DATA_STATE_FILE), "w") as f:
-            json.dump({"step": step, "data": position.to_dict()}, f)
+            json.dump({"step": step, "data": position.to_dict(), "plan": plan_fingerprint}, f)
     checkpoint = ray.train.Checkpoint.from_directory(directory) if trainer.is_global_zero else None
     try:
         # Ray Train uploads (in the background when async), commits the checkpoint once it is

@@ -12,6 +12,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import lightning.pytorch as pl
 import ray.train
@@ -38,6 +39,7 @@ class StepReporter(pl.Callback):
         max_bad_steps: int,
         history: list[dict[str, float]],
         data_position: Callable[[int], DataState],
+        plan_fingerprint: dict[str, Any],
         data_wait_s: Callable[[], float],
         launched_at: float,
         val_batches: ValBatches | None = None,
@@ -45,7 +47,8 @@ class StepReporter(pl.Callback):
         view: RunView | None = None,
     ):
         """``history`` holds the rows of the checkpoint being resumed from ([] for a fresh run);
-        ``data_position(step)`` is the data state after that step, saved with its checkpoint;
+        ``data_position(step)`` is the data state after that step, saved with its checkpoint with
+        ``plan_fingerprint``, what it refers to;
         ``data_wait_s()`` the seconds this rank waited for data since its previous call;
         ``launched_at`` the wall-clock time the driver started the run;
         ``val_batches`` yields the validation set on rank 0 (None: no validation);
@@ -55,6 +58,7 @@ class StepReporter(pl.Callback):
         self.samples_per_step = samples_per_step
         self.max_bad_steps = max_bad_steps
         self.data_position = data_position
+        self.plan_fingerprint = plan_fingerprint
         self.data_wait_s = data_wait_s
         self.launched_at = launched_at
         self.val_batches = val_batches
@@ -117,7 +121,14 @@ class StepReporter(pl.Callback):
                 self.view.reported(metrics, self.history, pl_module)
         if with_checkpoint:
             self._checkpoint_stall = report_with_checkpoint(
-                trainer, pl_module, metrics, step, position, self.history, self.run.checkpoint_upload
+                trainer,
+                pl_module,
+                metrics,
+                step,
+                position,
+                self.plan_fingerprint,
+                self.history,
+                self.run.checkpoint_upload,
             )
         else:
             ray.train.report(metrics)

@@ -17,24 +17,30 @@ import pyarrow.fs as pafs
 import ray.train
 
 from sdtrain.artifacts.checkpoint_format import DATA_STATE_FILE
-from sdtrain.data.read_order import DataState
+from sdtrain.data.read_order import DataState, resume_position
 from sdtrain.data.streams import WindowReader, rank_dataset
 from sdtrain.storage.filesystems import ray_storage
 
 
 class PlannedShards(ray.train.DataConfig):
-    def __init__(self, reader: WindowReader, run_dir: str, global_batch_size: int, max_steps: int):
+    def __init__(self, reader: WindowReader, run_dir: str, global_batch_size: int, max_steps: int, on_change: str):
         super().__init__(datasets_to_split=["train"])
         self.reader = reader
         # (filesystem, path) made here on the driver: it carries the S3 endpoint to the controller.
         self.run_storage = ray_storage(run_dir)
         self.global_batch_size = global_batch_size
         self.max_steps = max_steps
+        self.on_change = on_change  # data.on_change
 
     def configure(self, datasets, world_size, worker_handles, worker_node_ids, **kwargs):
         if "train" not in datasets:  # validation: every worker gets the whole set, in file order
             return super().configure(datasets, world_size, worker_handles, worker_node_ids, **kwargs)
-        step, state = latest_position(*self.run_storage)
+        result = committed_run(*self.run_storage)
+        step, state = (0, DataState())
+        if result is not None:
+            assert result.checkpoint is not None  # committed_run returns only runs with a committed checkpoint
+            saved = read_data_state(result.checkpoint)
+            step, state = resume_position(saved, self.reader.plan, self.on_change, result.checkpoint.path)
         stretches = self.reader.plan.rank_stretches(
             state, world_size, self.global_batch_size // world_size, self.max_steps - step
         )
@@ -53,16 +59,6 @@ class PlannedShards(ray.train.DataConfig):
         return options
 
 
-def latest_position(filesystem: pafs.FileSystem | None, run_dir: str) -> tuple[int, DataState]:
-    """(step, data state) of the latest checkpoint Ray Train committed for ``run_dir`` (a path on
-    ``filesystem``, as from ``files.ray_storage``); (0, start) if none."""
-    result = committed_run(filesystem, run_dir)
-    if result is None:
-        return 0, DataState()
-    assert result.checkpoint is not None  # committed_run returns only runs with a committed checkpoint
-    return checkpoint_position(result.checkpoint)
-
-
 def committed_run(filesystem: pafs.FileSystem | None, run_dir: str) -> ray.train.Result | None:
     """Ray Train's record of the run in ``run_dir``, if it has committed a checkpoint."""
     try:
@@ -72,10 +68,9 @@ def committed_run(filesystem: pafs.FileSystem | None, run_dir: str) -> ray.train
     return result if result.checkpoint is not None else None
 
 
-def checkpoint_position(checkpoint: ray.train.Checkpoint) -> tuple[int, DataState]:
-    """(step, data state) a committed checkpoint was written at."""
+def read_data_state(checkpoint: ray.train.Checkpoint) -> dict:
+    """A committed checkpoint's ``data_state.json``: its step, data position and plan fingerprint."""
     filesystem = checkpoint.filesystem
     assert filesystem is not None  # Checkpoint() resolves one from the path when it is given none
     with filesystem.open_input_stream(posixpath.join(checkpoint.path, DATA_STATE_FILE)) as f:
-        raw = json.loads(f.read())
-    return int(raw["step"]), DataState.from_dict(raw["data"])
+        return json.loads(f.read())

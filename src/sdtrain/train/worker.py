@@ -24,7 +24,7 @@ from ray.train.lightning import RayDDPStrategy, prepare_trainer
 
 from sdtrain.artifacts.checkpoint_format import CHECKPOINT_FILE, DATA_STATE_FILE, HISTORY_FILE
 from sdtrain.config.schema import Config
-from sdtrain.data.read_order import DataState, SamplePlan
+from sdtrain.data.read_order import DataState, SamplePlan, resume_position
 from sdtrain.errors import TrainingFailed, find_sdtrain_error
 from sdtrain.model.recipe import load_unconditional_caption
 from sdtrain.storage.s3 import apply_s3_settings
@@ -152,14 +152,14 @@ class StartPoint:
     """The restored checkpoint file, for Lightning to resume from; None for a fresh run."""
 
     @classmethod
-    def from_directory(cls, directory: str) -> StartPoint:
+    def from_directory(cls, directory: str, plan: SamplePlan, on_change: str) -> StartPoint:
+        """The restored checkpoint in ``directory``, its data position checked against ``plan``."""
         with open(os.path.join(directory, HISTORY_FILE)) as f:
             history = json.load(f)
         with open(os.path.join(directory, DATA_STATE_FILE)) as f:
-            raw = json.load(f)
-        return cls(
-            int(raw["step"]), DataState.from_dict(raw["data"]), history, os.path.join(directory, CHECKPOINT_FILE)
-        )
+            saved = json.load(f)
+        step, data = resume_position(saved, plan, on_change, "the restored checkpoint")
+        return cls(step, data, history, os.path.join(directory, CHECKPOINT_FILE))
 
 
 @dataclass(frozen=True)
@@ -205,8 +205,9 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     checkpoint = ray.train.get_checkpoint()
     # Restored: the checkpoint's directory stays open while fitting (Lightning reads its file).
     with checkpoint.as_directory() if checkpoint is not None else contextlib.nullcontext() as directory:
-        start = StartPoint.from_directory(directory) if directory is not None else StartPoint()
-        run = WorkerRun(config, loop_config["plan"], layout, start, loop_config["launched_at"])
+        plan: SamplePlan = loop_config["plan"]
+        start = StartPoint() if directory is None else StartPoint.from_directory(directory, plan, config.data.on_change)
+        run = WorkerRun(config, plan, layout, start, loop_config["launched_at"])
         _fit(run, module, trainer_kwargs, train_batches)
 
 
@@ -243,6 +244,7 @@ def _fit(
         samples_per_step=config.train.global_batch_size,
         max_bad_steps=config.train.max_bad_steps,
         history=start.history,
+        plan_fingerprint=plan.fingerprint(),
         data_position=lambda step: plan.advance(start.data, layout.world_size, layout.rows_per_step, step - start.step),
         val_batches=val_batches,
         val_seed=config.train.seed,
