@@ -41,3 +41,18 @@ def test_load_model_says_what_a_path_is_not(tmp_path):
     torch.save({"state_dict": {}, "global_step": 1, CHECKPOINT_META_KEY: meta.to_dict()}, plain / CHECKPOINT_FILE)
     with pytest.raises(SdtrainError, match="holds no EMA weights"):
         load_model(str(plain), weights="ema")
+
+
+def test_a_damaged_record_of_committed_checkpoints_is_named(tmp_path):
+    from ray.train.v2._internal.constants import CHECKPOINT_MANAGER_SNAPSHOT_FILENAME
+
+    from sdtrain.train.shards import committed_run
+
+    run_dir = tmp_path / "runs" / "a"
+    assert committed_run(None, str(run_dir)) is None  # nothing there: a fresh run
+    run_dir.mkdir(parents=True)
+    (run_dir / CHECKPOINT_MANAGER_SNAPSHOT_FILENAME).write_text('{"ray_version": "2.60.0", "checkpoint_results": [')
+    with pytest.raises(
+        SdtrainError, match=r"record of the run's checkpoints .* cannot be read: .* run.start_fresh=true"
+    ):
+        committed_run(None, str(run_dir))

@@ -15,10 +15,13 @@ import posixpath
 
 import pyarrow.fs as pafs
 import ray.train
+from ray.train.v2._internal.constants import CHECKPOINT_MANAGER_SNAPSHOT_FILENAME
+from ray.train.v2._internal.exceptions import CheckpointManagerInitializationError
 
 from sdtrain.artifacts.checkpoint_format import DATA_STATE_FILE
 from sdtrain.data.read_order import DataState, resume_position
 from sdtrain.data.streams import WindowReader, rank_dataset
+from sdtrain.errors import SdtrainError
 from sdtrain.storage.filesystems import ray_storage
 
 
@@ -63,6 +66,13 @@ def committed_run(filesystem: pafs.FileSystem | None, run_dir: str) -> ray.train
     """Ray Train's record of the run in ``run_dir``, if it has committed a checkpoint."""
     try:
         result = ray.train.Result.from_path(run_dir, storage_filesystem=filesystem)
+    except CheckpointManagerInitializationError as e:
+        raise SdtrainError(
+            f"run: {run_dir}: Ray Train's record of the run's checkpoints ({CHECKPOINT_MANAGER_SNAPSHOT_FILENAME}) "
+            f"cannot be read: {' '.join(str(e).split())[:300]}. Ray Train writes it whole, so it was damaged or cut "
+            "short outside the run, or written by another Ray version. Restore it from a copy, or set "
+            "run.start_fresh=true to move the run aside and start over"
+        ) from None
     except RuntimeError:  # no run directory or no committed checkpoint yet: a fresh run
         return None
     return result if result.checkpoint is not None else None
