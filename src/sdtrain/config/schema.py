@@ -266,6 +266,10 @@ class RunConfig(_Section):
     record_samples: bool = False
     """Save into each checkpoint, as samples.npy, the sample index (row number in data.train's files, in order) of
     every row trained on since the previous checkpoint, all ranks: an exact record of what the model saw."""
+    staging_dir: str | None = None
+    """Local directory (each node's own disk) where checkpoints are written before their upload and a restored
+    checkpoint is downloaded to; it needs room for about two checkpoints. null = the system's temporary directory.
+    What a killed worker left there is removed when the run's next worker group starts."""
     start_fresh: bool = False
     """Start from step 0 even if run.storage_path/run.name holds a run; the old run is kept, renamed to
     <name>.replaced-<UTC time>. For one-off command lines, not a retried job (each retry would start over)."""

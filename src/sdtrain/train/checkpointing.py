@@ -7,15 +7,19 @@ then prunes older ones: nothing here deletes a checkpoint.
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import os
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
 from typing import Any, Literal
 
 import lightning.pytorch as pl
 import numpy as np
+import pyarrow.fs as pafs
 import ray.train
 
 from sdtrain.artifacts.checkpoint_format import (
@@ -25,6 +29,7 @@ from sdtrain.artifacts.checkpoint_format import (
     SAMPLES_FILE,
     checkpoint_dir_name,
 )
+from sdtrain.config.schema import RunConfig
 from sdtrain.data.read_order import DataState
 
 _UPLOAD_MODES = {"async": ray.train.CheckpointUploadMode.ASYNC, "sync": ray.train.CheckpointUploadMode.SYNC}
@@ -39,6 +44,7 @@ def report_with_checkpoint(
     plan_fingerprint: dict[str, Any],
     history: list[dict[str, float]],
     upload: Literal["async", "sync"],
+    staging: str,
 ) -> float:
     """Write the checkpoint of ``step`` and report it with ``metrics``; returns the seconds the
     training loop waited (the save, and the upload when ``upload`` is sync).
@@ -48,10 +54,11 @@ def report_with_checkpoint(
         plan_fingerprint: what ``position`` refers to (``SamplePlan.fingerprint``), checked on resume.
         history: the metric rows reported up to ``step``, saved with the checkpoint.
         upload: run.checkpoint_upload.
+        staging: this worker's staging directory (:func:`worker_scratch`), where rank 0 writes it.
     """
     started = time.perf_counter()
     name = checkpoint_dir_name(step)
-    directory = tempfile.mkdtemp(prefix=f"sdtrain-{name}-") if trainer.is_global_zero else ""
+    directory = tempfile.mkdtemp(prefix=f"{name}-", dir=staging) if trainer.is_global_zero else ""
     if pl_module.sample_record is not None:
         # Collective: every rank trained on as many rows; rank 0 saves them all.
         record = trainer.strategy.all_gather(pl_module.take_sample_record().to(pl_module.device))
@@ -80,3 +87,47 @@ def report_with_checkpoint(
             shutil.rmtree(directory, ignore_errors=True)
         raise
     return time.perf_counter() - started
+
+
+def worker_scratch(run: RunConfig, run_dir: str, rank: int) -> str:
+    """An empty local directory for this rank of this run: staged checkpoints and restore copies.
+
+    Emptied at every worker-group start: a worker killed mid-upload (SIGKILL: no clean-up runs)
+    leaves a whole checkpoint there, and the rank that takes its place on the node removes it.
+    Named by the run's directory, so two runs on one node never touch each other's files.
+    """
+    run_key = hashlib.sha256(run_dir.encode()).hexdigest()[:12]
+    scratch = os.path.join(
+        run.staging_dir or tempfile.gettempdir(), "sdtrain-staging", f"{run.name}-{run_key}", f"rank{rank}"
+    )
+    shutil.rmtree(scratch, ignore_errors=True)
+    os.makedirs(scratch)
+    return scratch
+
+
+@contextlib.contextmanager
+def restored_directory(checkpoint: ray.train.Checkpoint, scratch: str) -> Iterator[tuple[str, bool]]:
+    """(directory holding ``checkpoint``'s files, whether it is a copy). A checkpoint on this node's
+    disk is read in place; one in object storage is downloaded into ``scratch``, and the copy is
+    removed on exit if :class:`DropRestoreCopy` has not removed it once Lightning restored from it."""
+    if isinstance(checkpoint.filesystem, pafs.LocalFileSystem) and os.path.isdir(checkpoint.path):
+        yield checkpoint.path, False
+        return
+    copy = os.path.join(scratch, "restored")
+    checkpoint.to_directory(copy)
+    try:
+        yield copy, True
+    finally:
+        shutil.rmtree(copy, ignore_errors=True)
+
+
+class DropRestoreCopy(pl.Callback):
+    """Removes the downloaded copy of the restored checkpoint once Lightning has restored from it
+    (weights, optimizer and loop state are read before training starts): it would otherwise take a
+    checkpoint's size of local disk for the whole run."""
+
+    def __init__(self, copy: str):
+        self.copy = copy
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        shutil.rmtree(self.copy, ignore_errors=True)

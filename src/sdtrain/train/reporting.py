@@ -42,6 +42,7 @@ class StepReporter(pl.Callback):
         plan_fingerprint: dict[str, Any],
         data_wait_s: Callable[[], float],
         launched_at: float,
+        staging: str,
         val_batches: ValBatches | None = None,
         val_seed: int = 0,
         view: RunView | None = None,
@@ -51,9 +52,11 @@ class StepReporter(pl.Callback):
         ``plan_fingerprint``, what it refers to;
         ``data_wait_s()`` the seconds this rank waited for data since its previous call;
         ``launched_at`` the wall-clock time the driver started the run;
+        ``staging`` the local directory checkpoints are written to before their upload;
         ``val_batches`` yields the validation set on rank 0 (None: no validation);
         ``view`` rank 0's live files, trackers and Ray gauges (None on other ranks)."""
         self.run = run
+        self.staging = staging
         self.max_steps = max_steps
         self.samples_per_step = samples_per_step
         self.max_bad_steps = max_bad_steps
@@ -129,6 +132,7 @@ class StepReporter(pl.Callback):
                 self.plan_fingerprint,
                 self.history,
                 self.run.checkpoint_upload,
+                self.staging,
             )
         else:
             ray.train.report(metrics)
