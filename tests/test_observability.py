@@ -305,7 +305,9 @@ def _leveldb_records(data: bytes) -> Iterator[bytes]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(500)
-def test_a_killed_and_resumed_run_shows_each_step_once_everywhere(ray_cluster, tmp_path, monkeypatch, run_attempts):
+def test_a_killed_and_resumed_run_shows_each_step_once_everywhere(
+    ray_cluster, tmp_path, monkeypatch, run_attempts, capfd
+):
     """One worker, SIGKILLed once the first checkpoint is committed: the live files were there while it
     trained, and after the restart every tracker and metrics.csv hold each step once; the sample grids,
     the export artifact and the registered model version are there."""
@@ -404,8 +406,16 @@ def test_a_killed_and_resumed_run_shows_each_step_once_everywhere(ray_cluster, t
         versions = client.search_model_versions("name='watched-unet'")
         assert [(v.version, v.run_id) for v in versions] == [("1", run.info.run_id)]
 
+    # The false alarms Ray Data raised in every worker are gone from the console (forwarded to the driver).
+    out, err = capfd.readouterr()
+    assert "resumed from step" in out + err  # the workers' own lines do come through
+    for alarm in ("Progress bars disabled", "registers for logging while another dataset"):
+        assert alarm not in out + err
+
     runs = wandb_offline_runs(run_dir)
-    assert {run_id for run_id, _ in runs} == {state["ids"]["wandb"]} and len(runs) >= 2
+    # A worker killed before its W&B service wrote the run's header leaves a file without it.
+    assert [run_id for run_id, _ in runs if run_id] == [state["ids"]["wandb"]] * len([r for r, _ in runs if r])
+    assert len([run_id for run_id, _ in runs if run_id]) >= 2  # the restarted worker's, the driver's export
     steps = [int(row["trainer/global_step"]) for _, rows in runs for row in rows if "loss" in row]
     # Each step at most once. What the killed worker's W&B service still held unwritten is lost with it
     # (docs/observability.md): the steps between its last flush and the kill may be missing.

@@ -28,7 +28,6 @@ from sdtrain.data.read_order import DataState, SamplePlan, resume_position
 from sdtrain.errors import TrainingFailed, find_sdtrain_error
 from sdtrain.model.recipe import load_unconditional_caption
 from sdtrain.storage.s3 import apply_s3_settings
-from sdtrain.train.checkpointing import DropRestoreCopy, restored_directory, worker_scratch
 from sdtrain.train.reporting import StepReporter, log
 from sdtrain.train.run_view import RunView
 from sdtrain.train.sample_grids import SampleGrids, grid_captions
@@ -173,10 +172,6 @@ class WorkerRun:
     start: StartPoint
     launched_at: float
     """Wall-clock time the driver started the run (for time to first step)."""
-    scratch: str
-    """This rank's local directory for staged checkpoints (:func:`worker_scratch`)."""
-    restore_copy: str | None = None
-    """The downloaded copy of the restored checkpoint, dropped once Lightning has restored from it."""
 
 
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
@@ -208,17 +203,11 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     )
 
     checkpoint = ray.train.get_checkpoint()
-    run_dir = posixpath.join(config.run.storage_path, config.run.name)
-    scratch = worker_scratch(config.run, run_dir, ray.train.get_context().get_world_rank())
-    # Restored: read in place, or downloaded into scratch (Lightning reads its file when fit starts).
-    restored = (
-        restored_directory(checkpoint, scratch) if checkpoint is not None else contextlib.nullcontext((None, False))
-    )
-    with restored as (directory, is_copy):
+    # Restored: the checkpoint's directory stays open while fitting (Lightning reads its file).
+    with checkpoint.as_directory() if checkpoint is not None else contextlib.nullcontext() as directory:
         plan: SamplePlan = loop_config["plan"]
         start = StartPoint() if directory is None else StartPoint.from_directory(directory, plan, config.data.on_change)
-        copy = directory if is_copy else None
-        run = WorkerRun(config, plan, layout, start, loop_config["launched_at"], scratch, copy)
+        run = WorkerRun(config, plan, layout, start, loop_config["launched_at"])
         _fit(run, module, trainer_kwargs, train_batches)
 
 
@@ -262,12 +251,8 @@ def _fit(
         view=_run_view(config, module) if rank == 0 else None,
         data_wait_s=train_batches.take_wait_s,
         launched_at=run.launched_at,
-        staging=run.scratch,
     )
-    callbacks: list[pl.Callback] = [reporter]
-    if run.restore_copy is not None:
-        callbacks.append(DropRestoreCopy(run.restore_copy))
-    trainer = pl.Trainer(callbacks=callbacks, **trainer_kwargs)
+    trainer = pl.Trainer(callbacks=[reporter], **trainer_kwargs)
     if isinstance(trainer.strategy, RayDDPStrategy):
         # Ray's check that the strategy and cluster environment are its own; it knows no FSDP2
         # strategy (sdtrain.train.strategy.RayModelParallelStrategy), which needs nothing more from it.
@@ -302,3 +287,10 @@ def _configure_logging() -> None:
     logging.getLogger(ray_train_context.__file__).setLevel(logging.WARNING)
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", message=".*LeafSpec.*")  # Lightning internals, not actionable
+    # Ray Data in this worker (reading the validation set) says that progress bars are off, which the
+    # driver asked for (launch._quiet_ray_data), and that the validation set does not get its own
+    # per-dataset log while the training stream has one: neither is a problem (docs/observability.md).
+    logging.getLogger("ray.data._internal.progress").addFilter(
+        lambda record: not record.getMessage().startswith("Progress bars disabled")
+    )
+    logging.getLogger("ray.data._internal.logging").setLevel(logging.WARNING)
