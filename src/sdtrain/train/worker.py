@@ -28,6 +28,7 @@ from sdtrain.data.read_order import DataState, SamplePlan, resume_position
 from sdtrain.errors import TrainingFailed, find_sdtrain_error
 from sdtrain.model.recipe import load_unconditional_caption
 from sdtrain.storage.s3 import apply_s3_settings
+from sdtrain.train.checkpointing import DropRestoreCopy, restored_directory, worker_scratch
 from sdtrain.train.reporting import StepReporter, log
 from sdtrain.train.run_view import RunView
 from sdtrain.train.sample_grids import SampleGrids, grid_captions
@@ -172,6 +173,10 @@ class WorkerRun:
     start: StartPoint
     launched_at: float
     """Wall-clock time the driver started the run (for time to first step)."""
+    scratch: str
+    """This rank's local directory for staged checkpoints (:func:`worker_scratch`)."""
+    restore_copy: str | None = None
+    """The downloaded copy of the restored checkpoint, dropped once Lightning has restored from it."""
 
 
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
@@ -203,11 +208,17 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     )
 
     checkpoint = ray.train.get_checkpoint()
-    # Restored: the checkpoint's directory stays open while fitting (Lightning reads its file).
-    with checkpoint.as_directory() if checkpoint is not None else contextlib.nullcontext() as directory:
+    run_dir = posixpath.join(config.run.storage_path, config.run.name)
+    scratch = worker_scratch(config.run, run_dir, ray.train.get_context().get_world_rank())
+    # Restored: read in place, or downloaded into scratch (Lightning reads its file when fit starts).
+    restored = (
+        restored_directory(checkpoint, scratch) if checkpoint is not None else contextlib.nullcontext((None, False))
+    )
+    with restored as (directory, is_copy):
         plan: SamplePlan = loop_config["plan"]
         start = StartPoint() if directory is None else StartPoint.from_directory(directory, plan, config.data.on_change)
-        run = WorkerRun(config, plan, layout, start, loop_config["launched_at"])
+        copy = directory if is_copy else None
+        run = WorkerRun(config, plan, layout, start, loop_config["launched_at"], scratch, copy)
         _fit(run, module, trainer_kwargs, train_batches)
 
 
@@ -251,8 +262,12 @@ def _fit(
         view=_run_view(config, module) if rank == 0 else None,
         data_wait_s=train_batches.take_wait_s,
         launched_at=run.launched_at,
+        staging=run.scratch,
     )
-    trainer = pl.Trainer(callbacks=[reporter], **trainer_kwargs)
+    callbacks: list[pl.Callback] = [reporter]
+    if run.restore_copy is not None:
+        callbacks.append(DropRestoreCopy(run.restore_copy))
+    trainer = pl.Trainer(callbacks=callbacks, **trainer_kwargs)
     if isinstance(trainer.strategy, RayDDPStrategy):
         # Ray's check that the strategy and cluster environment are its own; it knows no FSDP2
         # strategy (sdtrain.train.strategy.RayModelParallelStrategy), which needs nothing more from it.
