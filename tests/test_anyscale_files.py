@@ -115,3 +115,24 @@ def test_schedule_is_daily_and_stores_models_with_the_artifacts():
     schedule = ScheduleConfig.from_yaml(str(REPO / "schedule.yaml"))
     assert schedule.cron_expression.split()[2:] == ["*", "*", "*"]  # every day
     assert "retrain.models_root=$ANYSCALE_ARTIFACT_STORAGE/sdtrain/models" in schedule.job_config.entrypoint
+
+
+def test_the_preprocessing_job_is_valid_and_consistent_with_its_config():
+    from sdtrain.preprocess.config import load_preprocess_config
+
+    job = JobConfig.from_yaml(str(REPO / "preprocess_job.yaml"))
+    argv = shlex.split(job.entrypoint)
+    assert argv[:2] == ["python", "entrypoints/preprocess.py"] and (REPO / argv[1]).is_file()
+    config_path = argv[argv.index("--config") + 1]
+    config = load_preprocess_config(REPO / config_path, argv[argv.index("--config") + 2 :])
+    # Output on storage that outlives the cluster: a retry finds the shards already written and skips them.
+    assert config.output.path.startswith("$ANYSCALE_ARTIFACT_STORAGE/")
+    gpu_group = next(g for g in job.compute_config.worker_nodes if g.name == "gpu-workers")
+    assert gpu_group.min_nodes == config.encode.concurrency  # one encoder actor per GPU node
+    assert job.containerfile == "Containerfile" and job.working_dir == "." and job.py_modules == ["src/sdtrain"]
+    extra = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["preprocess"]
+    assert job.requirements == extra  # the image has the core pins; the job adds the preprocess extra
+    assert job.max_retries >= 1
+    assert (REPO / "preprocess_job.yaml").read_text().splitlines()[0] == (
+        f"# anyscale job submit -f preprocess_job.yaml --env {COMMIT_ENV}=$(git rev-parse HEAD)"
+    )
