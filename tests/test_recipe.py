@@ -254,6 +254,20 @@ def test_ema_update_formula_start_step_and_skip():
     torch.testing.assert_close(ema[0], torch.full((3,), 1.2))  # a skipped step leaves the EMA alone
 
 
+def test_the_ema_update_never_reads_the_skip_flag_back_to_the_host():
+    from torch.profiler import profile
+
+    ema = [torch.zeros(3), torch.zeros(2, dtype=torch.bfloat16)]
+    weights = [torch.ones(3), torch.ones(2, dtype=torch.bfloat16)]
+    with profile() as prof:
+        ema_update_(ema, weights, step=3, decay=0.5, start_step=0, skipped=torch.tensor(0.0))
+    syncs = {e.name for e in prof.events()} & {"aten::item", "aten::_local_scalar_dense"}
+    assert not syncs, f"a host sync per step: {syncs}"
+    assert torch.equal(ema[0], torch.full((3,), 0.5)) and torch.equal(
+        ema[1], torch.full((2,), 0.5, dtype=torch.bfloat16)
+    )
+
+
 def test_ema_tracks_training_and_is_used_for_validation_and_loading(tmp_path):
     module = _module(lr=1e-2, warmup_steps=0, ema_decay=0.5, ema_start_step=1)
     batches = _batches(3, seed=1)

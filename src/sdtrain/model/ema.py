@@ -52,9 +52,10 @@ def ema_update_(
         return
     device_weight = (1.0 - skipped.to(ema_params[0].device, torch.float32)) * weight
     for ema_group, param_group in _by_dtype(ema_params, params):
-        # .item(): _foreach_lerp_ takes the weight as a Python scalar (it has no 0-d tensor overload;
-        # a tensor passed here is converted the same way, implicitly), which syncs with the device.
-        torch._foreach_lerp_(ema_group, param_group, device_weight.to(ema_group[0].dtype).item())
+        # One weight tensor per parameter: the overload that keeps the weight on the device. A single
+        # tensor weight would be read back as a Python scalar, a host sync every step.
+        weight_tensor = device_weight.to(ema_group[0].dtype)
+        torch._foreach_lerp_(ema_group, param_group, [weight_tensor] * len(ema_group))
 
 
 def _by_dtype(ema_params, params):
