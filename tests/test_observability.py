@@ -420,4 +420,4 @@ def test_a_killed_and_resumed_run_shows_each_step_once_everywhere(
     # Each step at most once. What the killed worker's W&B service still held unwritten is lost with it
     # (docs/observability.md): the steps between its last flush and the kill may be missing.
     assert steps == sorted(set(steps)) and set(steps) <= set(expected)
-    assert steps[0] == 2 and set(expected[-4:]) <= set(steps)
+    assert set(expected[-4:]) <= set(steps)  # the restarted worker's, all there
