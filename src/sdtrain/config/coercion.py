@@ -8,15 +8,24 @@ import datetime
 import difflib
 import types
 import typing
-from typing import TYPE_CHECKING, Any, Literal, Union
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal, Union
 
 from sdtrain.errors import ConfigError
 
-if TYPE_CHECKING:  # schema imports this module
-    from sdtrain.config.schema import _Section
+
+@dataclass  # without fields (section is a ClassVar): so that a type[Section] is a dataclass to the type checker
+class Section:
+    """Base of a config section (training's and preprocessing's): knows its own name, so errors can
+    say ``train.lr``."""
+
+    section: ClassVar[str] = ""
+
+    def _fail(self, key: str, message: str) -> typing.NoReturn:
+        raise ConfigError(f"{self.section}.{key}: {message}")
 
 
-def build_section(cls: type[_Section], values: dict[str, Any]) -> Any:
+def build_section(cls: type[Section], values: dict[str, Any]) -> Any:
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     kwargs = {}

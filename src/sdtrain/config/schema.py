@@ -12,11 +12,10 @@ import datetime
 import inspect
 import math
 import re
-import typing
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
-from sdtrain.config.coercion import build_section, suggest
+from sdtrain.config.coercion import Section, build_section, suggest
 from sdtrain.errors import ConfigError
 from sdtrain.storage.s3 import DEFAULT_MAX_ATTEMPTS
 from sdtrain.storage.uris import has_userinfo, redact
@@ -24,18 +23,8 @@ from sdtrain.storage.uris import has_userinfo, redact
 PRESETS = ("tiny", "small", "sd2-base")
 
 
-@dataclass  # without fields (section is a ClassVar): so that a type[_Section] is a dataclass to the type checker
-class _Section:
-    """Base for config sections: knows its own name so errors can say ``train.lr``."""
-
-    section: ClassVar[str] = ""
-
-    def _fail(self, key: str, message: str) -> typing.NoReturn:
-        raise ConfigError(f"{self.section}.{key}: {message}")
-
-
 @dataclass
-class DataConfig(_Section):
+class DataConfig(Section):
     section: ClassVar[str] = "data"
 
     train: list[str] = field(default_factory=list)
@@ -91,7 +80,7 @@ class DataConfig(_Section):
 
 
 @dataclass
-class ModelConfig(_Section):
+class ModelConfig(Section):
     section: ClassVar[str] = "model"
 
     preset: Literal["tiny", "small", "sd2-base"] = "small"
@@ -118,7 +107,7 @@ class ModelConfig(_Section):
 
 
 @dataclass
-class TrainConfig(_Section):
+class TrainConfig(Section):
     section: ClassVar[str] = "train"
 
     max_steps: int = 550_000
@@ -214,7 +203,7 @@ class TrainConfig(_Section):
 
 
 @dataclass
-class ScalingConfig(_Section):
+class ScalingConfig(Section):
     section: ClassVar[str] = "scaling"
 
     num_workers: int | list[int] = 1
@@ -244,7 +233,7 @@ class ScalingConfig(_Section):
 
 
 @dataclass
-class RunConfig(_Section):
+class RunConfig(Section):
     section: ClassVar[str] = "run"
 
     name: str = "sdtrain"
@@ -332,7 +321,7 @@ class RunConfig(_Section):
 
 
 @dataclass
-class FailureConfig(_Section):
+class FailureConfig(Section):
     section: ClassVar[str] = "failure"
 
     max_failures: int = 3
@@ -344,7 +333,7 @@ class FailureConfig(_Section):
 
 
 @dataclass
-class StorageConfig(_Section):
+class StorageConfig(Section):
     section: ClassVar[str] = "storage"
 
     endpoint_url: str | None = None
@@ -371,7 +360,7 @@ _NO_SECRETS = (
 
 
 @dataclass
-class RetrainConfig(_Section):
+class RetrainConfig(Section):
     section: ClassVar[str] = "retrain"
 
     data_root: str | None = None
@@ -488,7 +477,7 @@ class Config:
         return dataclasses.asdict(self)
 
 
-SECTIONS: dict[str, type[_Section]] = {
+SECTIONS: dict[str, type[Section]] = {
     "data": DataConfig,
     "model": ModelConfig,
     "train": TrainConfig,

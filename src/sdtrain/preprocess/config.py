@@ -11,19 +11,12 @@ from typing import Any, ClassVar, Literal
 
 import yaml
 
-from sdtrain.config.coercion import build_section, suggest
+from sdtrain.config.coercion import Section, build_section, suggest
 from sdtrain.errors import ConfigError
 
 
-class _Section:
-    section: ClassVar[str] = ""
-
-    def _fail(self, key: str, message: str) -> typing.NoReturn:
-        raise ConfigError(f"{self.section}.{key}: {message}")
-
-
 @dataclass
-class InputConfig(_Section):
+class InputConfig(Section):
     section: ClassVar[str] = "input"
 
     paths: list[str] = field(default_factory=list)
@@ -56,7 +49,7 @@ class InputConfig(_Section):
 
 
 @dataclass
-class ImageConfig(_Section):
+class ImageConfig(Section):
     section: ClassVar[str] = "image"
 
     resolution: int = 256
@@ -70,7 +63,7 @@ class ImageConfig(_Section):
 
 
 @dataclass
-class EncodeConfig(_Section):
+class EncodeConfig(Section):
     section: ClassVar[str] = "encode"
 
     model: str = "stabilityai/stable-diffusion-2-base"
@@ -100,7 +93,7 @@ class EncodeConfig(_Section):
 
 
 @dataclass
-class OutputConfig(_Section):
+class OutputConfig(Section):
     section: ClassVar[str] = "output"
 
     path: str = ""
