@@ -20,8 +20,9 @@ def _job(name):
 
 
 def _pins():
-    dependencies = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
-    return {d.split("==")[0]: d for d in dependencies}
+    """What a training node installs: pyproject.toml's dependencies and its trackers extra (run.trackers)."""
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    return {d.split("==")[0]: d for d in project["dependencies"] + project["optional-dependencies"]["trackers"]}
 
 
 @pytest.mark.parametrize(
