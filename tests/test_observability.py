@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pyarrow.fs as pafs
 import pytest
-from conftest import free_ports
+from conftest import committed_checkpoints, free_ports
 
 from sdtrain.artifacts.run_outputs import LOSS_CURVE_FILE, METRICS_FILE, LossLabels
 from sdtrain.config.loader import load_config
@@ -311,7 +311,6 @@ def test_a_killed_and_resumed_run_shows_each_step_once_everywhere(
     """One worker, SIGKILLed once the first checkpoint is committed: the live files were there while it
     trained, and after the restart every tracker and metrics.csv hold each step once; the sample grids,
     the export artifact and the registered model version are there."""
-    import json
 
     import mlflow
     import psutil
@@ -328,16 +327,9 @@ def test_a_killed_and_resumed_run_shows_each_step_once_everywhere(
     max_steps, every = 20, 4
     killed, seen_live = [], []
 
-    def committed_checkpoints():
-        try:
-            snapshot = json.loads((run_dir / "checkpoint_manager_snapshot.json").read_text())
-        except (OSError, ValueError):
-            return []
-        return [c["checkpoint_dir_name"] for c in snapshot["checkpoint_results"]]
-
     def kill_the_worker_after_the_first_checkpoint():
         deadline = time.monotonic() + 300
-        while not committed_checkpoints():
+        while not committed_checkpoints(run_dir):
             if time.monotonic() > deadline:
                 return
             time.sleep(0.2)  # polling the run directory of a run in another process

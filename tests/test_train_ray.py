@@ -11,7 +11,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
-from conftest import corrupt_row_group, write_latents
+from conftest import committed_checkpoints, corrupt_row_group, write_latents
 
 from sdtrain.artifacts.checkpoint_format import CHECKPOINT_FILE, DATA_STATE_FILE, HISTORY_FILE, SAMPLES_FILE
 from sdtrain.artifacts.loading import load_model, read_checkpoint
@@ -228,18 +228,9 @@ def test_a_killed_worker_is_restarted_and_the_run_ends_exactly_at_max_steps(ray_
     )
     killed = []
 
-    def committed_checkpoints():
-        # Ray Train's own record of committed checkpoints: files on disk alone may be a checkpoint
-        # still being reported, which a restart rightly ignores.
-        try:
-            snapshot = json.loads((run_dir / "checkpoint_manager_snapshot.json").read_text())
-        except (OSError, ValueError):
-            return []
-        return [c["checkpoint_dir_name"] for c in snapshot["checkpoint_results"]]
-
     def kill_a_worker_after_the_first_checkpoint():
         deadline = time.monotonic() + 240
-        while not committed_checkpoints():
+        while not committed_checkpoints(run_dir):
             if time.monotonic() > deadline:
                 return
             time.sleep(0.2)
