@@ -24,6 +24,7 @@ from conftest import committed_checkpoints, free_ports
 
 from sdtrain.artifacts.run_outputs import LOSS_CURVE_FILE, METRICS_FILE, LossLabels
 from sdtrain.config.loader import load_config
+from sdtrain.storage.filesystems import filesystem_for
 from sdtrain.train.live import BackgroundWriter, LiveOutputs
 from sdtrain.train.trackers import STATE_FILE, TENSORBOARD_DIR, Trackers, read_state
 
@@ -65,6 +66,30 @@ def test_live_files_on_object_storage(s3_bucket):
     with fs.open_input_stream(f"{path}/{METRICS_FILE}") as f:
         assert [int(r["step"]) for r in csv.DictReader(io.StringIO(f.read().decode()))] == [1, 2]
     assert fs.get_file_info(f"{path}/{LOSS_CURVE_FILE}").type == pafs.FileType.File
+
+
+@pytest.mark.timeout(120)
+def test_tensorboard_on_object_storage(s3_bucket, tmp_path):
+    """The default tracker with run.storage_path on s3://: TensorBoard cannot write there itself (it would
+    need s3fs), so its event files are written locally and copied into the run directory as they grow."""
+    import numpy as np
+
+    run_dir = f"{s3_bucket}/runs/tb"
+    config = load_config(None, ["data.train=x", "run.name=tb", f"run.storage_path={s3_bucket}/runs"])
+    assert config.run.trackers == ["tensorboard"]
+    first = Trackers(config, run_dir)
+    first.log_image("samples", np.zeros((8, 8, 3), np.uint8), 2)
+    first.log_metrics({"step": 2, "loss": 0.5}, 2)
+    first.finish("failed")
+    second = Trackers(config, run_dir)  # a restarted worker group: its own event file, beside the first
+    second.log_metrics({"step": 4, "loss": 0.25}, 4)
+    second.finish("success")
+    fs, remote = filesystem_for(f"{run_dir}/{TENSORBOARD_DIR}")
+    (tmp_path / "tb").mkdir()
+    pafs.copy_files(remote, str(tmp_path / "tb"), source_filesystem=fs)
+    scalars, images = tensorboard_scalars(tmp_path / "tb")
+    assert scalars["loss"] == [(2, 0.5), (4, 0.25)] and images == {"samples": [2]}
+    assert read_state(run_dir)["logged_through"] == 4
 
 
 def test_background_writer_runs_the_newest_job_and_survives_a_failing_one(caplog):

@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
+import pyarrow.fs as pafs
 from lightning.pytorch.loggers import Logger
 
 from sdtrain.artifacts.run_outputs import write_whole
@@ -108,10 +109,15 @@ class Trackers:
         self.logged_through: int = self.state["logged_through"]
         ids: dict[str, str] = self.state["ids"]
         self._state_writer = BackgroundWriter("sdtrain-tracker-state")
+        # TensorBoard writes through fsspec, which needs s3fs for s3://: on object storage it writes
+        # on this node's disk, and the event files are copied to run_dir/tensorboard after each flush.
+        self._tensorboard_local = tempfile.mkdtemp(prefix="sdtrain-tensorboard-") if is_uri(run_dir) else None
+        self._mirror_writer = BackgroundWriter("sdtrain-tensorboard-mirror")
         # Any: each tracker's extras (experiment, run_id, log_image) are its own logger class's.
         self.loggers: dict[str, Any] = {}
         for name in config.run.trackers:
-            logger = _build_logger(name, config, run_dir, ids.get(name))
+            where = self._tensorboard_local if name == "tensorboard" and self._tensorboard_local else run_dir
+            logger = _build_logger(name, config, where, ids.get(name))
             # MLflow refuses a param changed on resume (W&B keeps the first); TensorBoard's hparams.yaml
             # is rewritten from what this worker group logged, so it gets them at every start.
             if name not in ids or name == "tensorboard":
@@ -130,6 +136,7 @@ class Trackers:
             logger.log_metrics(values, step)
             if name == "tensorboard":  # its writer flushes every 2 minutes: a killed worker would lose them
                 logger.experiment.flush()
+                self._mirror_tensorboard()
         self.logged_through = step
         self._save_state()
         return True
@@ -157,7 +164,19 @@ class Trackers:
             logger.finalize(status)
             if name == "wandb":  # Lightning's finalize leaves the W&B run open: its files would not be complete
                 logger.experiment.finish(exit_code=0 if status == "success" else 1)
+        self._mirror_tensorboard()
+        self._mirror_writer.close(timeout=60)
         self._state_writer.close(timeout=60)
+
+    def _mirror_tensorboard(self) -> None:
+        local = self._tensorboard_local
+        if local is None or "tensorboard" not in self.loggers:
+            return
+        fs, remote = filesystem_for(posixpath.join(self.run_dir, TENSORBOARD_DIR))
+        # Each file is one object put whole; event files only grow, so the newest copy holds all of it.
+        self._mirror_writer.submit(
+            lambda: pafs.copy_files(os.path.join(local, TENSORBOARD_DIR), remote, destination_filesystem=fs)
+        )
 
     def _save_state(self) -> None:
         ids = {**self.state["ids"], **{name: _run_id(name, lg) for name, lg in self.loggers.items()}}
