@@ -313,10 +313,10 @@ def test_every_sample_once_per_epoch_across_restarts_and_world_sizes_and_bitwise
     assert all(torch.equal(weights_a[k], weights_b[k]) for k in weights_a)  # bitwise
 
     train(_ids_config(tmp_path, "c", 5, 2))
-    assert json.loads((tmp_path / "runs/c/checkpoint_000000005" / DATA_STATE_FILE).read_text()) == {
-        "step": 5,
-        "data": {"epoch": 0, "segments": [[2, 20]]},
-    }
+    saved = json.loads((tmp_path / "runs/c/checkpoint_000000005" / DATA_STATE_FILE).read_text())
+    assert (saved["step"], saved["data"]) == (5, {"epoch": 0, "segments": [[2, 20]]})
+    # What the position refers to, checked when the run resumes (at another world size: not part of it).
+    assert (saved["plan"]["files"], saved["plan"]["rows"], saved["plan"]["chunk_rows"]) == (2, 96, 5)
     train(_ids_config(tmp_path, "c", 12, 1))
     assert sorted(_trained_ids(tmp_path / "runs/c")) == every_row
     assert json.loads((tmp_path / "runs/c/checkpoint_000000012" / DATA_STATE_FILE).read_text())["data"] == {
