@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 import sys
 from dataclasses import dataclass
@@ -64,10 +65,21 @@ def write_latents(
 
 @pytest.fixture(scope="session")
 def ray_cluster():
-    """A local Ray cluster this session starts and stops (2 CPUs, like the machines we test on)."""
+    """A local Ray cluster this session starts and stops (2 CPUs, like the machines we test on). Its
+    processes have the test S3 server's credentials (as from an instance role) but no endpoint: a job
+    on it must hand its own endpoint to its tasks (the s3_bucket fixture sets it in this process only)."""
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=True)
+    saved = {key: os.environ.get(key) for key in S3_ENV}
+    os.environ.update(S3_ENV)  # the raylet, and so every worker it starts, inherits this environment
+    try:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=True)
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
     yield
     ray.shutdown()
 

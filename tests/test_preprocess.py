@@ -339,6 +339,158 @@ def test_webdataset_tars_and_an_image_folder(tmp_path, tiny_model, ray_cluster):
     assert keys == sorted(f"{i:03d}.jpg" for i, r in enumerate(rows) if r[2] is None)
 
 
+# --- on object storage ---
+
+
+def _upload(s3, directory: Path, prefix: str) -> None:
+    for path in sorted(p for p in directory.rglob("*") if p.is_file()):
+        s3.upload_file(str(path), "sdtrain-test", f"{prefix}/{path.relative_to(directory).as_posix()}")
+
+
+def _keys(s3, prefix: str) -> list[str]:
+    pages = s3.get_paginator("list_objects_v2").paginate(Bucket="sdtrain-test", Prefix=prefix)
+    return sorted(o["Key"][len(prefix) :] for page in pages for o in page.get("Contents", []))
+
+
+def _get(s3, key: str) -> bytes:
+    return s3.get_object(Bucket="sdtrain-test", Key=key)["Body"].read()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_inputs_model_and_output_on_s3_resumed_and_trained_on(tmp_path, tiny_model, s3_bucket, ray_cluster):
+    """Parquet, WebDataset and folder inputs, the model and the output all in a bucket of a real S3 server. The
+    cluster knows the credentials but not the endpoint (conftest's ray_cluster): the job hands it to its tasks.
+    Interrupted and re-run, no shard is written twice; training reads the latents from the bucket."""
+    import boto3
+
+    from sdtrain.config.loader import load_config
+    from sdtrain.data.inspection import inspect_dataset
+    from sdtrain.data.parquet_files import resolve_parquet_files
+    from sdtrain.launch import train
+    from sdtrain.preprocess.job import run_preprocess
+
+    s3 = boto3.client("s3")
+    _upload(s3, Path(tiny_model), "models/tiny-sd")
+    model = f"{s3_bucket}/models/tiny-sd"
+
+    # Parquet in, stopped after two shards, then re-run.
+    rows = write_parquet_input(tmp_path / "parquet", files=3)
+    _upload(s3, tmp_path / "parquet", "in/parquet")
+    output = f"{s3_bucket}/latents/parquet"
+    config = config_for(
+        tmp_path, model, "input.rows_per_shard=3", f"output.path={output}", source=f"{s3_bucket}/in/parquet"
+    )
+    first = run_preprocess(config, max_shards=2)
+    assert len(first.shards_written) == 2 and first.shards_failed == {}
+    files_before = [k for k in _keys(s3, "latents/parquet/") if k.endswith(".parquet")]
+    assert files_before and set(files_before) <= {f"{name}.parquet" for name in first.shards_written}
+    # A shard done before is not written again: a stand-in object put in its place outlives the re-run.
+    done_key = f"latents/parquet/{files_before[0]}"
+    original = _get(s3, done_key)
+    s3.put_object(Bucket="sdtrain-test", Key=done_key, Body=b"stand-in")
+    second = run_preprocess(config)
+    assert second.shards_done_before == 2 and not set(second.shards_written) & set(first.shards_written)
+    assert _get(s3, done_key) == b"stand-in"
+    s3.put_object(Bucket="sdtrain-test", Key=done_key, Body=original)
+
+    names = sorted(first.shards_written + second.shards_written)
+    assert len(names) == 6
+    written = _keys(s3, "latents/parquet/")
+    parquet = [k for k in written if k.endswith(".parquet")]
+    # Every object is a whole file under its final name: no temporaries, nothing else.
+    assert set(written) == {
+        *parquet,
+        *(f"_shards/{name}.json" for name in names),
+        "manifest.json",
+        "unconditional_caption.npy",
+    }
+    assert {k[: -len(".parquet")] for k in parquet} <= set(names)
+    manifest = json.loads(_get(s3, "latents/parquet/manifest.json"))
+    kept = [caption.strip() for _, caption, reason in rows if reason is None]
+    assert (manifest["inputs_read"], manifest["rows_written"]) == (len(rows), len(kept))
+    assert manifest["skipped_by_reason"] == _skips(rows)
+    tokenizer, text_encoder = load_text_encoder(tiny_model)
+    empty = np.load(io.BytesIO(_get(s3, "latents/parquet/unconditional_caption.npy")))
+    np.testing.assert_allclose(empty, encode_prompts(tokenizer, text_encoder, [""])[0].numpy(), atol=1e-6)
+
+    # Training's reader finds the files (and only them) in the bucket, with the shapes the model needs.
+    files = resolve_parquet_files([output], "data.train")
+    assert files == [f"{output}/{k}" for k in parquet]
+    spec = inspect_dataset(files, "data.train", "image_latents_256", "caption_latents", 4, 32)
+    assert spec.latent_shape == (4, 16, 16) and spec.caption_shape == (77, 32)
+    sources = encoder_sources(files)
+    assert sources is not None and sources.vae == model and sources.text_encoder == model
+
+    # WebDataset tars in the bucket; the cut one fails alone and is not marked done.
+    tar_rows = write_webdataset_input(tmp_path / "tars")
+    _upload(s3, tmp_path / "tars", "in/tars")
+    config = config_for(
+        tmp_path, tiny_model, f"output.path={s3_bucket}/latents/wds", fmt="webdataset", source=f"{s3_bucket}/in/tars"
+    )
+    summary = run_preprocess(config)
+    assert list(summary.shards_failed) == ["99999"]
+    assert "_shards/99999.json" not in _keys(s3, "latents/wds/")
+    assert summary.manifest["inputs_read"] == len(tar_rows) and summary.manifest["skipped_by_reason"] == _skips(
+        tar_rows
+    )
+    wds_files = resolve_parquet_files([f"{s3_bucket}/latents/wds"], "data.train")
+    captions = sorted(
+        c
+        for f in wds_files
+        for c in pq.read_table(io.BytesIO(_get(s3, f[len("s3://sdtrain-test/") :]))).column("caption").to_pylist()
+    )
+    assert captions == sorted(c.strip() for _, c, reason in tar_rows if reason is None)
+
+    # A folder of images with its captions file, in the bucket.
+    folder_rows = write_folder_input(tmp_path / "images")
+    _upload(s3, tmp_path / "images", "in/images")
+    config = config_for(
+        tmp_path,
+        tiny_model,
+        "input.caption_column=text",
+        f"output.path={s3_bucket}/latents/folder",
+        fmt="folder",
+        source=f"{s3_bucket}/in/images",
+    )
+    summary = run_preprocess(config)
+    assert summary.manifest["inputs_read"] == len(folder_rows)
+    assert summary.manifest["skipped_by_reason"] == _skips(folder_rows)
+    folder_files = resolve_parquet_files([f"{s3_bucket}/latents/folder"], "data.train")
+    keys = sorted(
+        k
+        for f in folder_files
+        for k in pq.read_table(io.BytesIO(_get(s3, f[len("s3://sdtrain-test/") :]))).column("key").to_pylist()
+    )
+    assert keys == sorted(f"{i:03d}.jpg" for i, r in enumerate(folder_rows) if r[2] is None)
+
+    # Training on the parquet latents, straight from the bucket.
+    summary = train(
+        load_config(
+            None,
+            [
+                f"data.train={output}",
+                f"data.unconditional_caption={output}/unconditional_caption.npy",
+                "data.shuffle_chunk_rows=4",
+                "data.shuffle_window_rows=8",
+                "model.preset=tiny",
+                "train.max_steps=2",
+                "train.global_batch_size=4",
+                "train.warmup_steps=1",
+                "scaling.num_workers=1",
+                "scaling.use_gpu=false",
+                f"run.storage_path={tmp_path / 'runs'}",
+                "run.name=from-s3",
+                "run.checkpoint_every_n_steps=2",
+                "run.log_every_n_steps=1",
+            ],
+        )
+    )
+    assert summary.final_step == 2 and np.isfinite(summary.final_loss)
+    # The export is a whole pipeline: its VAE and text encoder come from the model in the bucket.
+    assert (tmp_path / "runs" / "from-s3" / "export" / "model_index.json").is_file()
+
+
 # --- the whole loop ---
 
 

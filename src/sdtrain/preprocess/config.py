@@ -12,6 +12,7 @@ from typing import Any, ClassVar, Literal
 import yaml
 
 from sdtrain.config.coercion import Section, build_section, suggest
+from sdtrain.config.schema import StorageConfig
 from sdtrain.errors import ConfigError
 
 
@@ -121,6 +122,7 @@ class PreprocessConfig:
     image: ImageConfig = field(default_factory=ImageConfig)
     encode: EncodeConfig = field(default_factory=EncodeConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
+    storage: StorageConfig = field(default_factory=StorageConfig)
 
     def __post_init__(self):
         if not self.input.paths:
@@ -144,7 +146,13 @@ class PreprocessConfig:
         return dataclasses.asdict(self)
 
 
-SECTIONS: dict[str, type] = {"input": InputConfig, "image": ImageConfig, "encode": EncodeConfig, "output": OutputConfig}
+SECTIONS: dict[str, type] = {
+    "input": InputConfig,
+    "image": ImageConfig,
+    "encode": EncodeConfig,
+    "output": OutputConfig,
+    "storage": StorageConfig,  # training's section: the same endpoint and retries for every s3:// path
+}
 
 
 def load_preprocess_config(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> PreprocessConfig:

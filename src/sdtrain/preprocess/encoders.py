@@ -12,6 +12,7 @@ import torch
 
 from sdtrain.preprocess.images import to_unit_range
 from sdtrain.storage.filesystems import local_copy
+from sdtrain.storage.s3 import S3Settings, apply_s3_settings
 from sdtrain.storage.uris import is_uri
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -94,7 +95,17 @@ class Encoder:
     rows (zeros where valid is false: those rows carry only a shard's statistics).
     """
 
-    def __init__(self, model: str, latent: Literal["mean", "sample"], seed: int, dtype: str, resolution: int):
+    def __init__(
+        self,
+        model: str,
+        latent: Literal["mean", "sample"],
+        seed: int,
+        dtype: str,
+        resolution: int,
+        s3: S3Settings | None = None,
+    ):
+        if s3 is not None:  # the driver's endpoint and retries, for a model on s3://
+            apply_s3_settings(s3)
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
         torch_dtype = resolve_dtype(dtype, self.device)
         self.vae = load_vae(model, self.device, torch_dtype)

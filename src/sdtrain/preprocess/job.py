@@ -36,6 +36,7 @@ from sdtrain.preprocess.outputs import (
     write_shard,
 )
 from sdtrain.preprocess.sources import Shard, list_shards, read_shard
+from sdtrain.storage.s3 import S3Settings, apply_s3_settings, configure_s3, resolved_s3_settings
 
 # Rows per CPU-stage batch: a few MB of pixels at 512 px.
 _PREPARE_ROWS = 16
@@ -61,6 +62,7 @@ def run_preprocess(config: PreprocessConfig, max_shards: int | None = None) -> P
     import ray
 
     started = time.perf_counter()
+    configure_s3(config.storage.endpoint_url, config.storage.max_attempts)
     shards = list_shards(config.input)
     done = done_shards(config.output.path)
     pending = [s for s in shards if s.name not in done][:max_shards]
@@ -133,7 +135,10 @@ def _run_pipeline(config: PreprocessConfig, pending: list[Shard], scaling_factor
         TEXT_ENCODER_KEY: config.encode.model,
         "sdtrain.latent": config.encode.latent,
     }
-    prepare = _Prepare(pending, config.input, config.image)
+    # A cluster started apart from this driver sees neither storage.endpoint_url nor the driver's
+    # AWS_ENDPOINT_URL: the read tasks and the encoders (a model on s3://) are handed them.
+    s3 = resolved_s3_settings()
+    prepare = _Prepare(pending, config.input, config.image, s3)
     dataset: ray.data.Dataset = ray.data.from_items(
         [{"shard": i} for i in range(len(pending))], override_num_blocks=len(pending)
     )
@@ -149,6 +154,7 @@ def _run_pipeline(config: PreprocessConfig, pending: list[Shard], scaling_factor
             seed=config.encode.seed,
             dtype=config.encode.dtype,
             resolution=config.image.resolution,
+            s3=s3,
         ),
         batch_size=config.encode.batch_size,
         batch_format="numpy",
@@ -196,10 +202,11 @@ class _Prepare:
     """The CPU stage as a generator over one shard at a time: batches of prepared rows, then one row (valid
     false) with the shard's counts, so the driver knows when it has all of the shard."""
 
-    def __init__(self, shards: list[Shard], input_config: InputConfig, image_config: ImageConfig):
-        self.shards, self.input, self.image = shards, input_config, image_config
+    def __init__(self, shards: list[Shard], input_config: InputConfig, image_config: ImageConfig, s3: S3Settings):
+        self.shards, self.input, self.image, self.s3 = shards, input_config, image_config, s3
 
     def __call__(self, batch: dict[str, np.ndarray]) -> Iterator[dict[str, np.ndarray]]:
+        apply_s3_settings(self.s3)
         for index in batch["shard"]:
             yield from self._shard(self.shards[int(index)])
 

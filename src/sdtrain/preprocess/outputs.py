@@ -28,7 +28,8 @@ import pyarrow.parquet as pq
 
 from sdtrain.errors import DataError
 from sdtrain.storage.filesystems import filesystem_for
-from sdtrain.storage.uris import is_uri
+from sdtrain.storage.s3 import s3_client
+from sdtrain.storage.uris import is_uri, split_s3
 
 SHARDS_DIR = "_shards"
 MANIFEST_FILE = "manifest.json"
@@ -55,10 +56,14 @@ def join(root: str, *parts: str) -> str:
 
 
 def write_bytes(uri: str, data: bytes) -> None:
-    """The whole file at once: locally a temporary name then an atomic rename; on object storage a single put
-    (an object appears only once complete)."""
+    """The whole file at once: locally a temporary name then an atomic rename (S3 has no rename); on S3 a single
+    PutObject, which leaves no object, nor an unfinished multipart upload, if the job dies during it."""
+    if uri.startswith("s3://"):
+        bucket, key = split_s3(uri)
+        s3_client().put_object(Bucket=bucket, Key=key, Body=data)
+        return
     fs, path = filesystem_for(uri)
-    if is_uri(uri):
+    if is_uri(uri):  # another object store: its output stream makes the object visible only when closed
         with fs.open_output_stream(path) as f:
             f.write(data)
         return
