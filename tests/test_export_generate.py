@@ -1,8 +1,11 @@
 """Export in diffusers format, sampling, and entrypoints/generate.py end to end, on a tiny model
 trained for a few steps on the demo data with plain Lightning (no Ray)."""
 
+import dataclasses
+import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -288,3 +291,67 @@ def test_generate_rejects_bad_input_in_one_line(trained, tmp_path):
         env=ENV,
     )
     assert result.returncode == 2 and "does not exist" in result.stderr
+
+
+def _grid_png(colour: str) -> bytes:
+    buffer = io.BytesIO()
+    Image.new("RGB", (20, 10), colour).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def test_a_pipeline_exports_card_shows_the_latest_training_grid_or_one_rendered_at_export(trained, tmp_path):
+    """Data that names its VAE and text encoder makes the export a pipeline; its card shows sample_grid.png:
+    training's latest grid at or before the exported step, else one the pipeline draws from the data's captions."""
+    from sdtrain.artifacts.export import SAMPLE_GRID_FILE, write_export
+    from sdtrain.preprocess.outputs import SCALING_KEY, TEXT_ENCODER_KEY, VAE_KEY, shard_table, write_shard
+    from sdtrain.preprocess.tiny_models import write_tiny_sd_model
+
+    model = write_tiny_sd_model(str(tmp_path / "tiny-sd"))
+    rng = np.random.default_rng(0)
+    captions = ["a red fox", "a blue bird", "a red fox", "a green frog"]
+    rows = [
+        {
+            "latents": rng.standard_normal(4 * 16 * 16),
+            "embeddings": rng.standard_normal(77 * 32),
+            "caption": c,
+            "key": c,
+        }
+        for c in captions
+    ]
+    metadata = {SCALING_KEY: "0.18215", VAE_KEY: model, TEXT_ENCODER_KEY: model}
+    table = shard_table(rows, "image_latents_256", "caption_latents", metadata)
+    write_shard(str(tmp_path / "latents"), "part", table, {}, 4)
+    run = tmp_path / "run"
+    shutil.copytree(trained["checkpoint"], run / "checkpoint_000000004")
+    loaded = load_model(str(run / "checkpoint_000000004"))
+    assert loaded.meta is not None and loaded.global_step == 4
+    config = {**loaded.meta.config, "data": {"train": [str(tmp_path / "latents")]}}
+    loaded = dataclasses.replace(loaded, meta=dataclasses.replace(loaded.meta, config=config))
+
+    # The run drew no grid: the pipeline renders one, a tile per distinct caption.
+    rendered = tmp_path / "rendered"
+    write_export(loaded, str(rendered))
+    assert (rendered / "model_index.json").is_file()
+    card = (rendered / "README.md").read_text()
+    assert f"![Samples]({SAMPLE_GRID_FILE})" in card and "1. a red fox; 2. a blue bird; 3. a green frog" in card
+    with Image.open(rendered / SAMPLE_GRID_FILE) as image:
+        assert image.format == "PNG" and image.size == (3 * (32 + 2) + 2, 32 + 4)
+        image.verify()
+
+    # Training's grids: the latest at or before step 4 is the one shown (step 6's is of later weights).
+    samples = run / "samples"
+    samples.mkdir()
+    for step, colour in ((2, "red"), (4, "green"), (6, "blue")):
+        (samples / f"step_{step}.png").write_bytes(_grid_png(colour))
+    shown = tmp_path / "shown"
+    write_export(loaded, str(shown))
+    assert (shown / SAMPLE_GRID_FILE).read_bytes() == _grid_png("green")
+    card = (shown / "README.md").read_text()
+    assert f"![Samples]({SAMPLE_GRID_FILE})" in card and "at step 4 (`samples/step_4.png`" in card
+
+    # An export of that export keeps its grid.
+    again = tmp_path / "again"
+    write_export(load_model(str(shown)), str(again))
+    assert (again / SAMPLE_GRID_FILE).read_bytes() == _grid_png("green") and SAMPLE_GRID_FILE in (
+        again / "README.md"
+    ).read_text()

@@ -565,7 +565,12 @@ def test_images_to_latents_to_training_to_prompted_pipeline(tmp_path, tiny_model
     export = run_dir / "export"
     for part in ("model_index.json", "README.md", "unet", "vae", "text_encoder", "tokenizer", "scheduler"):
         assert (export / part).exists(), part
-    assert "step 4" in (export / "README.md").read_text()
+    card = (export / "README.md").read_text()
+    assert "step 4" in card
+    # The run drew no sample grid (no data.val, no run.sample_captions): the export rendered one for the card.
+    assert "![Samples](sample_grid.png)" in card and "a photograph of a" in card
+    with Image.open(export / "sample_grid.png") as grid:
+        assert grid.format == "PNG" and grid.height == RESOLUTION + 4
     pipeline = DiffusionPipeline.from_pretrained(str(export))
     assert type(pipeline).__name__ == "StableDiffusionPipeline"
     images = pipeline("a red fox", num_inference_steps=2, height=RESOLUTION, width=RESOLUTION, output_type="np").images

@@ -18,18 +18,24 @@ When the run's data names the VAE and text encoder that made it (parquet metadat
 ``entrypoints/preprocess.py``), the export is a whole pipeline instead: ``model_index.json``,
 ``vae/``, ``text_encoder/``, ``tokenizer/``, ``unet/``, and in ``scheduler/`` a DPM-Solver++ sampler on
 the training schedule, so ``DiffusionPipeline.from_pretrained(destination)("a red fox")`` works; plus
-a model card (README.md).
+a model card (README.md) showing ``sample_grid.png``: the latest sample grid training drew at or before
+the exported step (run_dir/samples/step_<N>.png), else one this pipeline renders at export from the first
+captions of the run's data.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import posixpath
+import re
 import tempfile
+from typing import Any
 
 import numpy as np
 import pyarrow.fs as pafs
+import pyarrow.parquet as pq
 
 from sdtrain import __version__
 from sdtrain.artifacts.checkpoint_format import HISTORY_FILE
@@ -40,6 +46,12 @@ from sdtrain.preprocess.outputs import EncoderSources, encoder_sources
 from sdtrain.storage.filesystems import filesystem_for
 
 EXPORT_DIR = "export"
+SAMPLE_GRID_FILE = "sample_grid.png"
+# sdtrain.train.sample_grids writes run_dir/samples/step_<N>.png (this layer cannot import it).
+_TRAINING_GRID = re.compile(r"step_(\d+)\.png")
+# A grid rendered at export (the run drew none): this many captions of the data, sampled in this many steps.
+RENDER_PROMPTS = 4
+RENDER_STEPS = 20
 
 
 def export_checkpoint(checkpoint: str, destination: str, weights: Weights = "auto") -> str:
@@ -127,10 +139,104 @@ def _write_pipeline(loaded: LoadedModel, sources: EncoderSources, local: str) ->
         requires_safety_checker=False,
     )
     pipeline.save_pretrained(local, safe_serialization=True)
-    _write_model_card(loaded, sources, os.path.join(local, "README.md"))
+    grid = training_grid(loaded) or _render_grid(loaded, pipeline)
+    if grid is not None:
+        with open(os.path.join(local, SAMPLE_GRID_FILE), "wb") as f:
+            f.write(grid[0])
+    _write_model_card(loaded, sources, os.path.join(local, "README.md"), grid[1] if grid else None)
 
 
-def _write_model_card(loaded: LoadedModel, sources: EncoderSources, path: str) -> None:
+def training_grid(loaded: LoadedModel) -> tuple[bytes, str] | None:
+    """(PNG, what it shows) of the latest sample grid drawn at or before the model's step: run_dir/samples/ of its
+    checkpoint, or the grid of the export it was loaded from; None if there is none.
+
+    Args:
+        loaded: a model from :func:`sdtrain.artifacts.loading.load_model`.
+    """
+    fs, root = filesystem_for(loaded.source)
+    if loaded.meta is None:  # an export: keep its grid
+        path = posixpath.join(root, SAMPLE_GRID_FILE)
+        if not _is_file(fs, path):
+            return None
+        with fs.open_input_stream(path) as f:
+            return f.read(), f"The sample grid of the export this one was written from (`{loaded.source}`)."
+    checkpoint_dir = posixpath.dirname(root) if _is_file(fs, root) else root.rstrip("/")
+    samples = posixpath.join(posixpath.dirname(checkpoint_dir), "samples")
+    steps = {}
+    for info in fs.get_file_info(pafs.FileSelector(samples, allow_not_found=True)):
+        match = _TRAINING_GRID.fullmatch(posixpath.basename(info.path))
+        if match and info.type == pafs.FileType.File:
+            steps[int(match.group(1))] = info.path
+    # A grid drawn after the exported step shows other weights.
+    usable = [step for step in steps if loaded.global_step is None or step <= loaded.global_step]
+    if not usable:
+        return None
+    step = max(usable)
+    with fs.open_input_stream(steps[step]) as f:
+        data = f.read()
+    return data, (
+        f"The sample grid training drew at step {step} (`samples/step_{step}.png` of the run: a row per caption of "
+        "run.sample_captions, a column per seed; the latents' first three channels as colours, not decoded)."
+    )
+
+
+def _render_grid(loaded: LoadedModel, pipeline: Any) -> tuple[bytes, str] | None:
+    """A row of images this pipeline draws for the first captions of the run's data (seed 0); None without
+    captions."""
+    import torch
+    from PIL import Image
+
+    prompts = _data_captions(loaded, RENDER_PROMPTS)
+    if not prompts:
+        return None
+    side = (loaded.latent_shape[-1] if loaded.latent_shape else pipeline.unet.config.sample_size) * (
+        pipeline.vae_scale_factor
+    )
+    images = pipeline(
+        prompts,
+        num_inference_steps=RENDER_STEPS,
+        height=side,
+        width=side,
+        generator=torch.Generator().manual_seed(0),
+        output_type="pil",
+    ).images
+    canvas = Image.new("RGB", (len(images) * (side + 2) + 2, side + 4), "white")
+    for i, image in enumerate(images):
+        canvas.paste(image, (2 + i * (side + 2), 2))
+    buffer = io.BytesIO()
+    canvas.save(buffer, format="PNG")
+    listed = "; ".join(f"{i + 1}. {p}" for i, p in enumerate(prompts))
+    return buffer.getvalue(), (
+        f"Rendered at export by this pipeline ({RENDER_STEPS} steps, seed 0), left to right, for the first captions "
+        f"of the training data (the run drew no sample grid): {listed}"
+    )
+
+
+def _data_captions(loaded: LoadedModel, n: int) -> list[str]:
+    """Up to ``n`` distinct captions from the first data.train file's ``caption`` column (the preprocessing job
+    writes one)."""
+    train = loaded.meta.config.get("data", {}).get("train") if loaded.meta is not None else None
+    try:
+        files = resolve_parquet_files(list(train or []), "data.train")[:1]
+        captions: list[str] = []
+        for file in files:
+            fs, path = filesystem_for(file)
+            with fs.open_input_file(path) as handle:
+                reader = pq.ParquetFile(handle)
+                if "caption" not in reader.schema_arrow.names:
+                    return []
+                for batch in reader.iter_batches(batch_size=256, columns=["caption"]):
+                    for caption in batch.column(0).to_pylist():
+                        if caption and caption not in captions:
+                            captions.append(caption)
+                    if len(captions) >= n:
+                        break
+        return captions[:n]
+    except (SdtrainError, OSError):  # the data moved or is not reachable from here: no grid
+        return []
+
+
+def _write_model_card(loaded: LoadedModel, sources: EncoderSources, path: str, grid: str | None) -> None:
     from diffusers.utils.hub_utils import MODEL_CARD_TEMPLATE_PATH, populate_model_card
     from huggingface_hub import ModelCard, ModelCardData
 
@@ -153,6 +259,8 @@ def _write_model_card(loaded: LoadedModel, sources: EncoderSources, path: str) -
         f"- Final losses: {_final_losses(loaded.source) or 'not recorded'}",
         f"- Source checkpoint: `{loaded.source}`",
     ]
+    if grid is not None:
+        lines += ["", f"![Samples]({SAMPLE_GRID_FILE})", "", grid]
     # diffusers' training-script card, from its template: load_or_create_model_card would first look the
     # card up on the Hub, which an export must not depend on.
     card = ModelCard.from_template(
