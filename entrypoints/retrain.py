@@ -3,7 +3,9 @@ model, warm-started from it, and promote the result only if it is at least as go
 
     python entrypoints/retrain.py --config configs/retrain.yaml retrain.date=2026-11-22
     anyscale schedule apply -f schedule.yaml      # runs this daily on Anyscale
-Running twice for the same date does not train twice. Every config key: --help
+Running twice for the same date does not train twice. Without retrain.date, the retries of an Anyscale
+job keep its first attempt's date. One run at a time: a run that finds <models_root>/retrain.lock held
+exits 2 at once (docs/retraining.md). Every config key: --help
 """
 
 import os

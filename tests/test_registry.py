@@ -1,15 +1,30 @@
 """The model registry on a local directory and on a real S3-protocol server."""
 
+import datetime
+import functools
 import json
+import operator
+import os
+import signal
+import subprocess
+import sys
+import threading
 
 import pytest
 import torch
 from diffusers import DDPMScheduler, UNet2DConditionModel
 
 from sdtrain.artifacts.loading import load_model
-from sdtrain.artifacts.registry import ModelRegistry
+from sdtrain.artifacts.registry import (
+    LOCK_FILE,
+    LOCK_LEASE_S,
+    ModelRegistry,
+    PointerMoved,
+    RegistryBusy,
+    RegistryConflict,
+)
 from sdtrain.config.schema import ModelConfig
-from sdtrain.errors import DataError
+from sdtrain.errors import ConfigError, DataError
 from sdtrain.model.presets import PRESETS
 from sdtrain.model.unet import build_unet, noise_scheduler_config
 
@@ -75,3 +90,173 @@ def test_registry_on_s3(s3_bucket):
     for version in ("v0001", "v0002"):
         assert {f"models/versions/{version}/manifest.json", f"models/versions/{version}/unet/config.json"} <= keys
     assert not [k for k in keys if k.endswith(".tmp")]  # the staged pointer was moved, not left behind
+
+
+# --- one writer at a time: the lock, exclusive versions, the pointer's compare-and-swap ---------
+
+
+@pytest.fixture(params=["local", "s3"])
+def models_root(request, tmp_path):
+    """A registry root on local disk, and one on a real S3-protocol server (moto, its own process)."""
+    if request.param == "local":
+        return str(tmp_path / "models")
+    return f"{request.getfixturevalue('s3_bucket')}/models"
+
+
+def _lock_text(registry: ModelRegistry) -> str | None:
+    return registry._read_tagged(registry._path(LOCK_FILE))[0]
+
+
+@pytest.mark.timeout(120)
+def test_the_lock_is_exclusive_says_who_holds_it_and_is_released(models_root):
+    registry = ModelRegistry(models_root)
+    owner = {"run": "retrain-2026-11-01", "date": "2026-11-01", "job": "prodjob_day1"}
+    with registry.lock(owner) as held:
+        holder = json.loads(_lock_text(registry))
+        assert {k: holder[k] for k in owner} == owner and holder["pid"] == os.getpid() and holder["host"]
+        taken, expires = (datetime.datetime.fromisoformat(holder[k]) for k in ("taken_at", "expires_at"))
+        assert (expires - taken).total_seconds() == LOCK_LEASE_S
+
+        # The next run (another process would say the same) is refused, told which file, whose, until when.
+        with pytest.raises(RegistryBusy) as refused:
+            ModelRegistry(models_root).lock({"run": "retrain-2026-11-02", "date": "2026-11-02"}).acquire()
+        message = str(refused.value)
+        assert message.startswith(f"{held.uri} is held by run retrain-2026-11-01, date 2026-11-01, job prodjob_day1")
+        assert held.uri.endswith("models/retrain.lock") and f"pid {os.getpid()}" in message
+        assert f"until {expires.isoformat(timespec='seconds')}" in message
+        assert json.loads(_lock_text(registry))["token"] == holder["token"]  # the refused run changed nothing
+
+        held.renew()  # the renewal thread's step: same holder, a later expiry
+        renewed = json.loads(_lock_text(registry))
+        assert renewed["token"] == holder["token"] and renewed["expires_at"] > holder["expires_at"]
+        held.ensure_held()
+    assert _lock_text(registry) is None  # released on the way out...
+    with pytest.raises(RuntimeError, match="failed run"):
+        with registry.lock({"run": "again"}):  # ...free for the next run, and released when a run fails too
+            raise RuntimeError("failed run")
+    assert _lock_text(registry) is None
+
+
+@pytest.mark.timeout(120)
+def test_a_killed_holders_lock_blocks_until_its_lease_ends_then_one_run_takes_it_over(models_root, capsys):
+    # A real holder that dies with SIGKILL: nothing releases its lock.
+    script = (
+        "import os, signal\n"
+        "from sdtrain.artifacts.registry import ModelRegistry\n"
+        f"ModelRegistry({models_root!r}).lock({{'run': 'killed-run'}}, lease_s=60).acquire()\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    assert subprocess.run([sys.executable, "-c", script], timeout=100).returncode == -signal.SIGKILL
+    registry = ModelRegistry(models_root)
+    stale = json.loads(_lock_text(registry))
+    assert stale["run"] == "killed-run"
+    with pytest.raises(RegistryBusy, match="is held by run killed-run"):  # within its lease: it might be alive
+        registry.lock({"run": "too-early"}).acquire()
+
+    # Past the lease (the next day's run, 61 s later on its clock), it is taken over, and said so.
+    later = datetime.datetime.fromisoformat(stale["expires_at"]) + datetime.timedelta(seconds=1)
+    with registry.lock({"run": "next-day"}, clock=lambda: later):
+        holder = json.loads(_lock_text(registry))
+        assert holder["run"] == "next-day" and holder["token"] != stale["token"]
+        assert "its holder (run killed-run" in capsys.readouterr().out
+    assert _lock_text(registry) is None
+
+
+@pytest.mark.timeout(120)
+def test_of_two_writers_that_read_the_same_state_exactly_one_wins(models_root):
+    """The conditional writes every registry change goes through, interleaved as two contenders
+    interleave: both read, then both write. (moto checks a condition and then writes without a
+    lock of its own, so a race of real threads on it would test moto; threads race on disk below.)"""
+    registry = ModelRegistry(models_root)
+    path = registry._path("contended.json")
+    assert registry._create(path, "first") is not None
+    assert registry._create(path, "second") is None  # exclusive create: never overwrites
+    text, tag = registry._read_tagged(path)
+    assert text == "first"
+    assert registry._replace(path, "taker A", tag) is not None
+    assert registry._replace(path, "taker B", tag) is None  # B compared with what A replaced
+    assert registry._read_tagged(path)[0] == "taker A"
+    assert not registry._delete(path, tag)  # a holder releasing a lock that is no longer its own
+    assert registry._delete(path, registry._read_tagged(path)[1]) and registry._read_tagged(path) == (None, None)
+
+
+def _race_for_the_lock(root: str, contenders: int, clock=None) -> tuple[list, list[str]]:
+    """``contenders`` threads, each its own registry client, released at once to take the lock."""
+    start = threading.Barrier(contenders)
+    winners, refused = [], []
+
+    def contend(i):
+        lock = ModelRegistry(root).lock({"run": f"contender-{i}"}, clock=clock)
+        start.wait()
+        try:
+            lock.acquire()
+            winners.append(lock)
+        except RegistryBusy as e:
+            refused.append(str(e))
+
+    threads = [threading.Thread(target=contend, args=(i,)) for i in range(contenders)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return winners, refused
+
+
+@pytest.mark.timeout(120)
+def test_racing_runs_one_takes_the_lock_fresh_or_stale(tmp_path):
+    root = str(tmp_path / "models")
+    registry = ModelRegistry(root)
+    for round_ in range(6):
+        clock = None
+        if round_ % 2:  # a lock left by a run that died just after taking it, expired for every contender
+            dead = registry.lock({"run": "dead"}, lease_s=60)
+            now = datetime.datetime.now(datetime.timezone.utc)
+            assert registry._create(dead.path, dead._text(now)) is not None
+            clock = functools.partial(operator.add, now, datetime.timedelta(seconds=61))
+        winners, refused = _race_for_the_lock(root, 6, clock)
+        assert len(winners) == 1 and len(refused) == 5, (winners, refused)
+        assert json.loads(_lock_text(registry))["token"] == winners[0].token
+        winners[0].release()
+        assert _lock_text(registry) is None
+        assert not list((tmp_path / "models").glob("*.swap-*")) and not list((tmp_path / "models").glob(".*.tmp"))
+
+
+@pytest.mark.timeout(120)
+def test_two_writers_numbering_from_the_same_listing_never_share_a_version(models_root):
+    torch.manual_seed(0)
+    unet, scheduler = UNet2DConditionModel(**PRESETS["tiny"]), DDPMScheduler()
+    mine, theirs = ModelRegistry(models_root), ModelRegistry(models_root)
+    name = mine.next_version()  # both listed the same versions/...
+    assert theirs.write_version(unet, scheduler, {"writer": "theirs"}) == name == "v0001"
+    with pytest.raises(RegistryConflict, match=r"models/versions/v0001 already exists: another writer numbered"):
+        mine._write_version_as(name, unet, scheduler, {"writer": "mine"})  # ...the second to claim it is refused
+    assert mine.manifest("v0001")["writer"] == "theirs" and mine.versions() == ["v0001"]
+    assert mine.write_version(unet, scheduler, {"writer": "mine"}) == "v0002"  # numbered afresh, it gets its own
+
+
+@pytest.mark.timeout(120)
+def test_the_pointer_moves_only_from_the_version_it_was_compared_with(models_root):
+    torch.manual_seed(0)
+    unet, scheduler = UNet2DConditionModel(**PRESETS["tiny"]), DDPMScheduler()
+    registry, other = ModelRegistry(models_root), ModelRegistry(models_root)
+    v1, v2, v3 = (registry.write_version(unet, scheduler, {"n": n}) for n in range(3))
+    registry.set_production(v1, expected=None)
+    with pytest.raises(PointerMoved, match=r"production.json names v0001, not nothing"):
+        other.set_production(v2, expected=None)  # decided when there was no production: stale
+    other.set_production(v3, expected=v1)  # another writer promotes v0003 over v0001...
+    with pytest.raises(PointerMoved, match=r"production.json names v0003, not v0001 as when the promotion") as lost:
+        registry.set_production(v2, expected=v1)  # ...so v0002, compared with v0001 only, is not promoted
+    assert lost.value.current == "v0003" and registry.production() == "v0003"
+    registry.set_production(v1)  # by hand (a rollback): no expectation, still one conditional write
+    assert registry.production() == "v0001"
+
+
+def test_a_job_pins_its_schedule_date_on_its_first_attempt(tmp_path):
+    registry = ModelRegistry(str(tmp_path / "models"))
+    day1, day2 = datetime.date(2026, 11, 1), datetime.date(2026, 11, 2)
+    assert registry.pin_date("prodjob_abc123", day1)[0] == day1
+    assert registry.pin_date("prodjob_abc123", day2)[0] == day1  # its retry, after midnight: the same date
+    assert registry.pin_date("prodjob_next", day2)[0] == day2  # the next day's job
+    assert json.loads((tmp_path / "models" / "jobs" / "prodjob_abc123.json").read_text())["date"] == "2026-11-01"
+    with pytest.raises(ConfigError, match=r"job id '\.\./x' \(ANYSCALE_PRODJOB_ID\) may hold only"):
+        registry.pin_date("../x", day1)

@@ -1,6 +1,7 @@
 """Scheduled retraining on growing date partitions, with promotion through an atomic pointer (real Ray)."""
 
 import datetime
+import json
 import shutil
 
 import pytest
@@ -104,13 +105,16 @@ def test_retrain_promotes_better_keeps_production_on_worse_and_is_idempotent(
     assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == runs_before
 
     # A crash after the version is written but before the pointer moves leaves production intact...
-    def crash(self, version):
+    def crash(self, version, **expected):
+        # The run holds the registry's lock until it ends, its owner named in it.
+        assert json.loads((tmp_path / "models" / "retrain.lock").read_text())["run"] == "retrain-2026-11-03"
         raise RuntimeError("simulated crash before the pointer update")
 
     monkeypatch.setattr(ModelRegistry, "set_production", crash)
     with pytest.raises(RuntimeError, match="simulated crash"):
         retrain(_config(tmp_path, root, val), DAY3)
     monkeypatch.undo()
+    assert not (tmp_path / "models" / "retrain.lock").exists()  # released by the failed run too
     assert registry.production() == "v0001" and registry.versions() == ["v0001", "v0002", "v0003"]
     manifest = registry.manifest("v0003")
     assert manifest["promoted"] is True and manifest["partitions"] == ["2026-11-02", "2026-11-03"]  # v0002's day too

@@ -1,14 +1,22 @@
 """Retraining's promotion rules, without training: the gate, and finishing an interrupted promotion."""
 
 import datetime
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
+import pytest
 import torch
 from diffusers import DDPMScheduler, UNet2DConditionModel
 
 from sdtrain.artifacts.registry import ModelRegistry
 from sdtrain.config.loader import load_config
 from sdtrain.model.presets import PRESETS
-from sdtrain.retrain import _decide, retrain
+from sdtrain.retrain import JOB_ID_VAR, _decide, retrain, schedule_date_for
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 def test_the_gate_holds_against_production_and_the_best_model_ever_promoted():
@@ -64,3 +72,89 @@ def test_an_interrupted_promotion_is_finished_only_if_production_is_still_its_pa
     outcome = retrain(config, datetime.date(2026, 11, 2))
     assert (outcome.status, registry.production()) == ("completed-promotion", "v0002")
     assert not (tmp_path / "runs").exists()  # neither retry trained
+    assert not (tmp_path / "models" / "retrain.lock").exists()  # each run released the lock
+
+
+def test_a_promotion_that_loses_the_pointer_to_another_writer_is_superseded_not_overwritten(tmp_path, monkeypatch):
+    root = tmp_path / "daily"
+    (root / "date=2026-11-01").mkdir(parents=True)
+    (tmp_path / "val").mkdir()
+    models = str(tmp_path / "models")
+    config = load_config(
+        None,
+        [f"retrain.data_root={root}", f"retrain.models_root={models}", f"data.val={tmp_path}/val"],
+    )
+    registry, other = ModelRegistry(models), ModelRegistry(models)
+    unet, scheduler = UNet2DConditionModel(**PRESETS["tiny"]), DDPMScheduler()
+    torch.manual_seed(0)
+    for day, parent in (("2026-11-01", None), ("2026-11-02", "v0001"), ("2026-11-03", "v0001")):
+        manifest = {"schedule_date": day, "parent": parent, "promoted": True, "reason": "test"}
+        registry.write_version(unet, scheduler, {**manifest, "metrics": {"val_loss": 1.0}})
+    registry.set_production("v0001")
+    swap = ModelRegistry.set_production
+
+    def someone_else_first(self, version, **expected):
+        # A writer that ignores the lock (a hand edit, another tool) promotes v0003 between the
+        # retry's read of the pointer and its swap.
+        swap(other, "v0003", expected="v0001")
+        swap(self, version, **expected)
+
+    monkeypatch.setattr(ModelRegistry, "set_production", someone_else_first)
+    outcome = retrain(config, datetime.date(2026, 11, 2))  # would finish v0002's promotion over v0001
+    assert (outcome.status, outcome.version, outcome.production) == ("superseded", "v0002", "v0003")
+    assert "production.json names v0003, not v0001 as when the promotion was decided" in outcome.message
+    assert registry.production() == "v0003" and not (tmp_path / "models" / "retrain.lock").exists()
+
+
+@pytest.mark.timeout(180)
+def test_a_run_that_finds_the_lock_held_stops_before_ray_and_a_retry_keeps_its_jobs_date(tmp_path):
+    root, models = tmp_path / "daily", tmp_path / "models"
+    (root / "date=2026-11-02").mkdir(parents=True)
+    (root / "date=2026-11-02" / "_SUCCESS").touch()
+    (tmp_path / "val").mkdir()
+    registry = ModelRegistry(str(models))
+    registry.pin_date("prodjob_day2", datetime.date(2026, 11, 2))  # the job's first attempt, before midnight
+    # Its retry starts after midnight, while the previous day's run still holds the lock.
+    with registry.lock({"run": "retrain-2026-11-01", "date": "2026-11-01", "job": "prodjob_day1"}) as held:
+        result = subprocess.run(
+            [
+                sys.executable,
+                str(REPO / "entrypoints" / "retrain.py"),
+                f"retrain.data_root={root}",
+                f"retrain.models_root={models}",
+                f"data.val={tmp_path}/val",
+                f"run.storage_path={tmp_path}/runs",
+                "scaling.use_gpu=false",
+                "model.preset=tiny",
+            ],
+            cwd=tmp_path,
+            env={**os.environ, JOB_ID_VAR: "prodjob_day2", "RAY_ADDRESS": "local", "PYTHONPATH": str(REPO / "src")},
+            capture_output=True,
+            text=True,
+            timeout=170,
+        )
+        assert json.loads((models / "retrain.lock").read_text())["token"] == held.token  # not taken, not removed
+    assert result.returncode == 2, result.stderr[-3000:]  # bad input, not a failed run: Ray never started
+    assert "schedule date 2026-11-02 (pinned by the first attempt of job prodjob_day2 at" in result.stdout
+    assert result.stderr.startswith(
+        f"error: {models}/retrain.lock is held by run retrain-2026-11-01, date 2026-11-01, job prodjob_day1"
+    ), result.stderr[-3000:]
+    assert "another retrain run is going on, so this one did nothing" in result.stderr
+    assert "Traceback" not in result.stderr and not (tmp_path / "runs").exists()
+    assert not (models / "retrain.lock").exists()  # the holder released it
+
+
+def test_the_schedule_date_comes_from_the_config_else_the_jobs_first_attempt_else_today(tmp_path, monkeypatch):
+    registry = ModelRegistry(str(tmp_path / "models"))
+    roots = [f"retrain.data_root={tmp_path}/daily", f"retrain.models_root={tmp_path}/models", f"data.val={tmp_path}"]
+    monkeypatch.setenv(JOB_ID_VAR, "prodjob_x")
+    config = load_config(None, [*roots, "retrain.date=2026-11-05"])
+    assert schedule_date_for(config, registry) == (datetime.date(2026, 11, 5), "retrain.date")
+    registry.pin_date("prodjob_x", datetime.date(2026, 11, 3))
+    date, source = schedule_date_for(load_config(None, roots), registry)
+    assert date == datetime.date(2026, 11, 3) and source.startswith("pinned by the first attempt of job prodjob_x at")
+    monkeypatch.delenv(JOB_ID_VAR)
+    today = datetime.datetime.now(datetime.timezone.utc).date()
+    date, source = schedule_date_for(load_config(None, roots), registry)
+    assert date in (today, today + datetime.timedelta(days=1))  # the test may straddle midnight
+    assert source == "today (UTC): retrain.date is not set and ANYSCALE_PRODJOB_ID is not either, so nothing pins it"

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import datetime
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -70,12 +69,7 @@ def _retrain(config: Config) -> list[str]:
 
     if config.retrain.data_root is None:
         raise ConfigError("retrain.data_root and retrain.models_root are required for retraining")
-    day = (
-        datetime.date.fromisoformat(config.retrain.date)
-        if config.retrain.date
-        else datetime.datetime.now(datetime.timezone.utc).date()
-    )
-    outcome = retrain(config, day)
+    outcome = retrain(config)  # the schedule date: retrain.date, else pinned per Anyscale job (sdtrain.retrain)
     return [f"{outcome.status}: {outcome.message}", f"production: {outcome.production or 'none'}"]
 
 

@@ -2,7 +2,9 @@
 
 Idempotent per schedule date: a date that already has a version is not trained again, and a
 run that died between writing its version and moving the production pointer is finished (the
-pointer moved) by the next run for that date, without training.
+pointer moved) by the next run for that date, without training. One run at a time: a run holds
+the registry's lock from before it reads the registry until it is done, and moves the pointer
+only if it still names the version it compared against.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import math
+import os
 import posixpath
 import re
 from dataclasses import dataclass
@@ -20,7 +23,7 @@ import torch
 from sdtrain import __version__
 from sdtrain.artifacts.loading import load_model
 from sdtrain.artifacts.provenance import code_version
-from sdtrain.artifacts.registry import ModelRegistry
+from sdtrain.artifacts.registry import ModelRegistry, PointerMoved, RegistryLock
 from sdtrain.config.schema import Config
 from sdtrain.data.local_read import iter_local_batches
 from sdtrain.errors import ConfigError, DataError
@@ -31,6 +34,8 @@ from sdtrain.storage.filesystems import filesystem_for
 from sdtrain.storage.uris import absolute, uri_prefix
 
 _PARTITION = re.compile(r"date=(\d{4}-\d{2}-\d{2})")
+# The ID of the Anyscale job (the same for every attempt of it), which Anyscale sets for jobs.
+JOB_ID_VAR = "ANYSCALE_PRODJOB_ID"
 EVAL_BATCH_SIZE = 32
 
 
@@ -42,12 +47,42 @@ class RetrainOutcome:
     message: str
 
 
-def retrain(config: Config, schedule_date: datetime.date) -> RetrainOutcome:
+def retrain(config: Config, schedule_date: datetime.date | None = None) -> RetrainOutcome:
+    """Retrain for ``schedule_date`` (None: see schedule_date_for) under the registry's lock."""
     data_root, models_root = config.retrain.data_root, config.retrain.models_root
     if data_root is None or models_root is None:
         raise ConfigError("retrain.data_root and retrain.models_root are required for retraining")
     preflight(config)  # retrain.data_root, retrain.models_root and the rest, before anything is read
     registry = ModelRegistry(models_root)
+    if schedule_date is None:
+        schedule_date, source = schedule_date_for(config, registry)
+        print(f"[sdtrain] schedule date {schedule_date} ({source})", flush=True)
+    day = schedule_date.isoformat()
+    owner = {"run": f"{config.run.name}-{day}", "date": day, "job": os.environ.get(JOB_ID_VAR)}
+    # Taken before Ray starts: a second run fails here, in seconds, without spending a restart.
+    with registry.lock(owner) as lock:
+        return _retrain_locked(config, registry, schedule_date, lock)
+
+
+def schedule_date_for(config: Config, registry: ModelRegistry) -> tuple[datetime.date, str]:
+    """The date a run is for, and where it came from: retrain.date if set; else, in an Anyscale
+    job, the UTC date of the job's first attempt (recorded in the registry, so a retry after
+    midnight retrains the same date); else today (UTC)."""
+    if config.retrain.date:
+        return datetime.date.fromisoformat(config.retrain.date), "retrain.date"
+    today = datetime.datetime.now(datetime.timezone.utc).date()
+    job = os.environ.get(JOB_ID_VAR)
+    if job:
+        date, pinned_at = registry.pin_date(job, today)
+        return date, f"pinned by the first attempt of job {job} at {pinned_at}"
+    return today, f"today (UTC): retrain.date is not set and {JOB_ID_VAR} is not either, so nothing pins it"
+
+
+def _retrain_locked(
+    config: Config, registry: ModelRegistry, schedule_date: datetime.date, lock: RegistryLock
+) -> RetrainOutcome:
+    """One run, while this run holds ``lock``: checked again before each write to the registry."""
+    data_root = config.retrain.data_root
     day = schedule_date.isoformat()
     production = registry.production()
 
@@ -58,7 +93,11 @@ def retrain(config: Config, schedule_date: datetime.date) -> RetrainOutcome:
         if manifest["promoted"] and production != version:
             # Only if nothing was promoted since: the version was compared with its parent alone.
             if production == manifest["parent"]:
-                registry.set_production(version)
+                lock.ensure_held()
+                try:
+                    registry.set_production(version, expected=production)
+                except PointerMoved as e:
+                    return _superseded(day, version, e)
                 return RetrainOutcome(
                     "completed-promotion",
                     version,
@@ -102,6 +141,7 @@ def retrain(config: Config, schedule_date: datetime.date) -> RetrainOutcome:
         run=dataclasses.replace(config.run, name=f"{config.run.name}-{day}"),
     )
     summary = train(run_config)
+    lock.ensure_held()
 
     trained = load_model(summary.checkpoint_path)
     new_loss = heldout_loss(run_config, trained.unet, trained.noise_scheduler)
@@ -133,10 +173,20 @@ def retrain(config: Config, schedule_date: datetime.date) -> RetrainOutcome:
         },
     )
     if promote:
-        registry.set_production(version)
+        lock.ensure_held()
+        try:
+            registry.set_production(version, expected=production)
+        except PointerMoved as e:
+            return _superseded(day, version, e)
         return RetrainOutcome("promoted", version, version, f"{day}: promoted {version}: {reason}")
     return RetrainOutcome(
         "rejected", version, production, f"{day}: kept {production} in production, {version} not promoted: {reason}"
+    )
+
+
+def _superseded(day: str, version: str, moved: PointerMoved) -> RetrainOutcome:
+    return RetrainOutcome(
+        "superseded", version, moved.current, f"{day}: {version} not promoted: {moved}; compare again with a later date"
     )
 
 
