@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import subprocess
 import sys
 import tarfile
@@ -20,7 +21,7 @@ from PIL import Image
 
 from sdtrain.errors import ConfigError, DataError
 from sdtrain.preprocess.config import load_preprocess_config
-from sdtrain.preprocess.encoders import encode_images, encode_prompts, load_text_encoder, load_vae
+from sdtrain.preprocess.encoders import encode_images, encode_prompts, load_text_encoder, load_vae, local_model
 from sdtrain.preprocess.images import NO_CAPTION, NO_IMAGE, TOO_SMALL, UNDECODABLE, prepare_image, to_unit_range
 from sdtrain.preprocess.outputs import SCALING_KEY, encoder_sources
 from sdtrain.preprocess.tiny_models import write_tiny_sd_model
@@ -369,10 +370,13 @@ def test_inputs_model_and_output_on_s3_resumed_and_trained_on(tmp_path, tiny_mod
     from sdtrain.data.parquet_files import resolve_parquet_files
     from sdtrain.launch import train
     from sdtrain.preprocess.job import run_preprocess
+    from sdtrain.sample.generate import GenerateRequest, generate
 
     s3 = boto3.client("s3")
     _upload(s3, Path(tiny_model), "models/tiny-sd")
     model = f"{s3_bucket}/models/tiny-sd"
+    s3.put_object(Bucket="sdtrain-test", Key="models/tiny-sd/unet/config.json", Body=b"not read")
+    assert sorted(os.listdir(local_model(model, "vae", "text_encoder"))) == ["text_encoder", "vae"]
 
     # Parquet in, stopped after two shards, then re-run.
     rows = write_parquet_input(tmp_path / "parquet", files=3)
@@ -489,6 +493,16 @@ def test_inputs_model_and_output_on_s3_resumed_and_trained_on(tmp_path, tiny_mod
     assert summary.final_step == 2 and np.isfinite(summary.final_loss)
     # The export is a whole pipeline: its VAE and text encoder come from the model in the bucket.
     assert (tmp_path / "runs" / "from-s3" / "export" / "model_index.json").is_file()
+    # Prompts in words for the run: the text encoder and VAE its data records, fetched from the bucket.
+    out = tmp_path / "prompted"
+    generate(
+        GenerateRequest(
+            str(tmp_path / "runs" / "from-s3"), out=str(out), prompts=["a red fox"], samples_per_caption=1, steps=2
+        )
+    )
+    with Image.open(out / "images" / "row00_sample00.png") as image:
+        assert image.size == (RESOLUTION, RESOLUTION)
+    assert json.loads((out / "generate.json").read_text())["vae"] == model
 
 
 # --- the whole loop ---

@@ -5,13 +5,18 @@ the Ray Data callable class that runs them in an actor pool."""
 from __future__ import annotations
 
 import hashlib
+import os
+import posixpath
+import tempfile
 from typing import Any, Literal
 
 import numpy as np
+import pyarrow.fs as pafs
 import torch
 
+from sdtrain.errors import DataError
 from sdtrain.preprocess.images import to_unit_range
-from sdtrain.storage.filesystems import local_copy
+from sdtrain.storage.filesystems import filesystem_for
 from sdtrain.storage.s3 import S3Settings, apply_s3_settings
 from sdtrain.storage.uris import is_uri
 
@@ -25,22 +30,47 @@ def resolve_dtype(name: str, device: str) -> torch.dtype:
     return DTYPES[name]
 
 
-def _local(source: str) -> str:
-    return local_copy(source) if is_uri(source) else source
+def local_model(source: str, *parts: str) -> str:
+    """``source`` itself when local or a hub id; for a URI a local directory holding its subfolders ``parts``
+    (each downloaded once per process): only what is read, not the model's UNet (gigabytes).
+
+    Args:
+        source: a diffusers model directory (local or a storage URI) or a hub id.
+        parts: the subfolders to fetch (vae, tokenizer, text_encoder).
+    """
+    if not is_uri(source):
+        return source
+    root = source.rstrip("/")
+    directory = _MODELS.setdefault(root, tempfile.mkdtemp(prefix="sdtrain-model-"))
+    fs, path = filesystem_for(root)
+    for part in parts:
+        if os.path.isdir(os.path.join(directory, part)):
+            continue
+        if fs.get_file_info(posixpath.join(path, part)).type != pafs.FileType.Directory:
+            raise DataError(
+                f"{source} has no {part}/ (a diffusers Stable Diffusion model has vae/, tokenizer/ and text_encoder/)"
+            )
+        staging = tempfile.mkdtemp(dir=directory)  # whole or not at all: a failed download is not reused
+        pafs.copy_files(posixpath.join(path, part), staging, source_filesystem=fs)
+        os.replace(staging, os.path.join(directory, part))
+    return directory
+
+
+_MODELS: dict[str, str] = {}
 
 
 def load_vae(source: str, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Any:
     """The AutoencoderKL in ``source``'s vae/ subfolder (a local directory, s3:// URI or hub id)."""
     from diffusers import AutoencoderKL
 
-    return AutoencoderKL.from_pretrained(_local(source), subfolder="vae").to(device, dtype).eval()
+    return AutoencoderKL.from_pretrained(local_model(source, "vae"), subfolder="vae").to(device, dtype).eval()
 
 
 def load_text_encoder(source: str, device: str = "cpu", dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
     """(tokenizer, text encoder) from ``source``'s tokenizer/ and text_encoder/ subfolders."""
     from transformers import AutoTokenizer, CLIPTextModel
 
-    local = _local(source)
+    local = local_model(source, "tokenizer", "text_encoder")
     tokenizer = AutoTokenizer.from_pretrained(local, subfolder="tokenizer")
     text_encoder: Any = CLIPTextModel.from_pretrained(local, subfolder="text_encoder")
     return tokenizer, text_encoder.to(device, dtype).eval()

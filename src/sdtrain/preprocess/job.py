@@ -91,9 +91,9 @@ def run_preprocess(config: PreprocessConfig, max_shards: int | None = None) -> P
 def _scaling_factor(model: str) -> float:
     from diffusers import AutoencoderKL
 
-    from sdtrain.preprocess.encoders import _local
+    from sdtrain.preprocess.encoders import local_model
 
-    config = AutoencoderKL.load_config(_local(model), subfolder="vae")
+    config = AutoencoderKL.load_config(local_model(model, "vae"), subfolder="vae")
     return float(config.get("scaling_factor", 0.18215))
 
 

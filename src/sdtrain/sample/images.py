@@ -44,6 +44,10 @@ def grid_image(tiles: np.ndarray, names: list[str], zoom: int = 1):
 def load_vae(vae: str):
     from diffusers import AutoencoderKL
 
+    if "://" in vae:  # a model on object storage (the data's recorded VAE may be): its vae/, fetched
+        from sdtrain.preprocess.encoders import load_vae as load_model_vae
+
+        return load_model_vae(vae)
     root = os.path.expanduser(vae)
     if os.path.isdir(root):
         return AutoencoderKL.from_pretrained(
