@@ -143,7 +143,7 @@ def test_a_killed_holders_lock_blocks_until_its_lease_ends_then_one_run_takes_it
     script = (
         "import os, signal\n"
         "from sdtrain.artifacts.registry import ModelRegistry\n"
-        f"ModelRegistry({models_root!r}).lock({{'run': 'killed-run'}}, lease_s=60).acquire()\n"
+        f"ModelRegistry({models_root!r}).lock({{'run': 'killed-run', 'job': 'prodjob_1'}}, lease_s=60).acquire()\n"
         "os.kill(os.getpid(), signal.SIGKILL)\n"
     )
     assert subprocess.run([sys.executable, "-c", script], timeout=100).returncode == -signal.SIGKILL
@@ -151,14 +151,24 @@ def test_a_killed_holders_lock_blocks_until_its_lease_ends_then_one_run_takes_it
     stale = json.loads(_lock_text(registry))
     assert stale["run"] == "killed-run"
     with pytest.raises(RegistryBusy, match="is held by run killed-run"):  # within its lease: it might be alive
-        registry.lock({"run": "too-early"}).acquire()
+        registry.lock({"run": "too-early", "job": "prodjob_2"}).acquire()
 
     # Past the lease (the next day's run, 61 s later on its clock), it is taken over, and said so.
     later = datetime.datetime.fromisoformat(stale["expires_at"]) + datetime.timedelta(seconds=1)
-    with registry.lock({"run": "next-day"}, clock=lambda: later):
+    with registry.lock({"run": "next-day", "job": "prodjob_2"}, clock=lambda: later):
         holder = json.loads(_lock_text(registry))
         assert holder["run"] == "next-day" and holder["token"] != stale["token"]
-        assert "its holder (run killed-run" in capsys.readouterr().out
+        said = capsys.readouterr().out
+        assert "its holder (run killed-run, job prodjob_1" in said and "let its lease expire at" in said
+    assert _lock_text(registry) is None
+
+    # A retry of the same Anyscale job starts only after its attempt ended: it need not wait for the lease.
+    attempt = registry.lock({"run": "attempt-1", "job": "prodjob_3"})
+    assert registry._create(attempt.path, attempt._text(datetime.datetime.now(datetime.timezone.utc))) is not None
+    with registry.lock({"run": "attempt-2", "job": "prodjob_3"}):
+        assert json.loads(_lock_text(registry))["run"] == "attempt-2"
+        said = capsys.readouterr().out
+        assert "(run attempt-1, job prodjob_3, host" in said and "an earlier attempt of this job" in said
     assert _lock_text(registry) is None
 
 

@@ -21,6 +21,7 @@ renewed, taken over when stale and released with the same two operations.
 from __future__ import annotations
 
 import datetime
+import errno
 import functools
 import hashlib
 import json
@@ -255,8 +256,25 @@ class ModelRegistry:
             return text
         except FileExistsError:
             return None
+        except OSError as e:
+            if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS):
+                raise
+            # A filesystem without hard links: still exclusive, though a reader may briefly see it partly written.
+            return self._create_exclusive(path, text)
         finally:
             os.unlink(staged)
+
+    @staticmethod
+    def _create_exclusive(path: str, text: str) -> str | None:
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            return None
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        return text
 
     def _replace(self, path: str, text: str, tag: str) -> str | None:
         """Replace ``path`` whole with ``text`` if it is still what was read with ``tag``, and
@@ -327,8 +345,9 @@ class RegistryLock:
     Taken by an exclusive create. A live lock (lease not expired) refuses the next run with
     RegistryBusy, naming the file, the owner and the expiry; a stale one (its holder died without
     releasing it) is taken over by a conditional replace of exactly the stale content, so of two
-    runs that find it stale, one wins. The holder renews the lease from a thread every quarter of
-    it, and releases the lock on exit (a conditional delete: never someone else's lock).
+    runs that find it stale, one wins; a lock of an earlier attempt of the same job counts as stale.
+    The holder renews the lease from a thread every quarter of it, and releases the lock on exit (a
+    conditional delete: never someone else's lock).
     """
 
     def __init__(self, registry: ModelRegistry, owner: dict[str, Any], lease_s: float, clock=None):
@@ -376,7 +395,11 @@ class RegistryLock:
                 f"{self.uri} exists but is not a lock sdtrain wrote ({(current or '')[:120]!r}); "
                 "if no retrain run is going on, delete it"
             )
-        if expires > self.clock():
+        same_job = holder.get("job") is not None and holder.get("job") == self.owner.get("job")
+        # Anyscale starts a job's retry only once its previous attempt has ended: a lock held by an
+        # earlier attempt of this job is stale whatever its lease says, and waiting would only
+        # spend this attempt (and the next) on the refusal.
+        if expires > self.clock() and not same_job:
             raise RegistryBusy(
                 f"{self.uri} is held by {_describe(holder)} until {expires.isoformat(timespec='seconds')} (its lease, "
                 "renewed while it runs): another retrain run is going on, so this one did nothing. If that run is "
@@ -386,14 +409,15 @@ class RegistryLock:
         new_tag = registry._replace(self.path, text, tag)
         if new_tag is None:
             raise RegistryBusy(
-                f"{self.uri} was stale (held by {_describe(holder)}, expired {expires.isoformat(timespec='seconds')}) "
-                "and another run took it over first; this one did nothing"
+                f"{self.uri} was stale (held by {_describe(holder)}, lease until "
+                f"{expires.isoformat(timespec='seconds')}) and another run took it over first; this one did nothing"
             )
-        print(
-            f"[sdtrain] took over {self.uri}: its holder ({_describe(holder)}) let its lease expire at "
-            f"{expires.isoformat(timespec='seconds')} without releasing it",
-            flush=True,
+        why = (
+            "an earlier attempt of this job, which ended without releasing it"
+            if same_job
+            else f"let its lease expire at {expires.isoformat(timespec='seconds')} without releasing it"
         )
+        print(f"[sdtrain] took over {self.uri}: its holder ({_describe(holder)}) {why}", flush=True)
         self._held(text, new_tag)
 
     def renew(self) -> None:
