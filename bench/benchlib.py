@@ -117,7 +117,7 @@ def sdtrain_batches(
         spec.rows_per_file, seed=0, chunk_rows=data.shuffle_chunk_rows, window_rows=data.shuffle_window_rows
     )
     (stretches,) = plan.rank_stretches(DataState(), 1, batch_size, spec.num_rows // batch_size)
-    dataset = rank_dataset(WindowReader(spec, data, plan), stretches)
+    dataset = rank_dataset(WindowReader(spec, data, plan), stretches, None)
     if not paced:
         from sdtrain.data.pacing import PacedScheduling
 

@@ -45,7 +45,7 @@ def _rounds_while_a_slow_trainer_reads(tmp_path, paced: bool) -> tuple[int, floa
     spec = inspect_dataset(files, "data.train", "image_latents_256", "caption_latents", 4, 32)
     plan = SamplePlan(spec.rows_per_file, seed=0, chunk_rows=8, window_rows=8)
     (stretches,) = plan.rank_stretches(DataState(), 1, 8, 12)
-    dataset = rank_dataset(WindowReader(spec, DataConfig(train=files), plan), stretches)
+    dataset = rank_dataset(WindowReader(spec, DataConfig(train=files), plan), stretches, None)
     callbacks = dataset.context.custom_execution_callback_classes
     assert callbacks == [PacedScheduling]
     if not paced:
@@ -82,7 +82,7 @@ def test_a_workers_stream_starts_reading_before_it_is_iterated_and_hands_over_ev
     spec = inspect_dataset(files, "data.train", "image_latents_256", "caption_latents", 4, 32)
     plan = SamplePlan(spec.rows_per_file, seed=0, chunk_rows=8, window_rows=16)
     (stretches,) = plan.rank_stretches(DataState(), 1, 8, 6)
-    dataset = rank_dataset(WindowReader(spec, DataConfig(train=files), plan), stretches)
+    dataset = rank_dataset(WindowReader(spec, DataConfig(train=files), plan), stretches, None)
     stream = TrainStream(dataset.iterator(), micro_batch=8, prefetch_batches=1, device=torch.device("cpu"))
     stream.expected_first = plan.sample_indices(plan.window(stretches[0], 0))[:8]
 
@@ -102,7 +102,7 @@ def test_validation_streams_are_paced_too_and_keep_it_through_ray_trains_copy(tm
     write_latents(tmp_path / "a.parquet", rows=8, seed=0)
     files = [str(tmp_path / "a.parquet")]
     spec = inspect_dataset(files, "data.val", "image_latents_256", "caption_latents", 4, 32)
-    dataset = file_order_dataset(spec, DataConfig(train=files, val=files))
+    dataset = file_order_dataset(spec, DataConfig(train=files, val=files), "data.val")
     copied = ray.data.Dataset.copy(dataset)  # what Ray Train's DataConfig.configure iterates
     assert copied.context.custom_execution_callback_classes == [PacedScheduling]
 
@@ -143,3 +143,32 @@ def test_the_driver_starts_ray_datas_cluster_actors_before_any_stream_and_quietl
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
     assert result.returncode == 0, result.stderr
     assert "execution finished" not in result.stderr + result.stdout, result.stderr
+
+
+@ray.remote(num_cpus=1)
+class _TrainWorker:
+    """Holds a CPU as a training worker does."""
+
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.usefixtures("ray_cluster")
+def test_streams_read_while_the_worker_group_holds_every_cpu(tmp_path):
+    """An elastic group resized onto the CPUs left after a node is lost takes them all: its reads must
+    still run (on the worker's CPUs, on its node), or the run waits for data for good."""
+    workers = [_TrainWorker.remote() for _ in range(int(ray.cluster_resources()["CPU"]))]
+    node = ray.get([worker.node_id.remote() for worker in workers])[0]
+    assert ray.available_resources().get("CPU", 0) == 0
+    write_latents(tmp_path / "a.parquet", rows=32, seed=0, row_group_size=8)
+    files = [str(tmp_path / "a.parquet")]
+    spec = inspect_dataset(files, "data.train", "image_latents_256", "caption_latents", 4, 32)
+    plan = SamplePlan(spec.rows_per_file, seed=0, chunk_rows=8, window_rows=8)
+    (stretches,) = plan.rank_stretches(DataState(), 1, 8, 4)
+
+    train = rank_dataset(WindowReader(spec, DataConfig(train=files), plan), stretches, node)
+    rows = [i for batch in train.iter_batches(batch_size=8) for i in batch["sample_index"].tolist()]
+    assert sorted(rows) == list(range(32))
+    val = file_order_dataset(spec, DataConfig(train=files), "data.val")
+    assert sum(len(batch["latents"]) for batch in val.iter_batches(batch_size=None)) == 32

@@ -122,10 +122,10 @@ def train(config: Config) -> RunSummary:
     # PlannedShards replaces "train" by each rank's planned stream; Ray Train needs the name.
     # TorchTrainer's own value type: its dict is invariant.
     datasets: dict[str, ray.data.Dataset | Callable[[], ray.data.Dataset]] = {
-        "train": file_order_dataset(train_spec, config.data)
+        "train": file_order_dataset(train_spec, config.data, "data.train")
     }
     if val_spec is not None:
-        datasets["val"] = file_order_dataset(val_spec, config.data)
+        datasets["val"] = file_order_dataset(val_spec, config.data, "data.val")
 
     resolve_precision(config.train, use_gpu)  # 16-mixed where scaling.use_gpu=auto found no GPU fails here
     meta = checkpoint_meta(config, train_spec.latent_shape, train_spec.caption_shape, stored_scale)
@@ -270,30 +270,15 @@ def _ray_num_workers(scaling: ScalingConfig):
 
 
 def _cpus_per_worker(scaling: ScalingConfig, use_gpu: bool) -> float:
-    """CPUs each train worker reserves, leaving Ray Data at least one CPU on CPU-only clusters.
-
-    If the train workers reserve every CPU, Ray Data's read tasks can never be scheduled and
-    the run hangs silently (seen with 2 workers x 1 CPU on a 2-CPU machine).
-    """
+    """CPUs each train worker reserves, for its training loop and its data reads (which reserve none of their
+    own: sdtrain.data.streams.read_placement). auto: 1 with GPUs; on CPUs, min(1, the cluster's CPUs / the
+    most workers), 1 on a cluster that has no CPU yet (an autoscaling one)."""
+    if scaling.cpus_per_worker != "auto":
+        return scaling.cpus_per_worker
     if use_gpu:
-        return 1.0 if scaling.cpus_per_worker == "auto" else scaling.cpus_per_worker
-    cluster_cpus = ray.cluster_resources().get("CPU", 0)
-    spare = cluster_cpus - 1
-    if scaling.cpus_per_worker == "auto":
-        share = math.floor(min(1.0, spare / scaling.max_workers) * 100) / 100
-        if share <= 0:
-            raise ConfigError(
-                f"scaling.num_workers: {scaling.max_workers} CPU worker(s) on a cluster with {cluster_cpus:g} CPUs "
-                "would leave Ray Data no CPU to read with; use fewer workers or a bigger cluster"
-            )
-        return share
-    if scaling.cpus_per_worker * scaling.max_workers > spare:
-        raise ConfigError(
-            f"scaling.cpus_per_worker: {scaling.cpus_per_worker:g} x {scaling.max_workers} worker(s) reserves "
-            f"more than {spare:g} of the cluster's {cluster_cpus:g} CPUs, leaving Ray Data no CPU: the run "
-            "would hang waiting for data. Lower it, or use scaling.cpus_per_worker=auto"
-        )
-    return scaling.cpus_per_worker
+        return 1.0
+    share = math.floor(min(1.0, ray.cluster_resources().get("CPU", 0) / scaling.max_workers) * 100) / 100
+    return share if share > 0 else 1.0
 
 
 def _quiet_ray_data() -> None:

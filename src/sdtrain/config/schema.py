@@ -40,6 +40,10 @@ class DataConfig(Section):
     """Generate the digits demo dataset into data.train / data.val (one directory each) if they are empty."""
     prefetch_batches: int = 2
     """Batches each worker fetches ahead of the one being trained on."""
+    reads_per_worker: int = 2
+    """Windows each worker's training stream reads at once, in Ray Data tasks on the worker's node that take no CPU of
+    their own: they share the CPUs the worker reserves (scaling.cpus_per_worker), so any group Ray Train can place,
+    after any resize, can read."""
     shuffle_chunk_rows: int = 64
     """Each epoch reads the training files as a seeded shuffle of chunks of this many consecutive rows of a file."""
     shuffle_window_rows: int = 512
@@ -68,6 +72,8 @@ class DataConfig(Section):
                 self._fail(key, f"must be >= 1, got {getattr(self, key)}")
         if self.prefetch_batches < 0:
             self._fail("prefetch_batches", f"must be >= 0, got {self.prefetch_batches}")
+        if self.reads_per_worker < 1:
+            self._fail("reads_per_worker", f"must be >= 1, got {self.reads_per_worker}")
         for key in ("image_column", "caption_column"):
             if not getattr(self, key):
                 self._fail(key, "must be a column name, got an empty string")
@@ -212,7 +218,8 @@ class ScalingConfig(Section):
     """One GPU per worker; auto = yes when the cluster has GPUs when the job starts. Set true on autoscaling
     clusters."""
     cpus_per_worker: Literal["auto"] | float = "auto"
-    """CPUs reserved per worker; auto = 1 with GPUs, else a share that leaves Ray Data at least one CPU."""
+    """CPUs reserved per worker, shared by its training loop and its data reads; auto = 1 with GPUs, else
+    min(1, the cluster's CPUs / the most workers)."""
 
     def __post_init__(self):
         if isinstance(self.num_workers, list):

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import ray.data
+from ray.data._internal.datasource.range_datasource import RangeDatasource
 from ray.data.extensions import ArrowTensorArray
 
 from sdtrain.config.schema import DataConfig
@@ -26,6 +28,9 @@ from sdtrain.storage.filesystems import filesystems_for
 from sdtrain.storage.s3 import is_transient
 
 log = logging.getLogger("sdtrain")
+
+NODE_ID_LABEL = "ray.io/node-id"
+"""The label Ray gives every node: its node id."""
 
 
 @dataclass(frozen=True)
@@ -136,19 +141,24 @@ class WindowReader:
         )
 
 
-def _raise_if_transient(error: BaseException, file: str) -> None:
+def _raise_if_transient(error: BaseException, file: str, key: str = "data.train") -> None:
     """A storage failure that outlasted the client's retries is not a damaged file: it must neither
     stop the run as one nor drop rows under data.on_read_error=skip. It fails this attempt, and Ray
     Train restarts the workers from the latest checkpoint (failure.max_failures)."""
     if is_transient(error):
-        raise OSError(f"data.train: {file}: storage failed after retries: {' '.join(str(error).split())}") from error
+        raise OSError(f"{key}: {file}: storage failed after retries: {' '.join(str(error).split())}") from error
 
 
-def rank_dataset(reader: WindowReader, stretches: list[Stretch]) -> ray.data.Dataset:
-    """One rank's training stream: its windows in order, each read by one Ray Data task."""
+def rank_dataset(reader: WindowReader, stretches: list[Stretch], node_id: str | None) -> ray.data.Dataset:
+    """One rank's training stream: its windows in order, each read by one Ray Data task on ``node_id``
+    (the rank's node; None: anywhere)."""
     window_rows = reader.plan.window_rows
     counts = [stretch.num_windows(window_rows) for stretch in stretches]
-    dataset = ray.data.range(sum(counts), override_num_blocks=sum(counts))
+    placement = read_placement(reader.data, node_id)
+    # The window ids come from a read that takes no CPU either (ray.data.range's read tasks take 1 CPU), and
+    # with the same placement, so Ray Data fuses it into each window's task.
+    ids = RangeDatasource(n=sum(counts), block_format="arrow", column_name="id")
+    dataset = ray.data.read_datasource(ids, override_num_blocks=sum(counts), **placement)
     # The stream's order is the plan's order: what makes resumption exact.
     dataset.context.execution_options.preserve_order = True
     # Our DataError (naming the file) reaches the worker as itself, not as a UserCodeException.
@@ -160,8 +170,25 @@ def rank_dataset(reader: WindowReader, stretches: list[Stretch]) -> ray.data.Dat
             # window's task instead of running a task per id first (batch_size=1 prevents fusion).
             batch_size=None,
             fn_kwargs=dict(reader=reader, stretches=stretches, first_index=np.cumsum([0] + counts)),
+            **placement,
         )
     )
+
+
+def read_placement(data: DataConfig, node_id: str | None) -> dict[str, Any]:
+    """Ray Data arguments for a worker's read tasks: no CPU of their own, at most ``data.reads_per_worker`` at once,
+    on the worker's node.
+
+    The CPUs they run on are those the worker reserved (scaling.cpus_per_worker). Reads that asked for
+    CPUs of their own would need CPUs the worker group leaves free, which no launch-time check can
+    promise: an elastic group resized onto the CPUs that remain after losing a node takes them all, and
+    the stream then waits for a CPU for good. On the worker's node the windows also land in the object
+    store the worker reads them from.
+    """
+    placement: dict[str, Any] = {"num_cpus": 0, "compute": ray.data.TaskPoolStrategy(size=data.reads_per_worker)}
+    if node_id is not None:
+        placement["label_selector"] = {NODE_ID_LABEL: node_id}
+    return placement
 
 
 def _read_windows(batch: dict[str, np.ndarray], reader: WindowReader, stretches, first_index) -> pa.Table:
@@ -171,30 +198,44 @@ def _read_windows(batch: dict[str, np.ndarray], reader: WindowReader, stretches,
     return reader.read(window)
 
 
-def file_order_dataset(spec: DatasetSpec, data: DataConfig) -> ray.data.Dataset:
+def file_order_dataset(spec: DatasetSpec, data: DataConfig, key: str) -> ray.data.Dataset:
     """A lazy, streaming dataset of ``latents`` (N,C,H,W) and ``captions`` (N,L,D) rows, in file order.
 
-    Only the two configured columns are read (plus the file path, so a bad row can name its
-    file). The order is the file order, so validation sees the same samples every time.
+    One read task per file (``key``: the config key naming the files, for errors), a block per row group.
+    The order is the file order, so validation sees the same samples every time. Every rank reads
+    the whole set: it is small, so its reads go anywhere (:func:`read_placement`).
     """
-    sources = filesystems_for(spec.files)
-    dataset = ray.data.read_parquet(
-        [path for _, path in sources],
-        filesystem=sources[0][0],  # ours: it carries the S3 endpoint and retries to the read tasks
-        columns=[data.image_column, data.caption_column],
-        include_paths=True,
-    )
+    placement = read_placement(data, node_id=None)
+    # Not ray.data.read_parquet: its file listing runs in a task that takes a CPU.
+    ids = RangeDatasource(n=len(spec.files), block_format="arrow", column_name="id")
+    dataset = ray.data.read_datasource(ids, override_num_blocks=len(spec.files), **placement)
     dataset.context.execution_options.preserve_order = True
+    dataset.context.raise_original_map_exception = True
     return paced(
         dataset.map_batches(
-            decode_batch,  # type: ignore[arg-type]  # Ray types fn as one-argument; the rest are fn_kwargs
-            batch_format="pyarrow",
-            batch_size=None,  # whole blocks: decoding is vectorized, bigger is cheaper
-            fn_kwargs=dict(
-                image_column=data.image_column,
-                caption_column=data.caption_column,
-                latent_shape=spec.latent_shape,
-                caption_shape=spec.caption_shape,
-            ),
+            _read_file,  # type: ignore[arg-type]  # Ray types fn as one-argument; the rest are fn_kwargs
+            batch_size=None,
+            fn_kwargs=dict(spec=spec, data=data, key=key, sources=filesystems_for(spec.files)),
+            **placement,
         )
     )
+
+
+def _read_file(batch: dict[str, np.ndarray], spec: DatasetSpec, data: DataConfig, key: str, sources):
+    (index,) = batch["id"]
+    file = spec.files[int(index)]
+    fs, path = sources[int(index)]
+    try:
+        parquet = pq.ParquetFile(fs.open_input_file(path))
+        for group in range(parquet.metadata.num_row_groups):
+            table = parquet.read_row_group(group, columns=[data.image_column, data.caption_column])
+            yield decode_batch(table, data.image_column, data.caption_column, spec.latent_shape, spec.caption_shape)
+    except DataError as error:  # rows that do not decode to the shapes the first row has
+        raise DataError(f"{key}: {file}: {error}") from None
+    except (OSError, pa.ArrowException) as error:
+        _raise_if_transient(error, file, key)
+        reason = " ".join(str(error).split())
+        raise DataError(
+            f"{key}: {file} cannot be read ({reason}). The file is damaged or changed since the run started: "
+            "replace or remove it and re-run (the run resumes from its latest checkpoint)"
+        ) from None

@@ -49,7 +49,8 @@ class PlannedShards(ray.train.DataConfig):
         )
         output = []
         for rank in range(world_size):
-            dataset = rank_dataset(self.reader, stretches[rank])
+            node = worker_node_ids[rank] if worker_node_ids else None
+            dataset = rank_dataset(self.reader, stretches[rank], node)
             dataset.context.execution_options = self._resolve_execution_options("train")
             output.append({"train": dataset.iterator()})
         return output
