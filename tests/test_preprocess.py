@@ -188,6 +188,22 @@ def test_encoders_match_the_diffusers_pipeline(tiny_model):
     assert not torch.allclose(sampled, latents)
 
 
+def test_a_rerun_with_settings_that_change_the_shards_is_refused(tmp_path, tiny_model):
+    """A re-run into the same output with another input.rows_per_shard would cut other shards and write rows twice."""
+    from sdtrain.preprocess.job import run_preprocess
+
+    write_parquet_input(tmp_path / "input", files=1)
+    first = run_preprocess(config_for(tmp_path, tiny_model, "input.rows_per_shard=3"), max_shards=0)  # no Ray
+    assert first.shards_written == [] and (tmp_path / "latents" / "_settings.json").is_file()
+    with pytest.raises(ConfigError, match=r"input.rows_per_shard: .*latents was written with 3, this run has 4"):
+        run_preprocess(config_for(tmp_path, tiny_model, "input.rows_per_shard=4"))
+    with pytest.raises(ConfigError, match=r"image.resolution: .* was written with 32, this run has 64"):
+        run_preprocess(config_for(tmp_path, tiny_model, "input.rows_per_shard=3", "image.resolution=64"))
+    # What changes neither the shards nor their values may change between runs.
+    again = run_preprocess(config_for(tmp_path, tiny_model, "input.rows_per_shard=3", "encode.batch_size=8"), 0)
+    assert again.shards_done_before == 0 and again.shards_total == 6
+
+
 # --- the job on Ray ---
 
 

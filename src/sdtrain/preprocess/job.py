@@ -23,10 +23,12 @@ from sdtrain.preprocess.images import NO_CAPTION, clean_caption, prepare_image
 from sdtrain.preprocess.outputs import (
     MANIFEST_FILE,
     RESOLUTION_KEY,
+    RESUME_KEYS,
     SCALING_KEY,
     TEXT_ENCODER_KEY,
     UNCONDITIONAL_FILE,
     VAE_KEY,
+    check_settings,
     done_shards,
     join,
     read_shard_stats,
@@ -67,6 +69,8 @@ def run_preprocess(config: PreprocessConfig, max_shards: int | None = None) -> P
     done = done_shards(config.output.path)
     pending = [s for s in shards if s.name not in done][:max_shards]
     summary = PreprocessSummary(len(shards), len(shards) - len([s for s in shards if s.name not in done]))
+    settings = config.to_dict()
+    check_settings(config.output.path, {k: settings[k.split(".")[0]][k.split(".")[1]] for k in RESUME_KEYS})
     scaling_factor = _scaling_factor(config.encode.model)
     _write_unconditional(config)
     if pending:

@@ -6,6 +6,7 @@
     <output.path>/_shards/<shard>.json       that shard's counts, written after its parquet: the shard is done
     <output.path>/unconditional_caption.npy  the text encoder's embedding of "" (L x D): data.unconditional_caption
     <output.path>/manifest.json              totals: inputs read, rows written, rows skipped by reason
+    <output.path>/_settings.json             the settings every run into this directory must share (RESUME_KEYS)
 
 Training lists only the *.parquet files outside '_'/'.' names (sdtrain.data.parquet_files), so the
 side files and a half-written temporary never reach it.
@@ -26,13 +27,31 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from sdtrain.errors import DataError
+from sdtrain.errors import ConfigError, DataError
 from sdtrain.storage.filesystems import filesystem_for
 from sdtrain.storage.s3 import s3_client
 from sdtrain.storage.uris import is_uri, split_s3
 
 SHARDS_DIR = "_shards"
 MANIFEST_FILE = "manifest.json"
+SETTINGS_FILE = "_settings.json"
+# What a re-run must share with the runs that wrote the output: which rows a shard holds, and what its values mean.
+# (Others, such as encode.batch_size or input.paths, may change: new inputs add shards.)
+RESUME_KEYS = (
+    "input.format",
+    "input.rows_per_shard",
+    "input.image_column",
+    "input.caption_column",
+    "input.file_column",
+    "input.captions_file",
+    "image.resolution",
+    "image.small_images",
+    "encode.model",
+    "encode.latent",
+    "encode.seed",
+    "output.image_column",
+    "output.caption_column",
+)
 UNCONDITIONAL_FILE = "unconditional_caption.npy"
 # Schema metadata keys. The first is the one training honours (sdtrain.model.recipe.LATENT_SCALING_METADATA_KEY).
 SCALING_KEY = "sdtrain.latent_scaling_factor"
@@ -72,6 +91,29 @@ def write_bytes(uri: str, data: bytes) -> None:
     with open(temporary, "wb") as f:
         f.write(data)
     os.replace(temporary, path)
+
+
+def check_settings(output: str, settings: dict[str, Any]) -> None:
+    """Record ``settings`` (RESUME_KEYS) in the output the first time; later, refuse a run whose settings differ
+    from the recorded ones (its shards would not match those already written: a changed input.rows_per_shard
+    would write some rows twice), naming the key.
+
+    Args:
+        output: output.path.
+        settings: this run's value of each of RESUME_KEYS.
+    """
+    fs, path = filesystem_for(join(output, SETTINGS_FILE))
+    if fs.get_file_info(path).type != pafs.FileType.File:
+        write_bytes(join(output, SETTINGS_FILE), json.dumps(settings, indent=2).encode())
+        return
+    with fs.open_input_stream(path) as f:
+        recorded = json.loads(f.read())
+    for key, value in settings.items():
+        if key in recorded and recorded[key] != value:
+            raise ConfigError(
+                f"{key}: {output} was written with {recorded[key]!r}, this run has {value!r}; a re-run must keep it "
+                f"(the shards already there were made with it): set it back, or write to another output.path"
+            )
 
 
 def done_shards(output: str) -> set[str]:
