@@ -422,6 +422,7 @@ def test_inputs_model_and_output_on_s3_resumed_and_trained_on(tmp_path, tiny_mod
     assert set(written) == {
         *parquet,
         *(f"_shards/{name}.json" for name in names),
+        "_settings.json",
         "manifest.json",
         "unconditional_caption.npy",
     }
