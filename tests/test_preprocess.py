@@ -204,6 +204,22 @@ def test_a_rerun_with_settings_that_change_the_shards_is_refused(tmp_path, tiny_
     assert again.shards_done_before == 0 and again.shards_total == 6
 
 
+def test_the_command_line_lists_every_key_and_fails_bad_input_in_one_line(tmp_path):
+    command = [sys.executable, str(ROOT / "entrypoints" / "preprocess.py")]
+    shown = subprocess.run([*command, "--help"], capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0
+    for key in ("input.rows_per_shard", "image.small_images", "encode.latent", "output.row_group_rows"):
+        assert key in shown.stdout
+    assert "storage.endpoint_url" in shown.stdout
+    for overrides, message in (
+        (["input.paths=x", f"output.path={tmp_path}", "encode.latnt=mean"], "encode.latnt: unknown key"),
+        ([f"input.paths={tmp_path / 'nowhere'}", f"output.path={tmp_path / 'out'}"], "input.paths: "),
+    ):
+        failed = subprocess.run([*command, *overrides], capture_output=True, text=True, timeout=120)
+        assert failed.returncode == 2 and failed.stderr.startswith("error: ") and message in failed.stderr
+        assert "Traceback" not in failed.stderr
+
+
 # --- the job on Ray ---
 
 
