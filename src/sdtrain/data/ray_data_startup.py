@@ -23,6 +23,7 @@ import time
 
 import numpy as np
 import ray.data
+from ray.data._internal.datasource.range_datasource import RangeDatasource
 
 log = logging.getLogger("sdtrain")
 _THREAD_NAME = "sdtrain-ray-data-warmup"
@@ -56,7 +57,11 @@ def _run() -> None:
     started = time.perf_counter()
     try:
         # One block, read and mapped in one task, as a stream's windows are (sdtrain.data.streams).
-        dataset = ray.data.range(1, override_num_blocks=1).map_batches(_import_reader, batch_size=None)
+        # No CPU, as the streams' reads take none: it must not wait behind workers that hold every CPU.
+        ids = RangeDatasource(n=1, block_format="arrow", column_name="id")
+        dataset = ray.data.read_datasource(ids, override_num_blocks=1, num_cpus=0).map_batches(
+            _import_reader, batch_size=None, num_cpus=0
+        )
         dataset.materialize()
     except Exception as error:  # e.g. Ray shut down before it finished
         log.warning("Ray Data's start-up on the driver did not finish (%s); the streams will pay it", error)
