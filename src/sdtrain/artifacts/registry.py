@@ -249,7 +249,8 @@ class ModelRegistry:
         self._check_conditional()
         if self._s3:
             bucket, key = path.split("/", 1)
-            return _s3_conditional(lambda: self._client.put_object(Bucket=bucket, Key=key, Body=text, IfNoneMatch="*"))
+            put = _s3_conditional(lambda: self._client.put_object(Bucket=bucket, Key=key, Body=text, IfNoneMatch="*"))
+            return put if put is not None else self._if_ours(path, text)
         staged = self._stage(path, text)
         try:
             os.link(staged, path)  # atomic, and fails if the name exists: the file appears whole or not at all
@@ -282,8 +283,15 @@ class ModelRegistry:
         self._check_conditional()
         if self._s3:
             bucket, key = path.split("/", 1)
-            return _s3_conditional(lambda: self._client.put_object(Bucket=bucket, Key=key, Body=text, IfMatch=tag))
+            put = _s3_conditional(lambda: self._client.put_object(Bucket=bucket, Key=key, Body=text, IfMatch=tag))
+            return put if put is not None else self._if_ours(path, text)
         return text if self._local_swap(path, tag, lambda: os.replace(self._stage(path, text), path)) else None
+
+    def _if_ours(self, path: str, text: str) -> str | None:
+        """The tag of ``path`` if it holds ``text``: a put whose reply was lost and whose retry the
+        condition then refused did land (what the writers here write is unique to them)."""
+        current, tag = self._read_tagged(path)
+        return tag if current == text else None
 
     def _delete(self, path: str, tag: str) -> bool:
         """Delete ``path`` if it is still what was read with ``tag``; False if not."""
@@ -323,7 +331,10 @@ class ModelRegistry:
         """Create ``directory`` for this writer alone (S3 has no directories: a claim object in it)."""
         self._check_conditional()
         if self._s3:
-            claimed = self._create(posixpath.join(directory, ".claim"), json.dumps(_whoami())) is not None
+            claimed = (
+                self._create(posixpath.join(directory, ".claim"), json.dumps({**_whoami(), "token": uuid.uuid4().hex}))
+                is not None
+            )
         else:
             os.makedirs(posixpath.dirname(directory), exist_ok=True)
             try:
