@@ -378,7 +378,8 @@ class RetrainConfig(Section):
     tolerance: float = 0.0
     """Promote a retrained model if its validation loss <= the production model's x (1 + tolerance)."""
     date: str | None = None
-    """Schedule date (YYYY-MM-DD) a retrain run is for: it takes partitions up to it, once; null = today (UTC)."""
+    """Schedule date (YYYY-MM-DD) a retrain run is for: it takes partitions up to it, once; null = in an Anyscale job,
+    the UTC date of the job's first attempt (its retries keep it, even after midnight), else today (UTC)."""
     complete_marker: str | None = "_SUCCESS"
     """A partition is taken once it holds this file, written last by the partition's writer; null = take only
     partitions dated before the schedule date (the schedule date's may still be filling)."""
