@@ -77,7 +77,8 @@ def main() -> None:
                 f"output.path={root / 'latents'}",
             ],
         )
-        ray.init(num_cpus=args.num_cpus, include_dashboard=False, log_to_driver=False)
+        # address="local": a cluster of its own, not one a `ray start` left on this machine (ray.init's default).
+        ray.init(address="local", num_cpus=args.num_cpus, include_dashboard=False, log_to_driver=False)
         try:
             summary = run_preprocess(config)  # timed from the shard listing to the manifest: Ray's start excluded
         finally:

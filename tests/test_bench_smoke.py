@@ -102,6 +102,24 @@ def test_fsdp_memory_smoke():
     assert "fsdp2           " in out and out.count("True") >= 4, out
 
 
+def test_preprocess_throughput_smoke():
+    out, ratios = run_bench("bench/preprocess_throughput.py", "--smoke")
+    assert ratios["images/s end to end"] > 0, out
+
+
+def test_encoder_throughput_smoke():
+    """SD 2's VAE and text encoder at full size, random weights, on CPU at 64 px; Ray is never imported (a lent GPU
+    machine has none)."""
+    code = (
+        "import runpy, sys; sys.argv = ['bench/encoder_throughput.py', '--smoke']; "
+        "runpy.run_path('bench/encoder_throughput.py', run_name='__main__'); "
+        "print('RATIO modules from ray =', sum(m == 'ray' or m.startswith('ray.') for m in sys.modules))"
+    )
+    out, ratios = run_bench("-c", code)
+    assert ratios["modules from ray"] == 0, out
+    assert ratios["encode images/s at 64 px"] > 0 and ratios["cpu stage images/s per core at 64 px"] > 0, out
+
+
 @pytest.mark.parametrize(
     "script",
     [
@@ -111,6 +129,8 @@ def test_fsdp_memory_smoke():
         "gpu_throughput.py",
         "scheduler_spin.py",
         "fsdp_memory.py",
+        "preprocess_throughput.py",
+        "encoder_throughput.py",
     ],
 )
 def test_help(script):

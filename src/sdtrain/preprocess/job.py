@@ -75,7 +75,7 @@ def run_preprocess(config: PreprocessConfig, max_shards: int | None = None) -> P
     _write_unconditional(config)
     if pending:
         if not ray.is_initialized():
-            ray.init()  # in a submitted job: the job's cluster; locally: a new one
+            ray.init()  # a submitted job's cluster, RAY_ADDRESS, the one `ray start` runs here, else a new one
         _run_pipeline(config, pending, scaling_factor, summary)
     stats = read_shard_stats(config.output.path)
     summary.manifest = {

@@ -1,10 +1,12 @@
-"""A tiny Stable Diffusion model directory (vae/, tokenizer/, text_encoder/) built from configs with
-random weights: the real classes at toy size, for tests and benchmarks that must not download."""
+"""Stable Diffusion encoders built from configs with random weights, for tests and benchmarks that must not
+download: a tiny model directory (vae/, tokenizer/, text_encoder/; the real classes at toy size), and SD 2's VAE
+and text encoder at full size (what encoding costs does not depend on the weights)."""
 
 from __future__ import annotations
 
 import json
 import os
+from typing import Any
 
 
 def _byte_characters() -> list[str]:
@@ -18,6 +20,72 @@ def _byte_characters() -> list[str]:
     return [chr(c) for c in characters]
 
 
+def write_tokenizer(directory: str) -> dict[str, int]:
+    """A character-level CLIP tokenizer (77 tokens) saved to ``directory``; returns its vocabulary.
+
+    Args:
+        directory: the tokenizer/ folder (created).
+    """
+    from transformers import CLIPTokenizer
+
+    characters = _byte_characters()
+    vocab = {c: i for i, c in enumerate(characters)}
+    vocab.update({c + "</w>": len(characters) + i for i, c in enumerate(characters)})
+    for token in ("<|startoftext|>", "<|endoftext|>"):
+        vocab[token] = len(vocab)
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, "vocab.json"), "w") as f:
+        json.dump(vocab, f)
+    with open(os.path.join(directory, "merges.txt"), "w") as f:
+        f.write("#version: 0.2\n")  # no merges: one token per character
+    tokenizer = CLIPTokenizer(
+        os.path.join(directory, "vocab.json"), os.path.join(directory, "merges.txt"), model_max_length=77
+    )
+    tokenizer.save_pretrained(directory)
+    return vocab
+
+
+def sd2_shaped_encoders(tokenizer_dir: str) -> tuple[Any, Any, Any]:
+    """(tokenizer, text encoder, VAE) with the architectures of Stable Diffusion 2's (OpenCLIP ViT-H: 23 layers,
+    1024 wide, 49408 tokens; the VAE: 128-256-512-512 channels, 2 layers a block) and random weights: encoding
+    costs what it costs with the real ones. Built in memory; the tokenizer (character-level) goes to
+    ``tokenizer_dir``.
+
+    Args:
+        tokenizer_dir: where to write the tokenizer.
+    """
+    from diffusers import AutoencoderKL
+    from transformers import AutoTokenizer, CLIPTextConfig, CLIPTextModel
+
+    vocab = write_tokenizer(tokenizer_dir)
+    text_encoder = CLIPTextModel(
+        CLIPTextConfig(
+            vocab_size=49408,
+            hidden_size=1024,
+            intermediate_size=4096,
+            num_hidden_layers=23,
+            num_attention_heads=16,
+            max_position_embeddings=77,
+            hidden_act="gelu",
+            projection_dim=512,
+            bos_token_id=vocab["<|startoftext|>"],
+            eos_token_id=vocab["<|endoftext|>"],
+            pad_token_id=vocab["<|endoftext|>"],
+        )
+    )
+    vae = AutoencoderKL(
+        block_out_channels=(128, 256, 512, 512),
+        down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4,
+        latent_channels=4,
+        layers_per_block=2,
+        norm_num_groups=32,
+        sample_size=512,
+        scaling_factor=0.18215,
+    )
+    return AutoTokenizer.from_pretrained(tokenizer_dir), text_encoder.eval(), vae.eval()
+
+
 def write_tiny_sd_model(root: str, caption_dim: int = 32, vae_blocks: int = 2) -> str:
     """Write a tiny SD model to ``root``: a character-level CLIP tokenizer (77 tokens), a 2-layer CLIPTextModel of
     width ``caption_dim`` and an AutoencoderKL that downsamples by 2 ** (vae_blocks - 1). Returns ``root``.
@@ -28,23 +96,9 @@ def write_tiny_sd_model(root: str, caption_dim: int = 32, vae_blocks: int = 2) -
         vae_blocks: the VAE's encoder blocks.
     """
     from diffusers import AutoencoderKL
-    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
+    from transformers import CLIPTextConfig, CLIPTextModel
 
-    characters = _byte_characters()
-    vocab = {c: i for i, c in enumerate(characters)}
-    vocab.update({c + "</w>": len(characters) + i for i, c in enumerate(characters)})
-    for token in ("<|startoftext|>", "<|endoftext|>"):
-        vocab[token] = len(vocab)
-    tokenizer_dir = os.path.join(root, "tokenizer")
-    os.makedirs(tokenizer_dir, exist_ok=True)
-    with open(os.path.join(tokenizer_dir, "vocab.json"), "w") as f:
-        json.dump(vocab, f)
-    with open(os.path.join(tokenizer_dir, "merges.txt"), "w") as f:
-        f.write("#version: 0.2\n")  # no merges: one token per character
-    tokenizer = CLIPTokenizer(
-        os.path.join(tokenizer_dir, "vocab.json"), os.path.join(tokenizer_dir, "merges.txt"), model_max_length=77
-    )
-    tokenizer.save_pretrained(tokenizer_dir)
+    vocab = write_tokenizer(os.path.join(root, "tokenizer"))
     text_config = CLIPTextConfig(
         vocab_size=len(vocab),
         hidden_size=caption_dim,
