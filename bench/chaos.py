@@ -105,7 +105,7 @@ def main() -> int:
                 kills.append((time.time(), seen))
                 print(f"[chaos] kill {len(kills)}: after {seen} committed checkpoint(s)", flush=True)
 
-    ray.init(num_cpus=2, include_dashboard=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False)
     thread = threading.Thread(target=killer, daemon=True)
     thread.start()
     started = time.time()

@@ -70,7 +70,7 @@ def main() -> None:
         boto3.client("s3").create_bucket(Bucket=BUCKET)
         data = Path(workdir) / "train"
         benchlib.write_dataset(data, 256, 128, "float16", latent_shape=(4, 16, 16), caption_shape=(77, 32))
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=True)
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=True)
 
         def config(mode: str) -> Config:
             return Config.from_dict(

@@ -327,7 +327,7 @@ def child(args) -> None:
     elif args.child == "sdtrain":
         import ray
 
-        ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
+        ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
         context = ray.data.DataContext.get_current()  # as sdtrain.launch sets it up
         context.enable_progress_bars = False
         context.print_on_execution_start = False

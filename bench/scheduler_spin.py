@@ -101,7 +101,7 @@ def child(args) -> None:
     import torch
 
     torch.set_num_threads(1)
-    ray.init(num_cpus=2, include_dashboard=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False)
     files = sorted(str(p) for p in Path(args.data).glob("*.parquet"))
     batches, _ = benchlib.sdtrain_batches(
         files, BATCH, caption_dim=32, paced=args.child == "paced", object_store_limit=int(args.budget_mib * 2**20)

@@ -73,7 +73,8 @@ def ray_cluster():
     saved = {key: os.environ.get(key) for key in S3_ENV}
     os.environ.update(S3_ENV)  # the raylet, and so every worker it starts, inherits this environment
     try:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=True)
+        # address="local": a cluster of its own, even where ray start left one running on this machine.
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=True)
     finally:
         for key, value in saved.items():
             if value is None:

@@ -130,7 +130,7 @@ def test_the_driver_starts_ray_datas_cluster_actors_before_any_stream_and_quietl
     keeps its own dataset's lines off the console."""
     code = textwrap.dedent("""
         import ray
-        ray.init(num_cpus=1, include_dashboard=False)
+        ray.init(address="local", num_cpus=1, include_dashboard=False)
         named = lambda: {actor["name"] for actor in ray.util.list_named_actors(all_namespaces=True)}
         assert "AutoscalingCoordinator" not in named(), named()
         from sdtrain.data.ray_data_startup import warm_up_ray_data
