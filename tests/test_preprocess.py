@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -218,6 +219,27 @@ def test_the_command_line_lists_every_key_and_fails_bad_input_in_one_line(tmp_pa
         failed = subprocess.run([*command, *overrides], capture_output=True, text=True, timeout=120)
         assert failed.returncode == 2 and failed.stderr.startswith("error: ") and message in failed.stderr
         assert "Traceback" not in failed.stderr
+
+
+def test_local_paths_are_made_absolute_for_the_workers_and_the_record(tmp_path, tiny_model, monkeypatch):
+    """Ray's workers run elsewhere than the driver's working directory, and training, export and generate.py
+    read the model path the output records: relative paths become absolute, a hub id stays one."""
+    from sdtrain.preprocess.job import run_preprocess, with_absolute_paths
+
+    write_parquet_input(tmp_path / "input", files=1)
+    shutil.copytree(tiny_model, tmp_path / "model")
+    monkeypatch.chdir(tmp_path)
+    relative = load_preprocess_config(
+        None, ["input.paths=input/part-00000.parquet", "output.path=latents", "encode.model=model"]
+    )
+    summary = run_preprocess(relative, max_shards=0)  # lists and records, no Ray
+    config = summary.manifest["config"]
+    assert config["input"]["paths"] == [str(tmp_path / "input" / "part-00000.parquet")]
+    assert config["output"]["path"] == str(tmp_path / "latents") and config["encode"]["model"] == str(
+        tmp_path / "model"
+    )
+    hub = with_absolute_paths(load_preprocess_config(None, ["input.paths=x", "output.path=y"]))
+    assert hub.encode.model == "stabilityai/stable-diffusion-2-base"
 
 
 # --- the job on Ray ---

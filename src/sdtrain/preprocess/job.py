@@ -9,8 +9,10 @@ most the shards in flight, and a re-run does only the shards without a file.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
+import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -39,6 +41,7 @@ from sdtrain.preprocess.outputs import (
 )
 from sdtrain.preprocess.sources import Shard, list_shards, read_shard
 from sdtrain.storage.s3 import S3Settings, apply_s3_settings, configure_s3, resolved_s3_settings
+from sdtrain.storage.uris import absolute, is_uri
 
 # Rows per CPU-stage batch: a few MB of pixels at 512 px.
 _PREPARE_ROWS = 16
@@ -64,6 +67,7 @@ def run_preprocess(config: PreprocessConfig, max_shards: int | None = None) -> P
     import ray
 
     started = time.perf_counter()
+    config = with_absolute_paths(config)
     configure_s3(config.storage.endpoint_url, config.storage.max_attempts)
     shards = list_shards(config.input)
     done = done_shards(config.output.path)
@@ -90,6 +94,26 @@ def run_preprocess(config: PreprocessConfig, max_shards: int | None = None) -> P
     write_bytes(join(config.output.path, MANIFEST_FILE), json.dumps(summary.manifest, indent=2).encode())
     summary.seconds = time.perf_counter() - started
     return summary
+
+
+def with_absolute_paths(config: PreprocessConfig) -> PreprocessConfig:
+    """Local paths made absolute: Ray's workers do not share the driver's working directory, and the model's path
+    is recorded in the output for training, export and generate.py to find from anywhere. A model path that is
+    not a local directory stays as it is (a hub id looks like a relative path)."""
+    model = config.encode.model
+    if not is_uri(model) and os.path.isdir(os.path.expanduser(model)):
+        model = absolute(model)
+    captions_file = config.input.captions_file
+    return dataclasses.replace(
+        config,
+        input=dataclasses.replace(
+            config.input,
+            paths=[absolute(p) for p in config.input.paths],
+            captions_file=absolute(captions_file) if captions_file else None,
+        ),
+        encode=dataclasses.replace(config.encode, model=model),
+        output=dataclasses.replace(config.output, path=absolute(config.output.path)),
+    )
 
 
 def _scaling_factor(model: str) -> float:
