@@ -29,7 +29,7 @@ import pyarrow.parquet as pq
 
 from sdtrain.errors import ConfigError, DataError
 from sdtrain.storage.filesystems import filesystem_for
-from sdtrain.storage.s3 import s3_client
+from sdtrain.storage.s3 import S3Settings, resolved_s3_settings, s3_client
 from sdtrain.storage.uris import is_uri, split_s3
 
 SHARDS_DIR = "_shards"
@@ -79,7 +79,7 @@ def write_bytes(uri: str, data: bytes) -> None:
     PutObject, which leaves no object, nor an unfinished multipart upload, if the job dies during it."""
     if uri.startswith("s3://"):
         bucket, key = split_s3(uri)
-        s3_client().put_object(Bucket=bucket, Key=key, Body=data)
+        _client().put_object(Bucket=bucket, Key=key, Body=data)
         return
     fs, path = filesystem_for(uri)
     if is_uri(uri):  # another object store: its output stream makes the object visible only when closed
@@ -114,6 +114,18 @@ def check_settings(output: str, settings: dict[str, Any]) -> None:
                 f"{key}: {output} was written with {recorded[key]!r}, this run has {value!r}; a re-run must keep it "
                 f"(the shards already there were made with it): set it back, or write to another output.path"
             )
+
+
+def _client() -> Any:
+    """One boto3 client per S3 settings (making one costs ~0.2 s: two a shard would add up). Its credentials
+    refresh themselves where they expire (an instance role)."""
+    settings = resolved_s3_settings()
+    if settings not in _CLIENTS:
+        _CLIENTS[settings] = s3_client()
+    return _CLIENTS[settings]
+
+
+_CLIENTS: dict[S3Settings, Any] = {}
 
 
 def done_shards(output: str) -> set[str]:
