@@ -63,11 +63,7 @@ def write_latents(
     return latents, captions
 
 
-@pytest.fixture(scope="session")
-def ray_cluster():
-    """A local Ray cluster this session starts and stops (2 CPUs, like the machines we test on). Its
-    processes have the test S3 server's credentials (as from an instance role) but no endpoint: a job
-    on it must hand its own endpoint to its tasks (the s3_bucket fixture sets it in this process only)."""
+def _start_ray() -> None:
     import ray
 
     saved = {key: os.environ.get(key) for key in S3_ENV}
@@ -81,8 +77,29 @@ def ray_cluster():
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+@pytest.fixture(scope="session")
+def _ray_session():
+    """Stops, at the end of the session, whatever Ray cluster this process started last."""
     yield
+    import ray
+
     ray.shutdown()
+
+
+@pytest.fixture
+def ray_cluster(_ray_session):
+    """A local Ray cluster this session starts and stops (2 CPUs, like the machines we test on). Its
+    processes have the test S3 server's credentials (as from an instance role) but no endpoint: a job
+    on it must hand its own endpoint to its tasks (the s3_bucket fixture sets it in this process only).
+    Started once and kept for the tests after; started again if a test left it for a cluster of its own
+    (test_elastic's several nodes)."""
+    import ray
+
+    if not ray.is_initialized():
+        _start_ray()
+    yield
 
 
 def free_ports(n: int) -> list[int]:

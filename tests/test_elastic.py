@@ -1,0 +1,186 @@
+"""An elastic run on a Ray cluster of several nodes on this machine: a node is lost mid-run, another joins later."""
+
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import committed_checkpoints, write_latents
+
+from sdtrain.artifacts.checkpoint_format import SAMPLES_FILE
+from sdtrain.config.loader import load_config
+from sdtrain.launch import train
+
+pytestmark = pytest.mark.slow  # a Ray cluster of three raylets and three worker groups, one after another
+
+ROWS, BATCH = 96, 8  # one epoch = 12 steps
+
+
+@pytest.fixture
+def node_cluster():
+    """A Ray cluster of separate raylets on this machine (ray.cluster_utils.Cluster): a head with no CPU, for
+    the driver, Ray Train's controller and Ray Data's actors, which all take none; nodes with 1 CPU each are
+    added and removed by the test. This process leaves any other cluster first (the session's ray_cluster
+    fixture starts its own again for the tests after this one)."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    if ray.is_initialized():
+        ray.shutdown()
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={
+            "num_cpus": 0,
+            "include_dashboard": False,
+            # A lost node is declared dead after ~3 s of failed health checks, not the default ~15 s.
+            "_system_config": {"health_check_period_ms": 1000, "health_check_failure_threshold": 3},
+        },
+    )
+    try:
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def _config(tmp_path: Path, max_steps: int):
+    return load_config(
+        None,
+        [
+            f"data.train={tmp_path}/train",
+            "model.preset=tiny",
+            f"train.max_steps={max_steps}",
+            f"train.global_batch_size={BATCH}",
+            "train.micro_batch_size=4",
+            "scaling.num_workers=[1,2]",
+            "scaling.cpus_per_worker=1",
+            "scaling.use_gpu=false",
+            f"run.storage_path={tmp_path}/runs",
+            "run.name=elastic",
+            "run.checkpoint_every_n_steps=10",
+            "run.log_every_n_steps=10",
+            "run.num_to_keep=null",
+            "run.record_samples=true",
+            "failure.max_failures=4",
+        ],
+    )
+
+
+def _recorded(run_dir: Path) -> list[np.ndarray]:
+    """samples.npy of every committed checkpoint, in step order: (world size, rows) each."""
+    return [np.load(run_dir / name / SAMPLES_FILE) for name in sorted(committed_checkpoints(run_dir))]
+
+
+def _steps(recorded: list[np.ndarray]) -> list[np.ndarray]:
+    """The rows of each optimizer step, all ranks' together: rank r's rows of a step are its next BATCH / world."""
+    steps = []
+    for samples in recorded:
+        per_rank = BATCH // samples.shape[0]
+        steps += [samples[:, k : k + per_rank].ravel() for k in range(0, samples.shape[1], per_rank)]
+    return steps
+
+
+def node_of_a_training_worker(cluster):
+    """A node of ``cluster`` that hosts a Ray Train worker: the raylet that started its process. (Ray's state API
+    would name it too, but it needs the dashboard, which this cluster does without.)"""
+    import psutil
+    from ray._private import ray_constants
+
+    raylets = {
+        node.all_processes[ray_constants.PROCESS_TYPE_RAYLET][0].process.pid: node for node in cluster.worker_nodes
+    }
+    for process in psutil.process_iter(["cmdline", "ppid"]):
+        if "RayTrainWorker" in " ".join(process.info["cmdline"] or []) and process.info["ppid"] in raylets:
+            return raylets[process.info["ppid"]]
+    raise AssertionError("no RayTrainWorker process was started by a worker node's raylet")
+
+
+def lose_a_node_then_add_one(cluster, run_dir: Path, running, deadline_s: float = 200) -> dict:
+    """Once a checkpoint is committed: remove a node hosting a training worker; once a smaller group has
+    committed a checkpoint, add a node with 1 CPU. Returns what it did, or why it stopped (``running``: a callable
+    that says whether the run still runs)."""
+    events: dict = {}
+    deadline = time.monotonic() + deadline_s
+
+    def wait_for(what: str, done) -> bool:
+        while not done():
+            if time.monotonic() > deadline or not running():
+                events["gave_up_waiting_for"] = what
+                return False
+            time.sleep(0.2)  # polling the run's committed checkpoints, not waiting out a race
+        return True
+
+    if not wait_for("a first checkpoint", lambda: committed_checkpoints(run_dir)):
+        return events
+    events["world_before"] = _recorded(run_dir)[0].shape[0]
+    node = node_of_a_training_worker(cluster)
+    cluster.remove_node(node, allow_graceful=False)  # its raylet and every process on it killed
+    events["removed"] = (node.node_id, time.time(), len(committed_checkpoints(run_dir)))
+
+    def shrunk() -> bool:
+        return any(samples.shape[0] < events["world_before"] for samples in _recorded(run_dir))
+
+    if wait_for("a checkpoint of a smaller group", shrunk):
+        events["added"] = (cluster.add_node(num_cpus=1).node_id, time.time())  # in the main thread: it sets signals
+    return events
+
+
+def run_through_a_lost_and_a_joined_node(cluster, tmp_path: Path, nodes: int, max_steps: int):
+    """Train on ``nodes`` one-CPU nodes while :func:`lose_a_node_then_add_one` changes them; (summary, events)."""
+    import ray
+
+    write_latents(tmp_path / "train/a.parquet", rows=40, seed=1, row_group_size=8)
+    write_latents(tmp_path / "train/b.parquet", rows=56, seed=2, row_group_size=8)
+    for _ in range(nodes):
+        cluster.add_node(num_cpus=1)
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address)
+    outcome: dict = {}
+
+    def run():
+        try:
+            outcome["summary"] = train(_config(tmp_path, max_steps))
+        except BaseException as error:  # re-raised in the test's thread
+            outcome["error"] = error
+
+    driver = threading.Thread(target=run, name="sdtrain-driver", daemon=True)
+    driver.start()
+    events = lose_a_node_then_add_one(cluster, tmp_path / "runs/elastic", driver.is_alive)
+    driver.join(timeout=150)  # the rest of the run takes ~80 s here
+    assert not driver.is_alive(), f"the run did not end 150 s after the cluster changes: {events}"
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["summary"], events
+
+
+@pytest.mark.timeout(400)
+def test_a_lost_node_and_a_joined_one_resize_the_group_and_every_row_is_trained_once_per_epoch(
+    node_cluster, tmp_path, monkeypatch
+):
+    """Two one-CPU nodes, scaling.num_workers=[1,2] at 1 CPU each: the workers take every CPU. A node hosting a
+    worker is lost once a checkpoint is committed: Ray Train restarts the group at world size 1 on the CPU left,
+    which its data reads share (they take none of their own: a read waiting for a CPU hung the run for good).
+    Then a node joins, and the group grows back to 2 (which only the joined node allows) when Ray Train's elastic
+    policy next looks: 60 s into the group's life (ScalingConfig.elastic_resize_monitor_interval_s, Ray's default),
+    ~120 steps here, well short of train.max_steps."""
+    # After the loss Ray Train first tries to restart at the old size (its view of the cluster lags) and gives up
+    # after this many seconds (60 by default), then restarts at the size the CPUs left allow.
+    monkeypatch.setenv("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "20")
+    max_steps = 300
+    started = time.time()
+    summary, events = run_through_a_lost_and_a_joined_node(node_cluster, tmp_path, nodes=2, max_steps=max_steps)
+    print(f"events: {events}; run: {time.time() - started:.0f} s")
+    assert "added" in events, events
+    assert summary.final_step == max_steps
+
+    recorded = _recorded(tmp_path / "runs/elastic")
+    worlds = [samples.shape[0] for samples in recorded]
+    # Each group's checkpoints in turn: 2 workers, 1 after the loss, 2 again after the join.
+    changes = [w for i, w in enumerate(worlds) if i == 0 or w != worlds[i - 1]]
+    assert changes == [2, 1, 2], worlds
+    steps = _steps(recorded)
+    assert len(steps) == max_steps and all(len(rows) == BATCH for rows in steps)
+    trained = np.concatenate(steps)
+    epochs = trained.reshape(-1, ROWS)  # 12 steps of 8 rows each
+    assert all(sorted(epoch) == list(range(ROWS)) for epoch in epochs)
