@@ -12,7 +12,7 @@ from sdtrain.artifacts.loading import load_model, read_checkpoint
 from sdtrain.config.schema import ModelConfig, TrainConfig
 from sdtrain.model.presets import PRESETS
 from sdtrain.model.unet import build_unet, noise_scheduler_config, unet_config
-from sdtrain.model.validation import validation_loss
+from sdtrain.model.validation import validation_loss, validation_sums
 from sdtrain.train.module import DiffusionModule
 
 
@@ -118,6 +118,18 @@ def test_validation_loss_is_deterministic_and_independent_of_batching():
     assert first == pytest.approx(validation_loss(module.unet, module.noise_scheduler, regrouped, seed=7), rel=1e-6)
     assert first != validation_loss(module.unet, module.noise_scheduler, batches, seed=8)
     assert module.unet.training  # restored after eval
+
+
+def test_ranks_validation_shares_add_up_to_the_whole_set():
+    """Under DDP rank r validates samples r, r+W, ...: the sums all-reduced give the single-process loss."""
+    module = _module()
+    batches = _batches(3, batch=3, seed=3)  # 9 samples: 3 ranks with shares of 3, 2 ranks with 5 and 4
+    whole = validation_loss(module.unet, module.noise_scheduler, batches, seed=7)
+    for world_size in (2, 3, 4):
+        unet, scheduler = module.unet, module.noise_scheduler
+        shares = [validation_sums(unet, scheduler, batches, 7, 1.0, r, world_size) for r in range(world_size)]
+        assert [count for _, count in shares] == [len(range(r, 9, world_size)) for r in range(world_size)]
+        assert sum(total for total, _ in shares) / 9 == pytest.approx(whole, rel=1e-6)
 
 
 def test_presets_match_their_sources():

@@ -23,7 +23,6 @@ from sdtrain.model.recipe import training_target
 NUM_TIMESTEPS = 10
 
 
-@torch.no_grad()
 def validation_loss(
     unet: UNet2DConditionModel,
     noise_scheduler: DDPMScheduler,
@@ -33,18 +32,44 @@ def validation_loss(
 ) -> float:
     """Mean prediction MSE over every sample in ``batches`` (in the order given), the stored latents
     multiplied by ``latent_scale`` first (as training does)."""
+    loss_sum, count = validation_sums(unet, noise_scheduler, batches, seed, latent_scale)
+    if count == 0:
+        raise ValueError("the validation set yielded no samples")
+    return loss_sum / count
+
+
+@torch.no_grad()
+def validation_sums(
+    unet: UNet2DConditionModel,
+    noise_scheduler: DDPMScheduler,
+    batches: Iterable[dict[str, torch.Tensor]],
+    seed: int = 0,
+    latent_scale: float = 1.0,
+    rank: int = 0,
+    world_size: int = 1,
+) -> tuple[float, int]:
+    """(sum of per-sample losses, samples) over the samples ``rank``, ``rank + world_size``, ... of ``batches``.
+
+    A sample's noise and timestep depend on its index in the whole set only, so the ranks' sums add up
+    to the single-process sum, whatever the world size.
+    """
     was_training = unet.training
     unet.eval()
     device = next(unet.parameters()).device
     total_steps = noise_scheduler.config.num_train_timesteps
     grid = torch.linspace(0, total_steps - 1, NUM_TIMESTEPS).round().long()
-    loss_sum, count = 0.0, 0
+    loss_sum, count, seen = 0.0, 0, 0
     for batch in batches:
-        latents = batch["latents"].to(device).float()
+        size = batch["latents"].shape[0]
+        indices = [i for i in range(seen, seen + size) if i % world_size == rank]
+        rows = torch.tensor([i - seen for i in indices], dtype=torch.long)
+        seen += size
+        if not indices:
+            continue
+        latents = batch["latents"][rows].to(device).float()
         if latent_scale != 1.0:
             latents = latents * latent_scale
-        captions = batch["captions"].to(device).float()
-        indices = range(count, count + latents.shape[0])
+        captions = batch["captions"][rows].to(device).float()
         noise = torch.stack(
             [
                 torch.randn(latents.shape[1:], generator=torch.Generator().manual_seed(seed * 1_000_003 + i))
@@ -57,8 +82,6 @@ def validation_loss(
         target = training_target(noise_scheduler, latents, noise, timesteps)
         per_sample = F.mse_loss(prediction.float(), target, reduction="none").mean(dim=(1, 2, 3))
         loss_sum += per_sample.sum().item()
-        count += latents.shape[0]
+        count += len(indices)
     unet.train(was_training)
-    if count == 0:
-        raise ValueError("the validation set yielded no samples")
-    return loss_sum / count
+    return loss_sum, count

@@ -18,7 +18,7 @@ from sdtrain.config.schema import TrainConfig
 from sdtrain.model.ema import ema_update_, local_tensor, make_ema
 from sdtrain.model.recipe import diffusion_loss, step_inputs
 from sdtrain.model.unet import build_noise_scheduler
-from sdtrain.model.validation import validation_loss
+from sdtrain.model.validation import validation_loss, validation_sums
 from sdtrain.train.strategy import apply_options, is_sharded
 
 
@@ -210,6 +210,16 @@ class DiffusionModule(pl.LightningModule):
     def validation_loss(self, batches: Iterable[dict[str, torch.Tensor]], seed: int) -> float:
         """Validation loss of ``eval_unet`` (see sdtrain.model.validation), on the data as training sees it."""
         return validation_loss(self.eval_unet, self.noise_scheduler, batches, seed, latent_scale=self.latent_scale)
+
+    def validation_sums(
+        self, batches: Iterable[dict[str, torch.Tensor]], seed: int, rank: int = 0, world_size: int = 1
+    ) -> torch.Tensor:
+        """[loss sum, samples] of ``eval_unet`` over this rank's share of the validation set (float64, on the
+        device, to all-reduce): see sdtrain.model.validation.validation_sums."""
+        sums = validation_sums(
+            self.eval_unet, self.noise_scheduler, batches, seed, self.latent_scale, rank=rank, world_size=world_size
+        )
+        return torch.tensor(sums, dtype=torch.float64, device=self.device)
 
     def take_window_stats(self) -> dict[str, torch.Tensor]:
         """Mean finite training loss, skipped steps and samples, and the longest run of consecutive

@@ -53,7 +53,7 @@ class StepReporter(pl.Callback):
         ``data_wait_s()`` the seconds this rank waited for data since its previous call;
         ``launched_at`` the wall-clock time the driver started the run;
         ``staging`` the local directory checkpoints are written to before their upload;
-        ``val_batches`` yields the validation set on rank 0 (None: no validation);
+        ``val_batches`` yields the whole validation set (None: no validation);
         ``view`` rank 0's live files, trackers and Ray gauges (None on other ranks)."""
         self.run = run
         self.staging = staging
@@ -110,13 +110,7 @@ class StepReporter(pl.Callback):
         position = self.data_position(step)
         metrics = self._metrics(trainer, pl_module, step, position.epoch)
         if self.val_batches is not None and (step % self.val_every == 0 or step >= self.max_steps):
-            # Under FSDP every rank holds a shard of the weights, so every rank runs each forward
-            # pass (each reads the whole validation set); under DDP rank 0 alone does.
-            if trainer.is_global_zero or is_sharded(pl_module):
-                # The EMA weights when the run keeps an EMA (what export and generation use).
-                val_loss = pl_module.validation_loss(self.val_batches(), self.val_seed)
-                if trainer.is_global_zero:
-                    metrics["val_loss"] = val_loss
+            metrics["val_loss"] = self._validate(trainer, pl_module)
         if trainer.is_global_zero:
             log.info(_progress_line(metrics, self.max_steps))
             self.history.append(metrics)
@@ -137,6 +131,26 @@ class StepReporter(pl.Callback):
         else:
             ray.train.report(metrics)
         self._reported_step = step
+
+    def _validate(self, trainer: pl.Trainer, pl_module) -> float:
+        """Validation loss of the EMA weights when the run keeps an EMA (what export and generation use).
+
+        Every rank takes part, so none waits in a collective while another validates (a long wait there
+        outlasts the collective's timeout, and the restart validates again). Under DDP rank r computes the
+        samples r, r + W, ...: each rank pays 1/W of the set. Under FSDP each forward pass is a collective
+        over the weights' shards, so every rank runs every sample.
+        """
+        assert self.val_batches is not None
+        if is_sharded(pl_module):
+            sums = pl_module.validation_sums(self.val_batches(), self.val_seed)
+        else:
+            shard = pl_module.validation_sums(
+                self.val_batches(), self.val_seed, rank=trainer.global_rank, world_size=trainer.world_size
+            )
+            sums = trainer.strategy.reduce(shard, reduce_op="sum")
+        if sums[1] == 0:
+            raise TrainingFailed("the validation set (data.val) yielded no samples")
+        return float(sums[0] / sums[1])
 
     def _metrics(self, trainer: pl.Trainer, pl_module, step: int, epoch: int) -> dict[str, float]:
         stats = pl_module.take_window_stats()
