@@ -251,6 +251,77 @@ def test_a_killed_worker_is_restarted_and_the_run_ends_exactly_at_max_steps(ray_
     print(f"restart cost: {restarted[0]['time'] - killed_at:.1f} s from SIGKILL to step {restarted[0]['step']}")
 
 
+@pytest.mark.timeout(300)
+def test_a_hung_worker_is_ended_by_the_stall_watchdog_and_the_run_restarts(ray_cluster, tmp_path, run_attempts, capfd):
+    """SIGSTOP one of two workers once the first checkpoint is committed: the other waits for it in a
+    collective, which would hold the job until the collective's 30-minute timeout. Its watchdog
+    (run.stall_timeout_s) ends it instead, saying where it stalled; Ray Train restarts the group."""
+    import os
+    import re
+    import signal
+    import threading
+    import time
+
+    import psutil
+
+    write_latents(tmp_path / "train/a.parquet", rows=64, encoding="list", seed=4)
+    run_dir = tmp_path / "runs" / "stalled"
+    config = load_config(
+        None,
+        [
+            f"data.train={tmp_path}/train",
+            "model.preset=tiny",
+            "train.max_steps=16",
+            "train.global_batch_size=8",
+            "scaling.num_workers=2",
+            "scaling.cpus_per_worker=1",  # every CPU of the cluster: the reads take none of their own
+            f"run.storage_path={tmp_path}/runs",
+            "run.name=stalled",
+            "run.checkpoint_every_n_steps=4",
+            "run.log_every_n_steps=2",
+            "run.stall_timeout_s=6",
+            "failure.max_failures=1",
+        ],
+    )
+    stopped = []
+
+    def stop_a_worker_after_the_first_checkpoint():
+        deadline = time.monotonic() + 240
+        while not committed_checkpoints(run_dir):
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.2)
+        for process in psutil.process_iter(["pid", "cmdline"]):
+            if "RayTrainWorker" in " ".join(process.info["cmdline"] or []):
+                os.kill(process.info["pid"], signal.SIGSTOP)
+                stopped.append(process.info["pid"])
+                return
+
+    stopper = threading.Thread(target=stop_a_worker_after_the_first_checkpoint)
+    stopper.start()
+    try:
+        summary = train(config)
+    finally:
+        stopper.join()
+        for pid in stopped:  # Ray Train ends the old group's workers; a stopped one left behind is let go
+            if psutil.pid_exists(pid):
+                os.kill(pid, signal.SIGCONT)
+
+    assert stopped, "no RayTrainWorker process was found to stop"
+    assert not psutil.pid_exists(stopped[0])  # the hung worker went with its group
+    assert run_attempts("stalled") == 2
+    assert summary.final_step == 16
+    output = capfd.readouterr()
+    stall = re.search(
+        r"rank (\d) stalled: no optimizer step for \d+ s since step (\d+) .*?; it has been (.*?) for",
+        output.out + output.err,
+    )
+    assert stall, "the watchdog's message is not in the run's output"
+    assert int(stall.group(2)) >= 4
+    # The surviving rank waits for the stopped one in a collective: a step's all-reduce or a report's barrier.
+    assert stall.group(3).startswith(("in a training step", "reporting")), stall.group(3)
+
+
 def _ids_config(tmp_path, name, max_steps, workers, *extra):
     return load_config(
         None,

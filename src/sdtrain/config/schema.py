@@ -259,6 +259,11 @@ class RunConfig(Section):
     checkpoint_upload: Literal["async", "sync"] = "async"
     """async: training goes on while Ray Train uploads a checkpoint to run.storage_path (committed, and older ones
     pruned, once it is all there); sync: wait for the upload. The wait shows in the metric checkpoint_stall_s."""
+    stall_timeout_s: float | None = 1800.0
+    """A worker that completes no optimizer step for this many seconds (from its start, for the first) logs what it
+    was doing (waiting for data, in a step's collectives, validating, checkpointing) and ends, so Ray Train restarts
+    the group from the latest checkpoint or the job fails visibly instead of hanging; keep it well above the longest
+    start-up, validation and checkpoint. null = never."""
     record_samples: bool = False
     """Save into each checkpoint, as samples.npy, the sample index (row number in data.train's files, in order) of
     every row trained on since the previous checkpoint, all ranks: an exact record of what the model saw."""
@@ -318,6 +323,8 @@ class RunConfig(Section):
             self._fail("num_to_keep", f"must be >= 1 or null (keep all), got {self.num_to_keep}")
         if self.val_every_n_steps is not None and self.val_every_n_steps < 1:
             self._fail("val_every_n_steps", f"must be >= 1 or null, got {self.val_every_n_steps}")
+        if self.stall_timeout_s is not None and not self.stall_timeout_s > 0:
+            self._fail("stall_timeout_s", f"must be > 0 seconds or null (never), got {self.stall_timeout_s}")
         if len(set(self.trackers)) != len(self.trackers):
             self._fail("trackers", f"names a tracker twice: {self.trackers}")
         if self.sample_every_n_steps is not None and self.sample_every_n_steps < 1:

@@ -165,7 +165,7 @@ def rank_dataset(reader: WindowReader, stretches: list[Stretch], node_id: str | 
     dataset.context.raise_original_map_exception = True
     return paced(
         dataset.map_batches(
-            _read_windows,  # type: ignore[arg-type]  # Ray types fn as one-argument; the rest are fn_kwargs
+            _read_windows,
             # Whole blocks (one window id each): Ray Data then fuses the read of the ids into the
             # window's task instead of running a task per id first (batch_size=1 prevents fusion).
             batch_size=None,
@@ -213,7 +213,7 @@ def file_order_dataset(spec: DatasetSpec, data: DataConfig, key: str) -> ray.dat
     dataset.context.raise_original_map_exception = True
     return paced(
         dataset.map_batches(
-            _read_file,  # type: ignore[arg-type]  # Ray types fn as one-argument; the rest are fn_kwargs
+            _read_file,
             batch_size=None,
             fn_kwargs=dict(spec=spec, data=data, key=key, sources=filesystems_for(spec.files)),
             **placement,

@@ -24,6 +24,7 @@ from sdtrain.errors import NonFiniteTraining, TrainingFailed
 from sdtrain.train.checkpointing import report_with_checkpoint
 from sdtrain.train.run_view import RunView
 from sdtrain.train.strategy import is_sharded
+from sdtrain.train.watchdog import Phase, StallWatchdog
 
 log = logging.getLogger("sdtrain")
 
@@ -46,6 +47,7 @@ class StepReporter(pl.Callback):
         val_batches: ValBatches | None = None,
         val_seed: int = 0,
         view: RunView | None = None,
+        watchdog: StallWatchdog | None = None,
     ):
         """``history`` holds the rows of the checkpoint being resumed from ([] for a fresh run);
         ``data_position(step)`` is the data state after that step, saved with its checkpoint with
@@ -54,7 +56,8 @@ class StepReporter(pl.Callback):
         ``launched_at`` the wall-clock time the driver started the run;
         ``staging`` the local directory checkpoints are written to before their upload;
         ``val_batches`` yields the whole validation set (None: no validation);
-        ``view`` rank 0's live files, trackers and Ray gauges (None on other ranks)."""
+        ``view`` rank 0's live files, trackers and Ray gauges (None on other ranks);
+        ``watchdog`` is told each step and what the worker does between steps (None: no watchdog)."""
         self.run = run
         self.staging = staging
         self.max_steps = max_steps
@@ -67,6 +70,7 @@ class StepReporter(pl.Callback):
         self.val_batches = val_batches
         self.val_seed = val_seed
         self.view = view
+        self.watchdog = watchdog
         self.val_every = run.val_every_n_steps or run.checkpoint_every_n_steps
         # One row per report, saved with each checkpoint so the curve survives restarts exactly:
         # rows after the checkpoint a restart resumes from are dropped with the steps they describe.
@@ -83,39 +87,58 @@ class StepReporter(pl.Callback):
             log.info("resumed from step %d", trainer.global_step)
         if self.view is not None:
             self.view.started(self.history)
+        self._enter(Phase.FIRST_BATCH)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self._enter(Phase.STEP)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         step = trainer.global_step
         if step == self._seen_step:  # a micro-batch that did not step the optimizer
+            self._enter(Phase.NEXT_BATCH)
             return
+        if self.watchdog is not None:
+            self.watchdog.stepped(step)
         if self._seen_step == self._start_step:
             self._time_to_first_step = time.time() - self.launched_at
         self._seen_step = step
         checkpoint_due = step % self.run.checkpoint_every_n_steps == 0 or step >= self.max_steps
         if checkpoint_due or step % self.run.log_every_n_steps == 0:
             self._report(trainer, pl_module, step, with_checkpoint=checkpoint_due)
+        self._enter(Phase.NEXT_BATCH)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.global_step != self._reported_step:
             self._report(trainer, pl_module, trainer.global_step, with_checkpoint=True)
         if self.view is not None:
             self.view.finished("success")
+        if self.watchdog is not None:
+            self.watchdog.stop()
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         if self.view is not None:
             self.view.finished("failed")
+        if self.watchdog is not None:
+            self.watchdog.stop()
+
+    def _enter(self, phase: str) -> None:
+        if self.watchdog is not None:
+            self.watchdog.enter(phase)
 
     def _report(self, trainer: pl.Trainer, pl_module, step: int, with_checkpoint: bool) -> None:
         # Replays the epoch's order: computed once per report, for the metrics and the checkpoint.
         position = self.data_position(step)
         metrics = self._metrics(trainer, pl_module, step, position.epoch)
         if self.val_batches is not None and (step % self.val_every == 0 or step >= self.max_steps):
+            self._enter(Phase.VALIDATION)
             metrics["val_loss"] = self._validate(trainer, pl_module)
         if trainer.is_global_zero:
             log.info(_progress_line(metrics, self.max_steps))
             self.history.append(metrics)
             if self.view is not None:
+                self._enter(Phase.SAMPLE_GRID)
                 self.view.reported(metrics, self.history, pl_module)
+        self._enter(Phase.CHECKPOINT if with_checkpoint else Phase.REPORT)
         if with_checkpoint:
             self._checkpoint_stall = report_with_checkpoint(
                 trainer,

@@ -34,6 +34,7 @@ from sdtrain.train.run_view import RunView
 from sdtrain.train.sample_grids import SampleGrids, grid_captions
 from sdtrain.train.trackers import apply_tracker_env
 from sdtrain.train.trainer import build_training
+from sdtrain.train.watchdog import StallWatchdog
 
 
 class TrainStream:
@@ -177,6 +178,8 @@ class WorkerRun:
     """This rank's local directory for staged checkpoints (:func:`worker_scratch`)."""
     restore_copy: str | None = None
     """The downloaded copy of the restored checkpoint, dropped once Lightning has restored from it."""
+    watchdog: StallWatchdog | None = None
+    """Ends the worker when it makes no step for run.stall_timeout_s (None: never)."""
 
 
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
@@ -186,6 +189,9 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     config = Config.from_dict(loop_config["config"])
     use_gpu: bool = loop_config["use_gpu"]
     world_size = ray.train.get_context().get_world_size()
+    rank = ray.train.get_context().get_world_rank()
+    # From the worker's start: a hang while building the model, restoring or joining the other ranks counts too.
+    watchdog = StallWatchdog(config.run.stall_timeout_s, rank) if config.run.stall_timeout_s is not None else None
     layout = BatchLayout(world_size, *config.batch_layout(world_size))
     train_batches = TrainStream(
         ray.train.get_dataset_shard("train"),
@@ -209,7 +215,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
 
     checkpoint = ray.train.get_checkpoint()
     run_dir = posixpath.join(config.run.storage_path, config.run.name)
-    scratch = worker_scratch(config.run, run_dir, ray.train.get_context().get_world_rank())
+    scratch = worker_scratch(config.run, run_dir, rank)
     # Restored: read in place, or downloaded into scratch (Lightning reads its file when fit starts).
     restored = (
         restored_directory(checkpoint, scratch) if checkpoint is not None else contextlib.nullcontext((None, False))
@@ -218,7 +224,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         plan: SamplePlan = loop_config["plan"]
         start = StartPoint() if directory is None else StartPoint.from_directory(directory, plan, config.data.on_change)
         copy = directory if is_copy else None
-        run = WorkerRun(config, plan, layout, start, loop_config["launched_at"], scratch, copy)
+        run = WorkerRun(config, plan, layout, start, loop_config["launched_at"], scratch, copy, watchdog)
         _fit(run, module, trainer_kwargs, train_batches)
 
 
@@ -263,6 +269,7 @@ def _fit(
         data_wait_s=train_batches.take_wait_s,
         launched_at=run.launched_at,
         staging=run.scratch,
+        watchdog=run.watchdog,
     )
     callbacks: list[pl.Callback] = [reporter]
     if run.restore_copy is not None:
