@@ -547,7 +547,12 @@ def test_inputs_model_and_output_on_s3_resumed_and_trained_on(tmp_path, tiny_mod
     )
     assert summary.final_step == 2 and np.isfinite(summary.final_loss)
     # The export is a whole pipeline: its VAE and text encoder come from the model in the bucket.
-    assert (tmp_path / "runs" / "from-s3" / "export" / "model_index.json").is_file()
+    export = tmp_path / "runs" / "from-s3" / "export"
+    assert (export / "model_index.json").is_file()
+    # Its card's grid, rendered at export for captions read from the bucket (the run drew none).
+    assert "a photograph of a" in (export / "README.md").read_text()
+    with Image.open(export / "sample_grid.png") as grid:
+        assert grid.format == "PNG"
     # Prompts in words for the run: the text encoder and VAE its data records, fetched from the bucket.
     out = tmp_path / "prompted"
     generate(
