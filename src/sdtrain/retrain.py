@@ -83,6 +83,7 @@ def _retrain_locked(
 ) -> RetrainOutcome:
     """One run, while this run holds ``lock``: checked again before each write to the registry."""
     data_root = config.retrain.data_root
+    assert data_root is not None  # retrain() refuses a config without it
     day = schedule_date.isoformat()
     production = registry.production()
 

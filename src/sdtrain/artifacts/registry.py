@@ -417,6 +417,7 @@ class RegistryLock:
                 "dead, wait for the lease to expire, or delete the file"
             )
         text = self._text(self.clock())
+        assert tag is not None  # the lock was read (current is not None), so it has a tag
         new_tag = registry._replace(self.path, text, tag)
         if new_tag is None:
             raise RegistryBusy(
