@@ -154,7 +154,7 @@ def rank_dataset(reader: WindowReader, stretches: list[Stretch], node_id: str | 
     (the rank's node; None: anywhere)."""
     window_rows = reader.plan.window_rows
     counts = [stretch.num_windows(window_rows) for stretch in stretches]
-    placement = read_placement(reader.data, node_id)
+    placement = read_placement(reader.data, node_id, sum(counts))
     # The window ids come from a read that takes no CPU either (ray.data.range's read tasks take 1 CPU), and
     # with the same placement, so Ray Data fuses it into each window's task.
     ids = RangeDatasource(n=sum(counts), block_format="arrow", column_name="id")
@@ -175,9 +175,9 @@ def rank_dataset(reader: WindowReader, stretches: list[Stretch], node_id: str | 
     )
 
 
-def read_placement(data: DataConfig, node_id: str | None) -> dict[str, Any]:
-    """Ray Data arguments for a worker's read tasks: no CPU of their own, at most ``data.reads_per_worker`` at once,
-    on the worker's node.
+def read_placement(data: DataConfig, node_id: str | None, tasks: int) -> dict[str, Any]:
+    """Ray Data arguments for a worker's ``tasks`` read tasks: no CPU of their own, at most ``data.reads_per_worker``
+    at once, on the worker's node.
 
     The CPUs they run on are those the worker reserved (scaling.cpus_per_worker). Reads that asked for
     CPUs of their own would need CPUs the worker group leaves free, which no launch-time check can
@@ -185,7 +185,9 @@ def read_placement(data: DataConfig, node_id: str | None) -> dict[str, Any]:
     the stream then waits for a CPU for good. On the worker's node the windows also land in the object
     store the worker reads them from.
     """
-    placement: dict[str, Any] = {"num_cpus": 0, "compute": ray.data.TaskPoolStrategy(size=data.reads_per_worker)}
+    # Capped by the tasks there are: Ray Data warns of a limit above them.
+    at_once = max(1, min(data.reads_per_worker, tasks))
+    placement: dict[str, Any] = {"num_cpus": 0, "compute": ray.data.TaskPoolStrategy(size=at_once)}
     if node_id is not None:
         placement["label_selector"] = {NODE_ID_LABEL: node_id}
     return placement
@@ -205,7 +207,7 @@ def file_order_dataset(spec: DatasetSpec, data: DataConfig, key: str) -> ray.dat
     The order is the file order, so validation sees the same samples every time. Every rank reads
     the whole set: it is small, so its reads go anywhere (:func:`read_placement`).
     """
-    placement = read_placement(data, node_id=None)
+    placement = read_placement(data, None, len(spec.files))
     # Not ray.data.read_parquet: its file listing runs in a task that takes a CPU.
     ids = RangeDatasource(n=len(spec.files), block_format="arrow", column_name="id")
     dataset = ray.data.read_datasource(ids, override_num_blocks=len(spec.files), **placement)

@@ -316,3 +316,8 @@ def _configure_logging() -> None:
         lambda record: not record.getMessage().startswith("Progress bars disabled")
     )
     logging.getLogger("ray.data._internal.logging").setLevel(logging.WARNING)
+    # Every rank reads the validation set at each validation: a "Dataset ... execution finished" line a rank
+    # each time, on the console only (Ray Data's log file keeps them).
+    for handler in logging.getLogger("ray.data").handlers:
+        if isinstance(handler, logging.StreamHandler):  # the console; the log file is a SessionFileHandler
+            handler.addFilter(lambda record: "execution finished" not in record.getMessage())
