@@ -59,6 +59,7 @@ def _config(tmp_path: Path, max_steps: int):
             f"run.storage_path={tmp_path}/runs",
             "run.name=elastic",
             "run.checkpoint_every_n_steps=10",
+            "scaling.resize_check_s=30",  # the join is used sooner than at Ray's default of 60 s
             "run.log_every_n_steps=10",
             "run.num_to_keep=null",
             "run.record_samples=true",
@@ -162,8 +163,7 @@ def test_a_lost_node_and_a_joined_one_resize_the_group_and_every_row_is_trained_
     worker is lost once a checkpoint is committed: Ray Train restarts the group at world size 1 on the CPU left,
     which its data reads share (they take none of their own: a read waiting for a CPU hung the run for good).
     Then a node joins, and the group grows back to 2 (which only the joined node allows) when Ray Train's elastic
-    policy next looks: 60 s into the group's life (ScalingConfig.elastic_resize_monitor_interval_s, Ray's default),
-    ~120 steps here, well short of train.max_steps."""
+    policy next looks: 30 s into the group's life (scaling.resize_check_s), well short of train.max_steps."""
     # After the loss Ray Train first tries to restart at the old size (its view of the cluster lags) and gives up
     # after this many seconds (60 by default), then restarts at the size the CPUs left allow.
     monkeypatch.setenv("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "20")

@@ -144,10 +144,11 @@ def train(config: Config) -> RunSummary:
             "launched_at": launched_at,
             "tracker_env": tracker_env(),
         },
-        scaling_config=ray.train.ScalingConfig(
+        scaling_config=ray.train.ScalingConfig(  # type: ignore[call-arg]  # v2 ScalingConfig: see RunConfig below
             num_workers=_ray_num_workers(config.scaling),
             use_gpu=use_gpu,
             resources_per_worker={"CPU": _cpus_per_worker(config.scaling, use_gpu)},
+            elastic_resize_monitor_interval_s=config.scaling.resize_check_s,
         ),
         run_config=ray.train.RunConfig(
             name=config.run.name,

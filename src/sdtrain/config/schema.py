@@ -220,6 +220,10 @@ class ScalingConfig(Section):
     cpus_per_worker: Literal["auto"] | float = "auto"
     """CPUs reserved per worker, shared by its training loop and its data reads; auto = 1 with GPUs, else
     min(1, the cluster's CPUs / the most workers)."""
+    resize_check_s: float = 60.0
+    """With num_workers [min, max]: how often Ray Train looks for room for more workers and, finding it, restarts the
+    group larger from the latest checkpoint (losing the steps since it); Ray's
+    ScalingConfig.elastic_resize_monitor_interval_s."""
 
     def __post_init__(self):
         if isinstance(self.num_workers, list):
@@ -229,6 +233,8 @@ class ScalingConfig(Section):
             self._fail("num_workers", f"must be >= 1, got {self.num_workers}")
         if self.cpus_per_worker != "auto" and not self.cpus_per_worker > 0:
             self._fail("cpus_per_worker", f"must be > 0 or auto, got {self.cpus_per_worker}")
+        if not self.resize_check_s > 0:
+            self._fail("resize_check_s", f"must be > 0 seconds, got {self.resize_check_s}")
 
     @property
     def min_workers(self) -> int:
