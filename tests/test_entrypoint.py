@@ -132,6 +132,10 @@ def test_the_demo_survives_a_killed_driver_and_the_loss_falls(tmp_path):
     assert [row["start_step"] for row in history if row["step"] > resumed_from] == [resumed_from] * (
         (40 - resumed_from) // 10
     )
+    # A sample grid with each checkpoint, and for the demo its class agreement: a curve over steps.
+    agreement = [row.get("sample_class_agreement") for row in history]
+    assert all(value is not None and 0 <= value <= 1 for value in agreement), agreement
+    assert all((run_dir / "samples" / f"step_{step}.png").is_file() for step in (10, 20, 30, 40))
     with open(run_dir / "metrics.csv") as f:
         losses = [float(row["loss"]) for row in csv.DictReader(f)]
     assert len(losses) == 4 and losses[-1] < 0.7 * losses[0], losses

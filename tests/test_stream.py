@@ -11,7 +11,7 @@ import pytest
 import ray.cloudpickle
 import ray.data
 import torch
-from conftest import write_latents
+from conftest import corrupt_row_group, write_latents
 from ray.data import ExecutionResources
 from ray.data._internal.execution.execution_callback import ExecutionCallback
 
@@ -172,3 +172,20 @@ def test_streams_read_while_the_worker_group_holds_every_cpu(tmp_path):
     assert sorted(rows) == list(range(32))
     val = file_order_dataset(spec, DataConfig(train=files), "data.val")
     assert sum(len(batch["latents"]) for batch in val.iter_batches(batch_size=None)) == 32
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.usefixtures("ray_cluster")
+def test_a_validation_file_damaged_past_its_first_row_group_is_named_not_a_raw_pyarrow_error(tmp_path):
+    """The driver's checks read a file's footer and first row; a row group damaged further on fails the
+    validation read with our DataError (which stops the run without retries), naming the key and file."""
+    from sdtrain.errors import DataError
+
+    write_latents(tmp_path / "v.parquet", rows=24, seed=0, row_group_size=8)
+    files = [str(tmp_path / "v.parquet")]
+    spec = inspect_dataset(files, "data.val", "image_latents_256", "caption_latents", 4, 32)
+    corrupt_row_group(tmp_path / "v.parquet", 2)
+    val = file_order_dataset(spec, DataConfig(train=files), "data.val")
+    with pytest.raises(DataError, match=r"data\.val: .*v\.parquet cannot be read \(.*\)\. The file is damaged"):
+        for _ in val.iter_batches(batch_size=None):
+            pass
