@@ -87,7 +87,6 @@ class StepReporter(pl.Callback):
             log.info("resumed from step %d", trainer.global_step)
         if self.view is not None:
             self.view.started(self.history)
-        self._enter(Phase.FIRST_BATCH)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self._enter(Phase.STEP)
@@ -95,7 +94,7 @@ class StepReporter(pl.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         step = trainer.global_step
         if step == self._seen_step:  # a micro-batch that did not step the optimizer
-            self._enter(Phase.NEXT_BATCH)
+            self._enter(Phase.BETWEEN_STEPS)
             return
         if self.watchdog is not None:
             self.watchdog.stepped(step)
@@ -105,7 +104,7 @@ class StepReporter(pl.Callback):
         checkpoint_due = step % self.run.checkpoint_every_n_steps == 0 or step >= self.max_steps
         if checkpoint_due or step % self.run.log_every_n_steps == 0:
             self._report(trainer, pl_module, step, with_checkpoint=checkpoint_due)
-        self._enter(Phase.NEXT_BATCH)
+        self._enter(Phase.BETWEEN_STEPS)  # the data stream marks its own waits (TrainStream)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.global_step != self._reported_step:

@@ -29,6 +29,7 @@ class Phase:
     STARTING = "starting: building the model and the trainer, restoring the checkpoint, joining the other ranks"
     FIRST_BATCH = "waiting for the first batch from the data stream (Ray Data)"
     NEXT_BATCH = "waiting for the next batch from the data stream (Ray Data)"
+    BETWEEN_STEPS = "between steps: in Lightning's loop and its end-of-step checks across ranks"
     STEP = "in a training step: forward, backward and the optimizer step, with the gradient all-reduce across ranks"
     VALIDATION = "validating (data.val)"
     CHECKPOINT = "reporting a checkpoint: saving it, uploading it, and the barrier with every other rank"

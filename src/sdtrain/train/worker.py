@@ -34,7 +34,7 @@ from sdtrain.train.run_view import RunView
 from sdtrain.train.sample_grids import SampleGrids, grid_captions
 from sdtrain.train.trackers import apply_tracker_env
 from sdtrain.train.trainer import build_training
-from sdtrain.train.watchdog import StallWatchdog
+from sdtrain.train.watchdog import Phase, StallWatchdog
 
 
 class TrainStream:
@@ -49,8 +49,16 @@ class TrainStream:
     building the model, the Lightning trainer and DDP instead of following them.
     """
 
-    def __init__(self, shard: ray.data.DataIterator, micro_batch: int, prefetch_batches: int, device: torch.device):
+    def __init__(
+        self,
+        shard: ray.data.DataIterator,
+        micro_batch: int,
+        prefetch_batches: int,
+        device: torch.device,
+        watchdog: StallWatchdog | None = None,
+    ):
         self.shard = shard
+        self.watchdog = watchdog  # told when the training loop waits for data, and when it has its batch
         self.micro_batch = micro_batch
         self.prefetch_batches = prefetch_batches
         self.device = device
@@ -95,17 +103,21 @@ class TrainStream:
         # train_loop_per_worker starts the stream before it builds the model, long before Lightning iterates it.
         assert self._first is not None and self._batches is not None, "TrainStream.start() was not called"
         try:
+            self._enter(Phase.FIRST_BATCH)
             batch = self._first.result()
+            self._enter(Phase.BETWEEN_STEPS)
             if batch is None:
                 return
             self._check_position(batch["sample_index"])
             yield batch
             while True:
                 asked = time.perf_counter()
+                self._enter(Phase.NEXT_BATCH)
                 try:
                     batch = next(self._batches)
                 except StopIteration:
                     return
+                self._enter(Phase.BETWEEN_STEPS)
                 self._wait_s += time.perf_counter() - asked
                 yield batch
         except Exception as error:
@@ -113,6 +125,10 @@ class TrainStream:
             if data_error is not None and data_error is not error:
                 raise data_error from None  # Ray Data wraps it: surface our one-paragraph message
             raise
+
+    def _enter(self, phase: str) -> None:
+        if self.watchdog is not None:
+            self.watchdog.enter(phase)
 
     def _check_position(self, indices: torch.Tensor) -> None:
         found = indices.tolist()
@@ -198,6 +214,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         layout.micro_batch,
         config.data.prefetch_batches,
         ray.train.torch.get_device(),
+        watchdog,
     )
     train_batches.start()  # before the model is built: see TrainStream
 
