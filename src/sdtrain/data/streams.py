@@ -155,17 +155,10 @@ def rank_dataset(reader: WindowReader, stretches: list[Stretch], node_id: str | 
     window_rows = reader.plan.window_rows
     counts = [stretch.num_windows(window_rows) for stretch in stretches]
     placement = read_placement(reader.data, node_id, sum(counts))
-    # The window ids come from a read that takes no CPU either (ray.data.range's read tasks take 1 CPU), and
-    # with the same placement, so Ray Data fuses it into each window's task.
-    ids = RangeDatasource(n=sum(counts), block_format="arrow", column_name="id")
-    dataset = ray.data.read_datasource(ids, override_num_blocks=sum(counts), **placement)
-    # The stream's order is the plan's order: what makes resumption exact.
-    dataset.context.execution_options.preserve_order = True
-    # Our DataError (naming the file) reaches the worker as itself, not as a UserCodeException.
-    dataset.context.raise_original_map_exception = True
+    dataset = _task_ids(sum(counts), placement)
     return paced(
         dataset.map_batches(
-            _read_windows,
+            _read_windows,  # type: ignore[arg-type]  # Ray types fn as one-argument; the rest are fn_kwargs
             # Whole blocks (one window id each): Ray Data then fuses the read of the ids into the
             # window's task instead of running a task per id first (batch_size=1 prevents fusion).
             batch_size=None,
@@ -173,6 +166,22 @@ def rank_dataset(reader: WindowReader, stretches: list[Stretch], node_id: str | 
             **placement,
         )
     )
+
+
+def _task_ids(n: int, placement: dict[str, Any]) -> ray.data.Dataset:
+    """Ids 0..n-1, one block each, in order: the input of ``n`` read tasks placed by ``placement``.
+
+    Read by a task that takes no CPU either (ray.data.range's read tasks take 1 CPU), with the same
+    placement, so Ray Data fuses it into each read task.
+    """
+    dataset = ray.data.read_datasource(
+        RangeDatasource(n=n, block_format="arrow", column_name="id"), override_num_blocks=n, **placement
+    )
+    # The order is the plan's (training: what makes resumption exact) or the files' (validation).
+    dataset.context.execution_options.preserve_order = True
+    # Our DataError (naming the file) reaches the worker as itself, not as a UserCodeException.
+    dataset.context.raise_original_map_exception = True
+    return dataset
 
 
 def read_placement(data: DataConfig, node_id: str | None, tasks: int) -> dict[str, Any]:
@@ -209,13 +218,10 @@ def file_order_dataset(spec: DatasetSpec, data: DataConfig, key: str) -> ray.dat
     """
     placement = read_placement(data, None, len(spec.files))
     # Not ray.data.read_parquet: its file listing runs in a task that takes a CPU.
-    ids = RangeDatasource(n=len(spec.files), block_format="arrow", column_name="id")
-    dataset = ray.data.read_datasource(ids, override_num_blocks=len(spec.files), **placement)
-    dataset.context.execution_options.preserve_order = True
-    dataset.context.raise_original_map_exception = True
+    dataset = _task_ids(len(spec.files), placement)
     return paced(
         dataset.map_batches(
-            _read_file,
+            _read_file,  # type: ignore[arg-type]  # Ray types fn as one-argument; the rest are fn_kwargs
             batch_size=None,
             fn_kwargs=dict(spec=spec, data=data, key=key, sources=filesystems_for(spec.files)),
             **placement,
