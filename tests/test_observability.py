@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import contextlib
 import csv
-import glob
 import io
 import os
 import signal
-import struct
 import subprocess
 import sys
 import threading
@@ -27,6 +25,7 @@ from sdtrain.config.loader import load_config
 from sdtrain.storage.filesystems import filesystem_for
 from sdtrain.train.live import BackgroundWriter, LiveOutputs
 from sdtrain.train.trackers import STATE_FILE, TENSORBOARD_DIR, Trackers, read_state
+from sdtrain.train.wandb_files import read_run_file, run_files
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -77,18 +76,23 @@ def test_tensorboard_on_object_storage(s3_bucket, tmp_path):
     run_dir = f"{s3_bucket}/runs/tb"
     config = load_config(None, ["data.train=x", "run.name=tb", f"run.storage_path={s3_bucket}/runs"])
     assert config.run.trackers == ["tensorboard"]
-    first = Trackers(config, run_dir)
+    first = Trackers(config, run_dir, [])
     first.log_image("samples", np.zeros((8, 8, 3), np.uint8), 2)
     first.log_metrics({"step": 2, "loss": 0.5}, 2)
+    first.before_checkpoint()
+    first.log_metrics({"step": 4, "loss": 0.25}, 4)
     first.finish("failed")
-    second = Trackers(config, run_dir)  # a restarted worker group: its own event file, beside the first
-    second.log_metrics({"step": 4, "loss": 0.25}, 4)
+    # A restarted worker group from the checkpoint of step 2: its own event file, beside the first,
+    # purges the first one's step 4, which it re-does.
+    second = Trackers(config, run_dir, [{"step": 2, "loss": 0.5}])
+    second.log_metrics({"step": 4, "loss": 0.3}, 4)
     second.finish("success")
     fs, remote = filesystem_for(f"{run_dir}/{TENSORBOARD_DIR}")
     (tmp_path / "tb").mkdir()
     pafs.copy_files(remote, str(tmp_path / "tb"), source_filesystem=fs)
+    assert len(list((tmp_path / "tb").glob("events.out.tfevents.*"))) == 2
     scalars, images = tensorboard_scalars(tmp_path / "tb")
-    assert scalars["loss"] == [(2, 0.5), (4, 0.25)] and images == {"samples": [2]}
+    assert [(s, round(v, 4)) for s, v in scalars["loss"]] == [(2, 0.5), (4, 0.3)] and images == {"samples": [2]}
     assert read_state(run_dir)["logged_through"] == 4
 
 
@@ -137,37 +141,45 @@ def _tracker_config(tmp_path, mlflow_uri, *extra):
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_trackers_hold_each_step_once_across_a_restart(tmp_path, monkeypatch):
-    """Two worker groups of one run: the second resumes from the checkpoint of step 4 after the first
-    logged up to step 6, re-does steps 5 and 6 and goes on to 8."""
+    """Two worker groups of one run: the first logs up to step 6 and is killed; its W&B service had
+    written only step 2. The second resumes from the checkpoint of step 4, gives W&B step 4 from the
+    checkpoint's history (with its saved grid), re-does steps 5 and 6 and goes on to 8."""
     import mlflow
     import numpy as np
+    from PIL import Image
+
+    from sdtrain.train.sample_grids import SAMPLES_DIR
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     run_dir = tmp_path / "runs" / "tracked"
     grid = np.zeros((16, 24, 3), np.uint8)
+    saved_grid = np.full((16, 24, 3), 200, np.uint8)
+    (run_dir / SAMPLES_DIR).mkdir(parents=True)
+    Image.fromarray(saved_grid).save(run_dir / SAMPLES_DIR / "step_4.png")
+    history = [{"step": 2, "loss": 0.5}, {"step": 4, "loss": 0.25, "sample_grid_s": 0.1}]
     with mlflow_server(tmp_path) as uri:
         config = _tracker_config(tmp_path, uri)
-        first = Trackers(config, str(run_dir))
-        for step in (2, 4, 6):
-            if step in (4, 6):
-                first.log_image("samples", grid, step)
-            assert first.log_metrics({"step": step, "loss": 1.0 / step}, step)
+        first = Trackers(config, str(run_dir), [])
+        for row in [*history, {"step": 6, "loss": 1 / 6}]:
+            if row["step"] in (4, 6):
+                first.log_image("samples", grid, row["step"])
+            assert first.log_metrics(row, row["step"])
         first.finish("failed")
         ids = read_state(str(run_dir))["ids"]
         assert read_state(str(run_dir))["logged_through"] == 6 and set(ids) == {"tensorboard", "mlflow", "wandb"}
+        cut_wandb_file_after(run_dir, ids["wandb"], 2)  # what a service killed after writing step 2 leaves
 
-        second = Trackers(config, str(run_dir))
-        assert second.logged_through == 6
-        second.log_image("samples", grid, 6)  # re-done: already logged
-        second.log_image("samples", grid, 8)
-        logged = [second.log_metrics({"step": step, "loss": 10.0 / step}, step) for step in (6, 8)]
-        assert logged == [False, True]
+        second = Trackers(config, str(run_dir), history)
+        assert second.held == {"tensorboard": 4, "mlflow": 6, "wandb": 4}
+        for step in (6, 8):  # 6 is re-done: MLflow holds it, TensorBoard purged it
+            second.log_image("samples", grid, step)
+            assert second.log_metrics({"step": step, "loss": 10.0 / step}, step)
         second.finish("success")
         assert read_state(str(run_dir)) == {"ids": ids, "logged_through": 8}
 
         scalars, images = tensorboard_scalars(run_dir / TENSORBOARD_DIR)
-        assert [(s, round(v, 4)) for s, v in scalars["loss"]] == [(2, 0.5), (4, 0.25), (6, 0.1667), (8, 1.25)]
+        assert [(s, round(v, 4)) for s, v in scalars["loss"]] == [(2, 0.5), (4, 0.25), (6, 1.6667), (8, 1.25)]
         assert images == {"samples": [4, 6, 8]}
         assert (run_dir / TENSORBOARD_DIR / "hparams.yaml").read_text().count("tracked") >= 1
 
@@ -185,13 +197,36 @@ def test_trackers_hold_each_step_once_across_a_restart(tmp_path, monkeypatch):
         artifacts = [a.path for a in client.list_artifacts(ids["mlflow"], "images")]
         assert len(artifacts) >= 3, artifacts
 
-    runs = wandb_offline_runs(run_dir)
-    assert [run_id for run_id, _ in runs] == [ids["wandb"], ids["wandb"]]
-    steps = [int(row["trainer/global_step"]) for _, rows in runs for row in rows if "loss" in row]
-    assert steps == [2, 4, 6, 8]
-    image_steps = [int(row["trainer/global_step"]) for _, rows in runs for row in rows if "samples/_type" in row]
-    assert image_steps == [4, 6, 8]
+    runs = run_files(str(run_dir))
+    assert [run.run_id for run in runs] == [ids["wandb"], ids["wandb"]]
+    rows = [(int(row["trainer/global_step"]), row) for run in runs for row in run.history]
+    assert [(step, round(float(row["loss"]), 4)) for step, row in rows if "loss" in row] == [
+        (2, 0.5),
+        (4, 0.25),  # from the checkpoint's history
+        (6, 1.6667),
+        (8, 1.25),
+    ]
+    assert [step for step, row in rows if "samples/_type" in row] == [4, 6, 8]
     assert (run_dir / STATE_FILE).exists()
+
+
+def cut_wandb_file_after(run_dir: Path, run_id: str, step: int) -> None:
+    """Cut the oldest W&B run file of ``run_id`` to its longest prefix with no row past ``step``."""
+    path = Path(run_files(str(run_dir), run_id)[0].path)
+    data, probe = path.read_bytes(), path.with_suffix(".probe")
+
+    def past(length: int) -> bool:
+        probe.write_bytes(data[:length])
+        return any(s > step for s in read_run_file(str(probe)).steps())
+
+    low, high = 0, len(data)  # past(high) holds; find the shortest such prefix
+    assert past(high)
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (low, middle) if past(middle) else (middle, high)
+    probe.unlink()
+    path.write_bytes(data[:low])
+    assert max(read_run_file(str(path)).steps()) == step
 
 
 @pytest.mark.slow
@@ -286,46 +321,6 @@ def tensorboard_scalars(log_dir: Path) -> tuple[dict[str, list[tuple[int, float]
     scalars = {tag: [(e.step, e.value) for e in accumulator.Scalars(tag)] for tag in tags["scalars"]}
     images = {tag: [e.step for e in accumulator.Images(tag)] for tag in tags["images"]}
     return scalars, images
-
-
-def wandb_offline_runs(save_dir: Path) -> list[tuple[str, list[dict[str, str]]]]:
-    """Every offline W&B run under ``save_dir``, oldest first: (run id, its history rows, values as JSON)."""
-    from wandb.proto import wandb_internal_pb2
-
-    runs = []
-    for path in sorted(glob.glob(str(save_dir / "wandb" / "offline-run-*" / "run-*.wandb"))):
-        run_id, rows = "", []
-        for data in _leveldb_records(Path(path).read_bytes()):
-            record = wandb_internal_pb2.Record()
-            record.ParseFromString(data)
-            kind = record.WhichOneof("record_type")
-            if kind == "run":
-                run_id = record.run.run_id
-            elif kind == "history":
-                rows.append({item.key or "/".join(item.nested_key): item.value_json for item in record.history.item})
-        runs.append((run_id, rows))
-    return runs
-
-
-def _leveldb_records(data: bytes) -> Iterator[bytes]:
-    # W&B's transaction log: a 7-byte header (":W&B", magic, version), then LevelDB's log format
-    # (32 KiB blocks of records: crc32 4 bytes, length 2, type 1; FULL=1, FIRST=2, MIDDLE=3, LAST=4).
-    assert data[:4] == b":W&B", "not a W&B transaction log"
-    block, position, parts = 32768, 7, b""
-    while position + 7 <= len(data):
-        left = block - position % block
-        if left < 7:
-            position += left
-            continue
-        _, length, kind = struct.unpack("<IHB", data[position : position + 7])
-        if kind == 0:
-            return
-        position += 7
-        parts += data[position : position + length]
-        position += length
-        if kind in (1, 4):
-            yield parts
-            parts = b""
 
 
 @pytest.mark.slow
@@ -429,12 +424,11 @@ def test_a_killed_and_resumed_run_shows_each_step_once_everywhere(
     for alarm in ("Progress bars disabled", "registers for logging while another dataset"):
         assert alarm not in out + err
 
-    runs = wandb_offline_runs(run_dir)
+    runs = run_files(str(run_dir))
     # A worker killed before its W&B service wrote the run's header leaves a file without it.
-    assert [run_id for run_id, _ in runs if run_id] == [state["ids"]["wandb"]] * len([r for r, _ in runs if r])
-    assert len([run_id for run_id, _ in runs if run_id]) >= 2  # the restarted worker's, the driver's export
-    steps = [int(row["trainer/global_step"]) for _, rows in runs for row in rows if "loss" in row]
-    # Each step at most once. What the killed worker's W&B service still held unwritten is lost with it
-    # (docs/observability.md): the steps between its last flush and the kill may be missing.
-    assert steps == sorted(set(steps)) and set(steps) <= set(expected)
-    assert set(expected[-4:]) <= set(steps)  # the restarted worker's, all there
+    assert {run.run_id for run in runs} <= {state["ids"]["wandb"], ""}
+    assert len([run for run in runs if run.run_id]) >= 2  # the restarted worker's, the driver's export
+    steps = [step for run in runs for step in run.steps("loss")]
+    # Each step once: what the killed worker's W&B service had not written came from the checkpoint.
+    assert steps == expected
+    assert [step for run in runs for step in run.steps("samples/_type")] == grids

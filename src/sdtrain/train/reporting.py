@@ -136,7 +136,7 @@ class StepReporter(pl.Callback):
             self.history.append(metrics)
             if self.view is not None:
                 self._enter(Phase.SAMPLE_GRID)
-                self.view.reported(metrics, self.history, pl_module)
+                self.view.reported(metrics, self.history, pl_module, with_checkpoint)
         self._enter(Phase.CHECKPOINT if with_checkpoint else Phase.REPORT)
         if with_checkpoint:
             self._checkpoint_stall = report_with_checkpoint(

@@ -70,20 +70,27 @@ class RunView:
         max_steps: train.max_steps (a grid is drawn at the last step).
         ray_metrics: export Ray gauges (only inside a Ray worker).
         """
+        self.config = config
+        self.run_dir = run_dir
         self.grids = grids
         self.max_steps = max_steps
         self.live = LiveOutputs(run_dir, LossLabels(config.model.prediction_type, config.train.snr_gamma))
-        self.trackers = Trackers(config, run_dir) if config.run.trackers else None
+        self.trackers: Trackers | None = None  # opened by started(), which knows where the run resumes
         self.gauges = RayGauges(config.run.name) if ray_metrics else None
 
     def started(self, history: list[dict[str, float]]) -> None:
         """The worker group starts from the checkpoint whose rows are ``history`` ([] for a fresh run):
-        the live files drop rows of steps re-done after a restart."""
+        the live files drop rows of steps re-done after a restart; the trackers get the rows they lack."""
         self.live.update(history)
+        if self.config.run.trackers:
+            self.trackers = Trackers(self.config, self.run_dir, history)
 
-    def reported(self, metrics: dict[str, float], history: list[dict[str, float]], module: Any) -> None:
+    def reported(
+        self, metrics: dict[str, float], history: list[dict[str, float]], module: Any, checkpoint: bool = False
+    ) -> None:
         """A report of ``metrics``, already appended to ``history``; a sample grid when one is due, from
-        ``module.eval_unet``, adds its metrics (sample_grid_s, and sample_class_agreement for the demo)."""
+        ``module.eval_unet``, adds its metrics (sample_grid_s, and sample_class_agreement for the demo);
+        ``checkpoint``: a checkpoint of this step follows."""
         step = int(metrics["step"])
         if self.grids is not None and self.grids.due(step, self.max_steps):
             grid = self.grids.sample(module.eval_unet, step)
@@ -96,6 +103,8 @@ class RunView:
             self.gauges.set(metrics)
         if self.trackers is not None:
             self.trackers.log_metrics(metrics, int(metrics["step"]))
+            if checkpoint:
+                self.trackers.before_checkpoint()
 
     def image(self, key: str, image: np.ndarray, step: int) -> None:
         """An H x W x 3 uint8 image of ``step`` for the trackers (before that step's report)."""

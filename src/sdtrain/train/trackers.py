@@ -2,14 +2,20 @@
 loggers, driven by rank 0 at each report rather than by ``self.log`` (which knows nothing of restarts).
 
 One tracker run per training run, however often it restarts: the ids live in ``trackers.json`` in
-the run directory, with the last step logged. A worker group that resumes from an earlier
-checkpoint re-does steps already logged; those are not logged again, so every tracker holds each
-step once (the first time it was trained; metrics.csv holds the re-done values).
+the run directory. Each tracker holds each step once across restarts. A worker group starting from
+the checkpoint of step S asks each tracker what it already holds, logs what it lacks up to S from the
+checkpoint's history (a killed worker's W&B service may have died before writing its last steps), and
+then logs each step the tracker does not hold yet:
+- TensorBoard holds every step up to S (flushed before the checkpoint was taken); its new event file
+  purges the steps after S, which are logged again as they are re-done (the values metrics.csv shows).
+- MLflow holds what its server has; a re-done step it already holds keeps the first value.
+- W&B holds what its run files hold (offline) or its server's summary says (online); likewise.
 """
 
 from __future__ import annotations
 
 import importlib
+import io
 import json
 import logging
 import os
@@ -28,10 +34,13 @@ from sdtrain.errors import ConfigError
 from sdtrain.storage.filesystems import filesystem_for, local_copy
 from sdtrain.storage.uris import is_uri
 from sdtrain.train.live import BackgroundWriter
+from sdtrain.train.sample_grids import SAMPLES_DIR
+from sdtrain.train.wandb_files import STEP_KEY, run_files
 
 log = logging.getLogger("sdtrain")
 
 STATE_FILE = "trackers.json"
+HELD_KEY = "loss"  # in every report: the steps a tracker holds are those it has this metric at
 TENSORBOARD_DIR = "tensorboard"
 WANDB_DIR = "wandb"
 # Settings the driver's environment gives the trackers, handed to the workers (a cluster started
@@ -97,17 +106,19 @@ def _wandb_save_dir(run_dir: str) -> str:
 
 class Trackers:
     """Rank 0's tracker runs for one worker group: hyperparameters once per tracker run, metrics and
-    images at their steps, each step at most once across restarts."""
+    images at their steps, each step once across restarts."""
 
-    def __init__(self, config: Config, run_dir: str):
+    def __init__(self, config: Config, run_dir: str, history: list[dict[str, float]]):
         """Args:
         config: the run's config (logged in full as hyperparameters).
         run_dir: the run's directory (run.storage_path/run.name), local or s3://.
+        history: the rows of the checkpoint this worker group starts from ([] for a fresh run).
         """
         self.run_dir = run_dir
         self.state = read_state(run_dir)
         self.logged_through: int = self.state["logged_through"]
         ids: dict[str, str] = self.state["ids"]
+        resumed_step = int(history[-1]["step"]) if history else 0
         self._state_writer = BackgroundWriter("sdtrain-tracker-state")
         # TensorBoard writes through fsspec, which needs s3fs for s3://: on object storage it writes
         # on this node's disk, and the event files are copied to run_dir/tensorboard after each flush.
@@ -115,44 +126,64 @@ class Trackers:
         self._mirror_writer = BackgroundWriter("sdtrain-tensorboard-mirror")
         # Any: each tracker's extras (experiment, run_id, log_image) are its own logger class's.
         self.loggers: dict[str, Any] = {}
+        # tracker -> the last step it holds: it is sent only later ones.
+        self.held: dict[str, int] = {}
         for name in config.run.trackers:
+            known = name in ids
             where = self._tensorboard_local if name == "tensorboard" and self._tensorboard_local else run_dir
-            logger = _build_logger(name, config, where, ids.get(name))
+            purge_step = resumed_step + 1 if name == "tensorboard" and known and resumed_step else None
+            logger = _build_logger(name, config, where, ids.get(name), purge_step)
             # MLflow refuses a param changed on resume (W&B keeps the first); TensorBoard's hparams.yaml
             # is rewritten from what this worker group logged, so it gets them at every start.
-            if name not in ids or name == "tensorboard":
+            if not known or name == "tensorboard":
                 logger.log_hyperparams(config.to_dict())
             ids[name] = _run_id(name, logger)
             self.loggers[name] = logger
+            self.held[name] = self._held_step(name, logger, resumed_step) if known else -1
+        self._catch_up(history)
         self._save_state()
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> bool:
-        """Log ``metrics`` at ``step`` to every tracker unless a previous worker group already did; returns
-        whether they were logged."""
-        if step <= self.logged_through:
-            return False
+        """Log ``metrics`` at ``step`` to every tracker that does not hold that step yet; returns whether
+        any did not."""
         values = {key: float(value) for key, value in metrics.items() if key != "step"}
-        for name, logger in self.loggers.items():
+        behind = [name for name, held in self.held.items() if step > held]
+        for name in behind:
+            logger = self.loggers[name]
             logger.log_metrics(values, step)
             if name == "tensorboard":  # its writer flushes every 2 minutes: a killed worker would lose them
                 logger.experiment.flush()
                 self._mirror_tensorboard()
-        self.logged_through = step
-        self._save_state()
-        return True
+            self.held[name] = step
+        if behind:
+            self.logged_through = max(self.logged_through, step)
+            self._save_state()
+        return bool(behind)
 
     def log_image(self, key: str, image: np.ndarray, step: int) -> None:
         """Send an H x W x 3 uint8 image to every tracker at ``step`` (call before :meth:`log_metrics` of
-        that step: a step already logged is skipped)."""
-        if step <= self.logged_through:
-            return
+        that step: a step a tracker holds is skipped)."""
         for name, logger in self.loggers.items():
+            if step <= self.held[name]:
+                continue
             if name == "tensorboard":
                 logger.experiment.add_image(key, image, step, dataformats="HWC")
             elif name == "mlflow":
                 logger.experiment.log_image(logger.run_id, image, key=key, step=step)
-            elif name == "wandb":
-                logger.log_image(key, [image], step=step)
+            elif name == "wandb":  # in the row of the step's metrics: a row is written whole or not at all
+                import wandb
+
+                logger.experiment.log({key: wandb.Image(image)}, commit=False)
+
+    def before_checkpoint(self, timeout: float = 300) -> None:
+        """Wait until TensorBoard's event files are in the run directory: a restart from the checkpoint
+        about to be taken takes every step up to it as held there.
+
+        Args:
+            timeout: seconds to wait at most.
+        """
+        if self._tensorboard_local is not None and not self._mirror_writer.flush(timeout):
+            log.warning("TensorBoard's event files were not copied to the run directory within %d s", timeout)
 
     def finish(self, status: str = "success") -> None:
         """Flush and close every tracker run (it continues when the run resumes).
@@ -167,6 +198,36 @@ class Trackers:
         self._mirror_tensorboard()
         self._mirror_writer.close(timeout=60)
         self._state_writer.close(timeout=60)
+
+    def _held_step(self, name: str, logger: Any, resumed_step: int) -> int:
+        """The last step a tracker run continued from an earlier worker group holds."""
+        if name == "tensorboard":
+            return resumed_step  # what came after is purged by the new event file
+        if name == "mlflow":
+            points = logger.experiment.get_metric_history(logger.run_id, HELD_KEY)
+            return max((point.step for point in points), default=-1)
+        run = logger.experiment
+        if not run.offline:  # the server's summary of the resumed run: its last step logged
+            return int(run.summary.get(STEP_KEY, -1))
+        if is_uri(self.run_dir):  # offline files on another attempt's scratch disk, out of reach
+            return self.logged_through
+        steps = [step for file in run_files(self.run_dir, run.id) for step in file.steps(HELD_KEY)]
+        return max(steps, default=-1)
+
+    def _catch_up(self, history: list[dict[str, float]]) -> None:
+        """Log the checkpoint's rows a tracker lacks, with their sample grids (samples/step_<N>.png)."""
+        lacking = {name: held for name, held in self.held.items() if history and held < int(history[-1]["step"])}
+        for row in history:
+            step = int(row["step"])
+            if all(step <= held for held in self.held.values()):
+                continue
+            if "sample_grid_s" in row:
+                grid = _saved_grid(self.run_dir, step)
+                if grid is not None:
+                    self.log_image("samples", grid, step)
+            self.log_metrics(row, step)
+        for name, held in lacking.items():
+            log.info("%s held the run up to step %d: logged the checkpoint's later rows again", name, held)
 
     def _mirror_tensorboard(self) -> None:
         local = self._tensorboard_local
@@ -184,12 +245,26 @@ class Trackers:
         self._state_writer.submit(lambda: _write_state(self.run_dir, state))
 
 
-def _build_logger(name: str, config: Config, run_dir: str, run_id: str | None) -> Logger:
+def _saved_grid(run_dir: str, step: int) -> np.ndarray | None:
+    from PIL import Image
+
+    fs, path = filesystem_for(posixpath.join(run_dir, SAMPLES_DIR, f"step_{step}.png"))
+    try:
+        with fs.open_input_stream(path) as f:
+            return np.asarray(Image.open(io.BytesIO(f.read())).convert("RGB"))
+    except FileNotFoundError:
+        return None
+
+
+def _build_logger(name: str, config: Config, run_dir: str, run_id: str | None, purge_step: int | None) -> Logger:
     if name == "tensorboard":
         from lightning.pytorch.loggers import TensorBoardLogger
 
         # version="": event files straight in run_dir/tensorboard, one directory across restarts.
-        return TensorBoardLogger(run_dir, name=TENSORBOARD_DIR, version="", default_hp_metric=False)
+        # purge_step: TensorBoard drops the earlier files' events from that step on (steps re-done).
+        return TensorBoardLogger(
+            run_dir, name=TENSORBOARD_DIR, version="", default_hp_metric=False, purge_step=purge_step
+        )
     if name == "mlflow":
         from lightning.pytorch.loggers import MLFlowLogger
 
