@@ -44,6 +44,8 @@ def _config(tmp_path, max_steps):
             "run.checkpoint_every_n_steps=3",
             "run.log_every_n_steps=2",
             "run.num_to_keep=null",
+            "run.sample_columns=2",  # a grid with each checkpoint: drawn, at a tenth of the default's cost
+            "run.sample_steps=4",
         ],
     )
 
