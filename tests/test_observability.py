@@ -428,6 +428,7 @@ def test_a_killed_and_resumed_run_shows_each_step_once_everywhere(
     # A worker killed before its W&B service wrote the run's header leaves a file without it.
     assert {run.run_id for run in runs} <= {state["ids"]["wandb"], ""}
     assert len([run for run in runs if run.run_id]) >= 2  # the restarted worker's, the driver's export
+    assert [name for run in runs for name in run.artifacts] == ["watched-export"]
     steps = [step for run in runs for step in run.steps("loss")]
     # Each step once: what the killed worker's W&B service had not written came from the checkpoint.
     assert steps == expected

@@ -34,6 +34,8 @@ class RunFile:
     """The run's id from its run record ("" when the service died before writing it)."""
     history: list[dict[str, str]] = field(default_factory=list)
     """Its history rows in order: key (nested keys joined with /) -> value as JSON."""
+    artifacts: list[str] = field(default_factory=list)
+    """The names of the artifacts it logged."""
 
     def steps(self, key: str | None = None) -> list[int]:
         """The trainer steps of its history rows.
@@ -81,6 +83,8 @@ def read_run_file(path: str) -> RunFile:
             run.run_id = record.run.run_id
         elif kind == "history":
             run.history.append({item.key or "/".join(item.nested_key): item.value_json for item in record.history.item})
+        elif kind == "artifact":
+            run.artifacts.append(record.artifact.name)
     return run
 
 
