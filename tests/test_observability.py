@@ -328,9 +328,10 @@ def tensorboard_scalars(log_dir: Path) -> tuple[dict[str, list[tuple[int, float]
 def test_a_killed_and_resumed_run_shows_each_step_once_everywhere(
     ray_cluster, tmp_path, monkeypatch, run_attempts, capfd
 ):
-    """One worker, SIGKILLed once the first checkpoint is committed: the live files were there while it
-    trained, and after the restart every tracker and metrics.csv hold each step once; the sample grids,
-    the export artifact and the registered model version are there."""
+    """Two workers, one SIGKILLed (no polite exception) once the first checkpoint is committed: Ray Train
+    restarts the group, which resumes from that checkpoint and ends exactly at max_steps. The live files
+    were there while it trained, and after the restart every tracker and metrics.csv hold each step once;
+    the sample grids, the export artifact and the registered model version are there."""
 
     import mlflow
     import psutil
@@ -371,7 +372,7 @@ def test_a_killed_and_resumed_run_shows_each_step_once_everywhere(
                 f"train.max_steps={max_steps}",
                 "train.global_batch_size=8",
                 "train.ema_decay=0.9",
-                "scaling.num_workers=1",
+                "scaling.num_workers=2",
                 f"run.storage_path={tmp_path}/runs",
                 "run.name=watched",
                 f"run.checkpoint_every_n_steps={every}",
@@ -388,6 +389,7 @@ def test_a_killed_and_resumed_run_shows_each_step_once_everywhere(
         summary = train(config)
         killer.join()
         assert killed, "no RayTrainWorker process was found to kill"
+        assert not psutil.pid_exists(killed[0])
         assert run_attempts("watched") == 2 and summary.final_step == max_steps
         assert seen_live and seen_live[-1] >= every and seen_live == sorted(set(seen_live))
 
@@ -395,7 +397,10 @@ def test_a_killed_and_resumed_run_shows_each_step_once_everywhere(
         grids = list(range(every, max_steps + 1, every))
         with open(run_dir / METRICS_FILE) as f:
             rows = list(csv.DictReader(f))
+        # Steps after the checkpoint the restart resumed from were dropped with the state they described.
         assert [int(r["step"]) for r in rows] == expected
+        restarted = [(int(r["step"]), int(float(r["start_step"]))) for r in rows if float(r["start_step"]) > 0]
+        assert restarted and restarted[0][1] % every == 0 and restarted[0][0] == restarted[0][1] + 2
         assert [int(r["step"]) for r in rows if r["sample_grid_s"]] == grids
         assert {p.name for p in (run_dir / SAMPLES_DIR).iterdir()} == {f"step_{s}.png" for s in grids}
         assert all(p.read_bytes()[:8] == PNG for p in (run_dir / SAMPLES_DIR).iterdir())
