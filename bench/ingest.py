@@ -335,7 +335,9 @@ def child(args) -> None:
         # before the first stream: done (not timed) here, as the cluster is.
         from sdtrain.data.ray_data_startup import warm_up_ray_data
 
-        warm_up_ray_data().join()
+        warm_up = warm_up_ray_data()
+        assert warm_up is not None  # a fresh cluster
+        warm_up.join()
         holder = {}
 
         def make():

@@ -127,7 +127,7 @@ def test_the_driver_starts_ray_datas_cluster_actors_before_any_stream_and_quietl
     """sdtrain.data.ray_data_startup: until Ray Data's autoscaling coordinator answers, a stream's executor
     sees no CPUs and reads one window at a time; on a fresh cluster the coordinator takes seconds
     to start. The warm-up (a fresh cluster of its own here) starts it and the stats actor, and
-    keeps its own dataset's lines off the console."""
+    keeps its own dataset's lines off the console; on a cluster that has them it runs nothing."""
     code = textwrap.dedent("""
         import ray
         ray.init(address="local", num_cpus=1, include_dashboard=False)
@@ -138,6 +138,7 @@ def test_the_driver_starts_ray_datas_cluster_actors_before_any_stream_and_quietl
         thread.join(120)
         assert not thread.is_alive(), "the warm-up did not finish in 120 s"
         assert {"AutoscalingCoordinator", "datasets_stats_actor"} <= named(), named()
+        assert warm_up_ray_data() is None  # the next run on this cluster: nothing to start
         ray.shutdown()
     """)
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)

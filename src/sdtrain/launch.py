@@ -182,7 +182,8 @@ def train(config: Config) -> RunSummary:
     except ray.train.TrainingFailedError as e:
         raise TrainingFailed(failure_message(e, run_dir)) from None
     finally:
-        warm_up.join(timeout=60)  # seconds into a run it is long done; nothing of ours outlives train()
+        if warm_up is not None:
+            warm_up.join(timeout=60)  # seconds into a run it is long done; nothing of ours outlives train()
 
     return _finish(config, result)
 

@@ -12,7 +12,10 @@ in bench/README.md, figures in bench/results/).
 :func:`warm_up_ray_data` runs one tiny dataset on the driver, in the background, while Ray Train
 starts its controller and workers, which usually takes longer, so the first stream finds it done.
 It creates both actors, and leaves an idle worker process that has imported Ray Data and the
-package's reader, which the first read task can take.
+package's reader, which a stream read from the driver can take (``bench/ingest.py``'s); a train
+worker's read tasks run in Ray Train's worker runtime environment and so start processes of their
+own. The actors live as long as the cluster: on a cluster that has them (every run after the first
+on a long-lived cluster, a retry), there is nothing to start and no dataset is run.
 """
 
 from __future__ import annotations
@@ -24,6 +27,11 @@ import time
 import numpy as np
 import ray.data
 from ray.data._internal.datasource.range_datasource import RangeDatasource
+from ray.data._internal.stats import STATS_ACTOR_NAME, STATS_ACTOR_NAMESPACE
+
+# Ray Data's names for its coordinator (ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator,
+# where they are literals).
+COORDINATOR_NAME = COORDINATOR_NAMESPACE = "AutoscalingCoordinator"
 
 log = logging.getLogger("sdtrain")
 _THREAD_NAME = "sdtrain-ray-data-warmup"
@@ -40,17 +48,26 @@ class _NotFromWarmUp(logging.Filter):
 _QUIET = _NotFromWarmUp()
 
 
-def warm_up_ray_data() -> threading.Thread:
-    """Start Ray Data's cluster-wide actors and a read worker in the background; returns the thread.
+def warm_up_ray_data() -> threading.Thread | None:
+    """Start Ray Data's cluster-wide actors and a read worker in the background; returns the thread,
+    or None where the cluster has the actors already.
 
     An optimization only: a failure is logged, never raised (the streams then pay the start-up).
     """
+    if _cluster_actors_exist():
+        return None
     for handler in logging.getLogger("ray.data").handlers:
         if isinstance(handler, logging.StreamHandler) and _QUIET not in handler.filters:
             handler.addFilter(_QUIET)
     thread = threading.Thread(target=_run, name=_THREAD_NAME, daemon=True)
     thread.start()
     return thread
+
+
+def _cluster_actors_exist() -> bool:
+    """Whether Ray Data's autoscaling coordinator and stats actor run on this cluster already."""
+    named = {(actor["namespace"], actor["name"]) for actor in ray.util.list_named_actors(all_namespaces=True)}
+    return {(COORDINATOR_NAMESPACE, COORDINATOR_NAME), (STATS_ACTOR_NAMESPACE, STATS_ACTOR_NAME)} <= named
 
 
 def _run() -> None:
