@@ -306,16 +306,24 @@ def _ids_config(tmp_path, name, max_steps, workers, *extra):
     )
 
 
-def _trained_ids(run_dir):
-    return np.concatenate([np.load(run_dir / name / SAMPLES_FILE).ravel() for name in _checkpoints(run_dir)])
+def _trained_ids(run_dir, batch=8):
+    """The rows of every optimizer step in step order, each step's ranks in rank order: a checkpoint's samples
+    are (world size, rows since the previous checkpoint), each rank's next ``batch / world size`` for a step."""
+    steps = []
+    for name in _checkpoints(run_dir):
+        samples = np.load(run_dir / name / SAMPLES_FILE)
+        per_rank = batch // samples.shape[0]
+        steps += [samples[:, k : k + per_rank].ravel() for k in range(0, samples.shape[1], per_rank)]
+    return np.concatenate(steps)
 
 
 @pytest.mark.timeout(900)
 def test_every_sample_once_per_epoch_across_restarts_and_world_sizes_and_bitwise_resume(ray_cluster, tmp_path):
     """96 rows, 8 per step: one epoch = 12 steps. Micro-batches of 2: 2 workers accumulate 2, one accumulates 4.
 
-    A: 12 steps straight on 2 workers. B: 6 steps, stop, resume to 12 on 2 workers.
-    C: 5 steps on 2 workers (stopping inside a shuffle window), resume to 12 on 1 worker.
+    A: 12 steps straight on 2 workers. B: 5 steps on 2 workers (stopping inside a shuffle window), then
+    resumed to 12 on 2 workers: the same rows in the same order as A, and bitwise the same weights.
+    C: a copy of B's run as it was at step 5, resumed to 12 on 1 worker: every row once.
     """
     write_latents(tmp_path / "train/a.parquet", rows=40, seed=1, row_group_size=8)
     write_latents(tmp_path / "train/b.parquet", rows=56, seed=2, row_group_size=8)
@@ -326,7 +334,14 @@ def test_every_sample_once_per_epoch_across_restarts_and_world_sizes_and_bitwise
     assert sorted(straight) == every_row
     assert not np.array_equal(straight, every_row)  # shuffled
 
-    train(_ids_config(tmp_path, "b", 6, 2))
+    train(_ids_config(tmp_path, "b", 5, 2))
+    saved = json.loads((tmp_path / "runs/b/checkpoint_000000005" / DATA_STATE_FILE).read_text())
+    assert (saved["step"], saved["data"]) == (5, {"epoch": 0, "segments": [[2, 20]]})
+    # What the position refers to, checked when the run resumes (at another world size: not part of it).
+    assert (saved["plan"]["files"], saved["plan"]["rows"], saved["plan"]["chunk_rows"]) == (2, 96, 5)
+    # Ray Train's record names its checkpoints relative to the run: a copy is a run of its own.
+    shutil.copytree(tmp_path / "runs/b", tmp_path / "runs/c")
+
     summary = train(_ids_config(tmp_path, "b", 12, 2))
     assert summary.final_step == 12
     resumed = _trained_ids(tmp_path / "runs/b")
@@ -336,11 +351,6 @@ def test_every_sample_once_per_epoch_across_restarts_and_world_sizes_and_bitwise
     assert weights_a.keys() == weights_b.keys()
     assert all(torch.equal(weights_a[k], weights_b[k]) for k in weights_a)  # bitwise
 
-    train(_ids_config(tmp_path, "c", 5, 2))
-    saved = json.loads((tmp_path / "runs/c/checkpoint_000000005" / DATA_STATE_FILE).read_text())
-    assert (saved["step"], saved["data"]) == (5, {"epoch": 0, "segments": [[2, 20]]})
-    # What the position refers to, checked when the run resumes (at another world size: not part of it).
-    assert (saved["plan"]["files"], saved["plan"]["rows"], saved["plan"]["chunk_rows"]) == (2, 96, 5)
     train(_ids_config(tmp_path, "c", 12, 1))
     assert sorted(_trained_ids(tmp_path / "runs/c")) == every_row
     assert json.loads((tmp_path / "runs/c/checkpoint_000000012" / DATA_STATE_FILE).read_text())["data"] == {
