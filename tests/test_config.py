@@ -82,6 +82,7 @@ def test_round_trip_through_dict():
         (BASE + ["run.num_to_keep=0"], r"run\.num_to_keep: must be >= 1 or null"),
         (BASE + ["run.val_every_n_steps=0"], r"run\.val_every_n_steps: must be >= 1 or null"),
         (BASE + ["failure.max_failures=-2"], r"failure\.max_failures: must be >= -1"),
+        (BASE + ["failure.max_preemptions=-2"], r"failure\.max_preemptions: must be >= -1"),
         (BASE + ["data.prefetch_batches=-1"], r"data\.prefetch_batches: must be >= 0"),
         (BASE + ["data.image_column="], r"data\.image_column: expected str, got None"),
         (["data.train=[a,b]", "data.demo=true"], r"data\.demo: needs data\.train .* single directory"),

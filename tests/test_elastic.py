@@ -1,5 +1,8 @@
-"""An elastic run on a Ray cluster of several nodes on this machine: a node is lost mid-run, another joins later."""
+"""An elastic run on a Ray cluster of several nodes on this machine: a node is reclaimed mid-run (as a spot
+instance is), another joins later."""
 
+import json
+import re
 import threading
 import time
 from pathlib import Path
@@ -8,13 +11,14 @@ import numpy as np
 import pytest
 from conftest import committed_checkpoints, write_latents
 
-from sdtrain.artifacts.checkpoint_format import SAMPLES_FILE
+from sdtrain.artifacts.checkpoint_format import HISTORY_FILE, SAMPLES_FILE
 from sdtrain.config.loader import load_config
 from sdtrain.launch import train
 
 pytestmark = pytest.mark.slow  # a Ray cluster of three raylets and three worker groups, one after another
 
 ROWS, BATCH = 96, 8  # one epoch = 12 steps
+RECLAIM_S = 15  # the notice a reclaimed node gets (clouds give 30-120 s)
 
 
 @pytest.fixture
@@ -58,12 +62,12 @@ def _config(tmp_path: Path, max_steps: int):
             "scaling.use_gpu=false",
             f"run.storage_path={tmp_path}/runs",
             "run.name=elastic",
-            "run.checkpoint_every_n_steps=10",
+            "run.checkpoint_every_n_steps=50",  # the reclaim notice falls between two
             "scaling.resize_check_s=30",  # the join is used sooner than at Ray's default of 60 s
             "run.log_every_n_steps=10",
             "run.num_to_keep=null",
             "run.record_samples=true",
-            "failure.max_failures=4",
+            "failure.max_failures=0",  # a preemption must not spend one
         ],
     )
 
@@ -97,10 +101,26 @@ def node_of_a_training_worker(cluster):
     raise AssertionError("no RayTrainWorker process was started by a worker node's raylet")
 
 
-def lose_a_node_then_add_one(cluster, run_dir: Path, running, deadline_s: float = 200) -> dict:
-    """Once a checkpoint is committed: remove a node hosting a training worker; once a smaller group has
-    committed a checkpoint, add a node with 1 CPU. Returns what it did, or why it stopped (``running``: a callable
-    that says whether the run still runs)."""
+def reclaim(cluster, node, seconds: int) -> None:
+    """Tell Ray that ``node`` is taken away in ``seconds``, as a cloud's spot reclaim notice does (what
+    ``ray drain-node --reason DRAIN_NODE_REASON_PREEMPTION`` sends, from this process)."""
+    import ray
+    from ray.core.generated import autoscaler_pb2
+
+    deadline_ms = time.time_ns() // 1_000_000 + seconds * 1000
+    reason = autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION")
+    accepted, why = ray._raylet.GcsClient(address=cluster.address).drain_node(
+        node.node_id, reason, "spot instance reclaimed (test)", deadline_ms
+    )
+    assert accepted, why
+
+
+def reclaim_a_node_then_add_one(cluster, run_dir: Path, running, deadline_s: float = 200) -> dict:
+    """Once a checkpoint is committed: give notice that a node hosting a training worker is reclaimed in
+    RECLAIM_S seconds, and remove it at that deadline (its raylet and every process on it killed) once a
+    checkpoint was committed after the notice; once a smaller group has committed a checkpoint, add a node
+    with 1 CPU.
+    Returns what it did, or why it stopped (``running``: a callable that says whether the run still runs)."""
     events: dict = {}
     deadline = time.monotonic() + deadline_s
 
@@ -116,8 +136,18 @@ def lose_a_node_then_add_one(cluster, run_dir: Path, running, deadline_s: float 
         return events
     events["world_before"] = _recorded(run_dir)[0].shape[0]
     node = node_of_a_training_worker(cluster)
-    cluster.remove_node(node, allow_graceful=False)  # its raylet and every process on it killed
-    events["removed"] = (node.node_id, time.time(), len(committed_checkpoints(run_dir)))
+    before = set(committed_checkpoints(run_dir))
+    reclaim(cluster, node, RECLAIM_S)
+    reclaimed_at = time.monotonic() + RECLAIM_S
+    events["notice"] = (node.node_id, time.time())
+    if not wait_for("a checkpoint after the notice", lambda: set(committed_checkpoints(run_dir)) - before):
+        return events
+    events["after_notice"] = sorted(set(committed_checkpoints(run_dir)) - before)
+    # The cloud takes the node at the deadline, not before: a node that dies earlier is a failure to Ray.
+    if not wait_for("the reclaim deadline", lambda: time.monotonic() >= reclaimed_at):
+        return events
+    cluster.remove_node(node, allow_graceful=False)
+    events["removed"] = time.time()
 
     def shrunk() -> bool:
         return any(samples.shape[0] < events["world_before"] for samples in _recorded(run_dir))
@@ -127,8 +157,8 @@ def lose_a_node_then_add_one(cluster, run_dir: Path, running, deadline_s: float 
     return events
 
 
-def run_through_a_lost_and_a_joined_node(cluster, tmp_path: Path, nodes: int, max_steps: int):
-    """Train on ``nodes`` one-CPU nodes while :func:`lose_a_node_then_add_one` changes them; (summary, events)."""
+def run_through_a_reclaimed_and_a_joined_node(cluster, tmp_path: Path, nodes: int, max_steps: int):
+    """Train on ``nodes`` one-CPU nodes while :func:`reclaim_a_node_then_add_one` changes them; (summary, events)."""
     import ray
 
     write_latents(tmp_path / "train/a.parquet", rows=40, seed=1, row_group_size=8)
@@ -147,7 +177,7 @@ def run_through_a_lost_and_a_joined_node(cluster, tmp_path: Path, nodes: int, ma
 
     driver = threading.Thread(target=run, name="sdtrain-driver", daemon=True)
     driver.start()
-    events = lose_a_node_then_add_one(cluster, tmp_path / "runs/elastic", driver.is_alive)
+    events = reclaim_a_node_then_add_one(cluster, tmp_path / "runs/elastic", driver.is_alive)
     driver.join(timeout=150)  # the rest of the run takes ~80 s here
     assert not driver.is_alive(), f"the run did not end 150 s after the cluster changes: {events}"
     if "error" in outcome:
@@ -156,27 +186,41 @@ def run_through_a_lost_and_a_joined_node(cluster, tmp_path: Path, nodes: int, ma
 
 
 @pytest.mark.timeout(400)
-def test_a_lost_node_and_a_joined_one_resize_the_group_and_every_row_is_trained_once_per_epoch(
-    node_cluster, tmp_path, monkeypatch
+def test_a_reclaimed_node_and_a_joined_one_resize_the_group_lose_no_step_and_train_every_row_once_per_epoch(
+    node_cluster, tmp_path, monkeypatch, capfd
 ):
-    """Two one-CPU nodes, scaling.num_workers=[1,2] at 1 CPU each: the workers take every CPU. A node hosting a
-    worker is lost once a checkpoint is committed: Ray Train restarts the group at world size 1 on the CPU left,
-    which its data reads share (they take none of their own: a read waiting for a CPU hung the run for good).
+    """Two one-CPU nodes, scaling.num_workers=[1,2] at 1 CPU each: the workers take every CPU. Once a checkpoint
+    is committed, a node hosting a worker gets a reclaim notice, as a spot instance does, and is removed at its
+    deadline. The workers checkpoint at the step the notice reached them; at the reclaim
+    deadline Ray Train restarts the group at world size 1 on the CPU left (its data reads share it: a read waiting
+    for a CPU hung the run for good), resuming from that step, not counted as a failure (failure.max_failures=0).
     Then a node joins, and the group grows back to 2 (which only the joined node allows) when Ray Train's elastic
     policy next looks: 30 s into the group's life (scaling.resize_check_s), well short of train.max_steps."""
     # After the loss Ray Train first tries to restart at the old size (its view of the cluster lags) and gives up
     # after this many seconds (60 by default), then restarts at the size the CPUs left allow.
     monkeypatch.setenv("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "20")
-    max_steps = 300
+    # Ray Train's watcher looks for reclaim notices every 5 s by default: the notice here is short.
+    monkeypatch.setenv("RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S", "1")
+    max_steps = 204  # 17 epochs
     started = time.time()
-    summary, events = run_through_a_lost_and_a_joined_node(node_cluster, tmp_path, nodes=2, max_steps=max_steps)
+    summary, events = run_through_a_reclaimed_and_a_joined_node(node_cluster, tmp_path, nodes=2, max_steps=max_steps)
     print(f"events: {events}; run: {time.time() - started:.0f} s")
     assert "added" in events, events
     assert summary.final_step == max_steps
 
+    # The checkpoint of the notice: the first committed after it, and the step the smaller group started from
+    # (the reclaim deadline comes before the next checkpoint of the interval).
+    notices = re.findall(r"is being reclaimed in -?\d+ s: checkpoint at step (\d+)", capfd.readouterr().err)
+    assert len(notices) == 1, notices
+    reclaimed_at = int(notices[0])
+    assert events["after_notice"][0] == f"checkpoint_{reclaimed_at:09d}", events
+    history = json.loads((Path(summary.checkpoint_path) / HISTORY_FILE).read_text())
+    group_starts = sorted({row["start_step"] for row in history})
+    assert group_starts[:2] == [0, reclaimed_at], group_starts
+
     recorded = _recorded(tmp_path / "runs/elastic")
     worlds = [samples.shape[0] for samples in recorded]
-    # Each group's checkpoints in turn: 2 workers, 1 after the loss, 2 again after the join.
+    # Each group's checkpoints in turn: 2 workers, 1 after the reclaim, 2 again after the join.
     changes = [w for i, w in enumerate(worlds) if i == 0 or w != worlds[i - 1]]
     assert changes == [2, 1, 2], worlds
     steps = _steps(recorded)

@@ -154,7 +154,7 @@ def train(config: Config) -> RunSummary:
             name=config.run.name,
             storage_path=storage_path,
             storage_filesystem=storage_filesystem,
-            failure_config=ray.train.FailureConfig(max_failures=config.failure.max_failures),
+            failure_config=_failure_config(config),
             checkpoint_config=ray.train.CheckpointConfig(
                 num_to_keep=config.run.num_to_keep,
                 checkpoint_score_attribute=config.run.checkpoint_score_attribute,
@@ -265,6 +265,13 @@ def _resolve_use_gpu(scaling: ScalingConfig) -> bool:
     if scaling.use_gpu != "auto":
         return scaling.use_gpu
     return ray.cluster_resources().get("GPU", 0) > 0
+
+
+def _failure_config(config: Config) -> ray.train.FailureConfig:
+    # Ray Train v2's FailureConfig; mypy sees v1's, which lacks max_preemption_failures (see RunConfig in train()).
+    return ray.train.FailureConfig(  # type: ignore[call-arg]
+        max_failures=config.failure.max_failures, max_preemption_failures=config.failure.max_preemptions
+    )
 
 
 def _ray_num_workers(scaling: ScalingConfig):

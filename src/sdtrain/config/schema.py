@@ -345,11 +345,16 @@ class FailureConfig(Section):
     section: ClassVar[str] = "failure"
 
     max_failures: int = 3
-    """Worker-group restarts (each resumes from the latest checkpoint) before the run fails; -1 = unlimited."""
+    """Worker-group restarts (each resumes from the latest checkpoint) before the run fails; -1 = unlimited.
+    Preemptions are not counted here."""
+    max_preemptions: int = -1
+    """Restarts after a node was reclaimed (a spot instance, a drained node) before the run fails; -1 = unlimited.
+    A notice of the reclaim makes the workers save a checkpoint at once, which the restart resumes from."""
 
     def __post_init__(self):
-        if self.max_failures < -1:
-            self._fail("max_failures", f"must be >= -1, got {self.max_failures}")
+        for key in ("max_failures", "max_preemptions"):
+            if getattr(self, key) < -1:
+                self._fail(key, f"must be >= -1, got {getattr(self, key)}")
 
 
 @dataclass

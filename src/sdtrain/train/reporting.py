@@ -28,6 +28,11 @@ from sdtrain.train.watchdog import Phase, StallWatchdog
 
 log = logging.getLogger("sdtrain")
 
+# Seconds of training between two checks for a preemption notice (a collective through Ray Train's
+# synchronization actor, a few ms): Ray Train's watcher polls Ray for draining nodes every 5 s, and
+# clouds give 30 s (GCP, Azure) to 120 s (AWS) of notice.
+PREEMPTION_CHECK_S = 2.0
+
 ValBatches = Callable[[], Iterable[dict[str, torch.Tensor]]]
 
 
@@ -79,6 +84,9 @@ class StepReporter(pl.Callback):
         self._reported_step = -1
         self._checkpoint_stall = 0.0
         self._time_to_first_step = math.nan
+        # Steps between preemption checks: every step until the first report measures the step rate.
+        self._preemption_every = 1
+        self._preempted_at: int | None = None  # the step of this group's just-in-time checkpoint
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._window = (trainer.global_step, time.perf_counter())
@@ -102,6 +110,8 @@ class StepReporter(pl.Callback):
             self._time_to_first_step = time.time() - self.launched_at
         self._seen_step = step
         checkpoint_due = step % self.run.checkpoint_every_n_steps == 0 or step >= self.max_steps
+        if self._preemption_notice(trainer, step):
+            checkpoint_due = True  # just in time: the restart resumes from this step
         if checkpoint_due or step % self.run.log_every_n_steps == 0:
             self._report(trainer, pl_module, step, with_checkpoint=checkpoint_due)
         self._enter(Phase.BETWEEN_STEPS)  # the data stream marks its own waits (TrainStream)
@@ -119,6 +129,22 @@ class StepReporter(pl.Callback):
             self.view.finished("failed")
         if self.watchdog is not None:
             self.watchdog.stop()
+
+    def _preemption_notice(self, trainer: pl.Trainer, step: int) -> bool:
+        """Whether Ray reported a node of this worker group as being reclaimed (a spot instance, a drain) and
+        this group has not yet saved a checkpoint since. Every rank calls it at the same steps and gets rank 0's
+        answer (``ray.train.get_preemption_info`` is a collective). After that checkpoint training goes on:
+        Ray Train restarts the group, on the nodes that remain, at the reclaim deadline
+        (failure.max_preemptions)."""
+        if self._preempted_at is not None or step % self._preemption_every:
+            return False
+        notice = ray.train.get_preemption_info()
+        if notice is None:
+            return False
+        self._preempted_at = step
+        if trainer.is_global_zero:
+            log.warning("%s: checkpoint at step %d", describe_preemption(notice), step)
+        return True
 
     def _enter(self, phase: str) -> None:
         if self.watchdog is not None:
@@ -199,9 +225,12 @@ class StepReporter(pl.Callback):
         elapsed = max(now - start_time, 1e-9)
         steps_per_s = (step - start_step) / elapsed
         self._window = (step, now)
-        # The slowest rank's: a rank that waits holds every other one at the next all-reduce.
-        wait = torch.tensor(self.data_wait_s() / elapsed, device=pl_module.device)
-        data_wait_fraction = float(trainer.strategy.reduce(wait, reduce_op="max"))
+        # The slowest rank's (a rank that waits holds every other one at the next all-reduce) and, negated,
+        # the slowest step rate, which sets the steps between preemption checks: the same on every rank.
+        slowest = torch.tensor([self.data_wait_s() / elapsed, -steps_per_s], device=pl_module.device)
+        slowest = trainer.strategy.reduce(slowest, reduce_op="max")
+        data_wait_fraction = float(slowest[0])
+        self._preemption_every = max(1, int(-float(slowest[1]) * PREEMPTION_CHECK_S))
         return {
             "step": step,
             "start_step": self._start_step,  # where this worker group started: restarts show here
@@ -221,6 +250,15 @@ class StepReporter(pl.Callback):
             # restart it includes the time the failure cost.
             "time_to_first_step_s": self._time_to_first_step,
         }
+
+
+def describe_preemption(notice: ray.train.PreemptionInfo) -> str:
+    """What a preemption notice says, for the log: which ranks go, and when."""
+    nodes = ", ".join(node[:8] for node in notice.preempted_node_ids)
+    ranks = ", ".join(str(rank) for rank in notice.preempted_ranks)
+    deadline = notice.deadline_ms
+    when = "at a time not given" if deadline is None else f"in {deadline / 1000 - time.time():.0f} s"
+    return f"node {nodes} (rank {ranks}) is being reclaimed {when}"
 
 
 def _progress_line(metrics: dict[str, float], max_steps: int) -> str:
