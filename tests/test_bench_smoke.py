@@ -71,6 +71,13 @@ def test_checkpoint_stall_smoke():
     assert ratios["checkpoint stall async / sync"] > 0, out
 
 
+def test_preemption_check_smoke():
+    """The workers' check for a reclaim notice, timed in a real worker group: its share of training time."""
+    out, ratios = run_bench("bench/preemption_check.py", "--smoke")
+    assert re.search(r"^1 worker\(s\): [0-9.]+ ms per ray\.train\.get_preemption_info\(\)", out, re.M), out
+    assert 0 < ratios["preemption checks / training time at 1 worker(s)"] < 1, out
+
+
 def test_scheduler_spin_smoke():
     """The package's stream with and without its scheduling pace: both runs report their figures."""
     out, ratios = run_bench("bench/scheduler_spin.py", "--smoke")
@@ -131,6 +138,7 @@ def test_encoder_throughput_smoke():
         "fsdp_memory.py",
         "preprocess_throughput.py",
         "encoder_throughput.py",
+        "preemption_check.py",
     ],
 )
 def test_help(script):
