@@ -49,7 +49,10 @@ def test_job_files_are_valid_and_consistent_with_their_config(name, entrypoint):
     assert job.max_retries >= 1 and job.timeout_s > 0
     assert job.working_dir == "."
     assert job.py_modules == ["src/sdtrain"]  # the train and Ray Data workers import sdtrain
-    assert {".git", ".venv", "runs", ".sdtrain-data"} <= set(job.excludes)
+    # Local state, caches included (mypy's is large): not uploaded with the working directory.
+    assert {".git", ".venv", "runs", ".sdtrain-data", ".pytest_cache", ".mypy_cache", ".ruff_cache"} <= set(
+        job.excludes
+    )
     (gpu_group,) = job.compute_config.worker_nodes
     assert config.scaling.use_gpu is True
     assert (gpu_group.min_nodes, gpu_group.max_nodes) == (config.scaling.min_workers, config.scaling.max_workers)
@@ -133,6 +136,9 @@ def test_the_preprocessing_job_is_valid_and_consistent_with_its_config():
     gpu_group = next(g for g in job.compute_config.worker_nodes if g.name == "gpu-workers")
     assert gpu_group.min_nodes == config.encode.concurrency  # one encoder actor per GPU node
     assert job.containerfile == "Containerfile" and job.working_dir == "." and job.py_modules == ["src/sdtrain"]
+    assert {".git", ".venv", "runs", ".sdtrain-data", ".pytest_cache", ".mypy_cache", ".ruff_cache"} <= set(
+        job.excludes
+    )
     # The image (checked above against pyproject.toml) has the preprocess extra: a node installs nothing at start.
     assert job.requirements is None
     assert job.max_retries >= 1
