@@ -224,3 +224,14 @@ def committed_checkpoints(run_dir: Path) -> list[str]:
     except (OSError, ValueError):  # not written yet, or being replaced as we read
         return []
     return [c["checkpoint_dir_name"] for c in snapshot["checkpoint_results"]]
+
+
+def rows_by_step(recorded: list[np.ndarray], global_batch: int) -> list[np.ndarray]:
+    """The sample indices of each optimizer step, all ranks' together, from ``run.record_samples``' files in
+    checkpoint order: each is (world size, rows since the previous checkpoint), and rank r's rows of a step
+    are its next ``global_batch / world size``."""
+    steps = []
+    for samples in recorded:
+        per_rank = global_batch // samples.shape[0]
+        steps += [samples[:, k : k + per_rank].ravel() for k in range(0, samples.shape[1], per_rank)]
+    return steps

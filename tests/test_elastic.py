@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import committed_checkpoints, write_latents
+from conftest import committed_checkpoints, rows_by_step, write_latents
 
 from sdtrain.artifacts.checkpoint_format import HISTORY_FILE, SAMPLES_FILE
 from sdtrain.config.loader import load_config
@@ -75,15 +75,6 @@ def _config(tmp_path: Path, max_steps: int):
 def _recorded(run_dir: Path) -> list[np.ndarray]:
     """samples.npy of every committed checkpoint, in step order: (world size, rows) each."""
     return [np.load(run_dir / name / SAMPLES_FILE) for name in sorted(committed_checkpoints(run_dir))]
-
-
-def _steps(recorded: list[np.ndarray]) -> list[np.ndarray]:
-    """The rows of each optimizer step, all ranks' together: rank r's rows of a step are its next BATCH / world."""
-    steps = []
-    for samples in recorded:
-        per_rank = BATCH // samples.shape[0]
-        steps += [samples[:, k : k + per_rank].ravel() for k in range(0, samples.shape[1], per_rank)]
-    return steps
 
 
 def node_of_a_training_worker(cluster):
@@ -223,7 +214,7 @@ def test_a_reclaimed_node_and_a_joined_one_resize_the_group_lose_no_step_and_tra
     # Each group's checkpoints in turn: 2 workers, 1 after the reclaim, 2 again after the join.
     changes = [w for i, w in enumerate(worlds) if i == 0 or w != worlds[i - 1]]
     assert changes == [2, 1, 2], worlds
-    steps = _steps(recorded)
+    steps = rows_by_step(recorded, BATCH)
     assert len(steps) == max_steps and all(len(rows) == BATCH for rows in steps)
     trained = np.concatenate(steps)
     epochs = trained.reshape(-1, ROWS)  # 12 steps of 8 rows each

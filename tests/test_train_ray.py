@@ -11,7 +11,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
-from conftest import committed_checkpoints, corrupt_row_group, write_latents
+from conftest import committed_checkpoints, corrupt_row_group, rows_by_step, write_latents
 
 from sdtrain.artifacts.checkpoint_format import CHECKPOINT_FILE, DATA_STATE_FILE, HISTORY_FILE, SAMPLES_FILE
 from sdtrain.artifacts.loading import load_model, read_checkpoint
@@ -306,15 +306,10 @@ def _ids_config(tmp_path, name, max_steps, workers, *extra):
     )
 
 
-def _trained_ids(run_dir, batch=8):
-    """The rows of every optimizer step in step order, each step's ranks in rank order: a checkpoint's samples
-    are (world size, rows since the previous checkpoint), each rank's next ``batch / world size`` for a step."""
-    steps = []
-    for name in _checkpoints(run_dir):
-        samples = np.load(run_dir / name / SAMPLES_FILE)
-        per_rank = batch // samples.shape[0]
-        steps += [samples[:, k : k + per_rank].ravel() for k in range(0, samples.shape[1], per_rank)]
-    return np.concatenate(steps)
+def _trained_ids(run_dir):
+    """The rows of every optimizer step in step order (global batch 8), each step's ranks in rank order."""
+    recorded = [np.load(run_dir / name / SAMPLES_FILE) for name in _checkpoints(run_dir)]
+    return np.concatenate(rows_by_step(recorded, global_batch=8))
 
 
 @pytest.mark.timeout(900)
