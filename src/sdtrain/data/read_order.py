@@ -28,7 +28,8 @@ import numpy as np
 from sdtrain.errors import DataError
 
 # Spans are int64 arrays of shape (n, 3): (file index, first row, end row), rows [start, stop).
-FILE, START, STOP = 0, 1, 2
+# Intervals are (n, 2): [first, end) of positions in an epoch's row order. Both end in (start, stop).
+FILE, START, STOP = 0, -2, -1
 
 
 @dataclass(frozen=True)
@@ -76,73 +77,194 @@ class Stretch:
         return (self.skip + self.rows - 1) // window_rows - self.skip // window_rows + 1
 
 
+class ChunkShuffle:
+    """A seeded bijection of [0, n): chunk ids to their places in one epoch's order, in O(1) memory.
+
+    A balanced Feistel network over the smallest even number of bits that covers ``n``, walked
+    until it lands inside [0, n) ("cycle walking": a permutation of the larger domain restricted to
+    [0, n) by following its cycles, which stay bijective). The domain is under 4n, so a value walks
+    under four steps on average. Any chunk's place, and the chunk at any place, cost a few integer
+    operations: no table of all chunks exists (2e9 rows in 64-row chunks would be 31M entries).
+    """
+
+    ROUNDS = 6
+
+    def __init__(self, n: int, key: tuple[int, ...]):
+        self.n = n
+        bits = max(2, int(n - 1).bit_length())
+        self.half = (bits + 1) // 2
+        self.mask = np.uint64((1 << self.half) - 1)
+        self.keys = np.random.default_rng(key).integers(0, 2**63, size=self.ROUNDS, dtype=np.int64).astype(np.uint64)
+
+    def _round(self, x: np.ndarray, key: np.uint64) -> np.ndarray:
+        # splitmix64's finalizer: every output bit depends on every input bit.
+        z = x ^ key
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return (z ^ (z >> np.uint64(31))) & self.mask
+
+    def _forward(self, x: np.ndarray) -> np.ndarray:
+        left, right = x >> np.uint64(self.half), x & self.mask
+        for key in self.keys:
+            left, right = right, left ^ self._round(right, key)
+        return (left << np.uint64(self.half)) | right
+
+    def _backward(self, x: np.ndarray) -> np.ndarray:
+        left, right = x >> np.uint64(self.half), x & self.mask
+        for key in self.keys[::-1]:
+            left, right = right ^ self._round(left, key), left
+        return (left << np.uint64(self.half)) | right
+
+    def _walk(self, step, values: np.ndarray) -> np.ndarray:
+        out = step(np.asarray(values, np.uint64))
+        outside = np.flatnonzero(out >= np.uint64(self.n))
+        while len(outside):
+            out[outside] = step(out[outside])
+            outside = outside[out[outside] >= np.uint64(self.n)]
+        return out.astype(np.int64)
+
+    def chunk_at(self, places: np.ndarray) -> np.ndarray:
+        """The chunk id at each place of the epoch's order."""
+        return self._walk(self._forward, places)
+
+    def place_of(self, chunks: np.ndarray) -> np.ndarray:
+        """The place of each chunk id in the epoch's order."""
+        return self._walk(self._backward, chunks)
+
+
+class EpochOrder:
+    """One epoch's order of every row: the chunks in their shuffled order, each chunk's rows in file order.
+
+    A *place* is a position in the chunk order; a *position* is a row's position in the epoch's row
+    sequence. All chunks hold ``chunk_rows`` rows but the last of each file, which may hold fewer; so the
+    rows before place p are p * chunk_rows less the shortfall of the short chunks placed before p. Only the
+    short chunks are listed (their places and shortfalls: at most one per file), which is all the memory an
+    epoch's order takes.
+    """
+
+    def __init__(self, plan: SamplePlan, epoch: int):
+        self.plan = plan
+        self.shuffle = ChunkShuffle(plan.num_chunks, (plan.seed, epoch))
+        short = plan.short_chunks
+        places = self.shuffle.place_of(short)
+        order = np.argsort(places, kind="stable")
+        self.short_places = places[order]
+        shortfall = (plan.chunk_rows - plan.short_chunk_rows)[order]
+        self.shortfall_before = np.concatenate([[0], np.cumsum(shortfall)]).astype(np.int64)
+        # The position just past each short chunk: where the next run of whole chunks starts.
+        self.short_ends = (self.short_places + 1) * plan.chunk_rows - self.shortfall_before[1:]
+
+    def place_of_position(self, positions: np.ndarray) -> np.ndarray:
+        """The place of the chunk that holds each row position."""
+        # Past the short chunks that end at or before a position, the chunks are whole up to the next short one.
+        before = np.searchsorted(self.short_ends, positions, side="right")
+        return (positions + self.shortfall_before[before]) // self.plan.chunk_rows
+
+    def first_position(self, places: np.ndarray) -> np.ndarray:
+        """The position of each place's first row."""
+        return places * self.plan.chunk_rows - self.shortfall_before[np.searchsorted(self.short_places, places)]
+
+    def spans(self, intervals: np.ndarray) -> np.ndarray:
+        """Spans (file, first row, end row) of the rows at the positions ``intervals`` cover, in their order."""
+        out = []
+        for lo, hi in intervals:
+            first, last = self.place_of_position(np.array([lo, hi - 1], np.int64))
+            places = np.arange(first, last + 1, dtype=np.int64)
+            starts = self.first_position(places)
+            files, begin, end = self.plan.chunk_spans(self.shuffle.chunk_at(places))
+            # The first and last chunk may hold rows outside [lo, hi).
+            cut_front, cut_back = np.maximum(lo - starts, 0), np.maximum(starts + (end - begin) - hi, 0)
+            begin, end = begin + cut_front, end - cut_back
+            out.append(np.stack([files, begin, end], axis=1))
+        return np.concatenate(out).astype(np.int64) if out else np.zeros((0, 3), np.int64)
+
+
 @dataclass
 class SamplePlan:
-    rows_per_file: tuple[int, ...]
+    rows_per_file: Sequence[int]
     seed: int
     chunk_rows: int
     window_rows: int
     files_digest: str = ""
     """:func:`files_digest` of the files, in order: what the sample indices name."""
-    _chunks: np.ndarray = field(init=False, repr=False)
+    content_digest: str = ""
+    """A digest of each file's size and ETag or mtime (the dataset index's): a file rewritten in place."""
+    _orders: dict = field(init=False, repr=False, default_factory=dict)
     _parts_cache: dict = field(init=False, repr=False, default_factory=dict)
 
     def __post_init__(self):
-        self.file_offsets = np.concatenate([[0], np.cumsum(self.rows_per_file)]).astype(np.int64)
-        self._make_chunks()
+        rows = self.rows = np.asarray(self.rows_per_file, np.int64)
+        self.file_offsets = np.concatenate([[0], np.cumsum(rows)]).astype(np.int64)
+        chunks = -(-rows // self.chunk_rows)
+        self.chunk_offsets = np.concatenate([[0], np.cumsum(chunks)]).astype(np.int64)
+        tail = rows % self.chunk_rows
+        self.short_chunks = self.chunk_offsets[1:][tail > 0] - 1  # the last chunk of each file with a short tail
+        self.short_chunk_rows = tail[tail > 0]
+        self._rows_digest = hashlib.sha256(rows.tobytes()).hexdigest()[:16]
 
     def __getstate__(self):
-        # Pickled into every read task: rebuild the chunk table there instead of shipping it.
+        # Sent to every worker once: the arrays above are rebuilt from the rows per file.
         return {
-            "rows_per_file": self.rows_per_file,
+            "rows_per_file": self.rows,
             "seed": self.seed,
             "chunk_rows": self.chunk_rows,
             "window_rows": self.window_rows,
             "files_digest": self.files_digest,
+            "content_digest": self.content_digest,
         }
 
     def __setstate__(self, state):
         type(self).__init__(self, **state)
 
-    def _make_chunks(self) -> None:
-        chunks = []
-        for index, rows in enumerate(self.rows_per_file):
-            starts = np.arange(0, rows, self.chunk_rows, dtype=np.int64)
-            stops = np.minimum(starts + self.chunk_rows, rows)
-            chunks.append(np.stack([np.full_like(starts, index), starts, stops], axis=1))
-        self._chunks = np.concatenate(chunks) if chunks else np.zeros((0, 3), np.int64)
-
     @property
     def num_rows(self) -> int:
         return int(self.file_offsets[-1])
 
+    @property
+    def num_chunks(self) -> int:
+        return int(self.chunk_offsets[-1])
+
+    def chunk_spans(self, chunks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(file, first row, end row) of each chunk id."""
+        files = np.searchsorted(self.chunk_offsets, chunks, side="right") - 1
+        starts = (chunks - self.chunk_offsets[files]) * self.chunk_rows
+        return files, starts, np.minimum(starts + self.chunk_rows, self.rows[files])
+
     def fingerprint(self) -> dict[str, Any]:
         """What a :class:`DataState` of this plan refers to, saved beside it in every checkpoint."""
-        rows = hashlib.sha256(np.asarray(self.rows_per_file, np.int64).tobytes()).hexdigest()[:16]
         return {
-            "files": len(self.rows_per_file),
+            "files": len(self.rows),
             "rows": self.num_rows,
             "files_digest": self.files_digest,
-            "rows_digest": rows,
+            "rows_digest": self._rows_digest,
+            "content_digest": self.content_digest,
             "seed": self.seed,
             "chunk_rows": self.chunk_rows,
             "window_rows": self.window_rows,
+            "order": ORDER_VERSION,
         }
 
-    def epoch_order(self, epoch: int) -> np.ndarray:
-        permutation = np.random.default_rng([self.seed, epoch]).permutation(len(self._chunks))
-        return self._chunks[permutation]
+    def epoch_order(self, epoch: int) -> EpochOrder:
+        if epoch not in self._orders:
+            self._orders.clear()  # a rank walks the epochs in turn
+            self._orders[epoch] = EpochOrder(self, epoch)
+        return self._orders[epoch]
 
     def remaining(self, state: DataState) -> np.ndarray:
-        """The spans of ``state.epoch`` not consumed by its segments, in a deterministic order."""
-        spans = self.epoch_order(state.epoch)
+        """Intervals [lo, hi) of epoch positions not consumed by ``state``'s segments, in a deterministic order.
+
+        The whole epoch is one interval; each segment keeps, of each rank's part, the rows its rank did not
+        read (a partial window's leftover rows, then the rest of the part), then the tail. So the list grows
+        with the segments and world sizes of the epoch, never with the dataset.
+        """
+        intervals = np.array([[0, self.num_rows]], np.int64)
         for segment, (world_size, consumed) in enumerate(state.segments):
-            parts, tail = split_equal(spans, world_size)
-            spans = np.concatenate(
+            parts, tail = split_equal(intervals, world_size)
+            intervals = np.concatenate(
                 [self._unconsumed(part, (state.epoch, segment, rank), consumed) for rank, part in enumerate(parts)]
                 + [tail]
             )
-        return spans
+        return intervals
 
     def rank_stretches(self, state: DataState, world_size: int, rows_per_step: int, steps: int) -> list[list[Stretch]]:
         """Each rank's reads for the next ``steps`` optimizer steps, one stretch per epoch they touch."""
@@ -176,7 +298,8 @@ class SamplePlan:
         part = self._parts(stretch.state, stretch.world_size)[stretch.rank]
         number = stretch.skip // self.window_rows + index
         start = number * self.window_rows
-        spans = slice_rows(part, start, start + self.window_rows)
+        positions = slice_rows(part, start, start + self.window_rows)
+        spans = self.epoch_order(stretch.state.epoch).spans(positions)
         key = (self.seed, stretch.state.epoch, len(stretch.state.segments), stretch.rank, number)
         lo = max(stretch.skip - start, 0)
         hi = min(self.window_rows, stretch.skip + stretch.rows - start)
@@ -198,7 +321,7 @@ class SamplePlan:
     def _parts(self, state: DataState, world_size: int) -> list[np.ndarray]:
         key = (state, world_size)
         if key not in self._parts_cache:
-            self._parts_cache.clear()  # read tasks walk one stretch at a time
+            self._parts_cache.clear()  # a rank walks one stretch at a time
             self._parts_cache[key] = split_equal(self.remaining(state), world_size)[0]
         return self._parts_cache[key]
 
@@ -216,7 +339,12 @@ class SamplePlan:
         window = slice_rows(part, start, start + self.window_rows)
         order = np.random.default_rng((self.seed, *key, full)).permutation(span_rows(window))
         left = np.sort(order[partial:])
-        return np.concatenate([rows_to_spans(window, left), rest])
+        return np.concatenate([positions_to_intervals(window, left), rest])
+
+
+# The version of the order's algorithm, in the fingerprint: a checkpoint of another order resumes as a change.
+# 2: chunks shuffled by ChunkShuffle (1, unrecorded: a permutation of a table of every chunk).
+ORDER_VERSION = 2
 
 
 def span_rows(spans: np.ndarray) -> int:
@@ -231,7 +359,7 @@ def split_equal(spans: np.ndarray, parts: int) -> tuple[list[np.ndarray], np.nda
 
 
 def slice_rows(spans: np.ndarray, lo: int, hi: int) -> np.ndarray:
-    """The spans covering rows [lo, hi) of the row sequence ``spans`` describes."""
+    """The spans (or intervals) covering rows [lo, hi) of the row sequence ``spans`` describes."""
     lengths = spans[:, STOP] - spans[:, START]
     ends = np.cumsum(lengths)
     begins = ends - lengths
@@ -243,19 +371,18 @@ def slice_rows(spans: np.ndarray, lo: int, hi: int) -> np.ndarray:
     return out
 
 
-def rows_to_spans(spans: np.ndarray, positions: np.ndarray) -> np.ndarray:
-    """Spans for the sorted ``positions`` of the row sequence ``spans``, consecutive rows merged."""
+def positions_to_intervals(intervals: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """Intervals for the sorted ``positions`` of the sequence ``intervals`` describes, consecutive ones merged."""
     if len(positions) == 0:
-        return np.zeros((0, 3), np.int64)
-    lengths = spans[:, STOP] - spans[:, START]
+        return np.zeros((0, 2), np.int64)
+    lengths = intervals[:, STOP] - intervals[:, START]
     ends = np.cumsum(lengths)
     which = np.searchsorted(ends, positions, side="right")
-    rows = spans[which, START] + positions - (ends[which] - lengths[which])
-    files = spans[which, FILE]
-    breaks = np.flatnonzero((np.diff(rows) != 1) | (np.diff(files) != 0)) + 1
+    values = intervals[which, START] + positions - (ends[which] - lengths[which])
+    breaks = np.flatnonzero(np.diff(values) != 1) + 1
     starts = np.concatenate([[0], breaks])
-    stops = np.concatenate([breaks, [len(rows)]])
-    return np.stack([files[starts], rows[starts], rows[stops - 1] + 1], axis=1).astype(np.int64)
+    stops = np.concatenate([breaks, [len(values)]])
+    return np.stack([values[starts], values[stops - 1] + 1], axis=1).astype(np.int64)
 
 
 def window_sample_indices(spans: np.ndarray, file_offsets: np.ndarray) -> np.ndarray:
@@ -298,15 +425,25 @@ _CHANGES = {
     "rows": "data.train has {new} rows, the checkpoint's had {old}",
     "files_digest": "the list of data.train files changed (renamed, moved or replaced)",
     "rows_digest": "the rows per file of data.train changed",
+    "content_digest": "a data.train file was rewritten in place (its size or ETag/mtime changed)",
     "seed": "train.seed is {new}, was {old}",
     "chunk_rows": "data.shuffle_chunk_rows is {new}, was {old}",
     "window_rows": "data.shuffle_window_rows is {new}, was {old}",
+    "order": "the checkpoint was written with read order {old} of an earlier sdtrain, this one reads order {new}",
 }
+_DEFAULTS = {"order": 1}  # what a fingerprint written before a key existed meant by it
 
 
 def plan_changes(stored: dict[str, Any], current: dict[str, Any]) -> list[str]:
     """What differs between two :meth:`SamplePlan.fingerprint` s, in the config's terms."""
-    changed = [key for key in _CHANGES if stored.get(key) != current.get(key)]
+    stored = {**_DEFAULTS, **stored}
+    # A content digest is compared where both sides have one: checkpoints from before it, or plans made without
+    # the dataset index, have none.
+    changed = [
+        key
+        for key in _CHANGES
+        if stored.get(key) != current.get(key) and (key != "content_digest" or (stored.get(key) and current.get(key)))
+    ]
     if "files" in changed or "rows" in changed:  # the digests differ too; the counts say more
-        changed = [key for key in changed if key not in ("files_digest", "rows_digest")]
+        changed = [key for key in changed if key not in ("files_digest", "rows_digest", "content_digest")]
     return [_CHANGES[key].format(new=current.get(key), old=stored.get(key)) for key in changed]
