@@ -72,7 +72,7 @@ def test_segment_state_replays_to_the_rows_not_yet_read():
     first = np.concatenate(consumed(plan, DataState(), 2, 6, 3))
     state = plan.advance(DataState(), 2, 6, 3)
     assert state == DataState(0, ((2, 18),))
-    left = plan.epoch_order(state.epoch).spans(plan.remaining(state))  # positions in the epoch's order -> rows
+    left, _ = plan.epoch_order(state.epoch).spans(plan.remaining(state))  # positions in the epoch's order -> rows
     left_ids = np.concatenate([np.arange(plan.file_offsets[f] + a, plan.file_offsets[f] + b) for f, a, b in left])
     assert sorted(np.concatenate([first, left_ids])) == list(range(100))
 

@@ -164,19 +164,20 @@ class EpochOrder:
         """The position of each place's first row."""
         return places * self.plan.chunk_rows - self.shortfall_before[np.searchsorted(self.short_places, places)]
 
-    def spans(self, intervals: np.ndarray) -> np.ndarray:
-        """Spans (file, first row, end row) of the rows at the positions ``intervals`` cover, in their order."""
-        out = []
-        for lo, hi in intervals:
-            first, last = self.place_of_position(np.array([lo, hi - 1], np.int64))
-            places = np.arange(first, last + 1, dtype=np.int64)
-            starts = self.first_position(places)
-            files, begin, end = self.plan.chunk_spans(self.shuffle.chunk_at(places))
-            # The first and last chunk may hold rows outside [lo, hi).
-            cut_front, cut_back = np.maximum(lo - starts, 0), np.maximum(starts + (end - begin) - hi, 0)
-            begin, end = begin + cut_front, end - cut_back
-            out.append(np.stack([files, begin, end], axis=1))
-        return np.concatenate(out).astype(np.int64) if out else np.zeros((0, 3), np.int64)
+    def spans(self, intervals: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Spans (file, first row, end row) of the rows at the positions ``intervals`` cover, in their order,
+        and the interval each span is part of."""
+        intervals = intervals[intervals[:, 1] > intervals[:, 0]]
+        lo, hi = intervals[:, 0], intervals[:, 1]
+        first, last = self.place_of_position(lo), self.place_of_position(hi - 1)
+        counts = last - first + 1
+        owner = np.repeat(np.arange(len(intervals)), counts)
+        places = np.repeat(first, counts) + np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+        starts = self.first_position(places)
+        files, begin, end = self.plan.chunk_spans(self.shuffle.chunk_at(places))
+        # The first and last chunk of an interval may hold rows outside it.
+        cut_front, cut_back = np.maximum(lo[owner] - starts, 0), np.maximum(starts + (end - begin) - hi[owner], 0)
+        return np.stack([files, begin + cut_front, end - cut_back], axis=1).astype(np.int64), owner
 
 
 @dataclass
@@ -294,16 +295,40 @@ class SamplePlan:
         return state
 
     def window(self, stretch: Stretch, index: int) -> Window:
-        """Read task ``index`` of ``stretch``: computed on demand, so a long run never lists them all."""
+        """Read task ``index`` of ``stretch``."""
+        return self.windows(stretch, index, 1)[0]
+
+    def windows(self, stretch: Stretch, first: int = 0, count: int | None = None) -> list[Window]:
+        """Read tasks ``first`` to ``first + count`` of ``stretch`` (default: to its end), computed together: the
+        positions they cover are cut at window boundaries and mapped to chunks in one pass."""
+        rows = self.window_rows
+        count = stretch.num_windows(rows) - first if count is None else count
         part = self._parts(stretch.state, stretch.world_size)[stretch.rank]
-        number = stretch.skip // self.window_rows + index
-        start = number * self.window_rows
-        positions = slice_rows(part, start, start + self.window_rows)
-        spans = self.epoch_order(stretch.state.epoch).spans(positions)
-        key = (self.seed, stretch.state.epoch, len(stretch.state.segments), stretch.rank, number)
-        lo = max(stretch.skip - start, 0)
-        hi = min(self.window_rows, stretch.skip + stretch.rows - start)
-        return Window(spans, key, lo, hi)
+        number = stretch.skip // rows + first  # of the first window, counted from the part's start
+        start = number * rows
+        positions = slice_rows(part, start, start + count * rows)
+        # Cut the intervals at window boundaries: piece k of interval i lies in window w_first[i] + k.
+        lengths = positions[:, 1] - positions[:, 0]
+        ends = np.cumsum(lengths)
+        begins = ends - lengths
+        w_first, w_last = begins // rows, (ends - 1) // rows
+        pieces = w_last - w_first + 1
+        interval = np.repeat(np.arange(len(positions)), pieces)
+        which = (
+            np.repeat(w_first, pieces) + np.arange(int(pieces.sum())) - np.repeat(np.cumsum(pieces) - pieces, pieces)
+        )
+        lo = np.maximum(begins[interval], which * rows) - begins[interval] + positions[interval, 0]
+        hi = np.minimum(ends[interval], (which + 1) * rows) - begins[interval] + positions[interval, 0]
+        spans, owner = self.epoch_order(stretch.state.epoch).spans(np.stack([lo, hi], axis=1))
+        bounds = np.searchsorted(which[owner], np.arange(count + 1))
+        out = []
+        for index in range(count):
+            window_start = start + index * rows
+            key = (self.seed, stretch.state.epoch, len(stretch.state.segments), stretch.rank, number + index)
+            lo_row = max(stretch.skip - window_start, 0)
+            hi_row = min(rows, stretch.skip + stretch.rows - window_start)
+            out.append(Window(spans[bounds[index] : bounds[index + 1]], key, lo_row, hi_row))
+        return out
 
     def _segment_start(self, state: DataState, world_size: int) -> tuple[DataState, int]:
         """(state the current segment split, rows each rank has read in it). A restart at the same
