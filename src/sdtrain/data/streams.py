@@ -6,8 +6,10 @@ block per window); validation data is read in file order.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -16,16 +18,19 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import ray.data
 from ray.data._internal.datasource.range_datasource import RangeDatasource
+from ray.data.block import BlockMetadata
+from ray.data.datasource import Datasource, ReadTask
 from ray.data.extensions import ArrowTensorArray
 
 from sdtrain.config.schema import DataConfig
 from sdtrain.data.decode import decode_batch, to_array
 from sdtrain.data.inspection import DatasetSpec
 from sdtrain.data.pacing import paced
-from sdtrain.data.read_order import SamplePlan, Stretch, Window, window_sample_indices
+from sdtrain.data.read_order import FILE, SamplePlan, Stretch, Window, window_sample_indices
 from sdtrain.errors import DataError
-from sdtrain.storage.filesystems import filesystems_for
-from sdtrain.storage.s3 import is_transient
+from sdtrain.storage.filesystems import filesystem_for, filesystems_for
+from sdtrain.storage.s3 import is_transient, s3_filesystem
+from sdtrain.storage.uris import split_s3
 
 log = logging.getLogger("sdtrain")
 
@@ -34,25 +39,70 @@ NODE_ID_LABEL = "ray.io/node-id"
 
 
 @dataclass(frozen=True)
-class WindowReader:
-    """Reads one window of training rows: its spans' rows, decoded, in the window's shuffled order.
+class ReadSettings:
+    """What a read task needs of the config and the data's checked shapes."""
 
-    Besides ``latents`` and ``captions`` a block carries ``sample_index`` (which rows these are:
-    the resume check and audits use it) and ``valid`` (False for rows of an unreadable file
-    skipped under ``data.on_read_error=skip``; the loss leaves them out).
+    image_column: str
+    caption_column: str
+    on_read_error: str
+    latent_shape: tuple[int, ...]
+    caption_shape: tuple[int, ...]
+
+
+class FileTable:
+    """The training files, held compactly where a rank plans its reads: one string of every name, offsets into
+    it, and one filesystem per S3 bucket (resolved on the driver: they carry the job's S3 endpoint and retries
+    to the read tasks, which on a separately started cluster know neither). A read task gets only its own files.
     """
 
-    spec: DatasetSpec
-    data: DataConfig
-    plan: SamplePlan
-    _sources: list[tuple[pafs.FileSystem, str]] = field(init=False, repr=False, compare=False)  # per file
+    def __init__(self, files: Sequence[str]):
+        self._names = "\n".join(files).encode()
+        lengths = np.fromiter((len(f.encode()) + 1 for f in files), np.int64, len(files))
+        self._offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        self._buckets = {
+            bucket: s3_filesystem(bucket)
+            for bucket in dict.fromkeys(split_s3(f)[0] for f in files if f.startswith("s3://"))
+        }
 
-    def __post_init__(self):
-        # Resolved here, on the driver: the filesystems carry the job's S3 endpoint and retries
-        # to Ray Data's read tasks, which on a separately started cluster know neither.
-        object.__setattr__(self, "_sources", filesystems_for(self.spec.files))
+    def __len__(self) -> int:
+        return len(self._offsets) - 1
 
-    def read(self, window: Window) -> pa.Table:
+    def name(self, index: int) -> str:
+        return self._names[self._offsets[index] : self._offsets[index + 1] - 1].decode()
+
+    def source(self, index: int) -> tuple[str, pafs.FileSystem, str]:
+        """(URI, filesystem, path within it) of file ``index``."""
+        uri = self.name(index)
+        if uri.startswith("s3://"):
+            bucket, key = split_s3(uri)
+            return uri, self._buckets[bucket], f"{bucket}/{key}"
+        return (uri, *filesystem_for(uri))
+
+
+@dataclass(frozen=True)
+class WindowRead:
+    """One read task, whole: its window's spans, the files they name and how to decode them. It is all a read
+    task receives, so its size and cost do not grow with the dataset.
+
+    A block carries ``latents`` and ``captions``, ``sample_index`` (which rows these are: the resume check and
+    audits use it) and ``valid`` (False for rows of an unreadable file skipped under
+    ``data.on_read_error=skip``; the loss leaves them out).
+    """
+
+    window: Window
+    """Its spans' file column indexes ``sources``."""
+    sources: tuple[tuple[str, pafs.FileSystem, str], ...]
+    first_index: np.ndarray
+    """The sample index of row 0 of each of ``sources``."""
+    settings: ReadSettings
+
+    __name__ = "read_window"  # Ray Data names a read task by its function's name
+
+    def __call__(self) -> list[pa.Table]:
+        return [self.read()]
+
+    def read(self) -> pa.Table:
+        window, settings = self.window, self.settings
         files: dict[int, pq.ParquetFile] = {}
         row_groups: dict[tuple[int, int], pa.Table] = {}  # chunks of a window often share row groups
         pieces = [
@@ -68,8 +118,8 @@ class WindowReader:
         destination = np.full(sum(len(valid) for _, _, valid in pieces), -1)
         destination[order] = np.arange(len(order))
         dtype = np.result_type(*(latents for latents, _, _ in pieces))  # skipped rows must not widen float16
-        latents = np.empty((len(order), *self.spec.latent_shape), dtype)
-        captions = np.empty((len(order), *self.spec.caption_shape), dtype)
+        latents = np.empty((len(order), *settings.latent_shape), dtype)
+        captions = np.empty((len(order), *settings.caption_shape), dtype)
         valid = np.empty(len(order), bool)
         first = 0
         for piece in pieces:
@@ -83,7 +133,7 @@ class WindowReader:
             {
                 "latents": ArrowTensorArray.from_numpy(latents),
                 "captions": ArrowTensorArray.from_numpy(captions),
-                "sample_index": window_sample_indices(window.spans, self.plan.file_offsets)[order],
+                "sample_index": window_sample_indices(window.spans, self.first_index)[order],
                 "valid": valid,
             }
         )
@@ -91,10 +141,10 @@ class WindowReader:
     def _read_span(self, files, row_groups, file_index: int, start: int, stop: int):
         """(latents, captions, valid) for rows [start, stop) of a file, one piece per row group, so an
         unreadable row group costs only its own rows under data.on_read_error=skip."""
-        file = self.spec.files[file_index]
+        settings = self.settings
+        file, fs, path = self.sources[file_index]
         try:
             if file_index not in files:
-                fs, path = self._sources[file_index]
                 files[file_index] = pq.ParquetFile(fs.open_input_file(path))
             meta = files[file_index].metadata
         except (OSError, pa.ArrowException) as error:
@@ -108,14 +158,14 @@ class WindowReader:
             lo, hi = max(start, int(offsets[group])), min(stop, int(offsets[group + 1]))
             try:
                 if (file_index, group) not in row_groups:
-                    columns = [self.data.image_column, self.data.caption_column]
+                    columns = [settings.image_column, settings.caption_column]
                     row_groups[file_index, group] = files[file_index].read_row_group(group, columns=columns)
                 table = row_groups[file_index, group].slice(lo - int(offsets[group]), hi - lo)
                 pieces.append(
                     (
-                        to_array(table.column(self.data.image_column), self.spec.latent_shape, self.data.image_column),
+                        to_array(table.column(settings.image_column), settings.latent_shape, settings.image_column),
                         to_array(
-                            table.column(self.data.caption_column), self.spec.caption_shape, self.data.caption_column
+                            table.column(settings.caption_column), settings.caption_shape, settings.caption_column
                         ),
                         np.ones(hi - lo, bool),
                     )
@@ -127,7 +177,7 @@ class WindowReader:
 
     def _unreadable(self, file: str, start: int, stop: int, error: Exception):
         reason = " ".join(str(error).split())  # pyarrow's messages span lines
-        if self.data.on_read_error == "fail":
+        if self.settings.on_read_error == "fail":
             raise DataError(
                 f"data.train: {file}: rows {start}-{stop - 1} cannot be read ({reason}). The file is damaged "
                 "or changed since the run started: replace or remove it and re-run (the run resumes from "
@@ -135,10 +185,70 @@ class WindowReader:
             ) from None
         log.warning("skipping rows %d-%d of %s: %s", start, stop - 1, file, reason)
         return (
-            np.zeros((stop - start, *self.spec.latent_shape), np.float16),
-            np.zeros((stop - start, *self.spec.caption_shape), np.float16),
+            np.zeros((stop - start, *self.settings.latent_shape), np.float16),
+            np.zeros((stop - start, *self.settings.caption_shape), np.float16),
             np.zeros(stop - start, bool),
         )
+
+
+class WindowReader:
+    """The training data as the ranks read it: the read plan, the files and the read settings. Made on the
+    driver and sent once to each rank, which turns its windows into :class:`WindowRead` tasks."""
+
+    def __init__(self, spec: DatasetSpec, data: DataConfig, plan: SamplePlan):
+        self.plan = plan
+        self.reads_per_worker = data.reads_per_worker
+        self.files = FileTable(spec.files)
+        self.settings = ReadSettings(
+            data.image_column, data.caption_column, data.on_read_error, spec.latent_shape, spec.caption_shape
+        )
+
+    def task(self, window: Window) -> WindowRead:
+        """The read task of ``window``: its spans renumbered over the few files they name."""
+        used, local = np.unique(window.spans[:, FILE], return_inverse=True)
+        spans = window.spans.copy()
+        spans[:, FILE] = local
+        return WindowRead(
+            dataclasses.replace(window, spans=spans),
+            tuple(self.files.source(int(f)) for f in used),
+            self.plan.file_offsets[used],
+            self.settings,
+        )
+
+    def read(self, window: Window) -> pa.Table:
+        return self.task(window).read()
+
+
+class RankWindows(Datasource):
+    """One rank's windows as a Ray Data source: a read task per window, in order."""
+
+    def __init__(self, reader: WindowReader, stretches: list[Stretch]):
+        self.reader = reader
+        self.stretches = stretches
+        self.count = sum(stretch.num_windows(reader.plan.window_rows) for stretch in stretches)
+
+    def estimate_inmemory_data_size(self) -> int | None:
+        return None
+
+    def get_read_tasks(self, parallelism: int, per_task_row_limit=None, data_context=None) -> list[ReadTask]:
+        if data_context is None:
+            # ray.data.read_datasource asks once when the dataset is made (on Ray Train's controller, for every
+            # rank) only to count the tasks; the executor asks again, with its context, where the rank reads.
+            # Computing every window there too would cost the controller world size x windows.
+            return [_COUNTED_ONLY] * self.count
+        plan = self.reader.plan
+        return [
+            ReadTask(self.reader.task(window), BlockMetadata(window.hi - window.lo, None, None, None))
+            for stretch in self.stretches
+            for window in plan.windows(stretch)
+        ]
+
+
+def _counted_only() -> list[pa.Table]:
+    raise RuntimeError("sdtrain: a read task that was only counted was run: Ray Data's planning changed")
+
+
+_COUNTED_ONLY = ReadTask(_counted_only, BlockMetadata(None, None, None, None))
 
 
 def _raise_if_transient(error: BaseException, file: str, key: str = "data.train") -> None:
@@ -152,20 +262,9 @@ def _raise_if_transient(error: BaseException, file: str, key: str = "data.train"
 def rank_dataset(reader: WindowReader, stretches: list[Stretch], node_id: str | None) -> ray.data.Dataset:
     """One rank's training stream: its windows in order, each read by one Ray Data task on ``node_id``
     (the rank's node; None: anywhere)."""
-    window_rows = reader.plan.window_rows
-    counts = [stretch.num_windows(window_rows) for stretch in stretches]
-    placement = read_placement(reader.data, node_id, sum(counts))
-    dataset = _task_ids(sum(counts), placement)
-    return paced(
-        dataset.map_batches(
-            _read_windows,  # type: ignore[arg-type]  # Ray types fn as one-argument; the rest are fn_kwargs
-            # Whole blocks (one window id each): Ray Data then fuses the read of the ids into the
-            # window's task instead of running a task per id first (batch_size=1 prevents fusion).
-            batch_size=None,
-            fn_kwargs=dict(reader=reader, stretches=stretches, first_index=np.cumsum([0] + counts)),
-            **placement,
-        )
-    )
+    source = RankWindows(reader, stretches)
+    placement = read_placement(reader.reads_per_worker, node_id, source.count)
+    return paced(_ordered(ray.data.read_datasource(source, override_num_blocks=source.count, **placement)))
 
 
 def _task_ids(n: int, placement: dict[str, Any]) -> ray.data.Dataset:
@@ -174,9 +273,14 @@ def _task_ids(n: int, placement: dict[str, Any]) -> ray.data.Dataset:
     Read by a task that takes no CPU either (ray.data.range's read tasks take 1 CPU), with the same
     placement, so Ray Data fuses it into each read task.
     """
-    dataset = ray.data.read_datasource(
-        RangeDatasource(n=n, block_format="arrow", column_name="id"), override_num_blocks=n, **placement
+    return _ordered(
+        ray.data.read_datasource(
+            RangeDatasource(n=n, block_format="arrow", column_name="id"), override_num_blocks=n, **placement
+        )
     )
+
+
+def _ordered(dataset: ray.data.Dataset) -> ray.data.Dataset:
     # The order is the plan's (training: what makes resumption exact) or the files' (validation).
     dataset.context.execution_options.preserve_order = True
     # Our DataError (naming the file) reaches the worker as itself, not as a UserCodeException.
@@ -184,7 +288,7 @@ def _task_ids(n: int, placement: dict[str, Any]) -> ray.data.Dataset:
     return dataset
 
 
-def read_placement(data: DataConfig, node_id: str | None, tasks: int) -> dict[str, Any]:
+def read_placement(reads_per_worker: int, node_id: str | None, tasks: int) -> dict[str, Any]:
     """Ray Data arguments for a worker's ``tasks`` read tasks: no CPU of their own, at most ``data.reads_per_worker``
     at once, on the worker's node.
 
@@ -195,18 +299,11 @@ def read_placement(data: DataConfig, node_id: str | None, tasks: int) -> dict[st
     store the worker reads them from.
     """
     # Capped by the tasks there are: Ray Data warns of a limit above them.
-    at_once = max(1, min(data.reads_per_worker, tasks))
+    at_once = max(1, min(reads_per_worker, tasks))
     placement: dict[str, Any] = {"num_cpus": 0, "compute": ray.data.TaskPoolStrategy(size=at_once)}
     if node_id is not None:
         placement["label_selector"] = {NODE_ID_LABEL: node_id}
     return placement
-
-
-def _read_windows(batch: dict[str, np.ndarray], reader: WindowReader, stretches, first_index) -> pa.Table:
-    (position,) = batch["id"]
-    which = int(np.searchsorted(first_index, position, side="right")) - 1
-    window = reader.plan.window(stretches[which], int(position - first_index[which]))
-    return reader.read(window)
 
 
 def file_order_dataset(spec: DatasetSpec, data: DataConfig, key: str) -> ray.data.Dataset:
@@ -216,7 +313,7 @@ def file_order_dataset(spec: DatasetSpec, data: DataConfig, key: str) -> ray.dat
     The order is the file order, so validation sees the same samples every time. Every rank reads
     the whole set: it is small, so its reads go anywhere (:func:`read_placement`).
     """
-    placement = read_placement(data, None, len(spec.files))
+    placement = read_placement(data.reads_per_worker, None, len(spec.files))
     # Not ray.data.read_parquet: its file listing runs in a task that takes a CPU.
     dataset = _task_ids(len(spec.files), placement)
     return paced(
