@@ -1,0 +1,204 @@
+"""Data at LAION scale (issue #26): what one read task, one rank and the driver pay as the dataset grows.
+
+Builds the real planning and reading objects (``SamplePlan``, ``WindowReader`` with its ``FileTable``, the
+rank's read tasks as ``RankWindows.get_read_tasks`` makes them) for 1M to 2B rows in 10k-row files named
+``s3://laion/part-NNNNNN.parquet``, with 64-row chunks, 512-row windows and world size 64, without any data:
+nothing here reads a file. Measured at each size:
+
+- one read task: the bytes pickled into it (``pickle.dumps`` of the ``ReadTask``) and the time to unpickle it
+  and compute its rows' order and sample indices (the task's work before its I/O), median over 200 tasks;
+- one rank: unpickling what Ray Train's controller sends it (the ``WindowReader``), then planning its stretch
+  after a world-size change mid-epoch and building the read tasks of ``--steps`` steps; time and peak
+  Python memory (tracemalloc, which sees numpy's buffers);
+- the driver: the file list, the plan, the reader and every rank's stretches (the controller's share), peak
+  memory.
+
+Then the start-up of a restart that reads the dataset index against one that reads every footer, from a
+real S3 server process (moto), at 1k and 20k files (``bench/index_startup.py``).
+
+    python bench/data_scale.py            # 1M .. 2B rows, 1k and 20k files on S3
+    python bench/data_scale.py --smoke    # seconds: 1M and 10M rows, 20 and 100 files (CI)
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import pickle
+import statistics
+import sys
+import time
+import tracemalloc
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import benchlib  # noqa: E402
+
+ROWS_PER_FILE = 10_000
+CHUNK_ROWS, WINDOW_ROWS, WORLD_SIZE = 64, 512, 64
+ROWS_PER_RANK = 32  # a global batch of 2048 over 64 ranks
+SIZES = (1_000_000, 10_000_000, 100_000_000, 1_000_000_000, 2_000_000_000)
+MB = 2**20
+
+
+def measure(rows: int, steps: int, tasks: int = 200) -> dict:
+    from sdtrain.config.schema import DataConfig
+    from sdtrain.data.inspection import DatasetSpec
+    from sdtrain.data.read_order import DataState, SamplePlan, files_digest
+    from sdtrain.data.streams import WindowReader
+
+    files = rows // ROWS_PER_FILE
+    gc.collect()
+    tracemalloc.start()
+    started = time.perf_counter()
+    names = [f"s3://laion/part-{i:06d}.parquet" for i in range(files)]
+    spec = DatasetSpec(tuple(names), (ROWS_PER_FILE,) * files, (4, 32, 32), (77, 1024))
+    plan = SamplePlan(spec.rows_per_file, 0, CHUNK_ROWS, WINDOW_ROWS, files_digest(spec.files))
+    reader = WindowReader(spec, DataConfig(train=["s3://laion/"]), plan)
+    # Mid-epoch: 48 ranks trained, then the group grew to 64 (the replay of a segment is part of planning).
+    state = plan.advance(DataState(), 48, 2048 // 48, 300)
+    stretches = plan.rank_stretches(state, WORLD_SIZE, ROWS_PER_RANK, steps)  # the controller, for every rank
+    driver_s = time.perf_counter() - started
+    driver_mb = tracemalloc.get_traced_memory()[1] / MB
+    tracemalloc.stop()
+    sent = pickle.dumps(reader)  # what each rank receives once
+    del names, spec, plan, reader
+    gc.collect()
+
+    # One rank: receive the reader, plan its stretch, build its read tasks (RankWindows.get_read_tasks). Timed
+    # without tracemalloc (it slows allocations several times over), then again for the memory.
+    rank_s, read_tasks = rank_start(sent, stretches[WORLD_SIZE // 2])
+    del read_tasks
+    gc.collect()
+    tracemalloc.start()
+    _, read_tasks = rank_start(sent, stretches[WORLD_SIZE // 2])
+    rank_mb = tracemalloc.get_traced_memory()[1] / MB
+    tracemalloc.stop()
+
+    # One read task: its payload, and its work before I/O.
+    chosen = [read_tasks[i] for i in np.linspace(0, len(read_tasks) - 1, min(tasks, len(read_tasks))).astype(int)]
+    payloads, seconds = [], []
+    for task in chosen:
+        payload = pickle.dumps(task)
+        payloads.append(len(payload))
+        began = time.perf_counter()
+        read = pickle.loads(payload).read_fn
+        read.window.order()
+        read.first_index[read.window.spans[:, 0]]
+        seconds.append(time.perf_counter() - began)
+    return {
+        "rows": rows,
+        "files": files,
+        "task_bytes": statistics.median(payloads),
+        "task_s": statistics.median(seconds),
+        "rank_s": rank_s,
+        "rank_mb": rank_mb,
+        "rank_windows": len(read_tasks),
+        "rank_receives_mb": len(sent) / MB,
+        "driver_s": driver_s,
+        "driver_mb": driver_mb,
+    }
+
+
+def rank_start(sent: bytes, stretches) -> tuple[float, list]:
+    from sdtrain.data.streams import RankWindows
+
+    started = time.perf_counter()
+    source = RankWindows(pickle.loads(sent), stretches)
+    read_tasks = source.get_read_tasks(source.count, data_context=object())
+    return time.perf_counter() - started, read_tasks
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--smoke", action="store_true", help="1M and 10M rows, 20 and 100 files: checks that it runs")
+    parser.add_argument("--steps", type=int, default=20_000, help="steps a rank plans its read tasks for")
+    parser.add_argument(
+        "--run-steps", type=int, default=550_000, help="at the largest size, also plan a whole run of this many steps"
+    )
+    parser.add_argument("--no-s3", action="store_true", help="skip the restart start-up against the S3 server")
+    args = parser.parse_args()
+    sizes = SIZES[:2] if args.smoke else SIZES
+    steps = 500 if args.smoke else args.steps
+
+    from sdtrain.storage.s3 import configure_s3
+
+    configure_s3("http://127.0.0.1:9", 3)  # the files are named on S3; nothing is read, so no server is needed
+
+    print(f"# {benchlib.machine()}\n# {benchlib.versions()}\n# commit {benchlib.git_commit()}", flush=True)
+    print(
+        f"# {ROWS_PER_FILE}-row files, {CHUNK_ROWS}-row chunks, {WINDOW_ROWS}-row windows, world size {WORLD_SIZE}, "
+        f"{ROWS_PER_RANK} rows per rank per step, {steps} steps planned by the rank"
+    )
+    header = (
+        f"{'rows':>14} {'files':>7} {'task bytes':>10} {'task ms':>8} {'rank s':>7} {'rank MB':>8} "
+        f"{'windows':>8} {'rank gets MB':>12} {'driver s':>8} {'driver MB':>9}"
+    )
+    print(header)
+    results = []
+    for rows in sizes:
+        r = measure(rows, steps)
+        results.append(r)
+        print(
+            f"{r['rows']:>14,} {r['files']:>7} {r['task_bytes']:>10.0f} {r['task_s'] * 1e3:>8.3f} "
+            f"{r['rank_s']:>7.2f} {r['rank_mb']:>8.1f} {r['rank_windows']:>8} {r['rank_receives_mb']:>12.2f} "
+            f"{r['driver_s']:>8.2f} {r['driver_mb']:>9.1f}",
+            flush=True,
+        )
+    small, large = results[0], results[-1]
+    if not args.smoke:
+        whole = measure(sizes[-1], args.run_steps, tasks=20)
+        print(
+            f"# a rank's start planning a whole run of {args.run_steps} steps at {sizes[-1]:,} rows: "
+            f"{whole['rank_s']:.2f} s, {whole['rank_mb']:.0f} MB, {whole['rank_windows']} read tasks",
+            flush=True,
+        )
+    name = f"{large['rows'] / 1e9:g}B" if large["rows"] >= 1e9 else f"{large['rows'] / 1e6:g}M"
+    lines = [
+        benchlib.ratio_line(
+            f"task_s_{name}",
+            large["task_s"],
+            "task_s_1M",
+            small["task_s"],
+            "<= 1.5",
+            large["task_s"] <= 1.5 * small["task_s"],
+        ),
+        benchlib.ratio_line(
+            f"task_bytes_{name}",
+            large["task_bytes"],
+            "task_bytes_1M",
+            small["task_bytes"],
+            "<= 1.5",
+            large["task_bytes"] <= 1.5 * small["task_bytes"],
+        ),
+        benchlib.ratio_line(f"task_bytes_{name}", large["task_bytes"], "1MB", MB, "<= 1", large["task_bytes"] <= MB),
+        benchlib.ratio_line(f"rank_s_{name}", large["rank_s"], "2s", 2.0, "<= 1", large["rank_s"] <= 2.0),
+        benchlib.ratio_line(f"rank_mb_{name}", large["rank_mb"], "512MB", 512, "<= 1", large["rank_mb"] <= 512),
+    ]
+    print("\n".join(lines), flush=True)
+
+    if not args.no_s3:
+        from index_startup import restart_startup
+
+        counts = (20, 100) if args.smoke else (1000, 20000)
+        startup = restart_startup(counts)
+        by_files = {r["files"]: r for r in startup}
+        few, many = by_files[counts[0]], by_files[counts[-1]]
+        key = next(k for k in few if "index" in k and k.endswith("_s"))
+        print(
+            benchlib.ratio_line(
+                f"restart_with_index_{counts[-1]}",
+                many[key],
+                f"restart_with_index_{counts[0]}",
+                few[key],
+                "<= 3",
+                many[key] <= 3 * few[key],
+            ),
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()
