@@ -303,3 +303,39 @@ def test_an_impossible_unet_or_a_missing_pretrained_directory_fails_on_the_drive
     for missing in ("models/sd2", "./sd2", str(tmp_path / "sd2"), "a/b/c"):
         with pytest.raises(ConfigError, match=rf"^model.pretrained: directory {missing} does not exist"):
             unet_config(ModelConfig(pretrained=missing))
+
+
+def _numeric_keys(sections):
+    """(section.key, annotation) of every int or float key of the config sections (unions with null included)."""
+    import dataclasses
+    import typing
+
+    for name, cls in sections.items():
+        for key, tp in typing.get_type_hints(cls).items():
+            if key == "section" or key not in {f.name for f in dataclasses.fields(cls)}:
+                continue
+            kinds = set(typing.get_args(tp)) | {tp}
+            if kinds & {int, float}:
+                yield f"{name}.{key}", float if float in kinds else int
+
+
+def test_every_numeric_key_refuses_non_finite_and_negative_values_naming_the_key():
+    """NaN passes every range check, inf most; a negative seed used to fail inside Ray. Every numeric key of
+    training's and preprocessing's configs refuses them with one error naming the key, before anything runs."""
+    from sdtrain.config.schema import SECTIONS as TRAINING
+    from sdtrain.preprocess.config import SECTIONS as PREPROCESSING
+    from sdtrain.preprocess.config import load_preprocess_config
+
+    loaders = [
+        (TRAINING, lambda o: load_config(None, [*BASE, o])),
+        (PREPROCESSING, lambda o: load_preprocess_config(None, ["input.paths=x", "output.path=y", o])),
+    ]
+    checked = 0
+    for sections, load in loaders:
+        for key, kind in _numeric_keys(sections):
+            bad = ["nan", ".inf", "-.inf", "-5"] if kind is float else ["-5"]
+            for value in bad:
+                with pytest.raises(ConfigError, match=rf"^{re.escape(key)}: "):
+                    load(f"{key}={value}")
+                checked += 1
+    assert checked > 60  # every section's numbers, not an empty walk

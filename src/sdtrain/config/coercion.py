@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import difflib
+import math
 import types
 import typing
 from dataclasses import dataclass
@@ -76,13 +77,19 @@ def coerce(key: str, value: Any, tp: Any) -> Any:
             return value
     elif tp is float:
         # YAML reads 1e-4 (no dot) as a string; accept any numeric spelling.
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
+            number = float(value)
+        elif isinstance(value, str):
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
+        if number is not None:
+            # No key means anything by NaN or infinity: NaN passes every range check (all comparisons are false).
+            if not math.isfinite(number):
+                raise ConfigError(f"{key}: must be a finite number, got {value!r}")
+            return number
     elif tp is str:
         if isinstance(value, str):
             return value

@@ -178,6 +178,8 @@ class TrainConfig(Section):
             self._fail("micro_batch_size", f"must be > 0 or null, got {self.micro_batch_size}")
         if not self.lr > 0:
             self._fail("lr", f"must be > 0, got {self.lr}")
+        if not 0 <= self.seed < 2**63:  # numpy's generators (the read order, noise) take no negative seed
+            self._fail("seed", f"must be in [0, 2**63), got {self.seed}")
         for key in (
             "warmup_steps",
             "weight_decay",
@@ -338,6 +340,8 @@ class RunConfig(Section):
         for key in ("sample_rows", "sample_columns", "sample_steps"):
             if getattr(self, key) < 1:
                 self._fail(key, f"must be >= 1, got {getattr(self, key)}")
+        if self.sample_guidance_scale < 0:
+            self._fail("sample_guidance_scale", f"must be >= 0 (1: no guidance), got {self.sample_guidance_scale}")
 
 
 @dataclass

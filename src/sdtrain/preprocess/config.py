@@ -87,6 +87,8 @@ class EncodeConfig(Section):
         for key in ("batch_size", "concurrency"):
             if getattr(self, key) < 1:
                 self._fail(key, f"must be >= 1, got {getattr(self, key)}")
+        if not 0 <= self.seed < 2**63:  # numpy's generators take no negative seed
+            self._fail("seed", f"must be in [0, 2**63), got {self.seed}")
         if self.num_gpus != "auto" and self.num_gpus < 0:
             self._fail("num_gpus", f"must be >= 0 or auto, got {self.num_gpus}")
         if not self.model:
