@@ -199,15 +199,16 @@ def test_a_reclaimed_node_and_a_joined_one_resize_the_group_lose_no_step_and_tra
     assert "added" in events, events
     assert summary.final_step == max_steps
 
-    # The checkpoint of the notice: the first committed after it, and the step the smaller group started from
-    # (the reclaim deadline comes before the next checkpoint of the interval).
+    # The checkpoint of the notice: the first committed after it. The smaller group starts from a committed
+    # checkpoint at or after it: the notice's, or a later one where the group reached the next interval's
+    # checkpoint before the deadline (on a faster machine); either way no step is lost (checked below).
     notices = re.findall(r"is being reclaimed in -?\d+ s: checkpoint at step (\d+)", capfd.readouterr().err)
     assert len(notices) == 1, notices
     reclaimed_at = int(notices[0])
     assert events["after_notice"][0] == f"checkpoint_{reclaimed_at:09d}", events
     history = json.loads((Path(summary.checkpoint_path) / HISTORY_FILE).read_text())
     group_starts = sorted({row["start_step"] for row in history})
-    assert group_starts[:2] == [0, reclaimed_at], group_starts
+    assert group_starts[0] == 0 and group_starts[1] >= reclaimed_at, (group_starts, reclaimed_at)
 
     recorded = _recorded(tmp_path / "runs/elastic")
     worlds = [samples.shape[0] for samples in recorded]
