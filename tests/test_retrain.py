@@ -12,7 +12,7 @@ from sdtrain.artifacts.registry import ModelRegistry
 from sdtrain.config.loader import load_config
 from sdtrain.data.demo import ensure_demo_data
 from sdtrain.errors import DataError
-from sdtrain.retrain import find_partitions, retrain
+from sdtrain.retrain import find_partitions, new_partitions, retrain, retrain_run_name
 
 pytestmark = pytest.mark.slow  # retraining runs Ray Train
 
@@ -75,6 +75,22 @@ def test_complete_partitions_up_to_the_schedule_date(partitions):
 
 
 @pytest.mark.timeout(600)
+def test_an_empty_complete_partition_is_passed_over_and_a_runs_name_says_what_it_trains(partitions):
+    """A day without data (marked complete, no parquet) used to fail every later run with 'matches no parquet
+    files'. And a retry whose inputs changed (a partition completed meanwhile) must not take the finished run of
+    other inputs for its own, so the run's name carries its parent and partitions."""
+    root, _ = partitions
+    (root / "date=2026-11-04").mkdir()
+    (root / "date=2026-11-04" / "_SUCCESS").touch()
+    found = find_partitions(str(root), datetime.date(2026, 11, 4))
+    assert new_partitions(found, ["2026-11-01"]) == (["2026-11-02", "2026-11-03"], ["2026-11-04"])
+    one = retrain_run_name("retrain", "2026-11-04", "v0001", ["2026-11-02"])
+    assert one == retrain_run_name("retrain", "2026-11-04", "v0001", ["2026-11-02"])  # a retry resumes it
+    assert one.startswith("retrain-2026-11-04-")
+    assert one != retrain_run_name("retrain", "2026-11-04", "v0001", ["2026-11-02", "2026-11-03"])
+    assert one != retrain_run_name("retrain", "2026-11-04", "v0002", ["2026-11-02"])
+
+
 def test_retrain_promotes_better_keeps_production_on_worse_and_is_idempotent(
     ray_cluster, tmp_path, partitions, monkeypatch
 ):
@@ -85,7 +101,7 @@ def test_retrain_promotes_better_keeps_production_on_worse_and_is_idempotent(
     assert (first.status, first.version, registry.production()) == ("promoted", "v0001", "v0001")
     manifest = registry.manifest("v0001")
     assert manifest["parent"] is None and manifest["partitions"] == ["2026-11-01"] and manifest["steps"] == 12
-    assert manifest["config"]["run"]["name"] == "retrain-2026-11-01" and manifest["code_version"]["sdtrain"]
+    assert manifest["config"]["run"]["name"].startswith("retrain-2026-11-01-") and manifest["code_version"]["sdtrain"]
 
     # A deliberately worse run (the learning rate blows the weights up): recorded, not promoted.
     worse = retrain(_config(tmp_path, root, val, "train.lr=5.0"), DAY2)

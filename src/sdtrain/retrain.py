@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import hashlib
+import json
 import math
 import os
 import posixpath
@@ -26,6 +28,7 @@ from sdtrain.artifacts.provenance import code_version
 from sdtrain.artifacts.registry import ModelRegistry, PointerMoved, RegistryLock
 from sdtrain.config.schema import Config
 from sdtrain.data.local_read import iter_local_batches
+from sdtrain.data.parquet_files import resolve_parquet_files
 from sdtrain.errors import ConfigError, DataError
 from sdtrain.launch import dataset_spec, train
 from sdtrain.model.validation import validation_loss
@@ -121,10 +124,17 @@ def _retrain_locked(
 
     partitions = find_partitions(data_root, schedule_date, config.retrain.complete_marker)
     seen = registry.manifest(production)["partitions_seen"] if production else []
-    new = [d for d in partitions if d not in seen]
+    new, empty = new_partitions(partitions, seen)
+    if empty:
+        # A day without data: marked complete, holding nothing. Passed over and recorded as seen with the next
+        # version, rather than failing every later run on "matches no parquet files".
+        print(f"[sdtrain] passing over {len(empty)} complete partition(s) without data: {', '.join(empty)}", flush=True)
     if not new:
         return RetrainOutcome(
-            "no-new-data", None, production, f"{day}: no partitions since {production or 'the start'}; nothing to train"
+            "no-new-data",
+            None,
+            production,
+            f"{day}: no partitions with data since {production or 'the start'}; nothing to train",
         )
     print(
         f"[sdtrain] retraining on {len(new)} new partition(s): {', '.join(new)}; production is "
@@ -139,7 +149,7 @@ def _retrain_locked(
         config,
         data=dataclasses.replace(config.data, train=[partitions[d] for d in new]),
         model=model,
-        run=dataclasses.replace(config.run, name=f"{config.run.name}-{day}"),
+        run=dataclasses.replace(config.run, name=retrain_run_name(config.run.name, day, production, new)),
     )
     summary = train(run_config)
     lock.ensure_held()
@@ -158,7 +168,7 @@ def _retrain_locked(
             "parent": production,
             "schedule_date": day,
             "partitions": new,
-            "partitions_seen": seen + new,
+            "partitions_seen": sorted(seen + new + empty),
             "steps": summary.final_step,
             "checkpoint": summary.checkpoint_path,
             "metrics": {
@@ -183,6 +193,29 @@ def _retrain_locked(
     return RetrainOutcome(
         "rejected", version, production, f"{day}: kept {production} in production, {version} not promoted: {reason}"
     )
+
+
+def new_partitions(partitions: dict[str, str], seen: list[str]) -> tuple[list[str], list[str]]:
+    """(dates to train on, dates to pass over as empty) among ``partitions`` not in ``seen``."""
+    new, empty = [], []
+    for date in partitions:
+        if date in seen:
+            continue
+        try:
+            resolve_parquet_files([partitions[date]], "retrain.data_root")
+        except DataError:  # complete, and no parquet file in it
+            empty.append(date)
+        else:
+            new.append(date)
+    return new, empty
+
+
+def retrain_run_name(name: str, day: str, parent: str | None, partitions: list[str]) -> str:
+    """The run's name: the schedule date and what it trains (its parent and partitions), so that a retry with the
+    same inputs resumes its run, and one whose inputs changed (a partition completed meanwhile) trains anew
+    rather than taking the finished run of other inputs for its own."""
+    identity = hashlib.sha256(json.dumps([parent, sorted(partitions)]).encode()).hexdigest()[:8]
+    return f"{name}-{day}-{identity}"
 
 
 def _superseded(day: str, version: str, moved: PointerMoved) -> RetrainOutcome:
