@@ -135,6 +135,9 @@ def test_two_worker_run_checkpoints_reloads_and_resumes(ray_cluster, tmp_path):
     write_latents(tmp_path / "train/b.parquet", rows=36, encoding="tensor", seed=5)
     with pytest.raises(DataError, match=r"checkpoint_000000009 \(step 9, epoch 1\) .* data.train has 60 rows, the "):
         train(_config(tmp_path, max_steps=12))
+    # Finished, too: a retry that finds other data must not pass the old run off as trained on it.
+    with pytest.raises(DataError, match=r"checkpoint_000000009 \(step 9, epoch 1\) .* data.train has 60 rows, the "):
+        train(_config(tmp_path, max_steps=9))
     assert _checkpoints(run_dir)[-2:] == ["checkpoint_000000009", "checkpoint_000000099"]
 
 

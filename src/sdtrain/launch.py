@@ -90,22 +90,24 @@ def train(config: Config) -> RunSummary:
         if replaced:
             print(f"[sdtrain] run.start_fresh: moved the previous run to {replaced}", flush=True)
 
-    finished = _finished_run(run_dir, config.train.max_steps)
-    if finished is not None:
-        # A retry after training ended, a driver that died after fit(), a lowered train.max_steps:
-        # nothing to train, so no Ray and no workers; finish the outputs the run may lack.
-        print(
-            f"[sdtrain] {run_dir} is already at step {finished.step} (train.max_steps={config.train.max_steps}): "
-            "nothing to train; finishing its outputs from its final checkpoint",
-            flush=True,
-        )
-        return _finish(config, finished.result)
     committed = committed_run(*ray_storage(run_dir))
-    if committed is not None:  # a resume: its data position must refer to this data, checked before Ray starts
+    if committed is not None:
+        # The run's latest checkpoint, read once. Its data position must refer to this data, a finished run's
+        # too: a retry that found other data (a partition completed since) must not pass the old run off as its
+        # own. Checked before Ray starts.
         assert committed.checkpoint is not None  # committed_run returns only runs with a committed checkpoint
         saved = read_data_state(committed.checkpoint)
         where = uri_for(committed.checkpoint.filesystem, committed.checkpoint.path)
         step, state = resume_position(saved, plan, config.data.on_change, where)
+        if step >= config.train.max_steps:
+            # A retry after training ended, a driver that died after fit(), a lowered train.max_steps:
+            # nothing to train, so no Ray and no workers; finish the outputs the run may lack.
+            print(
+                f"[sdtrain] {run_dir} is already at step {step} (train.max_steps={config.train.max_steps}): "
+                "nothing to train; finishing its outputs from its final checkpoint",
+                flush=True,
+            )
+            return _finish(config, committed)
         if config.data.on_change == "new_epoch" and state != DataState.from_dict(saved["data"]):
             print(
                 f"[sdtrain] data.on_change=new_epoch: the data changed since {where}; resuming its weights "
@@ -188,26 +190,10 @@ def train(config: Config) -> RunSummary:
     return _finish(config, result)
 
 
-@dataclass
-class _FinishedRun:
-    step: int
-    result: ray.train.Result
-
-
-def _finished_run(run_dir: str, max_steps: int) -> _FinishedRun | None:
-    """The run in ``run_dir`` if its latest committed checkpoint is at or past ``max_steps``."""
-    result = committed_run(*ray_storage(run_dir))
-    if result is None:
-        return None
-    assert result.checkpoint is not None  # committed_run returns only runs with a committed checkpoint
-    step = int(read_data_state(result.checkpoint)["step"])
-    return _FinishedRun(step, result) if step >= max_steps else None
-
-
 def _finish(config: Config, result: ray.train.Result) -> RunSummary:
     """metrics.csv, loss_curve.png and the export (unless it is already that of the final checkpoint)."""
     checkpoint = result.checkpoint
-    # A committed run (_finished_run), or a fit() that returned: its final step reported a checkpoint.
+    # A committed run at train.max_steps, or a fit() that returned: its final step reported a checkpoint.
     assert checkpoint is not None
     history = read_history(checkpoint)
     labels = LossLabels(config.model.prediction_type, config.train.snr_gamma)
