@@ -2,16 +2,20 @@
 
 Runs on the driver before Ray starts any worker, so that a wrong column, shape or file fails
 in seconds with an error that names the file and the column, instead of on every worker.
+A run's later starts take the footers from the dataset index instead (sdtrain.data.dataset_index).
 """
 
 from __future__ import annotations
 
 import math
-from concurrent.futures import ThreadPoolExecutor
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 # Registers Ray's tensor extension types with pyarrow, so their shapes are read from footers.
@@ -20,6 +24,10 @@ import ray.data  # noqa: F401
 from sdtrain.data.decode import ColumnLayout, column_layout, to_array
 from sdtrain.errors import DataError
 from sdtrain.storage.filesystems import filesystem_for
+from sdtrain.storage.uris import split_s3
+
+# Footers read at once: a bounded number of requests in flight, whatever the number of files.
+FOOTER_READS = 16
 
 
 @dataclass(frozen=True)
@@ -28,10 +36,26 @@ class DatasetSpec:
     rows_per_file: tuple[int, ...]
     latent_shape: tuple[int, int, int]
     caption_shape: tuple[int, int]
+    content_digest: str = ""
+    """sha256 (16 hex) of each file's (path, size, version = ETag or mtime_ns), in file order: a file
+    rewritten in place changes it (sdtrain.data.dataset_index). Empty where sizes and versions are unknown."""
 
     @property
     def num_rows(self) -> int:
         return sum(self.rows_per_file)
+
+
+@dataclass(frozen=True)
+class CheckedSchema:
+    """The schema a dataset's columns were checked with: the footer of ``file``."""
+
+    file: str
+    schema: pa.Schema
+    image_column: str
+    caption_column: str
+
+    def layouts(self, key: str) -> tuple[ColumnLayout, ColumnLayout]:
+        return column_layouts(key, self.file, self.schema, self.image_column, self.caption_column)
 
 
 def inspect_dataset(
@@ -43,48 +67,121 @@ def inspect_dataset(
     cross_attention_dim: int,
 ) -> DatasetSpec:
     """Read every file's footer and the first row; check columns, shapes and types against the model."""
-    with ThreadPoolExecutor(max_workers=16) as pool:
-        footers = list(pool.map(lambda f: _read_footer(f, key), files))
-
-    layouts: dict[str, tuple[str, ColumnLayout]] = {}  # column: (first file, its layout there)
-    for column, role in ((image_column, "data.image_column"), (caption_column, "data.caption_column")):
-        for file, (schema, _) in zip(files, footers, strict=True):
-            if column not in schema.names:
-                raise DataError(
-                    f"{key}: {file} has no column {column!r} ({role}); its columns are "
-                    f"{', '.join(schema.names)}. Set {role} to the column that holds the data."
-                )
-            try:
-                layout = column_layout(schema.field(column))
-            except DataError as e:
-                raise DataError(f"{key}: {file}, column {column!r} ({role}) {e}") from None
-            first = layouts.setdefault(column, (file, layout))
-            if layout != first[1]:
-                raise DataError(
-                    f"{key}: column {column!r} is a {layout.describe()} in {file} but a "
-                    f"{first[1].describe()} in {first[0]}; every file must store it the same way"
-                )
-
-    rows = tuple(num_rows for _, num_rows in footers)
+    rows, checked = read_footers(files, key, image_column, caption_column)
+    assert checked is not None
     if sum(rows) == 0:
         raise DataError(f"{key}: the {len(files)} parquet file(s) hold no rows (first: {files[0]})")
-
     file = files[next(i for i, n in enumerate(rows) if n)]
-    row = _first_row(file, key, [image_column, caption_column])
-    latent_shape = _latent_shape(key, file, image_column, layouts[image_column][1], row, in_channels)
-    caption_shape = _caption_shape(key, file, caption_column, layouts[caption_column][1], row, cross_attention_dim)
-    for column, shape in ((image_column, latent_shape), (caption_column, caption_shape)):
+    row = first_row(file, key, [image_column, caption_column])
+    latent_shape, caption_shape = check_shapes(key, checked, in_channels, cross_attention_dim, row, file)
+    return DatasetSpec(tuple(files), tuple(rows), latent_shape, caption_shape)
+
+
+def column_layouts(
+    key: str, file: str, schema: pa.Schema, image_column: str, caption_column: str
+) -> tuple[ColumnLayout, ColumnLayout]:
+    """The layouts of the image and caption columns in ``file``'s ``schema``, or the DataError naming both."""
+    layouts = []
+    for column, role in ((image_column, "data.image_column"), (caption_column, "data.caption_column")):
+        if column not in schema.names:
+            raise DataError(
+                f"{key}: {file} has no column {column!r} ({role}); its columns are "
+                f"{', '.join(schema.names)}. Set {role} to the column that holds the data."
+            )
         try:
-            values = to_array(row.column(column), shape, column)
+            layouts.append(column_layout(schema.field(column)))
         except DataError as e:
-            raise DataError(f"{key}: {file}: {e}") from None
-        if not np.isfinite(values).all():
-            raise DataError(f"{key}: {file}, column {column!r}: the first row holds NaN or infinite values")
-    return DatasetSpec(tuple(files), rows, latent_shape, caption_shape)
+            raise DataError(f"{key}: {file}, column {column!r} ({role}) {e}") from None
+    return layouts[0], layouts[1]
 
 
-def _read_footer(file: str, key: str) -> tuple[pa.Schema, int]:
-    fs, path = filesystem_for(file)
+def check_same_layouts(key: str, file: str, schema: pa.Schema, reference: CheckedSchema) -> None:
+    """``file`` stores both columns as ``reference`` does, else the DataError naming both files."""
+    columns = (reference.image_column, reference.caption_column)
+    mine = column_layouts(key, file, schema, *columns)
+    for column, layout, first in zip(columns, mine, reference.layouts(key), strict=True):
+        if layout != first:
+            raise DataError(
+                f"{key}: column {column!r} is a {layout.describe()} in {file} but a "
+                f"{first.describe()} in {reference.file}; every file must store it the same way"
+            )
+
+
+def read_footers(
+    files: Sequence[str],
+    key: str,
+    image_column: str,
+    caption_column: str,
+    reference: CheckedSchema | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> tuple[list[int], CheckedSchema | None]:
+    """The rows of each of ``files`` from its footer, each footer's columns checked against ``reference`` (without
+    one, the first file's). At most FOOTER_READS requests in flight, one schema held at a time.
+
+    Returns the rows per file and the reference (None only when ``files`` is empty).
+    """
+    if not files:
+        return [], reference
+    sources = _Sources()
+    rows = [0] * len(files)
+    start = 0
+    if reference is None:
+        schema, rows[0] = _read_footer(files[0], key, sources)
+        reference = CheckedSchema(files[0], schema, image_column, caption_column)
+        reference.layouts(key)  # the first file's own errors: a missing column, an unreadable type
+        start = 1
+    checked = reference
+
+    def read(index: int) -> tuple[int, int]:
+        schema, num_rows = _read_footer(files[index], key, sources)
+        check_same_layouts(key, files[index], schema, checked)
+        return index, num_rows
+
+    done = start
+    last_report = time.monotonic()
+    with ThreadPoolExecutor(max_workers=FOOTER_READS) as pool:
+        pending: set[Future] = set()
+        next_index = start
+        while next_index < len(files) or pending:
+            while next_index < len(files) and len(pending) < 2 * FOOTER_READS:
+                pending.add(pool.submit(read, next_index))
+                next_index += 1
+            finished, pending = wait(pending, return_when=FIRST_COMPLETED)
+            for future in finished:
+                try:
+                    index, num_rows = future.result()
+                except BaseException:
+                    for other in pending:
+                        other.cancel()
+                    raise
+                rows[index] = num_rows
+                done += 1
+            if progress is not None and time.monotonic() - last_report >= _PROGRESS_S:
+                progress(done, len(files))
+                last_report = time.monotonic()
+    return rows, reference
+
+
+_PROGRESS_S = 10.0
+
+
+class _Sources:
+    """One filesystem per S3 bucket (making one per file would cost a client per footer)."""
+
+    def __init__(self):
+        self._buckets: dict[str, pafs.FileSystem] = {}
+
+    def __call__(self, file: str) -> tuple[pafs.FileSystem, str]:
+        if not file.startswith("s3://"):
+            return filesystem_for(file)
+        bucket, key = split_s3(file)
+        if bucket not in self._buckets:
+            self._buckets[bucket] = filesystem_for(file)[0]
+        return self._buckets[bucket], f"{bucket}/{key}"
+
+
+def _read_footer(file: str, key: str, sources: Callable[[str], tuple[pafs.FileSystem, str]] = filesystem_for):
+    fs, path = sources(file)
     try:
         metadata = pq.read_metadata(path, filesystem=fs)
     except (OSError, pa.ArrowException) as e:
@@ -92,7 +189,7 @@ def _read_footer(file: str, key: str) -> tuple[pa.Schema, int]:
     return metadata.schema.to_arrow_schema(), metadata.num_rows
 
 
-def _first_row(file: str, key: str, columns: list[str]) -> pa.Table:
+def first_row(file: str, key: str, columns: list[str]) -> pa.Table:
     fs, path = filesystem_for(file)
     try:
         with fs.open_input_file(path) as handle:
@@ -102,16 +199,52 @@ def _first_row(file: str, key: str, columns: list[str]) -> pa.Table:
     return pa.Table.from_batches([batch.slice(0, 1)])
 
 
-def _values_per_row(where: str, layout: ColumnLayout, row: pa.Table, column: str) -> int:
+def check_shapes(
+    key: str,
+    checked: CheckedSchema,
+    in_channels: int,
+    cross_attention_dim: int,
+    row: pa.Table | None,
+    row_file: str,
+    recorded: tuple[tuple[int, ...], tuple[int, ...]] | None = None,
+) -> tuple[tuple[int, int, int], tuple[int, int]]:
+    """(latent shape, caption shape) of the checked columns, checked against the model.
+
+    Variable-size lists have their values per row from ``recorded`` (the shapes an index recorded: their product),
+    else from ``row`` (the first row of ``row_file``); ``row``, when given, is checked to fit the shapes and to
+    hold finite values.
+    """
+    image_layout, caption_layout = checked.layouts(key)
+    image, caption = checked.image_column, checked.caption_column
+    file = row_file if recorded is None else checked.file
+    latent_shape = _latent_shape(key, file, image, image_layout, row, in_channels, recorded and recorded[0])
+    caption_shape = _caption_shape(
+        key, file, caption, caption_layout, row, cross_attention_dim, recorded and recorded[1]
+    )
+    if row is not None:
+        for column, shape in ((image, latent_shape), (caption, caption_shape)):
+            try:
+                values = to_array(row.column(column), shape, column)
+            except DataError as e:
+                raise DataError(f"{key}: {row_file}: {e}") from None
+            if not np.isfinite(values).all():
+                raise DataError(f"{key}: {row_file}, column {column!r}: the first row holds NaN or infinite values")
+    return latent_shape, caption_shape
+
+
+def _values_per_row(where: str, layout: ColumnLayout, row: pa.Table | None, column: str, recorded) -> int:
     if layout.values_per_row is not None:
         return layout.values_per_row
+    if recorded:
+        return math.prod(recorded)
+    assert row is not None
     value = row.column(column)[0]
     if not value.is_valid:
         raise DataError(f"{where}: the first row is null; every row needs a value")
     return len(value)
 
 
-def _latent_shape(key, file, column, layout, row, in_channels) -> tuple[int, int, int]:
+def _latent_shape(key, file, column, layout, row, in_channels, recorded=None) -> tuple[int, int, int]:
     where = f"{key}: {file}, column {column!r} (data.image_column)"
     if layout.shape is not None:
         if len(layout.shape) != 3 or layout.shape[0] != in_channels:
@@ -120,7 +253,7 @@ def _latent_shape(key, file, column, layout, row, in_channels) -> tuple[int, int
                 f"C = the UNet's in_channels = {in_channels}"
             )
         return tuple(layout.shape)
-    n = _values_per_row(where, layout, row, column)
+    n = _values_per_row(where, layout, row, column, recorded)
     side = math.isqrt(n // in_channels) if n % in_channels == 0 else 0
     if side == 0 or in_channels * side * side != n:
         raise DataError(
@@ -131,7 +264,7 @@ def _latent_shape(key, file, column, layout, row, in_channels) -> tuple[int, int
     return (in_channels, side, side)
 
 
-def _caption_shape(key, file, column, layout, row, cross_attention_dim) -> tuple[int, int]:
+def _caption_shape(key, file, column, layout, row, cross_attention_dim, recorded=None) -> tuple[int, int]:
     where = f"{key}: {file}, column {column!r} (data.caption_column)"
     if layout.shape is not None:
         if len(layout.shape) != 2 or layout.shape[1] != cross_attention_dim:
@@ -141,7 +274,7 @@ def _caption_shape(key, file, column, layout, row, cross_attention_dim) -> tuple
                 + _caption_hint(math.prod(layout.shape), cross_attention_dim)
             )
         return tuple(layout.shape)
-    n = _values_per_row(where, layout, row, column)
+    n = _values_per_row(where, layout, row, column, recorded)
     if n == 0 or n % cross_attention_dim:
         raise DataError(
             f"{where} has {n} values a row, which is not L*D for D = the UNet's cross_attention_dim = "

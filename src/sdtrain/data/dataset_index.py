@@ -1,0 +1,576 @@
+"""The dataset index: what a start of a run needs to know of its data (files, sizes, versions, rows, the checked
+schema), kept as one parquet object so that a restart reads one object instead of every file's footer.
+
+The contract, owned here:
+
+- **Listing** (:func:`list_dataset`): the files a data spec names (files, directories of .parquet with '_'/'.'
+  hidden parts skipped, globs; duplicates removed; each spec's files sorted), streamed page by page (S3:
+  ``list_objects_v2``; local: an ``os.scandir`` walk) with each file's size and version (the S3 ETag, or the
+  local ``st_mtime_ns``), held once as parallel lists.
+- **Index** (:class:`DatasetIndex`): per file (path, size, version, rows) plus the checked schema (the arrow
+  schema with its metadata, the image and caption columns it was checked with, the latent and caption shapes),
+  one parquet object: columns ``path size version rows``, the rest in its schema metadata. Written by the
+  driver's first start of a run to ``<run dir>/dataset_index/<train|val>.parquet``, and by the preprocessing job
+  beside its shards (``<output>/_sdtrain_index.parquet``, paths relative to the directory). Shapes an index
+  records are (C, H, W) and (L, D) as checked against a model; a writer that knows no model (the preprocessing
+  job) records the values per row as a 1-tuple. For variable-size lists only their product is used.
+- **A start** (:func:`index_dataset`): list; read the run's index (one GET), else an index found beside the
+  data; take each listed file's rows from it when its size and version are unchanged; read the footers of the
+  others (new or rewritten; bounded parallelism); drop files gone; check the columns and shapes against the
+  model from the recorded schema, without I/O. The first row is read (the finiteness check) only on a start that
+  read footers (of the first of them with rows) or that has no index of its own yet.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import io
+import json
+import os
+import posixpath
+import stat
+from array import array
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+
+from sdtrain.data.inspection import CheckedSchema, DatasetSpec, check_shapes, first_row, read_footers
+from sdtrain.errors import DataError
+from sdtrain.storage.filesystems import filesystem_for
+from sdtrain.storage.uris import is_uri, split_s3, uri_prefix
+
+INDEX_FORMAT = 1
+RUN_INDEX_DIR = "dataset_index"
+DIRECTORY_INDEX = "_sdtrain_index.parquet"  # '_': outside the parquet listing
+_META = b"sdtrain.dataset_index"
+_SCHEMA = b"sdtrain.dataset_index.schema"
+_GLOB_CHARS = "*?["
+LIST_PAGE_SIZE = 1000  # S3's largest page
+
+
+# --- listing -------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Listing:
+    """Files with their sizes and versions, as parallel lists (one entry a file, held once)."""
+
+    paths: list[str] = field(default_factory=list)
+    sizes: array = field(default_factory=lambda: array("q"))
+    versions: list[str] = field(default_factory=list)
+    indexes: list[tuple[str, str]] = field(default_factory=list)
+    """(index object, the directory its relative paths are under): directory indexes found beside the data."""
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def content_digest(self) -> str:
+        return content_digest(self.paths, self.sizes, self.versions)
+
+
+def content_digest(paths: Sequence[str], sizes: Sequence[int], versions: Sequence[str]) -> str:
+    """sha256 (first 16 hex) of each file's (path, size, version), in file order."""
+    digest = hashlib.sha256()
+    for path, size, version in zip(paths, sizes, versions, strict=True):
+        digest.update(f"{path}\t{size}\t{version}\n".encode())
+    return digest.hexdigest()[:16]
+
+
+def list_dataset(specs: Sequence[str], key: str, page_size: int = LIST_PAGE_SIZE) -> Listing:
+    """Every parquet file ``specs`` names, with size and version, in a stable order, duplicates removed.
+
+    Raises DataError naming ``key`` and the spec when a spec names nothing.
+    """
+    listing = Listing()
+    seen: set[str] = set()
+    for spec in specs:
+        found = _Found()
+        _expand(spec, found, page_size)
+        if not found.paths:
+            raise DataError(
+                f"{key}: {spec} matches no parquet files; expected a .parquet file, a directory "
+                "containing .parquet files, or a glob such as data/*.parquet"
+            )
+        for i in sorted(range(len(found.paths)), key=found.paths.__getitem__):
+            path = found.paths[i]
+            if path in seen:
+                continue
+            seen.add(path)
+            listing.paths.append(path)
+            listing.sizes.append(found.sizes[i])
+            listing.versions.append(found.versions[i])
+        listing.indexes.extend(found.indexes)
+    return listing
+
+
+@dataclass
+class _Found:
+    paths: list[str] = field(default_factory=list)
+    sizes: array = field(default_factory=lambda: array("q"))
+    versions: list[str] = field(default_factory=list)
+    indexes: list[tuple[str, str]] = field(default_factory=list)
+
+    def add(self, path: str, size: int, version: str) -> None:
+        self.paths.append(path)
+        self.sizes.append(size)
+        self.versions.append(version)
+
+
+def _expand(spec: str, found: _Found, page_size: int) -> None:
+    prefix = uri_prefix(spec)
+    if spec.startswith("s3://"):
+        _expand_s3(spec, found, page_size)
+    elif not prefix:
+        _expand_local(spec, found)
+    else:
+        _expand_pyarrow(spec, found)
+
+
+def _hidden(path: str, root: str) -> bool:
+    """Files under a '.' or '_' name (``_SUCCESS``, ``.tmp``) are writer by-products, not data."""
+    return any(part.startswith((".", "_")) for part in path[len(root) :].split("/") if part)
+
+
+def _glob_base(path: str) -> str:
+    return path[: min(path.index(c) for c in _GLOB_CHARS if c in path)].rsplit("/", 1)[0]
+
+
+def _expand_local(spec: str, found: _Found) -> None:
+    import glob
+
+    path = os.path.abspath(os.path.expanduser(spec))
+    if any(c in spec for c in _GLOB_CHARS):
+        for match in glob.glob(path, recursive=True):
+            try:
+                st = os.stat(match)
+            except OSError:
+                continue
+            if stat.S_ISREG(st.st_mode):
+                found.add(match, st.st_size, str(st.st_mtime_ns))
+        return
+    try:
+        st = os.stat(path)
+    except OSError:
+        return
+    if stat.S_ISREG(st.st_mode):
+        found.add(spec, st.st_size, str(st.st_mtime_ns))
+        return
+    if not stat.S_ISDIR(st.st_mode):
+        return
+    index = os.path.join(path, DIRECTORY_INDEX)
+    if os.path.isfile(index):
+        found.indexes.append((index, path))
+    stack = [path]
+    while stack:  # '_'/'.' directories are not entered: nothing under them is data
+        with os.scandir(stack.pop()) as entries:
+            for entry in entries:
+                if entry.name.startswith((".", "_")):
+                    continue
+                if entry.is_dir():
+                    stack.append(entry.path)
+                elif entry.name.endswith(".parquet") and entry.is_file():
+                    st = entry.stat()
+                    found.add(entry.path, st.st_size, str(st.st_mtime_ns))
+
+
+def _s3_objects(client, bucket: str, prefix: str, page_size: int) -> Iterator[dict]:
+    """The objects under ``prefix``, one page of ``page_size`` at a time (never the whole listing at once)."""
+    pages = client.get_paginator("list_objects_v2").paginate(
+        Bucket=bucket, Prefix=prefix, PaginationConfig={"PageSize": page_size}
+    )
+    for page in pages:
+        yield from page.get("Contents", ())
+
+
+def _etag(obj: Mapping) -> str:
+    return str(obj.get("ETag", "")).strip('"')
+
+
+def _expand_s3(spec: str, found: _Found, page_size: int) -> None:
+    import fnmatch
+
+    from botocore.exceptions import ClientError
+
+    from sdtrain.storage.s3 import s3_client
+
+    client = s3_client()
+    bucket, key = split_s3(spec)
+    if any(c in key for c in _GLOB_CHARS):
+        pattern = f"{bucket}/{key}"
+        base = _glob_base(pattern)
+        list_prefix = base[len(bucket) + 1 :] + "/" if base != bucket else ""
+        for obj in _s3_objects(client, bucket, list_prefix, page_size):
+            name = f"{bucket}/{obj['Key']}"
+            if not obj["Key"].endswith("/") and fnmatch.fnmatch(name, pattern):
+                found.add(f"s3://{name}", int(obj["Size"]), _etag(obj))
+        return
+    if key and not spec.endswith("/"):
+        try:
+            head = client.head_object(Bucket=bucket, Key=key)
+            found.add(spec, int(head["ContentLength"]), _etag(head))
+            return
+        except ClientError as e:
+            if e.response.get("Error", {}).get("Code") not in ("404", "NoSuchKey", "NotFound"):
+                raise DataError(f"cannot list {spec}: {e}") from None
+    root = f"{bucket}/{key}" if key else bucket
+    list_prefix = f"{key}/" if key else ""
+    for obj in _s3_objects(client, bucket, list_prefix, page_size):
+        name = f"{bucket}/{obj['Key']}"
+        if obj["Key"] == list_prefix + DIRECTORY_INDEX:
+            found.indexes.append((f"s3://{name}", f"s3://{root}"))
+        if name.endswith(".parquet") and not _hidden(name, root):
+            found.add(f"s3://{name}", int(obj["Size"]), _etag(obj))
+
+
+def _expand_pyarrow(spec: str, found: _Found) -> None:
+    """Another object store (pyarrow's own filesystems): version = modification time."""
+    import fnmatch
+
+    fs, path = filesystem_for(spec)
+    prefix = uri_prefix(spec)
+
+    def version(info: pafs.FileInfo) -> str:
+        return str(info.mtime_ns) if info.mtime_ns is not None else ""
+
+    if any(c in path for c in _GLOB_CHARS):
+        infos = fs.get_file_info(pafs.FileSelector(_glob_base(path), recursive=True, allow_not_found=True))
+        for i in infos:
+            if i.type == pafs.FileType.File and fnmatch.fnmatch(i.path, path):
+                found.add(prefix + i.path, i.size, version(i))
+        return
+    info = fs.get_file_info(path)
+    if info.type == pafs.FileType.File:
+        found.add(spec, info.size, version(info))
+    elif info.type == pafs.FileType.Directory:
+        for i in fs.get_file_info(pafs.FileSelector(path, recursive=True)):
+            if i.type != pafs.FileType.File:
+                continue
+            if i.path == f"{path.rstrip('/')}/{DIRECTORY_INDEX}":
+                found.indexes.append((prefix + i.path, prefix + path.rstrip("/")))
+            if i.path.endswith(".parquet") and not _hidden(i.path, path):
+                found.add(prefix + i.path, i.size, version(i))
+
+
+# --- the index object ----------------------------------------------------------------------------------------
+
+
+@dataclass
+class DatasetIndex:
+    paths: list[str]
+    sizes: Sequence[int]
+    versions: list[str]
+    rows: np.ndarray
+    checked: CheckedSchema
+    latent_shape: tuple[int, ...]
+    caption_shape: tuple[int, ...]
+
+    def table(self, relative_to: str | None = None) -> pa.Table:
+        paths = self.paths
+        if relative_to is not None:
+            root = relative_to.rstrip("/") + "/"
+            paths = [p[len(root) :] if p.startswith(root) else p for p in paths]
+        meta = {
+            "format": INDEX_FORMAT,
+            "relative": relative_to is not None,
+            "schema_file": self.checked.file,
+            "image_column": self.checked.image_column,
+            "caption_column": self.checked.caption_column,
+            "latent_shape": list(self.latent_shape),
+            "caption_shape": list(self.caption_shape),
+        }
+        schema = pa.schema(
+            [("path", pa.string()), ("size", pa.int64()), ("version", pa.string()), ("rows", pa.int64())],
+            metadata={
+                _META: json.dumps(meta).encode(),
+                _SCHEMA: base64.b64encode(self.checked.schema.serialize().to_pybytes()),
+            },
+        )
+        return pa.table(
+            [
+                pa.array(paths, pa.string()),
+                pa.array(np.asarray(self.sizes, np.int64)),
+                pa.array(self.versions, pa.string()),
+                pa.array(np.asarray(self.rows, np.int64)),
+            ],
+            schema=schema,
+        )
+
+
+def index_bytes(index: DatasetIndex, relative_to: str | None = None) -> bytes:
+    buffer = io.BytesIO()
+    pq.write_table(index.table(relative_to), buffer, compression="zstd")
+    return buffer.getvalue()
+
+
+def write_index(uri: str, index: DatasetIndex, relative_to: str | None = None) -> None:
+    """The index as one object at ``uri`` (local: a temporary name then a rename; S3: one PutObject)."""
+    from sdtrain.preprocess.outputs import write_bytes
+
+    write_bytes(uri, index_bytes(index, relative_to))
+
+
+def read_index(uri: str, base: str | None = None) -> DatasetIndex | None:
+    """The index at ``uri`` in one read (one GET on S3), or None if there is none or it cannot be used (another
+    format, unreadable: the footers are read instead). ``base``: the directory a relative index is under."""
+    data = _read_object(uri)
+    if data is None:
+        return None
+    try:
+        table = pq.read_table(io.BytesIO(data))
+        metadata = table.schema.metadata or {}
+        meta = json.loads(metadata[_META])
+        if meta.get("format") != INDEX_FORMAT:
+            return None
+        schema = pa.ipc.read_schema(pa.py_buffer(base64.b64decode(metadata[_SCHEMA])))
+    except (OSError, KeyError, ValueError, pa.ArrowException) as e:
+        print(f"[sdtrain] the dataset index {uri} cannot be read ({e}); reading the footers instead", flush=True)
+        return None
+    paths = table.column("path").to_pylist()
+    if meta.get("relative"):
+        root = (base if base is not None else posixpath.dirname(uri)).rstrip("/")
+        paths = [_join(root, p) for p in paths]
+    return DatasetIndex(
+        paths=paths,
+        sizes=table.column("size").to_numpy(),
+        versions=table.column("version").to_pylist(),
+        rows=table.column("rows").to_numpy(),
+        checked=CheckedSchema(meta["schema_file"], schema, meta["image_column"], meta["caption_column"]),
+        latent_shape=tuple(meta["latent_shape"]),
+        caption_shape=tuple(meta["caption_shape"]),
+    )
+
+
+def _read_object(uri: str) -> bytes | None:
+    if uri.startswith("s3://"):
+        from botocore.exceptions import ClientError
+
+        from sdtrain.storage.s3 import s3_client
+
+        bucket, key = split_s3(uri)
+        try:
+            return s3_client().get_object(Bucket=bucket, Key=key)["Body"].read()
+        except ClientError as e:
+            if e.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+                return None
+            raise
+    fs, path = filesystem_for(uri)
+    try:
+        with fs.open_input_stream(path) as f:
+            return f.read()
+    except FileNotFoundError:
+        return None
+    except OSError:
+        if fs.get_file_info(path).type == pafs.FileType.NotFound:
+            return None
+        raise
+
+
+def run_index_uri(run_dir: str, key: str) -> str:
+    """Where a run keeps the index of ``key`` (data.train, data.val): ``<run dir>/dataset_index/<train>.parquet``."""
+    name = f"{key.rsplit('.', 1)[-1]}.parquet"
+    return _join(run_dir, RUN_INDEX_DIR, name)
+
+
+def _join(root: str, *parts: str) -> str:
+    return posixpath.join(root.rstrip("/"), *parts) if is_uri(root) else os.path.join(root, *parts)
+
+
+# --- a start -------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class IndexStats:
+    files: int
+    from_index: int
+    """Files whose rows came from an index (size and version unchanged)."""
+    footers_read: int
+    dropped: int
+    """Files of the run's index that are gone from the listing."""
+    rows_read: int
+    """First rows read for the finiteness check (0 or 1)."""
+    source: str | None
+    """The index used, if any."""
+
+
+@dataclass
+class IndexedDataset:
+    spec: DatasetSpec
+    stats: IndexStats
+    index: DatasetIndex
+    stale: bool
+    """Whether ``index`` differs from the run's own (none yet, footers read, files dropped): write it."""
+
+    @property
+    def schema_file(self) -> str:
+        return self.index.checked.file
+
+    @property
+    def schema_metadata(self) -> Mapping[bytes, bytes]:
+        return self.index.checked.schema.metadata or {}
+
+
+def index_dataset(
+    specs: Sequence[str],
+    key: str,
+    image_column: str,
+    caption_column: str,
+    in_channels: int,
+    cross_attention_dim: int,
+    index_uri: str | None = None,
+    page_size: int = LIST_PAGE_SIZE,
+) -> IndexedDataset:
+    """The files ``specs`` name, their rows and shapes checked against the model, from the index at
+    ``index_uri`` (the run's) or one beside the data where it has them, else from the footers. Writes nothing:
+    :func:`write_index` the result's ``index`` to ``index_uri`` when ``stale``."""
+    listing = list_dataset(specs, key, page_size)
+    own = read_index(index_uri) if index_uri else None
+    indexes = [own] if own is not None else []
+    indexes += [i for i in (read_index(uri, base) for uri, base in listing.indexes) if i is not None]
+    columns = (image_column, caption_column)
+    indexes = [i for i in indexes if (i.checked.image_column, i.checked.caption_column) == columns]
+    reference = indexes[0] if indexes else None
+    known: dict[str, tuple[int, str, int]] = {}
+    for index in indexes:
+        if index is not reference:
+            assert reference is not None
+            try:
+                if index.checked.layouts(key) != reference.checked.layouts(key):
+                    continue
+            except DataError:
+                continue
+        for path, size, version, rows in zip(index.paths, index.sizes, index.versions, index.rows, strict=True):
+            known.setdefault(path, (int(size), version, int(rows)))
+
+    n = len(listing)
+    rows = np.zeros(n, np.int64)
+    to_read: list[int] = []
+    for i, (path, size, version) in enumerate(zip(listing.paths, listing.sizes, listing.versions, strict=True)):
+        entry = known.get(path)
+        if entry is not None and entry[0] == size and entry[1] == version:
+            rows[i] = entry[2]
+        else:
+            to_read.append(i)
+    del known
+    dropped = 0
+    if own is not None:
+        listed = set(listing.paths)
+        dropped = sum(1 for p in own.paths if p not in listed)
+
+    def progress(done: int, total: int) -> None:
+        print(f"[sdtrain] {key}: read {done}/{total} footers", flush=True)
+
+    read_files = [listing.paths[i] for i in to_read]
+    read_rows, checked = read_footers(
+        read_files,
+        key,
+        image_column,
+        caption_column,
+        reference.checked if reference is not None else None,
+        progress if len(read_files) >= 1000 else None,
+    )
+    assert checked is not None  # a listing is never empty: list_dataset raises
+    for i, num_rows in zip(to_read, read_rows, strict=True):
+        rows[i] = num_rows
+    if int(rows.sum()) == 0:
+        raise DataError(f"{key}: the {n} parquet file(s) hold no rows (first: {listing.paths[0]})")
+
+    # The first row: of the first file read with rows; on a first start from an index beside the data, of the first
+    # file with rows. A restart that read no footer reads none.
+    row_file = None
+    if read_files:
+        row_file = next((f for f, r in zip(read_files, read_rows, strict=True) if r), None)
+    elif own is None:
+        row_file = listing.paths[int(np.flatnonzero(rows)[0])]
+    row = first_row(row_file, key, [image_column, caption_column]) if row_file is not None else None
+    recorded = (reference.latent_shape, reference.caption_shape) if reference is not None else None
+    latent_shape, caption_shape = check_shapes(
+        key, checked, in_channels, cross_attention_dim, row, row_file or checked.file, recorded
+    )
+
+    index = DatasetIndex(listing.paths, listing.sizes, listing.versions, rows, checked, latent_shape, caption_shape)
+    stats = IndexStats(
+        files=n,
+        from_index=n - len(to_read),
+        footers_read=len(to_read),
+        dropped=dropped,
+        rows_read=int(row is not None),
+        source=None if reference is None else (index_uri if reference is own else "beside the data"),
+    )
+    stale = (
+        own is None
+        or bool(to_read)
+        or dropped > 0
+        or (own.latent_shape, own.caption_shape) != (latent_shape, caption_shape)
+    )
+    dropped_note = f", {dropped} gone since the index" if dropped else ""
+    print(
+        f"[sdtrain] {key}: {n} files ({stats.from_index} from the index, {stats.footers_read} footers read"
+        f"{dropped_note})",
+        flush=True,
+    )
+    spec = DatasetSpec(
+        tuple(listing.paths),
+        tuple(rows.tolist()),
+        latent_shape,
+        caption_shape,
+        listing.content_digest(),
+    )
+    return IndexedDataset(spec, stats, index, stale)
+
+
+# --- the preprocessing job's index ---------------------------------------------------------------------------
+
+
+def write_directory_index(
+    directory: str, image_column: str, caption_column: str, known_rows: Mapping[str, int] | None = None
+) -> IndexStats | None:
+    """The index of the parquet files under ``directory``, written beside them (``_sdtrain_index.parquet``,
+    paths relative to the directory), for training on it to read no footer. ``known_rows``: rows of files by
+    name relative to the directory (the preprocessing job's shard records); the others' footers are read. The
+    schema is the first file's footer; the values per row, its first row with rows. None if the directory holds
+    no parquet file."""
+    try:
+        listing = list_dataset([directory], "output.path")
+    except DataError:
+        return None
+    base = directory.rstrip("/")
+    if not is_uri(base):
+        base = os.path.abspath(os.path.expanduser(base))
+    rows = np.zeros(len(listing), np.int64)
+    to_read = []
+    for i, path in enumerate(listing.paths):
+        name = path[len(base) + 1 :] if path.startswith(base + "/") else None
+        if known_rows is not None and name is not None and name in known_rows:
+            rows[i] = known_rows[name]
+        else:
+            to_read.append(i)
+    read_files = [listing.paths[i] for i in to_read]
+    read_rows, checked = read_footers(read_files, "output.path", image_column, caption_column)
+    for i, num_rows in zip(to_read, read_rows, strict=True):
+        rows[i] = num_rows
+    if checked is None:  # every file's rows were known: the first file's footer for the schema
+        _, checked = read_footers(listing.paths[:1], "output.path", image_column, caption_column)
+        assert checked is not None
+    with_rows = np.flatnonzero(rows)
+    if len(with_rows) == 0:
+        return None
+    file = listing.paths[int(with_rows[0])]
+    row = first_row(file, "output.path", [image_column, caption_column])
+    image_layout, caption_layout = checked.layouts("output.path")
+    latent_shape = image_layout.shape or (_values(row, image_column),)
+    caption_shape = caption_layout.shape or (_values(row, caption_column),)
+    index = DatasetIndex(listing.paths, listing.sizes, listing.versions, rows, checked, latent_shape, caption_shape)
+    write_index(_join(base, DIRECTORY_INDEX), index, base)
+    return IndexStats(len(listing), len(listing) - len(to_read), len(to_read), 0, 1, None)
+
+
+def _values(row: pa.Table, column: str) -> int:
+    value = row.column(column)[0]
+    if not value.is_valid:
+        raise DataError(f"output.path: column {column!r}: the first row is null")
+    return len(value)

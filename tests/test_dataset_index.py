@@ -1,0 +1,181 @@
+"""The dataset index: a run's first start reads the footers and writes it; a restart reads it and only the files
+that changed; the preprocessing job's index lets training read no footer (pyarrow and a moto server, no Ray)."""
+
+import os
+
+import boto3
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from conftest import write_latents
+
+from sdtrain.config.schema import DataConfig
+from sdtrain.data.dataset_index import (
+    DIRECTORY_INDEX,
+    index_dataset,
+    list_dataset,
+    read_index,
+    run_index_uri,
+    write_directory_index,
+    write_index,
+)
+from sdtrain.data.inspection import inspect_dataset
+from sdtrain.errors import ConfigError, DataError
+from sdtrain.model.recipe import LATENT_SCALING_METADATA_KEY, stored_latent_scaling
+
+COLUMNS = ("image_latents_256", "caption_latents")
+
+
+def _start(specs, index_uri, in_channels=4, page_size=1000):
+    return index_dataset([str(s) for s in specs], "data.train", *COLUMNS, in_channels, 32, index_uri, page_size)
+
+
+def _start_and_write(specs, index_uri, **kwargs):
+    data = _start(specs, index_uri, **kwargs)
+    if data.stale:
+        write_index(index_uri, data.index)
+    return data
+
+
+def test_a_restart_reads_the_index_and_only_the_files_that_changed(tmp_path, capsys):
+    data_dir = tmp_path / "data"
+    for i, name in enumerate(("a", "b", "c")):
+        write_latents(data_dir / f"{name}.parquet", rows=8 + i, seed=i)
+    (data_dir / "_SUCCESS").write_bytes(b"")
+    index_uri = run_index_uri(str(tmp_path / "runs" / "r1"), "data.train")
+    assert index_uri == str(tmp_path / "runs/r1/dataset_index/train.parquet")
+
+    first = _start_and_write([data_dir], index_uri)
+    assert (first.stats.files, first.stats.from_index, first.stats.footers_read, first.stats.rows_read) == (3, 0, 3, 1)
+    assert first.stale and os.path.isfile(index_uri)
+    # The same spec as reading every footer, plus the digest of each file's size and version.
+    full = inspect_dataset([str(data_dir / f"{n}.parquet") for n in "abc"], "data.train", *COLUMNS, 4, 32)
+    assert (first.spec.files, first.spec.rows_per_file) == (full.files, (8, 9, 10))
+    assert (first.spec.latent_shape, first.spec.caption_shape) == ((4, 16, 16), (77, 32))
+    assert len(first.spec.content_digest) == 16
+    assert "data.train: 3 files (0 from the index, 3 footers read)" in capsys.readouterr().out
+
+    second = _start_and_write([data_dir], index_uri)
+    assert (second.stats.from_index, second.stats.footers_read, second.stats.rows_read) == (3, 0, 0)
+    assert not second.stale and second.stats.source == index_uri
+    assert second.spec == first.spec
+    assert "data.train: 3 files (3 from the index, 0 footers read)" in capsys.readouterr().out
+
+    # Rewritten (another size), added, removed: only the first two are read; the third is dropped.
+    write_latents(data_dir / "b.parquet", rows=20, seed=7)
+    write_latents(data_dir / "d.parquet", rows=5, seed=8)
+    (data_dir / "c.parquet").unlink()
+    third = _start_and_write([data_dir], index_uri)
+    assert (third.stats.from_index, third.stats.footers_read, third.stats.dropped) == (1, 2, 1)
+    assert third.stats.rows_read == 1 and third.stale
+    assert [os.path.basename(f) for f in third.spec.files] == ["a.parquet", "b.parquet", "d.parquet"]
+    assert third.spec.rows_per_file == (8, 20, 5)
+    assert _start([data_dir], index_uri).stats.footers_read == 0
+
+    # Rewritten in place with the same rows (and size): the version differs, so its footer is read and the
+    # content digest changes while the files and rows do not.
+    before = _start([data_dir], index_uri).spec
+    path = data_dir / "a.parquet"
+    stat = path.stat()
+    write_latents(path, rows=8, seed=0)
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
+    after = _start_and_write([data_dir], index_uri)
+    assert after.stats.footers_read == 1
+    assert (after.spec.files, after.spec.rows_per_file) == (before.files, before.rows_per_file)
+    assert after.spec.content_digest != before.content_digest
+
+
+def test_the_model_check_runs_from_the_index_without_reading_a_file(tmp_path):
+    data_dir = tmp_path / "data"
+    write_latents(data_dir / "a.parquet", rows=4, latent_shape=(4, 8, 8))
+    table = pq.read_table(data_dir / "a.parquet")
+    metadata = {**(table.schema.metadata or {}), LATENT_SCALING_METADATA_KEY: b"0.18215"}
+    pq.write_table(table.replace_schema_metadata(metadata), data_dir / "a.parquet")
+    index_uri = str(tmp_path / "index.parquet")
+    _start_and_write([data_dir], index_uri)
+    # The file is now unreadable: a restart that needs no footer and no row never opens it.
+    path = data_dir / "a.parquet"
+    stat = path.stat()
+    path.write_bytes(b"\0" * stat.st_size)
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    restart = _start([data_dir], index_uri)
+    assert restart.stats.footers_read == 0 and restart.spec.latent_shape == (4, 8, 8)
+    # The scaling the files record comes from the index's schema.
+    assert stored_latent_scaling([(restart.schema_file, restart.schema_metadata)], DataConfig(train=["x"])) == (
+        pytest.approx(0.18215)
+    )
+    with pytest.raises(ConfigError, match=r"a\.parquet records that its latents are already multiplied by 0\.18215"):
+        stored_latent_scaling(
+            [(restart.schema_file, restart.schema_metadata)], DataConfig(train=["x"], latent_scaling_factor=0.18215)
+        )
+    # Another model: the same errors as from the footers, from the recorded schema and shapes.
+    with pytest.raises(
+        DataError, match=r"has 256 values a row, which is not C\*H\*W for C = the UNet.s in_channels = 8"
+    ):
+        _start([data_dir], index_uri, in_channels=8)
+
+
+def test_training_on_a_preprocessing_output_reads_no_footer(tmp_path, capsys):
+    output = tmp_path / "latents"
+    rows = {"shard-000": 6, "shard-001": 7, "sub/shard-002": 3}
+    for i, (name, n) in enumerate(rows.items()):
+        write_latents(output / f"{name}.parquet", rows=n, seed=i)
+    stats = write_directory_index(str(output), *COLUMNS, {f"{name}.parquet": n for name, n in rows.items()})
+    assert stats is not None and stats.footers_read == 0
+    assert (output / DIRECTORY_INDEX).is_file()
+    assert list_dataset([str(output)], "data.train").paths == [str(output / f"{n}.parquet") for n in sorted(rows)]
+    index = read_index(str(output / DIRECTORY_INDEX))
+    assert index is not None and index.paths[0] == str(output / "shard-000.parquet")  # stored relative
+
+    run_index = run_index_uri(str(tmp_path / "runs/r"), "data.train")
+    first = _start_and_write([output], run_index)
+    # No footer; the one-row finiteness check of a run's first start is the only read.
+    assert (first.stats.from_index, first.stats.footers_read, first.stats.rows_read) == (3, 0, 1)
+    assert first.stats.source == "beside the data"
+    assert first.spec.rows_per_file == (6, 7, 3)
+    assert (first.spec.latent_shape, first.spec.caption_shape) == ((4, 16, 16), (77, 32))
+    restart = _start([output], run_index)
+    assert (restart.stats.from_index, restart.stats.footers_read, restart.stats.rows_read) == (3, 0, 0)
+    assert restart.spec == first.spec
+
+
+def _upload_many(s3, bucket: str, prefix: str, source, count: int) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda i: s3.upload_file(str(source), bucket, f"{prefix}/part-{i:03d}.parquet"), range(count)))
+
+
+@pytest.mark.slow
+def test_s3_listing_is_paginated_and_records_etags(s3_bucket, tmp_path):
+    s3 = boto3.client("s3")
+    bucket = s3_bucket[len("s3://") :]
+    write_latents(tmp_path / "part.parquet", rows=10)
+    _upload_many(s3, bucket, "data", tmp_path / "part.parquet", 30)
+    s3.put_object(Bucket=bucket, Key="data/_SUCCESS", Body=b"")
+    # A page of 7 cannot hold 30 keys: the listing below took 5 pages.
+    assert s3.list_objects_v2(Bucket=bucket, Prefix="data/", MaxKeys=7)["IsTruncated"]
+    index_uri = run_index_uri(f"{s3_bucket}/runs/r", "data.train")
+
+    first = _start_and_write([f"{s3_bucket}/data"], index_uri, page_size=7)
+    assert (first.stats.files, first.stats.footers_read) == (30, 30)
+    assert first.spec.files == tuple(f"{s3_bucket}/data/part-{i:03d}.parquet" for i in range(30))
+    etag = s3.head_object(Bucket=bucket, Key="data/part-004.parquet")["ETag"].strip('"')
+    assert first.index.versions[4] == etag
+    assert s3.head_object(Bucket=bucket, Key="runs/r/dataset_index/train.parquet")["ContentLength"] > 0
+
+    restart = _start_and_write([f"{s3_bucket}/data"], index_uri, page_size=7)
+    assert (restart.stats.from_index, restart.stats.footers_read, restart.stats.rows_read) == (30, 0, 0)
+
+    # Rewritten with other content: its ETag changes, so its footer is read, and the digest reports it.
+    write_latents(tmp_path / "other.parquet", rows=10, seed=3)
+    s3.upload_file(str(tmp_path / "other.parquet"), bucket, "data/part-004.parquet")
+    changed = _start_and_write([f"{s3_bucket}/data"], index_uri, page_size=7)
+    assert (changed.stats.from_index, changed.stats.footers_read) == (29, 1)
+    assert changed.spec.content_digest != restart.spec.content_digest
+    # Globs list the same way.
+    globbed = list_dataset([f"{s3_bucket}/data/part-00?.parquet"], "data.train", page_size=7)
+    assert globbed.paths == [f"{s3_bucket}/data/part-{i:03d}.parquet" for i in range(10)]
+    assert pa.array(globbed.sizes).to_pylist() == [changed.index.sizes[i] for i in range(10)]
+    assert np.all(np.asarray(changed.spec.rows_per_file) == 10)
