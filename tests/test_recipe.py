@@ -191,7 +191,9 @@ def test_latents_are_scaled_exactly_once(tmp_path):
     table = pa.table({"x": [1]}).replace_schema_metadata({recipe.LATENT_SCALING_METADATA_KEY: b"0.18215"})
     pq.write_table(table, tmp_path / "scaled.parquet")
     pq.write_table(pa.table({"x": [1]}), tmp_path / "raw.parquet")
-    files = [str(tmp_path / "raw.parquet"), str(tmp_path / "scaled.parquet")]
+    files = [
+        (str(path), pq.read_schema(path).metadata) for path in (tmp_path / "raw.parquet", tmp_path / "scaled.parquet")
+    ]
     assert recipe.stored_latent_scaling(files, DataConfig(train=["x"])) == pytest.approx(0.18215)
     assert recipe.stored_latent_scaling(files[:1], DataConfig(train=["x"], latent_scaling_factor=0.18215)) is None
     with pytest.raises(

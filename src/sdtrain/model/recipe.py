@@ -21,6 +21,7 @@ function of (seed, rank, step) like the noise, and resumed runs draw what uninte
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -174,20 +175,18 @@ def load_unconditional_caption(source: str, caption_shape: tuple[int, int] | lis
 LATENT_SCALING_METADATA_KEY = b"sdtrain.latent_scaling_factor"
 
 
-def stored_latent_scaling(files: list[str], data) -> float | None:
+def stored_latent_scaling(schemas: Sequence[tuple[str, Mapping[bytes, bytes] | None]], data) -> float | None:
     """The scaling factor the files say their latents already carry (parquet schema metadata key
     ``sdtrain.latent_scaling_factor``), or None. Setting data.latent_scaling_factor as well would
-    scale them twice: refused, naming the file."""
-    import pyarrow.parquet as pq
+    scale them twice: refused, naming the file.
 
-    from sdtrain.storage.filesystems import filesystem_for
-
+    Args:
+        schemas: (file, its arrow schema's metadata) of each dataset: the checked schema its dataset index
+            recorded (sdtrain.data.dataset_index), so no file is opened here.
+    """
     found = None
-    for file in files:
-        fs, path = filesystem_for(file)
-        with fs.open_input_file(path) as f:
-            metadata = pq.read_schema(f).metadata or {}
-        if LATENT_SCALING_METADATA_KEY not in metadata:
+    for file, metadata in schemas:
+        if metadata is None or LATENT_SCALING_METADATA_KEY not in metadata:
             continue
         found = float(metadata[LATENT_SCALING_METADATA_KEY])
         if data.latent_scaling_factor is not None:
