@@ -19,9 +19,9 @@ from ray.train.torch import TorchTrainer
 from sdtrain.artifacts.export import EXPORT_DIR, export_checkpoint, export_source
 from sdtrain.artifacts.run_outputs import LossLabels, read_history, write_run_outputs
 from sdtrain.config.schema import Config, ScalingConfig
+from sdtrain.data.dataset_index import IndexedDataset, index_dataset, run_index_uri, write_index
 from sdtrain.data.demo import ensure_demo_data
-from sdtrain.data.inspection import DatasetSpec, inspect_dataset
-from sdtrain.data.parquet_files import resolve_parquet_files
+from sdtrain.data.inspection import DatasetSpec
 from sdtrain.data.ray_data_startup import warm_up_ray_data
 from sdtrain.data.read_order import DataState, SamplePlan, files_digest, resume_position
 from sdtrain.data.streams import WindowReader, file_order_dataset
@@ -58,13 +58,19 @@ def train(config: Config) -> RunSummary:
         val_dir = config.data.val[0] if config.data.val else None
         if ensure_demo_data(config.data.train[0], val_dir, caption_dim=unet["cross_attention_dim"]):
             print(f"[sdtrain] wrote the digits demo dataset to {config.data.train[0]}", flush=True)
-    train_spec = dataset_spec(config, "data.train", config.data.train, unet)
-    val_spec = dataset_spec(config, "data.val", config.data.val, unet) if config.data.val else None
+    run_dir = posixpath.join(config.run.storage_path, config.run.name)
+    # The run's dataset index (its first start reads the footers; later starts, the index and changed files).
+    train_data = indexed_dataset(config, "data.train", config.data.train, unet, run_dir)
+    val_data = indexed_dataset(config, "data.val", config.data.val, unet, run_dir) if config.data.val else None
+    train_spec = train_data.spec
+    val_spec = val_data.spec if val_data is not None else None
     _check_shapes_agree(train_spec, val_spec)
     check_unet(config.model, train_spec.latent_shape, train_spec.caption_shape)  # on the meta device, in a second
     # Before Ray starts: a wrong empty-prompt file or a double latent scaling fails here.
     load_unconditional_caption(config.data.unconditional_caption, train_spec.caption_shape)
-    stored_scale = stored_latent_scaling([train_spec.files[0]] + ([val_spec.files[0]] if val_spec else []), config.data)
+    stored_scale = stored_latent_scaling(
+        [(data.schema_file, data.schema_metadata) for data in (train_data, val_data) if data is not None], config.data
+    )
     print(
         f"[sdtrain] data.train: {train_spec.num_rows} rows in {len(train_spec.files)} file(s), latents "
         f"{train_spec.latent_shape}, captions {train_spec.caption_shape}; "
@@ -84,11 +90,14 @@ def train(config: Config) -> RunSummary:
         config.data.shuffle_window_rows,
         files_digest(train_spec.files),
     )
-    run_dir = posixpath.join(config.run.storage_path, config.run.name)
+    replaced = None
     if config.run.start_fresh:
         replaced = set_aside(run_dir)
         if replaced:
             print(f"[sdtrain] run.start_fresh: moved the previous run to {replaced}", flush=True)
+    for key, data in (("data.train", train_data), ("data.val", val_data)):
+        if data is not None and (data.stale or replaced):
+            write_index(run_index_uri(run_dir, key), data.index)
 
     committed = committed_run(*ray_storage(run_dir))
     if committed is not None:
@@ -228,14 +237,24 @@ def _with_absolute_paths(config: Config) -> Config:
 
 
 def dataset_spec(config: Config, key: str, specs: list[str], unet: Mapping) -> DatasetSpec:
-    """The files ``specs`` name, read and checked against the UNet config ``unet``."""
-    return inspect_dataset(
-        resolve_parquet_files(specs, key),
+    """The files ``specs`` name, read and checked against the UNet config ``unet`` (from the run's dataset
+    index where it has them; nothing is written)."""
+    run_dir = posixpath.join(config.run.storage_path, config.run.name)
+    return indexed_dataset(config, key, specs, unet, run_dir).spec
+
+
+def indexed_dataset(config: Config, key: str, specs: list[str], unet: Mapping, run_dir: str) -> IndexedDataset:
+    """The files ``specs`` name, checked against ``unet``, with the run's dataset index of them (read from
+    ``run_dir``'s, or from one beside the data, for the files whose size and version it records; the others'
+    footers read). The caller writes ``.index`` to :func:`run_index_uri` when ``.stale``."""
+    return index_dataset(
+        specs,
         key,
         image_column=config.data.image_column,
         caption_column=config.data.caption_column,
         in_channels=unet["in_channels"],
         cross_attention_dim=unet["cross_attention_dim"],
+        index_uri=run_index_uri(run_dir, key),
     )
 
 
