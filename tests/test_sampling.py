@@ -172,3 +172,18 @@ def test_the_plan_at_two_billion_rows_is_small_and_its_windows_cheap():
     assert window.spans.shape[0] <= 512 // 64 + 2 and len(plan.sample_indices(window)) == 512
     # Per rank of the segment: the scattered leftover of a partial window (at most a window's rows), then the rest.
     assert len(plan.remaining(state)) <= 64 * (512 + 1) + 1
+
+
+def test_a_file_rewritten_in_place_is_a_change_but_a_checkpoint_without_a_content_digest_is_not():
+    plan = SamplePlan((48, 48), seed=0, chunk_rows=8, window_rows=16, files_digest="f", content_digest="c1")
+    rewritten = SamplePlan((48, 48), seed=0, chunk_rows=8, window_rows=16, files_digest="f", content_digest="c2")
+    assert plan_changes(plan.fingerprint(), rewritten.fingerprint()) == [
+        "a data.train file was rewritten in place (its size or ETag/mtime changed)"
+    ]
+    older = {k: v for k, v in plan.fingerprint().items() if k != "content_digest"}  # written before the index
+    assert plan_changes(older, rewritten.fingerprint()) == []
+    # A fingerprint of the order before the chunk shuffle (no "order" key) names the upgrade.
+    before_shuffle = {k: v for k, v in plan.fingerprint().items() if k != "order"}
+    assert plan_changes(before_shuffle, plan.fingerprint()) == [
+        "the checkpoint was written with read order 1 of an earlier sdtrain, this one reads order 2"
+    ]

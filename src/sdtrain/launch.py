@@ -89,6 +89,7 @@ def train(config: Config) -> RunSummary:
         config.data.shuffle_chunk_rows,
         config.data.shuffle_window_rows,
         files_digest(train_spec.files),
+        train_spec.content_digest,
     )
     replaced = None
     if config.run.start_fresh:
