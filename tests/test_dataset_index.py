@@ -121,7 +121,14 @@ def test_training_on_a_preprocessing_output_reads_no_footer(tmp_path, capsys):
     rows = {"shard-000": 6, "shard-001": 7, "sub/shard-002": 3}
     for i, (name, n) in enumerate(rows.items()):
         write_latents(output / f"{name}.parquet", rows=n, seed=i)
-    stats = write_directory_index(str(output), *COLUMNS, {f"{name}.parquet": n for name, n in rows.items()})
+    # A stand-in where a footer would be read: the writer reads only the file it is told it just wrote.
+    (output / "shard-000.parquet").rename(tmp_path / "kept.parquet")
+    (output / "shard-000.parquet").write_bytes(b"not parquet")
+    known = {f"{name}.parquet": n for name, n in rows.items()}
+    stats = write_directory_index(str(output), *COLUMNS, known, sample="shard-001.parquet")
+    assert stats is not None and stats.footers_read == 0
+    (tmp_path / "kept.parquet").replace(output / "shard-000.parquet")
+    stats = write_directory_index(str(output), *COLUMNS, known)
     assert stats is not None and stats.footers_read == 0
     assert (output / DIRECTORY_INDEX).is_file()
     assert list_dataset([str(output)], "data.train").paths == [str(output / f"{n}.parquet") for n in sorted(rows)]

@@ -245,12 +245,16 @@ def test_local_paths_are_made_absolute_for_the_workers_and_the_record(tmp_path, 
 # --- the job on Ray ---
 
 
+SHARD_FILES = "[!_]*.parquet"  # not the dataset index, _sdtrain_index.parquet
+
+
 def _written(output: Path) -> dict[str, int]:
-    return {p.name: p.stat().st_ino for p in sorted(output.glob("*.parquet"))}
+    return {p.name: p.stat().st_ino for p in sorted(output.glob(SHARD_FILES))}
 
 
 @pytest.mark.slow
 def test_parquet_input_interrupted_and_resumed(tmp_path, tiny_model, ray_cluster):
+    from sdtrain.data.dataset_index import index_dataset
     from sdtrain.data.inspection import inspect_dataset
     from sdtrain.preprocess.job import run_preprocess
     from sdtrain.preprocess.sources import list_shards
@@ -276,7 +280,7 @@ def test_parquet_input_interrupted_and_resumed(tmp_path, tiny_model, ray_cluster
     assert {p[: -len(".parquet")] for p in after} <= set(marked)  # a shard of only skipped rows has no file
 
     kept = [caption.strip() for _, caption, reason in rows if reason is None]
-    files = sorted(str(p) for p in output.glob("*.parquet"))
+    files = sorted(str(p) for p in output.glob(SHARD_FILES))
     table = pa.concat_tables(pq.read_table(f) for f in files)
     assert sorted(table.column("caption").to_pylist()) == sorted(kept)  # none lost, none twice
     manifest = json.loads((output / "manifest.json").read_text())
@@ -290,6 +294,11 @@ def test_parquet_input_interrupted_and_resumed(tmp_path, tiny_model, ray_cluster
 
     spec = inspect_dataset(files, "data.train", "image_latents_256", "caption_latents", 4, 32)
     assert spec.latent_shape == (4, 16, 16) and spec.caption_shape == (77, 32)
+    # The job's dataset index: training on its output reads no footer, and finds what the footers say.
+    indexed = index_dataset([str(output)], "data.train", "image_latents_256", "caption_latents", 4, 32)
+    assert (indexed.stats.from_index, indexed.stats.footers_read) == (len(files), 0)
+    assert (indexed.spec.files, indexed.spec.rows_per_file) == (spec.files, spec.rows_per_file)
+    assert (indexed.spec.latent_shape, indexed.spec.caption_shape) == (spec.latent_shape, spec.caption_shape)
     for file in files:
         parquet = pq.ParquetFile(file)
         assert parquet.schema_arrow.field("image_latents_256").type == pa.list_(pa.float16())
@@ -371,7 +380,7 @@ def test_webdataset_tars_and_an_image_folder(tmp_path, tiny_model, ray_cluster):
     manifest = summary.manifest
     assert manifest["inputs_read"] == len(rows) and manifest["skipped_by_reason"] == _skips(rows)
     output = tmp_path / "wds" / "latents"
-    files = sorted(output.glob("*.parquet"))
+    files = sorted(output.glob(SHARD_FILES))
     captions = sorted(c for f in files for c in pq.read_table(f).column("caption").to_pylist())
     assert captions == sorted(c.strip() for _, c, reason in rows if reason is None)
     assert not (output / "_shards" / "99999.json").exists()
@@ -389,7 +398,7 @@ def test_webdataset_tars_and_an_image_folder(tmp_path, tiny_model, ray_cluster):
     manifest = summary.manifest
     assert manifest["inputs_read"] == len(rows)
     assert manifest["skipped_by_reason"] == _skips(rows)
-    files = sorted((tmp_path / "folder" / "latents").glob("*.parquet"))
+    files = sorted((tmp_path / "folder" / "latents").glob(SHARD_FILES))
     keys = sorted(k for f in files for k in pq.read_table(f).column("key").to_pylist())
     assert keys == sorted(f"{i:03d}.jpg" for i, r in enumerate(rows) if r[2] is None)
 
@@ -441,7 +450,7 @@ def test_inputs_model_and_output_on_s3_resumed_and_trained_on(tmp_path, tiny_mod
     )
     first = run_preprocess(config, max_shards=2)
     assert len(first.shards_written) == 2 and first.shards_failed == {}
-    files_before = [k for k in _keys(s3, "latents/parquet/") if k.endswith(".parquet")]
+    files_before = [k for k in _keys(s3, "latents/parquet/") if k.endswith(".parquet") and not k.startswith("_")]
     assert files_before and set(files_before) <= {f"{name}.parquet" for name in first.shards_written}
     # A shard done before is not written again: a stand-in object put in its place outlives the re-run.
     done_key = f"latents/parquet/{files_before[0]}"
@@ -455,12 +464,13 @@ def test_inputs_model_and_output_on_s3_resumed_and_trained_on(tmp_path, tiny_mod
     names = sorted(first.shards_written + second.shards_written)
     assert len(names) == 6
     written = _keys(s3, "latents/parquet/")
-    parquet = [k for k in written if k.endswith(".parquet")]
+    parquet = [k for k in written if k.endswith(".parquet") and not k.startswith("_")]
     # Every object is a whole file under its final name: no temporaries, nothing else.
     assert set(written) == {
         *parquet,
         *(f"_shards/{name}.json" for name in names),
         "_settings.json",
+        "_sdtrain_index.parquet",
         "manifest.json",
         "unconditional_caption.npy",
     }

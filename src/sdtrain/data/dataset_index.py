@@ -527,13 +527,18 @@ def index_dataset(
 
 
 def write_directory_index(
-    directory: str, image_column: str, caption_column: str, known_rows: Mapping[str, int] | None = None
+    directory: str,
+    image_column: str,
+    caption_column: str,
+    known_rows: Mapping[str, int] | None = None,
+    sample: str | None = None,
 ) -> IndexStats | None:
     """The index of the parquet files under ``directory``, written beside them (``_sdtrain_index.parquet``,
     paths relative to the directory), for training on it to read no footer. ``known_rows``: rows of files by
     name relative to the directory (the preprocessing job's shard records); the others' footers are read. The
-    schema is the first file's footer; the values per row, its first row with rows. None if the directory holds
-    no parquet file."""
+    schema is the footer of ``sample`` (a name relative to the directory: a file the writer just wrote) or else
+    of the first file; the values per row, the first row of that file or else of the first with rows. None if the
+    directory holds no parquet file with rows."""
     try:
         listing = list_dataset([directory], "output.path")
     except DataError:
@@ -553,13 +558,16 @@ def write_directory_index(
     read_rows, checked = read_footers(read_files, "output.path", image_column, caption_column)
     for i, num_rows in zip(to_read, read_rows, strict=True):
         rows[i] = num_rows
-    if checked is None:  # every file's rows were known: the first file's footer for the schema
-        _, checked = read_footers(listing.paths[:1], "output.path", image_column, caption_column)
+    sample_path = _join(base, sample) if sample is not None else None
+    position = {path: i for i, path in enumerate(listing.paths)}.get(sample_path or "")
+    if checked is None:  # every file's rows were known: one footer for the schema
+        first = position if position is not None else 0
+        _, checked = read_footers(listing.paths[first : first + 1], "output.path", image_column, caption_column)
         assert checked is not None
     with_rows = np.flatnonzero(rows)
     if len(with_rows) == 0:
         return None
-    file = listing.paths[int(with_rows[0])]
+    file = listing.paths[position if position is not None and rows[position] else int(with_rows[0])]
     row = first_row(file, "output.path", [image_column, caption_column])
     image_layout, caption_layout = checked.layouts("output.path")
     latent_shape = image_layout.shape or (_values(row, image_column),)

@@ -20,6 +20,8 @@ from typing import Any
 
 import numpy as np
 
+from sdtrain.data.dataset_index import DIRECTORY_INDEX, write_directory_index
+from sdtrain.errors import DataError
 from sdtrain.preprocess.config import ImageConfig, InputConfig, PreprocessConfig
 from sdtrain.preprocess.images import NO_CAPTION, clean_caption, prepare_image
 from sdtrain.preprocess.outputs import (
@@ -92,6 +94,21 @@ def run_preprocess(config: PreprocessConfig, max_shards: int | None = None) -> P
         "config": config.to_dict(),
     }
     write_bytes(join(config.output.path, MANIFEST_FILE), json.dumps(summary.manifest, indent=2).encode())
+    # The dataset index beside the shards (rows from the shards' records, sizes and versions from one listing):
+    # training on this output reads no footer (sdtrain.data.dataset_index). A run that wrote nothing keeps it.
+    if summary.shards_written or not _exists(join(config.output.path, DIRECTORY_INDEX)):
+        rows = {f"{shard['shard']}.parquet": int(shard["rows_written"]) for shard in stats if shard.get("rows_written")}
+        written = [f"{name}.parquet" for name in summary.shards_written if f"{name}.parquet" in rows]
+        try:  # its schema and values per row from a shard this run wrote, where it wrote one with rows
+            write_directory_index(
+                config.output.path,
+                config.output.image_column,
+                config.output.caption_column,
+                rows,
+                written[0] if written else None,
+            )
+        except DataError as e:  # the shards are done whatever the index: training reads their footers instead
+            print(f"[sdtrain] no dataset index written beside the shards: {e}", flush=True)
     summary.seconds = time.perf_counter() - started
     return summary
 

@@ -7,6 +7,8 @@
     <output.path>/unconditional_caption.npy  the text encoder's embedding of "" (L x D): data.unconditional_caption
     <output.path>/manifest.json              totals: inputs read, rows written, rows skipped by reason
     <output.path>/_settings.json             the settings every run into this directory must share (RESUME_KEYS)
+    <output.path>/_sdtrain_index.parquet     the dataset index (rows, sizes, versions, schema): training reads no
+                                             footer of this output (sdtrain.data.dataset_index)
 
 Training lists only the *.parquet files outside '_'/'.' names (sdtrain.data.parquet_files), so the
 side files and a half-written temporary never reach it.
