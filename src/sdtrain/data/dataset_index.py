@@ -187,6 +187,20 @@ def _s3_objects(client, bucket: str, prefix: str, page_size: int) -> Iterator[di
         yield from page.get("Contents", ())
 
 
+def _client():
+    """One boto3 client per S3 settings and credentials in the environment (making one costs ~0.2 s, a restart's
+    listing and index read would pay it twice)."""
+    from sdtrain.storage.s3 import resolved_s3_settings, s3_client
+
+    key = (resolved_s3_settings(), os.environ.get("AWS_ACCESS_KEY_ID"), os.environ.get("AWS_PROFILE"))
+    if key not in _CLIENTS:
+        _CLIENTS[key] = s3_client()
+    return _CLIENTS[key]
+
+
+_CLIENTS: dict[tuple, object] = {}
+
+
 def _etag(obj: Mapping) -> str:
     return str(obj.get("ETag", "")).strip('"')
 
@@ -196,9 +210,7 @@ def _expand_s3(spec: str, found: _Found, page_size: int) -> None:
 
     from botocore.exceptions import ClientError
 
-    from sdtrain.storage.s3 import s3_client
-
-    client = s3_client()
+    client = _client()
     bucket, key = split_s3(spec)
     if any(c in key for c in _GLOB_CHARS):
         pattern = f"{bucket}/{key}"
@@ -349,11 +361,9 @@ def _read_object(uri: str) -> bytes | None:
     if uri.startswith("s3://"):
         from botocore.exceptions import ClientError
 
-        from sdtrain.storage.s3 import s3_client
-
         bucket, key = split_s3(uri)
         try:
-            return s3_client().get_object(Bucket=bucket, Key=key)["Body"].read()
+            return _client().get_object(Bucket=bucket, Key=key)["Body"].read()
         except ClientError as e:
             if e.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
                 return None
