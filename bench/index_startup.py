@@ -1,0 +1,187 @@
+"""Start-up of a run's restart with the dataset index against a start that reads every footer (issue #26).
+
+Against a real S3 server process (moto's server mode on loopback, tests/s3_server.py), with N small parquet
+files (10 rows each, tiny columns) uploaded under their own bucket in parallel threads, it times the driver's
+real data step, ``sdtrain.data.dataset_index.index_dataset``:
+
+- a start without an index: the paginated listing, then every footer (16 in flight) and one row;
+- a restart with the index: the listing, then one GET of the index (no footer, no row); median of 3.
+
+and prints ``RATIO restart_with_index_<large>/restart_with_index_<small>`` with its target (<= 3: a restart's
+cost is the listing and one object, not N requests) and, at each size, the footers-against-index ratio.
+
+    python bench/index_startup.py            # 1k and 20k files
+    python bench/index_startup.py --smoke    # 20 and 100 files (seconds)
+
+``bench/data_scale.py`` calls :func:`restart_startup`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import statistics
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+import benchlib  # noqa: E402
+from s3_server import moto_server  # noqa: E402
+
+ROWS = 10
+IN_CHANNELS, CAPTION_DIM = 4, 8  # latents 4x2x2, captions 1x8: tiny files, real footers
+COLUMNS = ("latents", "captions")
+UPLOAD_THREADS = 16
+RESTARTS = 3
+
+
+def _parquet_file() -> bytes:
+    rng = np.random.default_rng(0)
+
+    def flat(width: int) -> pa.Array:
+        values = pa.array(rng.standard_normal(ROWS * width).astype(np.float16))
+        return pa.ListArray.from_arrays(pa.array(np.arange(ROWS + 1, dtype=np.int32) * width), values)
+
+    table = pa.table({COLUMNS[0]: flat(IN_CHANNELS * 2 * 2), COLUMNS[1]: flat(CAPTION_DIM), "id": np.arange(ROWS)})
+    buffer = io.BytesIO()
+    pq.write_table(table, buffer)
+    return buffer.getvalue()
+
+
+def _upload(client, bucket: str, count: int) -> None:
+    body = _parquet_file()
+    client.create_bucket(Bucket=bucket)
+    with ThreadPoolExecutor(UPLOAD_THREADS) as pool:
+        list(
+            pool.map(
+                lambda i: client.put_object(Bucket=bucket, Key=f"data/part-{i:06d}.parquet", Body=body), range(count)
+            )
+        )
+
+
+def _measure(bucket: str, count: int) -> dict:
+    from sdtrain.data.dataset_index import index_dataset, list_dataset, run_index_uri, write_index
+
+    spec = [f"s3://{bucket}/data"]
+    index_uri = run_index_uri(f"s3://{bucket}/runs/bench", "data.train")
+
+    def start():
+        return index_dataset(spec, "data.train", *COLUMNS, IN_CHANNELS, CAPTION_DIM, index_uri)
+
+    started = time.perf_counter()
+    listing = list_dataset(spec, "data.train")
+    listing_s = time.perf_counter() - started
+    assert len(listing) == count
+
+    started = time.perf_counter()
+    first = start()
+    footers_s = time.perf_counter() - started
+    assert (first.stats.footers_read, first.spec.num_rows) == (count, count * ROWS)
+    write_index(index_uri, first.index)
+
+    restarts = []
+    for _ in range(RESTARTS):
+        started = time.perf_counter()
+        again = start()
+        restarts.append(time.perf_counter() - started)
+        assert (again.stats.from_index, again.stats.footers_read) == (count, 0)
+    return {
+        "files": count,
+        "restart_with_index_s": statistics.median(restarts),
+        "start_reading_footers_s": footers_s,
+        "listing_s": listing_s,
+    }
+
+
+def restart_startup(file_counts=(1000, 20000), workdir=None) -> list[dict]:
+    """For each count: the seconds of a start that reads every footer and of a restart with the index, against a
+    moto server process started here (its endpoint set in this process's environment while it runs)."""
+    import boto3
+
+    from sdtrain.storage import s3
+
+    saved = {key: os.environ.get(key) for key in (*s3.ENDPOINT_VARS, *_CREDENTIALS)}
+    with tempfile.TemporaryDirectory(prefix="sdtrain-index-") as scratch:
+        log = Path(workdir or scratch) / "moto-index-startup.log"
+        with moto_server(log) as endpoint:
+            os.environ.update({"AWS_ENDPOINT_URL": endpoint, **_CREDENTIALS})
+            for var in s3.ENDPOINT_VARS[:1]:
+                os.environ.pop(var, None)  # AWS_ENDPOINT_URL_S3 would win over the server's
+            try:
+                client = boto3.client("s3")
+                results = []
+                for count in file_counts:
+                    bucket = f"index-startup-{count}"
+                    started = time.perf_counter()
+                    _upload(client, bucket, count)
+                    print(f"# uploaded {count} files in {time.perf_counter() - started:.1f} s", flush=True)
+                    results.append(_measure(bucket, count))
+                    print(
+                        "files {files:>6}  listing {listing_s:7.3f} s  start reading footers "
+                        "{start_reading_footers_s:7.3f} s  restart with index {restart_with_index_s:7.3f} s".format(
+                            **results[-1]
+                        ),
+                        flush=True,
+                    )
+                return results
+            finally:
+                for key, value in saved.items():
+                    if value is None:
+                        os.environ.pop(key, None)
+                    else:
+                        os.environ[key] = value
+
+
+_CREDENTIALS = {
+    "AWS_ACCESS_KEY_ID": "bench",
+    "AWS_SECRET_ACCESS_KEY": "bench",
+    "AWS_DEFAULT_REGION": "us-east-1",
+    "AWS_EC2_METADATA_DISABLED": "true",
+}
+
+
+def ratio_lines(results: list[dict]) -> list[str]:
+    few, many = results[0], results[-1]
+    lines = [
+        benchlib.ratio_line(
+            f"restart_with_index_{many['files']}",
+            many["restart_with_index_s"],
+            f"restart_with_index_{few['files']}",
+            few["restart_with_index_s"],
+            "<= 3",
+            many["restart_with_index_s"] <= 3 * few["restart_with_index_s"],
+        )
+    ]
+    for r in results:
+        lines.append(
+            benchlib.ratio_line(
+                f"start_reading_footers_{r['files']}",
+                r["start_reading_footers_s"],
+                f"restart_with_index_{r['files']}",
+                r["restart_with_index_s"],
+            )
+        )
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--smoke", action="store_true", help="20 and 100 files: checks that it runs")
+    args = parser.parse_args()
+    print(f"# machine: {benchlib.machine()}")
+    print(f"# {benchlib.versions()}, sdtrain commit {benchlib.git_commit()}")
+    results = restart_startup((20, 100) if args.smoke else (1000, 20000))
+    print("\n".join(ratio_lines(results)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
