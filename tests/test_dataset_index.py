@@ -147,6 +147,20 @@ def test_training_on_a_preprocessing_output_reads_no_footer(tmp_path, capsys):
     assert restart.spec == first.spec
 
 
+def test_footers_are_read_a_bounded_number_at_a_time_with_progress(tmp_path):
+    from sdtrain.data.inspection import FOOTER_READS, read_footers
+
+    files = []
+    for i in range(40):
+        write_latents(tmp_path / f"{i:02d}.parquet", rows=1 + i % 3, latent_shape=(4, 2, 2), caption_shape=(1, 32))
+        files.append(str(tmp_path / f"{i:02d}.parquet"))
+    reports = []
+    rows, checked = read_footers(files, "data.train", *COLUMNS, progress=lambda done, total: reports.append(done))
+    assert rows == [1 + i % 3 for i in range(40)] and checked is not None and checked.file == files[0]
+    assert reports[-1] == 40 and len(reports) >= 2 and reports == sorted(reports)  # tenths, finished in batches
+    assert FOOTER_READS == 16
+
+
 def _upload_many(s3, bucket: str, prefix: str, source, count: int) -> None:
     from concurrent.futures import ThreadPoolExecutor
 

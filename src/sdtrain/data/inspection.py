@@ -116,7 +116,8 @@ def read_footers(
     progress: Callable[[int, int], None] | None = None,
 ) -> tuple[list[int], CheckedSchema | None]:
     """The rows of each of ``files`` from its footer, each footer's columns checked against ``reference`` (without
-    one, the first file's). At most FOOTER_READS requests in flight, one schema held at a time.
+    one, the first file's). At most FOOTER_READS requests in flight, one schema held at a time; ``progress(done,
+    total)`` is called every 10 s and at every tenth of the files.
 
     Returns the rows per file and the reference (None only when ``files`` is empty).
     """
@@ -138,7 +139,7 @@ def read_footers(
         return index, num_rows
 
     done = start
-    last_report = time.monotonic()
+    last_report, next_tenth = time.monotonic(), len(files) // 10
     with ThreadPoolExecutor(max_workers=FOOTER_READS) as pool:
         pending: set[Future] = set()
         next_index = start
@@ -156,9 +157,10 @@ def read_footers(
                     raise
                 rows[index] = num_rows
                 done += 1
-            if progress is not None and time.monotonic() - last_report >= _PROGRESS_S:
-                progress(done, len(files))
+            if progress is not None and (time.monotonic() - last_report >= _PROGRESS_S or done >= next_tenth):
+                progress(done, len(files))  # every 10 s, and every tenth of the files
                 last_report = time.monotonic()
+                next_tenth = (done * 10 // len(files) + 1) * len(files) // 10
     return rows, reference
 
 
