@@ -439,33 +439,41 @@ def index_dataset(
     :func:`write_index` the result's ``index`` to ``index_uri`` when ``stale``."""
     listing = list_dataset(specs, key, page_size)
     own = read_index(index_uri) if index_uri else None
-    indexes = [own] if own is not None else []
-    indexes += [i for i in (read_index(uri, base) for uri, base in listing.indexes) if i is not None]
     columns = (image_column, caption_column)
-    indexes = [i for i in indexes if (i.checked.image_column, i.checked.caption_column) == columns]
-    reference = indexes[0] if indexes else None
-    known: dict[str, tuple[int, str, int]] = {}
-    for index in indexes:
-        if index is not reference:
-            assert reference is not None
-            try:
-                if index.checked.layouts(key) != reference.checked.layouts(key):
-                    continue
-            except DataError:
-                continue
-        for path, size, version, rows in zip(index.paths, index.sizes, index.versions, index.rows, strict=True):
-            known.setdefault(path, (int(size), version, int(rows)))
+    reference: DatasetIndex | None = None
 
+    def usable(index: DatasetIndex) -> bool:
+        """Checked with these columns, and storing them as the reference does."""
+        if (index.checked.image_column, index.checked.caption_column) != columns:
+            return False
+        if reference is None or index is reference:
+            return True
+        try:
+            return index.checked.layouts(key) == reference.checked.layouts(key)
+        except DataError:
+            return False
+
+    rows = np.zeros(len(listing), np.int64)
+    to_read = list(range(len(listing)))
+    # The run's own index first (one GET); an index beside the data only for what it leaves unknown.
+    for index in _candidates(own, listing):
+        if not usable(index):
+            continue
+        reference = reference or index
+        entries = zip(index.paths, index.sizes, index.versions, index.rows, strict=True)
+        known = {path: (int(size), version, int(n)) for path, size, version, n in entries}
+        unknown = []
+        for i in to_read:
+            entry = known.get(listing.paths[i])
+            if entry is not None and entry[0] == listing.sizes[i] and entry[1] == listing.versions[i]:
+                rows[i] = entry[2]
+            else:
+                unknown.append(i)
+        to_read = unknown
+        del known
+        if not to_read:
+            break
     n = len(listing)
-    rows = np.zeros(n, np.int64)
-    to_read: list[int] = []
-    for i, (path, size, version) in enumerate(zip(listing.paths, listing.sizes, listing.versions, strict=True)):
-        entry = known.get(path)
-        if entry is not None and entry[0] == size and entry[1] == version:
-            rows[i] = entry[2]
-        else:
-            to_read.append(i)
-    del known
     dropped = 0
     if own is not None:
         listed = set(listing.paths)
@@ -531,6 +539,15 @@ def index_dataset(
         listing.content_digest(),
     )
     return IndexedDataset(spec, stats, index, stale)
+
+
+def _candidates(own: DatasetIndex | None, listing: Listing) -> Iterator[DatasetIndex]:
+    if own is not None:
+        yield own
+    for uri, base in listing.indexes:  # read only when reached
+        index = read_index(uri, base)
+        if index is not None:
+            yield index
 
 
 # --- the preprocessing job's index ---------------------------------------------------------------------------
