@@ -123,9 +123,12 @@ def main() -> None:
     sizes = SIZES[:2] if args.smoke else SIZES
     steps = 500 if args.smoke else args.steps
 
-    from sdtrain.storage.s3 import configure_s3
+    import os
 
-    configure_s3("http://127.0.0.1:9", 3)  # the files are named on S3; nothing is read, so no server is needed
+    from sdtrain.storage import s3
+
+    saved = {var: os.environ.get(var) for var in s3.ENDPOINT_VARS}
+    s3.configure_s3("http://127.0.0.1:9", 3)  # the files are named on S3; nothing is read, so no server is needed
 
     print(f"# {benchlib.machine()}\n# {benchlib.versions()}\n# commit {benchlib.git_commit()}", flush=True)
     print(
@@ -178,6 +181,14 @@ def main() -> None:
         benchlib.ratio_line(f"rank_mb_{name}", large["rank_mb"], "512MB", 512, "<= 1", large["rank_mb"] <= 512),
     ]
     print("\n".join(lines), flush=True)
+
+    # Back to this process's own S3 settings: the restart start-up runs against a real server of its own.
+    s3.configure_s3(None, s3.S3Settings().max_attempts)
+    for var, value in saved.items():
+        if value is None:
+            os.environ.pop(var, None)
+        else:
+            os.environ[var] = value
 
     if not args.no_s3:
         from index_startup import restart_startup

@@ -127,9 +127,18 @@ def test_encoder_throughput_smoke():
     assert ratios["encode images/s at 64 px"] > 0 and ratios["cpu stage images/s per core at 64 px"] > 0, out
 
 
+def test_data_scale_smoke():
+    """The plan and read tasks at 1M and 10M rows, then the restart start-up against an S3 server process."""
+    out, ratios = run_bench("bench/data_scale.py", "--smoke")
+    assert ratios["task_bytes_10M / task_bytes_1M"] > 0 and ratios["rank_s_10M / 2s"] > 0, out
+    assert ratios["restart_with_index_100 / restart_with_index_20"] > 0, out
+    assert "(100 from the index, 0 footers read)" in out, out
+
+
 @pytest.mark.parametrize(
     "script",
     [
+        "data_scale.py",
         "ingest.py",
         "step_overhead.py",
         "checkpoint_stall.py",
