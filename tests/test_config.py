@@ -143,6 +143,9 @@ def test_retrain_keys():
         load_config(None, ["retrain.data_root=/d", "retrain.models_root=/m"])
     with pytest.raises(ConfigError, match=r"retrain\.tolerance: must be >= 0"):
         load_config(None, BASE + ["retrain.tolerance=-0.1"])
+    for marker in ("''", "a/b"):  # '' named the partition directory itself: every partition incomplete for good
+        with pytest.raises(ConfigError, match=r"retrain\.complete_marker: must be a file name"):
+            load_config(None, BASE + [f"retrain.complete_marker={marker}"])
 
 
 def test_batch_layout_keeps_the_global_batch_at_every_world_size():

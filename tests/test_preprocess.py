@@ -215,6 +215,7 @@ def test_the_command_line_lists_every_key_and_fails_bad_input_in_one_line(tmp_pa
     for overrides, message in (
         (["input.paths=x", f"output.path={tmp_path}", "encode.latnt=mean"], "encode.latnt: unknown key"),
         ([f"input.paths={tmp_path / 'nowhere'}", f"output.path={tmp_path / 'out'}"], "input.paths: "),
+        (["--max-shards", "-1", "input.paths=x", f"output.path={tmp_path}"], "--max-shards: must be >= 0"),
     ):
         failed = subprocess.run([*command, *overrides], capture_output=True, text=True, timeout=120)
         assert failed.returncode == 2 and failed.stderr.startswith("error: ") and message in failed.stderr

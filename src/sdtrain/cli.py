@@ -87,6 +87,9 @@ def preprocess_main(argv: Sequence[str] | None, default_config: Path) -> int:
     parser.add_argument("--max-shards", type=int, help="do at most this many pending shards (a re-run does the rest)")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="override a config key")
     args = parser.parse_args(argv)
+    if args.max_shards is not None and args.max_shards < 0:  # a slice [:-1] would silently drop the last shard
+        print(f"error: --max-shards: must be >= 0 (0: list and record only), got {args.max_shards}", file=sys.stderr)
+        return 2
     try:
         from sdtrain.preprocess.job import run_preprocess
 

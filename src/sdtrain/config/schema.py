@@ -414,6 +414,9 @@ class RetrainConfig(Section):
                 self._fail("date", f"must be a date YYYY-MM-DD, got {self.date!r}")
         if self.tolerance < 0:
             self._fail("tolerance", f"must be >= 0, got {self.tolerance}")
+        if self.complete_marker is not None and (not self.complete_marker or "/" in self.complete_marker):
+            # '' would name the partition directory itself, which is no file: every partition incomplete, for good.
+            self._fail("complete_marker", f"must be a file name (e.g. _SUCCESS) or null, got {self.complete_marker!r}")
         if (self.data_root is None) != (self.models_root is None):
             self._fail(
                 "models_root" if self.models_root is None else "data_root", "is required with the other retrain key"
