@@ -69,6 +69,11 @@ class Listing:
     def __len__(self) -> int:
         return len(self.paths)
 
+    def add(self, path: str, size: int, version: str) -> None:
+        self.paths.append(path)
+        self.sizes.append(size)
+        self.versions.append(version)
+
     def content_digest(self) -> str:
         return content_digest(self.paths, self.sizes, self.versions)
 
@@ -89,7 +94,7 @@ def list_dataset(specs: Sequence[str], key: str, page_size: int = LIST_PAGE_SIZE
     listing = Listing()
     seen: set[str] = set()
     for spec in specs:
-        found = _Found()
+        found = Listing()
         _expand(spec, found, page_size)
         if not found.paths:
             raise DataError(
@@ -101,27 +106,12 @@ def list_dataset(specs: Sequence[str], key: str, page_size: int = LIST_PAGE_SIZE
             if path in seen:
                 continue
             seen.add(path)
-            listing.paths.append(path)
-            listing.sizes.append(found.sizes[i])
-            listing.versions.append(found.versions[i])
+            listing.add(path, found.sizes[i], found.versions[i])
         listing.indexes.extend(found.indexes)
     return listing
 
 
-@dataclass
-class _Found:
-    paths: list[str] = field(default_factory=list)
-    sizes: array = field(default_factory=lambda: array("q"))
-    versions: list[str] = field(default_factory=list)
-    indexes: list[tuple[str, str]] = field(default_factory=list)
-
-    def add(self, path: str, size: int, version: str) -> None:
-        self.paths.append(path)
-        self.sizes.append(size)
-        self.versions.append(version)
-
-
-def _expand(spec: str, found: _Found, page_size: int) -> None:
+def _expand(spec: str, found: Listing, page_size: int) -> None:
     prefix = uri_prefix(spec)
     if spec.startswith("s3://"):
         _expand_s3(spec, found, page_size)
@@ -140,7 +130,7 @@ def _glob_base(path: str) -> str:
     return path[: min(path.index(c) for c in _GLOB_CHARS if c in path)].rsplit("/", 1)[0]
 
 
-def _expand_local(spec: str, found: _Found) -> None:
+def _expand_local(spec: str, found: Listing) -> None:
     import glob
 
     path = os.path.abspath(os.path.expanduser(spec))
@@ -205,7 +195,7 @@ def _etag(obj: Mapping) -> str:
     return str(obj.get("ETag", "")).strip('"')
 
 
-def _expand_s3(spec: str, found: _Found, page_size: int) -> None:
+def _expand_s3(spec: str, found: Listing, page_size: int) -> None:
     import fnmatch
 
     from botocore.exceptions import ClientError
@@ -239,7 +229,7 @@ def _expand_s3(spec: str, found: _Found, page_size: int) -> None:
             found.add(f"s3://{name}", int(obj["Size"]), _etag(obj))
 
 
-def _expand_pyarrow(spec: str, found: _Found) -> None:
+def _expand_pyarrow(spec: str, found: Listing) -> None:
     """Another object store (pyarrow's own filesystems): version = modification time."""
     import fnmatch
 
