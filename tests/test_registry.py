@@ -2,6 +2,7 @@
 
 import datetime
 import functools
+import hashlib
 import json
 import operator
 import os
@@ -72,6 +73,18 @@ def test_registry_on_local_disk(tmp_path):
     (tmp_path / "models" / "versions" / "v0002" / "manifest.json").write_text('{"version": "v0002", "promo')
     with pytest.raises(DataError, match=r"v0002/manifest.json is not valid JSON"):
         registry.manifest("v0002")
+    # A swap marker left by a writer killed mid-swap: named, instead of "another writer moved it" for ever after.
+    pointer = tmp_path / "models" / "production.json"
+    _, tag = registry._production()
+    marker = pointer.parent / f"production.json.swap-{hashlib.sha256(tag.encode()).hexdigest()[:16]}"
+    marker.touch()
+    with pytest.raises(PointerMoved):  # a fresh marker is a writer mid-swap: this one lost, as before
+        registry.set_production("v0001", expected="v0001")
+    os.utime(marker, (0, 0))
+    with pytest.raises(RegistryConflict, match=r"production.json.swap-[0-9a-f]{16} was left \d+ s ago by a writer"):
+        registry.set_production("v0001", expected="v0001")
+    marker.unlink()
+    registry.set_production("v0001", expected="v0001")
     (tmp_path / "models" / "production.json").write_text('{"version": "../../elsewhere"}')
     with pytest.raises(DataError, match=r'production.json must hold \{"version": "vNNNN"\}'):
         registry.production()

@@ -54,6 +54,10 @@ _JOB_ID = re.compile(r"[A-Za-z0-9_.-]{1,128}")
 _UNCHECKED = object()
 
 
+SWAP_MARKER_STALE_S = 60.0
+"""Age past which a local swap marker is taken for one a dead writer left (a swap takes milliseconds)."""
+
+
 class RegistryBusy(SdtrainError):
     """Another retrain run holds the registry's lock (or is taking it over): this run did nothing."""
 
@@ -309,6 +313,7 @@ class ModelRegistry:
         try:
             os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
         except FileExistsError:
+            self._check_leftover(marker, path, tag)
             return False
         try:
             if self._read_tagged(path)[1] != tag:
@@ -317,6 +322,20 @@ class ModelRegistry:
             return True
         finally:
             os.unlink(marker)
+
+    def _check_leftover(self, marker: str, path: str, tag: str) -> None:
+        """A swap takes milliseconds: a marker much older than that, for content ``path`` still holds, was left by
+        a writer that died mid-swap, and would refuse every later swap as if another writer had moved the file."""
+        try:
+            age = datetime.datetime.now().timestamp() - os.stat(marker).st_mtime
+        except FileNotFoundError:  # its writer just finished
+            return
+        if age > SWAP_MARKER_STALE_S and self._read_tagged(path)[1] == tag:
+            raise RegistryConflict(
+                f"{marker} was left {age:.0f} s ago by a writer that stopped in the middle of changing "
+                f"{path}, which it did not change; no other swap of it can run while the marker is there. Check that "
+                "no retrain run is writing the registry, remove the marker and re-run"
+            )
 
     def _stage(self, path: str, text: str) -> str:
         os.makedirs(posixpath.dirname(path), exist_ok=True)
