@@ -309,3 +309,31 @@ def test_a_damaged_first_row_group_is_named_not_a_traceback(tmp_path):
     path.write_bytes(bytes(raw))
     with pytest.raises(DataError, match=r"data.train: cannot read the first row of .*damaged\.parquet: "):
         _inspect([path])
+
+
+def test_non_finite_held_out_rows_are_a_data_error_naming_the_file_and_row_not_a_nan_loss(tmp_path):
+    """One NaN row at row 50 of data.val made both held-out losses of the retraining gate NaN: every model was
+    'diverged' and production never moved. The first row's check cannot see it; the read that computes the loss
+    does, counting the rows, before any loss is reported."""
+    from sdtrain.config.schema import DataConfig
+    from sdtrain.data.inspection import DatasetSpec
+    from sdtrain.data.local_read import iter_local_batches
+
+    latents = np.zeros((80, 4, 16, 16), np.float32)
+    latents[50, 1, 2, 3] = np.nan
+    latents[61] = np.inf
+    captions = np.zeros((80, 77, 32), np.float32)
+    path = tmp_path / "val.parquet"
+    pq.write_table(
+        pa.table({"image_latents_256": column(latents, "list"), "caption_latents": column(captions, "list")}), path
+    )
+    spec = DatasetSpec((str(path),), (80,), (4, 16, 16), (77, 32))
+    with pytest.raises(
+        DataError, match=r"data.val: .*val.parquet: 2 row\(s\) hold NaN or infinite values \(the first: row 50\)"
+    ):
+        list(iter_local_batches(spec, DataConfig(train=["x"]), 32))
+    latents[50, 1, 2, 3], latents[61] = 0, 0
+    pq.write_table(
+        pa.table({"image_latents_256": column(latents, "list"), "caption_latents": column(captions, "list")}), path
+    )
+    assert sum(len(b["latents"]) for b in iter_local_batches(spec, DataConfig(train=["x"]), 32)) == 80
