@@ -62,8 +62,10 @@ def _config(tmp_path: Path, max_steps: int):
             "scaling.use_gpu=false",
             f"run.storage_path={tmp_path}/runs",
             "run.name=elastic",
-            "run.checkpoint_every_n_steps=50",  # the reclaim notice falls between two
-            "scaling.resize_check_s=30",  # the join is used sooner than at Ray's default of 60 s
+            # The reclaim notice falls between two; and the smaller group commits one soon after it starts, so the
+            # node joins with most of the run still to go, however fast this machine trains.
+            "run.checkpoint_every_n_steps=25",
+            "scaling.resize_check_s=15",  # the join is used sooner than at Ray's default of 60 s
             "run.log_every_n_steps=10",
             "run.num_to_keep=null",
             "run.record_samples=true",
@@ -169,14 +171,14 @@ def run_through_a_reclaimed_and_a_joined_node(cluster, tmp_path: Path, nodes: in
     driver = threading.Thread(target=run, name="sdtrain-driver", daemon=True)
     driver.start()
     events = reclaim_a_node_then_add_one(cluster, tmp_path / "runs/elastic", driver.is_alive)
-    driver.join(timeout=150)  # the rest of the run takes ~80 s here
-    assert not driver.is_alive(), f"the run did not end 150 s after the cluster changes: {events}"
+    driver.join(timeout=240)  # the rest of the run takes ~90 s here
+    assert not driver.is_alive(), f"the run did not end 240 s after the cluster changes: {events}"
     if "error" in outcome:
         raise outcome["error"]
     return outcome["summary"], events
 
 
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(500)
 def test_a_reclaimed_node_and_a_joined_one_resize_the_group_lose_no_step_and_train_every_row_once_per_epoch(
     node_cluster, tmp_path, monkeypatch, capfd
 ):
@@ -186,13 +188,16 @@ def test_a_reclaimed_node_and_a_joined_one_resize_the_group_lose_no_step_and_tra
     deadline Ray Train restarts the group at world size 1 on the CPU left (its data reads share it: a read waiting
     for a CPU hung the run for good), resuming from that step, not counted as a failure (failure.max_failures=0).
     Then a node joins, and the group grows back to 2 (which only the joined node allows) when Ray Train's elastic
-    policy next looks: 30 s into the group's life (scaling.resize_check_s), well short of train.max_steps."""
+    policy next looks: 15 s into the group's life (scaling.resize_check_s), well short of train.max_steps."""
     # After the loss Ray Train first tries to restart at the old size (its view of the cluster lags) and gives up
     # after this many seconds (60 by default), then restarts at the size the CPUs left allow.
     monkeypatch.setenv("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "20")
     # Ray Train's watcher looks for reclaim notices every 5 s by default: the notice here is short.
     monkeypatch.setenv("RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S", "1")
-    max_steps = 204  # 17 epochs
+    # 25 epochs. Enough steps that the group shrinks and grows back before the end at any speed: the deadline
+    # (15 s), Ray's first try at the old size (20 s), the resize check (15 s) and a group start are wall-clock time,
+    # and a fast machine trains through them (at 204 steps one ended at world size 1, the join too late).
+    max_steps = 300
     started = time.time()
     summary, events = run_through_a_reclaimed_and_a_joined_node(node_cluster, tmp_path, nodes=2, max_steps=max_steps)
     print(f"events: {events}; run: {time.time() - started:.0f} s")
@@ -205,7 +210,9 @@ def test_a_reclaimed_node_and_a_joined_one_resize_the_group_lose_no_step_and_tra
     notices = re.findall(r"is being reclaimed in -?\d+ s: checkpoint at step (\d+)", capfd.readouterr().err)
     assert len(notices) == 1, notices
     reclaimed_at = int(notices[0])
-    assert events["after_notice"][0] == f"checkpoint_{reclaimed_at:09d}", events
+    # The workers checkpointed at the notice (an interval checkpoint may land between the notice and its reaching
+    # them; asserting the notice's came first would assert the machine's speed).
+    assert f"checkpoint_{reclaimed_at:09d}" in committed_checkpoints(tmp_path / "runs/elastic"), events
     history = json.loads((Path(summary.checkpoint_path) / HISTORY_FILE).read_text())
     group_starts = sorted({row["start_step"] for row in history})
     assert group_starts[0] == 0 and group_starts[1] >= reclaimed_at, (group_starts, reclaimed_at)
