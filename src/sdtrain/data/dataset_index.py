@@ -41,7 +41,7 @@ import pyarrow.parquet as pq
 
 from sdtrain.data.inspection import CheckedSchema, DatasetSpec, check_shapes, first_row, read_footers
 from sdtrain.errors import DataError
-from sdtrain.storage.filesystems import filesystem_for
+from sdtrain.storage.filesystems import filesystem_for, write_bytes
 from sdtrain.storage.uris import is_uri, split_s3, uri_prefix
 
 INDEX_FORMAT = 1
@@ -311,8 +311,6 @@ def index_bytes(index: DatasetIndex, relative_to: str | None = None) -> bytes:
 
 def write_index(uri: str, index: DatasetIndex, relative_to: str | None = None) -> None:
     """The index as one object at ``uri`` (local: a temporary name then a rename; S3: one PutObject)."""
-    from sdtrain.preprocess.outputs import write_bytes
-
     write_bytes(uri, index_bytes(index, relative_to))
 
 

@@ -38,10 +38,10 @@ from sdtrain.preprocess.outputs import (
     read_shard_stats,
     shard_table,
     summarize,
-    write_bytes,
     write_shard,
 )
 from sdtrain.preprocess.sources import Shard, list_shards, read_shard
+from sdtrain.storage.filesystems import write_bytes
 from sdtrain.storage.s3 import S3Settings, apply_s3_settings, configure_s3, resolved_s3_settings
 from sdtrain.storage.uris import absolute, is_uri
 

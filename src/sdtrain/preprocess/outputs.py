@@ -20,7 +20,6 @@ import io
 import json
 import os
 import posixpath
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,9 +29,8 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from sdtrain.errors import ConfigError, DataError
-from sdtrain.storage.filesystems import filesystem_for
-from sdtrain.storage.s3 import S3Settings, resolved_s3_settings, s3_client
-from sdtrain.storage.uris import is_uri, split_s3
+from sdtrain.storage.filesystems import filesystem_for, write_bytes
+from sdtrain.storage.uris import is_uri
 
 SHARDS_DIR = "_shards"
 MANIFEST_FILE = "manifest.json"
@@ -76,25 +74,6 @@ def join(root: str, *parts: str) -> str:
     return posixpath.join(root.rstrip("/"), *parts) if is_uri(root) else os.path.join(root, *parts)
 
 
-def write_bytes(uri: str, data: bytes) -> None:
-    """The whole file at once: locally a temporary name then an atomic rename (S3 has no rename); on S3 a single
-    PutObject, which leaves no object, nor an unfinished multipart upload, if the job dies during it."""
-    if uri.startswith("s3://"):
-        bucket, key = split_s3(uri)
-        _client().put_object(Bucket=bucket, Key=key, Body=data)
-        return
-    fs, path = filesystem_for(uri)
-    if is_uri(uri):  # another object store: its output stream makes the object visible only when closed
-        with fs.open_output_stream(path) as f:
-            f.write(data)
-        return
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    temporary = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.{uuid.uuid4().hex}.tmp")
-    with open(temporary, "wb") as f:
-        f.write(data)
-    os.replace(temporary, path)
-
-
 def check_settings(output: str, settings: dict[str, Any]) -> None:
     """Record ``settings`` (RESUME_KEYS) in the output the first time; later, refuse a run whose settings differ
     from the recorded ones (its shards would not match those already written: a changed input.rows_per_shard
@@ -116,18 +95,6 @@ def check_settings(output: str, settings: dict[str, Any]) -> None:
                 f"{key}: {output} was written with {recorded[key]!r}, this run has {value!r}; a re-run must keep it "
                 f"(the shards already there were made with it): set it back, or write to another output.path"
             )
-
-
-def _client() -> Any:
-    """One boto3 client per S3 settings (making one costs ~0.2 s: two a shard would add up). Its credentials
-    refresh themselves where they expire (an instance role)."""
-    settings = resolved_s3_settings()
-    if settings not in _CLIENTS:
-        _CLIENTS[settings] = s3_client()
-    return _CLIENTS[settings]
-
-
-_CLIENTS: dict[S3Settings, Any] = {}
 
 
 def done_shards(output: str) -> set[str]:

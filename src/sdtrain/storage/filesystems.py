@@ -6,11 +6,13 @@ from __future__ import annotations
 import datetime
 import os
 import tempfile
+import uuid
 from collections.abc import Sequence
+from typing import Any
 
 import pyarrow.fs as pafs
 
-from sdtrain.storage.s3 import s3_filesystem
+from sdtrain.storage.s3 import S3Settings, resolved_s3_settings, s3_client, s3_filesystem
 from sdtrain.storage.uris import absolute, is_uri, split_s3, uri_prefix
 
 
@@ -84,3 +86,34 @@ def set_aside(path: str) -> str | None:
         pafs.copy_files(fs_path, target, source_filesystem=fs, destination_filesystem=fs)
         fs.delete_dir(fs_path)
     return uri_prefix(path) + target
+
+
+def write_bytes(uri: str, data: bytes) -> None:
+    """The whole file at once: locally a temporary name then an atomic rename (S3 has no rename); on S3 a single
+    PutObject, which leaves no object, nor an unfinished multipart upload, if the job dies during it."""
+    if uri.startswith("s3://"):
+        bucket, key = split_s3(uri)
+        _client().put_object(Bucket=bucket, Key=key, Body=data)
+        return
+    fs, path = filesystem_for(uri)
+    if is_uri(uri):  # another object store: its output stream makes the object visible only when closed
+        with fs.open_output_stream(path) as f:
+            f.write(data)
+        return
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    temporary = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.{uuid.uuid4().hex}.tmp")
+    with open(temporary, "wb") as f:
+        f.write(data)
+    os.replace(temporary, path)
+
+
+def _client() -> Any:
+    """One boto3 client per S3 settings (making one costs ~0.2 s: two a shard would add up). Its credentials
+    refresh themselves where they expire (an instance role)."""
+    settings = resolved_s3_settings()
+    if settings not in _CLIENTS:
+        _CLIENTS[settings] = s3_client()
+    return _CLIENTS[settings]
+
+
+_CLIENTS: dict[S3Settings, Any] = {}
