@@ -255,6 +255,11 @@ def test_credentials_in_uris_or_endpoints_are_refused_without_repeating_them(cle
             _config("data.train=s3://bucket/data", override)
         assert str(e.value).startswith(f"{key}: ") and "***@" in str(e.value), str(e.value)
         assert SECRET not in str(e.value) and "AWS credential chain" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        _config("data.train=s3://bucket/data", f"run.mlflow_tracking_uri=https://admin:{SECRET}@mlflow:5000")
+    message = str(e.value)
+    assert message.startswith("run.mlflow_tracking_uri: https://***@mlflow:5000 holds a user name or password")
+    assert SECRET not in message and "MLFLOW_TRACKING_PASSWORD" in message
     monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://minio:{SECRET}@127.0.0.1:9000")
     _expect(
         ConfigError,

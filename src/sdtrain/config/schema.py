@@ -333,6 +333,14 @@ class RunConfig(Section):
             self._fail("val_every_n_steps", f"must be >= 1 or null, got {self.val_every_n_steps}")
         if self.stall_timeout_s is not None and not self.stall_timeout_s > 0:
             self._fail("stall_timeout_s", f"must be > 0 seconds or null (never), got {self.stall_timeout_s}")
+        if self.mlflow_tracking_uri is not None and has_userinfo(self.mlflow_tracking_uri):
+            # The config goes into tracker params, checkpoint metadata and registry manifests: never a secret.
+            self._fail(
+                "mlflow_tracking_uri",
+                f"{redact(self.mlflow_tracking_uri)} holds a user name or password; credentials are never taken "
+                "from the config (they would be copied into checkpoints, manifests and logs): set "
+                "MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) in the environment",
+            )
         if len(set(self.trackers)) != len(self.trackers):
             self._fail("trackers", f"names a tracker twice: {self.trackers}")
         if self.sample_every_n_steps is not None and self.sample_every_n_steps < 1:
