@@ -157,6 +157,26 @@ def test_config_errors_name_the_key(tmp_path):
         list_shards(config.input)
 
 
+def test_credentials_in_any_uri_are_refused_before_ray_and_never_repeated():
+    """A secret in a URI would be copied into the manifest, the shards' metadata and logs: refused as training
+    refuses it, the message naming the key with the secret redacted (before any listing or Ray work)."""
+    base = {"input.paths": "in", "output.path": "out"}
+    for key, uri in (
+        ("input.paths", "s3://AKIAKEY:se/cr+et@bucket/laion"),
+        ("input.captions_file", "s3://AKIAKEY:secret@bucket/captions.txt"),  # the wrong suffix is not checked first
+        ("encode.model", "s3://AKIAKEY:secret@bucket/models/sd"),
+        ("output.path", "s3://someone@bucket/latents"),
+    ):
+        overrides = [f"{k}={v}" for k, v in {**base, key: uri}.items()]
+        with pytest.raises(ConfigError) as raised:
+            load_preprocess_config(None, overrides)
+        message = str(raised.value)
+        assert message.startswith(key) and "holds a user name or password" in message, message
+        userinfo = uri.split("://")[1].split("@")[0]
+        assert "***@bucket" in message and userinfo not in message and "AKIAKEY" not in message, message
+        assert "\n" not in message
+
+
 def test_encoders_match_the_diffusers_pipeline(tiny_model):
     """Captions as StableDiffusionPipeline.encode_prompt computes them; latents scaled by the VAE's factor once."""
     from diffusers import StableDiffusionPipeline
@@ -216,10 +236,12 @@ def test_the_command_line_lists_every_key_and_fails_bad_input_in_one_line(tmp_pa
         (["input.paths=x", f"output.path={tmp_path}", "encode.latnt=mean"], "encode.latnt: unknown key"),
         ([f"input.paths={tmp_path / 'nowhere'}", f"output.path={tmp_path / 'out'}"], "input.paths: "),
         (["--max-shards", "-1", "input.paths=x", f"output.path={tmp_path}"], "--max-shards: must be >= 0"),
+        (["input.paths=s3://KEY:TOPSECRET@bucket/x", f"output.path={tmp_path}"], "input.paths[0]: s3://***@bucket/x"),
     ):
         failed = subprocess.run([*command, *overrides], capture_output=True, text=True, timeout=120)
         assert failed.returncode == 2 and failed.stderr.startswith("error: ") and message in failed.stderr
-        assert "Traceback" not in failed.stderr
+        assert "Traceback" not in failed.stderr and "TOPSECRET" not in failed.stderr
+        assert failed.stderr.count("\n") == 1  # one line
 
 
 def test_local_paths_are_made_absolute_for_the_workers_and_the_record(tmp_path, tiny_model, monkeypatch):

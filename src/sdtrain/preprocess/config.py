@@ -12,8 +12,9 @@ from typing import Any, ClassVar, Literal
 import yaml
 
 from sdtrain.config.coercion import Section, build_section, suggest
-from sdtrain.config.schema import StorageConfig
+from sdtrain.config.schema import _NO_SECRETS, StorageConfig
 from sdtrain.errors import ConfigError
+from sdtrain.storage.uris import has_userinfo, redact
 
 
 @dataclass
@@ -41,12 +42,23 @@ class InputConfig(Section):
     WebDataset tar is one shard). Sets the output files' size."""
 
     def __post_init__(self):
+        named = [(f"paths[{i}]", p) for i, p in enumerate(self.paths)] + [("captions_file", self.captions_file)]
+        _refuse_credentials(self, named)
         if self.rows_per_shard < 1:
             self._fail("rows_per_shard", f"must be >= 1, got {self.rows_per_shard}")
         if self.format == "folder" and len(self.paths) > 1:
             self._fail("paths", f"format folder reads one directory, got {len(self.paths)} paths")
         if self.captions_file is not None and not self.captions_file.endswith((".jsonl", ".csv")):
             self._fail("captions_file", f"must be a .jsonl or .csv file, got {self.captions_file!r}")
+
+
+def _refuse_credentials(section: Section, named: list[tuple[str, str | None]]) -> None:
+    """Training's refusal (sdtrain.config.schema: Config and StorageConfig), for this config's URIs: a secret in one
+    would be copied into the manifest, the shards' metadata and logs. Checked first, so that no other message
+    repeats the URI; the message redacts it."""
+    for key, uri in named:
+        if uri and has_userinfo(uri):
+            section._fail(key, f"{redact(uri)} holds a user name or password; {_NO_SECRETS}")
 
 
 @dataclass
@@ -84,6 +96,7 @@ class EncodeConfig(Section):
     """Encoder weights and activations: auto = float16 on GPU, float32 on CPU."""
 
     def __post_init__(self):
+        _refuse_credentials(self, [("model", self.model)])
         for key in ("batch_size", "concurrency"):
             if getattr(self, key) < 1:
                 self._fail(key, f"must be >= 1, got {getattr(self, key)}")
@@ -110,6 +123,7 @@ class OutputConfig(Section):
     """Rows per parquet row group: training's data.shuffle_chunk_rows (the reader reads whole row groups)."""
 
     def __post_init__(self):
+        _refuse_credentials(self, [("path", self.path)])
         if not self.path:
             self._fail("path", "is required: the directory to write the latents to")
         if self.row_group_rows < 1:
