@@ -9,6 +9,7 @@ from conftest import ENCODINGS, column, write_latents
 from sdtrain.data.decode import decode_batch
 from sdtrain.data.demo import NUM_CLASSES, ensure_demo_data, load_digits
 from sdtrain.data.inspection import inspect_dataset
+from sdtrain.data.metadata import LATENT_SCALING_FACTOR
 from sdtrain.data.parquet_files import resolve_parquet_files
 from sdtrain.errors import DataError
 
@@ -160,6 +161,24 @@ def test_files_that_disagree_on_encoding(tmp_path):
         ),
     ):
         _inspect([tmp_path / "a.parquet", tmp_path / "b.parquet"])
+
+
+def test_files_that_disagree_on_latent_scaling(tmp_path):
+    # The factor was read from the first file only: a dataset of raw and scaled latents trained half its rows
+    # at the wrong scale. Every footer is held to the first's.
+    for name in "abc":
+        write_latents(tmp_path / f"{name}.parquet")
+    table = pq.read_table(tmp_path / "c.parquet")
+    scaled = {**(table.schema.metadata or {}), LATENT_SCALING_FACTOR.encode(): b"0.18215"}
+    pq.write_table(table.replace_schema_metadata(scaled), tmp_path / "c.parquet")
+    with pytest.raises(
+        DataError,
+        match=(
+            r"data\.train: .*c\.parquet records latents multiplied by 0\.18215 but .*a\.parquet records no factor "
+            r"\(parquet metadata sdtrain\.latent_scaling_factor\)"
+        ),
+    ):
+        _inspect([tmp_path / f"{name}.parquet" for name in "abc"])
 
 
 def test_integer_values_and_nulls(tmp_path):

@@ -22,7 +22,8 @@ from sdtrain.data.dataset_index import (
 )
 from sdtrain.data.inspection import inspect_dataset
 from sdtrain.errors import ConfigError, DataError
-from sdtrain.model.recipe import LATENT_SCALING_METADATA_KEY, stored_latent_scaling
+from sdtrain.data.metadata import LATENT_SCALING_FACTOR
+from sdtrain.model.recipe import stored_latent_scaling
 
 COLUMNS = ("image_latents_256", "caption_latents")
 
@@ -90,7 +91,7 @@ def test_the_model_check_runs_from_the_index_without_reading_a_file(tmp_path):
     data_dir = tmp_path / "data"
     write_latents(data_dir / "a.parquet", rows=4, latent_shape=(4, 8, 8))
     table = pq.read_table(data_dir / "a.parquet")
-    metadata = {**(table.schema.metadata or {}), LATENT_SCALING_METADATA_KEY: b"0.18215"}
+    metadata = {**(table.schema.metadata or {}), LATENT_SCALING_FACTOR: b"0.18215"}
     pq.write_table(table.replace_schema_metadata(metadata), data_dir / "a.parquet")
     index_uri = str(tmp_path / "index.parquet")
     _start_and_write([data_dir], index_uri)

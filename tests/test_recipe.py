@@ -14,7 +14,8 @@ from diffusers.training_utils import compute_snr
 from sdtrain.artifacts.checkpoint_format import CheckpointMeta
 from sdtrain.artifacts.loading import load_model
 from sdtrain.config.schema import DataConfig, ModelConfig, TrainConfig
-from sdtrain.errors import ConfigError
+from sdtrain.data.metadata import LATENT_SCALING_FACTOR
+from sdtrain.errors import ConfigError, DataError
 from sdtrain.model import recipe
 from sdtrain.model.ema import ema_update_
 from sdtrain.model.unet import build_unet, noise_scheduler_config, unet_config
@@ -188,14 +189,15 @@ def test_latents_are_scaled_exactly_once(tmp_path):
     )
 
     # Files that record an applied factor, and the config asking for another: refused before training.
-    table = pa.table({"x": [1]}).replace_schema_metadata({recipe.LATENT_SCALING_METADATA_KEY: b"0.18215"})
+    table = pa.table({"x": [1]}).replace_schema_metadata({LATENT_SCALING_FACTOR: b"0.18215"})
     pq.write_table(table, tmp_path / "scaled.parquet")
+    pq.write_table(table, tmp_path / "scaled_val.parquet")
     pq.write_table(pa.table({"x": [1]}), tmp_path / "raw.parquet")
-    files = [
-        (str(path), pq.read_schema(path).metadata) for path in (tmp_path / "raw.parquet", tmp_path / "scaled.parquet")
-    ]
+    schemas = {path.stem: (str(path), pq.read_schema(path).metadata) for path in tmp_path.glob("*.parquet")}
+    files = [schemas["scaled"], schemas["scaled_val"]]
     assert recipe.stored_latent_scaling(files, DataConfig(train=["x"])) == pytest.approx(0.18215)
-    assert recipe.stored_latent_scaling(files[:1], DataConfig(train=["x"], latent_scaling_factor=0.18215)) is None
+    raw = [schemas["raw"]]
+    assert recipe.stored_latent_scaling(raw, DataConfig(train=["x"], latent_scaling_factor=0.18215)) is None
     with pytest.raises(
         ConfigError,
         match=(
@@ -204,6 +206,11 @@ def test_latents_are_scaled_exactly_once(tmp_path):
         ),
     ):
         recipe.stored_latent_scaling(files, DataConfig(train=["x"], latent_scaling_factor=0.18215))
+    # data.train and data.val scaled differently: the held-out loss would compare another scale.
+    with pytest.raises(
+        DataError, match=r"data\.val: .*scaled\.parquet records latents multiplied by 0\.18215 but .*raw\.parquet"
+    ):
+        recipe.stored_latent_scaling([schemas["raw"], schemas["scaled"]], DataConfig(train=["x"]))
 
 
 def test_unconditional_caption_from_zeros_or_a_file(tmp_path):

@@ -22,6 +22,7 @@ import pyarrow.parquet as pq
 import ray.data  # noqa: F401
 
 from sdtrain.data.decode import ColumnLayout, column_layout, to_array
+from sdtrain.data.metadata import LATENT_SCALING_FACTOR, describe_scaling, latent_scaling
 from sdtrain.errors import DataError
 from sdtrain.storage.filesystems import filesystem_for
 from sdtrain.storage.uris import split_s3
@@ -105,6 +106,14 @@ def check_same_layouts(key: str, file: str, schema: pa.Schema, reference: Checke
                 f"{key}: column {column!r} is a {layout.describe()} in {file} but a "
                 f"{first.describe()} in {reference.file}; every file must store it the same way"
             )
+    scale, first_scale = latent_scaling(schema.metadata), latent_scaling(reference.schema.metadata)
+    if scale != first_scale:
+        # Training scales every row alike: a mixed dataset would train half its rows at the wrong scale.
+        raise DataError(
+            f"{key}: {file} records {describe_scaling(scale)} but {reference.file} records "
+            f"{describe_scaling(first_scale)} (parquet metadata {LATENT_SCALING_FACTOR}); every file of a dataset "
+            "must hold latents scaled the same way: re-encode one of them or train on them separately"
+        )
 
 
 def read_footers(

@@ -29,7 +29,8 @@ import torch
 import torch.nn.functional as F
 from diffusers import DDPMScheduler
 
-from sdtrain.errors import ConfigError
+from sdtrain.data.metadata import LATENT_SCALING_FACTOR, describe_scaling, latent_scaling
+from sdtrain.errors import ConfigError, DataError
 
 PREDICTION_TYPES = ("epsilon", "v_prediction")
 
@@ -172,28 +173,31 @@ def load_unconditional_caption(source: str, caption_shape: tuple[int, int] | lis
     return torch.from_numpy(np.asarray(array, dtype=np.float32))
 
 
-LATENT_SCALING_METADATA_KEY = b"sdtrain.latent_scaling_factor"
-
-
 def stored_latent_scaling(schemas: Sequence[tuple[str, Mapping[bytes, bytes] | None]], data) -> float | None:
     """The scaling factor the files say their latents already carry (parquet schema metadata key
-    ``sdtrain.latent_scaling_factor``), or None. Setting data.latent_scaling_factor as well would
-    scale them twice: refused, naming the file.
+    ``sdtrain.latent_scaling_factor``), or None. Datasets that disagree are refused, and so is setting
+    data.latent_scaling_factor as well (it would scale them twice), naming the file.
 
     Args:
         schemas: (file, its arrow schema's metadata) of each dataset: the checked schema its dataset index
-            recorded (sdtrain.data.dataset_index), so no file is opened here.
+            recorded (sdtrain.data.dataset_index, which holds every file of a dataset to it), so no file is
+            opened here.
     """
-    found = None
-    for file, metadata in schemas:
-        if metadata is None or LATENT_SCALING_METADATA_KEY not in metadata:
-            continue
-        found = float(metadata[LATENT_SCALING_METADATA_KEY])
-        if data.latent_scaling_factor is not None:
-            raise ConfigError(
-                f"data.latent_scaling_factor: {file} records that its latents are already multiplied by {found:g} "
-                f"(parquet metadata {LATENT_SCALING_METADATA_KEY.decode()}); scaling them by "
-                f"{data.latent_scaling_factor:g} again would apply the factor twice. Set "
-                f"data.latent_scaling_factor: null"
+    if not schemas:
+        return None
+    factors = [(file, latent_scaling(metadata)) for file, metadata in schemas]
+    first_file, found = factors[0]
+    for file, factor in factors[1:]:
+        if factor != found:
+            raise DataError(
+                f"data.val: {file} records {describe_scaling(factor)} but {first_file} records "
+                f"{describe_scaling(found)} (parquet metadata {LATENT_SCALING_FACTOR}); data.train and data.val "
+                "must hold latents scaled alike, or the held-out loss compares another scale"
             )
+    if found is not None and data.latent_scaling_factor is not None:
+        raise ConfigError(
+            f"data.latent_scaling_factor: {first_file} records that its latents are already multiplied by "
+            f"{found:g} (parquet metadata {LATENT_SCALING_FACTOR}); scaling them by "
+            f"{data.latent_scaling_factor:g} again would apply the factor twice. Set data.latent_scaling_factor: null"
+        )
     return found
