@@ -21,8 +21,8 @@ from sdtrain.data.dataset_index import (
     write_index,
 )
 from sdtrain.data.inspection import inspect_dataset
-from sdtrain.errors import ConfigError, DataError
 from sdtrain.data.metadata import LATENT_SCALING_FACTOR
+from sdtrain.errors import ConfigError, DataError
 from sdtrain.model.recipe import stored_latent_scaling
 
 COLUMNS = ("image_latents_256", "caption_latents")
