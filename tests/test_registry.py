@@ -283,3 +283,15 @@ def test_a_job_pins_its_schedule_date_on_its_first_attempt(tmp_path):
     assert json.loads((tmp_path / "models" / "jobs" / "prodjob_abc123.json").read_text())["date"] == "2026-11-01"
     with pytest.raises(ConfigError, match=r"job id '\.\./x' \(ANYSCALE_PRODJOB_ID\) may hold only"):
         registry.pin_date("../x", day1)
+
+
+def test_a_run_whose_lease_lapsed_during_a_long_evaluation_writes_no_version(tmp_path):
+    registry = ModelRegistry(str(tmp_path / "models"))
+    unet, scheduler = UNet2DConditionModel(**PRESETS["tiny"]), DDPMScheduler()
+    now = [datetime.datetime.now(datetime.timezone.utc)]
+    with registry.lock({"run": "slow-evaluation"}, lease_s=60, clock=lambda: now[0]) as lock:
+        registry.write_version(unet, scheduler, {"n": 1}, lock=lock)  # held: written
+        now[0] += datetime.timedelta(seconds=61)  # an evaluation longer than the lease, no renewal through
+        with pytest.raises(RegistryConflict, match=r"lease on .*retrain.lock expired at .* nothing more is written"):
+            registry.write_version(unet, scheduler, {"n": 2}, lock=lock)
+    assert registry.versions() == ["v0001"] and not (tmp_path / "models" / "versions" / "v0002").exists()

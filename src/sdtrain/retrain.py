@@ -182,6 +182,7 @@ def _retrain_locked(
             "code_version": {"sdtrain": __version__, "git": code_version()},
             "created_at": datetime.datetime.now(datetime.timezone.utc).isoformat(),
         },
+        lock=lock,  # the evaluation may have outlasted the lease: checked again before each write
     )
     if promote:
         lock.ensure_held()

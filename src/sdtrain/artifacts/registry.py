@@ -101,11 +101,21 @@ class ModelRegistry(ConditionalStore):
         loaded by ``sdtrain.artifacts.loading.load_model``."""
         return posixpath.join(self.root_uri, "versions", version)
 
-    def write_version(self, unet: UNet2DConditionModel, scheduler: DDPMScheduler, manifest: dict[str, Any]) -> str:
+    def write_version(
+        self,
+        unet: UNet2DConditionModel,
+        scheduler: DDPMScheduler,
+        manifest: dict[str, Any],
+        lock: RegistryLock | None = None,
+    ) -> str:
         """Write a new version (weights first, manifest last) and return its name. The next number
         is claimed exclusively: a writer that numbered from the same listing as another gets an
-        error, never the other's directory."""
-        return self._write_version_as(self.next_version(), unet, scheduler, manifest)
+        error, never the other's directory. With ``lock`` (the run's), the lock is checked still
+        held before the directory is claimed and before the manifest makes the version complete:
+        a run whose lease lapsed during a long evaluation writes nothing (RegistryConflict)."""
+        if lock is not None:
+            lock.ensure_held()
+        return self._write_version_as(self.next_version(), unet, scheduler, manifest, lock)
 
     def next_version(self) -> str:
         """The name the next version gets: one past the highest version directory, complete or not."""
@@ -113,7 +123,12 @@ class ModelRegistry(ConditionalStore):
         return f"v{max(numbers, default=0) + 1:04d}"
 
     def _write_version_as(
-        self, version: str, unet: UNet2DConditionModel, scheduler: DDPMScheduler, manifest: dict[str, Any]
+        self,
+        version: str,
+        unet: UNet2DConditionModel,
+        scheduler: DDPMScheduler,
+        manifest: dict[str, Any],
+        lock: RegistryLock | None = None,
     ) -> str:
         destination = self._path("versions", version)
         self._claim_dir(destination)
@@ -122,6 +137,8 @@ class ModelRegistry(ConditionalStore):
             scheduler.save_pretrained(posixpath.join(local, "scheduler"))
             pafs.copy_files(local, destination, destination_filesystem=self.fs)
         manifest_path = posixpath.join(destination, MANIFEST_FILE)
+        if lock is not None:  # the weights' upload may have outlasted the lease: an incomplete version is ignored
+            lock.ensure_held()
         if self._create(manifest_path, json.dumps({"version": version, **manifest}, indent=2)) is None:
             raise RegistryConflict(f"retrain.models_root: {manifest_path} was written by another writer meanwhile")
         return version
