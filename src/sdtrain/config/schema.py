@@ -268,10 +268,15 @@ class RunConfig(Section):
     """async: training goes on while Ray Train uploads a checkpoint to run.storage_path (committed, and older ones
     pruned, once it is all there); sync: wait for the upload. The wait shows in the metric checkpoint_stall_s."""
     stall_timeout_s: float | None = 1800.0
-    """A worker that completes no optimizer step for this many seconds (from its start, for the first) logs what it
-    was doing (waiting for data, in a step's collectives, validating, checkpointing) and ends, so Ray Train restarts
-    the group from the latest checkpoint or the job fails visibly instead of hanging; keep it well above the longest
-    start-up, validation and checkpoint. null = never."""
+    """A worker that completes no optimizer step for this many seconds, not counting start-up, validation,
+    checkpoints and sample grids (run.slow_phase_timeout_s bounds those), logs what it was doing (waiting for data,
+    in a step's collectives, reporting) and ends, so Ray Train restarts the group from the latest checkpoint or the
+    job fails visibly instead of hanging. null = no watchdog."""
+    slow_phase_timeout_s: float | None = 7200.0
+    """The longest a worker may spend in one slow phase between steps: start-up (building the model, restoring the
+    checkpoint, joining the other ranks), a validation, a checkpoint's save, upload and barrier, or a sample grid;
+    beyond it the worker logs the phase and ends as for run.stall_timeout_s. Keep it above the longest of them.
+    null = unbounded."""
     record_samples: bool = False
     """Save into each checkpoint, as samples.npy, the sample index (row number in data.train's files, in order) of
     every row trained on since the previous checkpoint, all ranks: an exact record of what the model saw."""
@@ -331,8 +336,9 @@ class RunConfig(Section):
             self._fail("num_to_keep", f"must be >= 1 or null (keep all), got {self.num_to_keep}")
         if self.val_every_n_steps is not None and self.val_every_n_steps < 1:
             self._fail("val_every_n_steps", f"must be >= 1 or null, got {self.val_every_n_steps}")
-        if self.stall_timeout_s is not None and not self.stall_timeout_s > 0:
-            self._fail("stall_timeout_s", f"must be > 0 seconds or null (never), got {self.stall_timeout_s}")
+        for key in ("stall_timeout_s", "slow_phase_timeout_s"):
+            if getattr(self, key) is not None and not getattr(self, key) > 0:
+                self._fail(key, f"must be > 0 seconds or null, got {getattr(self, key)}")
         if self.mlflow_tracking_uri is not None and has_userinfo(self.mlflow_tracking_uri):
             # The config goes into tracker params, checkpoint metadata and registry manifests: never a secret.
             self._fail(

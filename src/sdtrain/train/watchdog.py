@@ -1,5 +1,11 @@
 """A training worker that makes no optimizer step for ``run.stall_timeout_s`` fails its attempt.
 
+Two bounds, so that a legitimately long phase between steps neither fails every restart at the same step nor
+hides a hang: the step's own work (waiting for data, the step and its collectives, reporting metrics) has
+``run.stall_timeout_s``, counted from the last step or the end of the last slow phase; each slow phase
+(start-up with the checkpoint restore, validation, a checkpoint's save and upload, a sample grid) has
+``run.slow_phase_timeout_s`` of its own, counted from its start.
+
 A hung read, a rank stuck in a collective whose peer hangs, or an upload that never returns
 would otherwise hold the whole job, silently, for as long as the cluster runs. The watchdog
 runs on a thread of its own in each worker, so it fires whatever the training thread is blocked
@@ -16,6 +22,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 log = logging.getLogger("sdtrain")
 
@@ -37,64 +44,95 @@ class Phase:
     SAMPLE_GRID = "rendering a sample grid (run.sample_every_n_steps) and writing the live files"
 
 
+SLOW_PHASES = frozenset({Phase.STARTING, Phase.VALIDATION, Phase.CHECKPOINT, Phase.SAMPLE_GRID})
+"""Phases whose length grows with the model, the held-out set or the network, not with a step: bounded on their
+own (run.slow_phase_timeout_s), and excluded from the step's bound."""
+
+
+def _end_worker(message: str) -> None:
+    log.error("%s", message)
+    for handler in logging.getLogger("sdtrain").handlers + logging.getLogger().handlers:
+        handler.flush()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(EXIT_CODE)  # the training thread may be blocked in C: no exception reaches it
+
+
 class StallWatchdog:
-    """Ends this worker process if no optimizer step completes for ``timeout_s`` seconds.
+    """Ends this worker process if no optimizer step completes for ``timeout_s`` seconds outside slow phases, or a
+    slow phase lasts ``slow_phase_timeout_s``.
 
     Args:
-        timeout_s: Seconds without a step (from the worker's start for the first one).
+        timeout_s: Seconds without a step outside slow phases (from the end of start-up for the first one).
         rank: This worker's rank, for the message.
+        slow_phase_timeout_s: Seconds one slow phase (:data:`SLOW_PHASES`) may last; None = unbounded.
+        on_stall: Called with the message instead of ending the process (tests).
     """
 
-    def __init__(self, timeout_s: float, rank: int):
+    def __init__(
+        self,
+        timeout_s: float,
+        rank: int,
+        slow_phase_timeout_s: float | None = None,
+        on_stall: Callable[[str], None] = _end_worker,
+    ):
         self.timeout_s = timeout_s
+        self.slow_phase_timeout_s = slow_phase_timeout_s
         self.rank = rank
+        self._on_stall = on_stall
         self._lock = threading.Lock()
         self._phase, self._phase_since = Phase.STARTING, time.monotonic()
         self._last_step: int | None = None
-        self._last_step_at = self._phase_since
+        self._progress_at = self._phase_since  # the last step, or the end of the last slow phase
         self._stopped = threading.Event()
-        threading.Thread(target=self._watch, name="sdtrain-stall-watchdog", daemon=True).start()
+        poll = min(timeout_s, slow_phase_timeout_s or timeout_s) / 4
+        threading.Thread(target=self._watch, args=(min(5.0, poll),), name="sdtrain-stall-watchdog", daemon=True).start()
 
     def enter(self, phase: str) -> None:
         """The worker now does ``phase`` (a :class:`Phase`)."""
         with self._lock:
             if phase != self._phase:
-                self._phase, self._phase_since = phase, time.monotonic()
+                now = time.monotonic()
+                if self._phase in SLOW_PHASES:
+                    self._progress_at = max(self._progress_at, now)
+                self._phase, self._phase_since = phase, now
 
     def stepped(self, step: int) -> None:
         """Optimizer step ``step`` completed."""
         with self._lock:
-            self._last_step, self._last_step_at = step, time.monotonic()
+            self._last_step, self._progress_at = step, time.monotonic()
 
     def stop(self) -> None:
         self._stopped.set()
 
-    def _watch(self) -> None:
-        while not self._stopped.wait(min(5.0, self.timeout_s / 4)):
-            now = time.monotonic()
-            with self._lock:
-                idle, phase, in_phase, step = (
-                    now - self._last_step_at,
-                    self._phase,
-                    now - self._phase_since,
-                    self._last_step,
-                )
-            if idle >= self.timeout_s and not self._stopped.is_set():
-                since = "its start" if step is None else f"step {step}"
-                log.error(
-                    "rank %d stalled: no optimizer step for %.0f s since %s (run.stall_timeout_s=%g); it has been "
-                    "%s for %.0f s. Ending this worker so that Ray Train restarts the group from the latest "
-                    "checkpoint (failure.max_failures); raise run.stall_timeout_s if this phase is legitimately "
-                    "this long",
-                    self.rank,
-                    idle,
-                    since,
-                    self.timeout_s,
-                    phase,
-                    in_phase,
-                )
-                for handler in logging.getLogger("sdtrain").handlers + logging.getLogger().handlers:
-                    handler.flush()
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(EXIT_CODE)  # the training thread may be blocked in C: no exception reaches it
+    def stalled(self, now: float) -> str | None:
+        """What the watchdog would say at ``now``, if this worker is stalled."""
+        with self._lock:
+            phase, in_phase = self._phase, now - self._phase_since
+            step, progress_at = self._last_step, self._progress_at
+        since = "its start" if step is None else f"step {step}"
+        if phase in SLOW_PHASES:
+            if self.slow_phase_timeout_s is None or in_phase < self.slow_phase_timeout_s:
+                return None
+            return (
+                f"rank {self.rank} stalled: it has been {phase} for {in_phase:.0f} s (run.slow_phase_timeout_s="
+                f"{self.slow_phase_timeout_s:g}; last optimizer step: {since}). Ending this worker so that Ray Train "
+                "restarts the group from the latest checkpoint (failure.max_failures); raise "
+                "run.slow_phase_timeout_s if this phase is legitimately this long"
+            )
+        idle = now - progress_at
+        if idle < self.timeout_s:
+            return None
+        return (
+            f"rank {self.rank} stalled: no optimizer step for {idle:.0f} s since {since}, outside start-up, "
+            f"validation, checkpoints and sample grids (run.stall_timeout_s={self.timeout_s:g}); it has been {phase} "
+            f"for {in_phase:.0f} s. Ending this worker so that Ray Train restarts the group from the latest "
+            "checkpoint (failure.max_failures); raise run.stall_timeout_s if this phase is legitimately this long"
+        )
+
+    def _watch(self, poll_s: float) -> None:
+        while not self._stopped.wait(poll_s):
+            message = self.stalled(time.monotonic())
+            if message is not None and not self._stopped.is_set():
+                self._on_stall(message)
+                return

@@ -207,7 +207,9 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     world_size = ray.train.get_context().get_world_size()
     rank = ray.train.get_context().get_world_rank()
     # From the worker's start: a hang while building the model, restoring or joining the other ranks counts too.
-    watchdog = StallWatchdog(config.run.stall_timeout_s, rank) if config.run.stall_timeout_s is not None else None
+    watchdog = None
+    if config.run.stall_timeout_s is not None:
+        watchdog = StallWatchdog(config.run.stall_timeout_s, rank, config.run.slow_phase_timeout_s)
     layout = BatchLayout(world_size, *config.batch_layout(world_size))
     train_batches = TrainStream(
         ray.train.get_dataset_shard("train"),
