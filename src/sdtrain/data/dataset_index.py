@@ -3,10 +3,8 @@ schema), kept as one parquet object so that a restart reads one object instead o
 
 The contract, owned here:
 
-- **Listing** (:func:`list_dataset`): the files a data spec names (files, directories of .parquet with '_'/'.'
-  hidden parts skipped, globs; duplicates removed; each spec's files sorted), streamed page by page (S3:
-  ``list_objects_v2``; local: an ``os.scandir`` walk) with each file's size and version (the S3 ETag, or the
-  local ``st_mtime_ns``), held once as parallel lists.
+- **Listing**: :func:`sdtrain.data.listing.list_dataset` (``list_dataset`` and ``DIRECTORY_INDEX`` are
+  importable from here too).
 - **Index** (:class:`DatasetIndex`): per file (path, size, version, rows) plus the checked schema (the arrow
   schema with its metadata, the image and caption columns it was checked with, the latent and caption shapes),
   one parquet object: columns ``path size version rows``, the rest in its schema metadata. Written by the
@@ -24,15 +22,12 @@ The contract, owned here:
 from __future__ import annotations
 
 import base64
-import hashlib
 import io
 import json
 import os
 import posixpath
-import stat
-from array import array
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
@@ -40,222 +35,21 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from sdtrain.data.inspection import CheckedSchema, DatasetSpec, check_shapes, first_row, read_footers
+from sdtrain.data.listing import (
+    DIRECTORY_INDEX,
+    LIST_PAGE_SIZE,
+    Listing,
+    _client,
+    list_dataset,
+)
 from sdtrain.errors import DataError
 from sdtrain.storage.filesystems import filesystem_for, write_bytes
-from sdtrain.storage.uris import is_uri, split_s3, uri_prefix
+from sdtrain.storage.uris import is_uri, split_s3
 
 INDEX_FORMAT = 1
 RUN_INDEX_DIR = "dataset_index"
-DIRECTORY_INDEX = "_sdtrain_index.parquet"  # '_': outside the parquet listing
 _META = b"sdtrain.dataset_index"
 _SCHEMA = b"sdtrain.dataset_index.schema"
-_GLOB_CHARS = "*?["
-LIST_PAGE_SIZE = 1000  # S3's largest page
-
-
-# --- listing -------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Listing:
-    """Files with their sizes and versions, as parallel lists (one entry a file, held once)."""
-
-    paths: list[str] = field(default_factory=list)
-    sizes: array = field(default_factory=lambda: array("q"))
-    versions: list[str] = field(default_factory=list)
-    indexes: list[tuple[str, str]] = field(default_factory=list)
-    """(index object, the directory its relative paths are under): directory indexes found beside the data."""
-
-    def __len__(self) -> int:
-        return len(self.paths)
-
-    def add(self, path: str, size: int, version: str) -> None:
-        self.paths.append(path)
-        self.sizes.append(size)
-        self.versions.append(version)
-
-    def content_digest(self) -> str:
-        return content_digest(self.paths, self.sizes, self.versions)
-
-
-def content_digest(paths: Sequence[str], sizes: Sequence[int], versions: Sequence[str]) -> str:
-    """sha256 (first 16 hex) of each file's (path, size, version), in file order."""
-    digest = hashlib.sha256()
-    for path, size, version in zip(paths, sizes, versions, strict=True):
-        digest.update(f"{path}\t{size}\t{version}\n".encode())
-    return digest.hexdigest()[:16]
-
-
-def list_dataset(specs: Sequence[str], key: str, page_size: int = LIST_PAGE_SIZE) -> Listing:
-    """Every parquet file ``specs`` names, with size and version, in a stable order, duplicates removed.
-
-    Raises DataError naming ``key`` and the spec when a spec names nothing.
-    """
-    listing = Listing()
-    seen: set[str] = set()
-    for spec in specs:
-        found = Listing()
-        _expand(spec, found, page_size)
-        if not found.paths:
-            raise DataError(
-                f"{key}: {spec} matches no parquet files; expected a .parquet file, a directory "
-                "containing .parquet files, or a glob such as data/*.parquet"
-            )
-        for i in sorted(range(len(found.paths)), key=found.paths.__getitem__):
-            path = found.paths[i]
-            if path in seen:
-                continue
-            seen.add(path)
-            listing.add(path, found.sizes[i], found.versions[i])
-        listing.indexes.extend(found.indexes)
-    return listing
-
-
-def _expand(spec: str, found: Listing, page_size: int) -> None:
-    prefix = uri_prefix(spec)
-    if spec.startswith("s3://"):
-        _expand_s3(spec, found, page_size)
-    elif not prefix:
-        _expand_local(spec, found)
-    else:
-        _expand_pyarrow(spec, found)
-
-
-def _hidden(path: str, root: str) -> bool:
-    """Files under a '.' or '_' name (``_SUCCESS``, ``.tmp``) are writer by-products, not data."""
-    return any(part.startswith((".", "_")) for part in path[len(root) :].split("/") if part)
-
-
-def _glob_base(path: str) -> str:
-    return path[: min(path.index(c) for c in _GLOB_CHARS if c in path)].rsplit("/", 1)[0]
-
-
-def _expand_local(spec: str, found: Listing) -> None:
-    import glob
-
-    path = os.path.abspath(os.path.expanduser(spec))
-    if any(c in spec for c in _GLOB_CHARS):
-        for match in glob.glob(path, recursive=True):
-            try:
-                st = os.stat(match)
-            except OSError:
-                continue
-            if stat.S_ISREG(st.st_mode):
-                found.add(match, st.st_size, str(st.st_mtime_ns))
-        return
-    try:
-        st = os.stat(path)
-    except OSError:
-        return
-    if stat.S_ISREG(st.st_mode):
-        found.add(spec, st.st_size, str(st.st_mtime_ns))
-        return
-    if not stat.S_ISDIR(st.st_mode):
-        return
-    index = os.path.join(path, DIRECTORY_INDEX)
-    if os.path.isfile(index):
-        found.indexes.append((index, path))
-    stack = [path]
-    while stack:  # '_'/'.' directories are not entered: nothing under them is data
-        with os.scandir(stack.pop()) as entries:
-            for entry in entries:
-                if entry.name.startswith((".", "_")):
-                    continue
-                if entry.is_dir():
-                    stack.append(entry.path)
-                elif entry.name.endswith(".parquet") and entry.is_file():
-                    st = entry.stat()
-                    found.add(entry.path, st.st_size, str(st.st_mtime_ns))
-
-
-def _s3_objects(client, bucket: str, prefix: str, page_size: int) -> Iterator[dict]:
-    """The objects under ``prefix``, one page of ``page_size`` at a time (never the whole listing at once)."""
-    pages = client.get_paginator("list_objects_v2").paginate(
-        Bucket=bucket, Prefix=prefix, PaginationConfig={"PageSize": page_size}
-    )
-    for page in pages:
-        yield from page.get("Contents", ())
-
-
-def _client():
-    """One boto3 client per S3 settings and credentials in the environment (making one costs ~0.2 s, a restart's
-    listing and index read would pay it twice)."""
-    from sdtrain.storage.s3 import resolved_s3_settings, s3_client
-
-    key = (resolved_s3_settings(), os.environ.get("AWS_ACCESS_KEY_ID"), os.environ.get("AWS_PROFILE"))
-    if key not in _CLIENTS:
-        _CLIENTS[key] = s3_client()
-    return _CLIENTS[key]
-
-
-_CLIENTS: dict[tuple, object] = {}
-
-
-def _etag(obj: Mapping) -> str:
-    return str(obj.get("ETag", "")).strip('"')
-
-
-def _expand_s3(spec: str, found: Listing, page_size: int) -> None:
-    import fnmatch
-
-    from botocore.exceptions import ClientError
-
-    client = _client()
-    bucket, key = split_s3(spec)
-    if any(c in key for c in _GLOB_CHARS):
-        pattern = f"{bucket}/{key}"
-        base = _glob_base(pattern)
-        list_prefix = base[len(bucket) + 1 :] + "/" if base != bucket else ""
-        for obj in _s3_objects(client, bucket, list_prefix, page_size):
-            name = f"{bucket}/{obj['Key']}"
-            if not obj["Key"].endswith("/") and fnmatch.fnmatch(name, pattern):
-                found.add(f"s3://{name}", int(obj["Size"]), _etag(obj))
-        return
-    if key and not spec.endswith("/"):
-        try:
-            head = client.head_object(Bucket=bucket, Key=key)
-            found.add(spec, int(head["ContentLength"]), _etag(head))
-            return
-        except ClientError as e:
-            if e.response.get("Error", {}).get("Code") not in ("404", "NoSuchKey", "NotFound"):
-                raise DataError(f"cannot list {spec}: {e}") from None
-    root = f"{bucket}/{key}" if key else bucket
-    list_prefix = f"{key}/" if key else ""
-    for obj in _s3_objects(client, bucket, list_prefix, page_size):
-        name = f"{bucket}/{obj['Key']}"
-        if obj["Key"] == list_prefix + DIRECTORY_INDEX:
-            found.indexes.append((f"s3://{name}", f"s3://{root}"))
-        if name.endswith(".parquet") and not _hidden(name, root):
-            found.add(f"s3://{name}", int(obj["Size"]), _etag(obj))
-
-
-def _expand_pyarrow(spec: str, found: Listing) -> None:
-    """Another object store (pyarrow's own filesystems): version = modification time."""
-    import fnmatch
-
-    fs, path = filesystem_for(spec)
-    prefix = uri_prefix(spec)
-
-    def version(info: pafs.FileInfo) -> str:
-        return str(info.mtime_ns) if info.mtime_ns is not None else ""
-
-    if any(c in path for c in _GLOB_CHARS):
-        infos = fs.get_file_info(pafs.FileSelector(_glob_base(path), recursive=True, allow_not_found=True))
-        for i in infos:
-            if i.type == pafs.FileType.File and fnmatch.fnmatch(i.path, path):
-                found.add(prefix + i.path, i.size, version(i))
-        return
-    info = fs.get_file_info(path)
-    if info.type == pafs.FileType.File:
-        found.add(spec, info.size, version(info))
-    elif info.type == pafs.FileType.Directory:
-        for i in fs.get_file_info(pafs.FileSelector(path, recursive=True)):
-            if i.type != pafs.FileType.File:
-                continue
-            if i.path == f"{path.rstrip('/')}/{DIRECTORY_INDEX}":
-                found.indexes.append((prefix + i.path, prefix + path.rstrip("/")))
-            if i.path.endswith(".parquet") and not _hidden(i.path, path):
-                found.add(prefix + i.path, i.size, version(i))
 
 
 # --- the index object ----------------------------------------------------------------------------------------
