@@ -1,0 +1,202 @@
+"""The sections that say what is learned, from what and how: data, model, train.
+
+Each field's docstring is its reference (``train.py --help``, docs/configuration.md); values are checked in
+``__post_init__``, on the driver, before Ray starts. Import them from :mod:`sdtrain.config.schema`.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal
+
+from sdtrain.config.coercion import Section, suggest
+
+PRESETS = ("tiny", "small", "sd2-base")
+
+
+@dataclass
+class DataConfig(Section):
+    section: ClassVar[str] = "data"
+
+    train: list[str] = field(default_factory=list)
+    """Training parquet files: a file, a directory (all *.parquet below it), a glob, or a list of these; local or
+    s3://bucket/prefix (retraining picks its own from retrain.data_root)."""
+    val: list[str] = field(default_factory=list)
+    """Validation parquet files, in the same forms as data.train; empty means no validation."""
+    image_column: str = "image_latents_256"
+    """Column holding the image latents, C*H*W values a row (flat list, fixed-size list or Ray tensor)."""
+    caption_column: str = "caption_latents"
+    """Column holding the caption embeddings, L*D values a row, D = the UNet's cross_attention_dim."""
+    demo: bool = False
+    """Generate the digits demo dataset into data.train / data.val (one directory each) if they are empty."""
+    prefetch_batches: int = 2
+    """Batches each worker fetches ahead of the one being trained on."""
+    reads_per_worker: int = 2
+    """Windows each worker's training stream reads at once, in Ray Data tasks on the worker's node that take no CPU of
+    their own: they share the CPUs the worker reserves (scaling.cpus_per_worker), so any group Ray Train can place,
+    after any resize, can read."""
+    shuffle_chunk_rows: int = 64
+    """Each epoch reads the training files as a seeded shuffle of chunks of this many consecutive rows of a file."""
+    shuffle_window_rows: int = 512
+    """Each worker reads its chunks in windows of this many rows (one Ray Data block) and shuffles rows within a
+    window."""
+    on_change: Literal["fail", "new_epoch"] = "fail"
+    """When data.train, train.seed or the shuffle sizes changed since the checkpoint a run resumes from (its data
+    position would read rows twice or never): fail says what changed, before Ray starts; new_epoch resumes the
+    weights and starts the next epoch on the data as it is now."""
+    on_read_error: Literal["fail", "skip"] = "fail"
+    """A training file that cannot be read mid-run: fail stops the run at once naming the file (no retries); skip
+    leaves its rows out of the loss and counts them (metric skipped_samples)."""
+    latent_scaling_factor: float | None = None
+    """Multiply the stored latents by this, once, as training reads them: set it (0.18215 for SD's VAE) when the files
+    hold raw VAE latents; null = they are already scaled (the Anyscale notebook's files, the demo). Refused if a
+    file's parquet metadata says its latents are already scaled (key sdtrain.latent_scaling_factor)."""
+    unconditional_caption: str = "zeros"
+    """The caption embedding of the empty prompt, which caption dropout substitutes and classifier-free guidance
+    samples against: zeros, or a .npy file (L x D, the text encoder's output for "") readable by every node."""
+
+    def __post_init__(self):
+        if self.demo and (len(self.train) != 1 or len(self.val) > 1):
+            self._fail("demo", "needs data.train (and data.val, if set) to be a single directory each")
+        for key in ("shuffle_chunk_rows", "shuffle_window_rows"):
+            if getattr(self, key) < 1:
+                self._fail(key, f"must be >= 1, got {getattr(self, key)}")
+        if self.prefetch_batches < 0:
+            self._fail("prefetch_batches", f"must be >= 0, got {self.prefetch_batches}")
+        if self.reads_per_worker < 1:
+            self._fail("reads_per_worker", f"must be >= 1, got {self.reads_per_worker}")
+        for key in ("image_column", "caption_column"):
+            if not getattr(self, key):
+                self._fail(key, "must be a column name, got an empty string")
+        if self.latent_scaling_factor is not None and not self.latent_scaling_factor > 0:
+            self._fail("latent_scaling_factor", f"must be > 0 or null, got {self.latent_scaling_factor}")
+        if self.unconditional_caption != "zeros" and not self.unconditional_caption.endswith(".npy"):
+            self._fail(
+                "unconditional_caption", f"must be zeros or the path of a .npy file, got {self.unconditional_caption!r}"
+            )
+
+
+@dataclass
+class ModelConfig(Section):
+    section: ClassVar[str] = "model"
+
+    preset: Literal["tiny", "small", "sd2-base"] = "small"
+    """UNet architecture: tiny (CPU tests and demo), small (the Anyscale notebook's UNet), sd2-base (Stable Diffusion 2
+    base)."""
+    unet: dict[str, Any] = field(default_factory=dict)
+    """UNet2DConditionModel keyword arguments that override the preset, e.g. model.unet.cross_attention_dim=768."""
+    pretrained: str | None = None
+    """Local directory, s3:// URI or hub id of a diffusers model (unet/ and scheduler/ subfolders, or a bare UNet) to
+    start from."""
+    prediction_type: Literal["epsilon", "v_prediction"] = "epsilon"
+    """What the UNet predicts: epsilon (the noise) or v_prediction (velocity, from the scheduler's get_velocity).
+    Written into the noise scheduler config, so validation, the exported scheduler and sampling all follow it."""
+
+    def __post_init__(self):
+        from diffusers import UNet2DConditionModel
+
+        allowed = set(inspect.signature(UNet2DConditionModel.__init__).parameters) - {"self"}
+        for key in self.unet:
+            if key not in allowed:
+                self._fail(f"unet.{key}", "is not a UNet2DConditionModel argument" + suggest(key, allowed))
+        if self.pretrained is not None and self.unet:
+            self._fail("unet", "cannot override the architecture of model.pretrained; remove one of them")
+
+
+@dataclass
+class TrainConfig(Section):
+    section: ClassVar[str] = "train"
+
+    max_steps: int = 550_000
+    """Optimizer steps to train for; the run ends exactly here, across restarts."""
+    global_batch_size: int = 32
+    """Samples per optimizer step across all workers, at every world size: world size x train.micro_batch_size x
+    gradient accumulation."""
+    micro_batch_size: int | None = None
+    """Samples per worker per forward/backward pass; gradients accumulate until global_batch_size. null = the largest
+    size that divides the per-worker batch at every allowed world size."""
+    lr: float = 1e-4
+    """AdamW peak learning rate, reached after train.warmup_steps and then held."""
+    warmup_steps: int = 10_000
+    """Steps of linear learning-rate warmup from 0."""
+    weight_decay: float = 1e-2
+    """AdamW decoupled weight decay."""
+    grad_clip_norm: float = 1.0
+    """Clip the global gradient norm to this value; 0 turns clipping off."""
+    precision: Literal["auto", "bf16-mixed", "16-mixed", "32-true"] = "auto"
+    """Lightning precision; auto = bf16-mixed on GPU (16-mixed where bf16 is unsupported), 32-true on CPU. 16-mixed
+    (fp16 with a GradScaler, whose overflow steps are skipped without counting toward train.max_bad_steps) needs
+    GPUs and ddp."""
+    seed: int = 0
+    """Seed for weight init, and with rank and step for each step's noise and timesteps; also the validation noise."""
+    max_bad_steps: int = 20
+    """Stop the run after this many consecutive steps skipped for a NaN/inf gradient (checked at each log step)."""
+    snr_gamma: float | None = None
+    """Min-SNR-gamma loss weighting (arXiv 2303.09556): each sample's MSE is weighted by min(SNR, gamma)/SNR (epsilon)
+    or min(SNR, gamma)/(SNR+1) (v_prediction); 5.0 is the paper's value; null = unweighted."""
+    noise_offset: float = 0.0
+    """Offset noise: add noise_offset x N(0,1) per sample and channel to the noise (0.05-0.1 typical); 0 = off."""
+    input_perturbation: float = 0.0
+    """Input perturbation: noise the UNet input with noise + input_perturbation x N(0,1) while the target keeps the
+    noise (0.1 typical); 0 = off."""
+    caption_dropout_prob: float = 0.0
+    """Probability that a sample's caption is replaced by data.unconditional_caption, so the model also learns the
+    unconditional prediction that classifier-free guidance needs (0.1 typical)."""
+    ema_decay: float | None = None
+    """Keep an exponential moving average of the UNet weights with this decay (e.g. 0.9999), saved in checkpoints and
+    used for validation, export and generation; null = no EMA."""
+    ema_start_step: int = 0
+    """Until this step the EMA copies the weights; after it, it averages them with train.ema_decay."""
+    strategy: Literal["ddp", "fsdp"] = "ddp"
+    """Distributed strategy: ddp (Ray's RayDDPStrategy: every worker holds the whole model) or fsdp (FSDP2, torch's
+    fully_shard: weights, gradients, optimizer state and EMA sharded over the workers, for UNets too large for ddp;
+    checkpoints are the same full files as ddp's, resumable at any world size)."""
+    compile: bool = False
+    """torch.compile the UNet (the first steps are slow while it compiles)."""
+    channels_last: bool = False
+    """Store the UNet's weights and activations channels-last (faster convolutions on tensor-core GPUs)."""
+    gradient_checkpointing: bool = False
+    """Recompute the UNet's activations in the backward pass instead of storing them: less memory, about 30% slower."""
+    attention: Literal["sdpa", "eager"] = "sdpa"
+    """Attention kernel: sdpa (torch's scaled_dot_product_attention: flash or memory-efficient kernels on GPUs) or
+    eager (plain matmul and softmax)."""
+
+    def __post_init__(self):
+        for key in ("max_steps", "global_batch_size", "max_bad_steps"):
+            if getattr(self, key) <= 0:
+                self._fail(key, f"must be > 0, got {getattr(self, key)}")
+        if self.micro_batch_size is not None and self.micro_batch_size <= 0:
+            self._fail("micro_batch_size", f"must be > 0 or null, got {self.micro_batch_size}")
+        if not self.lr > 0:
+            self._fail("lr", f"must be > 0, got {self.lr}")
+        if not 0 <= self.seed < 2**63:  # numpy's generators (the read order, noise) take no negative seed
+            self._fail("seed", f"must be in [0, 2**63), got {self.seed}")
+        for key in (
+            "warmup_steps",
+            "weight_decay",
+            "grad_clip_norm",
+            "noise_offset",
+            "input_perturbation",
+            "ema_start_step",
+        ):
+            if getattr(self, key) < 0:
+                self._fail(key, f"must be >= 0, got {getattr(self, key)}")
+        if self.snr_gamma is not None and not self.snr_gamma > 0:
+            self._fail("snr_gamma", f"must be > 0 or null, got {self.snr_gamma}")
+        if not 0 <= self.caption_dropout_prob < 1:
+            self._fail("caption_dropout_prob", f"must be in [0, 1), got {self.caption_dropout_prob}")
+        if self.ema_decay is not None and not 0 < self.ema_decay < 1:
+            self._fail("ema_decay", f"must be in (0, 1) or null, got {self.ema_decay}")
+        if self.strategy == "fsdp" and self.channels_last:
+            self._fail(
+                "channels_last",
+                "cannot be used with train.strategy=fsdp: FSDP2 shards only contiguous parameters (torch: "
+                '"FSDP does not support non-contiguous parameters"); turn one of them off',
+            )
+        if self.strategy == "fsdp" and self.precision == "16-mixed":
+            self._fail(
+                "precision",
+                "16-mixed cannot run with train.strategy=fsdp (a GradScaler would skip a step on one rank's "
+                "overflowed shard only); use bf16-mixed, or ddp",
+            )

@@ -1,0 +1,243 @@
+"""The sections that say where and how a run runs: scaling, run, failure, storage, retrain.
+
+Each field's docstring is its reference (``train.py --help``, docs/configuration.md); values are checked in
+``__post_init__``, on the driver, before Ray starts. Import them from :mod:`sdtrain.config.schema`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import re
+from dataclasses import dataclass, field
+from typing import ClassVar, Literal
+
+from sdtrain.config.coercion import Section
+from sdtrain.storage.s3 import DEFAULT_MAX_ATTEMPTS
+from sdtrain.storage.uris import has_userinfo, redact
+
+
+@dataclass
+class ScalingConfig(Section):
+    section: ClassVar[str] = "scaling"
+
+    num_workers: int | list[int] = 1
+    """Training workers: an int, or [min, max] for elastic training that starts with what the cluster can give."""
+    use_gpu: Literal["auto"] | bool = "auto"
+    """One GPU per worker; auto = yes when the cluster has GPUs when the job starts. Set true on autoscaling
+    clusters."""
+    cpus_per_worker: Literal["auto"] | float = "auto"
+    """CPUs reserved per worker, shared by its training loop and its data reads; auto = 1 with GPUs, else
+    min(1, the cluster's CPUs / the most workers)."""
+    resize_check_s: float = 60.0
+    """With num_workers [min, max]: how often Ray Train looks for room for more workers and, finding it, restarts the
+    group larger from the latest checkpoint (losing the steps since it); Ray's
+    ScalingConfig.elastic_resize_monitor_interval_s."""
+
+    def __post_init__(self):
+        if isinstance(self.num_workers, list):
+            if len(self.num_workers) != 2 or not 1 <= self.num_workers[0] <= self.num_workers[1]:
+                self._fail("num_workers", f"as a list must be [min, max] with 1 <= min <= max, got {self.num_workers}")
+        elif self.num_workers < 1:
+            self._fail("num_workers", f"must be >= 1, got {self.num_workers}")
+        if self.cpus_per_worker != "auto" and not self.cpus_per_worker > 0:
+            self._fail("cpus_per_worker", f"must be > 0 or auto, got {self.cpus_per_worker}")
+        if not self.resize_check_s > 0:
+            self._fail("resize_check_s", f"must be > 0 seconds, got {self.resize_check_s}")
+
+    @property
+    def min_workers(self) -> int:
+        return self.num_workers[0] if isinstance(self.num_workers, list) else self.num_workers
+
+    @property
+    def max_workers(self) -> int:
+        return self.num_workers[1] if isinstance(self.num_workers, list) else self.num_workers
+
+
+@dataclass
+class RunConfig(Section):
+    section: ClassVar[str] = "run"
+
+    name: str = "sdtrain"
+    """Run name; the run lives in run.storage_path/run.name. Re-running with the same name resumes it."""
+    storage_path: str = "runs"
+    """Where runs are stored: s3://bucket/prefix (needed on a multi-node cluster), a shared filesystem path, or a local
+    directory (relative to the current directory)."""
+    checkpoint_every_n_steps: int = 1000
+    """Report a checkpoint every this many optimizer steps, and always at the end."""
+    num_to_keep: int | None = 3
+    """Checkpoints to keep (the newest); null keeps all."""
+    log_every_n_steps: int = 50
+    """Log a progress line and report metrics every this many steps."""
+    val_every_n_steps: int | None = None
+    """Compute the validation loss on data.val every this many steps; null = at every checkpoint."""
+    checkpoint_upload: Literal["async", "sync"] = "async"
+    """async: training goes on while Ray Train uploads a checkpoint to run.storage_path (committed, and older ones
+    pruned, once it is all there); sync: wait for the upload. The wait shows in the metric checkpoint_stall_s."""
+    stall_timeout_s: float | None = 1800.0
+    """A worker that completes no optimizer step for this many seconds, not counting start-up, validation,
+    checkpoints and sample grids (run.slow_phase_timeout_s bounds those), logs what it was doing (waiting for data,
+    in a step's collectives, reporting) and ends, so Ray Train restarts the group from the latest checkpoint or the
+    job fails visibly instead of hanging. null = no watchdog."""
+    slow_phase_timeout_s: float | None = 7200.0
+    """The longest a worker may spend in one slow phase between steps: start-up (building the model, restoring the
+    checkpoint, joining the other ranks), a validation, a checkpoint's save, upload and barrier, or a sample grid;
+    beyond it the worker logs the phase and ends as for run.stall_timeout_s. Keep it above the longest of them.
+    null = unbounded."""
+    record_samples: bool = False
+    """Save into each checkpoint, as samples.npy, the sample index (row number in data.train's files, in order) of
+    every row trained on since the previous checkpoint, all ranks: an exact record of what the model saw."""
+    staging_dir: str | None = None
+    """Local directory (each node's own disk) where checkpoints are written before their upload and a restored
+    checkpoint is downloaded to; it needs room for about two checkpoints. null = the system's temporary directory.
+    What a killed worker left there is removed when the run's next worker group starts."""
+    start_fresh: bool = False
+    """Start from step 0 even if run.storage_path/run.name holds a run; the old run is kept, renamed to
+    <name>.replaced-<UTC time>. For one-off command lines, not a retried job (each retry would start over)."""
+    checkpoint_score_attribute: Literal["val_loss", "loss"] | None = None
+    """Keep the run.num_to_keep checkpoints with the lowest value of this metric (plus the latest, which a resume
+    starts from) instead of the newest; null = the newest."""
+    export: bool = True
+    """At the end of the run, export the final (EMA) UNet and noise scheduler in diffusers format to
+    run.storage_path/run.name/export/."""
+    trackers: list[Literal["tensorboard", "mlflow", "wandb"]] = field(default_factory=lambda: ["tensorboard"])
+    """Experiment trackers rank 0 logs the full config, every reported metric at its step and the sample grids to
+    (one tracker run per training run, continued across restarts; ids in trackers.json in the run directory):
+    tensorboard (event files in the run directory's tensorboard/), mlflow (run.mlflow_tracking_uri), wandb
+    (project run.wandb_project; credentials and WANDB_MODE from the environment). [] = none."""
+    mlflow_tracking_uri: str | None = None
+    """MLflow tracking server for run.trackers' mlflow (e.g. http://mlflow:5000); null = MLFLOW_TRACKING_URI."""
+    mlflow_experiment: str = "sdtrain"
+    """MLflow experiment the run is logged under."""
+    mlflow_register_as: str | None = None
+    """Register the final export as a new version of this MLflow model; null = only attach it to the run."""
+    wandb_project: str = "sdtrain"
+    """W&B project the run is logged under."""
+    sample_every_n_steps: int | None = None
+    """Rank 0 samples a fixed grid (run.sample_captions, fixed seed, the EMA weights) every this many steps and at
+    the end, saved as samples/step_<N>.png in the run directory and sent to run.trackers; null = with each
+    checkpoint. No grid when neither run.sample_captions nor data.val is set, or under train.strategy=fsdp."""
+    sample_captions: str | None = None
+    """Captions of the sample grid's rows: a .npy of embeddings ((L, D) or (N, L, D)) or parquet with
+    data.caption_column; null = data.val (one row per label for the digits demo, else its first run.sample_rows)."""
+    sample_rows: int = 4
+    """Rows (captions) of the sample grid, when its captions are not one per label."""
+    sample_columns: int = 4
+    """Samples per caption in the sample grid."""
+    sample_sampler: Literal["ddim", "dpm"] = "ddim"
+    """Sampler of the sample grid: ddim or dpm (DPM-Solver++)."""
+    sample_steps: int = 20
+    """Denoising steps per sample of the sample grid."""
+    sample_guidance_scale: float = 3.0
+    """Classifier-free guidance scale of the sample grid (1 = none)."""
+
+    def __post_init__(self):
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", self.name):
+            self._fail("name", f"must be letters, digits, '.', '_' or '-' (it names a directory), got {self.name!r}")
+        if not self.storage_path:
+            self._fail("storage_path", "must be a directory path")
+        for key in ("checkpoint_every_n_steps", "log_every_n_steps"):
+            if getattr(self, key) < 1:
+                self._fail(key, f"must be >= 1, got {getattr(self, key)}")
+        if self.num_to_keep is not None and self.num_to_keep < 1:
+            self._fail("num_to_keep", f"must be >= 1 or null (keep all), got {self.num_to_keep}")
+        if self.val_every_n_steps is not None and self.val_every_n_steps < 1:
+            self._fail("val_every_n_steps", f"must be >= 1 or null, got {self.val_every_n_steps}")
+        for key in ("stall_timeout_s", "slow_phase_timeout_s"):
+            if getattr(self, key) is not None and not getattr(self, key) > 0:
+                self._fail(key, f"must be > 0 seconds or null, got {getattr(self, key)}")
+        if self.mlflow_tracking_uri is not None and has_userinfo(self.mlflow_tracking_uri):
+            # The config goes into tracker params, checkpoint metadata and registry manifests: never a secret.
+            self._fail(
+                "mlflow_tracking_uri",
+                f"{redact(self.mlflow_tracking_uri)} holds a user name or password; credentials are never taken "
+                "from the config (they would be copied into checkpoints, manifests and logs): set "
+                "MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) in the environment",
+            )
+        if len(set(self.trackers)) != len(self.trackers):
+            self._fail("trackers", f"names a tracker twice: {self.trackers}")
+        if self.sample_every_n_steps is not None and self.sample_every_n_steps < 1:
+            self._fail("sample_every_n_steps", f"must be >= 1 or null, got {self.sample_every_n_steps}")
+        for key in ("sample_rows", "sample_columns", "sample_steps"):
+            if getattr(self, key) < 1:
+                self._fail(key, f"must be >= 1, got {getattr(self, key)}")
+        if self.sample_guidance_scale < 0:
+            self._fail("sample_guidance_scale", f"must be >= 0 (1: no guidance), got {self.sample_guidance_scale}")
+
+
+@dataclass
+class FailureConfig(Section):
+    section: ClassVar[str] = "failure"
+
+    max_failures: int = 3
+    """Worker-group restarts (each resumes from the latest checkpoint) before the run fails; -1 = unlimited.
+    Preemptions are not counted here."""
+    max_preemptions: int = -1
+    """Restarts after a node was reclaimed (a spot instance, a drained node) before the run fails; -1 = unlimited.
+    A notice of the reclaim makes the workers save a checkpoint at once, which the restart resumes from."""
+
+    def __post_init__(self):
+        for key in ("max_failures", "max_preemptions"):
+            if getattr(self, key) < -1:
+                self._fail(key, f"must be >= -1, got {getattr(self, key)}")
+
+
+@dataclass
+class StorageConfig(Section):
+    section: ClassVar[str] = "storage"
+
+    endpoint_url: str | None = None
+    """S3-compatible endpoint (e.g. http://minio:9000) for every s3:// URI; null = AWS_ENDPOINT_URL_S3 or
+    AWS_ENDPOINT_URL if set, else AWS S3. Credentials never go here."""
+    max_attempts: int = DEFAULT_MAX_ATTEMPTS
+    """Attempts per S3 request, with exponential backoff, before a throttled or dropped request fails; 1 = no
+    retries."""
+
+    def __post_init__(self):
+        if self.endpoint_url is not None:
+            if has_userinfo(self.endpoint_url):  # the message must not repeat the secret
+                self._fail("endpoint_url", f"{redact(self.endpoint_url)} holds a user name or password; " + _NO_SECRETS)
+            if not re.fullmatch(r"https?://[^/\s]+/?", self.endpoint_url):
+                self._fail("endpoint_url", f"must be http(s)://host[:port], got {self.endpoint_url!r}")
+        if self.max_attempts < 1:
+            self._fail("max_attempts", f"must be >= 1 (1 = no retries), got {self.max_attempts}")
+
+
+_NO_SECRETS = (
+    "credentials are never taken from the config (they would be copied into checkpoints, manifests and logs): "
+    "use the AWS credential chain (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or an instance role)"
+)
+
+
+@dataclass
+class RetrainConfig(Section):
+    section: ClassVar[str] = "retrain"
+
+    data_root: str | None = None
+    """Directory of date partitions (date=YYYY-MM-DD/ holding parquet files) that entrypoints/retrain.py takes new data
+    from."""
+    models_root: str | None = None
+    """Where retraining keeps model versions (versions/vNNNN/) and the production pointer (production.json)."""
+    tolerance: float = 0.0
+    """Promote a retrained model if its validation loss <= the production model's x (1 + tolerance)."""
+    date: str | None = None
+    """Schedule date (YYYY-MM-DD) a retrain run is for: it takes partitions up to it, once; null = in an Anyscale job,
+    the UTC date of the job's first attempt (its retries keep it, even after midnight), else today (UTC)."""
+    complete_marker: str | None = "_SUCCESS"
+    """A partition is taken once it holds this file, written last by the partition's writer; null = take only
+    partitions dated before the schedule date (the schedule date's may still be filling)."""
+
+    def __post_init__(self):
+        if self.date is not None:
+            try:
+                datetime.date.fromisoformat(self.date)
+            except ValueError:
+                self._fail("date", f"must be a date YYYY-MM-DD, got {self.date!r}")
+        if self.tolerance < 0:
+            self._fail("tolerance", f"must be >= 0, got {self.tolerance}")
+        if self.complete_marker is not None and (not self.complete_marker or "/" in self.complete_marker):
+            # '' would name the partition directory itself, which is no file: every partition incomplete, for good.
+            self._fail("complete_marker", f"must be a file name (e.g. _SUCCESS) or null, got {self.complete_marker!r}")
+        if (self.data_root is None) != (self.models_root is None):
+            self._fail(
+                "models_root" if self.models_root is None else "data_root", "is required with the other retrain key"
+            )
