@@ -58,7 +58,8 @@ def main() -> None:
 
     import ray
 
-    from sdtrain.preprocess.config import load_preprocess_config
+    from sdtrain.config.loader import load_config
+    from sdtrain.preprocess.config import PreprocessConfig
     from sdtrain.preprocess.job import run_preprocess
     from sdtrain.preprocess.tiny_models import write_tiny_sd_model
 
@@ -66,7 +67,7 @@ def main() -> None:
         root = Path(tmp)
         write_input(root / "input", args.images, args.files)
         model = write_tiny_sd_model(str(root / "model"))
-        config = load_preprocess_config(
+        config = load_config(
             None,
             [
                 f"input.paths={root / 'input'}",
@@ -76,6 +77,7 @@ def main() -> None:
                 f"image.resolution={args.resolution}",
                 f"output.path={root / 'latents'}",
             ],
+            PreprocessConfig,
         )
         # address="local": a cluster of its own, not one a `ray start` left on this machine (ray.init's default).
         ray.init(address="local", num_cpus=args.num_cpus, include_dashboard=False, log_to_driver=False)

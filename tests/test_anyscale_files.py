@@ -124,13 +124,13 @@ def test_schedule_is_daily_and_stores_models_with_the_artifacts():
 
 
 def test_the_preprocessing_job_is_valid_and_consistent_with_its_config():
-    from sdtrain.preprocess.config import load_preprocess_config
+    from sdtrain.preprocess.config import PreprocessConfig
 
     job = JobConfig.from_yaml(str(REPO / "preprocess_job.yaml"))
     argv = shlex.split(job.entrypoint)
     assert argv[:2] == ["python", "entrypoints/preprocess.py"] and (REPO / argv[1]).is_file()
     config_path = argv[argv.index("--config") + 1]
-    config = load_preprocess_config(REPO / config_path, argv[argv.index("--config") + 2 :])
+    config = load_config(REPO / config_path, argv[argv.index("--config") + 2 :], PreprocessConfig)
     # Output on storage that outlives the cluster: a retry finds the shards already written and skips them.
     assert config.output.path.startswith("$ANYSCALE_ARTIFACT_STORAGE/")
     gpu_group = next(g for g in job.compute_config.worker_nodes if g.name == "gpu-workers")

@@ -327,11 +327,11 @@ def test_every_numeric_key_refuses_non_finite_and_negative_values_naming_the_key
     training's and preprocessing's configs refuses them with one error naming the key, before anything runs."""
     from sdtrain.config.schema import SECTIONS as TRAINING
     from sdtrain.preprocess.config import SECTIONS as PREPROCESSING
-    from sdtrain.preprocess.config import load_preprocess_config
+    from sdtrain.preprocess.config import PreprocessConfig
 
     loaders = [
         (TRAINING, lambda o: load_config(None, [*BASE, o])),
-        (PREPROCESSING, lambda o: load_preprocess_config(None, ["input.paths=x", "output.path=y", o])),
+        (PREPROCESSING, lambda o: load_config(None, ["input.paths=x", "output.path=y", o], PreprocessConfig)),
     ]
     checked = 0
     for sections, load in loaders:

@@ -20,8 +20,9 @@ import pytest
 import torch
 from PIL import Image
 
+from sdtrain.config.loader import load_config
 from sdtrain.errors import ConfigError, DataError
-from sdtrain.preprocess.config import load_preprocess_config
+from sdtrain.preprocess.config import PreprocessConfig
 from sdtrain.preprocess.encoders import encode_images, encode_prompts, load_text_encoder, load_vae, local_model
 from sdtrain.preprocess.images import NO_CAPTION, NO_IMAGE, TOO_SMALL, UNDECODABLE, prepare_image, to_unit_range
 from sdtrain.preprocess.outputs import SCALING_KEY, encoder_sources
@@ -99,7 +100,7 @@ def write_parquet_input(directory: Path, files: int = 3) -> list[tuple[bytes | N
 
 def config_for(tmp_path: Path, model: str, *overrides: str, fmt: str = "parquet", source: Path | None = None):
     source = source or tmp_path / "input"
-    return load_preprocess_config(
+    return load_config(
         ROOT / "configs" / "preprocess.yaml",
         [
             f"input.paths={source}",
@@ -111,6 +112,7 @@ def config_for(tmp_path: Path, model: str, *overrides: str, fmt: str = "parquet"
             "output.row_group_rows=4",
             *overrides,
         ],
+        PreprocessConfig,
     )
 
 
@@ -144,11 +146,11 @@ def test_alpha_is_composited_on_white_and_the_center_is_cropped():
 
 def test_config_errors_name_the_key(tmp_path):
     with pytest.raises(ConfigError, match="image.resolution: must be a positive multiple of 8, got 100"):
-        load_preprocess_config(None, ["input.paths=x", "output.path=y", "image.resolution=100"])
+        load_config(None, ["input.paths=x", "output.path=y", "image.resolution=100"], PreprocessConfig)
     with pytest.raises(ConfigError, match=r"encode.latnt: unknown key \(did you mean latent\?\)"):
-        load_preprocess_config(None, ["input.paths=x", "output.path=y", "encode.latnt=mean"])
+        load_config(None, ["input.paths=x", "output.path=y", "encode.latnt=mean"], PreprocessConfig)
     with pytest.raises(ConfigError, match="output.path: is required"):
-        load_preprocess_config(None, ["input.paths=x"])
+        load_config(None, ["input.paths=x"], PreprocessConfig)
     write_parquet_input(tmp_path / "input", files=1)
     from sdtrain.preprocess.sources import list_shards
 
@@ -169,7 +171,7 @@ def test_credentials_in_any_uri_are_refused_before_ray_and_never_repeated():
     ):
         overrides = [f"{k}={v}" for k, v in {**base, key: uri}.items()]
         with pytest.raises(ConfigError) as raised:
-            load_preprocess_config(None, overrides)
+            load_config(None, overrides, PreprocessConfig)
         message = str(raised.value)
         assert message.startswith(key) and "holds a user name or password" in message, message
         userinfo = uri.split("://")[1].split("@")[0]
@@ -252,8 +254,8 @@ def test_local_paths_are_made_absolute_for_the_workers_and_the_record(tmp_path, 
     write_parquet_input(tmp_path / "input", files=1)
     shutil.copytree(tiny_model, tmp_path / "model")
     monkeypatch.chdir(tmp_path)
-    relative = load_preprocess_config(
-        None, ["input.paths=input/part-00000.parquet", "output.path=latents", "encode.model=model"]
+    relative = load_config(
+        None, ["input.paths=input/part-00000.parquet", "output.path=latents", "encode.model=model"], PreprocessConfig
     )
     summary = run_preprocess(relative, max_shards=0)  # lists and records, no Ray
     config = summary.manifest["config"]
@@ -261,7 +263,7 @@ def test_local_paths_are_made_absolute_for_the_workers_and_the_record(tmp_path, 
     assert config["output"]["path"] == str(tmp_path / "latents") and config["encode"]["model"] == str(
         tmp_path / "model"
     )
-    hub = with_absolute_paths(load_preprocess_config(None, ["input.paths=x", "output.path=y"]))
+    hub = with_absolute_paths(load_config(None, ["input.paths=x", "output.path=y"], PreprocessConfig))
     assert hub.encode.model == "stabilityai/stable-diffusion-2-base"
 
 

@@ -75,12 +75,12 @@ def _retrain(config: Config) -> list[str]:
 
 def preprocess_main(argv: Sequence[str] | None, default_config: Path) -> int:
     """Run the preprocessing job (images and captions to parquet latents); 0 on success, 2 for bad input."""
-    from sdtrain.preprocess.config import load_preprocess_config, preprocess_help
+    from sdtrain.preprocess.config import PreprocessConfig
 
     parser = argparse.ArgumentParser(
         prog="preprocess.py",
         description="Encode images and captions into the parquet latents training reads (Ray Data).",
-        epilog=preprocess_help(),
+        epilog=help_text(PreprocessConfig),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--config", default=str(default_config), help="YAML config file (default: %(default)s)")
@@ -93,7 +93,7 @@ def preprocess_main(argv: Sequence[str] | None, default_config: Path) -> int:
     try:
         from sdtrain.preprocess.job import run_preprocess
 
-        summary = run_preprocess(load_preprocess_config(args.config, args.overrides), max_shards=args.max_shards)
+        summary = run_preprocess(load_config(args.config, args.overrides, PreprocessConfig), max_shards=args.max_shards)
     except SdtrainError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

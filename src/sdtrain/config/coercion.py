@@ -7,10 +7,11 @@ import dataclasses
 import datetime
 import difflib
 import math
+import sys
 import types
 import typing
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal, Union
+from typing import Any, ClassVar, Literal, TypeVar, Union
 
 from sdtrain.errors import ConfigError
 
@@ -24,6 +25,56 @@ class Section:
 
     def _fail(self, key: str, message: str) -> typing.NoReturn:
         raise ConfigError(f"{self.section}.{key}: {message}")
+
+
+Tree = TypeVar("Tree", bound="ConfigTree")
+
+
+class ConfigTree:
+    """Base of a whole config (training's ``Config``, preprocessing's ``PreprocessConfig``): a dataclass of
+    sections, built from nested plain data (YAML, ``to_dict`` output) by the one grammar every entrypoint shares
+    (:mod:`sdtrain.config.loader`), with errors that name the key."""
+
+    SECTIONS: ClassVar[dict[str, type[Section]]] = {}
+    RENAMED: ClassVar[dict[str, str]] = {}
+    """Old dotted key -> its new name: the old one keeps working for a release, with a one-line notice."""
+
+    @classmethod
+    def from_dict(cls: type[Tree], raw: dict[str, Any]) -> Tree:
+        """Build and validate the tree from nested plain data."""
+        raw = _renamed(cls.RENAMED, {k: dict(v) if isinstance(v, dict) else v for k, v in raw.items()})
+        sections = {}
+        for name, section_cls in cls.SECTIONS.items():
+            value = raw.pop(name, None) or {}
+            if not isinstance(value, dict):
+                raise ConfigError(f"{name}: must be a mapping of keys, got {value!r}")
+            sections[name] = build_section(section_cls, value)
+        if raw:
+            key = next(iter(raw))
+            raise ConfigError(f"{key}: unknown section" + suggest(key, cls.SECTIONS))
+        return cls(**sections)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)  # type: ignore[call-overload]  # every subclass is a dataclass
+
+
+def _renamed(renamed: dict[str, str], raw: dict[str, Any]) -> dict[str, Any]:
+    for old, new in renamed.items():
+        old_section, _, old_key = old.partition(".")
+        section = raw.get(old_section)
+        if not isinstance(section, dict) or old_key not in section:
+            continue
+        new_section, _, new_key = new.partition(".")
+        target = raw.setdefault(new_section, {})
+        if isinstance(target, dict) and new_key in target:
+            raise ConfigError(f"{old}: is the old name of {new}, which is set too; keep {new}")
+        value = section.pop(old_key)
+        if not section:
+            del raw[old_section]
+        raw.setdefault(new_section, {})[new_key] = value
+        notice = f"[sdtrain] {old} is deprecated: it is now {new} (the old name works for one more release)"
+        print(notice, file=sys.stderr)
+    return raw
 
 
 def build_section(cls: type[Section], values: dict[str, Any]) -> Any:

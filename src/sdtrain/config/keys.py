@@ -12,15 +12,14 @@ import typing
 
 import yaml
 
-from sdtrain.config.coercion import type_name
-from sdtrain.config.schema import SECTIONS, Config
+from sdtrain.config.coercion import ConfigTree, type_name
+from sdtrain.config.schema import Config
 
 
-def describe_keys() -> list[tuple[str, str, str, str]]:
-    """(key, type, default, doc) for every config key, in declaration order."""
+def describe_keys(tree: type[ConfigTree] = Config) -> list[tuple[str, str, str, str]]:
+    """(key, type, default, doc) for every key of ``tree``'s sections, in declaration order."""
     rows = []
-    for section in dataclasses.fields(Config):
-        cls = SECTIONS[section.name]
+    for name, cls in tree.SECTIONS.items():
         docs = field_docs(cls)
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
@@ -31,13 +30,13 @@ def describe_keys() -> list[tuple[str, str, str, str]]:
             else:
                 default = None
             shown = yaml.safe_dump(default, default_flow_style=True).strip().removesuffix("\n...")
-            rows.append((f"{section.name}.{f.name}", type_name(hints[f.name]), shown, docs.get(f.name, "")))
+            rows.append((f"{name}.{f.name}", type_name(hints[f.name]), shown, docs.get(f.name, "")))
     return rows
 
 
-def help_text() -> str:
+def help_text(tree: type[ConfigTree] = Config) -> str:
     lines = ["config keys (set in the YAML file, or as key.sub=value on the command line):", ""]
-    for key, shown_type, default, doc in describe_keys():
+    for key, shown_type, default, doc in describe_keys(tree):
         lines.append(f"  {key}  ({shown_type}, default {default})")
         lines.extend("      " + line for line in textwrap.wrap(doc, 88))
     return "\n".join(lines)

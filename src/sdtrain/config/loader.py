@@ -1,19 +1,33 @@
-"""A config from a YAML file plus ``key.sub=value`` overrides."""
+"""Every entrypoint's config: a YAML file plus ``key.sub=value`` overrides, one grammar for all."""
 
 from __future__ import annotations
 
+import dataclasses
 import typing
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from sdtrain.config.coercion import ConfigTree, Tree
 from sdtrain.config.schema import Config
 from sdtrain.errors import ConfigError
 
 
-def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> Config:
-    """Load a YAML config (if given), apply ``key.sub=value`` overrides, and validate."""
+@typing.overload
+def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> Config: ...
+@typing.overload
+def load_config(path: str | Path | None, overrides: typing.Sequence[str], tree: type[Tree]) -> Tree: ...
+def load_config(
+    path: str | Path | None = None, overrides: typing.Sequence[str] = (), tree: type[ConfigTree] = Config
+) -> ConfigTree:
+    """Load a YAML config (if given), apply ``key.sub=value`` overrides, and validate.
+
+    Args:
+        path: the YAML file: a mapping of sections.
+        overrides: ``key.sub=value`` strings (values are YAML), applied in order; ``model.unet.x=1`` nests.
+        tree: the config to build: training's :class:`~sdtrain.config.schema.Config` or preprocessing's.
+    """
     raw: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
@@ -24,11 +38,12 @@ def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] 
         except (yaml.YAMLError, ValueError) as e:  # ValueError: a date-shaped value that is no date
             raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
         if not isinstance(raw, dict):
-            raise ConfigError(f"config file {path} must be a mapping of sections (data:, model:, ...)")
+            sections = ", ".join(f"{name}:" for name in list(tree.SECTIONS)[:2])
+            raise ConfigError(f"config file {path} must be a mapping of sections ({sections} ...)")
     for override in overrides:
         key, sep, text = override.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"override {override!r} must look like key.sub=value, e.g. train.lr=3e-4")
+        if not sep or not key or "." not in key:
+            raise ConfigError(f"override {override!r} must look like key.sub=value, e.g. {_example(tree)}")
         try:
             value = yaml.safe_load(text)
         except (yaml.YAMLError, ValueError):
@@ -41,4 +56,9 @@ def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] 
                 raise ConfigError(f"{key}: {part} is a value, not a section")
             node = child
         node[parts[-1]] = value
-    return Config.from_dict(raw)
+    return tree.from_dict(raw)
+
+
+def _example(tree: type[ConfigTree]) -> str:
+    section, cls = next(iter(tree.SECTIONS.items()))
+    return f"{section}.{dataclasses.fields(cls)[0].name}=..."

@@ -9,12 +9,11 @@ and what is allowed.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import ClassVar
 
-from sdtrain.config.coercion import Section, build_section, suggest
+from sdtrain.config.coercion import ConfigTree, Section
 from sdtrain.config.learning import PRESETS, DataConfig, ModelConfig, TrainConfig
 from sdtrain.config.running import (
     _NO_SECRETS,
@@ -43,7 +42,7 @@ __all__ = [
 
 
 @dataclass
-class Config:
+class Config(ConfigTree):
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -52,6 +51,17 @@ class Config:
     failure: FailureConfig = field(default_factory=FailureConfig)
     storage: StorageConfig = field(default_factory=StorageConfig)
     retrain: RetrainConfig = field(default_factory=RetrainConfig)
+
+    SECTIONS: ClassVar[dict[str, type[Section]]] = {
+        "data": DataConfig,
+        "model": ModelConfig,
+        "train": TrainConfig,
+        "scaling": ScalingConfig,
+        "run": RunConfig,
+        "failure": FailureConfig,
+        "storage": StorageConfig,
+        "retrain": RetrainConfig,
+    }
 
     def __post_init__(self):
         for key, uri in self.storage_uris():
@@ -109,33 +119,5 @@ class Config:
         named += [("retrain.data_root", self.retrain.data_root), ("retrain.models_root", self.retrain.models_root)]
         return [(key, path) for key, path in named if path is not None]
 
-    @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> Config:
-        """Build and validate a Config from nested plain data (YAML, or ``to_dict`` output)."""
-        raw = dict(raw)
-        sections = {}
-        for f in dataclasses.fields(cls):
-            section_cls = SECTIONS[f.name]
-            value = raw.pop(f.name, None) or {}
-            if not isinstance(value, dict):
-                raise ConfigError(f"{f.name}: must be a mapping of keys, got {value!r}")
-            sections[f.name] = build_section(section_cls, value)
-        if raw:
-            key = next(iter(raw))
-            raise ConfigError(f"{key}: unknown section" + suggest(key, [f.name for f in dataclasses.fields(cls)]))
-        return cls(**sections)
 
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-
-SECTIONS: dict[str, type[Section]] = {
-    "data": DataConfig,
-    "model": ModelConfig,
-    "train": TrainConfig,
-    "scaling": ScalingConfig,
-    "run": RunConfig,
-    "failure": FailureConfig,
-    "storage": StorageConfig,
-    "retrain": RetrainConfig,
-}
+SECTIONS = Config.SECTIONS  # for the reference and help (sdtrain.config.keys)

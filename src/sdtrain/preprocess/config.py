@@ -1,17 +1,12 @@
-"""The preprocessing job's configuration: typed sections with one docstring per field, loaded like
-training's (a YAML file plus ``key.sub=value`` overrides, checked before Ray starts)."""
+"""The preprocessing job's configuration: typed sections with one docstring per field, loaded as training's is
+(``sdtrain.config.loader.load_config(path, overrides, PreprocessConfig)``: one grammar), checked before Ray starts."""
 
 from __future__ import annotations
 
-import dataclasses
-import typing
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import ClassVar, Literal
 
-import yaml
-
-from sdtrain.config.coercion import Section, build_section, suggest
+from sdtrain.config.coercion import ConfigTree, Section
 from sdtrain.config.schema import _NO_SECRETS, StorageConfig
 from sdtrain.errors import ConfigError
 from sdtrain.storage.uris import has_userinfo, redact
@@ -133,89 +128,24 @@ class OutputConfig(Section):
 
 
 @dataclass
-class PreprocessConfig:
+class PreprocessConfig(ConfigTree):
     input: InputConfig = field(default_factory=InputConfig)
     image: ImageConfig = field(default_factory=ImageConfig)
     encode: EncodeConfig = field(default_factory=EncodeConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
     storage: StorageConfig = field(default_factory=StorageConfig)
 
+    SECTIONS: ClassVar[dict[str, type[Section]]] = {
+        "input": InputConfig,
+        "image": ImageConfig,
+        "encode": EncodeConfig,
+        "output": OutputConfig,
+        "storage": StorageConfig,  # training's section: the same endpoint and retries for every s3:// path
+    }
+
     def __post_init__(self):
         if not self.input.paths:
             raise ConfigError("input.paths: is required: the parquet files, tar shards or image folder to read")
 
-    @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> PreprocessConfig:
-        raw = dict(raw)
-        sections = {}
-        for f in dataclasses.fields(cls):
-            value = raw.pop(f.name, None) or {}
-            if not isinstance(value, dict):
-                raise ConfigError(f"{f.name}: must be a mapping of keys, got {value!r}")
-            sections[f.name] = build_section(SECTIONS[f.name], value)
-        if raw:
-            key = next(iter(raw))
-            raise ConfigError(f"{key}: unknown section" + suggest(key, SECTIONS))
-        return cls(**sections)
 
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-
-SECTIONS: dict[str, type] = {
-    "input": InputConfig,
-    "image": ImageConfig,
-    "encode": EncodeConfig,
-    "output": OutputConfig,
-    "storage": StorageConfig,  # training's section: the same endpoint and retries for every s3:// path
-}
-
-
-def load_preprocess_config(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> PreprocessConfig:
-    """A YAML file (if given) plus ``key.sub=value`` overrides, validated.
-
-    Args:
-        path: the YAML file.
-        overrides: ``key.sub=value`` strings, applied in order.
-    """
-    raw: dict[str, Any] = {}
-    if path is not None:
-        try:
-            raw = yaml.safe_load(Path(path).read_text()) or {}
-        except OSError as e:
-            raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
-        except (yaml.YAMLError, ValueError) as e:
-            raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
-        if not isinstance(raw, dict):
-            raise ConfigError(f"config file {path} must be a mapping of sections (input:, image:, ...)")
-    for override in overrides:
-        key, sep, text = override.partition("=")
-        if not sep or not key or "." not in key:
-            raise ConfigError(f"override {override!r} must look like section.key=value, e.g. image.resolution=512")
-        try:
-            value = yaml.safe_load(text)
-        except (yaml.YAMLError, ValueError):
-            value = text
-        section, _, name = key.partition(".")
-        node = raw.setdefault(section, {})
-        if not isinstance(node, dict):
-            raise ConfigError(f"{key}: {section} is a value, not a section")
-        node[name] = value
-    return PreprocessConfig.from_dict(raw)
-
-
-def preprocess_help() -> str:
-    """Every key with its type, default and docstring, for ``preprocess.py --help``."""
-    import textwrap
-
-    from sdtrain.config.coercion import type_name
-    from sdtrain.config.keys import field_docs
-
-    lines = ["config keys (set in the YAML file, or as section.key=value on the command line):", ""]
-    for name, cls in SECTIONS.items():
-        docs, hints = field_docs(cls), typing.get_type_hints(cls)
-        for f in dataclasses.fields(cls):
-            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-            lines.append(f"  {name}.{f.name}  ({type_name(hints[f.name])}, default {default!r})")
-            lines.extend("      " + line for line in textwrap.wrap(docs.get(f.name, ""), 88))
-    return "\n".join(lines)
+SECTIONS = PreprocessConfig.SECTIONS
