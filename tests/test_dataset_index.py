@@ -201,3 +201,78 @@ def test_s3_listing_is_paginated_and_records_etags(s3_bucket, tmp_path):
     assert globbed.paths == [f"{s3_bucket}/data/part-{i:03d}.parquet" for i in range(10)]
     assert pa.array(globbed.sizes).to_pylist() == [changed.index.sizes[i] for i in range(10)]
     assert np.all(np.asarray(changed.spec.rows_per_file) == 10)
+
+
+def test_split_keys_cut_the_known_keys_into_whole_pages_over_the_threads():
+    from sdtrain.data.listing import LIST_THREADS, _split_keys
+
+    known = [f"s3://b/data/part-{i:03d}.parquet" for i in range(30)] + ["s3://b/other/x.parquet", "/local/y.parquet"]
+    # 30 keys, pages of 3: 10 pages over at most LIST_THREADS ranges of whole pages.
+    splits = _split_keys(known, "data/", 3)
+    step = 3 * -(-10 // LIST_THREADS)
+    assert splits == [f"data/part-{i:03d}.parquet" for i in range(step - 1, 29, step)]
+    assert _split_keys(known[::-1], "data/", 3) == splits  # in any order
+    assert _split_keys(known, "data/", 30) == []  # one page: listed as one range
+    assert _split_keys([], "data/", 3) == [] and _split_keys(known, "none/", 3) == []
+
+
+@pytest.mark.slow
+def test_s3_listing_in_key_ranges_from_the_index_finds_what_changed(s3_bucket, tmp_path):
+    from sdtrain.data import listing as listing_module
+
+    s3 = boto3.client("s3")
+    bucket = s3_bucket[len("s3://") :]
+    write_latents(tmp_path / "part.parquet", rows=10)
+    _upload_many(s3, bucket, "data", tmp_path / "part.parquet", 30)
+    index_uri = run_index_uri(f"{s3_bucket}/runs/r", "data.train")
+    first = _start_and_write([f"{s3_bucket}/data"], index_uri, page_size=3)
+    old = list(first.index.paths)
+    splits = listing_module._split_keys(old, "data/", 3)
+    assert len(splits) >= 3  # several ranges, each of whole pages
+
+    calls: list[str | None] = []
+    client = listing_module._client()
+    record = lambda params, **_: calls.append(params.get("StartAfter"))  # noqa: E731
+    client.meta.events.register("before-parameter-build.s3.ListObjectsV2", record)
+    try:
+        # Unchanged: the ranges list exactly what one paginated listing does.
+        ranged = list_dataset([f"{s3_bucket}/data"], "data.train", page_size=3, known=old)
+        assert set(splits) <= set(calls)  # each range started after its split key
+        calls.clear()
+        sequential = list_dataset([f"{s3_bucket}/data"], "data.train", page_size=3)
+        assert set(calls) == {None}
+        assert (ranged.paths, list(ranged.sizes), ranged.versions) == (
+            sequential.paths,
+            list(sequential.sizes),
+            sequential.versions,
+        )
+        assert ranged.paths == old
+
+        # Added right after a split key, between two others, before the first and after the last; a split key
+        # and another file deleted; a hidden file: the ranges find the new ones, drop the gone ones, once each.
+        after_split = splits[0].replace(".parquet", "a.parquet")  # the first key of a range
+        before_split = f"data/part-{int(splits[2][len('data/part-') :][:3]) - 1:03d}z.parquet"  # a range's last key
+        added = [after_split, before_split, "data/part-0155.parquet", "data/a.parquet", "data/part-999.parquet"]
+        for key in added:
+            s3.upload_file(str(tmp_path / "part.parquet"), bucket, key)
+        s3.put_object(Bucket=bucket, Key=splits[1].replace("part-", "_tmp-"), Body=b"")
+        gone = [splits[1], "data/part-020.parquet"]
+        for key in gone:
+            s3.delete_object(Bucket=bucket, Key=key)
+        calls.clear()
+        changed = list_dataset([f"{s3_bucket}/data"], "data.train", page_size=3, known=old)
+        assert set(splits) <= set(calls)
+        expected = sorted({*old, *(f"{s3_bucket}/{k}" for k in added)} - {f"{s3_bucket}/{k}" for k in gone})
+        assert changed.paths == expected and len(changed.sizes) == len(changed.versions) == len(expected)
+        assert changed.paths == list_dataset([f"{s3_bucket}/data"], "data.train", page_size=3).paths
+        # Globs list in ranges the same way.
+        globbed = list_dataset([f"{s3_bucket}/data/part-0*.parquet"], "data.train", page_size=3, known=old)
+        assert globbed.paths == [p for p in expected if "/data/part-0" in p]
+
+        # A restart reads the index first and lists in its ranges: only the new files' footers, the gone dropped.
+        restart = _start_and_write([f"{s3_bucket}/data"], index_uri, page_size=3)
+        assert set(splits) <= set(calls)
+        assert (restart.stats.footers_read, restart.stats.dropped) == (len(added), len(gone))
+        assert restart.spec.files == tuple(expected)
+    finally:
+        client.meta.events.unregister("before-parameter-build.s3.ListObjectsV2", record)

@@ -12,10 +12,11 @@ The contract, owned here:
   beside its shards (``<output>/_sdtrain_index.parquet``, paths relative to the directory). Shapes an index
   records are (C, H, W) and (L, D) as checked against a model; a writer that knows no model (the preprocessing
   job) records the values per row as a 1-tuple. For variable-size lists only their product is used.
-- **A start** (:func:`index_dataset`): list; read the run's index (one GET), else an index found beside the
-  data; take each listed file's rows from it when its size and version are unchanged; read the footers of the
-  others (new or rewritten; bounded parallelism); drop files gone; check the columns and shapes against the
-  model from the recorded schema, without I/O. The first row is read (the finiteness check) only on a start that
+- **A start** (:func:`index_dataset`): read the run's index (one GET); list (on S3, key ranges cut at the
+  index's paths, listed concurrently); use the run's index, else an index found beside the data: take each listed
+  file's rows from it when its size and version are unchanged; read the footers of the others (new or rewritten;
+  bounded parallelism); drop files gone; check the columns and shapes against the model from the recorded
+  schema, without I/O. The first row is read (the finiteness check) only on a start that
   read footers (of the first of them with rows) or that has no index of its own yet.
 """
 
@@ -219,8 +220,8 @@ def index_dataset(
     """The files ``specs`` name, their rows and shapes checked against the model, from the index at
     ``index_uri`` (the run's) or one beside the data where it has them, else from the footers. Writes nothing:
     :func:`write_index` the result's ``index`` to ``index_uri`` when ``stale``."""
-    listing = list_dataset(specs, key, page_size)
     own = read_index(index_uri) if index_uri else None
+    listing = list_dataset(specs, key, page_size, own.paths if own is not None else None)
     columns = (image_column, caption_column)
     reference: DatasetIndex | None = None
 
