@@ -227,6 +227,95 @@ def test_a_rerun_with_settings_that_change_the_shards_is_refused(tmp_path, tiny_
     assert again.shards_done_before == 0 and again.shards_total == 6
 
 
+def _mark_done(output: Path, shard) -> None:
+    """What the job writes once a shard is done (its record); its rows are not needed by the listing."""
+    from sdtrain.preprocess.outputs import write_shard
+
+    stats = {
+        "shard": shard.name,
+        "source": shard.source,
+        "identity": getattr(shard, "identity", None),
+        "inputs_read": 0,
+    }
+    write_shard(str(output), shard.name, None, {**stats, "rows_written": 0, "skipped": {}}, 4)
+
+
+def test_inputs_with_the_same_file_names_never_share_a_shard_and_a_rewritten_one_is_refused(tmp_path, tiny_model):
+    """img2dataset names every day's files 00000.parquet: a second day into the same output is new shards, not
+    'done'; a file rewritten in place after its shards were done is refused, naming the shard and both sources."""
+    from sdtrain.preprocess.job import run_preprocess
+    from sdtrain.preprocess.sources import list_shards
+
+    write_parquet_input(tmp_path / "day1", files=1)
+    write_parquet_input(tmp_path / "day2", files=1)  # the same file name, part-00000.parquet
+    day1 = config_for(tmp_path, tiny_model, "input.rows_per_shard=3", source=tmp_path / "day1")
+    day2 = config_for(tmp_path, tiny_model, "input.rows_per_shard=3", source=tmp_path / "day2")
+    for shard in list_shards(day1.input):
+        _mark_done(tmp_path / "latents", shard)
+    again = run_preprocess(day1, max_shards=0)  # lists and records, no Ray
+    assert (again.shards_total, again.shards_done_before) == (6, 6)
+    second = run_preprocess(day2, max_shards=0)
+    assert (second.shards_total, second.shards_done_before) == (6, 0)  # none of day 2 is taken for done
+    both = load_config(
+        None, [*_overrides(day1), f"input.paths=[{tmp_path / 'day1'},{tmp_path / 'day2'}]"], PreprocessConfig
+    )
+    assert len({s.name for s in list_shards(both.input)}) == 12  # one run over both days: no collision either
+
+    rows = all_rows()[:-2]
+    pq.write_table(pa.table({"jpg": [r[0] for r in rows], "caption": [r[1] for r in rows]}), tmp_path / "day1" / "x")
+    os.replace(tmp_path / "day1" / "x", tmp_path / "day1" / "part-00000.parquet")  # rewritten in place, 2 rows less
+    with pytest.raises(DataError) as refused:
+        run_preprocess(day1, max_shards=0)
+    message = str(refused.value)
+    first = sorted(s.name for s in list_shards(day1.input))[0]
+    assert message.startswith(f"input.paths: shard {first} was made from {tmp_path / 'day1' / 'part-00000.parquet'}")
+    assert "the input now is" in message and "delete" in message and "another output.path" in message
+    sizes = [part for part in message.split("size ")[1:]]
+    assert len(sizes) == 2 and sizes[0].split(",")[0] != sizes[1].split(",")[0]  # the recorded size, the new one
+
+
+def _overrides(config) -> list[str]:
+    return [
+        f"output.path={config.output.path}",
+        f"encode.model={config.encode.model}",
+        f"input.rows_per_shard={config.input.rows_per_shard}",
+    ]
+
+
+def test_an_image_added_to_a_folder_never_moves_a_row_of_a_done_shard(tmp_path, tiny_model):
+    """A folder cut by position in its sorted listing: a file added later shifted rows between done shards (one
+    never encoded, another twice). Done shards keep their keys; the new image goes to a new shard."""
+    from sdtrain.preprocess.job import run_preprocess
+    from sdtrain.preprocess.sources import list_shards
+
+    write_folder_input(tmp_path / "images")
+    config = config_for(
+        tmp_path,
+        tiny_model,
+        "input.caption_column=text",
+        "input.rows_per_shard=3",
+        fmt="folder",
+        source=tmp_path / "images",
+    )
+    before = list_shards(config.input)
+    for shard in before[:2]:
+        _mark_done(tmp_path / "latents", shard)
+    (tmp_path / "images" / "0000.jpg").write_bytes((tmp_path / "images" / "001.jpg").read_bytes())  # sorts 2nd
+    summary = run_preprocess(config, max_shards=0)
+    assert summary.shards_done_before == 2
+    from sdtrain.preprocess.outputs import read_shard_stats
+
+    done = {r["shard"]: r for r in read_shard_stats(str(tmp_path / "latents"))}
+    after = list_shards(config.input, done)
+    assert [(s.name, s.identity["keys"]) for s in after[:2]] == [(s.name, s.identity["keys"]) for s in before[:2]]
+    pending = [key for s in after if s.name not in done for key, _ in s.rows]
+    held = [key for s in after[:2] for key in s.identity["keys"]]
+    every = sorted(key for s in before for key, _ in s.rows) + ["0000.jpg"]
+    assert sorted(held + pending) == sorted(every)  # each key once: none lost, none twice
+    assert "0000.jpg" in pending and not set(held) & set(pending)
+    assert list_shards(config.input, done) == after  # a re-run cuts the pending keys the same way
+
+
 def test_the_command_line_lists_every_key_and_fails_bad_input_in_one_line(tmp_path):
     command = [sys.executable, str(ROOT / "entrypoints" / "preprocess.py")]
     shown = subprocess.run([*command, "--help"], capture_output=True, text=True, timeout=120)
@@ -343,6 +432,16 @@ def test_parquet_input_interrupted_and_resumed(tmp_path, tiny_model, ray_cluster
     third = run_preprocess(config)  # everything done: nothing is read or written
     assert third.shards_written == [] and _written(output) == after
 
+    # Another day whose files have the same names (img2dataset's), into the same output: new shards, every row
+    # written (it used to be taken as done by name, a whole day lost), the first day's files left alone.
+    write_parquet_input(tmp_path / "day2", files=3)
+    day2 = run_preprocess(config_for(tmp_path, tiny_model, "input.rows_per_shard=3", source=tmp_path / "day2"))
+    assert (len(day2.shards_written), day2.shards_done_before, day2.shards_failed) == (6, 0, {})
+    assert _written(output).items() >= after.items()
+    table = pa.concat_tables(pq.read_table(f) for f in sorted(output.glob(SHARD_FILES)))
+    assert sorted(table.column("caption").to_pylist()) == sorted(kept * 2)
+    assert json.loads((output / "manifest.json").read_text())["rows_written"] == 2 * len(kept)
+
 
 def write_webdataset_input(directory: Path, per_tar: int = 6) -> list[tuple[bytes | None, str | None, str | None]]:
     """img2dataset's tar layout (<key>.jpg + <key>.txt, or <key>.json with a caption field); the last tar is cut
@@ -400,20 +499,21 @@ def test_webdataset_tars_and_an_image_folder(tmp_path, tiny_model, ray_cluster):
     rows = write_webdataset_input(tmp_path / "tars")
     config = config_for(tmp_path / "wds", tiny_model, fmt="webdataset", source=tmp_path / "tars")
     summary = run_preprocess(config)
-    assert list(summary.shards_failed) == ["99999"]  # the cut tar fails alone, and is not marked done
-    assert "ReadError" in summary.shards_failed["99999"] or "EOF" in summary.shards_failed["99999"]
+    [cut] = summary.shards_failed  # the cut tar fails alone, and is not marked done
+    assert cut.startswith("99999-")  # the tar's name, then a digest of its path
+    assert "ReadError" in summary.shards_failed[cut] or "EOF" in summary.shards_failed[cut]
     manifest = summary.manifest
     assert manifest["inputs_read"] == len(rows) and manifest["skipped_by_reason"] == _skips(rows)
     output = tmp_path / "wds" / "latents"
     files = sorted(output.glob(SHARD_FILES))
     captions = sorted(c for f in files for c in pq.read_table(f).column("caption").to_pylist())
     assert captions == sorted(c.strip() for _, c, reason in rows if reason is None)
-    assert not (output / "_shards" / "99999.json").exists()
+    assert not (output / "_shards" / f"{cut}.json").exists()
     (tmp_path / "tars" / "99999.tar").unlink()  # the upload is redone whole...
     (tmp_path / "tars" / "00000.tar").rename(tmp_path / "tars" / "99999.tar")
     # ...and a re-run does that shard only (00000 stays done: its file is not rewritten).
     again = run_preprocess(config)
-    assert again.shards_written == ["99999"] and again.shards_failed == {}
+    assert again.shards_written == [cut] and again.shards_failed == {}
 
     rows = write_folder_input(tmp_path / "images")
     config = config_for(
@@ -523,8 +623,8 @@ def test_inputs_model_and_output_on_s3_resumed_and_trained_on(tmp_path, tiny_mod
         tmp_path, tiny_model, f"output.path={s3_bucket}/latents/wds", fmt="webdataset", source=f"{s3_bucket}/in/tars"
     )
     summary = run_preprocess(config)
-    assert list(summary.shards_failed) == ["99999"]
-    assert "_shards/99999.json" not in _keys(s3, "latents/wds/")
+    [cut] = summary.shards_failed
+    assert cut.startswith("99999-") and f"_shards/{cut}.json" not in _keys(s3, "latents/wds/")
     assert summary.manifest["inputs_read"] == len(tar_rows) and summary.manifest["skipped_by_reason"] == _skips(
         tar_rows
     )

@@ -4,7 +4,9 @@ A Ray Data pipeline over the shards not yet done: a CPU stage (one task per shar
 convert to RGB, resize and center-crop, skip and count bad rows) feeds an actor pool that runs the
 VAE and the text encoder (GPU actors where the cluster has GPUs). The driver gathers each shard's
 rows and writes its file whole once the shard's last row is in, so an interrupted job loses at
-most the shards in flight, and a re-run does only the shards without a file.
+most the shards in flight, and a re-run does only the shards without a file. A done shard is
+matched by its source (sdtrain.preprocess.sources), not its name alone: one whose source changed
+is refused, naming both.
 """
 
 from __future__ import annotations
@@ -33,14 +35,13 @@ from sdtrain.preprocess.outputs import (
     UNCONDITIONAL_FILE,
     VAE_KEY,
     check_settings,
-    done_shards,
     join,
     read_shard_stats,
     shard_table,
     summarize,
     write_shard,
 )
-from sdtrain.preprocess.sources import Shard, list_shards, read_shard
+from sdtrain.preprocess.sources import Shard, changed_source, list_shards, read_shard
 from sdtrain.storage.filesystems import write_bytes
 from sdtrain.storage.s3 import S3Settings, apply_s3_settings, configure_s3, resolved_s3_settings
 from sdtrain.storage.uris import absolute, is_uri
@@ -71,12 +72,13 @@ def run_preprocess(config: PreprocessConfig, max_shards: int | None = None) -> P
     started = time.perf_counter()
     config = with_absolute_paths(config)
     configure_s3(config.storage.endpoint_url, config.storage.max_attempts)
-    shards = list_shards(config.input)
-    done = done_shards(config.output.path)
+    done = {record["shard"]: record for record in read_shard_stats(config.output.path)}
+    shards = list_shards(config.input, done)
     pending = [s for s in shards if s.name not in done][:max_shards]
     summary = PreprocessSummary(len(shards), len(shards) - len([s for s in shards if s.name not in done]))
     settings = config.to_dict()
     check_settings(config.output.path, {k: settings[k.split(".")[0]][k.split(".")[1]] for k in RESUME_KEYS})
+    check_sources(config.output.path, shards, done)
     scaling_factor = _scaling_factor(config.encode.model)
     _write_unconditional(config)
     if pending:
@@ -111,6 +113,28 @@ def run_preprocess(config: PreprocessConfig, max_shards: int | None = None) -> P
             print(f"[sdtrain] no dataset index written beside the shards: {e}", flush=True)
     summary.seconds = time.perf_counter() - started
     return summary
+
+
+def check_sources(output: str, shards: list[Shard], done: dict[str, dict[str, Any]]) -> None:
+    """Refuse to resume an output whose done shards were made from other sources than the input's shards of the
+    same name (a file rewritten in place: skipping its shard would lose its new rows, redoing it could leave rows of
+    its old ones in other shards), or that records no sources at all (written by an earlier sdtrain, whose shard
+    names held the input's file name only: two inputs' 00000.parquet shared one)."""
+    unrecorded = sorted(name for name, record in done.items() if "identity" not in record)
+    if unrecorded:
+        raise DataError(
+            f"output.path: {output} holds shards that record no source (_shards/{unrecorded[0]}.json and "
+            f"{len(unrecorded) - 1} more: written by an earlier sdtrain, which named shards by file name alone); "
+            "resuming it could skip new inputs or write rows twice: write to a new output.path"
+        )
+    for shard in shards:
+        why = changed_source(shard, done[shard.name]) if shard.name in done else None
+        if why:
+            raise DataError(
+                f"input.paths: {why}: resumed by name, its new rows would be lost or rows written twice; write to "
+                f"another output.path, or delete {join(output, '_shards', shard.name + '.json')} and "
+                f"{shard.name}.parquet beside it to redo the shard"
+            )
 
 
 def with_absolute_paths(config: PreprocessConfig) -> PreprocessConfig:
@@ -256,7 +280,13 @@ class _Prepare:
             yield from self._shard(self.shards[int(index)])
 
     def _shard(self, shard: Shard) -> Iterator[dict[str, np.ndarray]]:
-        stats: dict[str, Any] = {"shard": shard.name, "source": shard.source, "inputs_read": 0, "rows_written": 0}
+        stats: dict[str, Any] = {
+            "shard": shard.name,
+            "source": shard.source,
+            "identity": shard.identity,
+            "inputs_read": 0,
+            "rows_written": 0,
+        }
         skipped: dict[str, int] = {}
         pending: list[tuple[int, str, np.ndarray, str]] = []
         try:

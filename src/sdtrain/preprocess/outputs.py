@@ -3,7 +3,8 @@
 ::
 
     <output.path>/<shard>.parquet            one file per input shard: latents, caption embeddings, caption, key
-    <output.path>/_shards/<shard>.json       that shard's counts, written after its parquet: the shard is done
+    <output.path>/_shards/<shard>.json       that shard's counts and source, written after its parquet: the shard
+                                             is done
     <output.path>/unconditional_caption.npy  the text encoder's embedding of "" (L x D): data.unconditional_caption
     <output.path>/manifest.json              totals: inputs read, rows written, rows skipped by reason
     <output.path>/_settings.json             the settings every run into this directory must share (RESUME_KEYS)
@@ -97,13 +98,6 @@ def check_settings(output: str, settings: dict[str, Any]) -> None:
             )
 
 
-def done_shards(output: str) -> set[str]:
-    """Names of the shards whose output is complete (their _shards/<name>.json exists)."""
-    fs, path = filesystem_for(join(output, SHARDS_DIR))
-    infos = fs.get_file_info(pafs.FileSelector(path, allow_not_found=True))
-    return {posixpath.basename(i.path)[: -len(".json")] for i in infos if i.path.endswith(".json")}
-
-
 def shard_table(
     rows: list[dict[str, Any]], image_column: str, caption_column: str, metadata: dict[str, str]
 ) -> pa.Table:
@@ -150,6 +144,7 @@ def write_shard(output: str, name: str, table: pa.Table | None, stats: dict[str,
 
 
 def read_shard_stats(output: str) -> list[dict[str, Any]]:
+    """The records of the done shards (their _shards/<name>.json: counts, and the source they were made from)."""
     fs, path = filesystem_for(join(output, SHARDS_DIR))
     stats = []
     for info in sorted(fs.get_file_info(pafs.FileSelector(path, allow_not_found=True)), key=lambda i: i.path):

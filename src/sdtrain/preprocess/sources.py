@@ -1,6 +1,13 @@
 """The inputs as shards: img2dataset-style parquet, WebDataset tars, or a folder of images with a
 captions file. Each shard becomes one output file, so a shard is also the unit of resuming.
 
+A shard's identity is its source, never its file name alone: its name holds a digest of the input file's (or
+folder's) path, so two inputs with the same file names (img2dataset's 00000.parquet of two days) never share an
+output name, and its ``identity`` (recorded in its _shards/<name>.json) holds the file's size and version (ETag
+or modification time) and its rows, or for a folder the image keys it holds. A folder is cut by key content:
+keys a done shard of the folder holds are never cut again, and the others are cut into new shards named by a
+digest of their keys, so an image added later never moves a row of a done shard.
+
 Listing runs on the driver and checks what it can before any worker starts (a missing column, an
 unreadable captions file); reading a shard runs in Ray Data tasks and never raises on bad rows.
 """
@@ -8,18 +15,20 @@ unreadable captions file); reading a shard runs in Ray Data tasks and never rais
 from __future__ import annotations
 
 import csv
+import hashlib
 import io
 import json
 import os
 import posixpath
 import tarfile
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from sdtrain.data.parquet_files import resolve_parquet_files
+from sdtrain.data.dataset_index import list_dataset
 from sdtrain.errors import ConfigError, DataError
 from sdtrain.preprocess.config import InputConfig
 from sdtrain.storage.filesystems import filesystem_for
@@ -38,6 +47,9 @@ class Shard:
     stop: int = -1
     rows: tuple[tuple[str, str | None], ...] = ()
     """folder: (image file, caption or None) of each row."""
+    identity: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+    """What the shard was made from, recorded with it: {path, size, version, rows} of a parquet file's rows,
+    {path, size, version} of a tar, {path, keys} of a folder's shard."""
 
 
 @dataclass
@@ -47,22 +59,58 @@ class Row:
     caption: object
 
 
-def list_shards(config: InputConfig) -> list[Shard]:
-    """Every shard of the input, in a stable order; ConfigError/DataError naming the path if it is unusable."""
+def list_shards(config: InputConfig, done: Mapping[str, Mapping[str, Any]] | None = None) -> list[Shard]:
+    """Every shard of the input, in a stable order; ConfigError/DataError naming the path if it is unusable.
+
+    Args:
+        config: the input section.
+        done: the records (_shards/<name>.json) of the shards the output holds, by name: a folder's done shards
+            are listed as they were cut (their keys are not cut again). Files' shards do not depend on them.
+    """
     if config.format == "parquet":
         shards = _parquet_shards(config)
     elif config.format == "webdataset":
-        shards = [Shard(_stem(tar), tar) for tar in _expand(config.paths, (".tar",), "input.paths")]
+        shards = [
+            Shard(f"{_stem(tar)}-{source_digest(tar)}", tar, identity={"path": tar, "size": size, "version": version})
+            for tar, size, version in _expand(config.paths, (".tar",), "input.paths")
+        ]
     else:
-        shards = _folder_shards(config)
-    seen: dict[str, str] = {}
-    for shard in shards:
-        if seen.setdefault(shard.name, shard.source) != shard.source:
+        shards = _folder_shards(config, done or {})
+    unique: dict[str, Shard] = {}
+    for shard in shards:  # a file named twice (a directory and a file in it) is one input
+        if unique.setdefault(shard.name, shard).identity != shard.identity:
             raise ConfigError(
-                f"input.paths: {seen[shard.name]} and {shard.source} would both write {shard.name}.parquet; "
-                "rename one of them or preprocess them into different output.path directories"
+                f"input.paths: {unique[shard.name].source} and {shard.source} would both write {shard.name}.parquet; "
+                "preprocess them into different output.path directories"
             )
-    return shards
+    return list(unique.values())
+
+
+def source_digest(path: str) -> str:
+    """A digest of an input's path or URI (10 hex): part of its shards' names, so inputs never share one."""
+    return hashlib.sha256(path.rstrip("/").encode()).hexdigest()[:10]
+
+
+def changed_source(shard: Shard, record: Mapping[str, Any]) -> str | None:
+    """Why a done shard's record does not match the shard as listed now (None if it does): the file was rewritten
+    (size or version), or its rows are others."""
+    recorded = record.get("identity")
+    if recorded == shard.identity:
+        return None
+    return (
+        f"shard {shard.name} was made from {_describe(recorded)}, the input now is {_describe(shard.identity)}"
+        if recorded
+        else f"shard {shard.name} records no source (written by an earlier sdtrain)"
+    )
+
+
+def _describe(identity: Mapping[str, Any] | None) -> str:
+    if not identity:
+        return "an unrecorded source"
+    text = f"{identity.get('path')} (size {identity.get('size')}, version {identity.get('version')!r}"
+    if "rows" in identity:
+        text += f", rows {identity['rows'][0]}..{identity['rows'][1]}"
+    return text + ")"
 
 
 def read_shard(shard: Shard, config: InputConfig) -> Iterator[Row]:
@@ -79,18 +127,21 @@ def _stem(path: str) -> str:
     return posixpath.basename(path.rstrip("/")).split(".")[0] or "shard"
 
 
-def _expand(paths: list[str], suffixes: tuple[str, ...], key: str) -> list[str]:
-    found: list[str] = []
+def _expand(paths: list[str], suffixes: tuple[str, ...], key: str) -> list[tuple[str, int, str]]:
+    """(file, size, version = modification time in ns) of every file with one of ``suffixes`` the paths name."""
+    found: list[tuple[str, int, str]] = []
     for spec in paths:
         fs, path = filesystem_for(spec)
         info = fs.get_file_info(path)
         if info.type == pafs.FileType.File:
-            found.append(spec)
+            found.append((spec, info.size, str(info.mtime_ns)))
         elif info.type == pafs.FileType.Directory:
             prefix = uri_prefix(spec)
             infos = fs.get_file_info(pafs.FileSelector(path, recursive=True))
             found += sorted(
-                prefix + i.path for i in infos if i.type == pafs.FileType.File and i.path.lower().endswith(suffixes)
+                (prefix + i.path, i.size, str(i.mtime_ns))
+                for i in infos
+                if i.type == pafs.FileType.File and i.path.lower().endswith(suffixes)
             )
         else:
             raise DataError(f"{key}: {spec} does not exist")
@@ -105,7 +156,8 @@ def _ranges(total: int, size: int) -> list[tuple[int, int]]:
 
 def _parquet_shards(config: InputConfig) -> list[Shard]:
     shards = []
-    for file in resolve_parquet_files(config.paths, "input.paths"):
+    listing = list_dataset(config.paths, "input.paths")  # sizes and versions (ETag or mtime) with the files
+    for file, size, version in zip(listing.paths, listing.sizes, listing.versions, strict=True):
         fs, path = filesystem_for(file)
         try:
             metadata = pq.read_metadata(path, filesystem=fs)
@@ -121,8 +173,15 @@ def _parquet_shards(config: InputConfig) -> list[Shard]:
                     f"{key}: {file} has no column {column!r}; its columns are {', '.join(names)}. Set {key} to the "
                     "column that holds the " + ("image bytes" if key == "input.image_column" else "captions")
                 )
+        stem = f"{_stem(file)}-{source_digest(file)}"
         shards += [
-            Shard(f"{_stem(file)}-{start:08d}", file, start, stop)
+            Shard(
+                f"{stem}-{start:08d}",
+                file,
+                start,
+                stop,
+                identity={"path": file, "size": size, "version": version, "rows": [start, stop]},
+            )
             for start, stop in _ranges(metadata.num_rows, config.rows_per_shard)
         ]
     return shards
@@ -182,7 +241,7 @@ def _tar_row(key: str, parts: dict[str, bytes], config: InputConfig) -> Row:
     return Row(key, image, caption)
 
 
-def _folder_shards(config: InputConfig) -> list[Shard]:
+def _folder_shards(config: InputConfig, done: Mapping[str, Mapping[str, Any]]) -> list[Shard]:
     (folder,) = config.paths
     fs, root = filesystem_for(folder)
     if fs.get_file_info(root).type != pafs.FileType.Directory:
@@ -198,13 +257,24 @@ def _folder_shards(config: InputConfig) -> list[Shard]:
     # Every image and every caption entry is a row: an image without a caption, or a caption whose image is
     # absent, is skipped and counted rather than silently dropped.
     names = images + sorted(set(captions) - set(images))
-    rows = tuple((name, captions.get(name)) for name in names)
-    if not rows:
+    if not names:
         raise DataError(
             f"input.paths: {folder} holds no images ({', '.join(IMAGE_EXTENSIONS)}) and {captions_file} none"
         )
-    stem = _stem(folder)
-    return [Shard(f"{stem}-{a:08d}", folder, a, b, rows[a:b]) for a, b in _ranges(len(rows), config.rows_per_shard)]
+    # The folder's done shards as they were cut; the keys none of them holds, cut anew in key order.
+    stem = f"{_stem(folder)}-{source_digest(folder)}"
+    shards = [
+        Shard(name, folder, identity=dict(record["identity"]))
+        for name, record in sorted(done.items())
+        if name.startswith(stem + "-") and (record.get("identity") or {}).get("path") == folder
+    ]
+    taken = {key for shard in shards for key in shard.identity["keys"]}
+    rows = [(name, captions.get(name)) for name in names if name not in taken]
+    for a, b in _ranges(len(rows), config.rows_per_shard):
+        keys = [name for name, _ in rows[a:b]]
+        digest = hashlib.sha256("\n".join(keys).encode()).hexdigest()[:12]
+        shards.append(Shard(f"{stem}-{digest}", folder, rows=tuple(rows[a:b]), identity={"path": folder, "keys": keys}))
+    return shards
 
 
 def _read_captions_file(path: str, config: InputConfig) -> dict[str, str | None]:
