@@ -260,7 +260,7 @@ def test_a_hung_worker_is_ended_by_the_stall_watchdog_and_the_run_restarts(ray_c
         "scaling.cpus_per_worker=1",  # every CPU of the cluster: the reads take none of their own
         "run.stall_timeout_s=20",
         # The survivor may wait in a checkpoint's barrier, a slow phase: bounded above a busy machine's start-up.
-        "run.slow_phase_timeout_s=60",
+        "run.slow_phase_timeout_s=30",
         "failure.max_failures=1",
     )
     stopper, stopped = _signal_a_worker_after_the_first_checkpoint(run_dir, signal.SIGSTOP)
