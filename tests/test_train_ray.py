@@ -281,7 +281,7 @@ def test_a_hung_worker_is_ended_by_the_stall_watchdog_and_the_run_restarts(ray_c
         r"rank \d stalled: no optimizer step for \d+ s since step (\d+), .*?; it has been (.*?) for \d+ s\.",
         output.out + output.err,
     ) or re.search(
-        r"rank \d stalled: it has been (reporting a checkpoint.*?) for \d+ s \(run\.slow_phase_timeout_s=60; "
+        r"rank \d stalled: it has been (reporting a checkpoint.*?) for \d+ s \(run\.slow_phase_timeout_s=30; "
         r"last optimizer step: step (\d+)\)",
         output.out + output.err,
     )
