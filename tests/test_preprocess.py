@@ -273,6 +273,12 @@ def test_inputs_with_the_same_file_names_never_share_a_shard_and_a_rewritten_one
     sizes = [part for part in message.split("size ")[1:]]
     assert len(sizes) == 2 and sizes[0].split(",")[0] != sizes[1].split(",")[0]  # the recorded size, the new one
 
+    # An output written before shards recorded their source (named by file name alone) is not resumed by name.
+    marker = tmp_path / "latents" / "_shards" / f"{first}.json"
+    marker.write_text(json.dumps({k: v for k, v in json.loads(marker.read_text()).items() if k != "identity"}))
+    with pytest.raises(DataError, match=rf"output.path: .* record no source \(_shards/{first}.json: written by an"):
+        run_preprocess(day2, max_shards=0)
+
 
 def _overrides(config) -> list[str]:
     return [

@@ -123,8 +123,9 @@ def check_sources(output: str, shards: list[Shard], done: dict[str, dict[str, An
     unrecorded = sorted(name for name, record in done.items() if "identity" not in record)
     if unrecorded:
         raise DataError(
-            f"output.path: {output} holds shards that record no source (_shards/{unrecorded[0]}.json and "
-            f"{len(unrecorded) - 1} more: written by an earlier sdtrain, which named shards by file name alone); "
+            f"output.path: {output} holds shards that record no source (_shards/{unrecorded[0]}.json"
+            + (f" and {len(unrecorded) - 1} more" if len(unrecorded) > 1 else "")
+            + ": written by an earlier sdtrain, which named shards by file name alone); "
             "resuming it could skip new inputs or write rows twice: write to a new output.path"
         )
     for shard in shards:
