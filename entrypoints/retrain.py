@@ -3,11 +3,15 @@ model, warm-started from it, and promote the result only if it is at least as go
 
     python entrypoints/retrain.py --config configs/retrain.yaml retrain.date=2026-11-22
     anyscale schedule apply -f schedule.yaml      # runs this daily on Anyscale
+    python entrypoints/retrain.py --rollback [vNNNN] [--reason TEXT] retrain.models_root=...
 Running twice for the same date does not train twice. Without retrain.date, the retries of an Anyscale
 job keep its first attempt's date. One run at a time: a run that finds <models_root>/retrain.lock held
-exits 2 at once (docs/retraining.md). Every config key: --help
+exits 2 at once (docs/retraining.md). --rollback moves production back (default: to the latest other
+version it named and was not rolled back from) under the same lock, recorded in the pointer log, so
+no later run promotes the version rolled back from again. Every config key: --help
 """
 
+import argparse
 import os
 import sys
 from pathlib import Path
@@ -21,5 +25,31 @@ from sdtrain.cli import retrain_main
 
 RETRAIN_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "retrain.yaml"
 
+
+def rollback_main(argv: list[str]) -> int:
+    from sdtrain.config.loader import load_config
+    from sdtrain.errors import SdtrainError
+    from sdtrain.retrain import rollback
+
+    parser = argparse.ArgumentParser(prog="retrain.py --rollback", description="Move production back, logged.")
+    parser.add_argument("--rollback", nargs="?", const="", metavar="vNNNN", help="the version to go back to")
+    parser.add_argument("--reason", default="", help="why (recorded in the pointer log)")
+    parser.add_argument("--config", default=str(RETRAIN_CONFIG), help="YAML config file (default: %(default)s)")
+    parser.add_argument("overrides", nargs="*", metavar="key.sub=value", help="override a config key")
+    args = parser.parse_args(argv)
+    if args.rollback and "=" in args.rollback:  # `--rollback key=value`: no version named, an override
+        args.overrides.insert(0, args.rollback)
+        args.rollback = None
+    try:
+        source, target = rollback(load_config(args.config, args.overrides), args.rollback or None, args.reason)
+    except SdtrainError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"[sdtrain] rolled back: production now names {target}, not {source} (recorded in the pointer log)")
+    return 0
+
+
 if __name__ == "__main__":
+    if any(a == "--rollback" or a.startswith("--rollback=") for a in sys.argv[1:]):
+        sys.exit(rollback_main(sys.argv[1:]))
     sys.exit(retrain_main(sys.argv[1:], default_config=RETRAIN_CONFIG))

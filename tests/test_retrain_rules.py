@@ -14,7 +14,7 @@ from diffusers import DDPMScheduler, UNet2DConditionModel
 from sdtrain.artifacts.registry import ModelRegistry
 from sdtrain.config.loader import load_config
 from sdtrain.model.presets import PRESETS
-from sdtrain.retrain import JOB_ID_VAR, _decide, retrain, schedule_date_for
+from sdtrain.retrain import JOB_ID_VAR, _best_served, _decide, retrain, schedule_date_for
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -31,7 +31,8 @@ def test_the_gate_holds_against_production_and_the_best_model_ever_promoted():
     promote, reason = _decide(1.09, 1.04, "v0003", ("v0001", 1.0), 0.05)
     assert promote is False
     assert (
-        reason == "val_loss 1.09000 <= v0003's 1.04000 and > v0001's 1.00000 x (1 + 0.05) (v0001 is the best promoted)"
+        reason
+        == "val_loss 1.09000 <= v0003's 1.04000 and > v0001's 1.00000 x (1 + 0.05) (v0001 is the best that served)"
     )
 
 
@@ -158,3 +159,115 @@ def test_the_schedule_date_comes_from_the_config_else_the_jobs_first_attempt_els
     date, source = schedule_date_for(load_config(None, roots), registry)
     assert date in (today, today + datetime.timedelta(days=1))  # the test may straddle midnight
     assert source == "today (UTC): retrain.date is not set and ANYSCALE_PRODJOB_ID is not either, so nothing pins it"
+
+
+def _rules_config(tmp_path, *overrides):
+    root = tmp_path / "daily"
+    (root / "date=2026-11-01").mkdir(parents=True, exist_ok=True)
+    (tmp_path / "val").mkdir(exist_ok=True)
+    return load_config(
+        None,
+        [
+            f"retrain.data_root={root}",
+            f"retrain.models_root={tmp_path}/models",
+            f"data.val={tmp_path}/val",
+            f"run.storage_path={tmp_path}/runs",
+            *overrides,
+        ],
+    )
+
+
+def _version(registry, day, parent, loss, promoted=True, val=None, seed=0):
+    manifest = {
+        "schedule_date": day,
+        "parent": parent,
+        "promoted": promoted,
+        "reason": "test",
+        "metrics": {"val_loss": loss},
+        "config": {"data": {"val": val}, "train": {"seed": seed}},
+    }
+    torch.manual_seed(0)
+    return registry.write_version(UNet2DConditionModel(**PRESETS["tiny"]), DDPMScheduler(), manifest)
+
+
+def test_a_rerun_of_a_date_does_not_undo_a_rollback_made_with_the_logged_command(tmp_path):
+    config = _rules_config(tmp_path)
+    models = tmp_path / "models"
+    registry = ModelRegistry(str(models))
+    val = config.data.val
+    registry.set_production(_version(registry, "2026-11-01", None, 0.3, val=val), expected=None, kind="promote")
+    registry.set_production(_version(registry, "2026-11-02", "v0001", 0.2, val=val), expected="v0001", kind="promote")
+    # v0002 misbehaves in serving: rolled back with the documented command, which records why.
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "entrypoints" / "retrain.py"),
+            "--rollback",
+            "--reason",
+            "blurry samples",
+            f"retrain.models_root={models}",
+            f"retrain.data_root={tmp_path}/daily",
+            f"data.val={val}",
+        ],
+        env={**os.environ, "PYTHONPATH": str(REPO / "src")},
+        capture_output=True,
+        text=True,
+        timeout=170,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "production now names v0001, not v0002" in result.stdout
+    assert registry.production() == "v0001" and not (models / "retrain.lock").exists()
+    last = registry.pointer_log()[-1]
+    assert (last["from"], last["to"], last["kind"], last["reason"]) == ("v0002", "v0001", "rollback", "blurry samples")
+
+    # The re-run of 2026-11-02 finds v0002 promoted, production at its parent: it served and was rolled back.
+    outcome = retrain(config, datetime.date(2026, 11, 2))
+    assert (outcome.status, outcome.version, registry.production()) == ("rolled-back", "v0002", "v0001")
+    assert "was promoted (pointer log entry 2) and production was moved off it since" in outcome.message
+    assert not (tmp_path / "runs").exists()
+    # Nothing before v0001 to go back to: refused, exit 2, one line.
+    refused = subprocess.run(
+        [sys.executable, str(REPO / "entrypoints" / "retrain.py"), "--rollback", f"retrain.models_root={models}"],
+        env={**os.environ, "PYTHONPATH": str(REPO / "src")},
+        capture_output=True,
+        text=True,
+        timeout=170,
+    )
+    assert (
+        refused.returncode == 2 and refused.stderr.startswith("error: ") and "nothing to roll back to" in refused.stderr
+    )
+    assert registry.production() == "v0001"
+
+
+def test_a_writer_killed_between_the_swap_and_the_log_entry_is_logged_by_the_next_run(tmp_path):
+    registry = ModelRegistry(str(tmp_path / "models"))
+    registry.set_production(_version(registry, "2026-11-01", None, 0.3), expected=None, kind="promote")
+    v2 = _version(registry, "2026-11-02", "v0001", 0.2)
+    _, tag = registry._production()
+    assert registry._replace(registry._path("production.json"), json.dumps({"version": v2}), tag)  # swapped, no log
+    entry = registry.settle_log()
+    assert entry is not None and (entry["from"], entry["to"], entry["kind"]) == ("v0001", "v0002", "promote")
+    assert registry.settle_log() is None and registry.served() == ["v0001", "v0002"]
+
+
+def test_the_best_ever_bar_is_what_production_named_measured_on_the_same_val_set_and_seed(tmp_path):
+    config = _rules_config(tmp_path)
+    registry = ModelRegistry(str(tmp_path / "models"))
+    val = config.data.val
+    registry.set_production(_version(registry, "2026-11-01", None, 0.30, val=val), expected=None, kind="promote")
+    registry.set_production(_version(registry, "2026-11-02", "v0001", 0.10, val=val), expected="v0001")
+    registry.rollback(reason="v0002 regressed in serving")  # v0002 (0.10) served, then rolled back
+    _version(registry, "2026-11-03", "v0001", 0.05, val=val)  # decided for promotion, never named (interrupted)
+    registry.set_production(_version(registry, "2026-11-04", "v0001", 0.01, val="/other/val"), expected="v0001")
+    registry.set_production(_version(registry, "2026-11-05", "v0004", 0.02, val=val, seed=7), expected="v0004")
+    registry.set_production(_version(registry, "2026-11-06", "v0005", 0.30, val=val), expected="v0005")
+    assert registry.served() == ["v0001", "v0004", "v0005", "v0006"]
+
+    best, not_compared = _best_served(registry, config)
+    assert best in (("v0001", 0.30), ("v0006", 0.30))
+    assert not_compared == [
+        f"v0004's 0.01000 was measured with data.val='/other/val', this run's is {val!r}",
+        "v0005's 0.02000 was measured with train.seed=7, this run's is 0",
+    ]
+    # A model at 0.20 against production at 0.30: promoted (the rolled-back v0002's 0.10 is no bar).
+    assert _decide(0.20, 0.30, "v0006", best, 0.05)[0] is True

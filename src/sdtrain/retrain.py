@@ -2,9 +2,10 @@
 
 Idempotent per schedule date: a date that already has a version is not trained again, and a
 run that died between writing its version and moving the production pointer is finished (the
-pointer moved) by the next run for that date, without training. One run at a time: a run holds
-the registry's lock from before it reads the registry until it is done, and moves the pointer
-only if it still names the version it compared against.
+pointer moved) by the next run for that date, without training; a version production named and
+was moved off since (a rollback: ``rollback``, recorded in the registry's pointer log) is not.
+One run at a time: a run holds the registry's lock from before it reads the registry until it is
+done, and moves the pointer only if it still names the version it compared against.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ EVAL_BATCH_SIZE = 32
 
 @dataclass
 class RetrainOutcome:
-    status: str  # promoted | rejected | already-done | completed-promotion | superseded | no-new-data
+    status: str  # promoted | rejected | already-done | completed-promotion | superseded | rolled-back | no-new-data
     version: str | None
     production: str | None
     message: str
@@ -65,6 +66,20 @@ def retrain(config: Config, schedule_date: datetime.date | None = None) -> Retra
     # Taken before Ray starts: a second run fails here, in seconds, without spending a restart.
     with registry.lock(owner) as lock:
         return _retrain_locked(config, registry, schedule_date, lock)
+
+
+def rollback(config: Config, to: str | None = None, reason: str = "") -> tuple[str, str]:
+    """Move production back (to ``to``, default the latest other version it named and was not rolled back from)
+    under the registry's lock, recorded in the pointer log; returns (from, to). A later retrain run for the date of
+    the version rolled back from reports it ``rolled-back`` instead of promoting it again, and the best-ever gate
+    no longer counts it."""
+    if config.retrain.models_root is None:
+        raise ConfigError("retrain.models_root is required for a rollback")
+    registry = ModelRegistry(config.retrain.models_root)
+    owner = {"run": "rollback", "job": os.environ.get(JOB_ID_VAR)}
+    with registry.lock(owner) as lock:
+        lock.ensure_held()
+        return registry.rollback(to, reason=reason, by=owner)
 
 
 def schedule_date_for(config: Config, registry: ModelRegistry) -> tuple[datetime.date, str]:
@@ -88,6 +103,8 @@ def _retrain_locked(
     data_root = config.retrain.data_root
     assert data_root is not None  # retrain() refuses a config without it
     day = schedule_date.isoformat()
+    lock.ensure_held()
+    registry.settle_log(by=lock.owner)  # a move the log lacks (a writer died between swap and log entry)
     production = registry.production()
 
     for version in reversed(registry.versions()):
@@ -95,11 +112,25 @@ def _retrain_locked(
         if manifest["schedule_date"] != day:
             continue
         if manifest["promoted"] and production != version:
-            # Only if nothing was promoted since: the version was compared with its parent alone.
+            named = [e for e in registry.pointer_log() if e["to"] == version]
+            if named:
+                # It served, and production was moved off it since (a rollback, a later promotion undone): a re-run
+                # must not undo that. Only a promotion that never happened is still pending.
+                last = named[-1]
+                return RetrainOutcome(
+                    "rolled-back",
+                    version,
+                    production,
+                    f"{day}: {version} was promoted (pointer log entry {last['seq']}) and production was moved off it "
+                    f"since, now {production}; not promoted again",
+                )
+            # Pending, and only if production is still its parent: the version was compared with its parent alone.
             if production == manifest["parent"]:
                 lock.ensure_held()
                 try:
-                    registry.set_production(version, expected=production)
+                    registry.set_production(
+                        version, expected=production, kind="promote", reason=manifest["reason"], by=lock.owner
+                    )
                 except PointerMoved as e:
                     return _superseded(day, version, e)
                 return RetrainOutcome(
@@ -160,7 +191,10 @@ def _retrain_locked(
     if production:
         current = load_model(registry.location(production))
         production_loss = heldout_loss(run_config, current.unet, current.noise_scheduler)
-    promote, reason = _decide(new_loss, production_loss, production, _best_promoted(registry), config.retrain.tolerance)
+    best, not_compared = _best_served(registry, run_config)
+    promote, reason = _decide(new_loss, production_loss, production, best, config.retrain.tolerance)
+    if not_compared:
+        reason += "; not compared: " + "; ".join(not_compared)
     version = registry.write_version(
         trained.unet,
         trained.noise_scheduler,
@@ -187,7 +221,7 @@ def _retrain_locked(
     if promote:
         lock.ensure_held()
         try:
-            registry.set_production(version, expected=production)
+            registry.set_production(version, expected=production, kind="promote", reason=reason, by=lock.owner)
         except PointerMoved as e:
             return _superseded(day, version, e)
         return RetrainOutcome("promoted", version, version, f"{day}: promoted {version}: {reason}")
@@ -254,15 +288,30 @@ def _is_file(fs: pafs.FileSystem, path: str) -> bool:
     return fs.get_file_info(path).type == pafs.FileType.File
 
 
-def _best_promoted(registry: ModelRegistry) -> tuple[str, float] | None:
-    """The promoted version with the lowest val_loss on the held-out set, with that loss."""
-    scored = []
-    for version in registry.versions():
+def _best_served(registry: ModelRegistry, config: Config) -> tuple[tuple[str, float] | None, list[str]]:
+    """(the version with the lowest val_loss among those production named and was not rolled back from, with that
+    loss; the versions left out because their loss was measured on another data.val or seed, and why).
+
+    The pointer log, not the manifests' ``promoted`` flag, says what served: a version decided for promotion may
+    have been superseded, interrupted or rolled back, and must not be the bar."""
+    scored, not_compared = [], []
+    measured_on = {"data.val": config.data.val, "train.seed": config.train.seed}
+    for version in registry.served():
         manifest = registry.manifest(version)
         loss = manifest["metrics"].get("val_loss")
-        if manifest.get("promoted") and loss is not None:
-            scored.append((loss, version))
-    return (min(scored)[1], min(scored)[0]) if scored else None
+        if loss is None:
+            continue
+        recorded = manifest.get("config", {})
+        theirs = {
+            "data.val": recorded.get("data", {}).get("val"),
+            "train.seed": recorded.get("train", {}).get("seed"),
+        }
+        differ = [f"{k}={theirs[k]!r}, this run's is {v!r}" for k, v in measured_on.items() if theirs[k] != v]
+        if differ:
+            not_compared.append(f"{version}'s {loss:.5f} was measured with " + " and ".join(differ))
+            continue
+        scored.append((loss, version))
+    return ((min(scored)[1], min(scored)[0]) if scored else None), not_compared
 
 
 def heldout_loss(config: Config, unet, scheduler) -> float:
@@ -281,7 +330,7 @@ def _decide(
     best: tuple[str, float] | None,
     tolerance: float,
 ) -> tuple[bool, str]:
-    """Promote within ``tolerance`` of production and of the best model ever promoted: a gate on
+    """Promote within ``tolerance`` of production and of the best model production ever named: a gate on
     production alone would let each promotion drift up to (1 + tolerance) worse than the last."""
     if not math.isfinite(new_loss):
         return False, f"the new model's val_loss is {new_loss}: training diverged"
@@ -296,7 +345,7 @@ def _decide(
         verdicts.append((new_loss <= limit, f"{'<=' if new_loss <= limit else '>'} {name}'s {loss:.5f}"))
     reason = f"val_loss {new_loss:.5f} " + " and ".join(v for _, v in verdicts) + f" x (1 + {tolerance:g})"
     if len(gates) > 1:
-        reason += f" ({gates[1][0]} is the best promoted)"
+        reason += f" ({gates[1][0]} is the best that served)"
     return all(ok for ok, _ in verdicts), reason
 
 

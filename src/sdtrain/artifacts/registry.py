@@ -6,6 +6,7 @@
     versions/v0001/unet/         UNet2DConditionModel.save_pretrained (safetensors)
     versions/v0001/scheduler/    the noise schedule
     versions/v0001/manifest.json written last, whole: a version directory without it is incomplete
+    production_log/00000001.json append-only: one entry per move of the pointer (from, to, kind, why, who)
 
 A reader resolves production.json and loads that version. Because a version is complete
 (manifest written) before the pointer can name it, and the pointer is replaced whole, a reader
@@ -33,7 +34,7 @@ from typing import Any
 import pyarrow.fs as pafs
 from diffusers import DDPMScheduler, UNet2DConditionModel
 
-from sdtrain.artifacts.conditional_writes import ConditionalStore, RegistryConflict, _now
+from sdtrain.artifacts.conditional_writes import ConditionalStore, RegistryConflict, _now, _whoami
 from sdtrain.artifacts.registry_lock import LOCK_FILE, LOCK_LEASE_S, RegistryBusy, RegistryLock
 from sdtrain.errors import ConfigError, DataError, SdtrainError
 
@@ -50,6 +51,8 @@ __all__ = [
 PRODUCTION_FILE = "production.json"
 MANIFEST_FILE = "manifest.json"
 JOBS_DIR = "jobs"
+LOG_DIR = "production_log"
+_LOG_ENTRY = re.compile(r"\d{8}\.json")
 _VERSION = re.compile(r"v(\d{4,})")
 _JOB_ID = re.compile(r"[A-Za-z0-9_.-]{1,128}")
 _UNCHECKED = object()
@@ -143,13 +146,23 @@ class ModelRegistry(ConditionalStore):
             raise RegistryConflict(f"retrain.models_root: {manifest_path} was written by another writer meanwhile")
         return version
 
-    def set_production(self, version: str, *, expected: Any = _UNCHECKED) -> None:
+    def set_production(
+        self,
+        version: str,
+        *,
+        expected: Any = _UNCHECKED,
+        kind: str = "set",
+        reason: str = "set by hand",
+        by: dict[str, Any] | None = None,
+    ) -> None:
         """Point production at ``version``, only if it still names ``expected`` (a version, or None
         for no pointer yet); raises PointerMoved otherwise. Without ``expected`` (by hand), whatever
-        it names is replaced, still as one conditional write."""
+        it names is replaced, still as one conditional write. The move is then appended to the
+        pointer log (``kind``: promote, rollback or set; ``reason``; ``by``: who moved it)."""
         if version not in self.versions():
             raise ValueError(f"version {version} is not a complete version under {self.root_uri}")
         pointer = self._path(PRODUCTION_FILE)
+        self.settle_log()
         current, tag = self._production()
         if expected is not _UNCHECKED and current != expected:
             raise PointerMoved(self._moved(pointer, expected, current), current)
@@ -158,6 +171,93 @@ class ModelRegistry(ConditionalStore):
         if swapped is None:
             now = self.production()
             raise PointerMoved(self._moved(pointer, current, now), now)
+        self._append_log(current, version, kind, reason, by)
+
+    # --- the pointer log: every version production has named, in order ---------------------------
+
+    def pointer_log(self) -> list[dict[str, Any]]:
+        """The moves of the production pointer, oldest first: {seq, from, to, kind, reason, by, at}.
+        Append-only: each entry is created exclusively under production_log/ and never changed."""
+        infos = self.fs.get_file_info(pafs.FileSelector(self._path(LOG_DIR), allow_not_found=True))
+        names = sorted(posixpath.basename(i.path) for i in infos if _LOG_ENTRY.fullmatch(posixpath.basename(i.path)))
+        entries = []
+        for name in names:
+            path = self._path(LOG_DIR, name)
+            try:
+                entries.append(json.loads(self._read(path)))
+            except json.JSONDecodeError as e:
+                raise DataError(f"retrain.models_root: {self._uri(path)} is not valid JSON ({e}); restore it") from None
+        return entries
+
+    def settle_log(self, by: dict[str, Any] | None = None) -> dict[str, Any] | None:
+        """Record a move of the pointer the log does not have yet, and return its entry (None if the
+        log agrees with the pointer): a writer that died between the swap and the log entry, or a
+        hand edit of production.json. A promoted version whose parent the log last named is recorded
+        as its promotion; anything else as ``unlogged``."""
+        current = self.production()
+        log = self.pointer_log()
+        last = log[-1]["to"] if log else None
+        if current == last or current is None:
+            return None
+        manifest = self.manifest(current) if current in self.versions() else {}
+        if manifest.get("promoted") and manifest.get("parent") == last:
+            kind, reason = "promote", "the promotion's writer stopped between moving the pointer and logging it"
+        else:
+            kind, reason = "unlogged", f"production.json named {current} without a log entry (changed by hand?)"
+        return self._append_log(last, current, kind, reason, by)
+
+    def _append_log(
+        self, source: str | None, target: str, kind: str, reason: str, by: dict[str, Any] | None
+    ) -> dict[str, Any]:
+        for _ in range(5):  # a writer without the lock may take a number first: the next one
+            seq = len(self.pointer_log()) + 1
+            entry = {
+                "seq": seq,
+                "from": source,
+                "to": target,
+                "kind": kind,
+                "reason": reason,
+                "by": {**_whoami(), **(by or {})},
+                "at": _now().isoformat(),
+            }
+            if self._create(self._path(LOG_DIR, f"{seq:08d}.json"), json.dumps(entry)) is not None:
+                return entry
+        raise RegistryConflict(f"retrain.models_root: could not append to {self._uri(self._path(LOG_DIR))}")
+
+    def served(self) -> list[str]:
+        """The versions production has named and not been rolled back from, oldest first (the current one included)."""
+        log = self.pointer_log()
+        rolled_back = {e["from"] for e in log if e["kind"] == "rollback"}
+        named = [e["to"] for e in log]
+        current = self.production()
+        if current is not None and current not in named:
+            named.append(current)
+        return [v for v in dict.fromkeys(named) if v not in rolled_back]
+
+    def rollback(self, to: str | None = None, reason: str = "", by: dict[str, Any] | None = None) -> tuple[str, str]:
+        """Move production back to ``to`` (default: the latest other version it named and was not rolled back from),
+        recorded in the pointer log as a rollback; returns (from, to). A retrain run never moves
+        production back to a version that was rolled back from."""
+        self.settle_log(by)
+        current = self.production()
+        if current is None:
+            raise ConfigError(f"{self.root_uri}: production names no version: nothing to roll back")
+        if to is None:
+            log = self.pointer_log()
+            rolled_back = {e["from"] for e in log if e["kind"] == "rollback"}
+            earlier = [e["to"] for e in log if e["to"] != current and e["to"] not in rolled_back]
+            if not earlier:
+                raise ConfigError(
+                    f"{self.root_uri}: production never named a version before {current} that was not rolled back "
+                    "from: nothing to roll back to (name one: --rollback vNNNN)"
+                )
+            to = earlier[-1]  # the latest other version production named
+        if not _VERSION.fullmatch(to) or to not in self.versions():
+            raise ConfigError(f"{to} is not a complete version under {self.root_uri} (complete: {self.versions()})")
+        if to == current:
+            raise ConfigError(f"production already names {to}")
+        self.set_production(to, expected=current, kind="rollback", reason=reason or "rolled back by hand", by=by)
+        return current, to
 
     def _moved(self, pointer: str, expected: str | None, current: str | None) -> str:
         return (
