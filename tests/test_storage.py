@@ -106,6 +106,22 @@ def test_storage_endpoint_url_beats_the_environment(s3_bucket, monkeypatch, tmp_
     assert np.asarray(table["image_latents_256"][0].values).tolist() == latents[0].ravel().tolist()
 
 
+@pytest.mark.timeout(60)
+def test_each_uri_is_checked_once_per_process(s3_bucket, tmp_path):
+    """Retraining checks its roots and then its training run's URIs: a URI this process found usable is not probed
+    again (here: still passing after its objects are gone), while one it has not checked is."""
+    _upload(tmp_path, "once/part.parquet")
+    config = _config(f"data.train={s3_bucket}/once/", f"run.storage_path={s3_bucket}/runs")
+    preflight(config)
+    _s3().delete_object(Bucket="sdtrain-test", Key="once/part.parquet")
+    preflight(config)  # the same URIs: not probed again
+    _expect(
+        DataError,
+        _config(f"data.train={s3_bucket}/once/", f"data.val={s3_bucket}/once/val/"),
+        f"data.val[0]: {s3_bucket}/once/val/: bucket 'sdtrain-test' holds no objects under 'once/val'",
+    )
+
+
 # --- data in a bucket -------------------------------------------------------------------------
 
 

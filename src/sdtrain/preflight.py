@@ -64,7 +64,15 @@ def preflight(config: Config) -> None:
     writable = {"run.storage_path", "retrain.models_root"}
     for key, uri in config.storage_uris():
         if uri.startswith("s3://"):
+            checked = (s3_endpoint()[0], uri, key in writable)
+            if checked in _PASSED:  # retraining checks its roots, then its training run: each URI once a process
+                continue
             check_s3(uri, key, write=key in writable)
+            _PASSED.add(checked)
+
+
+_PASSED: set[tuple[str | None, str, bool]] = set()
+"""(endpoint, URI, writable) this process has checked and found usable."""
 
 
 def check_s3(uri: str, key: str, write: bool) -> None:
