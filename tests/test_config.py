@@ -150,15 +150,15 @@ def test_retrain_keys():
 
 def test_batch_layout_keeps_the_global_batch_at_every_world_size():
     config = load_config(None, BASE + ["train.global_batch_size=48", "scaling.num_workers=[2,4]"])
-    assert [config.batch_layout(n) for n in (2, 3, 4)] == [(4, 6), (4, 4), (4, 3)]
+    layouts = [config.batch_layout(n) for n in (2, 3, 4)]
+    assert [(layout.micro_batch, layout.accumulation) for layout in layouts] == [(4, 6), (4, 4), (4, 3)]
+    assert [layout.rows_per_step for layout in layouts] == [24, 16, 12]
     config = load_config(
         None, BASE + ["train.global_batch_size=48", "train.micro_batch_size=8", "scaling.num_workers=[2,3]"]
     )
-    assert [config.batch_layout(n) for n in (2, 3)] == [(8, 3), (8, 2)]
-    assert all(
-        n * micro * accumulation == 48
-        for n, (micro, accumulation) in zip((2, 3), [config.batch_layout(2), config.batch_layout(3)], strict=True)
-    )
+    layouts = [config.batch_layout(n) for n in (2, 3)]
+    assert [(layout.micro_batch, layout.accumulation) for layout in layouts] == [(8, 3), (8, 2)]
+    assert all(layout.world_size * layout.micro_batch * layout.accumulation == 48 for layout in layouts)
 
 
 @pytest.mark.parametrize(

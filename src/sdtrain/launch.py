@@ -1,6 +1,9 @@
-"""The driver: check the data against the model, start or join Ray, run the TorchTrainer, write outputs.
+"""The driver, in three steps (:func:`train`):
 
-Everything that can be wrong with the user's input is checked here before any worker starts.
+1. :func:`check_run`: storage, trackers, the data against the model and the run's own state, before Ray starts;
+2. :func:`build_trainer`: join or start Ray and build the TorchTrainer (elastic scaling, failure policy,
+   checkpoints in run.storage_path, each rank's planned data stream);
+3. :func:`fit`, then :func:`finish`: metrics.csv, the loss curve and the diffusers export.
 """
 
 from __future__ import annotations
@@ -49,40 +52,61 @@ class RunSummary:
 
 
 def train(config: Config) -> RunSummary:
+    """Train the run ``config`` names (or resume it), in three steps; return where its outputs are."""
     launched_at = time.time()  # the origin of the metric time_to_first_step_s
+
+    # 1. Check everything that can be wrong with the input, before Ray starts.
+    run = check_run(config)
+    if run.finished:
+        # A retry after training ended, a driver that died after fit(), a lowered train.max_steps: nothing to
+        # train, so no Ray and no workers; finish the outputs the run may lack.
+        print(
+            f"[sdtrain] {run.run_dir} is already at step {run.resume_step} (train.max_steps="
+            f"{config.train.max_steps}): nothing to train; finishing its outputs from its final checkpoint",
+            flush=True,
+        )
+        assert run.committed is not None
+        return finish(run.config, run.committed)
+
+    # 2. Build the trainer: join or start Ray, the datasets, the TorchTrainer.
+    trainer = build_trainer(run, launched_at)
+
+    # 3. Fit, then write the run's outputs.
+    return finish(run.config, fit(trainer, run.run_dir))
+
+
+@dataclass
+class CheckedRun:
+    """A run whose input passed every check: what building its trainer needs."""
+
+    config: Config
+    """The config, local paths made absolute (Ray workers do not share the driver's working directory)."""
+    run_dir: str
+    train: DatasetSpec
+    val: DatasetSpec | None
+    plan: SamplePlan
+    stored_scale: float | None
+    """The latent scaling factor the files record (parquet metadata), if any."""
+    committed: ray.train.Result | None
+    """Ray Train's record of the run's latest committed checkpoint, read once; None for a fresh run."""
+    resume_step: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.committed is not None and self.resume_step >= self.config.train.max_steps
+
+
+def check_run(config: Config) -> CheckedRun:
+    """Storage, trackers, the data against the model, and the run's own state: every check before Ray starts.
+
+    Writes only the run's dataset index (when it changed) and, with run.start_fresh, moves the old run aside.
+    """
     config = _with_absolute_paths(config)
     preflight(config)  # object storage: endpoint, credentials, buckets, permissions (sdtrain.preflight)
     check_trackers(config)
-    unet = unet_config(config.model)
-    if config.data.demo:
-        val_dir = config.data.val[0] if config.data.val else None
-        if ensure_demo_data(config.data.train[0], val_dir, caption_dim=unet["cross_attention_dim"]):
-            print(f"[sdtrain] wrote the digits demo dataset to {config.data.train[0]}", flush=True)
     run_dir = posixpath.join(config.run.storage_path, config.run.name)
-    # The run's dataset index (its first start reads the footers; later starts, the index and changed files).
-    train_data = indexed_dataset(config, "data.train", config.data.train, unet, run_dir)
-    val_data = indexed_dataset(config, "data.val", config.data.val, unet, run_dir) if config.data.val else None
+    train_data, val_data, stored_scale = _check_data(config, run_dir)
     train_spec = train_data.spec
-    val_spec = val_data.spec if val_data is not None else None
-    _check_shapes_agree(train_spec, val_spec)
-    check_unet(config.model, train_spec.latent_shape, train_spec.caption_shape)  # on the meta device, in a second
-    # Before Ray starts: a wrong empty-prompt file or a double latent scaling fails here.
-    load_unconditional_caption(config.data.unconditional_caption, train_spec.caption_shape)
-    stored_scale = stored_latent_scaling(
-        [(data.schema_file, data.schema_metadata) for data in (train_data, val_data) if data is not None], config.data
-    )
-    print(
-        f"[sdtrain] data.train: {train_spec.num_rows} rows in {len(train_spec.files)} file(s), latents "
-        f"{train_spec.latent_shape}, captions {train_spec.caption_shape}; "
-        f"{train_spec.num_rows // config.train.global_batch_size} steps per epoch",
-        flush=True,
-    )
-
-    if train_spec.num_rows < config.train.global_batch_size:
-        raise DataError(
-            f"data.train: {train_spec.num_rows} rows cannot fill one step of train.global_batch_size="
-            f"{config.train.global_batch_size} samples; add data or lower the batch size"
-        )
     plan = SamplePlan(
         train_spec.rows_per_file,
         config.train.seed,
@@ -99,59 +123,87 @@ def train(config: Config) -> RunSummary:
     for key, data in (("data.train", train_data), ("data.val", val_data)):
         if data is not None and (data.stale or replaced):
             write_index(run_index_uri(run_dir, key), data.index)
+    val_spec = val_data.spec if val_data is not None else None
+    run = CheckedRun(config, run_dir, train_spec, val_spec, plan, stored_scale, committed_run(*ray_storage(run_dir)))
+    if run.committed is not None:
+        _check_resume_position(run)
+    return run
 
-    committed = committed_run(*ray_storage(run_dir))
-    if committed is not None:
-        # The run's latest checkpoint, read once. Its data position must refer to this data, a finished run's
-        # too: a retry that found other data (a partition completed since) must not pass the old run off as its
-        # own. Checked before Ray starts.
-        assert committed.checkpoint is not None  # committed_run returns only runs with a committed checkpoint
-        saved = read_data_state(committed.checkpoint)
-        where = uri_for(committed.checkpoint.filesystem, committed.checkpoint.path)
-        step, state = resume_position(saved, plan, config.data.on_change, where)
-        if step >= config.train.max_steps:
-            # A retry after training ended, a driver that died after fit(), a lowered train.max_steps:
-            # nothing to train, so no Ray and no workers; finish the outputs the run may lack.
-            print(
-                f"[sdtrain] {run_dir} is already at step {step} (train.max_steps={config.train.max_steps}): "
-                "nothing to train; finishing its outputs from its final checkpoint",
-                flush=True,
-            )
-            return _finish(config, committed)
-        if config.data.on_change == "new_epoch" and state != DataState.from_dict(saved["data"]):
-            print(
-                f"[sdtrain] data.on_change=new_epoch: the data changed since {where}; resuming its weights "
-                f"at step {step} and starting epoch {state.epoch} on the data as it is now",
-                flush=True,
-            )
 
+def _check_data(config: Config, run_dir: str) -> tuple[IndexedDataset, IndexedDataset | None, float | None]:
+    """data.train and data.val (the demo's written first), checked against the UNet and each other; and the
+    latent scaling factor the files record."""
+    unet = unet_config(config.model)
+    if config.data.demo:
+        val_dir = config.data.val[0] if config.data.val else None
+        if ensure_demo_data(config.data.train[0], val_dir, caption_dim=unet["cross_attention_dim"]):
+            print(f"[sdtrain] wrote the digits demo dataset to {config.data.train[0]}", flush=True)
+    # The run's dataset index (its first start reads the footers; later starts, the index and changed files).
+    train_data = indexed_dataset(config, "data.train", config.data.train, unet, run_dir)
+    val_data = indexed_dataset(config, "data.val", config.data.val, unet, run_dir) if config.data.val else None
+    train = train_data.spec
+    _check_shapes_agree(train, val_data.spec if val_data is not None else None)
+    check_unet(config.model, train.latent_shape, train.caption_shape)  # on the meta device, in a second
+    load_unconditional_caption(config.data.unconditional_caption, train.caption_shape)
+    stored_scale = stored_latent_scaling(
+        [(data.schema_file, data.schema_metadata) for data in (train_data, val_data) if data is not None], config.data
+    )
+    print(
+        f"[sdtrain] data.train: {train.num_rows} rows in {len(train.files)} file(s), latents "
+        f"{train.latent_shape}, captions {train.caption_shape}; "
+        f"{train.num_rows // config.train.global_batch_size} steps per epoch",
+        flush=True,
+    )
+    if train.num_rows < config.train.global_batch_size:
+        raise DataError(
+            f"data.train: {train.num_rows} rows cannot fill one step of train.global_batch_size="
+            f"{config.train.global_batch_size} samples; add data or lower the batch size"
+        )
+    return train_data, val_data, stored_scale
+
+
+def _check_resume_position(run: CheckedRun) -> None:
+    """The committed checkpoint's data position must refer to this data, a finished run's too: a retry that found
+    other data (a partition completed since) must not pass the old run off as its own."""
+    assert run.committed is not None and run.committed.checkpoint is not None  # committed_run: only such runs
+    config = run.config
+    saved = read_data_state(run.committed.checkpoint)
+    where = uri_for(run.committed.checkpoint.filesystem, run.committed.checkpoint.path)
+    run.resume_step, state = resume_position(saved, run.plan, config.data.on_change, where)
+    if not run.finished and config.data.on_change == "new_epoch" and state != DataState.from_dict(saved["data"]):
+        print(
+            f"[sdtrain] data.on_change=new_epoch: the data changed since {where}; resuming its weights "
+            f"at step {run.resume_step} and starting epoch {state.epoch} on the data as it is now",
+            flush=True,
+        )
+
+
+def build_trainer(run: CheckedRun, launched_at: float) -> TorchTrainer:
+    """Join the cluster (or start a local one) and build the TorchTrainer: the workers' loop and its inputs, the
+    elastic scaling, the failure policy, checkpoints in run.storage_path and each rank's planned data stream."""
+    config = run.config
     if not ray.is_initialized():
         # Joins the cluster named by RAY_ADDRESS (as under `ray job submit`), else starts a local one.
         # No num_cpus here: inside a submitted job, ray.init() must take no resources arguments.
         ray.init()
     _quiet_ray_data()
     use_gpu = _resolve_use_gpu(config.scaling)
+    resolve_precision(config.train, use_gpu)  # 16-mixed where scaling.use_gpu=auto found no GPU fails here
     # PlannedShards replaces "train" by each rank's planned stream; Ray Train needs the name.
     # TorchTrainer's own value type: its dict is invariant.
     datasets: dict[str, ray.data.Dataset | Callable[[], ray.data.Dataset]] = {
-        "train": file_order_dataset(train_spec, config.data, "data.train")
+        "train": file_order_dataset(run.train, config.data, "data.train")
     }
-    if val_spec is not None:
-        datasets["val"] = file_order_dataset(val_spec, config.data, "data.val")
-
-    resolve_precision(config.train, use_gpu)  # 16-mixed where scaling.use_gpu=auto found no GPU fails here
-    meta = checkpoint_meta(config, train_spec.latent_shape, train_spec.caption_shape, stored_scale)
-    # Ray Train's controller and workers get the storage filesystem and the S3 settings from
-    # here: on a cluster started separately they see neither storage.endpoint_url nor this
-    # process's environment.
-    storage_filesystem, storage_path = ray_storage(config.run.storage_path)
-    trainer = TorchTrainer(
+    if run.val is not None:
+        datasets["val"] = file_order_dataset(run.val, config.data, "data.val")
+    meta = checkpoint_meta(config, run.train.latent_shape, run.train.caption_shape, run.stored_scale)
+    return TorchTrainer(
         train_loop_per_worker,
         train_loop_config={
             "config": config.to_dict(),
             "use_gpu": use_gpu,
             "checkpoint_meta": meta,
-            "plan": plan,
+            "plan": run.plan,
             "s3": resolved_s3_settings(),
             "launched_at": launched_at,
             "tracker_env": tracker_env(),
@@ -162,45 +214,50 @@ def train(config: Config) -> RunSummary:
             resources_per_worker={"CPU": _cpus_per_worker(config.scaling, use_gpu)},
             elastic_resize_monitor_interval_s=config.scaling.resize_check_s,
         ),
-        run_config=ray.train.RunConfig(
-            name=config.run.name,
-            storage_path=storage_path,
-            storage_filesystem=storage_filesystem,
-            failure_config=_failure_config(config),
-            checkpoint_config=ray.train.CheckpointConfig(
-                num_to_keep=config.run.num_to_keep,
-                checkpoint_score_attribute=config.run.checkpoint_score_attribute,
-                checkpoint_score_order="min",
-            ),
-            # The two ignores: ray/train/__init__.py imports Ray Train v1's RunConfig and then, when v2 is
-            # enabled (the default, and what runs), v2's over it; mypy keeps the first, which lacks
-            # logging_config and types callbacks as v1 (Tune) callbacks.
-            # Ray Train logs every report at INFO; our own progress line already says it all.
-            logging_config=ray.train.LoggingConfig(log_level="WARNING"),  # type: ignore[call-arg]
-            callbacks=[StopOnDeterministicErrors()],  # type: ignore[list-item]
-        ),
+        run_config=_ray_run_config(config),
         datasets=datasets,
-        dataset_config=PlannedShards(
-            WindowReader(train_spec, config.data, plan),
-            run_dir,
-            config.train.global_batch_size,
-            config.train.max_steps,
-            config.data.on_change,
-        ),
+        dataset_config=PlannedShards(WindowReader(run.train, config.data, run.plan), run.run_dir, config),
     )
+
+
+def _ray_run_config(config: Config) -> ray.train.RunConfig:
+    """The run's name and storage (checkpoints in run.storage_path), failure policy and checkpoint retention."""
+    # Ray Train's controller and workers get the storage filesystem and the S3 settings from
+    # here: on a cluster started separately they see neither storage.endpoint_url nor this
+    # process's environment.
+    storage_filesystem, storage_path = ray_storage(config.run.storage_path)
+    return ray.train.RunConfig(
+        name=config.run.name,
+        storage_path=storage_path,
+        storage_filesystem=storage_filesystem,
+        failure_config=_failure_config(config),
+        checkpoint_config=ray.train.CheckpointConfig(
+            num_to_keep=config.run.num_to_keep,
+            checkpoint_score_attribute=config.run.checkpoint_score_attribute,
+            checkpoint_score_order="min",
+        ),
+        # The two ignores: ray/train/__init__.py imports Ray Train v1's RunConfig and then, when v2 is
+        # enabled (the default, and what runs), v2's over it; mypy keeps the first, which lacks
+        # logging_config and types callbacks as v1 (Tune) callbacks.
+        # Ray Train logs every report at INFO; our own progress line already says it all.
+        logging_config=ray.train.LoggingConfig(log_level="WARNING"),  # type: ignore[call-arg]
+        callbacks=[StopOnDeterministicErrors()],  # type: ignore[list-item]
+    )
+
+
+def fit(trainer: TorchTrainer, run_dir: str) -> ray.train.Result:
+    """Run the trainer to train.max_steps; a failure it cannot restart from is a TrainingFailed naming why."""
     warm_up = warm_up_ray_data()  # in the background, while Ray Train starts (sdtrain.data.ray_data_startup)
     try:
-        result = trainer.fit()
+        return trainer.fit()
     except ray.train.TrainingFailedError as e:
         raise TrainingFailed(failure_message(e, run_dir)) from None
     finally:
         if warm_up is not None:
             warm_up.join(timeout=60)  # seconds into a run it is long done; nothing of ours outlives train()
 
-    return _finish(config, result)
 
-
-def _finish(config: Config, result: ray.train.Result) -> RunSummary:
+def finish(config: Config, result: ray.train.Result) -> RunSummary:
     """metrics.csv, loss_curve.png and the export (unless it is already that of the final checkpoint)."""
     checkpoint = result.checkpoint
     # A committed run at train.max_steps, or a fit() that returned: its final step reported a checkpoint.

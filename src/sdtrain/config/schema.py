@@ -28,6 +28,7 @@ from sdtrain.storage.uris import has_userinfo, redact
 
 __all__ = [
     "PRESETS",
+    "BatchLayout",
     "SECTIONS",
     "Config",
     "DataConfig",
@@ -39,6 +40,22 @@ __all__ = [
     "StorageConfig",
     "TrainConfig",
 ]
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    """How a run's global batch falls on the workers at one world size (:meth:`Config.batch_layout`)."""
+
+    world_size: int
+    micro_batch: int
+    """Samples per worker per forward/backward pass."""
+    accumulation: int
+    """Micro-batches per optimizer step."""
+
+    @property
+    def rows_per_step(self) -> int:
+        """Rows each worker trains on per optimizer step."""
+        return self.micro_batch * self.accumulation
 
 
 @dataclass
@@ -90,8 +107,9 @@ class Config(ConfigTree):
         for world_size in range(self.scaling.min_workers, self.scaling.max_workers + 1):
             self.batch_layout(world_size)
 
-    def batch_layout(self, world_size: int) -> tuple[int, int]:
-        """(micro-batch size, gradient accumulation steps) that make train.global_batch_size at ``world_size``."""
+    def batch_layout(self, world_size: int) -> BatchLayout:
+        """How train.global_batch_size falls on ``world_size`` workers: the one derivation the driver, the data
+        hook and the workers use."""
         batch, micro = self.train.global_batch_size, self.train.micro_batch_size
         allowed = range(self.scaling.min_workers, self.scaling.max_workers + 1)
         if batch % world_size:
@@ -107,7 +125,7 @@ class Config(ConfigTree):
                 f"train.micro_batch_size: {micro} does not divide the {per_worker} samples each of {world_size} "
                 f"worker(s) takes per step (train.global_batch_size={batch}); use a divisor of it, or null"
             )
-        return micro, per_worker // micro
+        return BatchLayout(world_size, micro, per_worker // micro)
 
     def storage_uris(self) -> list[tuple[str, str]]:
         """(key, path) for every path or URI the config names: data, models and storage."""

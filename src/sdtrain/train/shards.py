@@ -19,6 +19,7 @@ from ray.train.v2._internal.constants import CHECKPOINT_MANAGER_SNAPSHOT_FILENAM
 from ray.train.v2._internal.exceptions import CheckpointManagerInitializationError
 
 from sdtrain.artifacts.checkpoint_format import DATA_STATE_FILE
+from sdtrain.config.schema import Config
 from sdtrain.data.read_order import DataState, resume_position
 from sdtrain.data.streams import WindowReader, rank_dataset
 from sdtrain.errors import SdtrainError
@@ -26,14 +27,12 @@ from sdtrain.storage.filesystems import ray_storage
 
 
 class PlannedShards(ray.train.DataConfig):
-    def __init__(self, reader: WindowReader, run_dir: str, global_batch_size: int, max_steps: int, on_change: str):
+    def __init__(self, reader: WindowReader, run_dir: str, config: Config):
         super().__init__(datasets_to_split=["train"])
         self.reader = reader
         # (filesystem, path) made here on the driver: it carries the S3 endpoint to the controller.
         self.run_storage = ray_storage(run_dir)
-        self.global_batch_size = global_batch_size
-        self.max_steps = max_steps
-        self.on_change = on_change  # data.on_change
+        self.config = config
 
     def configure(self, datasets, world_size, worker_handles, worker_node_ids, **kwargs):
         if "train" not in datasets:  # validation: every worker gets the whole set, in file order
@@ -43,9 +42,10 @@ class PlannedShards(ray.train.DataConfig):
         if result is not None:
             assert result.checkpoint is not None  # committed_run returns only runs with a committed checkpoint
             saved = read_data_state(result.checkpoint)
-            step, state = resume_position(saved, self.reader.plan, self.on_change, result.checkpoint.path)
+            step, state = resume_position(saved, self.reader.plan, self.config.data.on_change, result.checkpoint.path)
+        layout = self.config.batch_layout(world_size)
         stretches = self.reader.plan.rank_stretches(
-            state, world_size, self.global_batch_size // world_size, self.max_steps - step
+            state, world_size, layout.rows_per_step, self.config.train.max_steps - step
         )
         output = []
         for rank in range(world_size):

@@ -23,7 +23,7 @@ import torch
 from ray.train.lightning import RayDDPStrategy, prepare_trainer
 
 from sdtrain.artifacts.checkpoint_format import CHECKPOINT_FILE, DATA_STATE_FILE, HISTORY_FILE
-from sdtrain.config.schema import Config
+from sdtrain.config.schema import BatchLayout, Config
 from sdtrain.data.read_order import DataState, SamplePlan, resume_position
 from sdtrain.errors import TrainingFailed, find_sdtrain_error
 from sdtrain.model.recipe import load_unconditional_caption
@@ -142,21 +142,6 @@ class TrainStream:
             )
 
 
-@dataclass(frozen=True)
-class BatchLayout:
-    """How this run's global batch falls on the workers at this world size."""
-
-    world_size: int
-    micro_batch: int
-    accumulation: int
-    """Micro-batches per optimizer step."""
-
-    @property
-    def rows_per_step(self) -> int:
-        """Rows each worker trains on per optimizer step."""
-        return self.micro_batch * self.accumulation
-
-
 @dataclass
 class StartPoint:
     """Where this worker group starts: step 0 of a fresh run, or the checkpoint Ray Train restored."""
@@ -210,7 +195,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     watchdog = None
     if config.run.stall_timeout_s is not None:
         watchdog = StallWatchdog(config.run.stall_timeout_s, rank, config.run.slow_phase_timeout_s)
-    layout = BatchLayout(world_size, *config.batch_layout(world_size))
+    layout = config.batch_layout(world_size)
     train_batches = TrainStream(
         ray.train.get_dataset_shard("train"),
         layout.micro_batch,
