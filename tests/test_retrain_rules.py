@@ -271,3 +271,62 @@ def test_the_best_ever_bar_is_what_production_named_measured_on_the_same_val_set
     ]
     # A model at 0.20 against production at 0.30: promoted (the rolled-back v0002's 0.10 is no bar).
     assert _decide(0.20, 0.30, "v0006", best, 0.05)[0] is True
+
+
+_RECORD_STEP = """
+import json, sys
+import torch
+from diffusers import DDPMScheduler, UNet2DConditionModel
+from sdtrain.artifacts.registry import ModelRegistry
+from sdtrain.model.presets import PRESETS
+from sdtrain.retrain import record_and_promote
+
+registry = ModelRegistry(sys.argv[1])
+torch.manual_seed(1)
+with registry.lock({"run": "retrain-2026-11-02", "date": "2026-11-02", "job": "prodjob_chaos"}) as lock:
+    unet = UNet2DConditionModel(**PRESETS["tiny"])
+    print(record_and_promote(registry, lock, unet, DDPMScheduler(), json.loads(sys.argv[2])).status)
+"""
+
+
+@pytest.mark.timeout(600)
+def test_a_retrain_killed_after_each_of_its_registry_writes_is_finished_by_the_rerun(tmp_path, monkeypatch):
+    """The chaos case without training: a run's real writes after its model is judged (version, pointer, log,
+    lock) in a process SIGKILLed right after its Nth write, then the re-run; bench/retrain_chaos.py does the same
+    around real training."""
+    from sdtrain.artifacts.conditional_writes import CHAOS_KILL_VAR
+
+    monkeypatch.setenv(JOB_ID_VAR, "prodjob_chaos")  # the re-run is the job's retry: it takes the dead run's lock
+    manifest = {
+        "parent": "v0001",
+        "schedule_date": "2026-11-02",
+        "partitions": ["2026-11-02"],
+        "partitions_seen": ["2026-11-01", "2026-11-02"],
+        "promoted": True,
+        "reason": "val_loss 0.20000 <= v0001's 0.30000 x (1 + 0.05)",
+        "metrics": {"val_loss": 0.2, "production_val_loss": 0.3},
+    }
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
+    for kill_after in range(1, 7):  # lock, version claim, weights, manifest, pointer, log entry (7: release)
+        case = tmp_path / f"kill-{kill_after}"
+        config = _rules_config(case)
+        registry = ModelRegistry(str(case / "models"))
+        registry.set_production(_version(registry, "2026-11-01", None, 0.3), expected=None, kind="promote")
+        step = [sys.executable, "-c", _RECORD_STEP, str(case / "models"), json.dumps(manifest)]
+        killed = subprocess.run(step, env={**env, CHAOS_KILL_VAR: str(kill_after)}, capture_output=True, timeout=170)
+        assert killed.returncode == -9, (kill_after, killed.stderr[-2000:])
+        # What a reader sees meanwhile: production names a complete version, the old or the new one.
+        assert registry.production() in registry.versions() and registry.production() in ("v0001", "v0002")
+
+        if "v0002" in registry.versions():  # the version is complete: the re-run trains nothing, finishes the rest
+            outcome = retrain(config, datetime.date(2026, 11, 2))
+            assert outcome.status in ("completed-promotion", "already-done"), (kill_after, outcome)
+        else:  # died before the manifest: the re-run trains again (here: makes the same writes again)
+            rerun = subprocess.run(step, env=env, capture_output=True, text=True, timeout=170)
+            assert rerun.stdout.splitlines()[-1] == "promoted", (kill_after, rerun.stderr[-2000:])
+        production = registry.production()
+        log = registry.pointer_log()
+        assert production != "v0001" and registry.manifest(production)["promoted"], kill_after
+        assert [e["to"] for e in log] == ["v0001", production] and log[-1]["kind"] == "promote", (kill_after, log)
+        assert registry.manifest(production)["partitions_seen"] == ["2026-11-01", "2026-11-02"]
+        assert not (case / "models" / "retrain.lock").exists() and not (case / "runs").exists()

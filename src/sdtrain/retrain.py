@@ -195,30 +195,35 @@ def _retrain_locked(
     promote, reason = _decide(new_loss, production_loss, production, best, config.retrain.tolerance)
     if not_compared:
         reason += "; not compared: " + "; ".join(not_compared)
-    version = registry.write_version(
-        trained.unet,
-        trained.noise_scheduler,
-        {
-            "parent": production,
-            "schedule_date": day,
-            "partitions": new,
-            "partitions_seen": sorted(seen + new + empty),
-            "steps": summary.final_step,
-            "checkpoint": summary.checkpoint_path,
-            "metrics": {
-                "val_loss": _finite_or_none(new_loss),
-                "production_val_loss": _finite_or_none(production_loss),
-                "train_loss": _finite_or_none(summary.final_loss),
-            },
-            "promoted": promote,
-            "reason": reason,
-            "config": run_config.to_dict(),
-            "code_version": {"sdtrain": __version__, "git": code_version()},
-            "created_at": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+    manifest = {
+        "parent": production,
+        "schedule_date": day,
+        "partitions": new,
+        "partitions_seen": sorted(seen + new + empty),
+        "steps": summary.final_step,
+        "checkpoint": summary.checkpoint_path,
+        "metrics": {
+            "val_loss": _finite_or_none(new_loss),
+            "production_val_loss": _finite_or_none(production_loss),
+            "train_loss": _finite_or_none(summary.final_loss),
         },
-        lock=lock,  # the evaluation may have outlasted the lease: checked again before each write
-    )
-    if promote:
+        "promoted": promote,
+        "reason": reason,
+        "config": run_config.to_dict(),
+        "code_version": {"sdtrain": __version__, "git": code_version()},
+        "created_at": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+    }
+    return record_and_promote(registry, lock, trained.unet, trained.noise_scheduler, manifest)
+
+
+def record_and_promote(registry: ModelRegistry, lock: RegistryLock, unet, scheduler, manifest: dict) -> RetrainOutcome:
+    """A run's writes once its model is trained and judged: the version (weights, then its manifest), then, if
+    ``manifest["promoted"]``, the pointer's move from ``manifest["parent"]`` and its log entry. A run killed between
+    any two of them is finished or left safely by the next run for the date (bench/retrain_chaos.py)."""
+    day, production, reason = manifest["schedule_date"], manifest["parent"], manifest["reason"]
+    # The evaluation may have outlasted the lease: checked again before each write.
+    version = registry.write_version(unet, scheduler, manifest, lock=lock)
+    if manifest["promoted"]:
         lock.ensure_held()
         try:
             registry.set_production(version, expected=production, kind="promote", reason=reason, by=lock.owner)

@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import posixpath
+import signal
 import socket
 import uuid
 from typing import Any
@@ -23,6 +24,21 @@ from sdtrain.errors import ConfigError, SdtrainError
 from sdtrain.storage.filesystems import filesystem_for
 from sdtrain.storage.s3 import s3_client
 from sdtrain.storage.uris import absolute
+
+CHAOS_KILL_VAR = "SDTRAIN_CHAOS_KILL_AFTER_WRITES"
+"""Chaos testing's hook (bench/retrain_chaos.py): with it set to N, a process SIGKILLs itself right after its Nth
+registry write (a create, replace, delete, directory claim or version upload), so a kill lands between any two."""
+_writes_made = 0
+
+
+def wrote() -> None:
+    """Count one registry write made by this process; see CHAOS_KILL_VAR."""
+    global _writes_made
+    _writes_made += 1
+    limit = os.environ.get(CHAOS_KILL_VAR)
+    if limit and _writes_made == int(limit):
+        os.kill(os.getpid(), signal.SIGKILL)
+
 
 SWAP_MARKER_STALE_S = 60.0
 """Age past which a local swap marker is taken for one a dead writer left (a swap takes milliseconds)."""
@@ -90,6 +106,12 @@ class ConditionalStore:
         return text, text
 
     def _create(self, path: str, text: str) -> str | None:
+        done = self._create_once(path, text)
+        if done is not None and done is not False:
+            wrote()
+        return done
+
+    def _create_once(self, path: str, text: str) -> str | None:
         """Write ``path`` whole if nothing is there and return its new tag; None if something is
         there (it is never overwritten)."""
         self._check_conditional()
@@ -124,6 +146,12 @@ class ConditionalStore:
         return text
 
     def _replace(self, path: str, text: str, tag: str) -> str | None:
+        done = self._replace_once(path, text, tag)
+        if done is not None and done is not False:
+            wrote()
+        return done
+
+    def _replace_once(self, path: str, text: str, tag: str) -> str | None:
         """Replace ``path`` whole with ``text`` if it is still what was read with ``tag``, and
         return the new tag; None if it is not."""
         self._check_conditional()
@@ -140,6 +168,12 @@ class ConditionalStore:
         return tag if current == text else None
 
     def _delete(self, path: str, tag: str) -> bool:
+        done = self._delete_once(path, tag)
+        if done is not None and done is not False:
+            wrote()
+        return done
+
+    def _delete_once(self, path: str, tag: str) -> bool:
         """Delete ``path`` if it is still what was read with ``tag``; False if not."""
         self._check_conditional()
         if self._s3:
@@ -208,6 +242,7 @@ class ConditionalStore:
                 f"retrain.models_root: {self._uri(directory)} already exists: another writer numbered a version "
                 "from the same listing (two retrain runs at once, one without the lock?); nothing was written"
             )
+        wrote()
 
 
 def _whoami() -> dict[str, Any]:

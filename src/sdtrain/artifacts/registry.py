@@ -34,7 +34,7 @@ from typing import Any
 import pyarrow.fs as pafs
 from diffusers import DDPMScheduler, UNet2DConditionModel
 
-from sdtrain.artifacts.conditional_writes import ConditionalStore, RegistryConflict, _now, _whoami
+from sdtrain.artifacts.conditional_writes import ConditionalStore, RegistryConflict, _now, _whoami, wrote
 from sdtrain.artifacts.registry_lock import LOCK_FILE, LOCK_LEASE_S, RegistryBusy, RegistryLock
 from sdtrain.errors import ConfigError, DataError, SdtrainError
 
@@ -139,6 +139,7 @@ class ModelRegistry(ConditionalStore):
             unet.save_pretrained(posixpath.join(local, "unet"))
             scheduler.save_pretrained(posixpath.join(local, "scheduler"))
             pafs.copy_files(local, destination, destination_filesystem=self.fs)
+        wrote()
         manifest_path = posixpath.join(destination, MANIFEST_FILE)
         if lock is not None:  # the weights' upload may have outlasted the lease: an incomplete version is ignored
             lock.ensure_held()
