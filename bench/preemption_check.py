@@ -2,7 +2,7 @@
 
 sdtrain's workers call ``ray.train.get_preemption_info()`` (a collective through Ray Train's
 synchronization actor: every rank gets rank 0's answer) at the same steps on every rank, about every
-``sdtrain.train.reporting.PREEMPTION_CHECK_S`` seconds of training. This times the call in a real
+``sdtrain.train.preemption.PREEMPTION_CHECK_S`` seconds of training. This times the call in a real
 TorchTrainer worker group of 1, then 2, CPU workers on a local Ray cluster of its own, after a few
 untimed calls.
 
@@ -23,7 +23,7 @@ import ray
 import ray.train
 from ray.train.torch import TorchTrainer
 
-from sdtrain.train.reporting import PREEMPTION_CHECK_S
+from sdtrain.train.preemption import PREEMPTION_CHECK_S
 
 
 def _time_checks(config: dict) -> float:

@@ -14,7 +14,8 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -33,6 +34,28 @@ from sdtrain.config.schema import RunConfig
 from sdtrain.data.read_order import DataState
 
 _UPLOAD_MODES = {"async": ray.train.CheckpointUploadMode.ASYNC, "sync": ray.train.CheckpointUploadMode.SYNC}
+
+
+@dataclass(frozen=True)
+class CheckpointWriter:
+    """How this worker writes its checkpoints and what they record besides the weights."""
+
+    data_position: Callable[[int], DataState]
+    """The data state after a step: where a stream resumed from the checkpoint starts."""
+    plan_fingerprint: dict[str, Any]
+    """What the data positions refer to (``SamplePlan.fingerprint``), checked on resume."""
+    upload: Literal["async", "sync"]
+    """run.checkpoint_upload."""
+    staging: str
+    """This worker's staging directory (:func:`worker_scratch`), where rank 0 writes the checkpoint."""
+
+    def report(
+        self, trainer: pl.Trainer, pl_module, metrics: dict[str, float], step: int, position: DataState, history
+    ) -> float:
+        """:func:`report_with_checkpoint` with this writer's settings: the seconds the training loop waited."""
+        return report_with_checkpoint(
+            trainer, pl_module, metrics, step, position, self.plan_fingerprint, history, self.upload, self.staging
+        )
 
 
 def report_with_checkpoint(

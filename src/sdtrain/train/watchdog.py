@@ -24,6 +24,8 @@ import threading
 import time
 from collections.abc import Callable
 
+import lightning.pytorch as pl
+
 log = logging.getLogger("sdtrain")
 
 EXIT_CODE = 75
@@ -136,3 +138,32 @@ class StallWatchdog:
             if message is not None and not self._stopped.is_set():
                 self._on_stall(message)
                 return
+
+
+class StallWatch(pl.Callback):
+    """Tells the worker's :class:`StallWatchdog` each optimizer step and when a step starts; stops it at the end.
+
+    Listed first, so that the other callbacks' phases (validation, reporting, checkpointing) follow the step's.
+    """
+
+    def __init__(self, watchdog: StallWatchdog):
+        self.watchdog = watchdog
+        self._last_step = -1
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._last_step = trainer.global_step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.watchdog.enter(Phase.STEP)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step != self._last_step:
+            self._last_step = trainer.global_step
+            self.watchdog.stepped(trainer.global_step)
+        self.watchdog.enter(Phase.BETWEEN_STEPS)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.watchdog.stop()
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self.watchdog.stop()

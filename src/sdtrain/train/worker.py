@@ -28,13 +28,16 @@ from sdtrain.data.read_order import DataState, SamplePlan, resume_position
 from sdtrain.errors import TrainingFailed, find_sdtrain_error
 from sdtrain.model.recipe import load_unconditional_caption
 from sdtrain.storage.s3 import apply_s3_settings
-from sdtrain.train.checkpointing import DropRestoreCopy, restored_directory, worker_scratch
+from sdtrain.train.cadence import ReportCadence
+from sdtrain.train.checkpointing import CheckpointWriter, DropRestoreCopy, restored_directory, worker_scratch
+from sdtrain.train.preemption import PreemptionCheck
 from sdtrain.train.reporting import StepReporter, log
 from sdtrain.train.run_view import RunView
 from sdtrain.train.sample_grids import SampleGrids, grid_captions
 from sdtrain.train.trackers import apply_tracker_env
 from sdtrain.train.trainer import build_training
-from sdtrain.train.watchdog import Phase, StallWatchdog
+from sdtrain.train.validation import Validation
+from sdtrain.train.watchdog import Phase, StallWatch, StallWatchdog
 
 
 class TrainStream:
@@ -248,34 +251,46 @@ def _fit(
             start.data.epoch,
             torch.get_num_threads(),
         )
-    val_batches = None
+    stretches = plan.rank_stretches(
+        start.data, layout.world_size, layout.rows_per_step, config.train.max_steps - start.step
+    )
+    train_batches.expected_first = plan.sample_indices(plan.window(stretches[rank][0], 0))[: layout.micro_batch]
+
+    # One callback a job, on one schedule: the watchdog first (its step marks precede the others' phases), then
+    # the preemption check (it may make this step a checkpoint step), the validation, the report.
+    watchdog = run.watchdog
+    enter = watchdog.enter if watchdog is not None else (lambda phase: None)
+    cadence = ReportCadence(config.run, config.train.max_steps)
+    validation = None
     if config.data.val:
         val_shard = ray.train.get_dataset_shard("val")
 
         def val_batches():
             return val_shard.iter_torch_batches(batch_size=layout.micro_batch, device=ray.train.torch.get_device())
 
-    stretches = plan.rank_stretches(
-        start.data, layout.world_size, layout.rows_per_step, config.train.max_steps - start.step
-    )
-    train_batches.expected_first = plan.sample_indices(plan.window(stretches[rank][0], 0))[: layout.micro_batch]
-    reporter = StepReporter(
-        config.run,
-        max_steps=config.train.max_steps,
-        samples_per_step=config.train.global_batch_size,
-        max_bad_steps=config.train.max_bad_steps,
-        history=start.history,
-        plan_fingerprint=plan.fingerprint(),
+        validation = Validation(cadence, val_batches, config.train.seed, enter)
+    checkpoints = CheckpointWriter(
         data_position=lambda step: plan.advance(start.data, layout.world_size, layout.rows_per_step, step - start.step),
-        val_batches=val_batches,
-        val_seed=config.train.seed,
-        view=_run_view(config, module) if rank == 0 else None,
+        plan_fingerprint=plan.fingerprint(),
+        upload=config.run.checkpoint_upload,
+        staging=run.scratch,
+    )
+    reporter = StepReporter(
+        cadence,
+        config.train,
+        checkpoints,
+        history=start.history,
         data_wait_s=train_batches.take_wait_s,
         launched_at=run.launched_at,
-        staging=run.scratch,
-        watchdog=run.watchdog,
+        validation=validation,
+        view=_run_view(config, module) if rank == 0 else None,
+        enter=enter,
     )
-    callbacks: list[pl.Callback] = [reporter]
+    callbacks: list[pl.Callback] = [] if watchdog is None else [StallWatch(watchdog)]
+    callbacks.append(PreemptionCheck(cadence, lambda: reporter.slowest_steps_per_s))
+    if validation is not None:
+        callbacks.append(validation)
+    callbacks.append(reporter)
     if run.restore_copy is not None:
         callbacks.append(DropRestoreCopy(run.restore_copy))
     trainer = pl.Trainer(callbacks=callbacks, **trainer_kwargs)
