@@ -1,0 +1,21 @@
+"""The one schedule of reports, validations and checkpoints every rank follows (sdtrain.train.cadence)."""
+
+from sdtrain.config.schema import RunConfig
+from sdtrain.train.cadence import ReportCadence
+
+
+def test_reports_validations_and_checkpoints_fall_on_the_same_steps_for_every_rank():
+    cadence = ReportCadence(RunConfig(checkpoint_every_n_steps=20, log_every_n_steps=5, val_every_n_steps=10), 47)
+    steps = range(1, 48)
+    assert [s for s in steps if cadence.report_due(s)] == [5, 10, 15, 20, 25, 30, 35, 40, 45, 47]
+    assert [s for s in steps if cadence.validation_due(s)] == [10, 20, 30, 40, 47]
+    assert [s for s in steps if cadence.checkpoint_due(s)] == [20, 40, 47]
+    # A preemption notice at step 23 makes it a checkpoint step (and so a report), once.
+    cadence.checkpoint_now(23)
+    assert cadence.checkpoint_due(23) and cadence.report_due(23) and not cadence.validation_due(23)
+    assert not cadence.checkpoint_due(24)
+    # Validation defaults to the checkpoint interval, and happens only at a report.
+    default = ReportCadence(RunConfig(checkpoint_every_n_steps=6, log_every_n_steps=4), 12)
+    assert [s for s in range(1, 13) if default.validation_due(s)] == [6, 12]
+    off_schedule = ReportCadence(RunConfig(checkpoint_every_n_steps=8, log_every_n_steps=8, val_every_n_steps=3), 16)
+    assert [s for s in range(1, 17) if off_schedule.validation_due(s)] == [16]  # 3, 6, ... are not reports
