@@ -5,10 +5,15 @@ files (10 rows each, tiny columns) uploaded under their own bucket in parallel t
 real data step, ``sdtrain.data.dataset_index.index_dataset``:
 
 - a start without an index: the paginated listing, then every footer (16 in flight) and one row;
-- a restart with the index: the listing, then one GET of the index (no footer, no row); median of 3.
+- a restart with the index: one GET of the index, then the listing in key ranges cut at its paths (no footer,
+  no row); median of 3, with this process's CPU seconds and the server process's (from /proc) during it;
+- the listing alone, paginated and in those key ranges; medians of 3.
 
 and prints ``RATIO restart_with_index_<large>/restart_with_index_<small>`` with its target (<= 3: a restart's
-cost is the listing and one object, not N requests) and, at each size, the footers-against-index ratio.
+cost is the listing and one object, not N requests), the same ratio of this process's CPU seconds (the client's own
+work: botocore's parsing and ours, without the server's), and, at each size, the footers-against-index ratio.
+moto answers each page of a listing by reading and sorting every key under the prefix (S3 in a time that does not
+grow with the bucket), so the server's CPU is shown beside it.
 
     python bench/index_startup.py            # 1k and 20k files
     python bench/index_startup.py --smoke    # 20 and 100 files (seconds)
@@ -68,8 +73,34 @@ def _upload(client, bucket: str, count: int) -> None:
         )
 
 
-def _measure(bucket: str, count: int) -> dict:
-    from sdtrain.data.dataset_index import index_dataset, list_dataset, run_index_uri, write_index
+def _server_cpu_s(endpoint: str) -> float | None:
+    """CPU seconds the moto server process (``moto_server ... -p <port>``) has used so far, from /proc (Linux);
+    None where that cannot be read."""
+    port = endpoint.rsplit(":", 1)[-1]
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+            if not any(a.endswith(b"moto_server") for a in argv) or port.encode() not in argv:
+                continue
+            fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+        except OSError:
+            continue
+    return None
+
+
+def _timed(endpoint: str, call) -> tuple[float, float, float | None, object]:
+    """(wall s, this process's CPU s, the server's CPU s, result) of ``call()``."""
+    server = _server_cpu_s(endpoint)
+    cpu, started = time.process_time(), time.perf_counter()
+    result = call()
+    wall, cpu = time.perf_counter() - started, time.process_time() - cpu
+    after = _server_cpu_s(endpoint)
+    return wall, cpu, (after - server) if server is not None and after is not None else None, result
+
+
+def _measure(bucket: str, count: int, endpoint: str) -> dict:
+    from sdtrain.data.dataset_index import index_dataset, list_dataset, read_index, run_index_uri, write_index
 
     spec = [f"s3://{bucket}/data"]
     index_uri = run_index_uri(f"s3://{bucket}/runs/bench", "data.train")
@@ -79,9 +110,8 @@ def _measure(bucket: str, count: int) -> dict:
 
     listings = []
     for _ in range(RESTARTS):
-        started = time.perf_counter()
-        listing = list_dataset(spec, "data.train")
-        listings.append(time.perf_counter() - started)
+        wall, _, _, listing = _timed(endpoint, lambda: list_dataset(spec, "data.train"))
+        listings.append(wall)
         assert len(listing) == count
 
     started = time.perf_counter()
@@ -89,22 +119,34 @@ def _measure(bucket: str, count: int) -> dict:
     footers_s = time.perf_counter() - started
     assert (first.stats.footers_read, first.spec.num_rows) == (count, count * ROWS)
     write_index(index_uri, first.index)
+    index = read_index(index_uri)
+    assert index is not None
+
+    ranged = []
+    for _ in range(RESTARTS):  # the listing a restart makes: in key ranges cut at the index's paths
+        wall, _, _, listing = _timed(endpoint, lambda: list_dataset(spec, "data.train", known=index.paths))
+        ranged.append(wall)
+        assert len(listing) == count
 
     restarts = []
     for _ in range(RESTARTS):
-        started = time.perf_counter()
-        again = start()
-        restarts.append(time.perf_counter() - started)
+        wall, cpu, server, again = _timed(endpoint, start)
+        restarts.append((wall, cpu, server))
         assert (again.stats.from_index, again.stats.footers_read) == (count, 0)
-    restart_s, listing_s = statistics.median(restarts), statistics.median(listings)
+    restart_s, listing_s = statistics.median(r[0] for r in restarts), statistics.median(listings)
+    servers = [r[2] for r in restarts if r[2] is not None]
     return {
         "files": count,
         "restart_with_index_s": restart_s,
         "start_reading_footers_s": footers_s,
         "listing_s": listing_s,
+        "listing_in_ranges_s": statistics.median(ranged),
         "pages": -(-count // 1000),
         # What the index adds to the listing: its GET, parsing it, matching the files, the checks.
-        "restart_beyond_listing_s": max(restart_s - listing_s, 0.0),
+        "restart_beyond_listing_s": max(restart_s - statistics.median(ranged), 0.0),
+        # Where a restart's time goes: this process's CPU (botocore's parsing, ours), the server's CPU.
+        "restart_client_cpu_s": statistics.median(r[1] for r in restarts),
+        "restart_server_cpu_s": statistics.median(servers) if servers else float("nan"),
     }
 
 
@@ -130,11 +172,13 @@ def restart_startup(file_counts=(1000, 20000), workdir=None) -> list[dict]:
                     started = time.perf_counter()
                     _upload(client, bucket, count)
                     print(f"# uploaded {count} files in {time.perf_counter() - started:.1f} s", flush=True)
-                    results.append(_measure(bucket, count))
+                    results.append(_measure(bucket, count, endpoint))
                     print(
-                        "files {files:>6}  listing {listing_s:7.3f} s ({pages} pages)  start reading footers "
-                        "{start_reading_footers_s:7.3f} s  restart with index {restart_with_index_s:7.3f} s "
-                        "(beyond the listing {restart_beyond_listing_s:6.3f} s)".format(**results[-1]),
+                        "files {files:>6}  listing {listing_s:7.3f} s ({pages} pages), in ranges "
+                        "{listing_in_ranges_s:7.3f} s  start reading footers {start_reading_footers_s:7.3f} s  "
+                        "restart with index {restart_with_index_s:7.3f} s (beyond the listing "
+                        "{restart_beyond_listing_s:6.3f} s; CPU: this process {restart_client_cpu_s:6.3f} s, "
+                        "the server {restart_server_cpu_s:6.3f} s)".format(**results[-1]),
                         flush=True,
                     )
                 return results
@@ -168,6 +212,33 @@ def ratio_lines(results: list[dict]) -> list[str]:
     ]
     lines.append(
         benchlib.ratio_line(f"listing_{many['files']}", many["listing_s"], f"listing_{few['files']}", few["listing_s"])
+    )
+    lines.append(
+        benchlib.ratio_line(
+            f"listing_in_ranges_{many['files']}",
+            many["listing_in_ranges_s"],
+            f"listing_in_ranges_{few['files']}",
+            few["listing_in_ranges_s"],
+        )
+    )
+    # The restart's own work, without the server's: this process's CPU seconds (it waits on the server otherwise).
+    lines.append(
+        benchlib.ratio_line(
+            f"restart_client_cpu_{many['files']}",
+            many["restart_client_cpu_s"],
+            f"restart_client_cpu_{few['files']}",
+            few["restart_client_cpu_s"],
+            "<= 3",
+            many["restart_client_cpu_s"] <= 3 * few["restart_client_cpu_s"],
+        )
+    )
+    lines.append(
+        benchlib.ratio_line(
+            f"restart_server_cpu_{many['files']}",
+            many["restart_server_cpu_s"],
+            f"restart_server_cpu_{few['files']}",
+            few["restart_server_cpu_s"],
+        )
     )
     for r in results:
         lines.append(
