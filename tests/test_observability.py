@@ -113,7 +113,7 @@ def test_background_writer_runs_the_newest_job_and_survives_a_failing_one(caplog
 
 def test_mlflow_without_a_tracking_server_is_refused_before_ray_starts(monkeypatch):
     from sdtrain.errors import ConfigError
-    from sdtrain.train.trackers import check_trackers
+    from sdtrain.train.tracker_driver import check_trackers
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     config = load_config(None, ["data.train=unused", "run.trackers=[tensorboard, mlflow]"])

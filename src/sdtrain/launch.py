@@ -37,7 +37,7 @@ from sdtrain.storage.s3 import resolved_s3_settings
 from sdtrain.storage.uris import absolute
 from sdtrain.train.failures import StopOnDeterministicErrors, failure_message
 from sdtrain.train.shards import PlannedShards, committed_run, read_data_state
-from sdtrain.train.trackers import check_trackers, log_export, tracker_env
+from sdtrain.train.tracker_driver import check_trackers, log_export, tracker_env
 from sdtrain.train.trainer import checkpoint_meta, resolve_precision
 from sdtrain.train.worker import train_loop_per_worker
 

@@ -10,11 +10,13 @@ then logs each step the tracker does not hold yet:
   purges the steps after S, which are logged again as they are re-done (the values metrics.csv shows).
 - MLflow holds what its server has; a re-done step it already holds keeps the first value.
 - W&B holds what its run files hold (offline) or its server's summary says (online); likewise.
+
+What the driver does with them (the checks before Ray, the settings it hands the workers, the export it attaches
+at the end) is in :mod:`sdtrain.train.tracker_driver`.
 """
 
 from __future__ import annotations
 
-import importlib
 import io
 import json
 import logging
@@ -30,8 +32,7 @@ from lightning.pytorch.loggers import Logger
 
 from sdtrain.artifacts.run_outputs import write_whole
 from sdtrain.config.schema import Config
-from sdtrain.errors import ConfigError
-from sdtrain.storage.filesystems import filesystem_for, local_copy
+from sdtrain.storage.filesystems import filesystem_for
 from sdtrain.storage.uris import is_uri
 from sdtrain.train.live import BackgroundWriter
 from sdtrain.train.sample_grids import SAMPLES_DIR
@@ -43,43 +44,6 @@ STATE_FILE = "trackers.json"
 HELD_KEY = "loss"  # in every report: the steps a tracker holds are those it has this metric at
 TENSORBOARD_DIR = "tensorboard"
 WANDB_DIR = "wandb"
-# Settings the driver's environment gives the trackers, handed to the workers (a cluster started
-# separately does not share it). Credentials are not among them: they belong in the cluster's environment.
-FORWARDED_ENV = ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "WANDB_MODE", "WANDB_ENTITY", "WANDB_BASE_URL")
-
-
-def tracker_env() -> dict[str, str]:
-    """The tracker settings of this process's environment, for :func:`apply_tracker_env` on a worker."""
-    return {key: os.environ[key] for key in FORWARDED_ENV if key in os.environ}
-
-
-def apply_tracker_env(env: Mapping[str, str]) -> None:
-    """Args: env: what :func:`tracker_env` returned on the driver."""
-    os.environ.update(env)
-    # W&B keeps the address of its service process in the environment, which Ray's workers inherit from
-    # the process that started the cluster: a worker sharing that service leaves its run open there when
-    # it is killed, and the restarted worker could not continue the run ("run ID is in use").
-    os.environ.pop("WANDB_SERVICE", None)
-
-
-def check_trackers(config: Config) -> None:
-    """Refuse run.trackers this process cannot serve, before any worker starts: a tracker's package
-    missing (the ``trackers`` extra), or MLflow without a tracking URI."""
-    modules = {"tensorboard": "lightning.pytorch.loggers.tensorboard", "mlflow": "mlflow", "wandb": "wandb"}
-    for name in config.run.trackers:
-        try:
-            importlib.import_module(modules[name])
-        except ImportError as error:
-            raise ConfigError(
-                f"run.trackers: {name} needs its package ({error}); install sdtrain's trackers extra "
-                "(pip install 'sdtrain[trackers]') or leave it out of run.trackers"
-            ) from None
-    if "mlflow" in config.run.trackers and not (
-        config.run.mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
-    ):
-        raise ConfigError(
-            "run.trackers: mlflow needs a tracking server: set run.mlflow_tracking_uri (or MLFLOW_TRACKING_URI)"
-        )
 
 
 def read_state(run_dir: str) -> dict[str, Any]:
@@ -97,7 +61,7 @@ def _write_state(run_dir: str, state: dict[str, Any]) -> None:
     write_whole(fs, path, json.dumps(state).encode())
 
 
-def _wandb_save_dir(run_dir: str) -> str:
+def wandb_save_dir(run_dir: str) -> str:
     # W&B writes its run files locally and syncs them itself: a local run directory holds them.
     if is_uri(run_dir):
         return tempfile.mkdtemp(prefix="sdtrain-wandb-")
@@ -286,7 +250,7 @@ def _build_logger(name: str, config: Config, run_dir: str, run_id: str | None, p
             name=config.run.name,
             id=run_id or generate_id(),
             resume="allow",
-            save_dir=_wandb_save_dir(run_dir),
+            save_dir=wandb_save_dir(run_dir),
             log_model=False,
         )
     raise ValueError(f"unknown tracker {name!r}")
@@ -298,42 +262,3 @@ def _run_id(name: str, logger: Any) -> str:
     if name == "mlflow":
         return str(logger.run_id)
     return str(logger.experiment.id)
-
-
-def log_export(config: Config, run_dir: str, export_uri: str) -> None:
-    """Attach the final export to the run's MLflow and W&B runs (MLflow: registered as a version of the
-    model run.mlflow_register_as when set); from the driver, after the export is written.
-
-    Args:
-        config: the run's config.
-        run_dir: the run's directory.
-        export_uri: the export directory (local or s3://).
-    """
-    ids = read_state(run_dir)["ids"]
-    local = local_copy(export_uri) if is_uri(export_uri) else export_uri
-    if "mlflow" in config.run.trackers and "mlflow" in ids:
-        import mlflow
-
-        client = mlflow.MlflowClient(config.run.mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI"))
-        client.log_artifacts(ids["mlflow"], local, artifact_path="export")
-        if config.run.mlflow_register_as:
-            name = config.run.mlflow_register_as
-            # A version of the run's export/ (diffusers files, not an MLflow "logged model" flavour).
-            if not client.search_registered_models(f"name='{name}'"):
-                client.create_registered_model(name)
-            source = f"{client.get_run(ids['mlflow']).info.artifact_uri}/export"
-            version = client.create_model_version(name, source, run_id=ids["mlflow"])
-            print(f"[sdtrain] registered the export as MLflow model {name} version {version.version}", flush=True)
-    if "wandb" in config.run.trackers and "wandb" in ids:
-        import wandb
-
-        run = wandb.init(
-            project=config.run.wandb_project,
-            id=ids["wandb"],
-            resume="allow",
-            dir=_wandb_save_dir(run_dir),
-        )
-        artifact = wandb.Artifact(f"{config.run.name}-export", type="model")
-        artifact.add_dir(local)
-        run.log_artifact(artifact)
-        run.finish()

@@ -34,7 +34,7 @@ from sdtrain.train.preemption import PreemptionCheck
 from sdtrain.train.reporting import StepReporter, log
 from sdtrain.train.run_view import RunView
 from sdtrain.train.sample_grids import SampleGrids, grid_captions
-from sdtrain.train.trackers import apply_tracker_env
+from sdtrain.train.tracker_driver import apply_tracker_env
 from sdtrain.train.trainer import build_training
 from sdtrain.train.validation import Validation
 from sdtrain.train.watchdog import Phase, StallWatch, StallWatchdog
