@@ -20,7 +20,7 @@ from sdtrain.data.inspection import inspect_dataset
 from sdtrain.data.pacing import ROUND_S, PacedScheduling
 from sdtrain.data.read_order import DataState, SamplePlan
 from sdtrain.data.streams import WindowReader, file_order_dataset, rank_dataset
-from sdtrain.train.worker import TrainStream
+from sdtrain.train.train_stream import TrainStream
 
 pytestmark = pytest.mark.slow  # Ray Data streams on a local Ray cluster
 
