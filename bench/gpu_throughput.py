@@ -151,11 +151,12 @@ def fitting_batch(preset: str, px: int, use_gpu: bool):
 
 def measure(preset: str, px: int, variant: str, batch: int, steps: int, warmup: int, use_gpu: bool) -> dict:
     import torch
+    from step_timer import StepTimer
 
     from sdtrain.config.loader import load_config
     from sdtrain.model.flops import unet_train_step_flops
     from sdtrain.model.unet import unet_config
-    from sdtrain.train.trainer import StepTimer, checkpoint_meta, fit_without_ray
+    from sdtrain.train.trainer import checkpoint_meta, fit_without_ray
 
     config = load_config(
         None,

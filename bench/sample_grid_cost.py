@@ -30,13 +30,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchlib  # noqa: E402
+from step_timer import StepTimer  # noqa: E402
 
 from sdtrain.artifacts.run_outputs import LossLabels  # noqa: E402
 from sdtrain.config.loader import load_config  # noqa: E402
 from sdtrain.sample.captions import Captions  # noqa: E402
 from sdtrain.train.live import LiveOutputs  # noqa: E402
 from sdtrain.train.sample_grids import SampleGrids  # noqa: E402
-from sdtrain.train.trainer import StepTimer, checkpoint_meta, fit_without_ray  # noqa: E402
+from sdtrain.train.trainer import checkpoint_meta, fit_without_ray  # noqa: E402
 
 TARGET = 0.03  # "at most a few percent" of the training loop
 

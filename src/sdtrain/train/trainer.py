@@ -9,7 +9,6 @@ code a Ray worker runs on a machine where Ray cannot be installed.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -131,39 +130,6 @@ def build_training(
         num_sanity_val_steps=0,
     )
     return module, trainer_kwargs
-
-
-class StepTimer(pl.Callback):
-    """Wall time of each optimizer step after the first ``warmup`` (compilation, autotuning), and
-    the GPU's peak memory: what bench/gpu_throughput.py reports. Synchronizes the device at the
-    clock's start and end only."""
-
-    def __init__(self, warmup: int):
-        self.warmup = warmup
-        self.seconds = float("nan")
-        self.timed_steps = 0
-        self.peak_memory = 0
-        self._start: float | None = None
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if trainer.global_step == self.warmup and self._start is None:
-            _synchronize(pl_module.device)
-            if pl_module.device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(pl_module.device)
-            self._start = time.perf_counter()
-
-    def on_train_end(self, trainer, pl_module) -> None:
-        _synchronize(pl_module.device)
-        if self._start is not None:
-            self.seconds = time.perf_counter() - self._start
-            self.timed_steps = trainer.global_step - self.warmup
-        if pl_module.device.type == "cuda":
-            self.peak_memory = torch.cuda.max_memory_allocated(pl_module.device)
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def fit_without_ray(
