@@ -20,6 +20,7 @@ def _run(args, tmp_path, timeout):
     return subprocess.run(TRAIN + args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_help_lists_every_key(tmp_path):
     result = _run(["--help"], tmp_path, timeout=50)
@@ -36,6 +37,7 @@ def test_help_lists_every_key(tmp_path):
         assert key in result.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
     "args, message",
@@ -56,6 +58,7 @@ def test_bad_input_exits_2_with_one_paragraph(tmp_path, args, message):
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_retrain_entrypoint_checks_its_input_before_anything_runs(tmp_path):
     retrain = [sys.executable, str(REPO / "entrypoints" / "retrain.py")]

@@ -192,6 +192,7 @@ def _generate(args, tmp_path):
     return result
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_generate_end_to_end_writes_a_grid_per_class(trained, tmp_path):
     out = tmp_path / "samples"
@@ -270,6 +271,7 @@ def test_generate_end_to_end_writes_a_grid_per_class(trained, tmp_path):
     assert (out / "grid.png").is_file() and np.load(out / "latents.npy").shape == (2, 2, 4, 16, 16)
 
 
+@pytest.mark.slow
 def test_generate_rejects_bad_input_in_one_line(trained, tmp_path):
     np.save(tmp_path / "wide.npy", np.zeros((77, 64), np.float32))
     result = subprocess.run(
@@ -302,9 +304,10 @@ def _grid_png(colour: str) -> bytes:
 def test_a_pipeline_exports_card_shows_the_latest_training_grid_or_one_rendered_at_export(trained, tmp_path):
     """Data that names its VAE and text encoder makes the export a pipeline; its card shows sample_grid.png:
     training's latest grid at or before the exported step, else one the pipeline draws from the data's captions."""
-    from sdtrain.artifacts.export import SAMPLE_GRID_FILE, write_export
+    from sdtrain.artifacts.export import write_export
     from sdtrain.preprocess.outputs import SCALING_KEY, TEXT_ENCODER_KEY, VAE_KEY, shard_table, write_shard
     from sdtrain.preprocess.tiny_models import write_tiny_sd_model
+    from sdtrain.storage.run_layout import EXPORT_SAMPLE_GRID_FILE as SAMPLE_GRID_FILE
 
     model = write_tiny_sd_model(str(tmp_path / "tiny-sd"))
     rng = np.random.default_rng(0)

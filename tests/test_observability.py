@@ -20,11 +20,12 @@ import pyarrow.fs as pafs
 import pytest
 from conftest import committed_checkpoints, free_ports
 
-from sdtrain.artifacts.run_outputs import LOSS_CURVE_FILE, METRICS_FILE, LossLabels
+from sdtrain.artifacts.run_outputs import LossLabels
 from sdtrain.config.loader import load_config
 from sdtrain.storage.filesystems import filesystem_for
+from sdtrain.storage.run_layout import LOSS_CURVE_FILE, METRICS_FILE, SAMPLES_DIR, TENSORBOARD_DIR, TRACKERS_FILE
 from sdtrain.train.live import BackgroundWriter, LiveOutputs
-from sdtrain.train.trackers import STATE_FILE, TENSORBOARD_DIR, Trackers, read_state
+from sdtrain.train.trackers import Trackers, read_state
 from sdtrain.train.wandb_files import read_run_file, run_files
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -67,6 +68,7 @@ def test_live_files_on_object_storage(s3_bucket):
     assert fs.get_file_info(f"{path}/{LOSS_CURVE_FILE}").type == pafs.FileType.File
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_tensorboard_on_object_storage(s3_bucket, tmp_path):
     """The default tracker with run.storage_path on s3://: TensorBoard cannot write there itself (it would
@@ -148,8 +150,6 @@ def test_trackers_hold_each_step_once_across_a_restart(tmp_path, monkeypatch):
     import numpy as np
     from PIL import Image
 
-    from sdtrain.train.sample_grids import SAMPLES_DIR
-
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     run_dir = tmp_path / "runs" / "tracked"
@@ -207,7 +207,7 @@ def test_trackers_hold_each_step_once_across_a_restart(tmp_path, monkeypatch):
         (8, 1.25),
     ]
     assert [step for step, row in rows if "samples/_type" in row] == [4, 6, 8]
-    assert (run_dir / STATE_FILE).exists()
+    assert (run_dir / TRACKERS_FILE).exists()
 
 
 def cut_wandb_file_after(run_dir: Path, run_id: str, step: int) -> None:
@@ -338,7 +338,6 @@ def test_a_killed_and_resumed_run_shows_each_step_once_everywhere(
     from conftest import write_latents
 
     from sdtrain.launch import train
-    from sdtrain.train.sample_grids import SAMPLES_DIR
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")

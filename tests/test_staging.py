@@ -25,6 +25,7 @@ def test_each_rank_of_each_run_gets_an_emptied_directory_under_run_staging_dir(t
     assert worker_scratch(RunConfig(name="a"), "s3://b/runs/a", 0).startswith(os.path.join(os.sep, "tmp"))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_a_checkpoint_in_object_storage_is_copied_once_and_dropped_after_the_restore(s3_bucket, tmp_path):
     source = tmp_path / "checkpoint_000000004"

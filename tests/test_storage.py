@@ -93,6 +93,7 @@ def test_storage_config_is_validated():
         _config("data.train=x", "storage.max_attempts=0")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_storage_endpoint_url_beats_the_environment(s3_bucket, monkeypatch, tmp_path):
     latents, _ = _upload(tmp_path, "data/part.parquet", rows=3)
@@ -106,6 +107,7 @@ def test_storage_endpoint_url_beats_the_environment(s3_bucket, monkeypatch, tmp_
     assert np.asarray(table["image_latents_256"][0].values).tolist() == latents[0].ravel().tolist()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_each_uri_is_checked_once_per_process(s3_bucket, tmp_path):
     """Retraining checks its roots and then its training run's URIs: a URI this process found usable is not probed
@@ -125,6 +127,7 @@ def test_each_uri_is_checked_once_per_process(s3_bucket, tmp_path):
 # --- data in a bucket -------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_s3_files_prefixes_globs_and_lists(s3_bucket, tmp_path):
     for i, key in enumerate(
@@ -142,6 +145,7 @@ def test_s3_files_prefixes_globs_and_lists(s3_bucket, tmp_path):
 # --- each pre-flight error: the key, the URI, what went wrong, the fix --------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_bucket_missing(s3_bucket):
     _expect(
@@ -160,6 +164,7 @@ def test_bucket_missing(s3_bucket):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_prefix_empty(s3_bucket, tmp_path):
     _upload(tmp_path, "data/part.parquet")
@@ -174,6 +179,7 @@ def test_prefix_empty(s3_bucket, tmp_path):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_no_credentials(s3_bucket, monkeypatch, tmp_path):
     for var in (
@@ -201,6 +207,7 @@ def test_no_credentials(s3_bucket, monkeypatch, tmp_path):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_rejected_credentials(s3_auth, monkeypatch):
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIANOTAREALKEY00000")
@@ -214,6 +221,7 @@ def test_rejected_credentials(s3_auth, monkeypatch):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_access_denied_to_read_and_to_write(s3_auth, monkeypatch):
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3_auth.keys["nobody"][0])
@@ -310,6 +318,7 @@ def flaky_proxy(s3_bucket, tmp_path):
         proxy.wait(timeout=10)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
     "mode, pyarrow_error",
@@ -362,6 +371,7 @@ def test_transient_faults_are_retried_and_fail_clearly_without_retries(
 # --- secrets ---------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_no_secret_in_config_dumps_or_the_model_registry(s3_bucket, monkeypatch, tmp_path):
     import torch
@@ -397,6 +407,7 @@ def test_no_secret_in_config_dumps_or_the_model_registry(s3_bucket, monkeypatch,
 # --- where the checks run --------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_retrain_checks_its_roots_before_reading_anything(s3_bucket, tmp_path):
     import datetime
@@ -417,6 +428,7 @@ def test_retrain_checks_its_roots_before_reading_anything(s3_bucket, tmp_path):
         retrain(config, datetime.date(2026, 11, 1))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_the_train_entrypoint_stops_before_ray_starts(s3_bucket, tmp_path):
     start = time.monotonic()
@@ -447,6 +459,7 @@ def test_the_train_entrypoint_stops_before_ray_starts(s3_bucket, tmp_path):
     assert elapsed < 60
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_storage_failure_mid_run_is_neither_a_damaged_file_nor_skipped(flaky_proxy, s3_bucket, tmp_path):
     from sdtrain.config.schema import DataConfig
