@@ -34,10 +34,10 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 
-from sdtrain.artifacts.checkpoint_format import HISTORY_FILE, SAMPLES_FILE
 from sdtrain.config.loader import load_config
 from sdtrain.data.parquet_files import resolve_parquet_files
 from sdtrain.launch import train
+from sdtrain.storage.run_layout import HISTORY_FILE, SAMPLES_FILE
 
 CHECKPOINT_EVERY = 4
 BATCH = 8

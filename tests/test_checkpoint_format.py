@@ -4,11 +4,12 @@ tested where checkpoints are written: test_module, test_recipe, test_export_gene
 import pytest
 import torch
 
-from sdtrain.artifacts.checkpoint_format import CHECKPOINT_FILE, CHECKPOINT_META_KEY, CheckpointMeta
+from sdtrain.artifacts.checkpoint_format import CHECKPOINT_META_KEY, CheckpointMeta
 from sdtrain.artifacts.loading import load_model
 from sdtrain.config.schema import Config, ModelConfig
 from sdtrain.errors import SdtrainError
 from sdtrain.model.unet import noise_scheduler_config, unet_config
+from sdtrain.storage.run_layout import CHECKPOINT_FILE
 from sdtrain.train.trainer import checkpoint_meta
 
 

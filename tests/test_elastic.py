@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from conftest import committed_checkpoints, rows_by_step, write_latents
 
-from sdtrain.artifacts.checkpoint_format import HISTORY_FILE, SAMPLES_FILE
 from sdtrain.config.loader import load_config
 from sdtrain.launch import train
+from sdtrain.storage.run_layout import HISTORY_FILE, SAMPLES_FILE
 
 pytestmark = pytest.mark.slow  # a Ray cluster of three raylets and three worker groups, one after another
 

@@ -13,13 +13,13 @@ import pytest
 import torch
 from conftest import committed_checkpoints, corrupt_row_group, rows_by_step, write_latents
 
-from sdtrain.artifacts.checkpoint_format import CHECKPOINT_FILE, DATA_STATE_FILE, HISTORY_FILE, SAMPLES_FILE
 from sdtrain.artifacts.loading import load_model, read_checkpoint
 from sdtrain.config.loader import load_config
 from sdtrain.data.decode import decode_batch
 from sdtrain.errors import DataError, TrainingFailed
 from sdtrain.launch import train
 from sdtrain.model.validation import validation_loss
+from sdtrain.storage.run_layout import CHECKPOINT_FILE, DATA_STATE_FILE, HISTORY_FILE, SAMPLES_FILE
 
 pytestmark = pytest.mark.slow  # each test runs Ray Train on a local Ray cluster
 

@@ -19,7 +19,7 @@ import ray
 import ray.train
 from ray.train.torch import TorchTrainer
 
-from sdtrain.artifacts.export import EXPORT_DIR, export_checkpoint, export_source
+from sdtrain.artifacts.export import export_checkpoint, export_source
 from sdtrain.artifacts.run_outputs import LossLabels, read_history, write_run_outputs
 from sdtrain.config.schema import Config, ScalingConfig
 from sdtrain.data.dataset_index import IndexedDataset, index_dataset, run_index_uri, write_index
@@ -33,6 +33,7 @@ from sdtrain.model.recipe import load_unconditional_caption, stored_latent_scali
 from sdtrain.model.unet import check_unet, unet_config
 from sdtrain.preflight import preflight
 from sdtrain.storage.filesystems import ray_storage, set_aside, uri_for
+from sdtrain.storage.run_layout import EXPORT_DIR
 from sdtrain.storage.s3 import resolved_s3_settings
 from sdtrain.storage.uris import absolute
 from sdtrain.train.failures import StopOnDeterministicErrors, failure_message

@@ -20,19 +20,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-CHECKPOINT_FILE = "checkpoint.ckpt"
-# The metric rows reported up to the checkpoint's step: the run's curve, readable without the weights.
-HISTORY_FILE = "history.json"
-# The step and the data position after it (sdtrain.data.read_order.DataState): where the data stream resumes.
-DATA_STATE_FILE = "data_state.json"
-# With run.record_samples: (world size, rows) sample indices trained on since the previous checkpoint.
-SAMPLES_FILE = "samples.npy"
 # The key of checkpoint.ckpt's top-level dict that holds CheckpointMeta.to_dict().
 CHECKPOINT_META_KEY = "sdtrain"
-
-
-def checkpoint_dir_name(step: int) -> str:
-    return f"checkpoint_{step:09d}"
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,6 @@ import io
 import json
 import os
 import posixpath
-import re
 import tempfile
 from typing import Any
 
@@ -38,17 +37,21 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from sdtrain import __version__
-from sdtrain.artifacts.checkpoint_format import HISTORY_FILE
-from sdtrain.artifacts.loading import EXPORT_INFO_FILE, UNCONDITIONAL_FILE, LoadedModel, Weights, is_export, load_model
+from sdtrain.artifacts.loading import LoadedModel, Weights, is_export, load_model
 from sdtrain.data.parquet_files import resolve_parquet_files
 from sdtrain.errors import SdtrainError
 from sdtrain.preprocess.outputs import EncoderSources, encoder_sources
 from sdtrain.storage.filesystems import filesystem_for
+from sdtrain.storage.run_layout import (
+    EXPORT_INFO_FILE,
+    EXPORT_SAMPLE_GRID_FILE,
+    HISTORY_FILE,
+    SAMPLE_GRID_STEP,
+    SAMPLES_DIR,
+    UNCONDITIONAL_FILE,
+)
 
-EXPORT_DIR = "export"
-SAMPLE_GRID_FILE = "sample_grid.png"
 # sdtrain.train.sample_grids writes run_dir/samples/step_<N>.png (this layer cannot import it).
-_TRAINING_GRID = re.compile(r"step_(\d+)\.png")
 # A grid rendered at export (the run drew none): this many captions of the data, sampled in this many steps.
 RENDER_PROMPTS = 4
 RENDER_STEPS = 20
@@ -141,7 +144,7 @@ def _write_pipeline(loaded: LoadedModel, sources: EncoderSources, local: str) ->
     pipeline.save_pretrained(local, safe_serialization=True)
     grid = training_grid(loaded) or _render_grid(loaded, pipeline)
     if grid is not None:
-        with open(os.path.join(local, SAMPLE_GRID_FILE), "wb") as f:
+        with open(os.path.join(local, EXPORT_SAMPLE_GRID_FILE), "wb") as f:
             f.write(grid[0])
     _write_model_card(loaded, sources, os.path.join(local, "README.md"), grid[1] if grid else None)
 
@@ -155,16 +158,16 @@ def training_grid(loaded: LoadedModel) -> tuple[bytes, str] | None:
     """
     fs, root = filesystem_for(loaded.source)
     if loaded.meta is None:  # an export: keep its grid
-        path = posixpath.join(root, SAMPLE_GRID_FILE)
+        path = posixpath.join(root, EXPORT_SAMPLE_GRID_FILE)
         if not _is_file(fs, path):
             return None
         with fs.open_input_stream(path) as f:
             return f.read(), f"The sample grid of the export this one was written from (`{loaded.source}`)."
     checkpoint_dir = posixpath.dirname(root) if _is_file(fs, root) else root.rstrip("/")
-    samples = posixpath.join(posixpath.dirname(checkpoint_dir), "samples")
+    samples = posixpath.join(posixpath.dirname(checkpoint_dir), SAMPLES_DIR)
     steps = {}
     for info in fs.get_file_info(pafs.FileSelector(samples, allow_not_found=True)):
-        match = _TRAINING_GRID.fullmatch(posixpath.basename(info.path))
+        match = SAMPLE_GRID_STEP.fullmatch(posixpath.basename(info.path))
         if match and info.type == pafs.FileType.File:
             steps[int(match.group(1))] = info.path
     # A grid drawn after the exported step shows other weights.
@@ -260,7 +263,7 @@ def _write_model_card(loaded: LoadedModel, sources: EncoderSources, path: str, g
         f"- Source checkpoint: `{loaded.source}`",
     ]
     if grid is not None:
-        lines += ["", f"![Samples]({SAMPLE_GRID_FILE})", "", grid]
+        lines += ["", f"![Samples]({EXPORT_SAMPLE_GRID_FILE})", "", grid]
     # diffusers' training-script card, from its template: load_or_create_model_card would first look the
     # card up on the Hub, which an export must not depend on.
     card = ModelCard.from_template(

@@ -21,16 +21,15 @@ import pyarrow.fs as pafs
 import torch
 from diffusers import DDPMScheduler, UNet2DConditionModel
 
-from sdtrain.artifacts.checkpoint_format import CHECKPOINT_FILE, CHECKPOINT_META_KEY, CheckpointMeta
+from sdtrain.artifacts.checkpoint_format import CHECKPOINT_META_KEY, CheckpointMeta
 from sdtrain.errors import SdtrainError
 from sdtrain.model.unet import build_noise_scheduler
 from sdtrain.storage.filesystems import filesystem_for, local_copy, ray_storage, uri_for
+from sdtrain.storage.run_layout import CHECKPOINT_FILE, EXPORT_INFO_FILE, UNCONDITIONAL_FILE
 from sdtrain.storage.uris import is_uri
 
 Weights = Literal["auto", "ema", "raw"]
 # An export's files besides unet/ and scheduler/ (written by sdtrain.artifacts.export).
-EXPORT_INFO_FILE = "sdtrain.json"
-UNCONDITIONAL_FILE = "unconditional_caption.npy"
 
 
 @dataclass

@@ -14,10 +14,7 @@ from dataclasses import dataclass
 
 import pyarrow.fs as pafs
 
-from sdtrain.artifacts.checkpoint_format import HISTORY_FILE
-
-METRICS_FILE = "metrics.csv"
-LOSS_CURVE_FILE = "loss_curve.png"
+from sdtrain.storage.run_layout import HISTORY_FILE, LOSS_CURVE_FILE, METRICS_FILE
 
 
 def read_history(checkpoint) -> list[dict[str, float]]:

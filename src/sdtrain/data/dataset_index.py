@@ -45,10 +45,10 @@ from sdtrain.data.listing import (
 )
 from sdtrain.errors import DataError
 from sdtrain.storage.filesystems import filesystem_for, write_bytes
+from sdtrain.storage.run_layout import DATASET_INDEX_DIR
 from sdtrain.storage.uris import is_uri, split_s3
 
 INDEX_FORMAT = 1
-RUN_INDEX_DIR = "dataset_index"
 _META = b"sdtrain.dataset_index"
 _SCHEMA = b"sdtrain.dataset_index.schema"
 
@@ -166,7 +166,7 @@ def _read_object(uri: str) -> bytes | None:
 def run_index_uri(run_dir: str, key: str) -> str:
     """Where a run keeps the index of ``key`` (data.train, data.val): ``<run dir>/dataset_index/<train>.parquet``."""
     name = f"{key.rsplit('.', 1)[-1]}.parquet"
-    return _join(run_dir, RUN_INDEX_DIR, name)
+    return _join(run_dir, DATASET_INDEX_DIR, name)
 
 
 def _join(root: str, *parts: str) -> str:

@@ -23,15 +23,15 @@ import numpy as np
 import pyarrow.fs as pafs
 import ray.train
 
-from sdtrain.artifacts.checkpoint_format import (
+from sdtrain.config.schema import RunConfig
+from sdtrain.data.read_order import DataState
+from sdtrain.storage.run_layout import (
     CHECKPOINT_FILE,
     DATA_STATE_FILE,
     HISTORY_FILE,
     SAMPLES_FILE,
     checkpoint_dir_name,
 )
-from sdtrain.config.schema import RunConfig
-from sdtrain.data.read_order import DataState
 
 _UPLOAD_MODES = {"async": ray.train.CheckpointUploadMode.ASYNC, "sync": ray.train.CheckpointUploadMode.SYNC}
 

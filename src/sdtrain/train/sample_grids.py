@@ -21,10 +21,9 @@ from sdtrain.sample.captions import Captions, read_captions
 from sdtrain.sample.images import channels_preview, digits_preview, grid_image
 from sdtrain.sample.sampler import sample_latents
 from sdtrain.storage.filesystems import filesystem_for
+from sdtrain.storage.run_layout import SAMPLES_DIR, sample_grid_file
 
 log = logging.getLogger("sdtrain")
-
-SAMPLES_DIR = "samples"
 
 
 @dataclass
@@ -114,7 +113,7 @@ class SampleGrids:
             agreement = float(class_agreement(latents, np.repeat(self.labels, columns))["class_agreement"])
         buffer = io.BytesIO()
         picture.save(buffer, format="PNG")
-        path = posixpath.join(self.dir, f"step_{step}.png")
+        path = posixpath.join(self.dir, sample_grid_file(step))
         write_whole(self.filesystem, path, buffer.getvalue())
         return Grid(np.asarray(picture.convert("RGB")), path, time.perf_counter() - started, agreement)
 

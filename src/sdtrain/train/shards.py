@@ -18,12 +18,12 @@ import ray.train
 from ray.train.v2._internal.constants import CHECKPOINT_MANAGER_SNAPSHOT_FILENAME
 from ray.train.v2._internal.exceptions import CheckpointManagerInitializationError
 
-from sdtrain.artifacts.checkpoint_format import DATA_STATE_FILE
 from sdtrain.config.schema import Config
 from sdtrain.data.read_order import DataState, resume_position
 from sdtrain.data.streams import WindowReader, rank_dataset
 from sdtrain.errors import SdtrainError
 from sdtrain.storage.filesystems import ray_storage
+from sdtrain.storage.run_layout import DATA_STATE_FILE
 
 
 class PlannedShards(ray.train.DataConfig):

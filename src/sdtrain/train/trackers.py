@@ -33,22 +33,19 @@ from lightning.pytorch.loggers import Logger
 from sdtrain.artifacts.run_outputs import write_whole
 from sdtrain.config.schema import Config
 from sdtrain.storage.filesystems import filesystem_for
+from sdtrain.storage.run_layout import SAMPLES_DIR, TENSORBOARD_DIR, TRACKERS_FILE, sample_grid_file
 from sdtrain.storage.uris import is_uri
 from sdtrain.train.live import BackgroundWriter
-from sdtrain.train.sample_grids import SAMPLES_DIR
 from sdtrain.train.wandb_files import STEP_KEY, run_files
 
 log = logging.getLogger("sdtrain")
 
-STATE_FILE = "trackers.json"
 HELD_KEY = "loss"  # in every report: the steps a tracker holds are those it has this metric at
-TENSORBOARD_DIR = "tensorboard"
-WANDB_DIR = "wandb"
 
 
 def read_state(run_dir: str) -> dict[str, Any]:
     """The run's tracker state: ``ids`` (tracker -> run id) and ``logged_through`` (the last step logged)."""
-    fs, path = filesystem_for(posixpath.join(run_dir, STATE_FILE))
+    fs, path = filesystem_for(posixpath.join(run_dir, TRACKERS_FILE))
     try:
         with fs.open_input_stream(path) as f:
             return json.loads(f.read())
@@ -57,7 +54,7 @@ def read_state(run_dir: str) -> dict[str, Any]:
 
 
 def _write_state(run_dir: str, state: dict[str, Any]) -> None:
-    fs, path = filesystem_for(posixpath.join(run_dir, STATE_FILE))
+    fs, path = filesystem_for(posixpath.join(run_dir, TRACKERS_FILE))
     write_whole(fs, path, json.dumps(state).encode())
 
 
@@ -212,7 +209,7 @@ class Trackers:
 def _saved_grid(run_dir: str, step: int) -> np.ndarray | None:
     from PIL import Image
 
-    fs, path = filesystem_for(posixpath.join(run_dir, SAMPLES_DIR, f"step_{step}.png"))
+    fs, path = filesystem_for(posixpath.join(run_dir, SAMPLES_DIR, sample_grid_file(step)))
     try:
         with fs.open_input_stream(path) as f:
             return np.asarray(Image.open(io.BytesIO(f.read())).convert("RGB"))

@@ -17,10 +17,10 @@ import ray.train.torch
 import torch
 from ray.train.lightning import RayDDPStrategy, prepare_trainer
 
-from sdtrain.artifacts.checkpoint_format import CHECKPOINT_FILE, DATA_STATE_FILE, HISTORY_FILE
 from sdtrain.config.schema import BatchLayout, Config
 from sdtrain.data.read_order import DataState, SamplePlan, resume_position
 from sdtrain.model.recipe import load_unconditional_caption
+from sdtrain.storage.run_layout import CHECKPOINT_FILE, DATA_STATE_FILE, HISTORY_FILE
 from sdtrain.storage.s3 import apply_s3_settings
 from sdtrain.train.cadence import ReportCadence
 from sdtrain.train.checkpointing import CheckpointWriter, DropRestoreCopy, restored_directory, worker_scratch

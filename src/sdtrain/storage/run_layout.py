@@ -1,0 +1,52 @@
+"""The names inside a run directory (run.storage_path/run.name), its checkpoints and its export: their one owner.
+
+<run dir>/
+    checkpoint_<step>/      Ray Train's, committed and pruned by it: CHECKPOINT_FILE, HISTORY_FILE,
+                            DATA_STATE_FILE and, with run.record_samples, SAMPLES_FILE
+    dataset_index/          the run's dataset index: train.parquet, val.parquet
+    metrics.csv, loss_curve.png
+    samples/step_<N>.png    the sample grids
+    trackers.json, tensorboard/, wandb/
+    export/                 the diffusers pipeline: unet/, scheduler/, EXPORT_INFO_FILE, the grid, the empty prompt
+"""
+
+from __future__ import annotations
+
+import re
+
+# --- the run directory
+METRICS_FILE = "metrics.csv"
+LOSS_CURVE_FILE = "loss_curve.png"
+EXPORT_DIR = "export"
+SAMPLES_DIR = "samples"
+TRACKERS_FILE = "trackers.json"
+"""The run's tracker run ids and the last step logged (sdtrain.train.trackers)."""
+TENSORBOARD_DIR = "tensorboard"
+WANDB_DIR = "wandb"
+DATASET_INDEX_DIR = "dataset_index"
+SAMPLE_GRID_STEP = re.compile(r"step_(\d+)\.png")
+"""A sample grid's file name in SAMPLES_DIR, its step the group."""
+
+
+def sample_grid_file(step: int) -> str:
+    return f"step_{step}.png"
+
+
+# --- a checkpoint
+def checkpoint_dir_name(step: int) -> str:
+    return f"checkpoint_{step:09d}"
+
+
+CHECKPOINT_FILE = "checkpoint.ckpt"
+HISTORY_FILE = "history.json"
+"""The metric rows reported up to the checkpoint's step: the run's curve, readable without the weights."""
+DATA_STATE_FILE = "data_state.json"
+"""The step and the data position after it (sdtrain.data.read_order.DataState): where the data stream resumes."""
+SAMPLES_FILE = "samples.npy"
+"""With run.record_samples: (world size, rows) sample indices trained on since the previous checkpoint."""
+
+# --- an export (and a preprocessing output: the empty prompt's embedding)
+EXPORT_INFO_FILE = "sdtrain.json"
+EXPORT_SAMPLE_GRID_FILE = "sample_grid.png"
+UNCONDITIONAL_FILE = "unconditional_caption.npy"
+"""The empty prompt's caption embedding, beside an export and a preprocessing output."""
