@@ -34,7 +34,7 @@ from step_timer import StepTimer  # noqa: E402
 
 from sdtrain.artifacts.run_outputs import LossLabels  # noqa: E402
 from sdtrain.config.loader import load_config  # noqa: E402
-from sdtrain.sample.captions import Captions  # noqa: E402
+from sdtrain.sampling.captions import Captions  # noqa: E402
 from sdtrain.train.live import LiveOutputs  # noqa: E402
 from sdtrain.train.sample_grids import SampleGrids  # noqa: E402
 from sdtrain.train.trainer import checkpoint_meta, fit_without_ray  # noqa: E402

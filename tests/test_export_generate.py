@@ -26,7 +26,7 @@ from sdtrain.data.inspection import inspect_dataset
 from sdtrain.data.local_read import iter_local_batches
 from sdtrain.data.parquet_files import resolve_parquet_files
 from sdtrain.model.unet import build_unet, noise_scheduler_config, unet_config
-from sdtrain.sample.sampler import guided_prediction, sample_latents
+from sdtrain.sampling.sampler import guided_prediction, sample_latents
 from sdtrain.train.module import DiffusionModule
 
 GENERATE = [sys.executable, str(REPO / "entrypoints" / "generate.py")]

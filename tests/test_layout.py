@@ -8,7 +8,7 @@ import sdtrain
 
 ROOT = Path(sdtrain.__file__).parent
 # In data-flow order; the driver (launch, cli, preflight, retrain) sits on top of everything.
-LAYERS = ["errors", "storage", "config", "data", "preprocess", "model", "artifacts", "sample", "train"]
+LAYERS = ["errors", "storage", "config", "data", "preprocess", "model", "artifacts", "sampling", "train"]
 DRIVER = len(LAYERS)
 
 

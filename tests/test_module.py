@@ -164,7 +164,7 @@ def test_clip_sample_stays_off_whatever_a_scheduler_config_says(tmp_path):
     """DDPMScheduler's default clip_sample=True (taken when a config omits the key) clips predicted
     latents to [-1, 1] and wrecks samples: training, stored configs and samplers all keep it off."""
     from sdtrain.model.unet import build_noise_scheduler
-    from sdtrain.sample.sampler import make_sampler
+    from sdtrain.sampling.sampler import make_sampler
 
     DDPMScheduler(clip_sample=True).save_pretrained(tmp_path / "on" / "scheduler")
     (tmp_path / "omitted" / "scheduler").mkdir(parents=True)

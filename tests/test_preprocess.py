@@ -564,7 +564,7 @@ def test_inputs_model_and_output_on_s3_resumed_and_trained_on(tmp_path, tiny_mod
     from sdtrain.data.parquet_files import resolve_parquet_files
     from sdtrain.launch import train
     from sdtrain.preprocess.job import run_preprocess
-    from sdtrain.sample.generate import GenerateRequest, generate
+    from sdtrain.sampling.generate import GenerateRequest, generate
 
     s3 = boto3.client("s3")
     _upload(s3, Path(tiny_model), "models/tiny-sd")

@@ -113,8 +113,8 @@ def preprocess_main(argv: Sequence[str] | None, default_config: Path) -> int:
 
 def generate_main(argv=None) -> int:
     """The command line of entrypoints/generate.py; exit code 0 on success, 2 for bad input."""
-    from sdtrain.sample.generate import GenerateRequest, generate
-    from sdtrain.sample.sampler import SAMPLERS
+    from sdtrain.sampling.generate import GenerateRequest, generate
+    from sdtrain.sampling.sampler import SAMPLERS
 
     parser = argparse.ArgumentParser(
         prog="generate.py",
@@ -200,7 +200,7 @@ def generate_main(argv=None) -> int:
             return 0
         prompts = list(args.prompt)
         if args.prompts_file:
-            from sdtrain.sample.prompts import read_prompts_file
+            from sdtrain.sampling.prompts import read_prompts_file
 
             prompts += read_prompts_file(args.prompts_file)
         if not args.captions and not prompts:

@@ -17,9 +17,9 @@ from sdtrain.artifacts.checkpoint_format import CheckpointMeta
 from sdtrain.artifacts.run_outputs import write_whole
 from sdtrain.config.schema import Config
 from sdtrain.errors import ConfigError
-from sdtrain.sample.captions import Captions, read_captions
-from sdtrain.sample.images import channels_preview, digits_preview, grid_image
-from sdtrain.sample.sampler import sample_latents
+from sdtrain.sampling.captions import Captions, read_captions
+from sdtrain.sampling.images import channels_preview, digits_preview, grid_image
+from sdtrain.sampling.sampler import sample_latents
 from sdtrain.storage.filesystems import filesystem_for
 from sdtrain.storage.run_layout import SAMPLES_DIR, sample_grid_file
 

@@ -7,7 +7,7 @@ from sdtrain.artifacts.export import model_sources
 from sdtrain.artifacts.loading import LoadedModel
 from sdtrain.errors import DataError
 from sdtrain.preprocess.outputs import EncoderSources
-from sdtrain.sample.captions import Captions
+from sdtrain.sampling.captions import Captions
 
 
 def read_prompts_file(path: str) -> list[str]:

@@ -13,10 +13,10 @@ import torch
 
 from sdtrain.artifacts.loading import Weights, load_model
 from sdtrain.errors import DataError
-from sdtrain.sample.captions import read_captions
-from sdtrain.sample.demo_scoring import class_agreement_report, demo_labels
-from sdtrain.sample.images import channels_preview, decode, decode_shape, digits_preview, grid_image, load_vae
-from sdtrain.sample.sampler import sample_latents
+from sdtrain.sampling.captions import read_captions
+from sdtrain.sampling.demo_scoring import class_agreement_report, demo_labels
+from sdtrain.sampling.images import channels_preview, decode, decode_shape, digits_preview, grid_image, load_vae
+from sdtrain.sampling.sampler import sample_latents
 
 LATENTS_FILE = "latents.npy"
 PREVIEW_FILE = "preview.png"
@@ -56,7 +56,7 @@ def generate(request: GenerateRequest) -> list[str]:
     loaded = load_model(request.model, request.weights)
     unet = loaded.unet.to(device).eval()
     if request.prompts:
-        from sdtrain.sample.prompts import encode_prompt_captions, resolve_sources
+        from sdtrain.sampling.prompts import encode_prompt_captions, resolve_sources
 
         sources = resolve_sources(loaded, request.text_encoder, request.vae)
         captions = encode_prompt_captions(request.prompts, sources.text_encoder, loaded.caption_shape)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from sdtrain.artifacts.loading import LoadedModel
-from sdtrain.sample.captions import Captions
+from sdtrain.sampling.captions import Captions
 
 
 def demo_labels(loaded: LoadedModel, captions: Captions) -> list[int] | None:
