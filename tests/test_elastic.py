@@ -12,7 +12,7 @@ import pytest
 from conftest import committed_checkpoints, rows_by_step, write_latents
 
 from sdtrain.config.loader import load_config
-from sdtrain.launch import train
+from sdtrain.driver import train
 from sdtrain.storage.run_layout import HISTORY_FILE, SAMPLES_FILE
 
 pytestmark = pytest.mark.slow  # a Ray cluster of three raylets and three worker groups, one after another

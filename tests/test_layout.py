@@ -7,7 +7,7 @@ from pathlib import Path
 import sdtrain
 
 ROOT = Path(sdtrain.__file__).parent
-# In data-flow order; the driver (launch, cli, preflight, retrain) sits on top of everything.
+# In data-flow order; the driver (driver, cli, preflight, retrain) sits on top of everything.
 LAYERS = ["errors", "storage", "config", "data", "preprocess", "model", "artifacts", "sampling", "train"]
 DRIVER = len(LAYERS)
 

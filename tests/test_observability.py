@@ -337,7 +337,7 @@ def test_a_killed_and_resumed_run_shows_each_step_once_everywhere(
     import psutil
     from conftest import write_latents
 
-    from sdtrain.launch import train
+    from sdtrain.driver import train
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")

@@ -562,7 +562,7 @@ def test_inputs_model_and_output_on_s3_resumed_and_trained_on(tmp_path, tiny_mod
     from sdtrain.config.loader import load_config
     from sdtrain.data.inspection import inspect_dataset
     from sdtrain.data.parquet_files import resolve_parquet_files
-    from sdtrain.launch import train
+    from sdtrain.driver import train
     from sdtrain.preprocess.job import run_preprocess
     from sdtrain.sampling.generate import GenerateRequest, generate
 
@@ -718,7 +718,7 @@ def test_images_to_latents_to_training_to_prompted_pipeline(tmp_path, tiny_model
 
     from sdtrain.artifacts.loading import load_model
     from sdtrain.config.loader import load_config
-    from sdtrain.launch import train
+    from sdtrain.driver import train
     from sdtrain.preprocess.job import run_preprocess
 
     write_parquet_input(tmp_path / "input", files=2)

@@ -17,7 +17,7 @@ from sdtrain.artifacts.loading import load_model, read_checkpoint
 from sdtrain.config.loader import load_config
 from sdtrain.data.decode import decode_batch
 from sdtrain.errors import DataError, TrainingFailed
-from sdtrain.launch import train
+from sdtrain.driver import train
 from sdtrain.model.validation import validation_loss
 from sdtrain.storage.run_layout import CHECKPOINT_FILE, DATA_STATE_FILE, HISTORY_FILE, SAMPLES_FILE
 
@@ -145,7 +145,7 @@ def test_two_worker_run_checkpoints_reloads_and_resumes(ray_cluster, tmp_path):
 def test_cpu_workers_share_their_cpus_with_their_reads(ray_cluster):
     """Reads take no CPU of their own, so workers may reserve every CPU (2 CPUs: 2 workers at 1 each)."""
     from sdtrain.config.schema import ScalingConfig
-    from sdtrain.launch import _cpus_per_worker
+    from sdtrain.driver import _cpus_per_worker
 
     assert _cpus_per_worker(ScalingConfig(num_workers=1), use_gpu=False) == 1.0
     assert _cpus_per_worker(ScalingConfig(num_workers=2), use_gpu=False) == 1.0

@@ -53,7 +53,7 @@ def _main(argv, default_config: Path, prog: str, description: str, job: Callable
 
 
 def _train(config: Config) -> list[str]:
-    from sdtrain.launch import train  # imports Ray and torch: only once the config is known good
+    from sdtrain.driver import train  # imports Ray and torch: only once the config is known good
 
     summary = train(config)
     return [

@@ -219,7 +219,7 @@ def _configure_logging() -> None:
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", message=".*LeafSpec.*")  # Lightning internals, not actionable
     # Ray Data in this worker (reading the validation set) says that progress bars are off, which the
-    # driver asked for (launch._quiet_ray_data), and that the validation set does not get its own
+    # driver asked for (driver._quiet_ray_data), and that the validation set does not get its own
     # per-dataset log while the training stream has one: neither is a problem (docs/observability.md).
     logging.getLogger("ray.data._internal.progress").addFilter(
         lambda record: not record.getMessage().startswith("Progress bars disabled")
