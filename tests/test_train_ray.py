@@ -16,8 +16,8 @@ from conftest import committed_checkpoints, corrupt_row_group, rows_by_step, wri
 from sdtrain.artifacts.loading import load_model, read_checkpoint
 from sdtrain.config.loader import load_config
 from sdtrain.data.decode import decode_batch
-from sdtrain.errors import DataError, TrainingFailed
 from sdtrain.driver import train
+from sdtrain.errors import DataError, TrainingFailed
 from sdtrain.model.validation import validation_loss
 from sdtrain.storage.run_layout import CHECKPOINT_FILE, DATA_STATE_FILE, HISTORY_FILE, SAMPLES_FILE
 

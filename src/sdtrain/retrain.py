@@ -30,8 +30,8 @@ from sdtrain.artifacts.registry import ModelRegistry, PointerMoved, RegistryLock
 from sdtrain.config.schema import Config
 from sdtrain.data.local_read import iter_local_batches
 from sdtrain.data.parquet_files import resolve_parquet_files
-from sdtrain.errors import ConfigError, DataError
 from sdtrain.driver import dataset_spec, train
+from sdtrain.errors import ConfigError, DataError
 from sdtrain.model.validation import validation_loss
 from sdtrain.preflight import preflight
 from sdtrain.storage.filesystems import filesystem_for
