@@ -35,7 +35,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check src tests bench entrypoints
 	$(VENV)/bin/mypy
 
-# On a machine with a CUDA GPU (../shared/GPU.md): the training checks of tests/test_gpu.py.
+# On a machine with a CUDA GPU (docs/gpu.md): the training checks of tests/test_gpu.py.
 test-gpu: $(STAMP)
 	$(PY) -m pytest -m gpu
 

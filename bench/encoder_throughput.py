@@ -1,7 +1,7 @@
 """Images/s of the preprocessing job's encode stage with Stable Diffusion 2's VAE and OpenCLIP-H text encoder at full
 size (their architectures, random weights: the speed is the same), at 256 and 512 px, as an encoder actor runs them
 (sdtrain.preprocess.encoders: the VAE's latent mean and the prompts of a batch, float16 on a GPU), and the CPU stage
-(decode, RGB, resize, center-crop) per core. Without Ray: a GPU session's machine has none (../shared/GPU.md), and
+(decode, RGB, resize, center-crop) per core. Without Ray: a GPU session's machine has none (docs/gpu.md), and
 the end-to-end figure on this machine is bench/preprocess_throughput.py's.
 
     python bench/encoder_throughput.py                       # 256 and 512 px, batch 32, on the GPU if there is one

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks of ../shared/GPU.md, as commands for the device tool's `run` (one phase per call,
+# The GPU checks of docs/gpu.md, as commands for the device tool's `run` (one phase per call,
 # each well inside its 10-minute limit), so any session lent a GPU repeats them the same way.
 #
 # Here, once per session (the lent machine has no diffusers and no network):
