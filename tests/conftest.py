@@ -1,4 +1,5 @@
-"""Shared fixtures: parquet writers for every encoding, and one small real Ray cluster per session."""
+"""Shared fixtures: parquet writers for every encoding, the tiny training config, and one small real Ray cluster
+per session."""
 
 from __future__ import annotations
 
@@ -61,6 +62,33 @@ def write_latents(
     )
     pq.write_table(table, path, row_group_size=row_group_size)
     return latents, captions
+
+
+def tiny_config(
+    *overrides: str,
+    tmp_path: Path | None = None,
+    name: str | None = None,
+    steps: int | None = None,
+    batch: int | None = None,
+    workers: int | str | None = None,
+):
+    """The tests' training config: the code's defaults with the tiny UNet (model.preset=tiny), then ``overrides``
+    (``key.sub=value``, in order), then the keywords, each only when given: run.storage_path={tmp_path}/runs,
+    run.name, train.max_steps, train.global_batch_size, scaling.num_workers."""
+    from sdtrain.config.loader import load_config
+
+    keys = ["model.preset=tiny", *overrides]
+    if tmp_path is not None:
+        keys.append(f"run.storage_path={tmp_path}/runs")
+    for key, value in (
+        ("run.name", name),
+        ("train.max_steps", steps),
+        ("train.global_batch_size", batch),
+        ("scaling.num_workers", workers),
+    ):
+        if value is not None:
+            keys.append(f"{key}={value}")
+    return load_config(None, keys)
 
 
 def _start_ray() -> None:

@@ -9,9 +9,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import committed_checkpoints, rows_by_step, write_latents
+from conftest import committed_checkpoints, rows_by_step, tiny_config, write_latents
 
-from sdtrain.config.loader import load_config
 from sdtrain.driver import train
 from sdtrain.storage.run_layout import HISTORY_FILE, SAMPLES_FILE
 
@@ -46,32 +45,6 @@ def node_cluster():
     finally:
         ray.shutdown()
         cluster.shutdown()
-
-
-def _config(tmp_path: Path, max_steps: int):
-    return load_config(
-        None,
-        [
-            f"data.train={tmp_path}/train",
-            "model.preset=tiny",
-            f"train.max_steps={max_steps}",
-            f"train.global_batch_size={BATCH}",
-            "train.micro_batch_size=4",
-            "scaling.num_workers=[1,2]",
-            "scaling.cpus_per_worker=1",
-            "scaling.use_gpu=false",
-            f"run.storage_path={tmp_path}/runs",
-            "run.name=elastic",
-            # The reclaim notice falls between two; and the smaller group commits one soon after it starts, so the
-            # node joins with most of the run still to go, however fast this machine trains.
-            "run.checkpoint_every_n_steps=25",
-            "scaling.resize_check_s=15",  # the join is used sooner than at Ray's default of 60 s
-            "run.log_every_n_steps=10",
-            "run.num_to_keep=null",
-            "run.record_samples=true",
-            "failure.max_failures=0",  # a preemption must not spend one
-        ],
-    )
 
 
 def _recorded(run_dir: Path) -> list[np.ndarray]:
@@ -164,7 +137,26 @@ def run_through_a_reclaimed_and_a_joined_node(cluster, tmp_path: Path, nodes: in
 
     def run():
         try:
-            outcome["summary"] = train(_config(tmp_path, max_steps))
+            config = tiny_config(
+                f"data.train={tmp_path}/train",
+                "train.micro_batch_size=4",
+                "scaling.cpus_per_worker=1",
+                "scaling.use_gpu=false",
+                # The reclaim notice falls between two; and the smaller group commits one soon after it starts, so
+                # the node joins with most of the run still to go, however fast this machine trains.
+                "run.checkpoint_every_n_steps=25",
+                "scaling.resize_check_s=15",  # the join is used sooner than at Ray's default of 60 s
+                "run.log_every_n_steps=10",
+                "run.num_to_keep=null",
+                "run.record_samples=true",
+                "failure.max_failures=0",  # a preemption must not spend one
+                tmp_path=tmp_path,
+                name="elastic",
+                steps=max_steps,
+                batch=BATCH,
+                workers="[1,2]",
+            )
+            outcome["summary"] = train(config)
         except BaseException as error:  # re-raised in the test's thread
             outcome["error"] = error
 

@@ -2,7 +2,7 @@
 CUDA is absent): every precision the config accepts, clipping and EMA, a NaN step, compile,
 channels_last, gradient checkpointing, both attention kernels, FSDP on one device, save and
 resume. The same code path as a Ray worker (sdtrain.train.trainer.build_training), without Ray, which
-a lent GPU machine does not have (../shared/GPU.md).
+a lent GPU machine does not have (docs/gpu.md).
 """
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ import itertools
 
 import pytest
 import torch
-from test_options import batches, config, fit
+from conftest import tiny_config
+from support.training import FIT, batches, fit
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -26,8 +27,8 @@ def gpu_fit(cfg, n=3, nan_at=(), same=False, **kwargs):
 @pytest.mark.parametrize("clip", [0.0, 0.01])
 @pytest.mark.parametrize("precision", ["auto", "bf16-mixed", "16-mixed", "32-true"])
 def test_every_precision_with_and_without_clipping_and_ema_trains_on_the_gpu(precision, clip, ema):
-    cfg = config(
-        GPU, f"train.precision={precision}", f"train.grad_clip_norm={clip}", f"train.ema_decay={ema or 'null'}"
+    cfg = tiny_config(
+        *FIT, GPU, f"train.precision={precision}", f"train.grad_clip_norm={clip}", f"train.ema_decay={ema or 'null'}"
     )
     module, trainer, steps = gpu_fit(cfg)
     assert module.device.type == "cuda"
@@ -45,7 +46,7 @@ def test_every_precision_with_and_without_clipping_and_ema_trains_on_the_gpu(pre
 
 @pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
 def test_a_nan_step_is_skipped_and_counted_as_bad_on_the_gpu(precision):
-    cfg = config(GPU, f"train.precision={precision}", "train.ema_decay=0.9")
+    cfg = tiny_config(*FIT, GPU, f"train.precision={precision}", "train.ema_decay=0.9")
     module, trainer, steps = gpu_fit(cfg, nan_at=[1])
     assert trainer.global_step == 3 and steps[-1]["streak"] == 1  # a NaN loss is bad under a scaler too
     assert torch.equal(steps[1]["weight"], steps[0]["weight"]) and torch.equal(steps[1]["ema"], steps[0]["ema"])
@@ -66,9 +67,9 @@ def test_a_nan_step_is_skipped_and_counted_as_bad_on_the_gpu(precision):
     ],
 )
 def test_each_gpu_option_trains_under_bf16(options, tmp_path):
-    cfg = config(GPU, "train.precision=bf16-mixed", *options)
+    cfg = tiny_config(*FIT, GPU, "train.precision=bf16-mixed", *options)
     _, trainer, steps = gpu_fit(cfg, default_root_dir=str(tmp_path))
-    _, _, plain = gpu_fit(config(GPU, "train.precision=bf16-mixed"))
+    _, _, plain = gpu_fit(tiny_config(*FIT, GPU, "train.precision=bf16-mixed"))
     assert trainer.global_step == 3 and all(0 < s["loss"] < 10 for s in steps)
     assert steps[0]["loss"] == pytest.approx(plain[0]["loss"], rel=5e-2)  # bf16: the same function, roughly
 
@@ -76,10 +77,10 @@ def test_each_gpu_option_trains_under_bf16(options, tmp_path):
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_a_bf16_checkpoint_resumes_on_the_gpu(strategy, tmp_path):
     options = (GPU, "train.precision=bf16-mixed", "train.ema_decay=0.9", f"train.strategy={strategy}")
-    _, trainer, _ = gpu_fit(config(*options, steps=2), n=4, same=True, default_root_dir=str(tmp_path))
+    _, trainer, _ = gpu_fit(tiny_config(*FIT, *options, steps=2), n=4, same=True, default_root_dir=str(tmp_path))
     trainer.save_checkpoint(tmp_path / "step2.ckpt")
     resumed, trainer, steps = gpu_fit(
-        config(*options, steps=4),
+        tiny_config(*FIT, *options, steps=4),
         n=4,
         same=True,
         ckpt_path=str(tmp_path / "step2.ckpt"),

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pyarrow.fs as pafs
 import pytest
-from conftest import committed_checkpoints, free_ports
+from conftest import committed_checkpoints, free_ports, tiny_config
 
 from sdtrain.artifacts.run_outputs import LossLabels
 from sdtrain.config.loader import load_config
@@ -125,21 +125,6 @@ def test_mlflow_without_a_tracking_server_is_refused_before_ray_starts(monkeypat
     check_trackers(config)
 
 
-def _tracker_config(tmp_path, mlflow_uri, *extra):
-    return load_config(
-        None,
-        [
-            "data.train=unused",
-            "model.preset=tiny",
-            f"run.storage_path={tmp_path}/runs",
-            "run.name=tracked",
-            "run.trackers=[tensorboard, mlflow, wandb]",
-            f"run.mlflow_tracking_uri={mlflow_uri}",
-            *extra,
-        ],
-    )
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_trackers_hold_each_step_once_across_a_restart(tmp_path, monkeypatch):
@@ -159,7 +144,13 @@ def test_trackers_hold_each_step_once_across_a_restart(tmp_path, monkeypatch):
     Image.fromarray(saved_grid).save(run_dir / SAMPLES_DIR / "step_4.png")
     history = [{"step": 2, "loss": 0.5}, {"step": 4, "loss": 0.25, "sample_grid_s": 0.1}]
     with mlflow_server(tmp_path) as uri:
-        config = _tracker_config(tmp_path, uri)
+        config = tiny_config(
+            "data.train=unused",
+            "run.trackers=[tensorboard, mlflow, wandb]",
+            f"run.mlflow_tracking_uri={uri}",
+            tmp_path=tmp_path,
+            name="tracked",
+        )
         first = Trackers(config, str(run_dir), [])
         for row in [*history, {"step": 6, "loss": 1 / 6}]:
             if row["step"] in (4, 6):

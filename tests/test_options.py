@@ -11,75 +11,13 @@ from __future__ import annotations
 import lightning.pytorch as pl
 import pytest
 import torch
+from conftest import tiny_config
 from lightning.pytorch.plugins.precision import MixedPrecision
+from support.training import CAPTIONS, FIT, LATENTS, Watch, batches, fit
 from torch.distributed.tensor import DTensor
 
 from sdtrain.config.loader import load_config
-from sdtrain.model.ema import local_tensor
-from sdtrain.train.trainer import build_training, checkpoint_meta, fit_without_ray
-
-LATENTS, CAPTIONS = (4, 16, 16), (8, 32)
-
-
-def config(*overrides, steps=3):
-    return load_config(
-        None,
-        [
-            "data.train=/unused",
-            "model.preset=tiny",
-            f"train.max_steps={steps}",
-            "train.global_batch_size=2",
-            "train.lr=1e-3",
-            "train.warmup_steps=0",
-            "scaling.use_gpu=false",
-            *overrides,
-        ],
-    )
-
-
-def batches(n, nan_at=(), same=False, device="cpu"):
-    g = torch.Generator().manual_seed(0)
-    out = []
-    for i in range(n):
-        if same and out:
-            out.append(out[0])
-            continue
-        latents = torch.randn(2, *LATENTS, generator=g)
-        if i in nan_at:
-            latents[0, 0, 0, 0] = float("nan")
-        out.append({"latents": latents.to(device), "captions": torch.randn(2, *CAPTIONS, generator=g).to(device)})
-    return out
-
-
-class Watch(pl.Callback):
-    """After each optimizer step: the UNet's and the EMA's first weights, the gradient norm the
-    optimizer saw (clipped: Lightning zeroes gradients only in the next step), the step's loss,
-    the skip counters."""
-
-    def __init__(self):
-        self.steps = []
-
-    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-        grads = [local_tensor(p.grad) for p in module.unet.parameters() if p.grad is not None]  # one process: all of it
-        self.steps.append(
-            dict(
-                grad_norm=torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))).item(),
-                step=trainer.global_step,
-                loss=float(outputs["loss"]),
-                weight=module.unet.conv_in.weight.detach().clone(),
-                ema=None if module.ema_unet is None else module.ema_unet.conv_in.weight.detach().clone(),
-                skipped=module.skipped_steps.item(),
-                streak=module.longest_bad_streak.item(),
-            )
-        )
-
-
-def fit(cfg, data, use_gpu=False, **kwargs):
-    watch = Watch()
-    module, trainer = fit_without_ray(
-        cfg, data, checkpoint_meta(cfg, LATENTS, CAPTIONS), use_gpu=use_gpu, callbacks=[watch], **kwargs
-    )
-    return module, trainer, watch.steps
+from sdtrain.train.trainer import build_training, checkpoint_meta
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
@@ -91,7 +29,8 @@ def test_every_precision_with_and_without_clipping_and_ema_trains_under_each_str
 ):
     """Every combination of the options that meet in the optimizer step (16-mixed: GPUs only, below
     and in tests/test_gpu.py); FSDP in one process over gloo."""
-    cfg = config(
+    cfg = tiny_config(
+        *FIT,
         f"train.precision={precision}",
         f"train.grad_clip_norm={clip}",
         f"train.ema_decay={ema or 'null'}",
@@ -113,7 +52,7 @@ def test_every_precision_with_and_without_clipping_and_ema_trains_under_each_str
 
 
 def test_a_nan_step_under_bf16_with_clipping_and_ema_is_skipped_entirely():
-    cfg = config("train.precision=bf16-mixed", "train.grad_clip_norm=1.0", "train.ema_decay=0.9")
+    cfg = tiny_config(*FIT, "train.precision=bf16-mixed", "train.grad_clip_norm=1.0", "train.ema_decay=0.9")
     module, trainer, steps = fit(cfg, batches(3, nan_at=[1]))
     assert trainer.global_step == 3
     assert [s["skipped"] for s in steps] == [0, 1, 1] and steps[-1]["streak"] == 1
@@ -127,7 +66,7 @@ def test_a_gradscaler_overflow_is_skipped_without_counting_as_a_bad_step():
     """16-mixed's path (GPUs only in a config): fp16 autocast with a GradScaler, here on CPU with the
     plugin Lightning builds on GPUs. A huge initial scale overflows step 1; the scaler skips it and
     lowers the scale. The module unscales before clipping, and the EMA leaves the step out too."""
-    cfg = config("train.grad_clip_norm=0.01", "train.ema_decay=0.9", "train.ema_start_step=0")
+    cfg = tiny_config(*FIT, "train.grad_clip_norm=0.01", "train.ema_decay=0.9", "train.ema_start_step=0")
     module, trainer_kwargs = build_training(cfg, checkpoint_meta(cfg, LATENTS, CAPTIONS), use_gpu=False)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**30, backoff_factor=2.0**-20)
     trainer_kwargs.update(precision=None, plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)])
@@ -155,8 +94,8 @@ def test_a_gradscaler_overflow_is_skipped_without_counting_as_a_bad_step():
 def test_each_gpu_option_trains_the_same_function(options, tmp_path):
     """channels_last, checkpointing, the eager kernel and FSDP (one process) change how, not what:
     the first step's loss is the plain run's, and training goes on."""
-    _, trainer, steps = fit(config(*options), batches(3), default_root_dir=str(tmp_path))
-    _, _, plain = fit(config(), batches(3))
+    _, trainer, steps = fit(tiny_config(*FIT, *options), batches(3), default_root_dir=str(tmp_path))
+    _, _, plain = fit(tiny_config(*FIT), batches(3))
     assert trainer.global_step == 3 and all(0 < s["loss"] < 10 for s in steps)
     assert steps[0]["loss"] == pytest.approx(plain[0]["loss"], rel=1e-4)
 
@@ -174,8 +113,8 @@ def test_compiled_training_with_every_other_option_under_bf16_matches_eager(tmp_
         "train.ema_decay=0.9",
         "train.precision=bf16-mixed",
     )
-    module, trainer, steps = fit(config(*options, steps=2), batches(2), default_root_dir=str(tmp_path))
-    _, _, eager = fit(config("train.precision=bf16-mixed", steps=2), batches(2))
+    module, trainer, steps = fit(tiny_config(*FIT, *options, steps=2), batches(2), default_root_dir=str(tmp_path))
+    _, _, eager = fit(tiny_config(*FIT, "train.precision=bf16-mixed", steps=2), batches(2))
     assert trainer.global_step == 2 and module.unet._compiled_call_impl is not None
     assert isinstance(module.unet.conv_in.weight, DTensor)
     assert steps[0]["loss"] == pytest.approx(eager[0]["loss"], rel=2e-2)
@@ -188,12 +127,15 @@ def test_a_checkpoint_written_under_bf16_resumes_to_the_uninterrupted_weights(tm
     straight, bitwise. FSDP (one process, gloo) writes the same full file as DDP."""
     options = ("train.precision=bf16-mixed", "train.ema_decay=0.9", f"train.strategy={strategy}")
     data = batches(4, same=True)
-    _, trainer, _ = fit(config(*options, steps=2), data, default_root_dir=str(tmp_path))
+    _, trainer, _ = fit(tiny_config(*FIT, *options, steps=2), data, default_root_dir=str(tmp_path))
     trainer.save_checkpoint(tmp_path / "step2.ckpt")
     resumed, trainer, steps = fit(
-        config(*options, steps=4), data, ckpt_path=str(tmp_path / "step2.ckpt"), default_root_dir=str(tmp_path)
+        tiny_config(*FIT, *options, steps=4),
+        data,
+        ckpt_path=str(tmp_path / "step2.ckpt"),
+        default_root_dir=str(tmp_path),
     )
-    straight, _, _ = fit(config(*options, steps=4), data, default_root_dir=str(tmp_path))
+    straight, _, _ = fit(tiny_config(*FIT, *options, steps=4), data, default_root_dir=str(tmp_path))
     assert trainer.global_step == 4 and [s["step"] for s in steps] == [3, 4]
     assert (
         isinstance(resumed.unet.conv_in.weight, DTensor)

@@ -12,9 +12,8 @@ import boto3
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
-from conftest import REPO, free_ports, write_latents
+from conftest import REPO, free_ports, tiny_config, write_latents
 
-from sdtrain.config.loader import load_config
 from sdtrain.data.inspection import inspect_dataset
 from sdtrain.data.parquet_files import resolve_parquet_files
 from sdtrain.errors import ConfigError, DataError
@@ -29,10 +28,6 @@ SECRET = "sdtrain-test-secret/Do+Not+Leak"
 def _s3():
     """A boto3 client with the credentials in the environment now (boto3's default session caches them)."""
     return boto3.session.Session().client("s3")
-
-
-def _config(*overrides):
-    return load_config(None, ["model.preset=tiny", *overrides])
 
 
 def _upload(tmp_path, key, **kwargs):
@@ -88,9 +83,9 @@ def test_storage_config_is_validated():
     with pytest.raises(
         ConfigError, match=r"storage\.endpoint_url: must be http\(s\)://host\[:port\], got 'minio:9000'"
     ):
-        _config("data.train=x", "storage.endpoint_url=minio:9000")
+        tiny_config("data.train=x", "storage.endpoint_url=minio:9000")
     with pytest.raises(ConfigError, match=r"storage\.max_attempts: must be >= 1 \(1 = no retries\), got 0"):
-        _config("data.train=x", "storage.max_attempts=0")
+        tiny_config("data.train=x", "storage.max_attempts=0")
 
 
 @pytest.mark.slow
@@ -100,7 +95,7 @@ def test_storage_endpoint_url_beats_the_environment(s3_bucket, monkeypatch, tmp_
     real = os.environ["AWS_ENDPOINT_URL"]
     (closed,) = free_ports(1)
     monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{closed}")  # nothing listens there
-    preflight(_config(f"data.train={s3_bucket}/data", f"storage.endpoint_url={real}"))
+    preflight(tiny_config(f"data.train={s3_bucket}/data", f"storage.endpoint_url={real}"))
     fs, path = filesystem_for(f"{s3_bucket}/data/part.parquet")
     table = pq.read_table(path, filesystem=fs)
     assert table.num_rows == 3
@@ -113,13 +108,13 @@ def test_each_uri_is_checked_once_per_process(s3_bucket, tmp_path):
     """Retraining checks its roots and then its training run's URIs: a URI this process found usable is not probed
     again (here: still passing after its objects are gone), while one it has not checked is."""
     _upload(tmp_path, "once/part.parquet")
-    config = _config(f"data.train={s3_bucket}/once/", f"run.storage_path={s3_bucket}/runs")
+    config = tiny_config(f"data.train={s3_bucket}/once/", f"run.storage_path={s3_bucket}/runs")
     preflight(config)
     _s3().delete_object(Bucket="sdtrain-test", Key="once/part.parquet")
     preflight(config)  # the same URIs: not probed again
     _expect(
         DataError,
-        _config(f"data.train={s3_bucket}/once/", f"data.val={s3_bucket}/once/val/"),
+        tiny_config(f"data.train={s3_bucket}/once/", f"data.val={s3_bucket}/once/val/"),
         f"data.val[0]: {s3_bucket}/once/val/: bucket 'sdtrain-test' holds no objects under 'once/val'",
     )
 
@@ -150,14 +145,14 @@ def test_s3_files_prefixes_globs_and_lists(s3_bucket, tmp_path):
 def test_bucket_missing(s3_bucket):
     _expect(
         ConfigError,
-        _config("data.train=s3://no-such-bucket/data"),
+        tiny_config("data.train=s3://no-such-bucket/data"),
         "data.train[0]: s3://no-such-bucket/data: bucket 'no-such-bucket' does not exist at http://127.0.0.1:",
         "(from AWS_ENDPOINT_URL)",
         "Create it, or fix the bucket name in data.train[0]",
     )
     _expect(
         ConfigError,
-        _config(
+        tiny_config(
             "data.train=/data/local", "run.storage_path=s3://no-such-runs/runs"
         ),  # local paths are checked where read
         "run.storage_path: s3://no-such-runs/runs: bucket 'no-such-runs' does not exist",
@@ -169,11 +164,11 @@ def test_bucket_missing(s3_bucket):
 def test_prefix_empty(s3_bucket, tmp_path):
     _upload(tmp_path, "data/part.parquet")
     preflight(
-        _config(f"data.train={s3_bucket}/data/", f"run.storage_path={s3_bucket}/runs")
+        tiny_config(f"data.train={s3_bucket}/data/", f"run.storage_path={s3_bucket}/runs")
     )  # an empty run prefix is fine
     _expect(
         DataError,
-        _config(f"data.train={s3_bucket}/data/", f"data.val={s3_bucket}/Data/val/"),
+        tiny_config(f"data.train={s3_bucket}/data/", f"data.val={s3_bucket}/Data/val/"),
         f"data.val[0]: {s3_bucket}/Data/val/: bucket 'sdtrain-test' holds no objects under 'Data/val'",
         "Check the path (keys are case-sensitive",
     )
@@ -199,7 +194,7 @@ def test_no_credentials(s3_bucket, monkeypatch, tmp_path):
     assert os.environ["AWS_EC2_METADATA_DISABLED"] == "true"  # no instance role to fall back on
     _expect(
         ConfigError,
-        _config(f"data.train={s3_bucket}/data"),
+        tiny_config(f"data.train={s3_bucket}/data"),
         f"data.train[0]: {s3_bucket}/data: no AWS credentials found",
         "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY",
         "attach a role",
@@ -214,7 +209,7 @@ def test_rejected_credentials(s3_auth, monkeypatch):
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET)
     _expect(
         ConfigError,
-        _config("data.train=s3://sdtrain-test/data"),
+        tiny_config("data.train=s3://sdtrain-test/data"),
         "data.train[0]: s3://sdtrain-test/data: the S3 endpoint at http://127.0.0.1:",
         "rejected the credentials (InvalidAccessKeyId)",
         "Check AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY",
@@ -228,17 +223,17 @@ def test_access_denied_to_read_and_to_write(s3_auth, monkeypatch):
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3_auth.keys["nobody"][1])
     _expect(
         ConfigError,
-        _config("data.train=s3://sdtrain-test/data"),
+        tiny_config("data.train=s3://sdtrain-test/data"),
         "data.train[0]: s3://sdtrain-test/data: access denied: these credentials may not list in bucket 'sdtrain-test'",
         "Grant s3:ListBucket on it",
     )
     # The reader may list and read the data, but not write runs.
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3_auth.keys["reader"][0])
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3_auth.keys["reader"][1])
-    preflight(_config("data.train=s3://sdtrain-test/data"))
+    preflight(tiny_config("data.train=s3://sdtrain-test/data"))
     _expect(
         ConfigError,
-        _config("data.train=s3://sdtrain-test/data", "run.storage_path=s3://sdtrain-test/runs"),
+        tiny_config("data.train=s3://sdtrain-test/data", "run.storage_path=s3://sdtrain-test/runs"),
         "run.storage_path: s3://sdtrain-test/runs: access denied: these credentials may not write in bucket "
         "'sdtrain-test'",
         "Grant s3:PutObject on it",
@@ -246,7 +241,7 @@ def test_access_denied_to_read_and_to_write(s3_auth, monkeypatch):
     )
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3_auth.keys["admin"][0])
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3_auth.keys["admin"][1])
-    preflight(_config("data.train=s3://sdtrain-test/data", "run.storage_path=s3://sdtrain-test/runs"))
+    preflight(tiny_config("data.train=s3://sdtrain-test/data", "run.storage_path=s3://sdtrain-test/runs"))
     listed = _s3().list_objects_v2(Bucket="sdtrain-test", Prefix="runs/")
     assert listed["KeyCount"] == 0  # the write probe deleted itself
 
@@ -259,7 +254,7 @@ def test_endpoint_unreachable_fails_in_seconds(clean_storage_settings, monkeypat
     start = time.monotonic()
     _expect(
         ConfigError,
-        _config("data.train=s3://bucket/data", f"storage.endpoint_url=http://127.0.0.1:{closed}"),
+        tiny_config("data.train=s3://bucket/data", f"storage.endpoint_url=http://127.0.0.1:{closed}"),
         f"data.train[0]: s3://bucket/data: cannot connect to the S3 endpoint http://127.0.0.1:{closed} (from "
         f"storage.endpoint_url;",
         f"[Errno 111] Connection refused; {s3.DEFAULT_MAX_ATTEMPTS} attempt(s)",
@@ -276,18 +271,18 @@ def test_credentials_in_uris_or_endpoints_are_refused_without_repeating_them(cle
         (f"storage.endpoint_url=http://minio:{SECRET}@minio:9000", "storage.endpoint_url"),
     ]:
         with pytest.raises(ConfigError) as e:
-            _config("data.train=s3://bucket/data", override)
+            tiny_config("data.train=s3://bucket/data", override)
         assert str(e.value).startswith(f"{key}: ") and "***@" in str(e.value), str(e.value)
         assert SECRET not in str(e.value) and "AWS credential chain" in str(e.value)
     with pytest.raises(ConfigError) as e:
-        _config("data.train=s3://bucket/data", f"run.mlflow_tracking_uri=https://admin:{SECRET}@mlflow:5000")
+        tiny_config("data.train=s3://bucket/data", f"run.mlflow_tracking_uri=https://admin:{SECRET}@mlflow:5000")
     message = str(e.value)
     assert message.startswith("run.mlflow_tracking_uri: https://***@mlflow:5000 holds a user name or password")
     assert SECRET not in message and "MLFLOW_TRACKING_PASSWORD" in message
     monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://minio:{SECRET}@127.0.0.1:9000")
     _expect(
         ConfigError,
-        _config("data.train=s3://bucket/data"),
+        tiny_config("data.train=s3://bucket/data"),
         "from AWS_ENDPOINT_URL (http://***@127.0.0.1:9000) holds a user name or password",
     )
 
@@ -382,7 +377,7 @@ def test_no_secret_in_config_dumps_or_the_model_registry(s3_bucket, monkeypatch,
 
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET)  # moto accepts any secret
     _upload(tmp_path, "data/part.parquet")
-    config = _config(
+    config = tiny_config(
         f"data.train={s3_bucket}/data",
         f"run.storage_path={s3_bucket}/runs",
         f"storage.endpoint_url={os.environ['AWS_ENDPOINT_URL']}",
@@ -416,7 +411,7 @@ def test_retrain_checks_its_roots_before_reading_anything(s3_bucket, tmp_path):
 
     _upload(tmp_path, "parts/date=2026-11-01/part.parquet")
     _upload(tmp_path, "val/part.parquet")
-    config = _config(
+    config = tiny_config(
         f"data.val={s3_bucket}/val",
         f"retrain.data_root={s3_bucket}/parts",
         "retrain.models_root=s3://no-models/m",
