@@ -394,6 +394,8 @@ def test_an_unreadable_file_fails_the_run_at_once_naming_it(ray_cluster, tmp_pat
             config,
             data=dataclasses.replace(config.data, on_read_error="skip"),
             run=dataclasses.replace(config.run, name="skip"),
+            # Two ranks: each counts its own skipped rows (DDP no longer overwrites them with rank 0's).
+            scaling=dataclasses.replace(config.scaling, num_workers=2, cpus_per_worker=1),
         )
     )
     assert summary.final_step == 8

@@ -17,6 +17,17 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 
 from sdtrain.config.schema import TrainConfig
 
+DDP_KWARGS = {
+    # The module's buffers are per-rank statistics (loss sums, skipped samples), all-reduced where they are
+    # reported: torch's default broadcasts rank 0's over every rank's before each forward (the reported loss
+    # was rank 0's, skipped_samples world size x rank 0's), and pays a broadcast a step for it.
+    "broadcast_buffers": False,
+    # Gradients are views into DDP's all-reduce buckets: no copy in and out of the buckets each step, and
+    # one gradient-sized buffer less.
+    "gradient_as_bucket_view": True,
+}
+"""DistributedDataParallel's settings for train.strategy=ddp, with Ray and without."""
+
 
 def build_strategy(train: TrainConfig, world_size: int, on_ray: bool):
     """Lightning's strategy for ``train.strategy`` at ``world_size`` processes, in Ray's flavour
@@ -28,8 +39,12 @@ def build_strategy(train: TrainConfig, world_size: int, on_ray: bool):
     if on_ray:
         from ray.train.lightning import RayDDPStrategy
 
-        return RayDDPStrategy()
-    return "ddp" if world_size > 1 else "auto"
+        return RayDDPStrategy(**DDP_KWARGS)
+    if world_size > 1:
+        from lightning.pytorch.strategies import DDPStrategy
+
+        return DDPStrategy(**DDP_KWARGS)
+    return "auto"
 
 
 class RayModelParallelStrategy(ModelParallelStrategy):
