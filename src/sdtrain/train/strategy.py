@@ -10,6 +10,8 @@ state dict on rank 0: the same file as DDP's, resumable at any world size and by
 
 from __future__ import annotations
 
+from typing import Any
+
 import lightning.pytorch as pl
 import torch
 from diffusers.models.attention_processor import AttnProcessor, AttnProcessor2_0
@@ -17,7 +19,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 
 from sdtrain.config.schema import TrainConfig
 
-DDP_KWARGS = {
+DDP_KWARGS: dict[str, Any] = {
     # The module's buffers are per-rank statistics (loss sums, skipped samples), all-reduced where they are
     # reported: torch's default broadcasts rank 0's over every rank's before each forward (the reported loss
     # was rank 0's, skipped_samples world size x rank 0's), and pays a broadcast a step for it.
