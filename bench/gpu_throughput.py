@@ -2,7 +2,7 @@
 training step for the tiny, small and sd2-base UNets at 256 px (4x32x32 latents) and 512 px
 (4x64x64), bf16-mixed, with compile and channels_last off and on.
 
-The step is the Ray worker's own: ``sdtrain.train.trainer.fit_without_ray`` builds the module and the
+The step is the Ray worker's own: ``sdtrain.train.build.fit_without_ray`` builds the module and the
 Lightning Trainer (precision, the module's clipping and non-finite skip, the fused AdamW, compile,
 channels_last) through the same function a Ray Train worker calls, and trains on one fixed batch
 already on the GPU (the data path is bench/ingest.py's). Ray is not imported: this runs on a GPU
@@ -80,7 +80,7 @@ def main() -> None:
     print(f"# {benchlib.versions()}, sdtrain commit {benchlib.git_commit()}")
     print(
         f"# {args.steps} timed steps after {args.warmup} warm-up steps, bf16-mixed, through "
-        f"sdtrain.train.trainer.fit_without_ray"
+        f"sdtrain.train.build.fit_without_ray"
     )
     print(
         f"{'preset':9} {'px':>4} {'variant':22} {'batch':>5} {'img/s':>8} {'fwd GFLOP/img':>13} {'TFLOP/s':>8} "
@@ -156,7 +156,7 @@ def measure(preset: str, px: int, variant: str, batch: int, steps: int, warmup: 
     from sdtrain.config.loader import load_config
     from sdtrain.model.flops import unet_train_step_flops
     from sdtrain.model.unet import unet_config
-    from sdtrain.train.trainer import checkpoint_meta, fit_without_ray
+    from sdtrain.train.build import checkpoint_meta, fit_without_ray
 
     config = load_config(
         None,

@@ -2,7 +2,7 @@
 
 Sample grids: the training loop stops for a grid (rank 0 samples while the other ranks wait at the
 next all-reduce), so its cost is the grid's time over the training time between two grids. Measured
-in this process with the code a worker runs: ``sdtrain.train.trainer.fit_without_ray`` times
+in this process with the code a worker runs: ``sdtrain.train.build.fit_without_ray`` times
 --steps optimizer steps (after --warmup) and ``sdtrain.train.sample_grids.SampleGrids.sample``
 draws the grid of the default settings (4 captions x 4 samples, 20 DDIM steps, guidance 3) from the
 trained module's weights, --repeat times.
@@ -35,9 +35,9 @@ from step_timer import StepTimer  # noqa: E402
 from sdtrain.artifacts.run_outputs import LossLabels  # noqa: E402
 from sdtrain.config.loader import load_config  # noqa: E402
 from sdtrain.sampling.captions import Captions  # noqa: E402
-from sdtrain.train.live import LiveOutputs  # noqa: E402
+from sdtrain.train.build import checkpoint_meta, fit_without_ray  # noqa: E402
+from sdtrain.train.live_files import LiveOutputs  # noqa: E402
 from sdtrain.train.sample_grids import SampleGrids  # noqa: E402
-from sdtrain.train.trainer import checkpoint_meta, fit_without_ray  # noqa: E402
 
 TARGET = 0.03  # "at most a few percent" of the training loop
 

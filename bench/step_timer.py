@@ -1,5 +1,5 @@
 """A Lightning callback that times optimizer steps after a warm-up, for the benchmarks that run the worker's own
-step without Ray (``sdtrain.train.trainer.fit_without_ray``)."""
+step without Ray (``sdtrain.train.build.fit_without_ray``)."""
 
 from __future__ import annotations
 

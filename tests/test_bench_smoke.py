@@ -88,7 +88,7 @@ def test_scheduler_spin_smoke():
 
 
 def test_gpu_throughput_smoke():
-    """On CPU with the tiny UNet: the Ray worker's module and Trainer (sdtrain.train.trainer), the FLOP
+    """On CPU with the tiny UNet: the Ray worker's module and Trainer (sdtrain.train.build), the FLOP
     count and the MFU arithmetic run, and Ray is never imported (a lent GPU machine has none)."""
     code = (
         "import runpy, sys; sys.argv = ['bench/gpu_throughput.py', '--smoke']; "

@@ -10,7 +10,7 @@ from sdtrain.config.schema import Config, ModelConfig
 from sdtrain.errors import SdtrainError
 from sdtrain.model.unet import noise_scheduler_config, unet_config
 from sdtrain.storage.run_layout import CHECKPOINT_FILE
-from sdtrain.train.trainer import checkpoint_meta
+from sdtrain.train.build import checkpoint_meta
 
 
 def test_metadata_round_trips_as_plain_data_and_names_what_is_missing():
@@ -47,7 +47,7 @@ def test_load_model_says_what_a_path_is_not(tmp_path):
 def test_a_damaged_record_of_committed_checkpoints_is_named(tmp_path):
     from ray.train.v2._internal.constants import CHECKPOINT_MANAGER_SNAPSHOT_FILENAME
 
-    from sdtrain.train.shards import committed_run
+    from sdtrain.train.data_hook import committed_run
 
     run_dir = tmp_path / "runs" / "a"
     assert committed_run(None, str(run_dir)) is None  # nothing there: a fresh run

@@ -1,7 +1,7 @@
 """The training checks of tests/test_options.py on a CUDA GPU (``pytest -m gpu``; skipped where
 CUDA is absent): every precision the config accepts, clipping and EMA, a NaN step, compile,
 channels_last, gradient checkpointing, both attention kernels, FSDP on one device, save and
-resume. The same code path as a Ray worker (sdtrain.train.trainer.build_training), without Ray, which
+resume. The same code path as a Ray worker (sdtrain.train.build.build_training), without Ray, which
 a lent GPU machine does not have (docs/gpu.md).
 """
 

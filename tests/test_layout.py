@@ -41,6 +41,6 @@ def test_no_module_imports_from_a_later_layer():
 
 
 def test_package_init_files_are_empty():
-    # Ray Train's controller imports sdtrain.train.shards: an __init__ that imported the module
+    # Ray Train's controller imports sdtrain.train.data_hook: an __init__ that imported the module
     # (Lightning, diffusers) would load them there (test_stream checks the controller's imports).
     assert [p for p in ROOT.glob("*/__init__.py") if p.read_text().strip()] == []

@@ -24,7 +24,7 @@ from sdtrain.artifacts.run_outputs import LossLabels
 from sdtrain.config.loader import load_config
 from sdtrain.storage.filesystems import filesystem_for
 from sdtrain.storage.run_layout import LOSS_CURVE_FILE, METRICS_FILE, SAMPLES_DIR, TENSORBOARD_DIR, TRACKERS_FILE
-from sdtrain.train.live import BackgroundWriter, LiveOutputs
+from sdtrain.train.live_files import BackgroundWriter, LiveOutputs
 from sdtrain.train.trackers import Trackers, read_state
 from sdtrain.train.wandb_files import read_run_file, run_files
 

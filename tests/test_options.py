@@ -1,5 +1,5 @@
 """Every option the train config accepts, trained for real: the module and Trainer settings a Ray
-worker builds (sdtrain.train.trainer.build_training), in a Lightning Trainer on CPU, tiny UNet.
+worker builds (sdtrain.train.build.build_training), in a Lightning Trainer on CPU, tiny UNet.
 
 What torch cannot run on a CPU is refused by config validation (tests/test_config.py) or trained
 on a GPU by tests/test_gpu.py (``pytest -m gpu``); the Ray runs of tests/test_train_ray.py add
@@ -17,7 +17,7 @@ from support.training import CAPTIONS, FIT, LATENTS, Watch, batches, fit
 from torch.distributed.tensor import DTensor
 
 from sdtrain.config.loader import load_config
-from sdtrain.train.trainer import build_training, checkpoint_meta
+from sdtrain.train.build import build_training, checkpoint_meta
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])

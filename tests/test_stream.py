@@ -108,10 +108,10 @@ def test_validation_streams_are_paced_too_and_keep_it_through_ray_trains_copy(tm
 
 
 def test_ray_trains_controller_loads_no_model_libraries():
-    """Ray Train's controller unpickles the data hook (sdtrain.train.shards) and the failure callback:
+    """Ray Train's controller unpickles the data hook (sdtrain.train.data_hook) and the failure callback:
     diffusers and Lightning imported there cost ~6 s of every run's start-up."""
     code = (
-        "import sys, sdtrain.train.shards, sdtrain.train.failures; "
+        "import sys, sdtrain.train.data_hook, sdtrain.train.failures; "
         "loaded = [m for m in ('torch', 'diffusers', 'lightning') if m in sys.modules]; assert not loaded, loaded"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -36,10 +36,10 @@ from sdtrain.storage.filesystems import ray_storage, set_aside, uri_for
 from sdtrain.storage.run_layout import EXPORT_DIR
 from sdtrain.storage.s3 import resolved_s3_settings
 from sdtrain.storage.uris import absolute
+from sdtrain.train.build import checkpoint_meta, resolve_precision
+from sdtrain.train.data_hook import PlannedStreams, committed_run, read_data_state
 from sdtrain.train.failures import StopOnDeterministicErrors, failure_message
-from sdtrain.train.shards import PlannedShards, committed_run, read_data_state
 from sdtrain.train.tracker_driver import check_trackers, log_export, tracker_env
-from sdtrain.train.trainer import checkpoint_meta, resolve_precision
 from sdtrain.train.worker import train_loop_per_worker
 
 
@@ -190,7 +190,7 @@ def build_trainer(run: CheckedRun, launched_at: float) -> TorchTrainer:
     _quiet_ray_data()
     use_gpu = _resolve_use_gpu(config.scaling)
     resolve_precision(config.train, use_gpu)  # 16-mixed where scaling.use_gpu=auto found no GPU fails here
-    # PlannedShards replaces "train" by each rank's planned stream; Ray Train needs the name.
+    # PlannedStreams replaces "train" by each rank's planned stream; Ray Train needs the name.
     # TorchTrainer's own value type: its dict is invariant.
     datasets: dict[str, ray.data.Dataset | Callable[[], ray.data.Dataset]] = {
         "train": file_order_dataset(run.train, config.data, "data.train")
@@ -217,7 +217,7 @@ def build_trainer(run: CheckedRun, launched_at: float) -> TorchTrainer:
         ),
         run_config=_ray_run_config(config),
         datasets=datasets,
-        dataset_config=PlannedShards(WindowReader(run.train, config.data, run.plan), run.run_dir, config),
+        dataset_config=PlannedStreams(WindowReader(run.train, config.data, run.plan), run.run_dir, config),
     )
 
 

@@ -1,4 +1,4 @@
-"""Training in one process, as a Ray worker builds it (sdtrain.train.trainer.build_training), watched step by step:
+"""Training in one process, as a Ray worker builds it (sdtrain.train.build.build_training), watched step by step:
 tests/test_options.py on CPU, tests/test_gpu.py on a CUDA GPU."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import lightning.pytorch as pl
 import torch
 
 from sdtrain.model.ema import local_tensor
-from sdtrain.train.trainer import checkpoint_meta, fit_without_ray
+from sdtrain.train.build import checkpoint_meta, fit_without_ray
 
 LATENTS, CAPTIONS = (4, 16, 16), (8, 32)
 

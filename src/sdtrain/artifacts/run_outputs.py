@@ -1,5 +1,5 @@
 """metrics.csv and loss_curve.png in the run directory: rewritten by rank 0 at every report while the run
-trains (sdtrain.train.live), and by the driver at the end."""
+trains (sdtrain.train.live_files), and by the driver at the end."""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ import numpy as np
 
 from sdtrain.artifacts.run_outputs import LossLabels
 from sdtrain.config.schema import Config
-from sdtrain.train.live import LiveOutputs
+from sdtrain.train.live_files import LiveOutputs
 from sdtrain.train.sample_grids import SampleGrids
 from sdtrain.train.trackers import Trackers
 

@@ -35,7 +35,7 @@ from sdtrain.config.schema import Config
 from sdtrain.storage.filesystems import filesystem_for
 from sdtrain.storage.run_layout import SAMPLES_DIR, TENSORBOARD_DIR, TRACKERS_FILE, sample_grid_file
 from sdtrain.storage.uris import is_uri
-from sdtrain.train.live import BackgroundWriter
+from sdtrain.train.live_files import BackgroundWriter
 from sdtrain.train.wandb_files import STEP_KEY, run_files
 
 log = logging.getLogger("sdtrain")

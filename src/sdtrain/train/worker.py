@@ -22,6 +22,7 @@ from sdtrain.data.read_order import DataState, SamplePlan, resume_position
 from sdtrain.model.recipe import load_unconditional_caption
 from sdtrain.storage.run_layout import CHECKPOINT_FILE, DATA_STATE_FILE, HISTORY_FILE
 from sdtrain.storage.s3 import apply_s3_settings
+from sdtrain.train.build import build_training
 from sdtrain.train.cadence import ReportCadence
 from sdtrain.train.checkpointing import CheckpointWriter, DropRestoreCopy, restored_directory, worker_scratch
 from sdtrain.train.preemption import PreemptionCheck
@@ -30,7 +31,6 @@ from sdtrain.train.run_view import RunView
 from sdtrain.train.sample_grids import SampleGrids, grid_captions
 from sdtrain.train.tracker_driver import apply_tracker_env
 from sdtrain.train.train_stream import TrainStream
-from sdtrain.train.trainer import build_training
 from sdtrain.train.validation import Validation
 from sdtrain.train.watchdog import StallWatch, StallWatchdog
 

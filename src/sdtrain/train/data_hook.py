@@ -1,7 +1,7 @@
 """Ray Train's data hook: one ordered training stream per rank, positioned at the latest checkpoint.
 
 Ray Train calls ``DataConfig.configure`` each time it starts a worker group (first start,
-restart after a failure, resize, or a new driver on the same run). :class:`PlannedShards`
+restart after a failure, resize, or a new driver on the same run). :class:`PlannedStreams`
 reads the data position from the latest checkpoint Ray Train has committed, the same one the
 workers are restored from, and gives each rank the rows :mod:`sdtrain.data.read_order` assigns it
 from there to ``train.max_steps``. Open-source Ray Data keeps no iterator state across
@@ -26,7 +26,7 @@ from sdtrain.storage.filesystems import ray_storage
 from sdtrain.storage.run_layout import DATA_STATE_FILE
 
 
-class PlannedShards(ray.train.DataConfig):
+class PlannedStreams(ray.train.DataConfig):
     def __init__(self, reader: WindowReader, run_dir: str, config: Config):
         super().__init__(datasets_to_split=["train"])
         self.reader = reader
