@@ -40,7 +40,7 @@ def trained(tmp_path_factory):
     ensure_demo_data(str(root / "train"), str(root / "val"), caption_dim=32)
     data = DataConfig(train=[str(root / "train")], val=[str(root / "val")], demo=True)
     spec = inspect_dataset(
-        resolve_parquet_files(data.train, "data.train"), "data.train", data.image_column, data.caption_column, 4, 32
+        resolve_parquet_files(data.train, "data.train"), "data.train", data.latent_column, data.caption_column, 4, 32
     )
     batches = []
     for batch in iter_local_batches(spec, data, 16):
@@ -305,7 +305,8 @@ def test_a_pipeline_exports_card_shows_the_latest_training_grid_or_one_rendered_
     """Data that names its VAE and text encoder makes the export a pipeline; its card shows sample_grid.png:
     training's latest grid at or before the exported step, else one the pipeline draws from the data's captions."""
     from sdtrain.artifacts.export import write_export
-    from sdtrain.preprocess.outputs import SCALING_KEY, TEXT_ENCODER_KEY, VAE_KEY, shard_table, write_shard
+    from sdtrain.data.metadata import LATENT_SCALING_FACTOR, TEXT_ENCODER_SOURCE, VAE_SOURCE
+    from sdtrain.preprocess.outputs import shard_table, write_shard
     from sdtrain.preprocess.tiny_models import write_tiny_sd_model
     from sdtrain.storage.run_layout import EXPORT_SAMPLE_GRID_FILE as SAMPLE_GRID_FILE
 
@@ -321,7 +322,7 @@ def test_a_pipeline_exports_card_shows_the_latest_training_grid_or_one_rendered_
         }
         for c in captions
     ]
-    metadata = {SCALING_KEY: "0.18215", VAE_KEY: model, TEXT_ENCODER_KEY: model}
+    metadata = {LATENT_SCALING_FACTOR: "0.18215", VAE_SOURCE: model, TEXT_ENCODER_SOURCE: model}
     table = shard_table(rows, "image_latents_256", "caption_latents", metadata)
     write_shard(str(tmp_path / "latents"), "part", table, {}, 4)
     run = tmp_path / "run"

@@ -21,11 +21,12 @@ import torch
 from PIL import Image
 
 from sdtrain.config.loader import load_config
+from sdtrain.data.metadata import LATENT_SCALING_FACTOR
 from sdtrain.errors import ConfigError, DataError
 from sdtrain.preprocess.config import PreprocessConfig
 from sdtrain.preprocess.encoders import encode_images, encode_prompts, load_text_encoder, load_vae, local_model
 from sdtrain.preprocess.images import NO_CAPTION, NO_IMAGE, TOO_SMALL, UNDECODABLE, prepare_image, to_unit_range
-from sdtrain.preprocess.outputs import SCALING_KEY, encoder_sources
+from sdtrain.preprocess.outputs import encoder_sources
 from sdtrain.preprocess.tiny_models import write_tiny_sd_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -423,7 +424,7 @@ def test_parquet_input_interrupted_and_resumed(tmp_path, tiny_model, ray_cluster
         parquet = pq.ParquetFile(file)
         assert parquet.schema_arrow.field("image_latents_256").type == pa.list_(pa.float16())
         assert all(parquet.metadata.row_group(g).num_rows <= 4 for g in range(parquet.num_row_groups))
-        assert float(parquet.schema_arrow.metadata[SCALING_KEY.encode()]) == 0.18215
+        assert float(parquet.schema_arrow.metadata[LATENT_SCALING_FACTOR.encode()]) == 0.18215
     sources = encoder_sources(files)
     assert sources is not None and sources.vae == tiny_model and sources.resolution == RESOLUTION
 
@@ -681,7 +682,7 @@ def test_inputs_model_and_output_on_s3_resumed_and_trained_on(tmp_path, tiny_mod
                 "scaling.use_gpu=false",
                 f"run.storage_path={tmp_path / 'runs'}",
                 "run.name=from-s3",
-                "run.checkpoint_every_n_steps=2",
+                "checkpoint.every_n_steps=2",
                 "run.log_every_n_steps=1",
             ],
         )
@@ -741,7 +742,7 @@ def test_images_to_latents_to_training_to_prompted_pipeline(tmp_path, tiny_model
                 "scaling.use_gpu=false",
                 f"run.storage_path={tmp_path / 'runs'}",
                 "run.name=loop",
-                "run.checkpoint_every_n_steps=4",
+                "checkpoint.every_n_steps=4",
                 "run.log_every_n_steps=2",
             ],
         )
@@ -782,7 +783,7 @@ def test_images_to_latents_to_training_to_prompted_pipeline(tmp_path, tiny_model
         assert (export / part).exists(), part
     card = (export / "README.md").read_text()
     assert "step 4" in card
-    # The run drew no sample grid (no data.val, no run.sample_captions): the export rendered one for the card.
+    # The run drew no sample grid (no data.val, no sample_grid.captions): the export rendered one for the card.
     assert "![Samples](sample_grid.png)" in card and "a photograph of a" in card
     with Image.open(export / "sample_grid.png") as grid:
         assert grid.format == "PNG" and grid.height == RESOLUTION + 4

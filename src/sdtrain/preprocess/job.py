@@ -23,17 +23,13 @@ from typing import Any
 import numpy as np
 
 from sdtrain.data.dataset_index import DIRECTORY_INDEX, write_directory_index
+from sdtrain.data.metadata import LATENT_SCALING_FACTOR, RESOLUTION, TEXT_ENCODER_SOURCE, VAE_SOURCE
 from sdtrain.errors import DataError
 from sdtrain.preprocess.config import ImageConfig, InputConfig, PreprocessConfig
 from sdtrain.preprocess.images import NO_CAPTION, clean_caption, prepare_image
 from sdtrain.preprocess.outputs import (
     MANIFEST_FILE,
-    RESOLUTION_KEY,
     RESUME_KEYS,
-    SCALING_KEY,
-    TEXT_ENCODER_KEY,
-    UNCONDITIONAL_FILE,
-    VAE_KEY,
     check_settings,
     join,
     read_shard_stats,
@@ -43,6 +39,7 @@ from sdtrain.preprocess.outputs import (
 )
 from sdtrain.preprocess.sources import Shard, changed_source, list_shards, read_shard
 from sdtrain.storage.filesystems import write_bytes
+from sdtrain.storage.run_layout import UNCONDITIONAL_FILE
 from sdtrain.storage.s3 import S3Settings, apply_s3_settings, configure_s3, resolved_s3_settings
 from sdtrain.storage.uris import absolute, is_uri
 
@@ -199,10 +196,10 @@ def _run_pipeline(config: PreprocessConfig, pending: list[Shard], scaling_factor
     gpus = ray.cluster_resources().get("GPU", 0)
     num_gpus = (1 if gpus else 0) if config.encode.num_gpus == "auto" else config.encode.num_gpus
     metadata = {
-        SCALING_KEY: repr(scaling_factor),
-        RESOLUTION_KEY: str(config.image.resolution),
-        VAE_KEY: config.encode.model,
-        TEXT_ENCODER_KEY: config.encode.model,
+        LATENT_SCALING_FACTOR: repr(scaling_factor),
+        RESOLUTION: str(config.image.resolution),
+        VAE_SOURCE: config.encode.model,
+        TEXT_ENCODER_SOURCE: config.encode.model,
         "sdtrain.latent": config.encode.latent,
     }
     # A cluster started apart from this driver sees neither storage.endpoint_url nor the driver's

@@ -6,13 +6,14 @@
     <output.path>/_shards/<shard>.json       that shard's counts and source, written after its parquet: the shard
                                              is done
     <output.path>/unconditional_caption.npy  the text encoder's embedding of "" (L x D): data.unconditional_caption
+                                             (the name: sdtrain.storage.run_layout.UNCONDITIONAL_FILE)
     <output.path>/manifest.json              totals: inputs read, rows written, rows skipped by reason
     <output.path>/_settings.json             the settings every run into this directory must share (RESUME_KEYS)
     <output.path>/_sdtrain_index.parquet     the dataset index (rows, sizes, versions, schema): training reads no
                                              footer of this output (sdtrain.data.dataset_index)
 
-Training lists only the *.parquet files outside '_'/'.' names (sdtrain.data.parquet_files), so the
-side files and a half-written temporary never reach it.
+The schema metadata keys every shard carries are sdtrain.data.metadata's. Training lists only the *.parquet files
+outside '_'/'.' names (sdtrain.data.parquet_files), so the side files and a half-written temporary never reach it.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+from sdtrain.data.metadata import RESOLUTION, TEXT_ENCODER_SOURCE, VAE_SOURCE
 from sdtrain.errors import ConfigError, DataError
 from sdtrain.storage.filesystems import filesystem_for, write_bytes
 from sdtrain.storage.uris import is_uri
@@ -53,12 +55,6 @@ RESUME_KEYS = (
     "output.image_column",
     "output.caption_column",
 )
-UNCONDITIONAL_FILE = "unconditional_caption.npy"
-# Schema metadata keys. The first is the one training honours (sdtrain.model.recipe.LATENT_SCALING_METADATA_KEY).
-SCALING_KEY = "sdtrain.latent_scaling_factor"
-RESOLUTION_KEY = "sdtrain.resolution"
-VAE_KEY = "sdtrain.vae_source"
-TEXT_ENCODER_KEY = "sdtrain.text_encoder_source"
 
 
 @dataclass(frozen=True)
@@ -183,11 +179,11 @@ def encoder_sources(files: list[str]) -> EncoderSources | None:
                 metadata = pq.read_schema(f).metadata or {}
         except (OSError, pa.ArrowException) as e:
             raise DataError(f"cannot read the parquet metadata of {file}: {e}") from None
-        if VAE_KEY.encode() in metadata and TEXT_ENCODER_KEY.encode() in metadata:
-            resolution = metadata.get(RESOLUTION_KEY.encode())
+        if VAE_SOURCE.encode() in metadata and TEXT_ENCODER_SOURCE.encode() in metadata:
+            resolution = metadata.get(RESOLUTION.encode())
             return EncoderSources(
-                vae=metadata[VAE_KEY.encode()].decode(),
-                text_encoder=metadata[TEXT_ENCODER_KEY.encode()].decode(),
+                vae=metadata[VAE_SOURCE.encode()].decode(),
+                text_encoder=metadata[TEXT_ENCODER_SOURCE.encode()].decode(),
                 resolution=int(resolution) if resolution else None,
             )
     return None
