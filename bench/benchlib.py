@@ -107,7 +107,7 @@ def sdtrain_batches(
     from sdtrain.data.read_order import DataState, SamplePlan
     from sdtrain.data.streams import WindowReader, rank_dataset
 
-    data = DataConfig(train=list(files), image_column=IMAGE_COLUMN, caption_column=CAPTION_COLUMN)
+    data = DataConfig(train=list(files), latent_column=IMAGE_COLUMN, caption_column=CAPTION_COLUMN)
     if prefetch_batches is not None:
         data = DataConfig(**{**data.__dict__, "prefetch_batches": prefetch_batches})
     spec = inspect_dataset(

@@ -3,14 +3,14 @@
     python bench/chaos.py                 # 10 kills
     python bench/chaos.py --kills 3 --seed 1
 
-One training worker on a local Ray cluster (the demo's digits, the tiny UNet, run.record_samples
+One training worker on a local Ray cluster (the demo's digits, the tiny UNet, checkpoint.record_rows
 on). A killer thread waits for a checkpoint committed since its previous kill (so the run makes
 progress between kills), waits a random 0-2 s more (a kill may land in a step, a report, a
 checkpoint write or an upload), and SIGKILLs the RayTrainWorker process. Then it checks what a
 user relies on:
 
 - the run ends at exactly train.max_steps;
-- every row is trained on once per epoch (the sample indices of run.record_samples);
+- every row is trained on once per epoch (the sample indices of checkpoint.record_rows);
 - the loss curve is continuous: one row per logged step, in order, all finite;
 - no checkpoint lost or half-read: each restart started at a committed checkpoint's step.
 
@@ -67,11 +67,11 @@ def main() -> int:
             "scaling.use_gpu=false",
             f"run.storage_path={root}/runs",
             "run.name=chaos",
-            f"run.checkpoint_every_n_steps={CHECKPOINT_EVERY}",
+            f"checkpoint.every_n_steps={CHECKPOINT_EVERY}",
             "run.log_every_n_steps=2",
-            "run.num_to_keep=null",
-            "run.record_samples=true",
-            "run.export=false",
+            "checkpoint.num_to_keep=null",
+            "checkpoint.record_rows=true",
+            "export.enabled=false",
             f"failure.max_failures={args.kills + 1}",
         ],
     )

@@ -2,7 +2,7 @@
 
 Runs the package's ``sdtrain.driver.train(config)`` twice on one local Ray cluster, with
 ``run.storage_path`` in a bucket of a real S3-protocol server (moto's server mode, in its own
-process on loopback): once with ``run.checkpoint_upload: async`` (the default: Ray Train uploads
+process on loopback): once with ``checkpoint.upload: async`` (the default: Ray Train uploads
 in the background) and once with ``sync``. The figure is the job's own metric
 ``checkpoint_stall_s`` (the seconds the training loop spent in a checkpoint report), per
 checkpoint, against the step time. With async the stall should be the local save only; the sync
@@ -41,7 +41,7 @@ def main() -> None:
         "--width", type=int, help="block_out_channels of the widened tiny UNet: (w, 2w) (default 192; smoke 32)"
     )
     parser.add_argument("--checkpoints", type=int, help="checkpoints per run (default 4; smoke 2)")
-    parser.add_argument("--every", type=int, default=4, help="run.checkpoint_every_n_steps (default %(default)s)")
+    parser.add_argument("--every", type=int, default=4, help="checkpoint.every_n_steps (default %(default)s)")
     args = parser.parse_args()
     width = args.width or (32 if args.smoke else 192)
     checkpoints = args.checkpoints or (2 if args.smoke else 4)

@@ -12,7 +12,7 @@ thread (``LiveOutputs.update``), which writes metrics.csv and loss_curve.png. Me
 in the training thread and the background write, with a history of --rows rows (a 550k-step run
 reporting every 50 steps has 11k).
 
-    python bench/sample_grid_cost.py           # tiny UNet, grid every 1000 steps (run.checkpoint_every_n_steps)
+    python bench/sample_grid_cost.py           # tiny UNet, grid every 1000 steps (checkpoint.every_n_steps)
     python bench/sample_grid_cost.py --smoke   # seconds: checks that it runs (CI)
 """
 

@@ -255,7 +255,7 @@ def committed_checkpoints(run_dir: Path) -> list[str]:
 
 
 def rows_by_step(recorded: list[np.ndarray], global_batch: int) -> list[np.ndarray]:
-    """The sample indices of each optimizer step, all ranks' together, from ``run.record_samples``' files in
+    """The sample indices of each optimizer step, all ranks' together, from ``checkpoint.record_rows``' files in
     checkpoint order: each is (world size, rows since the previous checkpoint), and rank r's rows of a step
     are its next ``global_batch / world size``."""
     steps = []

@@ -20,7 +20,7 @@ def _job(name):
 
 
 def _pins():
-    """What a node installs: pyproject.toml's dependencies, its trackers extra (run.trackers) and its preprocess
+    """What a node installs: pyproject.toml's dependencies, its trackers extra (tracking.trackers) and its preprocess
     extra (the preprocessing job; a run on its latents exports a pipeline with its text encoder)."""
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     extras = project["optional-dependencies"]

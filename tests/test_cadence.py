@@ -1,11 +1,15 @@
 """The one schedule of reports, validations and checkpoints every rank follows (sdtrain.train.cadence)."""
 
-from sdtrain.config.schema import RunConfig
+from sdtrain.config.loader import load_config
 from sdtrain.train.cadence import ReportCadence
 
 
+def _cadence(max_steps, *overrides):
+    return ReportCadence(load_config(None, ["data.train=x", f"train.max_steps={max_steps}", *overrides]))
+
+
 def test_reports_validations_and_checkpoints_fall_on_the_same_steps_for_every_rank():
-    cadence = ReportCadence(RunConfig(checkpoint_every_n_steps=20, log_every_n_steps=5, val_every_n_steps=10), 47)
+    cadence = _cadence(47, "checkpoint.every_n_steps=20", "run.log_every_n_steps=5", "run.val_every_n_steps=10")
     steps = range(1, 48)
     assert [s for s in steps if cadence.report_due(s)] == [5, 10, 15, 20, 25, 30, 35, 40, 45, 47]
     assert [s for s in steps if cadence.validation_due(s)] == [10, 20, 30, 40, 47]
@@ -15,7 +19,7 @@ def test_reports_validations_and_checkpoints_fall_on_the_same_steps_for_every_ra
     assert cadence.checkpoint_due(23) and cadence.report_due(23) and not cadence.validation_due(23)
     assert not cadence.checkpoint_due(24)
     # Validation defaults to the checkpoint interval, and happens only at a report.
-    default = ReportCadence(RunConfig(checkpoint_every_n_steps=6, log_every_n_steps=4), 12)
+    default = _cadence(12, "checkpoint.every_n_steps=6", "run.log_every_n_steps=4")
     assert [s for s in range(1, 13) if default.validation_due(s)] == [6, 12]
-    off_schedule = ReportCadence(RunConfig(checkpoint_every_n_steps=8, log_every_n_steps=8, val_every_n_steps=3), 16)
+    off_schedule = _cadence(16, "checkpoint.every_n_steps=8", "run.log_every_n_steps=8", "run.val_every_n_steps=3")
     assert [s for s in range(1, 17) if off_schedule.validation_due(s)] == [16]  # 3, 6, ... are not reports

@@ -31,7 +31,7 @@ def test_yaml_then_overrides(tmp_path):
 
 def test_defaults_follow_the_seed_notebook():
     config = load_config(None, BASE)
-    assert (config.data.image_column, config.data.caption_column) == ("image_latents_256", "caption_latents")
+    assert (config.data.latent_column, config.data.caption_column) == ("image_latents_256", "caption_latents")
     assert (config.train.lr, config.train.weight_decay, config.train.warmup_steps) == (1e-4, 1e-2, 10_000)
     assert config.train.max_steps == 550_000
     assert config.model.preset == "small"
@@ -77,14 +77,14 @@ def test_round_trip_through_dict():
         (BASE + ["scaling.use_gpu=maybe"], r"scaling\.use_gpu: expected auto \| bool, got 'maybe'"),
         (BASE + ["scaling.cpus_per_worker=0"], r"scaling\.cpus_per_worker: must be > 0 or auto"),
         (BASE + ["run.name=my run/1"], r"run\.name: must be letters, digits"),
-        (BASE + ["run.checkpoint_every_n_steps=0"], r"run\.checkpoint_every_n_steps: must be >= 1"),
+        (BASE + ["checkpoint.every_n_steps=0"], r"checkpoint\.every_n_steps: must be >= 1"),
         (BASE + ["run.log_every_n_steps=0"], r"run\.log_every_n_steps: must be >= 1"),
-        (BASE + ["run.num_to_keep=0"], r"run\.num_to_keep: must be >= 1 or null"),
+        (BASE + ["checkpoint.num_to_keep=0"], r"checkpoint\.num_to_keep: must be >= 1 or null"),
         (BASE + ["run.val_every_n_steps=0"], r"run\.val_every_n_steps: must be >= 1 or null"),
         (BASE + ["failure.max_failures=-2"], r"failure\.max_failures: must be >= -1"),
         (BASE + ["failure.max_preemptions=-2"], r"failure\.max_preemptions: must be >= -1"),
         (BASE + ["data.prefetch_batches=-1"], r"data\.prefetch_batches: must be >= 0"),
-        (BASE + ["data.image_column="], r"data\.image_column: expected str, got None"),
+        (BASE + ["data.latent_column="], r"data\.latent_column: expected str, got None"),
         (["data.train=[a,b]", "data.demo=true"], r"data\.demo: needs data\.train .* single directory"),
         (
             BASE + ["train.global_batch_size=12", "scaling.num_workers=[2,5]"],
@@ -189,18 +189,18 @@ def test_batch_layout_keeps_the_global_batch_at_every_world_size():
             r"data\.unconditional_caption: must be zeros or the path of a \.npy file",
         ),
         (
-            ["run.checkpoint_score_attribute=accuracy"],
-            r"run\.checkpoint_score_attribute: expected val_loss \| loss \| null",
+            ["checkpoint.score_attribute=accuracy"],
+            r"checkpoint\.score_attribute: expected val_loss \| loss \| null",
         ),
-        (["run.checkpoint_score_attribute=val_loss"], r"run\.checkpoint_score_attribute: val_loss needs data\.val"),
+        (["checkpoint.score_attribute=val_loss"], r"checkpoint\.score_attribute: val_loss needs data\.val"),
         (
             [
-                "run.checkpoint_score_attribute=val_loss",
+                "checkpoint.score_attribute=val_loss",
                 "data.val=/v",
                 "run.val_every_n_steps=300",
-                "run.checkpoint_every_n_steps=1000",
+                "checkpoint.every_n_steps=1000",
             ],
-            r"run\.checkpoint_score_attribute: val_loss needs a validation loss with every checkpoint",
+            r"checkpoint\.score_attribute: val_loss needs a validation loss with every checkpoint",
         ),
     ],
 )
@@ -228,7 +228,7 @@ def test_recipe_defaults_change_nothing_and_options_reach_the_model():
         False,
         "sdpa",
     )
-    assert config.model.prediction_type == "epsilon" and config.run.export is True
+    assert config.model.prediction_type == "epsilon" and config.export.enabled is True
     v = load_config(None, BASE + ["model.prediction_type=v_prediction", "model.preset=tiny"])
     scheduler = noise_scheduler_config(v.model)
     assert scheduler["prediction_type"] == "v_prediction" and scheduler["clip_sample"] is False
@@ -237,12 +237,12 @@ def test_recipe_defaults_change_nothing_and_options_reach_the_model():
             None,
             BASE
             + [
-                "run.checkpoint_score_attribute=val_loss",
+                "checkpoint.score_attribute=val_loss",
                 "data.val=/v",
                 "run.val_every_n_steps=500",
-                "run.checkpoint_every_n_steps=1000",
+                "checkpoint.every_n_steps=1000",
             ],
-        ).run.checkpoint_score_attribute
+        ).checkpoint.score_attribute
         == "val_loss"
     )
 
@@ -342,3 +342,29 @@ def test_every_numeric_key_refuses_non_finite_and_negative_values_naming_the_key
                     load(f"{key}={value}")
                 checked += 1
     assert checked > 50  # every section's numbers, not an empty walk
+
+
+def test_renamed_keys_keep_working_for_a_release_with_a_one_line_notice(tmp_path, capsys):
+    """The run section was split (checkpoint, sample_grid, tracking, export) and a few keys renamed: a config
+    written for 0.1 loads to the same values, each old key named once on stderr with its new name."""
+    (tmp_path / "old.yaml").write_text(
+        "data:\n  train: x\n  image_column: latents\n  on_change: new_epoch\n"
+        "train:\n  max_bad_steps: 7\n"
+        "run:\n  name: old\n  checkpoint_every_n_steps: 50\n  sample_columns: 2\n  trackers: []\n  export: false\n"
+    )
+    config = load_config(tmp_path / "old.yaml", ["run.num_to_keep=5"])
+    assert (config.data.latent_column, config.data.on_resume_change, config.train.max_nonfinite_steps) == (
+        "latents",
+        "new_epoch",
+        7,
+    )
+    assert (config.run.name, config.checkpoint.every_n_steps, config.checkpoint.num_to_keep) == ("old", 50, 5)
+    assert (config.sample_grid.columns, config.tracking.trackers, config.export.enabled) == (2, [], False)
+    notices = capsys.readouterr().err.splitlines()
+    assert "[sdtrain] run.checkpoint_every_n_steps is deprecated: it is now checkpoint.every_n_steps" in notices[3]
+    assert len(notices) == 8 and all("is deprecated: it is now" in line for line in notices)
+    with pytest.raises(ConfigError, match=r"^run\.num_to_keep: is the old name of checkpoint\.num_to_keep, which is"):
+        load_config(None, ["data.train=x", "run.num_to_keep=5", "checkpoint.num_to_keep=2"])
+    # Every old name maps to a key that exists.
+    keys = {key for key, *_ in describe_keys()}
+    assert set(Config.RENAMED.values()) <= keys and not set(Config.RENAMED) & keys

@@ -90,7 +90,7 @@ def test_missing_column(tmp_path):
     with pytest.raises(DataError) as e:
         _inspect([tmp_path / "p.parquet"])
     message = str(e.value)
-    assert "p.parquet has no column 'image_latents_256' (data.image_column)" in message
+    assert "p.parquet has no column 'image_latents_256' (data.latent_column)" in message
     assert "its columns are id, latents, caption_latents" in message
     assert "\n" not in message
 
@@ -100,7 +100,7 @@ def test_latent_length_not_c_h_w(tmp_path):
     with pytest.raises(
         DataError,
         match=(
-            r"p\.parquet, column 'image_latents_256' \(data\.image_column\) has 396 values a row, which is "
+            r"p\.parquet, column 'image_latents_256' \(data\.latent_column\) has 396 values a row, which is "
             r"not C\*H\*W for C = the UNet's in_channels = 4"
         ),
     ):
@@ -191,7 +191,7 @@ def test_integer_values_and_nulls(tmp_path):
     pq.write_table(table, tmp_path / "ints.parquet")
     with pytest.raises(
         DataError,
-        match=r"column 'image_latents_256' \(data\.image_column\) holds int32 values; expected float16 or float32",
+        match=r"column 'image_latents_256' \(data\.latent_column\) holds int32 values; expected float16 or float32",
     ):
         _inspect([tmp_path / "ints.parquet"])
     table = pa.table(
@@ -202,7 +202,7 @@ def test_integer_values_and_nulls(tmp_path):
     )
     pq.write_table(table, tmp_path / "nulls.parquet")
     with pytest.raises(
-        DataError, match=r"nulls\.parquet, column 'image_latents_256' \(data\.image_column\): the first row is null"
+        DataError, match=r"nulls\.parquet, column 'image_latents_256' \(data\.latent_column\): the first row is null"
     ):
         _inspect([tmp_path / "nulls.parquet"])
 

@@ -144,11 +144,11 @@ def run_through_a_reclaimed_and_a_joined_node(cluster, tmp_path: Path, nodes: in
                 "scaling.use_gpu=false",
                 # The reclaim notice falls between two; and the smaller group commits one soon after it starts, so
                 # the node joins with most of the run still to go, however fast this machine trains.
-                "run.checkpoint_every_n_steps=25",
+                "checkpoint.every_n_steps=25",
                 "scaling.resize_check_s=15",  # the join is used sooner than at Ray's default of 60 s
                 "run.log_every_n_steps=10",
-                "run.num_to_keep=null",
-                "run.record_samples=true",
+                "checkpoint.num_to_keep=null",
+                "checkpoint.record_rows=true",
                 "failure.max_failures=0",  # a preemption must not spend one
                 tmp_path=tmp_path,
                 name="elastic",

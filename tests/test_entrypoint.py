@@ -31,7 +31,7 @@ def test_help_lists_every_key(tmp_path):
         "model.unet",
         "train.precision",
         "scaling.num_workers",
-        "run.num_to_keep",
+        "checkpoint.num_to_keep",
         "failure.max_failures",
     ):
         assert key in result.stdout
@@ -98,8 +98,13 @@ def test_the_demo_survives_a_killed_driver_and_the_loss_falls(tmp_path):
 
     import psutil
 
-    args = ["train.max_steps=40", "run.log_every_n_steps=10", "run.checkpoint_every_n_steps=10", "run.num_to_keep=null"]
-    args += ["run.sample_columns=2", "run.sample_steps=4"]  # a grid at each checkpoint: 16 s each at the demo's size
+    args = [
+        "train.max_steps=40",
+        "run.log_every_n_steps=10",
+        "checkpoint.every_n_steps=10",
+        "checkpoint.num_to_keep=null",
+    ]
+    args += ["sample_grid.columns=2", "sample_grid.steps=4"]  # a grid at each checkpoint: 16 s each at the demo's size
     env = {**os.environ, "RAY_ADDRESS": "local", **CHECKOUT}
     driver = subprocess.Popen(
         TRAIN + args, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True

@@ -159,11 +159,11 @@ def test_a_job_trains_from_a_bucket_into_a_bucket_is_stopped_and_resubmitted_and
         f"storage.endpoint_url={os.environ['AWS_ENDPOINT_URL']}",
         "train.max_steps=40",
         "train.global_batch_size=16",
-        "run.checkpoint_every_n_steps=10",
+        "checkpoint.every_n_steps=10",
         "run.log_every_n_steps=10",
-        "run.num_to_keep=null",
+        "checkpoint.num_to_keep=null",
         "train.ema_start_step=0",
-        "run.sample_steps=4",  # a grid with each checkpoint: drawn, at a fifth of the default's cost
+        "sample_grid.steps=4",  # a grid with each checkpoint: drawn, at a fifth of the default's cost
     ]
     client = JobSubmissionClient(address)
     first = f"sdtrain-s3-{os.getpid()}-1"

@@ -77,7 +77,7 @@ def test_tensorboard_on_object_storage(s3_bucket, tmp_path):
 
     run_dir = f"{s3_bucket}/runs/tb"
     config = load_config(None, ["data.train=x", "run.name=tb", f"run.storage_path={s3_bucket}/runs"])
-    assert config.run.trackers == ["tensorboard"]
+    assert config.tracking.trackers == ["tensorboard"]
     first = Trackers(config, run_dir, [])
     first.log_image("samples", np.zeros((8, 8, 3), np.uint8), 2)
     first.log_metrics({"step": 2, "loss": 0.5}, 2)
@@ -118,8 +118,10 @@ def test_mlflow_without_a_tracking_server_is_refused_before_ray_starts(monkeypat
     from sdtrain.train.tracker_driver import check_trackers
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    config = load_config(None, ["data.train=unused", "run.trackers=[tensorboard, mlflow]"])
-    with pytest.raises(ConfigError, match=r"run.trackers: mlflow needs a tracking server: set run.mlflow_tracking_uri"):
+    config = load_config(None, ["data.train=unused", "tracking.trackers=[tensorboard, mlflow]"])
+    with pytest.raises(
+        ConfigError, match=r"tracking.trackers: mlflow needs a tracking server: set tracking.mlflow_tracking_uri"
+    ):
         check_trackers(config)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:1")
     check_trackers(config)
@@ -146,8 +148,8 @@ def test_trackers_hold_each_step_once_across_a_restart(tmp_path, monkeypatch):
     with mlflow_server(tmp_path) as uri:
         config = tiny_config(
             "data.train=unused",
-            "run.trackers=[tensorboard, mlflow, wandb]",
-            f"run.mlflow_tracking_uri={uri}",
+            "tracking.trackers=[tensorboard, mlflow, wandb]",
+            f"tracking.mlflow_tracking_uri={uri}",
             tmp_path=tmp_path,
             name="tracked",
         )
@@ -365,12 +367,12 @@ def test_a_killed_and_resumed_run_shows_each_step_once_everywhere(
                 "scaling.num_workers=2",
                 f"run.storage_path={tmp_path}/runs",
                 "run.name=watched",
-                f"run.checkpoint_every_n_steps={every}",
+                f"checkpoint.every_n_steps={every}",
                 "run.log_every_n_steps=2",
-                "run.trackers=[tensorboard, mlflow, wandb]",
-                f"run.mlflow_tracking_uri={uri}",
-                "run.mlflow_register_as=watched-unet",
-                "run.sample_steps=4",
+                "tracking.trackers=[tensorboard, mlflow, wandb]",
+                f"tracking.mlflow_tracking_uri={uri}",
+                "tracking.mlflow_register_as=watched-unet",
+                "sample_grid.steps=4",
                 "failure.max_failures=2",
             ],
         )

@@ -53,9 +53,9 @@ def _config(tmp_path, root, val, *overrides):
             "scaling.num_workers=1",
             f"run.storage_path={tmp_path}/runs",
             "run.name=retrain",
-            "run.checkpoint_every_n_steps=12",
+            "checkpoint.every_n_steps=12",
             "run.log_every_n_steps=6",
-            "run.sample_steps=4",  # a grid with each checkpoint: drawn, at a fifth of the default's cost
+            "sample_grid.steps=4",  # a grid with each checkpoint: drawn, at a fifth of the default's cost
             *overrides,
         ],
     )

@@ -7,13 +7,17 @@ import os
 import pytest
 from ray.train import Checkpoint
 
-from sdtrain.config.schema import RunConfig
+from sdtrain.config.schema import CheckpointConfig, Config, DataConfig, RunConfig
 from sdtrain.storage.filesystems import filesystem_for
 from sdtrain.train.checkpointing import DropRestoreCopy, restored_directory, worker_scratch
 
 
-def test_each_rank_of_each_run_gets_an_emptied_directory_under_run_staging_dir(tmp_path):
-    run = RunConfig(name="a", staging_dir=str(tmp_path / "disk"))
+def test_each_rank_of_each_run_gets_an_emptied_directory_under_checkpoint_staging_dir(tmp_path):
+    run = Config(
+        data=DataConfig(train=["x"]),
+        run=RunConfig(name="a"),
+        checkpoint=CheckpointConfig(staging_dir=str(tmp_path / "disk")),
+    )
     scratch = worker_scratch(run, "s3://b/runs/a", rank=0)
     assert scratch.startswith(str(tmp_path / "disk" / "sdtrain-staging" / "a-")) and os.listdir(scratch) == []
     # A worker killed mid-upload left a whole staged checkpoint; the next worker group clears it.
@@ -22,7 +26,8 @@ def test_each_rank_of_each_run_gets_an_emptied_directory_under_run_staging_dir(t
     # Another rank, or another run of the same name elsewhere, never touches these files.
     assert worker_scratch(run, "s3://b/runs/a", rank=1) != scratch
     assert worker_scratch(run, "s3://other/runs/a", rank=0) != scratch
-    assert worker_scratch(RunConfig(name="a"), "s3://b/runs/a", 0).startswith(os.path.join(os.sep, "tmp"))
+    default = Config(data=DataConfig(train=["x"]), run=RunConfig(name="a"))
+    assert worker_scratch(default, "s3://b/runs/a", 0).startswith(os.path.join(os.sep, "tmp"))
 
 
 @pytest.mark.slow

@@ -275,9 +275,9 @@ def test_credentials_in_uris_or_endpoints_are_refused_without_repeating_them(cle
         assert str(e.value).startswith(f"{key}: ") and "***@" in str(e.value), str(e.value)
         assert SECRET not in str(e.value) and "AWS credential chain" in str(e.value)
     with pytest.raises(ConfigError) as e:
-        tiny_config("data.train=s3://bucket/data", f"run.mlflow_tracking_uri=https://admin:{SECRET}@mlflow:5000")
+        tiny_config("data.train=s3://bucket/data", f"tracking.mlflow_tracking_uri=https://admin:{SECRET}@mlflow:5000")
     message = str(e.value)
-    assert message.startswith("run.mlflow_tracking_uri: https://***@mlflow:5000 holds a user name or password")
+    assert message.startswith("tracking.mlflow_tracking_uri: https://***@mlflow:5000 holds a user name or password")
     assert SECRET not in message and "MLFLOW_TRACKING_PASSWORD" in message
     monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://minio:{SECRET}@127.0.0.1:9000")
     _expect(

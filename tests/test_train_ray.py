@@ -41,11 +41,11 @@ def _config(tmp_path, max_steps):
             "scaling.use_gpu=false",
             f"run.storage_path={tmp_path}/runs",
             "run.name=two-workers",
-            "run.checkpoint_every_n_steps=3",
+            "checkpoint.every_n_steps=3",
             "run.log_every_n_steps=2",
-            "run.num_to_keep=null",
-            "run.sample_columns=2",  # a grid with each checkpoint: drawn, at a tenth of the default's cost
-            "run.sample_steps=4",
+            "checkpoint.num_to_keep=null",
+            "sample_grid.columns=2",  # a grid with each checkpoint: drawn, at a tenth of the default's cost
+            "sample_grid.steps=4",
         ],
     )
 
@@ -175,7 +175,7 @@ def test_diverging_run_stops_with_a_clear_error(ray_cluster, tmp_path, run_attem
             "model.preset=tiny",
             "train.max_steps=20",
             "train.global_batch_size=8",
-            "train.max_bad_steps=3",
+            "train.max_nonfinite_steps=3",
             "scaling.num_workers=1",
             f"run.storage_path={tmp_path}/runs",
             "run.name=nan",
@@ -188,8 +188,8 @@ def test_diverging_run_stops_with_a_clear_error(ray_cluster, tmp_path, run_attem
     assert run_attempts("nan") == 1  # retries would diverge the same way: none are spent
     message = str(failure.value)
     assert (
-        "4 consecutive optimizer steps up to step 4 had NaN/inf gradients and were skipped (train.max_bad_steps=3)"
-        in message
+        "4 consecutive optimizer steps up to step 4 had NaN/inf gradients and were skipped "
+        "(train.max_nonfinite_steps=3)" in message
     )
     assert "no checkpoint was written" in message
 
@@ -206,7 +206,7 @@ def _two_workers(tmp_path, name: str, max_steps: int, *extra: str):
             "scaling.num_workers=2",
             f"run.storage_path={tmp_path}/runs",
             f"run.name={name}",
-            "run.checkpoint_every_n_steps=4",
+            "checkpoint.every_n_steps=4",
             "run.log_every_n_steps=2",
             *extra,
         ],
@@ -307,10 +307,10 @@ def _ids_config(tmp_path, name, max_steps, workers, *extra):
             "data.shuffle_window_rows=12",
             f"run.storage_path={tmp_path}/runs",
             f"run.name={name}",
-            "run.checkpoint_every_n_steps=3",
+            "checkpoint.every_n_steps=3",
             "run.log_every_n_steps=3",
-            "run.num_to_keep=null",
-            "run.record_samples=true",
+            "checkpoint.num_to_keep=null",
+            "checkpoint.record_rows=true",
             *extra,
         ],
     )
@@ -432,9 +432,9 @@ def test_bf16_with_clipping_and_ema_skips_a_nan_step_on_both_ddp_ranks(ray_clust
             "scaling.num_workers=2",
             f"run.storage_path={tmp_path}/runs",
             "run.name=bf16",
-            "run.checkpoint_every_n_steps=4",
+            "checkpoint.every_n_steps=4",
             "run.log_every_n_steps=1",
-            "run.num_to_keep=null",
+            "checkpoint.num_to_keep=null",
         ],
     )
     assert train(config).final_step == 8
@@ -471,9 +471,9 @@ def test_fsdp_on_two_cpu_workers_validates_with_its_ema_and_resumes_on_one(ray_c
                 f"scaling.num_workers={workers}",
                 f"run.storage_path={tmp_path}/runs",
                 "run.name=fsdp",
-                "run.checkpoint_every_n_steps=2",
+                "checkpoint.every_n_steps=2",
                 "run.log_every_n_steps=2",
-                "run.num_to_keep=null",
+                "checkpoint.num_to_keep=null",
             ],
         )
 

@@ -170,10 +170,10 @@ def _check_resume_position(run: CheckedRun) -> None:
     config = run.config
     saved = read_data_state(run.committed.checkpoint)
     where = uri_for(run.committed.checkpoint.filesystem, run.committed.checkpoint.path)
-    run.resume_step, state = resume_position(saved, run.plan, config.data.on_change, where)
-    if not run.finished and config.data.on_change == "new_epoch" and state != DataState.from_dict(saved["data"]):
+    run.resume_step, state = resume_position(saved, run.plan, config.data.on_resume_change, where)
+    if not run.finished and config.data.on_resume_change == "new_epoch" and state != DataState.from_dict(saved["data"]):
         print(
-            f"[sdtrain] data.on_change=new_epoch: the data changed since {where}; resuming its weights "
+            f"[sdtrain] data.on_resume_change=new_epoch: the data changed since {where}; resuming its weights "
             f"at step {run.resume_step} and starting epoch {state.epoch} on the data as it is now",
             flush=True,
         )
@@ -233,8 +233,8 @@ def _ray_run_config(config: Config) -> ray.train.RunConfig:
         storage_filesystem=storage_filesystem,
         failure_config=_failure_config(config),
         checkpoint_config=ray.train.CheckpointConfig(
-            num_to_keep=config.run.num_to_keep,
-            checkpoint_score_attribute=config.run.checkpoint_score_attribute,
+            num_to_keep=config.checkpoint.num_to_keep,
+            checkpoint_score_attribute=config.checkpoint.score_attribute,
             checkpoint_score_order="min",
         ),
         # The two ignores: ray/train/__init__.py imports Ray Train v1's RunConfig and then, when v2 is
@@ -266,7 +266,7 @@ def finish(config: Config, result: ray.train.Result) -> RunSummary:
     history = read_history(checkpoint)
     labels = LossLabels(config.model.prediction_type, config.train.snr_gamma)
     outputs = write_run_outputs(history, checkpoint.filesystem, result.path, labels)
-    if config.run.export:
+    if config.export.enabled:
         export_path = posixpath.join(result.path, EXPORT_DIR)
         source = uri_for(checkpoint.filesystem, checkpoint.path)
         if export_source(uri_for(checkpoint.filesystem, export_path)) != source:
@@ -309,7 +309,7 @@ def indexed_dataset(config: Config, key: str, specs: list[str], unet: Mapping, r
     return index_dataset(
         specs,
         key,
-        image_column=config.data.image_column,
+        image_column=config.data.latent_column,
         caption_column=config.data.caption_column,
         in_channels=unet["in_channels"],
         cross_attention_dim=unet["cross_attention_dim"],

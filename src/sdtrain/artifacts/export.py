@@ -179,7 +179,7 @@ def training_grid(loaded: LoadedModel) -> tuple[bytes, str] | None:
         data = f.read()
     return data, (
         f"The sample grid training drew at step {step} (`samples/step_{step}.png` of the run: a row per caption of "
-        "run.sample_captions, a column per seed; the latents' first three channels as colours, not decoded)."
+        "sample_grid.captions, a column per seed; the latents' first three channels as colours, not decoded)."
     )
 
 

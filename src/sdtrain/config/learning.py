@@ -24,7 +24,7 @@ class DataConfig(Section):
     s3://bucket/prefix (retraining picks its own from retrain.data_root)."""
     val: list[str] = field(default_factory=list)
     """Validation parquet files, in the same forms as data.train; empty means no validation."""
-    image_column: str = "image_latents_256"
+    latent_column: str = "image_latents_256"
     """Column holding the image latents, C*H*W values a row (flat list, fixed-size list or Ray tensor)."""
     caption_column: str = "caption_latents"
     """Column holding the caption embeddings, L*D values a row, D = the UNet's cross_attention_dim."""
@@ -41,7 +41,7 @@ class DataConfig(Section):
     shuffle_window_rows: int = 512
     """Each worker reads its chunks in windows of this many rows (one Ray Data block) and shuffles rows within a
     window."""
-    on_change: Literal["fail", "new_epoch"] = "fail"
+    on_resume_change: Literal["fail", "new_epoch"] = "fail"
     """When data.train, train.seed or the shuffle sizes changed since the checkpoint a run resumes from (its data
     position would read rows twice or never): fail says what changed, before Ray starts; new_epoch resumes the
     weights and starts the next epoch on the data as it is now."""
@@ -66,7 +66,7 @@ class DataConfig(Section):
             self._fail("prefetch_batches", f"must be >= 0, got {self.prefetch_batches}")
         if self.reads_per_worker < 1:
             self._fail("reads_per_worker", f"must be >= 1, got {self.reads_per_worker}")
-        for key in ("image_column", "caption_column"):
+        for key in ("latent_column", "caption_column"):
             if not getattr(self, key):
                 self._fail(key, "must be a column name, got an empty string")
         if self.latent_scaling_factor is not None and not self.latent_scaling_factor > 0:
@@ -126,11 +126,11 @@ class TrainConfig(Section):
     """Clip the global gradient norm to this value; 0 turns clipping off."""
     precision: Literal["auto", "bf16-mixed", "16-mixed", "32-true"] = "auto"
     """Lightning precision; auto = bf16-mixed on GPU (16-mixed where bf16 is unsupported), 32-true on CPU. 16-mixed
-    (fp16 with a GradScaler, whose overflow steps are skipped without counting toward train.max_bad_steps) needs
+    (fp16 with a GradScaler, whose overflow steps are skipped without counting toward train.max_nonfinite_steps) needs
     GPUs and ddp."""
     seed: int = 0
     """Seed for weight init, and with rank and step for each step's noise and timesteps; also the validation noise."""
-    max_bad_steps: int = 20
+    max_nonfinite_steps: int = 20
     """Stop the run after this many consecutive steps skipped for a NaN/inf gradient (checked at each log step)."""
     snr_gamma: float | None = None
     """Min-SNR-gamma loss weighting (arXiv 2303.09556): each sample's MSE is weighted by min(SNR, gamma)/SNR (epsilon)
@@ -163,7 +163,7 @@ class TrainConfig(Section):
     eager (plain matmul and softmax)."""
 
     def __post_init__(self):
-        for key in ("max_steps", "global_batch_size", "max_bad_steps"):
+        for key in ("max_steps", "global_batch_size", "max_nonfinite_steps"):
             if getattr(self, key) <= 0:
                 self._fail(key, f"must be > 0, got {getattr(self, key)}")
         if self.micro_batch_size is not None and self.micro_batch_size <= 0:

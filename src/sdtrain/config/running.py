@@ -1,4 +1,5 @@
-"""The sections that say where and how a run runs: scaling, run, failure, storage, retrain.
+"""The sections that say where and how a run runs: scaling, run, checkpoint, sample_grid, tracking, export,
+failure, storage, retrain.
 
 Each field's docstring is its reference (``train.py --help``, docs/configuration.md); values are checked in
 ``__post_init__``, on the driver, before Ray starts. Import them from :mod:`sdtrain.config.schema`.
@@ -62,17 +63,13 @@ class RunConfig(Section):
     storage_path: str = "runs"
     """Where runs are stored: s3://bucket/prefix (needed on a multi-node cluster), a shared filesystem path, or a local
     directory (relative to the current directory)."""
-    checkpoint_every_n_steps: int = 1000
-    """Report a checkpoint every this many optimizer steps, and always at the end."""
-    num_to_keep: int | None = 3
-    """Checkpoints to keep (the newest); null keeps all."""
+    start_fresh: bool = False
+    """Start from step 0 even if run.storage_path/run.name holds a run; the old run is kept, renamed to
+    <name>.replaced-<UTC time>. For one-off command lines, not a retried job (each retry would start over)."""
     log_every_n_steps: int = 50
     """Log a progress line and report metrics every this many steps."""
     val_every_n_steps: int | None = None
     """Compute the validation loss on data.val every this many steps; null = at every checkpoint."""
-    checkpoint_upload: Literal["async", "sync"] = "async"
-    """async: training goes on while Ray Train uploads a checkpoint to run.storage_path (committed, and older ones
-    pruned, once it is all there); sync: wait for the upload. The wait shows in the metric checkpoint_stall_s."""
     stall_timeout_s: float | None = 1800.0
     """A worker that completes no optimizer step for this many seconds, not counting start-up, validation,
     checkpoints and sample grids (run.slow_phase_timeout_s bounds those), logs what it was doing (waiting for data,
@@ -83,68 +80,101 @@ class RunConfig(Section):
     checkpoint, joining the other ranks), a validation, a checkpoint's save, upload and barrier, or a sample grid;
     beyond it the worker logs the phase and ends as for run.stall_timeout_s. Keep it above the longest of them.
     null = unbounded."""
-    record_samples: bool = False
-    """Save into each checkpoint, as samples.npy, the sample index (row number in data.train's files, in order) of
-    every row trained on since the previous checkpoint, all ranks: an exact record of what the model saw."""
-    staging_dir: str | None = None
-    """Local directory (each node's own disk) where checkpoints are written before their upload and a restored
-    checkpoint is downloaded to; it needs room for about two checkpoints. null = the system's temporary directory.
-    What a killed worker left there is removed when the run's next worker group starts."""
-    start_fresh: bool = False
-    """Start from step 0 even if run.storage_path/run.name holds a run; the old run is kept, renamed to
-    <name>.replaced-<UTC time>. For one-off command lines, not a retried job (each retry would start over)."""
-    checkpoint_score_attribute: Literal["val_loss", "loss"] | None = None
-    """Keep the run.num_to_keep checkpoints with the lowest value of this metric (plus the latest, which a resume
-    starts from) instead of the newest; null = the newest."""
-    export: bool = True
-    """At the end of the run, export the final (EMA) UNet and noise scheduler in diffusers format to
-    run.storage_path/run.name/export/."""
-    trackers: list[Literal["tensorboard", "mlflow", "wandb"]] = field(default_factory=lambda: ["tensorboard"])
-    """Experiment trackers rank 0 logs the full config, every reported metric at its step and the sample grids to
-    (one tracker run per training run, continued across restarts; ids in trackers.json in the run directory):
-    tensorboard (event files in the run directory's tensorboard/), mlflow (run.mlflow_tracking_uri), wandb
-    (project run.wandb_project; credentials and WANDB_MODE from the environment). [] = none."""
-    mlflow_tracking_uri: str | None = None
-    """MLflow tracking server for run.trackers' mlflow (e.g. http://mlflow:5000); null = MLFLOW_TRACKING_URI."""
-    mlflow_experiment: str = "sdtrain"
-    """MLflow experiment the run is logged under."""
-    mlflow_register_as: str | None = None
-    """Register the final export as a new version of this MLflow model; null = only attach it to the run."""
-    wandb_project: str = "sdtrain"
-    """W&B project the run is logged under."""
-    sample_every_n_steps: int | None = None
-    """Rank 0 samples a fixed grid (run.sample_captions, fixed seed, the EMA weights) every this many steps and at
-    the end, saved as samples/step_<N>.png in the run directory and sent to run.trackers; null = with each
-    checkpoint. No grid when neither run.sample_captions nor data.val is set, or under train.strategy=fsdp."""
-    sample_captions: str | None = None
-    """Captions of the sample grid's rows: a .npy of embeddings ((L, D) or (N, L, D)) or parquet with
-    data.caption_column; null = data.val (one row per label for the digits demo, else its first run.sample_rows)."""
-    sample_rows: int = 4
-    """Rows (captions) of the sample grid, when its captions are not one per label."""
-    sample_columns: int = 4
-    """Samples per caption in the sample grid."""
-    sample_sampler: Literal["ddim", "dpm"] = "ddim"
-    """Sampler of the sample grid: ddim or dpm (DPM-Solver++)."""
-    sample_steps: int = 20
-    """Denoising steps per sample of the sample grid."""
-    sample_guidance_scale: float = 3.0
-    """Classifier-free guidance scale of the sample grid (1 = none)."""
 
     def __post_init__(self):
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", self.name):
             self._fail("name", f"must be letters, digits, '.', '_' or '-' (it names a directory), got {self.name!r}")
         if not self.storage_path:
             self._fail("storage_path", "must be a directory path")
-        for key in ("checkpoint_every_n_steps", "log_every_n_steps"):
-            if getattr(self, key) < 1:
-                self._fail(key, f"must be >= 1, got {getattr(self, key)}")
-        if self.num_to_keep is not None and self.num_to_keep < 1:
-            self._fail("num_to_keep", f"must be >= 1 or null (keep all), got {self.num_to_keep}")
+        if self.log_every_n_steps < 1:
+            self._fail("log_every_n_steps", f"must be >= 1, got {self.log_every_n_steps}")
         if self.val_every_n_steps is not None and self.val_every_n_steps < 1:
             self._fail("val_every_n_steps", f"must be >= 1 or null, got {self.val_every_n_steps}")
         for key in ("stall_timeout_s", "slow_phase_timeout_s"):
             if getattr(self, key) is not None and not getattr(self, key) > 0:
                 self._fail(key, f"must be > 0 seconds or null, got {getattr(self, key)}")
+
+
+@dataclass
+class CheckpointConfig(Section):
+    section: ClassVar[str] = "checkpoint"
+
+    every_n_steps: int = 1000
+    """Report a checkpoint every this many optimizer steps, and always at the end."""
+    num_to_keep: int | None = 3
+    """Checkpoints to keep (the newest); null keeps all."""
+    score_attribute: Literal["val_loss", "loss"] | None = None
+    """Keep the checkpoint.num_to_keep checkpoints with the lowest value of this metric (plus the latest, which a resume
+    starts from) instead of the newest; null = the newest."""
+    upload: Literal["async", "sync"] = "async"
+    """async: training goes on while Ray Train uploads a checkpoint to run.storage_path (committed, and older ones
+    pruned, once it is all there); sync: wait for the upload. The wait shows in the metric checkpoint_stall_s."""
+    staging_dir: str | None = None
+    """Local directory (each node's own disk) where checkpoints are written before their upload and a restored
+    checkpoint is downloaded to; it needs room for about two checkpoints. null = the system's temporary directory.
+    What a killed worker left there is removed when the run's next worker group starts."""
+    record_rows: bool = False
+    """Save into each checkpoint, as samples.npy, the sample index (row number in data.train's files, in order) of
+    every row trained on since the previous checkpoint, all ranks: an exact record of what the model saw."""
+
+    def __post_init__(self):
+        if self.every_n_steps < 1:
+            self._fail("every_n_steps", f"must be >= 1, got {self.every_n_steps}")
+        if self.num_to_keep is not None and self.num_to_keep < 1:
+            self._fail("num_to_keep", f"must be >= 1 or null (keep all), got {self.num_to_keep}")
+
+
+@dataclass
+class SampleGridConfig(Section):
+    section: ClassVar[str] = "sample_grid"
+
+    every_n_steps: int | None = None
+    """Rank 0 samples a fixed grid (sample_grid.captions, fixed seed, the EMA weights) every this many steps and at
+    the end, saved as samples/step_<N>.png in the run directory and sent to tracking.trackers; null = with each
+    checkpoint. No grid when neither sample_grid.captions nor data.val is set, or under train.strategy=fsdp."""
+    captions: str | None = None
+    """Captions of the sample grid's rows: a .npy of embeddings ((L, D) or (N, L, D)) or parquet with
+    data.caption_column; null = data.val (one row per label for the digits demo, else its first sample_grid.rows)."""
+    rows: int = 4
+    """Rows (captions) of the sample grid, when its captions are not one per label."""
+    columns: int = 4
+    """Samples per caption in the sample grid."""
+    sampler: Literal["ddim", "dpm"] = "ddim"
+    """Sampler of the sample grid: ddim or dpm (DPM-Solver++)."""
+    steps: int = 20
+    """Denoising steps per sample of the sample grid."""
+    guidance_scale: float = 3.0
+    """Classifier-free guidance scale of the sample grid (1 = none)."""
+
+    def __post_init__(self):
+        if self.every_n_steps is not None and self.every_n_steps < 1:
+            self._fail("every_n_steps", f"must be >= 1 or null, got {self.every_n_steps}")
+        for key in ("rows", "columns", "steps"):
+            if getattr(self, key) < 1:
+                self._fail(key, f"must be >= 1, got {getattr(self, key)}")
+        if self.guidance_scale < 0:
+            self._fail("guidance_scale", f"must be >= 0 (1: no guidance), got {self.guidance_scale}")
+
+
+@dataclass
+class TrackingConfig(Section):
+    section: ClassVar[str] = "tracking"
+
+    trackers: list[Literal["tensorboard", "mlflow", "wandb"]] = field(default_factory=lambda: ["tensorboard"])
+    """Experiment trackers rank 0 logs the full config, every reported metric at its step and the sample grids to
+    (one tracker run per training run, continued across restarts; ids in trackers.json in the run directory):
+    tensorboard (event files in the run directory's tensorboard/), mlflow (tracking.mlflow_tracking_uri), wandb
+    (project tracking.wandb_project; credentials and WANDB_MODE from the environment). [] = none."""
+    mlflow_tracking_uri: str | None = None
+    """MLflow tracking server for tracking.trackers' mlflow (e.g. http://mlflow:5000); null = MLFLOW_TRACKING_URI."""
+    mlflow_experiment: str = "sdtrain"
+    """MLflow experiment the run is logged under."""
+    mlflow_register_as: str | None = None
+    """Register the final export as a new version of this MLflow model; null = only attach it to the run."""
+    wandb_project: str = "sdtrain"
+    """W&B project the run is logged under."""
+
+    def __post_init__(self):
         if self.mlflow_tracking_uri is not None and has_userinfo(self.mlflow_tracking_uri):
             # The config goes into tracker params, checkpoint metadata and registry manifests: never a secret.
             self._fail(
@@ -155,13 +185,15 @@ class RunConfig(Section):
             )
         if len(set(self.trackers)) != len(self.trackers):
             self._fail("trackers", f"names a tracker twice: {self.trackers}")
-        if self.sample_every_n_steps is not None and self.sample_every_n_steps < 1:
-            self._fail("sample_every_n_steps", f"must be >= 1 or null, got {self.sample_every_n_steps}")
-        for key in ("sample_rows", "sample_columns", "sample_steps"):
-            if getattr(self, key) < 1:
-                self._fail(key, f"must be >= 1, got {getattr(self, key)}")
-        if self.sample_guidance_scale < 0:
-            self._fail("sample_guidance_scale", f"must be >= 0 (1: no guidance), got {self.sample_guidance_scale}")
+
+
+@dataclass
+class ExportConfig(Section):
+    section: ClassVar[str] = "export"
+
+    enabled: bool = True
+    """At the end of the run, export the final (EMA) UNet and noise scheduler in diffusers format to
+    run.storage_path/run.name/export/."""
 
 
 @dataclass

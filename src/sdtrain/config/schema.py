@@ -17,11 +17,15 @@ from sdtrain.config.coercion import ConfigTree, Section
 from sdtrain.config.learning import PRESETS, DataConfig, ModelConfig, TrainConfig
 from sdtrain.config.running import (
     _NO_SECRETS,
+    CheckpointConfig,
+    ExportConfig,
     FailureConfig,
     RetrainConfig,
     RunConfig,
+    SampleGridConfig,
     ScalingConfig,
     StorageConfig,
+    TrackingConfig,
 )
 from sdtrain.errors import ConfigError
 from sdtrain.storage.uris import has_userinfo, redact
@@ -29,6 +33,10 @@ from sdtrain.storage.uris import has_userinfo, redact
 __all__ = [
     "PRESETS",
     "BatchLayout",
+    "CheckpointConfig",
+    "ExportConfig",
+    "SampleGridConfig",
+    "TrackingConfig",
     "SECTIONS",
     "Config",
     "DataConfig",
@@ -65,6 +73,10 @@ class Config(ConfigTree):
     train: TrainConfig = field(default_factory=TrainConfig)
     scaling: ScalingConfig = field(default_factory=ScalingConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    sample_grid: SampleGridConfig = field(default_factory=SampleGridConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
     failure: FailureConfig = field(default_factory=FailureConfig)
     storage: StorageConfig = field(default_factory=StorageConfig)
     retrain: RetrainConfig = field(default_factory=RetrainConfig)
@@ -75,10 +87,40 @@ class Config(ConfigTree):
         "train": TrainConfig,
         "scaling": ScalingConfig,
         "run": RunConfig,
+        "checkpoint": CheckpointConfig,
+        "sample_grid": SampleGridConfig,
+        "tracking": TrackingConfig,
+        "export": ExportConfig,
         "failure": FailureConfig,
         "storage": StorageConfig,
         "retrain": RetrainConfig,
     }
+
+    RENAMED: ClassVar[dict[str, str]] = {
+        "data.image_column": "data.latent_column",
+        "data.on_change": "data.on_resume_change",
+        "train.max_bad_steps": "train.max_nonfinite_steps",
+        "run.checkpoint_every_n_steps": "checkpoint.every_n_steps",
+        "run.num_to_keep": "checkpoint.num_to_keep",
+        "run.checkpoint_score_attribute": "checkpoint.score_attribute",
+        "run.checkpoint_upload": "checkpoint.upload",
+        "run.staging_dir": "checkpoint.staging_dir",
+        "run.record_samples": "checkpoint.record_rows",
+        "run.sample_every_n_steps": "sample_grid.every_n_steps",
+        "run.sample_captions": "sample_grid.captions",
+        "run.sample_rows": "sample_grid.rows",
+        "run.sample_columns": "sample_grid.columns",
+        "run.sample_sampler": "sample_grid.sampler",
+        "run.sample_steps": "sample_grid.steps",
+        "run.sample_guidance_scale": "sample_grid.guidance_scale",
+        "run.trackers": "tracking.trackers",
+        "run.mlflow_tracking_uri": "tracking.mlflow_tracking_uri",
+        "run.mlflow_experiment": "tracking.mlflow_experiment",
+        "run.mlflow_register_as": "tracking.mlflow_register_as",
+        "run.wandb_project": "tracking.wandb_project",
+        "run.export": "export.enabled",
+    }
+    """Keys renamed in 0.2.0 (the run section was split): the old names keep working through 0.2.x, with a notice."""
 
     def __post_init__(self):
         for key, uri in self.storage_uris():
@@ -94,15 +136,15 @@ class Config(ConfigTree):
             raise ConfigError(
                 "train.precision: 16-mixed needs GPUs (CPUs have no fp16 autocast); use bf16-mixed or 32-true"
             )
-        if self.run.checkpoint_score_attribute == "val_loss":
+        if self.checkpoint.score_attribute == "val_loss":
             if not self.data.val:
-                raise ConfigError("run.checkpoint_score_attribute: val_loss needs data.val")
+                raise ConfigError("checkpoint.score_attribute: val_loss needs data.val")
             every = self.run.val_every_n_steps
-            if every is not None and self.run.checkpoint_every_n_steps % every:
+            if every is not None and self.checkpoint.every_n_steps % every:
                 raise ConfigError(
-                    f"run.checkpoint_score_attribute: val_loss needs a validation loss with every checkpoint, but "
+                    f"checkpoint.score_attribute: val_loss needs a validation loss with every checkpoint, but "
                     f"run.val_every_n_steps={every} does not divide "
-                    f"run.checkpoint_every_n_steps={self.run.checkpoint_every_n_steps}"
+                    f"checkpoint.every_n_steps={self.checkpoint.every_n_steps}"
                 )
         for world_size in range(self.scaling.min_workers, self.scaling.max_workers + 1):
             self.batch_layout(world_size)

@@ -83,7 +83,7 @@ def column_layouts(
 ) -> tuple[ColumnLayout, ColumnLayout]:
     """The layouts of the image and caption columns in ``file``'s ``schema``, or the DataError naming both."""
     layouts = []
-    for column, role in ((image_column, "data.image_column"), (caption_column, "data.caption_column")):
+    for column, role in ((image_column, "data.latent_column"), (caption_column, "data.caption_column")):
         if column not in schema.names:
             raise DataError(
                 f"{key}: {file} has no column {column!r} ({role}); its columns are "
@@ -256,7 +256,7 @@ def _values_per_row(where: str, layout: ColumnLayout, row: pa.Table | None, colu
 
 
 def _latent_shape(key, file, column, layout, row, in_channels, recorded=None) -> tuple[int, int, int]:
-    where = f"{key}: {file}, column {column!r} (data.image_column)"
+    where = f"{key}: {file}, column {column!r} (data.latent_column)"
     if layout.shape is not None:
         if len(layout.shape) != 3 or layout.shape[0] != in_channels:
             raise DataError(
@@ -269,7 +269,7 @@ def _latent_shape(key, file, column, layout, row, in_channels, recorded=None) ->
     if side == 0 or in_channels * side * side != n:
         raise DataError(
             f"{where} has {n} values a row, which is not C*H*W for C = the UNet's in_channels = "
-            f"{in_channels} and a square H = W (e.g. 4096 = 4x32x32). {_latent_hint(n)}Check data.image_column "
+            f"{in_channels} and a square H = W (e.g. 4096 = 4x32x32). {_latent_hint(n)}Check data.latent_column "
             "and model.unet.in_channels, or store the latents as a Ray tensor column with their shape"
         )
     return (in_channels, side, side)

@@ -33,11 +33,11 @@ def iter_local_batches(
         first, bad, row = None, 0, 0
         with fs.open_input_file(path) as handle:
             for batch in pq.ParquetFile(handle).iter_batches(
-                batch_size, columns=[data.image_column, data.caption_column]
+                batch_size, columns=[data.latent_column, data.caption_column]
             ):
                 arrays = decode_batch(
                     pa.Table.from_batches([batch]),
-                    data.image_column,
+                    data.latent_column,
                     data.caption_column,
                     spec.latent_shape,
                     spec.caption_shape,

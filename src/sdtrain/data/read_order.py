@@ -427,7 +427,7 @@ def resume_position(saved: dict[str, Any], plan: SamplePlan, on_change: str, whe
     Args:
         saved: the checkpoint's data state: step, position and the fingerprint of the plan it refers to.
         plan: the plan of this run (the data and settings as they are now).
-        on_change: data.on_change: fail, or new_epoch (start the next epoch on the current plan).
+        on_change: data.on_resume_change: fail, or new_epoch (start the next epoch on the current plan).
         where: the checkpoint, for the error.
     """
     step, state = int(saved["step"]), DataState.from_dict(saved["data"])
@@ -440,7 +440,7 @@ def resume_position(saved: dict[str, Any], plan: SamplePlan, on_change: str, whe
     raise DataError(
         f"data.train: the data position of {where} (step {step}, epoch {state.epoch}) refers to other data than "
         f"this run's: {'; '.join(changes)}. Resuming would read rows twice or never. Restore the data and settings, "
-        "set data.on_change=new_epoch to keep the weights and start the next epoch on the data as it is now, or "
+        "set data.on_resume_change=new_epoch to keep the weights and start the next epoch on the data as it is now, or "
         "start a new run (another run.name) with model.pretrained set to this run's export"
     )
 

@@ -200,7 +200,7 @@ class WindowReader:
         self.reads_per_worker = data.reads_per_worker
         self.files = FileTable(spec.files)
         self.settings = ReadSettings(
-            data.image_column, data.caption_column, data.on_read_error, spec.latent_shape, spec.caption_shape
+            data.latent_column, data.caption_column, data.on_read_error, spec.latent_shape, spec.caption_shape
         )
 
     def task(self, window: Window) -> WindowRead:
@@ -333,8 +333,8 @@ def _read_file(batch: dict[str, np.ndarray], spec: DatasetSpec, data: DataConfig
     try:
         parquet = pq.ParquetFile(fs.open_input_file(path))
         for group in range(parquet.metadata.num_row_groups):
-            table = parquet.read_row_group(group, columns=[data.image_column, data.caption_column])
-            yield decode_batch(table, data.image_column, data.caption_column, spec.latent_shape, spec.caption_shape)
+            table = parquet.read_row_group(group, columns=[data.latent_column, data.caption_column])
+            yield decode_batch(table, data.latent_column, data.caption_column, spec.latent_shape, spec.caption_shape)
     except DataError as error:  # rows that do not decode to the shapes the first row has
         raise DataError(f"{key}: {file}: {error}") from None
     except (OSError, pa.ArrowException) as error:

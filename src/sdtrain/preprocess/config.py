@@ -111,7 +111,7 @@ class OutputConfig(Section):
     """Directory (local or s3://) the parquet files, the empty prompt's embedding and the manifest are written to;
     give it to training as data.train."""
     image_column: str = "image_latents_256"
-    """Column of the latents (C*H*W float16 values a row): training's data.image_column."""
+    """Column of the latents (C*H*W float16 values a row): training's data.latent_column."""
     caption_column: str = "caption_latents"
     """Column of the caption embeddings (77*D float16 values a row): training's data.caption_column."""
     row_group_rows: int = 64

@@ -2,7 +2,7 @@
 
 <run dir>/
     checkpoint_<step>/      Ray Train's, committed and pruned by it: CHECKPOINT_FILE, HISTORY_FILE,
-                            DATA_STATE_FILE and, with run.record_samples, SAMPLES_FILE
+                            DATA_STATE_FILE and, with checkpoint.record_rows, SAMPLES_FILE
     dataset_index/          the run's dataset index: train.parquet, val.parquet
     metrics.csv, loss_curve.png
     samples/step_<N>.png    the sample grids
@@ -43,7 +43,7 @@ HISTORY_FILE = "history.json"
 DATA_STATE_FILE = "data_state.json"
 """The step and the data position after it (sdtrain.data.read_order.DataState): where the data stream resumes."""
 SAMPLES_FILE = "samples.npy"
-"""With run.record_samples: (world size, rows) sample indices trained on since the previous checkpoint."""
+"""With checkpoint.record_rows: (world size, rows) sample indices trained on since the previous checkpoint."""
 
 # --- an export (and a preprocessing output: the empty prompt's embedding)
 EXPORT_INFO_FILE = "sdtrain.json"

@@ -8,20 +8,20 @@ from __future__ import annotations
 
 import lightning.pytorch as pl
 
-from sdtrain.config.schema import RunConfig
+from sdtrain.config.schema import Config
 
 
 class ReportCadence:
     """Args:
-    run: the run section (checkpoint, log and validation intervals).
-    max_steps: train.max_steps: the last step always reports, validates and checkpoints.
+    config: the run's config: the checkpoint, log and validation intervals, and train.max_steps (the last step
+        always reports, validates and checkpoints).
     """
 
-    def __init__(self, run: RunConfig, max_steps: int):
-        self.checkpoint_every = run.checkpoint_every_n_steps
-        self.log_every = run.log_every_n_steps
-        self.val_every = run.val_every_n_steps or run.checkpoint_every_n_steps
-        self.max_steps = max_steps
+    def __init__(self, config: Config):
+        self.checkpoint_every = config.checkpoint.every_n_steps
+        self.log_every = config.run.log_every_n_steps
+        self.val_every = config.run.val_every_n_steps or config.checkpoint.every_n_steps
+        self.max_steps = config.train.max_steps
         self._checkpoint_at: int | None = None
 
     def checkpoint_now(self, step: int) -> None:

@@ -23,7 +23,7 @@ import numpy as np
 import pyarrow.fs as pafs
 import ray.train
 
-from sdtrain.config.schema import RunConfig
+from sdtrain.config.schema import Config
 from sdtrain.data.read_order import DataState
 from sdtrain.storage.run_layout import (
     CHECKPOINT_FILE,
@@ -45,7 +45,7 @@ class CheckpointWriter:
     plan_fingerprint: dict[str, Any]
     """What the data positions refer to (``SamplePlan.fingerprint``), checked on resume."""
     upload: Literal["async", "sync"]
-    """run.checkpoint_upload."""
+    """checkpoint.upload."""
     staging: str
     """This worker's staging directory (:func:`worker_scratch`), where rank 0 writes the checkpoint."""
 
@@ -76,7 +76,7 @@ def report_with_checkpoint(
         position: the data state after ``step``, where a resumed stream starts.
         plan_fingerprint: what ``position`` refers to (``SamplePlan.fingerprint``), checked on resume.
         history: the metric rows reported up to ``step``, saved with the checkpoint.
-        upload: run.checkpoint_upload.
+        upload: checkpoint.upload.
         staging: this worker's staging directory (:func:`worker_scratch`), where rank 0 writes it.
     """
     started = time.perf_counter()
@@ -112,7 +112,7 @@ def report_with_checkpoint(
     return time.perf_counter() - started
 
 
-def worker_scratch(run: RunConfig, run_dir: str, rank: int) -> str:
+def worker_scratch(config: Config, run_dir: str, rank: int) -> str:
     """An empty local directory for this rank of this run: staged checkpoints and restore copies.
 
     Emptied at every worker-group start: a worker killed mid-upload (SIGKILL: no clean-up runs)
@@ -121,7 +121,10 @@ def worker_scratch(run: RunConfig, run_dir: str, rank: int) -> str:
     """
     run_key = hashlib.sha256(run_dir.encode()).hexdigest()[:12]
     scratch = os.path.join(
-        run.staging_dir or tempfile.gettempdir(), "sdtrain-staging", f"{run.name}-{run_key}", f"rank{rank}"
+        config.checkpoint.staging_dir or tempfile.gettempdir(),
+        "sdtrain-staging",
+        f"{config.run.name}-{run_key}",
+        f"rank{rank}",
     )
     shutil.rmtree(scratch, ignore_errors=True)
     os.makedirs(scratch)

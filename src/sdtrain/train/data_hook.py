@@ -42,7 +42,9 @@ class PlannedStreams(ray.train.DataConfig):
         if result is not None:
             assert result.checkpoint is not None  # committed_run returns only runs with a committed checkpoint
             saved = read_data_state(result.checkpoint)
-            step, state = resume_position(saved, self.reader.plan, self.config.data.on_change, result.checkpoint.path)
+            step, state = resume_position(
+                saved, self.reader.plan, self.config.data.on_resume_change, result.checkpoint.path
+            )
         layout = self.config.batch_layout(world_size)
         stretches = self.reader.plan.rank_stretches(
             state, world_size, layout.rows_per_step, self.config.train.max_steps - step

@@ -160,7 +160,7 @@ class DiffusionModule(pl.LightningModule):
 
         The skip: without a GradScaler (32-true, bf16-mixed) this sets the fused AdamW's
         ``found_inf``, which leaves weights and optimizer state untouched (GradScaler's mechanism);
-        such a step counts toward ``train.max_bad_steps``. With one (16-mixed) the gradients are
+        such a step counts toward ``train.max_nonfinite_steps``. With one (16-mixed) the gradients are
         unscaled here first (the fused step would do it later, after clipping), and the scaler
         skips an overflow step and lowers its scale: routine, not divergence, so only a step whose
         loss itself was NaN/inf counts as bad. Under DDP the gradients are all-reduced and under

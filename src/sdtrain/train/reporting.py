@@ -38,7 +38,7 @@ class StepReporter(OptimizerStepCallback):
 
     Args:
         cadence: the run's schedule of reports, validations and checkpoints.
-        train: the train section (global batch size, max steps, train.max_bad_steps).
+        train: the train section (global batch size, max steps, train.max_nonfinite_steps).
         checkpoints: how a checkpoint is written and what it records besides the weights.
         history: the metric rows of the checkpoint being resumed from ([] for a fresh run).
         data_wait_s: the seconds this rank waited for data since its previous call.
@@ -168,17 +168,17 @@ def check_skipped_steps(
     trainer: pl.Trainer, step: int, skipped: int, skipped_on_all_ranks: int, streak: int, train: TrainConfig
 ) -> None:
     """Steps skipped for NaN/inf gradients: the same on every rank (else their weights diverged), and fewer than
-    train.max_bad_steps in a row (else training has diverged: a NonFiniteTraining, which spends no restart)."""
+    train.max_nonfinite_steps in a row (else training has diverged: a NonFiniteTraining, which spends no restart)."""
     if skipped_on_all_ranks != skipped * trainer.world_size:
         raise TrainingFailed(
             f"the ranks disagree on the optimizer steps skipped for NaN/inf gradients up to step {step} "
             f"({skipped_on_all_ranks} in all over {trainer.world_size} ranks, {skipped} on rank "
             f"{trainer.global_rank}): their weights have diverged. Please report this as a bug"
         )
-    if streak >= train.max_bad_steps:
+    if streak >= train.max_nonfinite_steps:
         raise NonFiniteTraining(
             f"{streak} consecutive optimizer steps up to step {step} had NaN/inf gradients and were "
-            f"skipped (train.max_bad_steps={train.max_bad_steps}): training has diverged. Lower train.lr "
+            f"skipped (train.max_nonfinite_steps={train.max_nonfinite_steps}): training has diverged. Lower train.lr "
             "or check the data; the weights were not updated by those steps"
         )
 

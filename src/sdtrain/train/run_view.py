@@ -82,7 +82,7 @@ class RunView:
         """The worker group starts from the checkpoint whose rows are ``history`` ([] for a fresh run):
         the live files drop rows of steps re-done after a restart; the trackers get the rows they lack."""
         self.live.update(history)
-        if self.config.run.trackers:
+        if self.config.tracking.trackers:
             self.trackers = Trackers(self.config, self.run_dir, history)
 
     def reported(

@@ -1,5 +1,5 @@
 """Sample grids while a run trains: rank 0 samples the same captions from the same noise every
-run.sample_every_n_steps with the weights that export and generation use (the EMA's when there is one),
+sample_grid.every_n_steps with the weights that export and generation use (the EMA's when there is one),
 so the grids of successive steps show what the model learned in between."""
 
 from __future__ import annotations
@@ -37,25 +37,25 @@ class Grid:
 
 
 def grid_captions(config: Config, caption_dim: int) -> Captions | None:
-    """The captions of the grid's rows: run.sample_captions, else data.val's (one row per digit for the demo);
+    """The captions of the grid's rows: sample_grid.captions, else data.val's (one row per digit for the demo);
     None when neither is set.
 
     Args:
         caption_dim: the UNet's cross-attention width.
     """
-    source = config.run.sample_captions or (config.data.val[0] if config.data.val else None)
+    source = config.sample_grid.captions or (config.data.val[0] if config.data.val else None)
     if source is None:
         return None
     try:
-        return read_captions(source, caption_dim, column=config.data.caption_column, rows=config.run.sample_rows)
+        return read_captions(source, caption_dim, column=config.data.caption_column, rows=config.sample_grid.rows)
     except Exception as error:
         raise ConfigError(
-            f"run.sample_captions: cannot read the sample grid's captions from {source}: {error}"
+            f"sample_grid.captions: cannot read the sample grid's captions from {source}: {error}"
         ) from None
 
 
 class SampleGrids:
-    """Rank 0's grids: due at every run.sample_every_n_steps (null: with each checkpoint) and at the last step."""
+    """Rank 0's grids: due at every sample_grid.every_n_steps (null: with each checkpoint) and at the last step."""
 
     def __init__(
         self, config: Config, meta: CheckpointMeta, captions: Captions, run_dir: str, unconditional: torch.Tensor
@@ -71,7 +71,7 @@ class SampleGrids:
         self.meta = meta
         self.captions = captions
         self.unconditional = unconditional
-        self.every = config.run.sample_every_n_steps or config.run.checkpoint_every_n_steps
+        self.every = config.sample_grid.every_n_steps or config.checkpoint.every_n_steps
         self.filesystem, self.dir = filesystem_for(posixpath.join(run_dir, SAMPLES_DIR))
         self.labels = captions.labels if meta.trained_on_demo and _digits(captions.labels) else None
 
@@ -81,8 +81,8 @@ class SampleGrids:
     def sample(self, unet: torch.nn.Module, step: int) -> Grid:
         """The grid of ``step`` from ``unet``, saved as samples/step_<step>.png."""
         started = time.perf_counter()
-        run = self.config.run
-        columns = run.sample_columns
+        grid = self.config.sample_grid
+        columns = grid.columns
         captions = self.captions.embeddings.repeat_interleave(columns, dim=0)
         was_training = unet.training
         unet.eval()
@@ -93,9 +93,9 @@ class SampleGrids:
                 captions,
                 self.unconditional,
                 tuple(self.meta.latent_shape),
-                sampler=run.sample_sampler,
-                steps=run.sample_steps,
-                guidance_scale=run.sample_guidance_scale,
+                sampler=grid.sampler,
+                steps=grid.steps,
+                guidance_scale=grid.guidance_scale,
                 seed=self.config.train.seed,
             ).numpy()
         finally:

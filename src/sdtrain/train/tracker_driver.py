@@ -34,28 +34,29 @@ def apply_tracker_env(env: Mapping[str, str]) -> None:
 
 
 def check_trackers(config: Config) -> None:
-    """Refuse run.trackers this process cannot serve, before any worker starts: a tracker's package
+    """Refuse tracking.trackers this process cannot serve, before any worker starts: a tracker's package
     missing (the ``trackers`` extra), or MLflow without a tracking URI."""
     modules = {"tensorboard": "lightning.pytorch.loggers.tensorboard", "mlflow": "mlflow", "wandb": "wandb"}
-    for name in config.run.trackers:
+    for name in config.tracking.trackers:
         try:
             importlib.import_module(modules[name])
         except ImportError as error:
             raise ConfigError(
-                f"run.trackers: {name} needs its package ({error}); install sdtrain's trackers extra "
-                "(pip install 'sdtrain[trackers]') or leave it out of run.trackers"
+                f"tracking.trackers: {name} needs its package ({error}); install sdtrain's trackers extra "
+                "(pip install 'sdtrain[trackers]') or leave it out of tracking.trackers"
             ) from None
-    if "mlflow" in config.run.trackers and not (
-        config.run.mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+    if "mlflow" in config.tracking.trackers and not (
+        config.tracking.mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
     ):
         raise ConfigError(
-            "run.trackers: mlflow needs a tracking server: set run.mlflow_tracking_uri (or MLFLOW_TRACKING_URI)"
+            "tracking.trackers: mlflow needs a tracking server: set tracking.mlflow_tracking_uri (or "
+            "MLFLOW_TRACKING_URI)"
         )
 
 
 def log_export(config: Config, run_dir: str, export_uri: str) -> None:
     """Attach the final export to the run's MLflow and W&B runs (MLflow: registered as a version of the
-    model run.mlflow_register_as when set); from the driver, after the export is written.
+    model tracking.mlflow_register_as when set); from the driver, after the export is written.
 
     Args:
         config: the run's config.
@@ -64,24 +65,24 @@ def log_export(config: Config, run_dir: str, export_uri: str) -> None:
     """
     ids = read_state(run_dir)["ids"]
     local = local_copy(export_uri) if is_uri(export_uri) else export_uri
-    if "mlflow" in config.run.trackers and "mlflow" in ids:
+    if "mlflow" in config.tracking.trackers and "mlflow" in ids:
         import mlflow
 
-        client = mlflow.MlflowClient(config.run.mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI"))
+        client = mlflow.MlflowClient(config.tracking.mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI"))
         client.log_artifacts(ids["mlflow"], local, artifact_path="export")
-        if config.run.mlflow_register_as:
-            name = config.run.mlflow_register_as
+        if config.tracking.mlflow_register_as:
+            name = config.tracking.mlflow_register_as
             # A version of the run's export/ (diffusers files, not an MLflow "logged model" flavour).
             if not client.search_registered_models(f"name='{name}'"):
                 client.create_registered_model(name)
             source = f"{client.get_run(ids['mlflow']).info.artifact_uri}/export"
             version = client.create_model_version(name, source, run_id=ids["mlflow"])
             print(f"[sdtrain] registered the export as MLflow model {name} version {version.version}", flush=True)
-    if "wandb" in config.run.trackers and "wandb" in ids:
+    if "wandb" in config.tracking.trackers and "wandb" in ids:
         import wandb
 
         run = wandb.init(
-            project=config.run.wandb_project,
+            project=config.tracking.wandb_project,
             id=ids["wandb"],
             resume="allow",
             dir=wandb_save_dir(run_dir),

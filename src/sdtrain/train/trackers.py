@@ -1,4 +1,4 @@
-"""Experiment trackers chosen by run.trackers (TensorBoard, MLflow, W&B), through Lightning's own
+"""Experiment trackers chosen by tracking.trackers (TensorBoard, MLflow, W&B), through Lightning's own
 loggers, driven by rank 0 at each report rather than by ``self.log`` (which knows nothing of restarts).
 
 One tracker run per training run, however often it restarts: the ids live in ``trackers.json`` in
@@ -89,7 +89,7 @@ class Trackers:
         self.loggers: dict[str, Any] = {}
         # tracker -> the last step it holds: it is sent only later ones.
         self.held: dict[str, int] = {}
-        for name in config.run.trackers:
+        for name in config.tracking.trackers:
             known = name in ids
             where = self._tensorboard_local if name == "tensorboard" and self._tensorboard_local else run_dir
             purge_step = resumed_step + 1 if name == "tensorboard" and known and resumed_step else None
@@ -230,9 +230,9 @@ def _build_logger(name: str, config: Config, run_dir: str, run_id: str | None, p
         from lightning.pytorch.loggers import MLFlowLogger
 
         logger = MLFlowLogger(
-            experiment_name=config.run.mlflow_experiment,
+            experiment_name=config.tracking.mlflow_experiment,
             run_name=config.run.name,
-            tracking_uri=config.run.mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI"),
+            tracking_uri=config.tracking.mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI"),
             run_id=run_id,
             log_model=False,
         )
@@ -243,7 +243,7 @@ def _build_logger(name: str, config: Config, run_dir: str, run_id: str | None, p
         from wandb.sdk.lib.runid import generate_id
 
         return WandbLogger(
-            project=config.run.wandb_project,
+            project=config.tracking.wandb_project,
             name=config.run.name,
             id=run_id or generate_id(),
             resume="allow",

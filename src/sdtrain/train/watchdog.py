@@ -43,7 +43,7 @@ class Phase:
     VALIDATION = "validating (data.val)"
     CHECKPOINT = "reporting a checkpoint: saving it, uploading it, and the barrier with every other rank"
     REPORT = "reporting metrics: the barrier with every other rank"
-    SAMPLE_GRID = "rendering a sample grid (run.sample_every_n_steps) and writing the live files"
+    SAMPLE_GRID = "rendering a sample grid (sample_grid.every_n_steps) and writing the live files"
 
 
 SLOW_PHASES = frozenset({Phase.STARTING, Phase.VALIDATION, Phase.CHECKPOINT, Phase.SAMPLE_GRID})

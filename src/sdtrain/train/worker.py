@@ -107,19 +107,23 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         accumulation=layout.accumulation,
         on_ray=True,
         unconditional_caption=load_unconditional_caption(config.data.unconditional_caption, meta.caption_shape),
-        record_samples=config.run.record_samples,
+        record_samples=config.checkpoint.record_rows,
     )
 
     checkpoint = ray.train.get_checkpoint()
     run_dir = posixpath.join(config.run.storage_path, config.run.name)
-    scratch = worker_scratch(config.run, run_dir, rank)
+    scratch = worker_scratch(config, run_dir, rank)
     # Restored: read in place, or downloaded into scratch (Lightning reads its file when fit starts).
     restored = (
         restored_directory(checkpoint, scratch) if checkpoint is not None else contextlib.nullcontext((None, False))
     )
     with restored as (directory, is_copy):
         plan: SamplePlan = loop_config["plan"]
-        start = StartPoint() if directory is None else StartPoint.from_directory(directory, plan, config.data.on_change)
+        start = (
+            StartPoint()
+            if directory is None
+            else StartPoint.from_directory(directory, plan, config.data.on_resume_change)
+        )
         copy = directory if is_copy else None
         run = WorkerRun(config, plan, layout, start, loop_config["launched_at"], scratch, copy, watchdog)
         _fit(run, module, trainer_kwargs, train_batches)
@@ -150,7 +154,7 @@ def _fit(
     # the preemption check (it may make this step a checkpoint step), the validation, the report.
     watchdog = run.watchdog
     enter = watchdog.enter if watchdog is not None else (lambda phase: None)
-    cadence = ReportCadence(config.run, config.train.max_steps)
+    cadence = ReportCadence(config)
     validation = None
     if config.data.val:
         val_shard = ray.train.get_dataset_shard("val")
@@ -162,7 +166,7 @@ def _fit(
     checkpoints = CheckpointWriter(
         data_position=lambda step: plan.advance(start.data, layout.world_size, layout.rows_per_step, step - start.step),
         plan_fingerprint=plan.fingerprint(),
-        upload=config.run.checkpoint_upload,
+        upload=config.checkpoint.upload,
         staging=run.scratch,
     )
     reporter = StepReporter(
@@ -198,7 +202,7 @@ def _run_view(config: Config, module: Any) -> RunView:
     grids = None
     captions = grid_captions(config, meta.caption_shape[-1])
     if captions is None:
-        log.info("no sample grids: neither run.sample_captions nor data.val is set")
+        log.info("no sample grids: neither sample_grid.captions nor data.val is set")
     elif config.train.strategy == "fsdp":
         # Each rank holds a shard of the weights: rank 0 alone cannot sample.
         log.info("no sample grids under train.strategy=fsdp")
