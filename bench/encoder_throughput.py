@@ -1,6 +1,6 @@
 """Images/s of the preprocessing job's encode stage with Stable Diffusion 2's VAE and OpenCLIP-H text encoder at full
 size (their architectures, random weights: the speed is the same), at 256 and 512 px, as an encoder actor runs them
-(sdtrain.preprocess.encoders: the VAE's latent mean and the prompts of a batch, float16 on a GPU), and the CPU stage
+(sdtrain.model.encoders: the VAE's latent mean and the prompts of a batch, float16 on a GPU), and the CPU stage
 (decode, RGB, resize, center-crop) per core. Without Ray: a GPU session's machine has none (docs/gpu.md), and
 the end-to-end figure on this machine is bench/preprocess_throughput.py's.
 
@@ -54,7 +54,7 @@ def main() -> None:
     import numpy as np
     import torch
 
-    from sdtrain.preprocess.encoders import encode_images, encode_prompts, resolve_dtype
+    from sdtrain.model.encoders import encode_images, encode_prompts, resolve_dtype
     from sdtrain.preprocess.images import prepare_image
     from sdtrain.preprocess.tiny_models import sd2_shaped_encoders
 

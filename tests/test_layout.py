@@ -7,8 +7,9 @@ from pathlib import Path
 import sdtrain
 
 ROOT = Path(sdtrain.__file__).parent
-# In data-flow order; the driver (driver, cli, preflight, retrain) sits on top of everything.
-LAYERS = ["errors", "storage", "config", "data", "preprocess", "model", "artifacts", "sampling", "train"]
+# In data-flow order; the driver (driver, cli, preflight, retrain) sits on top of everything. model (the networks:
+# the UNet, and the VAE and text encoder) comes before preprocess, which runs the encoders to write latents.
+LAYERS = ["errors", "storage", "config", "data", "model", "preprocess", "artifacts", "sampling", "train"]
 DRIVER = len(LAYERS)
 
 

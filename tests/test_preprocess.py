@@ -23,9 +23,16 @@ from PIL import Image
 from sdtrain.config.loader import load_config
 from sdtrain.data.metadata import LATENT_SCALING_FACTOR
 from sdtrain.errors import ConfigError, DataError
+from sdtrain.model.encoders import (
+    encode_images,
+    encode_prompts,
+    load_text_encoder,
+    load_vae,
+    local_model,
+    to_unit_range,
+)
 from sdtrain.preprocess.config import PreprocessConfig
-from sdtrain.preprocess.encoders import encode_images, encode_prompts, load_text_encoder, load_vae, local_model
-from sdtrain.preprocess.images import NO_CAPTION, NO_IMAGE, TOO_SMALL, UNDECODABLE, prepare_image, to_unit_range
+from sdtrain.preprocess.images import NO_CAPTION, NO_IMAGE, TOO_SMALL, UNDECODABLE, prepare_image
 from sdtrain.preprocess.outputs import encoder_sources
 from sdtrain.preprocess.tiny_models import write_tiny_sd_model
 

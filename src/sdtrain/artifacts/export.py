@@ -125,7 +125,7 @@ def model_sources(loaded: LoadedModel) -> EncoderSources | None:
 def _write_pipeline(loaded: LoadedModel, sources: EncoderSources, local: str) -> None:
     from diffusers import DPMSolverMultistepScheduler, StableDiffusionPipeline
 
-    from sdtrain.preprocess.encoders import load_text_encoder, load_vae
+    from sdtrain.model.encoders import load_text_encoder, load_vae
 
     tokenizer, text_encoder = load_text_encoder(sources.text_encoder)
     # A sampler on the training schedule (same betas and prediction type) with clip_sample off: what a user

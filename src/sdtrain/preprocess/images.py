@@ -75,11 +75,6 @@ def center_crop(image, resolution: int) -> np.ndarray:
     return np.asarray(image.crop((left, top, left + resolution, top + resolution)), dtype=np.uint8)
 
 
-def to_unit_range(pixels: np.ndarray) -> np.ndarray:
-    """(N, H, W, 3) uint8 -> (N, 3, H, W) float32 in [-1, 1], the VAE's input."""
-    return pixels.transpose(0, 3, 1, 2).astype(np.float32) / 127.5 - 1.0
-
-
 def clean_caption(caption: object) -> str | None:
     """The caption as a stripped string, or None when it is missing or empty."""
     if caption is None:

@@ -158,7 +158,7 @@ def with_absolute_paths(config: PreprocessConfig) -> PreprocessConfig:
 def _scaling_factor(model: str) -> float:
     from diffusers import AutoencoderKL
 
-    from sdtrain.preprocess.encoders import local_model
+    from sdtrain.model.encoders import local_model
 
     config = AutoencoderKL.load_config(local_model(model, "vae"), subfolder="vae")
     return float(config.get("scaling_factor", 0.18215))
@@ -166,7 +166,7 @@ def _scaling_factor(model: str) -> float:
 
 def _write_unconditional(config: PreprocessConfig) -> None:
     """The empty prompt's embedding, computed once on the driver (CPU, float32)."""
-    from sdtrain.preprocess.encoders import encode_prompts, load_text_encoder
+    from sdtrain.model.encoders import encode_prompts, load_text_encoder
 
     path = join(config.output.path, UNCONDITIONAL_FILE)
     if _exists(path):

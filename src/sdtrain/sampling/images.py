@@ -45,7 +45,7 @@ def load_vae(vae: str):
     from diffusers import AutoencoderKL
 
     if "://" in vae:  # a model on object storage (the data's recorded VAE may be): its vae/, fetched
-        from sdtrain.preprocess.encoders import load_vae as load_model_vae
+        from sdtrain.model.encoders import load_vae as load_model_vae
 
         return load_model_vae(vae)
     root = os.path.expanduser(vae)

@@ -46,7 +46,7 @@ def resolve_sources(loaded: LoadedModel, text_encoder: str | None, vae: str | No
 
 def encode_prompt_captions(prompts: list[str], text_encoder: str, caption_shape: tuple[int, ...] | None) -> Captions:
     """The prompts' embeddings (N, L, D), checked against the caption shape the model was trained with."""
-    from sdtrain.preprocess.encoders import encode_prompts, load_text_encoder
+    from sdtrain.model.encoders import encode_prompts, load_text_encoder
 
     tokenizer, model = load_text_encoder(text_encoder)
     embeddings = encode_prompts(tokenizer, model, prompts)

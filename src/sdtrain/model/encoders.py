@@ -1,0 +1,116 @@
+"""The encoders around the UNet: a Stable Diffusion model's VAE (images to scaled latents) and its tokenizer and
+text encoder (captions to embeddings, as StableDiffusionPipeline.encode_prompt computes them), loaded from a local
+directory, a storage URI or a hub id. Preprocessing runs them to write latents (sdtrain.preprocess.encoders),
+sampling to encode prompts, export to assemble a pipeline."""
+
+from __future__ import annotations
+
+import os
+import posixpath
+import tempfile
+from typing import Any, Literal
+
+import numpy as np
+import pyarrow.fs as pafs
+import torch
+
+from sdtrain.errors import DataError
+from sdtrain.storage.filesystems import filesystem_for
+from sdtrain.storage.uris import is_uri
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_dtype(name: str, device: str) -> torch.dtype:
+    """auto = float16 on a GPU (the VAE and CLIP run in it in every SD pipeline), float32 on the CPU."""
+    if name == "auto":
+        return torch.float16 if device == "cuda" else torch.float32
+    return DTYPES[name]
+
+
+def local_model(source: str, *parts: str) -> str:
+    """``source`` itself when local or a hub id; for a URI a local directory holding its subfolders ``parts``
+    (each downloaded once per process): only what is read, not the model's UNet (gigabytes).
+
+    Args:
+        source: a diffusers model directory (local or a storage URI) or a hub id.
+        parts: the subfolders to fetch (vae, tokenizer, text_encoder).
+    """
+    if not is_uri(source):
+        return source
+    root = source.rstrip("/")
+    directory = _MODELS.setdefault(root, tempfile.mkdtemp(prefix="sdtrain-model-"))
+    fs, path = filesystem_for(root)
+    for part in parts:
+        if os.path.isdir(os.path.join(directory, part)):
+            continue
+        if fs.get_file_info(posixpath.join(path, part)).type != pafs.FileType.Directory:
+            raise DataError(
+                f"{source} has no {part}/ (a diffusers Stable Diffusion model has vae/, tokenizer/ and text_encoder/)"
+            )
+        staging = tempfile.mkdtemp(dir=directory)  # whole or not at all: a failed download is not reused
+        pafs.copy_files(posixpath.join(path, part), staging, source_filesystem=fs)
+        os.replace(staging, os.path.join(directory, part))
+    return directory
+
+
+_MODELS: dict[str, str] = {}
+
+
+def to_unit_range(pixels: np.ndarray) -> np.ndarray:
+    """(N, H, W, 3) uint8 -> (N, 3, H, W) float32 in [-1, 1], the VAE's input."""
+    return pixels.transpose(0, 3, 1, 2).astype(np.float32) / 127.5 - 1.0
+
+
+def load_vae(source: str, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Any:
+    """The AutoencoderKL in ``source``'s vae/ subfolder (a local directory, s3:// URI or hub id)."""
+    from diffusers import AutoencoderKL
+
+    return AutoencoderKL.from_pretrained(local_model(source, "vae"), subfolder="vae").to(device, dtype).eval()
+
+
+def load_text_encoder(source: str, device: str = "cpu", dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
+    """(tokenizer, text encoder) from ``source``'s tokenizer/ and text_encoder/ subfolders."""
+    from transformers import AutoTokenizer, CLIPTextModel
+
+    local = local_model(source, "tokenizer", "text_encoder")
+    tokenizer = AutoTokenizer.from_pretrained(local, subfolder="tokenizer")
+    text_encoder: Any = CLIPTextModel.from_pretrained(local, subfolder="text_encoder")
+    return tokenizer, text_encoder.to(device, dtype).eval()
+
+
+@torch.no_grad()
+def encode_prompts(tokenizer: Any, text_encoder: Any, prompts: list[str]) -> torch.Tensor:
+    """(N, L, D) float32 embeddings: padded to the tokenizer's max length (77 for SD), truncated, and the text
+    encoder's last hidden state, with the attention mask only where the model asks for one (as
+    StableDiffusionPipeline.encode_prompt does)."""
+    device = next(text_encoder.parameters()).device
+    tokens = tokenizer(
+        prompts, padding="max_length", max_length=tokenizer.model_max_length, truncation=True, return_tensors="pt"
+    )
+    mask = tokens.attention_mask.to(device) if getattr(text_encoder.config, "use_attention_mask", False) else None
+    return text_encoder(tokens.input_ids.to(device), attention_mask=mask)[0].float().cpu()
+
+
+@torch.no_grad()
+def encode_images(
+    vae: Any, pixels: np.ndarray, latent: Literal["mean", "sample"], seeds: list[int] | None = None
+) -> torch.Tensor:
+    """(N, H, W, 3) uint8 -> (N, C, H/f, W/f) float32 latents times the VAE's scaling_factor (applied here, once).
+
+    Args:
+        vae: an AutoencoderKL.
+        pixels: the CPU stage's output.
+        latent: the distribution's mean, or a sample.
+        seeds: one seed per row for ``sample``: a row's latent does not depend on its batch.
+    """
+    param = next(vae.parameters())
+    images = torch.from_numpy(to_unit_range(pixels)).to(param.device, param.dtype)
+    dist = vae.encode(images).latent_dist
+    latents = dist.mean
+    if latent == "sample":
+        noise = torch.stack(
+            [torch.randn(latents.shape[1:], generator=torch.Generator().manual_seed(s)) for s in seeds or []]
+        )
+        latents = latents + dist.std * noise.to(latents)
+    return latents.float().cpu() * float(vae.config.scaling_factor)
