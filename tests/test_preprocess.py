@@ -219,6 +219,16 @@ def test_encoders_match_the_diffusers_pipeline(tiny_model):
     assert not torch.allclose(sampled, latents)
 
 
+def test_one_load_vae_takes_a_model_or_the_vae_directory_itself(tiny_model):
+    """The same weights from the model directory (its vae/) and from the vae/ directory (generate.py --vae)."""
+    from_model, from_vae_dir = load_vae(tiny_model), load_vae(os.path.join(tiny_model, "vae"))
+    assert not from_model.training and not from_vae_dir.training
+    for (name, ours), (_, theirs) in zip(
+        from_model.state_dict().items(), from_vae_dir.state_dict().items(), strict=True
+    ):
+        torch.testing.assert_close(ours, theirs, msg=name)
+
+
 def test_a_rerun_with_settings_that_change_the_shards_is_refused(tmp_path, tiny_model):
     """A re-run into the same output with another input.rows_per_shard would cut other shards and write rows twice."""
     from sdtrain.preprocess.job import run_preprocess

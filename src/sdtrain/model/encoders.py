@@ -63,10 +63,20 @@ def to_unit_range(pixels: np.ndarray) -> np.ndarray:
 
 
 def load_vae(source: str, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Any:
-    """The AutoencoderKL in ``source``'s vae/ subfolder (a local directory, s3:// URI or hub id)."""
+    """The AutoencoderKL of a Stable Diffusion model: the only way sdtrain loads one.
+
+    Args:
+        source: a model holding a vae/ subfolder (a local directory, a storage URI or a hub id), or a local
+            directory that is the VAE itself (``--vae /models/sd2/vae``); ``~`` is expanded.
+    """
     from diffusers import AutoencoderKL
 
-    return AutoencoderKL.from_pretrained(local_model(source, "vae"), subfolder="vae").to(device, dtype).eval()
+    if is_uri(source):
+        return AutoencoderKL.from_pretrained(local_model(source, "vae"), subfolder="vae").to(device, dtype).eval()
+    root = os.path.expanduser(source)
+    if os.path.isdir(root) and not os.path.isdir(os.path.join(root, "vae")):
+        return AutoencoderKL.from_pretrained(root).to(device, dtype).eval()
+    return AutoencoderKL.from_pretrained(root, subfolder="vae").to(device, dtype).eval()  # a hub id needs network
 
 
 def load_text_encoder(source: str, device: str = "cpu", dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:

@@ -13,9 +13,10 @@ import torch
 
 from sdtrain.artifacts.loading import Weights, load_model
 from sdtrain.errors import DataError
+from sdtrain.model.encoders import load_vae
 from sdtrain.sampling.captions import read_captions
 from sdtrain.sampling.demo_scoring import class_agreement_report, demo_labels
-from sdtrain.sampling.images import channels_preview, decode, decode_shape, digits_preview, grid_image, load_vae
+from sdtrain.sampling.images import channels_preview, decode, decode_shape, digits_preview, grid_image
 from sdtrain.sampling.sampler import sample_latents
 
 LATENTS_FILE = "latents.npy"
@@ -104,7 +105,7 @@ def generate(request: GenerateRequest) -> list[str]:
     written.append(path)
 
     if request.vae is not None:
-        vae = load_vae(request.vae).to(device).eval()
+        vae = load_vae(request.vae, device)
         factor = loaded.latent_scaling_factor or vae.config.scaling_factor
         images = decode(vae, latents, factor).reshape(len(captions.names), k, *decode_shape(latents, vae))
         image_dir = os.path.join(request.out, "images")

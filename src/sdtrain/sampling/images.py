@@ -3,8 +3,6 @@ channels as RGB), and laid out as a grid with a row per caption."""
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import torch
 
@@ -39,21 +37,6 @@ def grid_image(tiles: np.ndarray, names: list[str], zoom: int = 1):
             tile = Image.fromarray(tiles[r, k]).convert("RGB").resize((w, h), Image.Resampling.NEAREST)
             canvas.paste(tile, (margin + pad + k * (w + pad), pad + r * (h + pad)))
     return canvas
-
-
-def load_vae(vae: str):
-    from diffusers import AutoencoderKL
-
-    if "://" in vae:  # a model on object storage (the data's recorded VAE may be): its vae/, fetched
-        from sdtrain.model.encoders import load_vae as load_model_vae
-
-        return load_model_vae(vae)
-    root = os.path.expanduser(vae)
-    if os.path.isdir(root):
-        return AutoencoderKL.from_pretrained(
-            root, subfolder="vae" if os.path.isdir(os.path.join(root, "vae")) else None
-        )
-    return AutoencoderKL.from_pretrained(vae, subfolder="vae")  # a hub id: a pipeline's vae/ (needs network)
 
 
 @torch.no_grad()
