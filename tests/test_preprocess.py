@@ -219,6 +219,21 @@ def test_encoders_match_the_diffusers_pipeline(tiny_model):
     assert not torch.allclose(sampled, latents)
 
 
+def test_a_text_file_that_cannot_be_read_names_the_setting_and_the_file(tmp_path):
+    """input.captions_file and generate.py's --prompts-file read through one function (storage.filesystems)."""
+    from sdtrain.sampling.prompts import read_prompts_file
+    from sdtrain.storage.filesystems import read_text
+
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
+    (tmp_path / "prompts.txt").write_text("# a comment\na red fox\n\n")
+    assert read_text(str(tmp_path / "prompts.txt"), "--prompts-file") == "# a comment\na red fox\n\n"
+    assert read_prompts_file(str(tmp_path / "prompts.txt")) == ["a red fox"]
+    with pytest.raises(DataError, match=r"^--prompts-file: cannot read .*missing\.txt: "):
+        read_prompts_file(str(tmp_path / "missing.txt"))
+    with pytest.raises(DataError, match=r"^input\.captions_file: cannot read .*latin1\.txt: .*utf-8"):
+        read_text(str(tmp_path / "latin1.txt"), "input.captions_file")
+
+
 def test_one_load_vae_takes_a_model_or_the_vae_directory_itself(tiny_model):
     """The same weights from the model directory (its vae/) and from the vae/ directory (generate.py --vae)."""
     from_model, from_vae_dir = load_vae(tiny_model), load_vae(os.path.join(tiny_model, "vae"))

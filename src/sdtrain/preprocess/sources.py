@@ -31,7 +31,7 @@ import pyarrow.parquet as pq
 from sdtrain.data.dataset_index import list_dataset
 from sdtrain.errors import ConfigError, DataError
 from sdtrain.preprocess.config import InputConfig
-from sdtrain.storage.filesystems import filesystem_for
+from sdtrain.storage.filesystems import filesystem_for, read_text
 from sdtrain.storage.uris import uri_prefix
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
@@ -278,12 +278,7 @@ def _folder_shards(config: InputConfig, done: Mapping[str, Mapping[str, Any]]) -
 
 
 def _read_captions_file(path: str, config: InputConfig) -> dict[str, str | None]:
-    fs, fs_path = filesystem_for(path)
-    try:
-        with fs.open_input_stream(fs_path) as f:
-            text = f.read().decode("utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise DataError(f"input.captions_file: cannot read {path}: {e}") from None
+    text = read_text(path, "input.captions_file")
     if path.endswith(".csv"):
         records = list(csv.DictReader(io.StringIO(text)))
     else:

@@ -12,14 +12,9 @@ from sdtrain.sampling.captions import Captions
 
 def read_prompts_file(path: str) -> list[str]:
     """One prompt a line; blank lines and lines starting with # are left out."""
-    from sdtrain.storage.filesystems import filesystem_for
+    from sdtrain.storage.filesystems import read_text
 
-    fs, fs_path = filesystem_for(path)
-    try:
-        with fs.open_input_stream(fs_path) as f:
-            text = f.read().decode("utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise DataError(f"--prompts-file: cannot read {path}: {e}") from None
+    text = read_text(path, "--prompts-file")
     prompts = [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
     if not prompts:
         raise DataError(f"--prompts-file: {path} holds no prompts (one a line)")

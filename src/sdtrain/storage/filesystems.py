@@ -12,6 +12,7 @@ from typing import Any
 
 import pyarrow.fs as pafs
 
+from sdtrain.errors import DataError
 from sdtrain.storage.s3 import S3Settings, resolved_s3_settings, s3_client, s3_filesystem
 from sdtrain.storage.uris import absolute, is_uri, split_s3, uri_prefix
 
@@ -86,6 +87,22 @@ def set_aside(path: str) -> str | None:
         pafs.copy_files(fs_path, target, source_filesystem=fs, destination_filesystem=fs)
         fs.delete_dir(fs_path)
     return uri_prefix(path) + target
+
+
+def read_text(uri: str, key: str) -> str:
+    """The whole of a UTF-8 text file, local or on object storage.
+
+    Args:
+        uri: a local path or a storage URI.
+        key: the setting or flag that named the file: a file that cannot be read or decoded is a DataError that
+            starts with it (``input.captions_file: cannot read <uri>: <why>``).
+    """
+    fs, path = filesystem_for(uri)
+    try:
+        with fs.open_input_stream(path) as f:
+            return f.read().decode("utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise DataError(f"{key}: cannot read {uri}: {e}") from None
 
 
 def write_bytes(uri: str, data: bytes) -> None:
