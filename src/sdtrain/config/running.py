@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
 from sdtrain.config.coercion import Section
+from sdtrain.config.secrets import refuse_userinfo
 from sdtrain.storage.s3 import DEFAULT_MAX_ATTEMPTS
-from sdtrain.storage.uris import has_userinfo, redact
 
 
 @dataclass
@@ -175,14 +175,13 @@ class TrackingConfig(Section):
     """W&B project the run is logged under."""
 
     def __post_init__(self):
-        if self.mlflow_tracking_uri is not None and has_userinfo(self.mlflow_tracking_uri):
-            # The config goes into tracker params, checkpoint metadata and registry manifests: never a secret.
-            self._fail(
-                "mlflow_tracking_uri",
-                f"{redact(self.mlflow_tracking_uri)} holds a user name or password; credentials are never taken "
-                "from the config (they would be copied into checkpoints, manifests and logs): set "
-                "MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) in the environment",
-            )
+        # The config goes into tracker params, checkpoint metadata and registry manifests: never a secret.
+        refuse_userinfo(
+            f"{self.section}.mlflow_tracking_uri",
+            self.mlflow_tracking_uri,
+            instead="set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) in the "
+            "environment",
+        )
         if len(set(self.trackers)) != len(self.trackers):
             self._fail("trackers", f"names a tracker twice: {self.trackers}")
 
@@ -226,18 +225,11 @@ class StorageConfig(Section):
 
     def __post_init__(self):
         if self.endpoint_url is not None:
-            if has_userinfo(self.endpoint_url):  # the message must not repeat the secret
-                self._fail("endpoint_url", f"{redact(self.endpoint_url)} holds a user name or password; " + _NO_SECRETS)
+            refuse_userinfo(f"{self.section}.endpoint_url", self.endpoint_url)  # before a message repeats the URI
             if not re.fullmatch(r"https?://[^/\s]+/?", self.endpoint_url):
                 self._fail("endpoint_url", f"must be http(s)://host[:port], got {self.endpoint_url!r}")
         if self.max_attempts < 1:
             self._fail("max_attempts", f"must be >= 1 (1 = no retries), got {self.max_attempts}")
-
-
-_NO_SECRETS = (
-    "credentials are never taken from the config (they would be copied into checkpoints, manifests and logs): "
-    "use the AWS credential chain (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or an instance role)"
-)
 
 
 @dataclass

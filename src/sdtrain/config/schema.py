@@ -16,7 +16,6 @@ from typing import ClassVar
 from sdtrain.config.coercion import ConfigTree, Section
 from sdtrain.config.learning import PRESETS, DataConfig, ModelConfig, TrainConfig
 from sdtrain.config.running import (
-    _NO_SECRETS,
     CheckpointConfig,
     ExportConfig,
     FailureConfig,
@@ -27,8 +26,8 @@ from sdtrain.config.running import (
     StorageConfig,
     TrackingConfig,
 )
+from sdtrain.config.secrets import refuse_userinfo
 from sdtrain.errors import ConfigError
-from sdtrain.storage.uris import has_userinfo, redact
 
 __all__ = [
     "PRESETS",
@@ -124,8 +123,7 @@ class Config(ConfigTree):
 
     def __post_init__(self):
         for key, uri in self.storage_uris():
-            if has_userinfo(uri):
-                raise ConfigError(f"{key}: {redact(uri)} holds a user name or password; {_NO_SECRETS}")
+            refuse_userinfo(key, uri)
         if not self.data.train and self.retrain.data_root is None:
             raise ConfigError("data.train: is required: give a parquet file, directory, glob or list of them")
         if self.retrain.data_root is not None and not self.data.val:

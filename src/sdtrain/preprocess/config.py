@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
 from sdtrain.config.coercion import ConfigTree, Section
-from sdtrain.config.schema import _NO_SECRETS, StorageConfig
+from sdtrain.config.schema import StorageConfig
+from sdtrain.config.secrets import refuse_userinfo
 from sdtrain.errors import ConfigError
-from sdtrain.storage.uris import has_userinfo, redact
 
 
 @dataclass
@@ -48,12 +48,10 @@ class InputConfig(Section):
 
 
 def _refuse_credentials(section: Section, named: list[tuple[str, str | None]]) -> None:
-    """Training's refusal (sdtrain.config.schema: Config and StorageConfig), for this config's URIs: a secret in one
-    would be copied into the manifest, the shards' metadata and logs. Checked first, so that no other message
-    repeats the URI; the message redacts it."""
+    """Training's refusal (sdtrain.config.secrets), for this section's URIs: a secret in one would be copied into the
+    manifest, the shards' metadata and logs."""
     for key, uri in named:
-        if uri and has_userinfo(uri):
-            section._fail(key, f"{redact(uri)} holds a user name or password; {_NO_SECRETS}")
+        refuse_userinfo(f"{section.section}.{key}", uri)
 
 
 @dataclass
