@@ -21,7 +21,7 @@ import torch
 from PIL import Image
 
 from sdtrain.config.loader import load_config
-from sdtrain.data.metadata import LATENT_SCALING_FACTOR
+from sdtrain.data.metadata import LATENT_SCALING_FACTOR, encoder_sources
 from sdtrain.errors import ConfigError, DataError
 from sdtrain.model.encoders import (
     encode_images,
@@ -33,7 +33,6 @@ from sdtrain.model.encoders import (
 )
 from sdtrain.preprocess.config import PreprocessConfig
 from sdtrain.preprocess.images import NO_CAPTION, NO_IMAGE, TOO_SMALL, UNDECODABLE, prepare_image
-from sdtrain.preprocess.outputs import encoder_sources
 from sdtrain.preprocess.tiny_models import write_tiny_sd_model
 
 ROOT = Path(__file__).resolve().parent.parent

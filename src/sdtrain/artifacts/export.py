@@ -38,9 +38,9 @@ import pyarrow.parquet as pq
 
 from sdtrain import __version__
 from sdtrain.artifacts.loading import LoadedModel, Weights, is_export, load_model
+from sdtrain.data.metadata import EncoderSources, encoder_sources
 from sdtrain.data.parquet_files import resolve_parquet_files
 from sdtrain.errors import SdtrainError
-from sdtrain.preprocess.outputs import EncoderSources, encoder_sources
 from sdtrain.storage.filesystems import filesystem_for
 from sdtrain.storage.run_layout import (
     EXPORT_INFO_FILE,

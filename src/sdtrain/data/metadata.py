@@ -1,12 +1,20 @@
 """The parquet schema metadata keys sdtrain writes beside stored latents and reads back: their one owner.
 
 Preprocessing writes them into every shard it outputs; training reads them from the dataset index's checked schema
-(sdtrain.data.dataset_index), so a restart opens no file to learn them.
+(sdtrain.data.dataset_index), so a restart opens no file to learn them. Export and sampling read the encoders a
+dataset was made with from them (encoder_sources).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from sdtrain.errors import DataError
+from sdtrain.storage.filesystems import filesystem_for
 
 LATENT_SCALING_FACTOR = "sdtrain.latent_scaling_factor"
 """The factor the stored latents are already multiplied by (the VAE's scaling_factor); absent = raw VAE latents or
@@ -27,3 +35,36 @@ def latent_scaling(metadata: Mapping[bytes, bytes] | None) -> float | None:
 
 def describe_scaling(factor: float | None) -> str:
     return "no factor" if factor is None else f"latents multiplied by {factor:g}"
+
+
+@dataclass(frozen=True)
+class EncoderSources:
+    """Where a dataset's latents and caption embeddings came from: diffusers model directories or hub ids holding
+    vae/ and tokenizer/ + text_encoder/ subfolders."""
+
+    vae: str
+    text_encoder: str
+    resolution: int | None = None
+
+
+def encoder_sources(files: list[str]) -> EncoderSources | None:
+    """The VAE and text encoder the first of ``files`` records in its parquet metadata, if any.
+
+    Args:
+        files: parquet files written by the preprocessing job (or any parquet: None when they record nothing).
+    """
+    for file in files[:1]:
+        fs, path = filesystem_for(file)
+        try:
+            with fs.open_input_file(path) as f:
+                metadata = pq.read_schema(f).metadata or {}
+        except (OSError, pa.ArrowException) as e:
+            raise DataError(f"cannot read the parquet metadata of {file}: {e}") from None
+        if VAE_SOURCE.encode() in metadata and TEXT_ENCODER_SOURCE.encode() in metadata:
+            resolution = metadata.get(RESOLUTION.encode())
+            return EncoderSources(
+                vae=metadata[VAE_SOURCE.encode()].decode(),
+                text_encoder=metadata[TEXT_ENCODER_SOURCE.encode()].decode(),
+                resolution=int(resolution) if resolution else None,
+            )
+    return None

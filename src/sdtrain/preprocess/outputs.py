@@ -1,4 +1,5 @@
-"""What the preprocessing job writes, and how a later reader finds where the latents came from.
+"""What the preprocessing job writes (a later reader finds where the latents came from with
+sdtrain.data.metadata.encoder_sources).
 
 ::
 
@@ -22,7 +23,6 @@ import io
 import json
 import os
 import posixpath
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -30,8 +30,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from sdtrain.data.metadata import RESOLUTION, TEXT_ENCODER_SOURCE, VAE_SOURCE
-from sdtrain.errors import ConfigError, DataError
+from sdtrain.errors import ConfigError
 from sdtrain.storage.filesystems import filesystem_for, write_bytes
 from sdtrain.storage.uris import is_uri
 
@@ -55,16 +54,6 @@ RESUME_KEYS = (
     "output.image_column",
     "output.caption_column",
 )
-
-
-@dataclass(frozen=True)
-class EncoderSources:
-    """Where a dataset's latents and caption embeddings came from: diffusers model directories or hub ids holding
-    vae/ and tokenizer/ + text_encoder/ subfolders."""
-
-    vae: str
-    text_encoder: str
-    resolution: int | None = None
 
 
 def join(root: str, *parts: str) -> str:
@@ -164,26 +153,3 @@ def summarize(stats: list[dict[str, Any]]) -> dict[str, Any]:
         "skipped_by_reason": dict(sorted(skipped.items())),
         "unreadable_shards": [s["shard"] for s in stats if s.get("error")],
     }
-
-
-def encoder_sources(files: list[str]) -> EncoderSources | None:
-    """The VAE and text encoder the first of ``files`` records in its parquet metadata, if any.
-
-    Args:
-        files: parquet files written by the preprocessing job (or any parquet: None when they record nothing).
-    """
-    for file in files[:1]:
-        fs, path = filesystem_for(file)
-        try:
-            with fs.open_input_file(path) as f:
-                metadata = pq.read_schema(f).metadata or {}
-        except (OSError, pa.ArrowException) as e:
-            raise DataError(f"cannot read the parquet metadata of {file}: {e}") from None
-        if VAE_SOURCE.encode() in metadata and TEXT_ENCODER_SOURCE.encode() in metadata:
-            resolution = metadata.get(RESOLUTION.encode())
-            return EncoderSources(
-                vae=metadata[VAE_SOURCE.encode()].decode(),
-                text_encoder=metadata[TEXT_ENCODER_SOURCE.encode()].decode(),
-                resolution=int(resolution) if resolution else None,
-            )
-    return None

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from sdtrain.artifacts.export import model_sources
 from sdtrain.artifacts.loading import LoadedModel
+from sdtrain.data.metadata import EncoderSources
 from sdtrain.errors import DataError
-from sdtrain.preprocess.outputs import EncoderSources
 from sdtrain.sampling.captions import Captions
 
 
