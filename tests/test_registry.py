@@ -90,6 +90,7 @@ def test_registry_on_local_disk(tmp_path):
         registry.production()
 
 
+@pytest.mark.slow  # a moto server
 @pytest.mark.timeout(120)
 def test_registry_on_s3(s3_bucket):
     import boto3
@@ -108,7 +109,7 @@ def test_registry_on_s3(s3_bucket):
 # --- one writer at a time: the lock, exclusive versions, the pointer's compare-and-swap ---------
 
 
-@pytest.fixture(params=["local", "s3"])
+@pytest.fixture(params=["local", pytest.param("s3", marks=pytest.mark.slow)])  # s3: a moto server
 def models_root(request, tmp_path):
     """A registry root on local disk, and one on a real S3-protocol server (moto, its own process)."""
     if request.param == "local":
@@ -150,6 +151,7 @@ def test_the_lock_is_exclusive_says_who_holds_it_and_is_released(models_root):
     assert _lock_text(registry) is None
 
 
+@pytest.mark.slow  # a subprocess holds the lock and is killed
 @pytest.mark.timeout(120)
 def test_a_killed_holders_lock_blocks_until_its_lease_ends_then_one_run_takes_it_over(models_root, capsys):
     # A real holder that dies with SIGKILL: nothing releases its lock.
