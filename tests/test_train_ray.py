@@ -11,10 +11,9 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
-from conftest import committed_checkpoints, corrupt_row_group, rows_by_step, write_latents
+from conftest import committed_checkpoints, corrupt_row_group, rows_by_step, tiny_config, write_latents
 
 from sdtrain.artifacts.loading import load_model, read_checkpoint
-from sdtrain.config.loader import load_config
 from sdtrain.data.decode import decode_batch
 from sdtrain.driver import train
 from sdtrain.errors import DataError, TrainingFailed
@@ -27,26 +26,22 @@ LR, WARMUP = 1e-3, 20
 
 
 def _config(tmp_path, max_steps):
-    return load_config(
-        None,
-        [
-            f"data.train=[{tmp_path}/train/a.parquet, {tmp_path}/train/b.parquet]",
-            f"data.val={tmp_path}/val",
-            "model.preset=tiny",
-            f"train.max_steps={max_steps}",
-            "train.global_batch_size=8",
-            f"train.lr={LR}",
-            f"train.warmup_steps={WARMUP}",
-            "scaling.num_workers=[1,2]",  # elastic: starts with what the cluster gives (2 here)
-            "scaling.use_gpu=false",
-            f"run.storage_path={tmp_path}/runs",
-            "run.name=two-workers",
-            "checkpoint.every_n_steps=3",
-            "run.log_every_n_steps=2",
-            "checkpoint.num_to_keep=null",
-            "sample_grid.columns=2",  # a grid with each checkpoint: drawn, at a tenth of the default's cost
-            "sample_grid.steps=4",
-        ],
+    return tiny_config(
+        f"data.train=[{tmp_path}/train/a.parquet, {tmp_path}/train/b.parquet]",
+        f"data.val={tmp_path}/val",
+        f"train.lr={LR}",
+        f"train.warmup_steps={WARMUP}",
+        "scaling.use_gpu=false",
+        "checkpoint.every_n_steps=3",
+        "run.log_every_n_steps=2",
+        "checkpoint.num_to_keep=null",
+        "sample_grid.columns=2",  # a grid with each checkpoint: drawn, at a tenth of the default's cost
+        "sample_grid.steps=4",
+        tmp_path=tmp_path,
+        name="two-workers",
+        steps=max_steps,
+        batch=8,
+        workers="[1,2]",  # elastic: starts with what the cluster gives (2 here)
     )
 
 
@@ -168,20 +163,16 @@ def test_diverging_run_stops_with_a_clear_error(ray_cluster, tmp_path, run_attem
         pa.table({"image_latents_256": column(latents, "list"), "caption_latents": column(captions, "list")}),
         tmp_path / "nan.parquet",
     )
-    config = load_config(
-        None,
-        [
-            f"data.train={tmp_path}/nan.parquet",
-            "model.preset=tiny",
-            "train.max_steps=20",
-            "train.global_batch_size=8",
-            "train.max_nonfinite_steps=3",
-            "scaling.num_workers=1",
-            f"run.storage_path={tmp_path}/runs",
-            "run.name=nan",
-            "run.log_every_n_steps=4",
-            "failure.max_failures=2",
-        ],
+    config = tiny_config(
+        f"data.train={tmp_path}/nan.parquet",
+        "train.max_nonfinite_steps=3",
+        "run.log_every_n_steps=4",
+        "failure.max_failures=2",
+        tmp_path=tmp_path,
+        name="nan",
+        steps=20,
+        batch=8,
+        workers=1,
     )
     with pytest.raises(TrainingFailed) as failure:
         train(config)
@@ -196,20 +187,16 @@ def test_diverging_run_stops_with_a_clear_error(ray_cluster, tmp_path, run_attem
 
 def _two_workers(tmp_path, name: str, max_steps: int, *extra: str):
     write_latents(tmp_path / "train/a.parquet", rows=64, encoding="list", seed=4)
-    return load_config(
-        None,
-        [
-            f"data.train={tmp_path}/train",
-            "model.preset=tiny",
-            f"train.max_steps={max_steps}",
-            "train.global_batch_size=8",
-            "scaling.num_workers=2",
-            f"run.storage_path={tmp_path}/runs",
-            f"run.name={name}",
-            "checkpoint.every_n_steps=4",
-            "run.log_every_n_steps=2",
-            *extra,
-        ],
+    return tiny_config(
+        f"data.train={tmp_path}/train",
+        "checkpoint.every_n_steps=4",
+        "run.log_every_n_steps=2",
+        *extra,
+        tmp_path=tmp_path,
+        name=name,
+        steps=max_steps,
+        batch=8,
+        workers=2,
     )
 
 
@@ -294,25 +281,21 @@ def test_a_hung_worker_is_ended_by_the_stall_watchdog_and_the_run_restarts(ray_c
 
 
 def _ids_config(tmp_path, name, max_steps, workers, *extra):
-    return load_config(
-        None,
-        [
-            f"data.train={tmp_path}/train",
-            "model.preset=tiny",
-            f"train.max_steps={max_steps}",
-            "train.global_batch_size=8",
-            "train.micro_batch_size=2",
-            f"scaling.num_workers={workers}",
-            "data.shuffle_chunk_rows=5",
-            "data.shuffle_window_rows=12",
-            f"run.storage_path={tmp_path}/runs",
-            f"run.name={name}",
-            "checkpoint.every_n_steps=3",
-            "run.log_every_n_steps=3",
-            "checkpoint.num_to_keep=null",
-            "checkpoint.record_rows=true",
-            *extra,
-        ],
+    return tiny_config(
+        f"data.train={tmp_path}/train",
+        "train.micro_batch_size=2",
+        "data.shuffle_chunk_rows=5",
+        "data.shuffle_window_rows=12",
+        "checkpoint.every_n_steps=3",
+        "run.log_every_n_steps=3",
+        "checkpoint.num_to_keep=null",
+        "checkpoint.record_rows=true",
+        *extra,
+        tmp_path=tmp_path,
+        name=name,
+        steps=max_steps,
+        batch=8,
+        workers=workers,
     )
 
 
@@ -369,18 +352,14 @@ def test_an_unreadable_file_fails_the_run_at_once_naming_it(ray_cluster, tmp_pat
     write_latents(tmp_path / "train/good.parquet", rows=32, seed=1)
     write_latents(tmp_path / "train/bad.parquet", rows=32, seed=2, row_group_size=16)
     corrupt_row_group(tmp_path / "train/bad.parquet", 1)  # the first row, read before the run, is fine
-    config = load_config(
-        None,
-        [
-            f"data.train={tmp_path}/train",
-            "model.preset=tiny",
-            "train.max_steps=8",
-            "train.global_batch_size=8",
-            "scaling.num_workers=1",
-            f"run.storage_path={tmp_path}/runs",
-            "run.name=corrupt",
-            "failure.max_failures=3",
-        ],
+    config = tiny_config(
+        f"data.train={tmp_path}/train",
+        "failure.max_failures=3",
+        tmp_path=tmp_path,
+        name="corrupt",
+        steps=8,
+        batch=8,
+        workers=1,
     )
     with pytest.raises(TrainingFailed) as failure:
         train(config)
@@ -420,22 +399,18 @@ def test_bf16_with_clipping_and_ema_skips_a_nan_step_on_both_ddp_ranks(ray_clust
     AdamW), with an EMA, on 2 DDP workers: one NaN row in 32, so one step of each 4-step epoch is
     skipped, on both ranks (the reporter checks that they agree). Resuming bf16 runs: the FSDP test."""
     _rows_with_a_nan(tmp_path / "train/a.parquet", rows=32, nan_row=13, seed=5)
-    config = load_config(
-        None,
-        [
-            f"data.train={tmp_path}/train",
-            "model.preset=tiny",
-            "train.max_steps=8",
-            "train.global_batch_size=8",
-            "train.precision=bf16-mixed",
-            "train.ema_decay=0.9",
-            "scaling.num_workers=2",
-            f"run.storage_path={tmp_path}/runs",
-            "run.name=bf16",
-            "checkpoint.every_n_steps=4",
-            "run.log_every_n_steps=1",
-            "checkpoint.num_to_keep=null",
-        ],
+    config = tiny_config(
+        f"data.train={tmp_path}/train",
+        "train.precision=bf16-mixed",
+        "train.ema_decay=0.9",
+        "checkpoint.every_n_steps=4",
+        "run.log_every_n_steps=1",
+        "checkpoint.num_to_keep=null",
+        tmp_path=tmp_path,
+        name="bf16",
+        steps=8,
+        batch=8,
+        workers=2,
     )
     assert train(config).final_step == 8
     history = json.loads((tmp_path / "runs/bf16/checkpoint_000000008" / HISTORY_FILE).read_text())
@@ -457,24 +432,20 @@ def test_fsdp_on_two_cpu_workers_validates_with_its_ema_and_resumes_on_one(ray_c
     run_dir = tmp_path / "runs" / "fsdp"
 
     def config(max_steps, workers):
-        return load_config(
-            None,
-            [
-                f"data.train={tmp_path}/train",
-                f"data.val={tmp_path}/val",
-                "model.preset=tiny",
-                f"train.max_steps={max_steps}",
-                "train.global_batch_size=8",
-                "train.strategy=fsdp",
-                "train.precision=bf16-mixed",
-                "train.ema_decay=0.9",
-                f"scaling.num_workers={workers}",
-                f"run.storage_path={tmp_path}/runs",
-                "run.name=fsdp",
-                "checkpoint.every_n_steps=2",
-                "run.log_every_n_steps=2",
-                "checkpoint.num_to_keep=null",
-            ],
+        return tiny_config(
+            f"data.train={tmp_path}/train",
+            f"data.val={tmp_path}/val",
+            "train.strategy=fsdp",
+            "train.precision=bf16-mixed",
+            "train.ema_decay=0.9",
+            "checkpoint.every_n_steps=2",
+            "run.log_every_n_steps=2",
+            "checkpoint.num_to_keep=null",
+            tmp_path=tmp_path,
+            name="fsdp",
+            steps=max_steps,
+            batch=8,
+            workers=workers,
         )
 
     assert train(config(4, workers=2)).final_step == 4
