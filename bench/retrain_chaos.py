@@ -188,10 +188,13 @@ scaling:
 run:
   name: chaos
   storage_path: {root}/runs
-  checkpoint_every_n_steps: 4
   log_every_n_steps: 4
-  sample_steps: 2
-  export: false
+checkpoint:
+  every_n_steps: 4
+sample_grid:
+  steps: 2
+export:
+  enabled: false
 failure:
   max_failures: 0
 retrain:
