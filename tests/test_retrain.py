@@ -6,10 +6,10 @@ import shutil
 
 import pytest
 import torch
+from conftest import tiny_config
 
 from sdtrain.artifacts.loading import load_model
 from sdtrain.artifacts.registry import ModelRegistry
-from sdtrain.config.loader import load_config
 from sdtrain.data.demo import ensure_demo_data
 from sdtrain.errors import DataError
 from sdtrain.retrain import find_partitions, new_partitions, retrain, retrain_run_name
@@ -38,26 +38,22 @@ def partitions(tmp_path):
 
 
 def _config(tmp_path, root, val, *overrides):
-    return load_config(
-        None,
-        [
-            f"retrain.data_root={root}",
-            f"retrain.models_root={tmp_path}/models",
-            "retrain.tolerance=0.05",
-            f"data.val={val}",
-            "model.preset=tiny",
-            "train.max_steps=12",
-            "train.global_batch_size=16",
-            "train.lr=1e-3",
-            "train.warmup_steps=2",
-            "scaling.num_workers=1",
-            f"run.storage_path={tmp_path}/runs",
-            "run.name=retrain",
-            "checkpoint.every_n_steps=12",
-            "run.log_every_n_steps=6",
-            "sample_grid.steps=4",  # a grid with each checkpoint: drawn, at a fifth of the default's cost
-            *overrides,
-        ],
+    return tiny_config(
+        f"retrain.data_root={root}",
+        f"retrain.models_root={tmp_path}/models",
+        "retrain.tolerance=0.05",
+        f"data.val={val}",
+        "train.lr=1e-3",
+        "train.warmup_steps=2",
+        "checkpoint.every_n_steps=12",
+        "run.log_every_n_steps=6",
+        "sample_grid.steps=4",  # a grid with each checkpoint: drawn, at a fifth of the default's cost
+        *overrides,
+        tmp_path=tmp_path,
+        name="retrain",
+        steps=12,
+        batch=16,
+        workers=1,
     )
 
 

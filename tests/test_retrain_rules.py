@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import tiny_config
 from diffusers import DDPMScheduler, UNet2DConditionModel
 
 from sdtrain.artifacts.registry import ModelRegistry
-from sdtrain.config.loader import load_config
 from sdtrain.model.presets import PRESETS
 from sdtrain.retrain import JOB_ID_VAR, _best_served, _decide, retrain, schedule_date_for
 
@@ -40,14 +40,11 @@ def test_an_interrupted_promotion_is_finished_only_if_production_is_still_its_pa
     root = tmp_path / "daily"
     (root / "date=2026-11-01").mkdir(parents=True)
     (tmp_path / "val").mkdir()
-    config = load_config(
-        None,
-        [
-            f"retrain.data_root={root}",
-            f"retrain.models_root={tmp_path}/models",
-            f"data.val={tmp_path}/val",
-            f"run.storage_path={tmp_path}/runs",
-        ],
+    config = tiny_config(
+        f"retrain.data_root={root}",
+        f"retrain.models_root={tmp_path}/models",
+        f"data.val={tmp_path}/val",
+        tmp_path=tmp_path,
     )
     registry = ModelRegistry(str(tmp_path / "models"))
     unet, scheduler = UNet2DConditionModel(**PRESETS["tiny"]), DDPMScheduler()
@@ -81,10 +78,7 @@ def test_a_promotion_that_loses_the_pointer_to_another_writer_is_superseded_not_
     (root / "date=2026-11-01").mkdir(parents=True)
     (tmp_path / "val").mkdir()
     models = str(tmp_path / "models")
-    config = load_config(
-        None,
-        [f"retrain.data_root={root}", f"retrain.models_root={models}", f"data.val={tmp_path}/val"],
-    )
+    config = tiny_config(f"retrain.data_root={root}", f"retrain.models_root={models}", f"data.val={tmp_path}/val")
     registry, other = ModelRegistry(models), ModelRegistry(models)
     unet, scheduler = UNet2DConditionModel(**PRESETS["tiny"]), DDPMScheduler()
     torch.manual_seed(0)
@@ -149,14 +143,14 @@ def test_the_schedule_date_comes_from_the_config_else_the_jobs_first_attempt_els
     registry = ModelRegistry(str(tmp_path / "models"))
     roots = [f"retrain.data_root={tmp_path}/daily", f"retrain.models_root={tmp_path}/models", f"data.val={tmp_path}"]
     monkeypatch.setenv(JOB_ID_VAR, "prodjob_x")
-    config = load_config(None, [*roots, "retrain.date=2026-11-05"])
+    config = tiny_config(*roots, "retrain.date=2026-11-05")
     assert schedule_date_for(config, registry) == (datetime.date(2026, 11, 5), "retrain.date")
     registry.pin_date("prodjob_x", datetime.date(2026, 11, 3))
-    date, source = schedule_date_for(load_config(None, roots), registry)
+    date, source = schedule_date_for(tiny_config(*roots), registry)
     assert date == datetime.date(2026, 11, 3) and source.startswith("pinned by the first attempt of job prodjob_x at")
     monkeypatch.delenv(JOB_ID_VAR)
     today = datetime.datetime.now(datetime.timezone.utc).date()
-    date, source = schedule_date_for(load_config(None, roots), registry)
+    date, source = schedule_date_for(tiny_config(*roots), registry)
     assert date in (today, today + datetime.timedelta(days=1))  # the test may straddle midnight
     assert source == "today (UTC): retrain.date is not set and ANYSCALE_PRODJOB_ID is not either, so nothing pins it"
 
@@ -165,15 +159,12 @@ def _rules_config(tmp_path, *overrides):
     root = tmp_path / "daily"
     (root / "date=2026-11-01").mkdir(parents=True, exist_ok=True)
     (tmp_path / "val").mkdir(exist_ok=True)
-    return load_config(
-        None,
-        [
-            f"retrain.data_root={root}",
-            f"retrain.models_root={tmp_path}/models",
-            f"data.val={tmp_path}/val",
-            f"run.storage_path={tmp_path}/runs",
-            *overrides,
-        ],
+    return tiny_config(
+        f"retrain.data_root={root}",
+        f"retrain.models_root={tmp_path}/models",
+        f"data.val={tmp_path}/val",
+        *overrides,
+        tmp_path=tmp_path,
     )
 
 
