@@ -148,6 +148,48 @@ def test_training_on_a_preprocessing_output_reads_no_footer(tmp_path, capsys):
     assert restart.spec == first.spec
 
 
+def test_a_restart_lists_no_directory_unchanged_since_its_directory_index(tmp_path, capsys):
+    output, extra = tmp_path / "latents", tmp_path / "extra"
+    for i in range(3):
+        write_latents(output / f"shard-{i:03d}.parquet", rows=4 + i, seed=i)
+    write_latents(extra / "x.parquet", rows=2, seed=9)
+    assert write_directory_index(str(output), *COLUMNS) is not None
+    run_index = run_index_uri(str(tmp_path / "runs/r"), "data.train")
+    specs = [output, extra]
+
+    first = _start_and_write(specs, run_index)
+    # The preprocessing output is exactly its index's files; the other directory has no index of its own.
+    assert [(s.spec, s.start, s.count) for s in first.index.sealed] == [(str(output), 0, 3)]
+    assert read_index(run_index).sealed == first.index.sealed
+    capsys.readouterr()
+
+    # A file copied in by hand, not through the preprocessing job (which rewrites its index): the restart does
+    # not list that directory, so it trains on what the run started with; the other directory is listed.
+    write_latents(output / "by-hand.parquet", rows=5, seed=5)
+    write_latents(extra / "y.parquet", rows=3, seed=6)
+    restart = _start_and_write(specs, run_index)
+    assert (restart.stats.unlisted, restart.stats.footers_read, restart.stats.rows_read) == (3, 1, 1)
+    assert str(output / "by-hand.parquet") not in restart.spec.files
+    assert restart.spec.files[:3] == first.spec.files[:3] and restart.spec.files[-1] == str(extra / "y.parquet")
+    assert "3 in 1 directory unchanged since their directory index, not listed" in capsys.readouterr().out
+
+    # The job rewrites its index (a new shard): the directory is listed again, its new file found, and sealed anew.
+    assert write_directory_index(str(output), *COLUMNS) is not None
+    relisted = _start_and_write(specs, run_index)
+    assert relisted.stats.unlisted == 0 and str(output / "by-hand.parquet") in relisted.spec.files
+    assert relisted.stats.footers_read == 0  # its rows came from the directory index
+    assert [(s.start, s.count) for s in relisted.index.sealed] == [(0, 4)]
+    again = _start(specs, run_index)
+    assert again.stats.unlisted == 4 and again.spec == relisted.spec
+
+    # A directory holding a file its index does not name is never sealed: every start lists it.
+    other_run = run_index_uri(str(tmp_path / "runs/r2"), "data.train")
+    write_latents(output / "later.parquet", rows=1, seed=7)
+    fresh = _start_and_write([output], other_run)
+    assert fresh.index.sealed == () and fresh.stats.footers_read == 1
+    assert _start([output], other_run).stats.unlisted == 0
+
+
 def test_footers_are_read_a_bounded_number_at_a_time_with_progress(tmp_path):
     from sdtrain.data.inspection import FOOTER_READS, read_footers
 
@@ -201,6 +243,25 @@ def test_s3_listing_is_paginated_and_records_etags(s3_bucket, tmp_path):
     assert globbed.paths == [f"{s3_bucket}/data/part-{i:03d}.parquet" for i in range(10)]
     assert pa.array(globbed.sizes).to_pylist() == [changed.index.sizes[i] for i in range(10)]
     assert np.all(np.asarray(changed.spec.rows_per_file) == 10)
+
+    # The preprocessing job's index beside the files: a run on them records the directory as sealed, and its
+    # restart lists nothing: one GET (the run's index) and one HEAD (the directory's index).
+    from sdtrain.data import listing as listing_module
+
+    assert write_directory_index(f"{s3_bucket}/data", *COLUMNS) is not None
+    sealed_uri = run_index_uri(f"{s3_bucket}/runs/sealed", "data.train")
+    on_output = _start_and_write([f"{s3_bucket}/data"], sealed_uri, page_size=7)
+    assert [s.spec for s in on_output.index.sealed] == [f"{s3_bucket}/data"]
+    calls: list[str] = []
+    client = listing_module._client()
+    record = lambda model, **_: calls.append(model.name)  # noqa: E731
+    client.meta.events.register("before-call.s3", record)
+    try:
+        restart = _start([f"{s3_bucket}/data"], sealed_uri, page_size=7)
+    finally:
+        client.meta.events.unregister("before-call.s3", record)
+    assert calls == ["GetObject", "HeadObject"]
+    assert (restart.stats.unlisted, restart.stats.footers_read) == (30, 0) and restart.spec == on_output.spec
 
 
 def test_split_keys_cut_the_known_keys_into_whole_pages_over_the_threads():

@@ -27,8 +27,9 @@ import io
 import json
 import os
 import posixpath
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 import pyarrow as pa
@@ -39,9 +40,14 @@ from sdtrain.data.inspection import CheckedSchema, DatasetSpec, check_shapes, fi
 from sdtrain.data.listing import (
     DIRECTORY_INDEX,
     LIST_PAGE_SIZE,
+    FoundIndex,
     Listing,
     _client,
+    _strictly_increasing,
     list_dataset,
+    list_spec,
+    merge_listings,
+    object_version,
 )
 from sdtrain.errors import DataError
 from sdtrain.storage.filesystems import filesystem_for, write_bytes
@@ -56,6 +62,23 @@ _SCHEMA = b"sdtrain.dataset_index.schema"
 # --- the index object ----------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class SealedDirectory:
+    """A spec naming a directory whose parquet files were exactly those of the directory index beside them (the
+    preprocessing job's) when a run's index was written. That job rewrites its index whenever it changes the
+    directory, so while the index object is unchanged (one HEAD) a restart takes the spec's files from the run's
+    index without listing the directory."""
+
+    spec: str
+    index_uri: str
+    size: int
+    version: str
+    """The directory index object's size and version (ETag, mtime) when the run's index was written."""
+    start: int
+    count: int
+    """The spec's files: positions [start, start + count) of the run's index."""
+
+
 @dataclass
 class DatasetIndex:
     paths: list[str]
@@ -65,6 +88,8 @@ class DatasetIndex:
     checked: CheckedSchema
     latent_shape: tuple[int, ...]
     caption_shape: tuple[int, ...]
+    sealed: tuple[SealedDirectory, ...] = ()
+    """A run's index only: the specs a restart need not list."""
 
     def table(self, relative_to: str | None = None) -> pa.Table:
         paths = self.paths
@@ -79,6 +104,7 @@ class DatasetIndex:
             "caption_column": self.checked.caption_column,
             "latent_shape": list(self.latent_shape),
             "caption_shape": list(self.caption_shape),
+            "sealed": [asdict(s) for s in self.sealed],
         }
         schema = pa.schema(
             [("path", pa.string()), ("size", pa.int64()), ("version", pa.string()), ("rows", pa.int64())],
@@ -137,6 +163,7 @@ def read_index(uri: str, base: str | None = None) -> DatasetIndex | None:
         checked=CheckedSchema(meta["schema_file"], schema, meta["image_column"], meta["caption_column"]),
         latent_shape=tuple(meta["latent_shape"]),
         caption_shape=tuple(meta["caption_shape"]),
+        sealed=() if meta.get("relative") else tuple(SealedDirectory(**d) for d in meta.get("sealed", ())),
     )
 
 
@@ -188,6 +215,8 @@ class IndexStats:
     """First rows read for the finiteness check (0 or 1)."""
     source: str | None
     """The index used, if any."""
+    unlisted: int = 0
+    """Files of directories unchanged since their directory index, taken from the run's index without a listing."""
 
 
 @dataclass
@@ -221,7 +250,25 @@ def index_dataset(
     ``index_uri`` (the run's) or one beside the data where it has them, else from the footers. Writes nothing:
     :func:`write_index` the result's ``index`` to ``index_uri`` when ``stale``."""
     own = read_index(index_uri) if index_uri else None
-    listing = list_dataset(specs, key, page_size, own.paths if own is not None else None)
+    unchanged = _unchanged_directories(own, specs) if own is not None else {}
+    listed_before = own.paths if own is not None else None
+    parts = [
+        _files_of(own, unchanged[spec])
+        if own is not None and spec in unchanged
+        else list_spec(spec, key, page_size, listed_before)
+        for spec in specs
+    ]
+    if len(parts) == 1 and _strictly_increasing(parts[0].paths):
+        listing, placed = parts[0], [(0, len(parts[0]))]  # held once, not copied
+    else:
+        listing, placed = merge_listings(parts)
+    directory_indexes: dict[str, DatasetIndex | None] = {}
+
+    def directory_index(found: FoundIndex) -> DatasetIndex | None:
+        if found.uri not in directory_indexes:
+            directory_indexes[found.uri] = read_index(found.uri, found.base)
+        return directory_indexes[found.uri]
+
     columns = (image_column, caption_column)
     reference: DatasetIndex | None = None
 
@@ -239,7 +286,7 @@ def index_dataset(
     rows = np.zeros(len(listing), np.int64)
     to_read = list(range(len(listing)))
     # The run's own index first (one GET); an index beside the data only for what it leaves unknown.
-    for index in _candidates(own, listing):
+    for index in _candidates(own, listing, directory_index):
         if not usable(index):
             continue
         reference = reference or index
@@ -293,7 +340,10 @@ def index_dataset(
         key, checked, in_channels, cross_attention_dim, row, row_file or checked.file, recorded
     )
 
-    index = DatasetIndex(listing.paths, listing.sizes, listing.versions, rows, checked, latent_shape, caption_shape)
+    sealed = _sealed(specs, parts, placed, listing, unchanged, directory_index)
+    index = DatasetIndex(
+        listing.paths, listing.sizes, listing.versions, rows, checked, latent_shape, caption_shape, sealed
+    )
     stats = IndexStats(
         files=n,
         from_index=n - len(to_read),
@@ -301,17 +351,25 @@ def index_dataset(
         dropped=dropped,
         rows_read=int(row is not None),
         source=None if reference is None else (index_uri if reference is own else "beside the data"),
+        unlisted=sum(len(part) for spec, part in zip(specs, parts, strict=True) if spec in unchanged),
     )
     stale = (
         own is None
         or bool(to_read)
         or dropped > 0
         or (own.latent_shape, own.caption_shape) != (latent_shape, caption_shape)
+        or own.sealed != sealed
     )
     dropped_note = f", {dropped} gone since the index" if dropped else ""
+    unlisted_note = (
+        f"; {stats.unlisted} in {len(unchanged)} director{'y' if len(unchanged) == 1 else 'ies'} unchanged since "
+        "their directory index, not listed"
+        if unchanged
+        else ""
+    )
     print(
         f"[sdtrain] {key}: {n} files ({stats.from_index} from the index, {stats.footers_read} footers read"
-        f"{dropped_note})",
+        f"{dropped_note}{unlisted_note})",
         flush=True,
     )
     spec = DatasetSpec(
@@ -324,13 +382,64 @@ def index_dataset(
     return IndexedDataset(spec, stats, index, stale)
 
 
-def _candidates(own: DatasetIndex | None, listing: Listing) -> Iterator[DatasetIndex]:
+def _candidates(
+    own: DatasetIndex | None, listing: Listing, read: Callable[[FoundIndex], DatasetIndex | None]
+) -> Iterator[DatasetIndex]:
     if own is not None:
         yield own
-    for uri, base in listing.indexes:  # read only when reached
-        index = read_index(uri, base)
+    for found in listing.indexes:  # read only when reached
+        index = read(found)
         if index is not None:
             yield index
+
+
+def _unchanged_directories(own: DatasetIndex, specs: Sequence[str]) -> dict[str, SealedDirectory]:
+    """The specs of ``own.sealed`` among ``specs`` whose directory index object is as it was (one HEAD each,
+    concurrently): their files are the run's index's."""
+    wanted = [s for s in own.sealed if s.spec in set(specs) and s.start + s.count <= len(own.paths)]
+    if not wanted:
+        return {}
+    with ThreadPoolExecutor(min(16, len(wanted)), thread_name_prefix="sdtrain-head") as pool:
+        versions = list(pool.map(lambda s: object_version(s.index_uri), wanted))
+    return {s.spec: s for s, version in zip(wanted, versions, strict=True) if version == (s.size, s.version)}
+
+
+def _files_of(own: DatasetIndex, sealed: SealedDirectory) -> Listing:
+    stop = sealed.start + sealed.count
+    listing = Listing(own.paths[sealed.start : stop], versions=own.versions[sealed.start : stop])
+    listing.sizes.extend(int(size) for size in own.sizes[sealed.start : stop])
+    return listing
+
+
+def _sealed(
+    specs: Sequence[str],
+    parts: Sequence[Listing],
+    placed: Sequence[tuple[int, int]],
+    listing: Listing,
+    unchanged: Mapping[str, SealedDirectory],
+    read: Callable[[FoundIndex], DatasetIndex | None],
+) -> tuple[SealedDirectory, ...]:
+    """The specs whose files are exactly their directory index's, with where they are in ``listing``."""
+    sealed = []
+    for spec, part, (start, count) in zip(specs, parts, placed, strict=True):
+        if count != len(part):  # some of its files came first from another spec: not one stretch of its own
+            continue
+        if spec in unchanged:
+            sealed.append(replace(unchanged[spec], start=start))
+            continue
+        if len(part.indexes) != 1:
+            continue
+        found = part.indexes[0]
+        index = read(found)
+        if index is None or len(index.paths) != count:
+            continue
+        recorded = {p: (int(size), v) for p, size, v in zip(index.paths, index.sizes, index.versions, strict=True)}
+        if all(
+            recorded.get(listing.paths[i]) == (listing.sizes[i], listing.versions[i])
+            for i in range(start, start + count)
+        ):
+            sealed.append(SealedDirectory(spec, found.uri, found.size, found.version, start, count))
+    return tuple(sealed)
 
 
 # --- the preprocessing job's index ---------------------------------------------------------------------------

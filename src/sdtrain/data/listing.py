@@ -15,6 +15,7 @@ import stat
 from array import array
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import pyarrow.fs as pafs
 
@@ -27,6 +28,16 @@ _GLOB_CHARS = "*?["
 LIST_PAGE_SIZE = 1000  # S3's largest page
 
 
+class FoundIndex(NamedTuple):
+    """A directory index found beside the data, with the object's own size and version when it was listed."""
+
+    uri: str
+    base: str
+    """The directory its relative paths are under."""
+    size: int
+    version: str
+
+
 @dataclass
 class Listing:
     """Files with their sizes and versions, as parallel lists (one entry a file, held once)."""
@@ -34,8 +45,8 @@ class Listing:
     paths: list[str] = field(default_factory=list)
     sizes: array = field(default_factory=lambda: array("q"))
     versions: list[str] = field(default_factory=list)
-    indexes: list[tuple[str, str]] = field(default_factory=list)
-    """(index object, the directory its relative paths are under): directory indexes found beside the data."""
+    indexes: list[FoundIndex] = field(default_factory=list)
+    """Directory indexes found beside the data."""
 
     def __len__(self) -> int:
         return len(self.paths)
@@ -66,18 +77,35 @@ def list_dataset(
     that are listed concurrently (:func:`_s3_objects_in_ranges`); the result is the same without them.
     Raises DataError naming ``key`` and the spec when a spec names nothing.
     """
-    listing = Listing()
-    seen: set[str] = set()
+    parts = []
     for spec in specs:
-        found = Listing()
-        _expand(spec, found, page_size, known)
-        if not found.paths:
-            raise DataError(
-                f"{key}: {spec} matches no parquet files; expected a .parquet file, a directory "
-                "containing .parquet files, or a glob such as data/*.parquet"
-            )
+        found = list_spec(spec, key, page_size, known)
         if len(specs) == 1 and _strictly_increasing(found.paths):
             return found  # an S3 listing comes sorted: held once, not copied
+        parts.append(found)
+    return merge_listings(parts)[0]
+
+
+def list_spec(spec: str, key: str, page_size: int = LIST_PAGE_SIZE, known: Sequence[str] | None = None) -> Listing:
+    """The files one spec names, in the order listed (:func:`list_dataset` without the merging)."""
+    found = Listing()
+    _expand(spec, found, page_size, known)
+    if not found.paths:
+        raise DataError(
+            f"{key}: {spec} matches no parquet files; expected a .parquet file, a directory "
+            "containing .parquet files, or a glob such as data/*.parquet"
+        )
+    return found
+
+
+def merge_listings(parts: Sequence[Listing]) -> tuple[Listing, list[tuple[int, int]]]:
+    """One listing of ``parts`` in order, each part's files sorted, a file already taken from an earlier part left
+    out; and where each part's files went: (first position, files kept)."""
+    listing = Listing()
+    seen: set[str] = set()
+    placed = []
+    for found in parts:
+        start = len(listing)
         for i in sorted(range(len(found.paths)), key=found.paths.__getitem__):
             path = found.paths[i]
             if path in seen:
@@ -85,7 +113,8 @@ def list_dataset(
             seen.add(path)
             listing.add(path, found.sizes[i], found.versions[i])
         listing.indexes.extend(found.indexes)
-    return listing
+        placed.append((start, len(listing) - start))
+    return listing, placed
 
 
 def _strictly_increasing(paths: Sequence[str]) -> bool:
@@ -134,8 +163,11 @@ def _expand_local(spec: str, found: Listing) -> None:
     if not stat.S_ISDIR(st.st_mode):
         return
     index = os.path.join(path, DIRECTORY_INDEX)
-    if os.path.isfile(index):
-        found.indexes.append((index, path))
+    try:
+        index_stat = os.stat(index)
+        found.indexes.append(FoundIndex(index, path, index_stat.st_size, str(index_stat.st_mtime_ns)))
+    except OSError:
+        pass
     stack = [path]
     while stack:  # '_'/'.' directories are not entered: nothing under them is data
         with os.scandir(stack.pop()) as entries:
@@ -267,9 +299,35 @@ def _expand_s3(spec: str, found: Listing, page_size: int, known: Sequence[str] |
     directory_index = list_prefix + DIRECTORY_INDEX
     for name, size, etag in _s3_objects_in_ranges(client, bucket, list_prefix, page_size, known):
         if name == directory_index:
-            found.indexes.append((f"s3://{bucket}/{name}", root))
+            found.indexes.append(FoundIndex(f"s3://{bucket}/{name}", root, size, etag))
         if name.endswith(".parquet") and not _hidden(name, list_prefix):
             found.add(f"s3://{bucket}/{name}", size, etag)
+
+
+def object_version(uri: str) -> tuple[int, str] | None:
+    """(size, version) of one object as a listing records them (S3: one HEAD), or None if it is gone."""
+    if uri.startswith("s3://"):
+        from botocore.exceptions import ClientError
+
+        bucket, key = split_s3(uri)
+        try:
+            head = _client().head_object(Bucket=bucket, Key=key)
+        except ClientError as e:
+            if e.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+                return None
+            raise DataError(f"cannot read {uri}: {e}") from None
+        return int(head["ContentLength"]), _etag(head)
+    if not uri_prefix(uri):
+        try:
+            st = os.stat(uri)
+        except OSError:
+            return None
+        return st.st_size, str(st.st_mtime_ns)
+    fs, path = filesystem_for(uri)
+    info = fs.get_file_info(path)
+    if info.type != pafs.FileType.File:
+        return None
+    return int(info.size or 0), str(info.mtime_ns) if info.mtime_ns is not None else ""
 
 
 def _expand_pyarrow(spec: str, found: Listing) -> None:
@@ -296,6 +354,6 @@ def _expand_pyarrow(spec: str, found: Listing) -> None:
             if i.type != pafs.FileType.File:
                 continue
             if i.path == f"{path.rstrip('/')}/{DIRECTORY_INDEX}":
-                found.indexes.append((prefix + i.path, prefix + path.rstrip("/")))
+                found.indexes.append(FoundIndex(prefix + i.path, prefix + path.rstrip("/"), i.size, version(i)))
             if i.path.endswith(".parquet") and not _hidden(i.path, path):
                 found.add(prefix + i.path, i.size, version(i))
