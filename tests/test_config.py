@@ -81,6 +81,7 @@ def test_round_trip_through_dict():
         (BASE + ["run.log_every_n_steps=0"], r"run\.log_every_n_steps: must be >= 1"),
         (BASE + ["checkpoint.num_to_keep=0"], r"checkpoint\.num_to_keep: must be >= 1 or null"),
         (BASE + ["run.val_every_n_steps=0"], r"run\.val_every_n_steps: must be >= 1 or null"),
+        (BASE + ["run.gpu_hour_cost=-0.5"], r"run\.gpu_hour_cost: must be a price >= 0 \(per GPU-hour"),
         (BASE + ["failure.max_failures=-2"], r"failure\.max_failures: must be >= -1"),
         (BASE + ["failure.max_preemptions=-2"], r"failure\.max_preemptions: must be >= -1"),
         (BASE + ["data.prefetch_batches=-1"], r"data\.prefetch_batches: must be >= 0"),

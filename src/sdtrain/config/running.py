@@ -80,6 +80,10 @@ class RunConfig(Section):
     checkpoint, joining the other ranks), a validation, a checkpoint's save, upload and barrier, or a sample grid;
     beyond it the worker logs the phase and ends as for run.stall_timeout_s. Keep it above the longest of them.
     null = unbounded."""
+    gpu_hour_cost: float | None = None
+    """What one GPU-hour costs, in your currency (each worker holds one GPU; on CPU workers, what one worker-hour
+    costs): the metric cost_per_million_images at each report, from the throughput since the previous one, and the
+    run's cost in the final summary, this price x the run's GPU-hours (docs/observability.md). null = no cost."""
 
     def __post_init__(self):
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", self.name):
@@ -93,6 +97,9 @@ class RunConfig(Section):
         for key in ("stall_timeout_s", "slow_phase_timeout_s"):
             if getattr(self, key) is not None and not getattr(self, key) > 0:
                 self._fail(key, f"must be > 0 seconds or null, got {getattr(self, key)}")
+        if self.gpu_hour_cost is not None and self.gpu_hour_cost < 0:
+            cost = self.gpu_hour_cost
+            self._fail("gpu_hour_cost", f"must be a price >= 0 (per GPU-hour, in your currency) or null, got {cost}")
 
 
 @dataclass
