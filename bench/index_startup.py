@@ -7,11 +7,14 @@ real data step, ``sdtrain.data.dataset_index.index_dataset``:
 - a start without an index: the paginated listing, then every footer (16 in flight) and one row;
 - a restart with the index: one GET of the index, then the listing in key ranges cut at its paths (no footer,
   no row); median of 3, with this process's CPU seconds and the server process's (from /proc) during it;
-- the listing alone, paginated and in those key ranges; medians of 3.
+- the listing alone, paginated and in those key ranges; medians of 3;
+- a restart of a run on the same files as the preprocessing job leaves them, its index beside them
+  (``_sdtrain_index.parquet``): one GET of the run's index and one HEAD of the directory's, no listing; median of 3.
 
 and prints ``RATIO restart_with_index_<large>/restart_with_index_<small>`` with its target (<= 3: a restart's
-cost is the listing and one object, not N requests), the same ratio of this process's CPU seconds (the client's own
-work: botocore's parsing and ours, without the server's), and, at each size, the footers-against-index ratio.
+cost is the listing and one object, not N requests), the same for the restart on a preprocessing output, the
+same ratio of this process's CPU seconds (the client's own work: botocore's parsing and ours, without the
+server's), and, at each size, the footers-against-index ratio.
 moto answers each page of a listing by reading and sorting every key under the prefix (S3 in a time that does not
 grow with the bucket), so the server's CPU is shown beside it.
 
@@ -100,13 +103,23 @@ def _timed(endpoint: str, call) -> tuple[float, float, float | None, object]:
 
 
 def _measure(bucket: str, count: int, endpoint: str) -> dict:
-    from sdtrain.data.dataset_index import index_dataset, list_dataset, read_index, run_index_uri, write_index
+    from sdtrain.data.dataset_index import (
+        index_dataset,
+        list_dataset,
+        read_index,
+        run_index_uri,
+        write_directory_index,
+        write_index,
+    )
 
     spec = [f"s3://{bucket}/data"]
     index_uri = run_index_uri(f"s3://{bucket}/runs/bench", "data.train")
 
+    def start_on(uri):
+        return index_dataset(spec, "data.train", *COLUMNS, IN_CHANNELS, CAPTION_DIM, uri)
+
     def start():
-        return index_dataset(spec, "data.train", *COLUMNS, IN_CHANNELS, CAPTION_DIM, index_uri)
+        return start_on(index_uri)
 
     listings = []
     for _ in range(RESTARTS):
@@ -133,6 +146,23 @@ def _measure(bucket: str, count: int, endpoint: str) -> dict:
         wall, cpu, server, again = _timed(endpoint, start)
         restarts.append((wall, cpu, server))
         assert (again.stats.from_index, again.stats.footers_read) == (count, 0)
+
+    # The preprocessing job's index beside the files (the rows it knows from its shard records: no footer read),
+    # and another run on them: its restarts list nothing while that index is unchanged.
+    names = {
+        path[len(spec[0]) + 1 :]: int(n) for path, n in zip(first.spec.files, first.spec.rows_per_file, strict=True)
+    }
+    assert write_directory_index(spec[0], *COLUMNS, names) is not None
+    sealed_uri = run_index_uri(f"s3://{bucket}/runs/bench-on-output", "data.train")
+    on_output = start_on(sealed_uri)
+    assert on_output.stats.footers_read == 0 and len(on_output.index.sealed) == 1
+    write_index(sealed_uri, on_output.index)
+    sealed = []
+    for _ in range(RESTARTS):
+        wall, cpu, server, again = _timed(endpoint, lambda: start_on(sealed_uri))
+        sealed.append((wall, cpu, server))
+        assert (again.stats.unlisted, again.stats.footers_read) == (count, 0)
+
     restart_s, listing_s = statistics.median(r[0] for r in restarts), statistics.median(listings)
     servers = [r[2] for r in restarts if r[2] is not None]
     return {
@@ -147,6 +177,8 @@ def _measure(bucket: str, count: int, endpoint: str) -> dict:
         # Where a restart's time goes: this process's CPU (botocore's parsing, ours), the server's CPU.
         "restart_client_cpu_s": statistics.median(r[1] for r in restarts),
         "restart_server_cpu_s": statistics.median(servers) if servers else float("nan"),
+        "restart_on_output_s": statistics.median(r[0] for r in sealed),
+        "restart_on_output_client_cpu_s": statistics.median(r[1] for r in sealed),
     }
 
 
@@ -178,7 +210,10 @@ def restart_startup(file_counts=(1000, 20000), workdir=None) -> list[dict]:
                         "{listing_in_ranges_s:7.3f} s  start reading footers {start_reading_footers_s:7.3f} s  "
                         "restart with index {restart_with_index_s:7.3f} s (beyond the listing "
                         "{restart_beyond_listing_s:6.3f} s; CPU: this process {restart_client_cpu_s:6.3f} s, "
-                        "the server {restart_server_cpu_s:6.3f} s)".format(**results[-1]),
+                        "the server {restart_server_cpu_s:6.3f} s)  restart on a preprocessing output "
+                        "{restart_on_output_s:7.3f} s (CPU {restart_on_output_client_cpu_s:6.3f} s)".format(
+                            **results[-1]
+                        ),
                         flush=True,
                     )
                 return results
@@ -210,6 +245,17 @@ def ratio_lines(results: list[dict]) -> list[str]:
             many["restart_with_index_s"] <= 3 * few["restart_with_index_s"],
         )
     ]
+    # Files as the preprocessing job leaves them (its index beside them): the restart lists nothing.
+    lines.append(
+        benchlib.ratio_line(
+            f"restart_on_output_{many['files']}",
+            many["restart_on_output_s"],
+            f"restart_on_output_{few['files']}",
+            few["restart_on_output_s"],
+            "<= 3",
+            many["restart_on_output_s"] <= 3 * few["restart_on_output_s"],
+        )
+    )
     lines.append(
         benchlib.ratio_line(f"listing_{many['files']}", many["listing_s"], f"listing_{few['files']}", few["listing_s"])
     )
