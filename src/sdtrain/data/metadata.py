@@ -25,6 +25,8 @@ VAE_SOURCE = "sdtrain.vae_source"
 """Where the VAE that encoded the latents came from (a local path, s3:// URI or hub id)."""
 TEXT_ENCODER_SOURCE = "sdtrain.text_encoder_source"
 """Where the text encoder that encoded the captions came from."""
+LATENT = "sdtrain.latent"
+"""Which latent of the VAE's distribution was stored: ``mean`` or ``sample`` (preprocessing's encode.latent)."""
 
 
 def latent_scaling(metadata: Mapping[bytes, bytes] | None) -> float | None:

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from sdtrain.data.dataset_index import DIRECTORY_INDEX, write_directory_index
-from sdtrain.data.metadata import LATENT_SCALING_FACTOR, RESOLUTION, TEXT_ENCODER_SOURCE, VAE_SOURCE
+from sdtrain.data.metadata import LATENT, LATENT_SCALING_FACTOR, RESOLUTION, TEXT_ENCODER_SOURCE, VAE_SOURCE
 from sdtrain.errors import DataError
 from sdtrain.preprocess.config import ImageConfig, InputConfig, PreprocessConfig
 from sdtrain.preprocess.images import NO_CAPTION, clean_caption, prepare_image
@@ -200,7 +200,7 @@ def _run_pipeline(config: PreprocessConfig, pending: list[Shard], scaling_factor
         RESOLUTION: str(config.image.resolution),
         VAE_SOURCE: config.encode.model,
         TEXT_ENCODER_SOURCE: config.encode.model,
-        "sdtrain.latent": config.encode.latent,
+        LATENT: config.encode.latent,
     }
     # A cluster started apart from this driver sees neither storage.endpoint_url nor the driver's
     # AWS_ENDPOINT_URL: the read tasks and the encoders (a model on s3://) are handed them.
