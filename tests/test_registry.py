@@ -78,7 +78,8 @@ def test_registry_on_local_disk(tmp_path):
     _, tag = registry._production()
     marker = pointer.parent / f"production.json.swap-{hashlib.sha256(tag.encode()).hexdigest()[:16]}"
     marker.touch()
-    with pytest.raises(PointerMoved):  # a fresh marker is a writer mid-swap: this one lost, as before
+    # A fresh marker is a writer mid-swap: this one lost, and says so.
+    with pytest.raises(PointerMoved, match=r"production.json still names v0001, but another writer is changing it"):
         registry.set_production("v0001", expected="v0001")
     os.utime(marker, (0, 0))
     with pytest.raises(RegistryConflict, match=r"production.json.swap-[0-9a-f]{16} was left \d+ s ago by a writer"):

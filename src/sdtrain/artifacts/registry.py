@@ -34,7 +34,14 @@ from typing import Any
 import pyarrow.fs as pafs
 from diffusers import DDPMScheduler, UNet2DConditionModel
 
-from sdtrain.artifacts.conditional_writes import ConditionalStore, RegistryConflict, _now, _whoami, wrote
+from sdtrain.artifacts.conditional_writes import (
+    SWAP_MARKER_STALE_S,
+    ConditionalStore,
+    RegistryConflict,
+    _now,
+    _whoami,
+    wrote,
+)
 from sdtrain.artifacts.registry_lock import LOCK_FILE, LOCK_LEASE_S, RegistryBusy, RegistryLock
 from sdtrain.errors import ConfigError, DataError, SdtrainError
 
@@ -261,6 +268,12 @@ class ModelRegistry(ConditionalStore):
         return current, to
 
     def _moved(self, pointer: str, expected: str | None, current: str | None) -> str:
+        if current == expected:  # the compare-and-swap lost to a swap still in flight (a fresh swap marker)
+            return (
+                f"{self._uri(pointer)} still names {current or 'nothing'}, but another writer is changing it right "
+                f"now (its swap marker is beside it); left as it is. Re-run once that writer is done (a marker left "
+                f"by a writer that died is reported as such after {SWAP_MARKER_STALE_S:.0f} s)"
+            )
         return (
             f"{self._uri(pointer)} names {current or 'nothing'}, not {expected or 'nothing'} as when the promotion "
             "was decided: another writer moved it; left as it is"
