@@ -4,6 +4,7 @@ transient faults (a proxy process in front of the server), and no secret in anyt
 
 import os
 import pickle
+import socket
 import subprocess
 import sys
 import time
@@ -12,7 +13,7 @@ import boto3
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
-from conftest import REPO, free_ports, tiny_config, write_latents
+from conftest import REPO, tiny_config, write_latents
 
 from sdtrain.data.inspection import inspect_dataset
 from sdtrain.data.parquet_files import resolve_parquet_files
@@ -46,6 +47,15 @@ def _expect(error_type, config, *fragments):
         assert fragment in message, f"{fragment!r} not in {message!r}"
     assert SECRET not in message and "\n" not in message
     return message
+
+
+@pytest.fixture
+def refused_port():
+    """A loopback port that refuses connections for the whole test: bound here and never listened on, so no
+    other process can start listening on it meanwhile, as it could on a port found free and let go."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        yield held.getsockname()[1]
 
 
 # --- endpoint ---------------------------------------------------------------------------------
@@ -90,10 +100,10 @@ def test_storage_config_is_validated():
 
 @pytest.mark.slow
 @pytest.mark.timeout(60)
-def test_storage_endpoint_url_beats_the_environment(s3_bucket, monkeypatch, tmp_path):
+def test_storage_endpoint_url_beats_the_environment(s3_bucket, monkeypatch, tmp_path, refused_port):
     latents, _ = _upload(tmp_path, "data/part.parquet", rows=3)
     real = os.environ["AWS_ENDPOINT_URL"]
-    (closed,) = free_ports(1)
+    closed = refused_port
     monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{closed}")  # nothing listens there
     preflight(tiny_config(f"data.train={s3_bucket}/data", f"storage.endpoint_url={real}"))
     fs, path = filesystem_for(f"{s3_bucket}/data/part.parquet")
@@ -247,8 +257,8 @@ def test_access_denied_to_read_and_to_write(s3_auth, monkeypatch):
 
 
 @pytest.mark.timeout(60)
-def test_endpoint_unreachable_fails_in_seconds(clean_storage_settings, monkeypatch):
-    (closed,) = free_ports(1)
+def test_endpoint_unreachable_fails_in_seconds(clean_storage_settings, monkeypatch, refused_port):
+    closed = refused_port
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET)
     start = time.monotonic()
