@@ -58,6 +58,7 @@ def _train(config: Config) -> list[str]:
     summary = train(config)
     return [
         f"done: step {summary.final_step}, loss {summary.final_loss:.4f}",
+        summary.totals.line(),
         f"final checkpoint: {summary.checkpoint_path}",
         *(f"wrote {path}" for path in summary.outputs),
     ]

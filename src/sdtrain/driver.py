@@ -3,7 +3,7 @@
 1. :func:`check_run`: storage, trackers, the data against the model and the run's own state, before Ray starts;
 2. :func:`build_trainer`: join or start Ray and build the TorchTrainer (elastic scaling, failure policy,
    checkpoints in run.storage_path, each rank's planned data stream);
-3. :func:`fit`, then :func:`finish`: metrics.csv, the loss curve and the diffusers export.
+3. :func:`fit`, then :func:`finish`: metrics.csv, the loss curve, the diffusers export and the run's totals.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from sdtrain.storage.s3 import resolved_s3_settings
 from sdtrain.storage.uris import absolute
 from sdtrain.train.build import checkpoint_meta, resolve_precision
 from sdtrain.train.data_hook import PlannedStreams, committed_run, read_data_state
+from sdtrain.train.efficiency import RunTotals, run_totals
 from sdtrain.train.failures import StopOnDeterministicErrors, failure_message
 from sdtrain.train.tracker_driver import check_trackers, log_export, tracker_env
 from sdtrain.train.worker import train_loop_per_worker
@@ -50,6 +51,8 @@ class RunSummary:
     final_step: int
     final_loss: float
     outputs: list[str]
+    totals: RunTotals
+    """Images trained, GPU-hours (worker-hours on CPU), MFU and cost, from the final checkpoint's rows."""
 
 
 def train(config: Config) -> RunSummary:
@@ -259,7 +262,7 @@ def fit(trainer: TorchTrainer, run_dir: str) -> ray.train.Result:
 
 
 def finish(config: Config, result: ray.train.Result) -> RunSummary:
-    """metrics.csv, loss_curve.png and the export (unless it is already that of the final checkpoint)."""
+    """metrics.csv, loss_curve.png, the export (unless it is already that of the final checkpoint) and the totals."""
     checkpoint = result.checkpoint
     # A committed run at train.max_steps, or a fit() that returned: its final step reported a checkpoint.
     assert checkpoint is not None
@@ -283,6 +286,7 @@ def finish(config: Config, result: ray.train.Result) -> RunSummary:
         final_step=int(history[-1]["step"]),
         final_loss=history[-1]["loss"],
         outputs=[uri_for(checkpoint.filesystem, path) for path in outputs],
+        totals=run_totals(history, config.train.global_batch_size, config.run.gpu_hour_cost),
     )
 
 

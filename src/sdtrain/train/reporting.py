@@ -25,6 +25,7 @@ from sdtrain.config.schema import TrainConfig
 from sdtrain.errors import NonFiniteTraining, TrainingFailed
 from sdtrain.train.cadence import OptimizerStepCallback, ReportCadence
 from sdtrain.train.checkpointing import CheckpointWriter
+from sdtrain.train.efficiency import Efficiency, hours_so_far, money
 from sdtrain.train.run_view import RunView
 from sdtrain.train.validation import Validation
 from sdtrain.train.watchdog import Phase
@@ -76,6 +77,10 @@ class StepReporter(OptimizerStepCallback):
         self._reported_step = -1
         self._checkpoint_stall = 0.0
         self._time_to_first_step = math.nan
+        self._efficiency: Efficiency | None = None  # rank 0's, from on_train_start
+        self._hours = 0.0
+        """Rank 0: the run's workers x wall hours of training so far, over the steps the checkpoint kept."""
+        self._window_s = 0.0
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
@@ -83,6 +88,12 @@ class StepReporter(OptimizerStepCallback):
         self._reported_step = self._start_step = trainer.global_step
         if trainer.is_global_zero and trainer.global_step:
             log.info("resumed from step %d", trainer.global_step)
+        if trainer.is_global_zero:
+            # The view (rank 0's, always there in a Ray worker) holds the config; the price is all it needs of it.
+            cost = self.view.config.run.gpu_hour_cost if self.view is not None else None
+            self._efficiency = Efficiency.of_run(pl_module, str(trainer.precision), cost)
+            # Continues from the checkpoint's rows: the hours of steps lost to a restart are not in them.
+            self._hours = hours_so_far(self.history)
         if self.view is not None:
             self.view.started(self.history)
 
@@ -110,6 +121,10 @@ class StepReporter(OptimizerStepCallback):
         val_loss = self.validation.take(step) if self.validation is not None else None
         if val_loss is not None:
             metrics["val_loss"] = val_loss
+        if self._efficiency is not None:  # rank 0
+            metrics.update(self._efficiency.window(metrics["samples_per_s"], trainer.world_size))
+            self._hours += trainer.world_size * self._window_s / 3600
+            metrics[self._efficiency.hours_key] = self._hours
         if trainer.is_global_zero:
             log.info(_progress_line(metrics, self.train.max_steps))
             self.history.append(metrics)
@@ -137,6 +152,7 @@ class StepReporter(OptimizerStepCallback):
         elapsed = max(now - start_time, 1e-9)
         steps_per_s = (step - start_step) / elapsed
         self._window = (step, now)
+        self._window_s = elapsed
         # The slowest rank's (a rank that waits holds every other one at the next all-reduce) and, negated,
         # the slowest step rate, which sets the steps between preemption checks: the same on every rank.
         slowest = torch.tensor([self.data_wait_s() / elapsed, -steps_per_s], device=pl_module.device)
@@ -194,6 +210,8 @@ def _progress_line(metrics: dict[str, float], max_steps: int) -> str:
         *([f"val_loss {metrics['val_loss']:.4f}"] if "val_loss" in metrics else []),
         f"lr {metrics['lr']:.2e}",
         f"{metrics['samples_per_s']:.1f} samples/s",
+        *([f"MFU {100 * metrics['mfu']:.1f}%"] if "mfu" in metrics else []),
+        *([f"{money(metrics['cost_per_million_images'])}/M images"] if "cost_per_million_images" in metrics else []),
         f"data wait {100 * metrics['data_wait_fraction']:.1f}%",
         f"ETA {format_duration(remaining)}",
     ]

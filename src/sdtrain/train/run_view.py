@@ -29,6 +29,11 @@ GAUGES = {
         "Seconds training waited on the last checkpoint",
     ),
     "step": ("sdtrain_step", "Optimizer steps done"),
+    "mfu": ("sdtrain_mfu", "Model FLOPs utilization over the latest report's window (GPU workers only)"),
+    "cost_per_million_images": (
+        "sdtrain_cost_per_million_images",
+        "What a million images cost at the latest report's throughput (run.gpu_hour_cost set)",
+    ),
 }
 
 
