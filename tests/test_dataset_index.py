@@ -180,7 +180,8 @@ def test_a_restart_lists_no_directory_unchanged_since_its_directory_index(tmp_pa
     assert relisted.stats.footers_read == 0  # its rows came from the directory index
     assert [(s.start, s.count) for s in relisted.index.sealed] == [(0, 4)]
     again = _start(specs, run_index)
-    assert again.stats.unlisted == 4 and again.spec == relisted.spec
+    assert again.stats.unlisted == 4 and again.spec == relisted.spec  # the same content digest, not recomputed
+    assert not again.stale and again.index.content_digest == relisted.spec.content_digest
 
     # A directory holding a file its index does not name is never sealed: every start lists it.
     other_run = run_index_uri(str(tmp_path / "runs/r2"), "data.train")

@@ -90,6 +90,9 @@ class DatasetIndex:
     caption_shape: tuple[int, ...]
     sealed: tuple[SealedDirectory, ...] = ()
     """A run's index only: the specs a restart need not list."""
+    content_digest: str = ""
+    """A run's index only: the listing's content digest (:func:`sdtrain.data.listing.content_digest`), so a restart
+    that lists nothing need not hash every file again."""
 
     def table(self, relative_to: str | None = None) -> pa.Table:
         paths = self.paths
@@ -105,6 +108,7 @@ class DatasetIndex:
             "latent_shape": list(self.latent_shape),
             "caption_shape": list(self.caption_shape),
             "sealed": [asdict(s) for s in self.sealed],
+            "content_digest": self.content_digest,
         }
         schema = pa.schema(
             [("path", pa.string()), ("size", pa.int64()), ("version", pa.string()), ("rows", pa.int64())],
@@ -164,6 +168,7 @@ def read_index(uri: str, base: str | None = None) -> DatasetIndex | None:
         latent_shape=tuple(meta["latent_shape"]),
         caption_shape=tuple(meta["caption_shape"]),
         sealed=() if meta.get("relative") else tuple(SealedDirectory(**d) for d in meta.get("sealed", ())),
+        content_digest="" if meta.get("relative") else str(meta.get("content_digest", "")),
     )
 
 
@@ -249,8 +254,13 @@ def index_dataset(
     """The files ``specs`` name, their rows and shapes checked against the model, from the index at
     ``index_uri`` (the run's) or one beside the data where it has them, else from the footers. Writes nothing:
     :func:`write_index` the result's ``index`` to ``index_uri`` when ``stale``."""
+    columns = (image_column, caption_column)
     own = read_index(index_uri) if index_uri else None
-    unchanged = _unchanged_directories(own, specs) if own is not None else {}
+    # Directories unchanged since their directory index are taken from the run's index, if it was checked with
+    # these columns (else its schema is no reference, and the footers are read).
+    unchanged = {}
+    if own is not None and (own.checked.image_column, own.checked.caption_column) == columns:
+        unchanged = _unchanged_directories(own, specs)
     listed_before = own.paths if own is not None else None
     parts = [
         _files_of(own, unchanged[spec])
@@ -258,10 +268,11 @@ def index_dataset(
         else list_spec(spec, key, page_size, listed_before)
         for spec in specs
     ]
-    if len(parts) == 1 and _strictly_increasing(parts[0].paths):
-        listing, placed = parts[0], [(0, len(parts[0]))]  # held once, not copied
+    if len(parts) == 1 and (specs[0] in unchanged or _strictly_increasing(parts[0].paths)):
+        listing, placed = parts[0], [(0, len(parts[0]))]  # held once, not copied (the index's order is sorted)
     else:
         listing, placed = merge_listings(parts)
+    n = len(listing)
     directory_indexes: dict[str, DatasetIndex | None] = {}
 
     def directory_index(found: FoundIndex) -> DatasetIndex | None:
@@ -269,7 +280,6 @@ def index_dataset(
             directory_indexes[found.uri] = read_index(found.uri, found.base)
         return directory_indexes[found.uri]
 
-    columns = (image_column, caption_column)
     reference: DatasetIndex | None = None
 
     def usable(index: DatasetIndex) -> bool:
@@ -283,13 +293,22 @@ def index_dataset(
         except DataError:
             return False
 
-    rows = np.zeros(len(listing), np.int64)
-    to_read = list(range(len(listing)))
+    rows = np.zeros(n, np.int64)
+    unknown_rows = np.ones(n, bool)
+    for spec, part, (start, count) in zip(specs, parts, placed, strict=True):
+        if spec in unchanged and count == len(part):  # one stretch of the run's index: copied, not matched
+            assert own is not None
+            rows[start : start + count] = own.rows[unchanged[spec].start : unchanged[spec].start + count]
+            unknown_rows[start : start + count] = False
+    to_read = np.flatnonzero(unknown_rows).tolist()
+    del unknown_rows
     # The run's own index first (one GET); an index beside the data only for what it leaves unknown.
     for index in _candidates(own, listing, directory_index):
         if not usable(index):
             continue
         reference = reference or index
+        if not to_read:
+            break
         entries = zip(index.paths, index.sizes, index.versions, index.rows, strict=True)
         known = {path: (int(size), version, int(n)) for path, size, version, n in entries}
         unknown = []
@@ -303,9 +322,17 @@ def index_dataset(
         del known
         if not to_read:
             break
-    n = len(listing)
+    # The run's index as it was, every file taken from it in its order: nothing dropped, the same content digest.
+    as_before = (
+        own is not None
+        and n == len(own.paths)
+        and all(
+            spec in unchanged and start == unchanged[spec].start and count == unchanged[spec].count
+            for spec, (start, count) in zip(specs, placed, strict=True)
+        )
+    )
     dropped = 0
-    if own is not None:
+    if own is not None and not as_before:
         listed = set(listing.paths)
         dropped = sum(1 for p in own.paths if p not in listed)
 
@@ -341,8 +368,9 @@ def index_dataset(
     )
 
     sealed = _sealed(specs, parts, placed, listing, unchanged, directory_index)
+    digest = own.content_digest if as_before and own is not None and own.content_digest else listing.content_digest()
     index = DatasetIndex(
-        listing.paths, listing.sizes, listing.versions, rows, checked, latent_shape, caption_shape, sealed
+        listing.paths, listing.sizes, listing.versions, rows, checked, latent_shape, caption_shape, sealed, digest
     )
     stats = IndexStats(
         files=n,
@@ -359,6 +387,7 @@ def index_dataset(
         or dropped > 0
         or (own.latent_shape, own.caption_shape) != (latent_shape, caption_shape)
         or own.sealed != sealed
+        or own.content_digest != digest
     )
     dropped_note = f", {dropped} gone since the index" if dropped else ""
     unlisted_note = (
@@ -372,14 +401,14 @@ def index_dataset(
         f"{dropped_note}{unlisted_note})",
         flush=True,
     )
-    spec = DatasetSpec(
+    dataset = DatasetSpec(
         tuple(listing.paths),
         tuple(rows.tolist()),
         latent_shape,
         caption_shape,
-        listing.content_digest(),
+        digest,
     )
-    return IndexedDataset(spec, stats, index, stale)
+    return IndexedDataset(dataset, stats, index, stale)
 
 
 def _candidates(
@@ -399,6 +428,9 @@ def _unchanged_directories(own: DatasetIndex, specs: Sequence[str]) -> dict[str,
     wanted = [s for s in own.sealed if s.spec in set(specs) and s.start + s.count <= len(own.paths)]
     if not wanted:
         return {}
+    if len(wanted) == 1:
+        version = object_version(wanted[0].index_uri)
+        return {wanted[0].spec: wanted[0]} if version == (wanted[0].size, wanted[0].version) else {}
     with ThreadPoolExecutor(min(16, len(wanted)), thread_name_prefix="sdtrain-head") as pool:
         versions = list(pool.map(lambda s: object_version(s.index_uri), wanted))
     return {s.spec: s for s, version in zip(wanted, versions, strict=True) if version == (s.size, s.version)}
@@ -407,7 +439,7 @@ def _unchanged_directories(own: DatasetIndex, specs: Sequence[str]) -> dict[str,
 def _files_of(own: DatasetIndex, sealed: SealedDirectory) -> Listing:
     stop = sealed.start + sealed.count
     listing = Listing(own.paths[sealed.start : stop], versions=own.versions[sealed.start : stop])
-    listing.sizes.extend(int(size) for size in own.sizes[sealed.start : stop])
+    listing.sizes.frombytes(np.asarray(own.sizes[sealed.start : stop], np.int64).tobytes())
     return listing
 
 
