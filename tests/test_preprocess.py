@@ -354,6 +354,7 @@ def test_an_image_added_to_a_folder_never_moves_a_row_of_a_done_shard(tmp_path, 
     assert list_shards(config.input, done) == after  # a re-run cuts the pending keys the same way
 
 
+@pytest.mark.slow  # entrypoints/preprocess.py in five subprocesses
 def test_the_command_line_lists_every_key_and_fails_bad_input_in_one_line(tmp_path):
     command = [sys.executable, str(ROOT / "entrypoints" / "preprocess.py")]
     shown = subprocess.run([*command, "--help"], capture_output=True, text=True, timeout=120)

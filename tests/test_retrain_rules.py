@@ -101,6 +101,7 @@ def test_a_promotion_that_loses_the_pointer_to_another_writer_is_superseded_not_
     assert registry.production() == "v0003" and not (tmp_path / "models" / "retrain.lock").exists()
 
 
+@pytest.mark.slow  # entrypoints/retrain.py in a subprocess
 @pytest.mark.timeout(180)
 def test_a_run_that_finds_the_lock_held_stops_before_ray_and_a_retry_keeps_its_jobs_date(tmp_path):
     root, models = tmp_path / "daily", tmp_path / "models"
@@ -181,6 +182,7 @@ def _version(registry, day, parent, loss, promoted=True, val=None, seed=0):
     return registry.write_version(UNet2DConditionModel(**PRESETS["tiny"]), DDPMScheduler(), manifest)
 
 
+@pytest.mark.slow  # entrypoints/retrain.py --rollback in two subprocesses
 def test_a_rerun_of_a_date_does_not_undo_a_rollback_made_with_the_logged_command(tmp_path):
     config = _rules_config(tmp_path)
     models = tmp_path / "models"
@@ -280,6 +282,7 @@ with registry.lock({"run": "retrain-2026-11-02", "date": "2026-11-02", "job": "p
 """
 
 
+@pytest.mark.slow  # six subprocesses SIGKILLed, some re-run in others
 @pytest.mark.timeout(600)
 def test_a_retrain_killed_after_each_of_its_registry_writes_is_finished_by_the_rerun(tmp_path, monkeypatch):
     """The chaos case without training: a run's real writes after its model is judged (version, pointer, log,
