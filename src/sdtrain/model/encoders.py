@@ -1,6 +1,6 @@
 """The encoders around the UNet: a Stable Diffusion model's VAE (images to scaled latents) and its tokenizer and
 text encoder (captions to embeddings, as StableDiffusionPipeline.encode_prompt computes them), loaded from a local
-directory, a storage URI or a hub id. Preprocessing runs them to write latents (sdtrain.preprocess.encoders),
+directory, a storage URI or a hub id. Preprocessing runs them to write latents (sdtrain.preprocess.encode_stage),
 sampling to encode prompts, export to assemble a pipeline."""
 
 from __future__ import annotations

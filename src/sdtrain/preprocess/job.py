@@ -191,7 +191,7 @@ def _run_pipeline(config: PreprocessConfig, pending: list[Shard], scaling_factor
     import ray
     import ray.data
 
-    from sdtrain.preprocess.encoders import Encoder
+    from sdtrain.preprocess.encode_stage import Encoder
 
     gpus = ray.cluster_resources().get("GPU", 0)
     num_gpus = (1 if gpus else 0) if config.encode.num_gpus == "auto" else config.encode.num_gpus
