@@ -133,6 +133,8 @@ def test_data_scale_smoke():
     assert ratios["task_bytes_10M / task_bytes_1M"] > 0 and ratios["rank_s_10M / 2s"] > 0, out
     assert ratios["restart_with_index_100 / restart_with_index_20"] > 0, out
     assert "(100 from the index, 0 footers read)" in out, out
+    assert ratios["restart_on_output_100 / restart_on_output_20"] > 0, out
+    assert "100 in 1 directory unchanged since their directory index, not listed" in out, out
 
 
 @pytest.mark.parametrize(
