@@ -2,6 +2,7 @@
 
 import csv
 import os
+import re
 import subprocess
 import sys
 
@@ -103,6 +104,7 @@ def test_the_demo_survives_a_killed_driver_and_the_loss_falls(tmp_path):
         "run.log_every_n_steps=10",
         "checkpoint.every_n_steps=10",
         "checkpoint.num_to_keep=null",
+        "run.gpu_hour_cost=1.5",  # a CPU worker's hour, priced: the cost is shown, MFU is not
     ]
     args += ["sample_grid.columns=2", "sample_grid.steps=4"]  # a grid at each checkpoint: 16 s each at the demo's size
     env = {**os.environ, "RAY_ADDRESS": "local", **CHECKOUT}
@@ -136,8 +138,21 @@ def test_the_demo_survives_a_killed_driver_and_the_loss_falls(tmp_path):
     resumed_from = int(committed[-1].split("_")[1])
     assert f"resumed from step {resumed_from}" in result.stdout + result.stderr
     assert f"final checkpoint: {run_dir}/checkpoint_000000040" in result.stdout
+    # The run's totals, from the final checkpoint's rows: configs/demo.yaml's 16 images a step, the hours of the
+    # kept steps (worker-hours: CPU workers) and their price; no MFU on a CPU, never a made-up one.
+    totals = re.search(
+        r"\[sdtrain\] 640 images trained in ([0-9.e-]+) worker-hours, no MFU on CPU workers, "
+        r"cost ([0-9.e-]+) \(run\.gpu_hour_cost x worker-hours\)\n",
+        result.stdout,
+    )
+    assert totals, result.stdout
     history = json.loads((run_dir / "checkpoint_000000040" / "history.json").read_text())
     assert [row["step"] for row in history] == [10, 20, 30, 40]
+    hours = [row["worker_hours"] for row in history]
+    assert 0 < hours[0] < hours[1] < hours[2] < hours[3] and not any("mfu" in row for row in history)
+    assert float(totals[1]) == pytest.approx(hours[-1], rel=1e-3)
+    assert float(totals[2]) == pytest.approx(1.5 * hours[-1], rel=1e-2)
+    assert all(row["cost_per_million_images"] > 0 for row in history)
     assert [row["start_step"] for row in history if row["step"] > resumed_from] == [resumed_from] * (
         (40 - resumed_from) // 10
     )
