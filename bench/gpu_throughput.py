@@ -4,9 +4,11 @@ training step for the tiny, small and sd2-base UNets at 256 px (4x32x32 latents)
 
 The step is the Ray worker's own: ``sdtrain.train.build.fit_without_ray`` builds the module and the
 Lightning Trainer (precision, the module's clipping and non-finite skip, the fused AdamW, compile,
-channels_last) through the same function a Ray Train worker calls, and trains on one fixed batch
-already on the GPU (the data path is bench/ingest.py's). Ray is not imported: this runs on a GPU
-machine where Ray cannot be installed. Multi-GPU scaling is not measured here.
+channels_last) and applies the worker's GPU settings (sdtrain.train.device_settings: TF32, cuDNN
+autotuning, pinned host batches copied non_blocking, the step's input dtypes) through the same
+functions a Ray Train worker calls, and trains on one fixed float16 batch held in host memory, as
+Ray Data delivers it (reading and decoding are bench/ingest.py's). Ray is not imported: this runs on
+a GPU machine where Ray cannot be installed. Multi-GPU scaling is not measured here.
 
 Batch size: per (preset, size), the largest power-of-two multiple of a start size that trains
 without running out of memory and leaves room (peak under half the GPU before a doubling), found
@@ -72,9 +74,8 @@ def main() -> None:
         presets = args.presets.split(",")
         resolutions = [int(r) for r in args.resolutions.split(",")]
         variants = args.variants.split(",")
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
-        torch.backends.cudnn.benchmark = True
+        # No flags of its own: fit_without_ray applies the worker's (sdtrain.train.device_settings: TF32, cuDNN
+        # autotuning, pinned batches), so this measures what the workers run.
 
     print(f"# machine: {benchlib.machine()}; device: {device_name}, peak {peak:g} TFLOP/s bf16")
     print(f"# {benchlib.versions()}, sdtrain commit {benchlib.git_commit()}")
@@ -176,14 +177,12 @@ def measure(preset: str, px: int, variant: str, batch: int, steps: int, warmup: 
     unet = unet_config(config.model)
     latent_shape, caption_shape = (unet["in_channels"], side, side), (77, unet["cross_attention_dim"])
     meta = checkpoint_meta(config, latent_shape, caption_shape)
-    device = torch.device("cuda" if use_gpu else "cpu")
-    latents = torch.randn(batch, *latent_shape, device=device, dtype=torch.float16)
+    # On the host, float16, as the worker's stream hands them over: fit_without_ray pins them and Lightning
+    # copies them to the GPU non_blocking each step.
+    latents = torch.randn(batch, *latent_shape, dtype=torch.float16)
     if "channels_last" in variant:
         latents = latents.contiguous(memory_format=torch.channels_last)
-    batch_data = {
-        "latents": latents,
-        "captions": torch.randn(batch, *caption_shape, device=device, dtype=torch.float16),
-    }
+    batch_data = {"latents": latents, "captions": torch.randn(batch, *caption_shape, dtype=torch.float16)}
     timer = StepTimer(warmup)
     fit_without_ray(config, [batch_data] * (warmup + steps), meta, use_gpu=use_gpu, callbacks=[timer])
     train_flops_per_img = unet_train_step_flops(unet, latent_shape, caption_shape)

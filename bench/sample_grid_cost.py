@@ -36,6 +36,7 @@ from sdtrain.artifacts.run_outputs import LossLabels  # noqa: E402
 from sdtrain.config.loader import load_config  # noqa: E402
 from sdtrain.sampling.captions import Captions  # noqa: E402
 from sdtrain.train.build import checkpoint_meta, fit_without_ray  # noqa: E402
+from sdtrain.train.device_settings import training_autocast  # noqa: E402
 from sdtrain.train.live_files import LiveOutputs  # noqa: E402
 from sdtrain.train.sample_grids import SampleGrids  # noqa: E402
 
@@ -84,11 +85,16 @@ def main() -> None:
     ]
     timer = StepTimer(warmup)
     with tempfile.TemporaryDirectory() as workdir:
-        module, _ = fit_without_ray(config, batches, meta, use_gpu=False, callbacks=[timer], default_root_dir=workdir)
+        module, trainer = fit_without_ray(
+            config, batches, meta, use_gpu=False, callbacks=[timer], default_root_dir=workdir
+        )
         step_s = timer.seconds / timer.timed_steps
 
         captions = Captions(torch.randn((4, *caption_shape), generator=generator), [f"row {i}" for i in range(4)])
-        grids = SampleGrids(config, meta, captions, workdir, torch.zeros(caption_shape))
+        # Under the training step's autocast, as the worker draws them (sdtrain.train.device_settings).
+        grids = SampleGrids(
+            config, meta, captions, workdir, torch.zeros(caption_shape), autocast=lambda: training_autocast(trainer)
+        )
         grid_times = [grids.sample(module.eval_unet, step).seconds for step in range(repeat)]
         grid_s = statistics.median(grid_times)
 

@@ -88,3 +88,14 @@ def test_a_bf16_checkpoint_resumes_on_the_gpu(strategy, tmp_path):
     )
     assert trainer.global_step == 4 and [s["step"] for s in steps] == [3, 4]
     assert all(0 < s["loss"] < 10 for s in steps)
+
+
+def test_the_device_settings_are_set_and_host_batches_train_pinned():
+    """fit_without_ray applies the worker's GPU settings (sdtrain.train.device_settings) and trains on float16 batches
+    from host memory, pinned and copied non_blocking, as the Ray worker's stream hands them over."""
+    cfg = tiny_config(*FIT, GPU, "train.precision=bf16-mixed")
+    host = [{k: v.half() for k, v in batch.items()} for batch in batches(3)]
+    module, trainer, steps = fit(cfg, host, use_gpu=True)
+    assert module.device.type == "cuda" and module.caption_dtype == torch.bfloat16
+    assert torch.backends.cudnn.benchmark and torch.get_float32_matmul_precision() == "high"
+    assert trainer.global_step == 3 and all(0 < s["loss"] < 10 for s in steps)

@@ -17,7 +17,12 @@ from support.training import CAPTIONS, FIT, LATENTS, Watch, batches, fit
 from torch.distributed.tensor import DTensor
 
 from sdtrain.config.loader import load_config
+from sdtrain.sampling.captions import Captions
 from sdtrain.train.build import build_training, checkpoint_meta
+from sdtrain.train.cadence import ReportCadence
+from sdtrain.train.device_settings import training_autocast
+from sdtrain.train.sample_grids import SampleGrids
+from sdtrain.train.validation import Validation
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
@@ -51,9 +56,49 @@ def test_every_precision_with_and_without_clipping_and_ema_trains_under_each_str
         assert not torch.equal(steps[-1]["ema"], steps[-1]["weight"])  # an average, not a copy
 
 
-def test_a_nan_step_under_bf16_with_clipping_and_ema_is_skipped_entirely():
-    cfg = tiny_config(*FIT, "train.precision=bf16-mixed", "train.grad_clip_norm=1.0", "train.ema_decay=0.9")
-    module, trainer, steps = fit(cfg, batches(3, nan_at=[1]))
+class AutocastSeen(pl.Callback):
+    """The autocast state (enabled, dtype) on the CPU at each forward of the EMA UNet."""
+
+    def __init__(self):
+        self.seen = []
+
+    def on_fit_start(self, trainer, pl_module):
+        pl_module.ema_unet.register_forward_pre_hook(
+            lambda *_: self.seen.append((torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")))
+        )
+
+
+def test_a_nan_step_under_bf16_with_clipping_and_ema_is_skipped_entirely(tmp_path):
+    """And the EMA is validated, and sampled for a grid, under the training step's bf16 autocast
+    (sdtrain.train.device_settings.training_autocast), as a Ray worker does."""
+    cfg = tiny_config(
+        *FIT,
+        "train.precision=bf16-mixed",
+        "train.grad_clip_norm=1.0",
+        "train.ema_decay=0.9",
+        "sample_grid.rows=2",
+        "sample_grid.columns=1",
+        "sample_grid.steps=2",
+    )
+    val = batches(2)
+    validation = Validation(ReportCadence(cfg), lambda: val, cfg.train.seed, lambda phase: None)
+    seen = AutocastSeen()
+    module, trainer, steps = fit(cfg, batches(3, nan_at=[1]), callbacks=[validation, seen])
+    assert seen.seen == [(True, torch.bfloat16)] * 2  # the validation's 2 batches
+    captions = Captions(val[0]["captions"], ["a", "b"])
+    grids = SampleGrids(
+        cfg,
+        checkpoint_meta(cfg, LATENTS, CAPTIONS),
+        captions,
+        str(tmp_path),
+        torch.zeros(CAPTIONS),
+        autocast=lambda: training_autocast(trainer),
+    )
+    assert grids.sample(module.eval_unet, 3).image.shape[-1] == 3
+    assert seen.seen == [(True, torch.bfloat16)] * 4  # and the grid's 2 denoising steps
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        under_autocast = module.validation_loss(val, cfg.train.seed)
+    assert validation.take(3) == under_autocast != module.validation_loss(val, cfg.train.seed)
     assert trainer.global_step == 3
     assert [s["skipped"] for s in steps] == [0, 1, 1] and steps[-1]["streak"] == 1
     assert torch.equal(steps[1]["weight"], steps[0]["weight"])  # no update from the NaN step

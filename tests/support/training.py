@@ -60,9 +60,9 @@ class Watch(pl.Callback):
         )
 
 
-def fit(cfg, data, use_gpu=False, **kwargs):
+def fit(cfg, data, use_gpu=False, callbacks=(), **kwargs):
     watch = Watch()
     module, trainer = fit_without_ray(
-        cfg, data, checkpoint_meta(cfg, LATENTS, CAPTIONS), use_gpu=use_gpu, callbacks=[watch], **kwargs
+        cfg, data, checkpoint_meta(cfg, LATENTS, CAPTIONS), use_gpu=use_gpu, callbacks=[watch, *callbacks], **kwargs
     )
     return module, trainer, watch.steps

@@ -29,11 +29,13 @@ def make_sampler(noise_scheduler_config: dict[str, Any], name: Literal["ddim", "
 def guided_prediction(
     unet: UNet2DConditionModel, latents: torch.Tensor, t, cond: torch.Tensor, uncond: torch.Tensor | None, scale: float
 ) -> torch.Tensor:
-    """Classifier-free guidance: uncond + scale * (cond - uncond); at scale 1, the conditional prediction itself."""
+    """Classifier-free guidance: uncond + scale * (cond - uncond); at scale 1, the conditional prediction itself.
+    The prediction comes back in the latents' dtype: under autocast (sample grids) the UNet answers in bf16 or
+    fp16, and the guidance difference and the scheduler's step want the latents' precision."""
     if scale == 1.0 or uncond is None:
-        return unet(latents, t, encoder_hidden_states=cond).sample
+        return unet(latents, t, encoder_hidden_states=cond).sample.to(latents.dtype)
     out = unet(torch.cat([latents, latents]), t, encoder_hidden_states=torch.cat([uncond, cond])).sample
-    pred_uncond, pred_cond = out.chunk(2)
+    pred_uncond, pred_cond = out.to(latents.dtype).chunk(2)
     return pred_uncond + scale * (pred_cond - pred_uncond)
 
 

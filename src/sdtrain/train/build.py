@@ -9,6 +9,7 @@ code a Ray worker runs on a machine where Ray cannot be installed.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -20,8 +21,11 @@ from sdtrain.artifacts.checkpoint_format import CheckpointMeta
 from sdtrain.config.schema import Config, TrainConfig
 from sdtrain.errors import ConfigError
 from sdtrain.model.unet import build_unet, noise_scheduler_config, unet_config
+from sdtrain.train.device_settings import DeviceSettings, device_settings
 from sdtrain.train.module import DiffusionModule
 from sdtrain.train.strategy import build_strategy
+
+log = logging.getLogger("sdtrain")
 
 
 def resolve_precision(train: TrainConfig, use_gpu: bool) -> str:
@@ -43,6 +47,17 @@ def resolve_precision(train: TrainConfig, use_gpu: bool) -> str:
             "cannot run with train.strategy=fsdp; use ddp, or GPUs with bf16 (A100, L4, H100 and later)"
         )
     return "16-mixed"
+
+
+def run_device_settings(train: TrainConfig, use_gpu: bool) -> DeviceSettings:
+    """The GPU settings of a process training ``train`` (sdtrain.train.device_settings), at the precision
+    :func:`resolve_precision` gives it here.
+
+    Args:
+        train: the run's train config.
+        use_gpu: one GPU per process, else CPU.
+    """
+    return device_settings(train, resolve_precision(train, use_gpu), use_gpu)
 
 
 def checkpoint_meta(
@@ -81,7 +96,8 @@ def build_training(
     unconditional_caption: torch.Tensor | None = None,
     record_samples: bool = False,
 ) -> tuple[DiffusionModule, dict[str, Any]]:
-    """The module and the ``pl.Trainer`` keyword arguments for a run of ``config``.
+    """The module and the ``pl.Trainer`` keyword arguments for a run of ``config``; sets this process's GPU
+    flags (:func:`run_device_settings`).
 
     Args:
         meta: the run's checkpoint metadata (:func:`checkpoint_meta`).
@@ -93,6 +109,8 @@ def build_training(
         record_samples: keep the sample index of every row trained on.
     """
     precision = resolve_precision(config.train, use_gpu)
+    settings = run_device_settings(config.train, use_gpu)
+    settings.apply()
     # Same initial weights on every rank (DDP also broadcasts rank 0's). Per-step noise is
     # seeded by (seed, rank, step, micro-batch) in the module, not by this global seed.
     pl.seed_everything(config.train.seed, verbose=False)
@@ -104,6 +122,7 @@ def build_training(
         unconditional_caption=unconditional_caption,
         accumulation=accumulation,
         record_samples=record_samples,
+        caption_dtype=settings.caption_dtype,
     )
     plugins = []
     if on_ray:
@@ -152,12 +171,17 @@ def fit_without_ray(
         default_root_dir: where Lightning may write (FSDP's process group files, nothing else).
     """
     module, trainer_kwargs = build_training(config, meta, use_gpu=use_gpu)
+    settings = run_device_settings(config.train, use_gpu)
+    for advice in settings.advice:
+        log.warning(advice)
     trainer = pl.Trainer(callbacks=list(callbacks), default_root_dir=default_root_dir, **trainer_kwargs)
     # Each epoch replays the batches, until train.max_steps.
     # A list is a map-style dataset (__getitem__, __len__), which torch's annotation (Dataset) leaves out.
     loader: torch.utils.data.DataLoader[dict[str, torch.Tensor]] = torch.utils.data.DataLoader(
         list(batches),  # type: ignore[arg-type]
         batch_size=None,
+        # Host batches pinned, as the Ray worker's stream pins them: Lightning then copies them non_blocking.
+        pin_memory=settings.pin_memory,
     )
     trainer.fit(module, train_dataloaders=loader, ckpt_path=ckpt_path, weights_only=True)
     return module, trainer

@@ -19,6 +19,7 @@ from sdtrain.model.ema import ema_update_, local_tensor, make_ema
 from sdtrain.model.recipe import diffusion_loss, step_inputs
 from sdtrain.model.unet import build_noise_scheduler
 from sdtrain.model.validation import validation_loss, validation_sums
+from sdtrain.train.device_settings import LATENT_DTYPE
 from sdtrain.train.strategy import apply_options, is_sharded
 
 
@@ -42,6 +43,7 @@ class DiffusionModule(pl.LightningModule):
         unconditional_caption: torch.Tensor | None = None,
         accumulation: int = 1,
         record_samples: bool = False,
+        caption_dtype: torch.dtype = torch.float32,
     ):
         """``checkpoint_meta`` is stored in every checkpoint, so the model can be rebuilt from the
         checkpoint alone; its ``latent_scale`` multiplies stored latents as they are read.
@@ -50,9 +52,12 @@ class DiffusionModule(pl.LightningModule):
         ``caption_shape``. It is stored in the checkpoint (``unconditional_caption``), so sampling
         with classifier-free guidance uses the embedding the model was trained with.
         ``accumulation`` is the number of micro-batches per optimizer step; ``record_samples`` keeps
-        the ``sample_index`` of every row trained on, for :meth:`take_sample_record`.
+        the ``sample_index`` of every row trained on, for :meth:`take_sample_record`. ``caption_dtype``: the
+        dtype the step hands the UNet its captions in (sdtrain.train.device_settings.CAPTION_DTYPES: autocast's
+        own under mixed precision, so autocast does not cast them again at every cross-attention).
         """
         super().__init__()
+        self.caption_dtype = caption_dtype
         self.accumulation = accumulation
         self.sample_record: list[torch.Tensor] | None = [] if record_samples else None
         self._micro_batch = 0
@@ -118,8 +123,12 @@ class DiffusionModule(pl.LightningModule):
         return noise, timesteps
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        latents = batch["latents"].float() * self.latent_scale if self.latent_scale != 1.0 else batch["latents"].float()
-        captions = batch["captions"].float()
+        # The latents in float32 for the noise and the target (device_settings.LATENT_DTYPE); the captions only
+        # feed the cross-attentions' key and value projections, which autocast runs at caption_dtype anyway.
+        latents = batch["latents"].to(LATENT_DTYPE)
+        if self.latent_scale != 1.0:
+            latents = latents * self.latent_scale
+        captions = batch["captions"].to(self.caption_dtype)
         generator = self._step_generator(latents.device, self._micro_batch)
         self._micro_batch = (self._micro_batch + 1) % self.accumulation
         noise, timesteps = self._draw_noise_and_timesteps(latents, generator)

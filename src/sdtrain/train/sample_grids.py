@@ -4,10 +4,12 @@ so the grids of successive steps show what the model learned in between."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 import posixpath
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -58,7 +60,13 @@ class SampleGrids:
     """Rank 0's grids: due at every sample_grid.every_n_steps (null: with each checkpoint) and at the last step."""
 
     def __init__(
-        self, config: Config, meta: CheckpointMeta, captions: Captions, run_dir: str, unconditional: torch.Tensor
+        self,
+        config: Config,
+        meta: CheckpointMeta,
+        captions: Captions,
+        run_dir: str,
+        unconditional: torch.Tensor,
+        autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
     ):
         """Args:
         config: the run's config.
@@ -66,7 +74,9 @@ class SampleGrids:
         captions: the grid's rows (:func:`grid_captions`).
         run_dir: run.storage_path/run.name (grids go to its samples/).
         unconditional: the empty-prompt embedding for classifier-free guidance.
+        autocast: the training step's autocast, entered for each grid (sdtrain.train.device_settings.training_autocast).
         """
+        self.autocast = autocast
         self.config = config
         self.meta = meta
         self.captions = captions
@@ -87,17 +97,18 @@ class SampleGrids:
         was_training = unet.training
         unet.eval()
         try:
-            latents = sample_latents(
-                unet,
-                self.meta.noise_scheduler_config,
-                captions,
-                self.unconditional,
-                tuple(self.meta.latent_shape),
-                sampler=grid.sampler,
-                steps=grid.steps,
-                guidance_scale=grid.guidance_scale,
-                seed=self.config.train.seed,
-            ).numpy()
+            with self.autocast():
+                latents = sample_latents(
+                    unet,
+                    self.meta.noise_scheduler_config,
+                    captions,
+                    self.unconditional,
+                    tuple(self.meta.latent_shape),
+                    sampler=grid.sampler,
+                    steps=grid.steps,
+                    guidance_scale=grid.guidance_scale,
+                    seed=self.config.train.seed,
+                ).numpy()
         finally:
             unet.train(was_training)
         rows = len(self.captions.names)

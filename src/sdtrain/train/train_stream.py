@@ -35,8 +35,10 @@ class TrainStream:
         prefetch_batches: int,
         device: torch.device,
         watchdog: StallWatchdog | None = None,
+        pin_memory: bool = False,
     ):
         self.shard = shard
+        self.pin_memory = pin_memory  # on GPUs: Ray Data pins each batch, and its copy to the device is non_blocking
         self.watchdog = watchdog  # told when the training loop waits for data, and when it has its batch
         self.micro_batch = micro_batch
         self.prefetch_batches = prefetch_batches
@@ -54,6 +56,7 @@ class TrainStream:
                 batch_size=self.micro_batch,
                 prefetch_batches=self.prefetch_batches,
                 device=self.device,
+                pin_memory=self.pin_memory,
             )
         )
         first: Future[dict[str, torch.Tensor] | None] = Future()

@@ -9,6 +9,7 @@ import torch
 
 from sdtrain.errors import TrainingFailed
 from sdtrain.train.cadence import OptimizerStepCallback, ReportCadence
+from sdtrain.train.device_settings import training_autocast
 from sdtrain.train.strategy import is_sharded
 from sdtrain.train.watchdog import Phase
 
@@ -17,7 +18,7 @@ ValBatches = Callable[[], Iterable[dict[str, torch.Tensor]]]
 
 class Validation(OptimizerStepCallback):
     """Validation loss of the EMA weights when the run keeps an EMA (what export and generation use), for the
-    report of the same step (:meth:`take`).
+    report of the same step (:meth:`take`), under the autocast the training step runs under.
 
     Every rank takes part, so none waits in a collective while another validates (a long wait there outlasts the
     collective's timeout, and the restart validates again). Under DDP rank r computes the samples r, r + W, ...:
@@ -52,13 +53,15 @@ class Validation(OptimizerStepCallback):
     def _validate(self, trainer: pl.Trainer, pl_module, step: int) -> None:
         self._validated_step = step
         self.enter(Phase.VALIDATION)
-        if is_sharded(pl_module):
-            sums = pl_module.validation_sums(self.batches(), self.seed)
-        else:
-            shard = pl_module.validation_sums(
-                self.batches(), self.seed, rank=trainer.global_rank, world_size=trainer.world_size
-            )
-            sums = trainer.strategy.reduce(shard, reduce_op="sum")
+        # Under training's autocast: the (EMA) weights are scored at the precision they trained at, at its speed.
+        with training_autocast(trainer):
+            if is_sharded(pl_module):
+                sums = pl_module.validation_sums(self.batches(), self.seed)
+            else:
+                shard = pl_module.validation_sums(
+                    self.batches(), self.seed, rank=trainer.global_rank, world_size=trainer.world_size
+                )
+                sums = trainer.strategy.reduce(shard, reduce_op="sum")
         if sums[1] == 0:
             raise TrainingFailed("the validation set (data.val) yielded no samples")
         self._loss = (step, float(sums[0] / sums[1]))

@@ -22,9 +22,10 @@ from sdtrain.data.read_order import DataState, SamplePlan, resume_position
 from sdtrain.model.recipe import load_unconditional_caption
 from sdtrain.storage.run_layout import CHECKPOINT_FILE, DATA_STATE_FILE, HISTORY_FILE
 from sdtrain.storage.s3 import apply_s3_settings
-from sdtrain.train.build import build_training
+from sdtrain.train.build import build_training, run_device_settings
 from sdtrain.train.cadence import ReportCadence
 from sdtrain.train.checkpointing import CheckpointWriter, DropRestoreCopy, restored_directory, worker_scratch
+from sdtrain.train.device_settings import training_autocast
 from sdtrain.train.preemption import PreemptionCheck
 from sdtrain.train.reporting import StepReporter, log
 from sdtrain.train.run_view import RunView
@@ -74,6 +75,8 @@ class WorkerRun:
     """The downloaded copy of the restored checkpoint, dropped once Lightning has restored from it."""
     watchdog: StallWatchdog | None = None
     """Ends the worker when it makes no step for run.stall_timeout_s (None: never)."""
+    pin_memory: bool = False
+    """Pin host batches (sdtrain.train.device_settings): on GPUs, their copies to the device are then non_blocking."""
 
 
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
@@ -89,12 +92,17 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     if config.run.stall_timeout_s is not None:
         watchdog = StallWatchdog(config.run.stall_timeout_s, rank, config.run.slow_phase_timeout_s)
     layout = config.batch_layout(world_size)
+    settings = run_device_settings(config.train, use_gpu)  # build_training applies them
+    if rank == 0:
+        for advice in settings.advice:
+            log.warning(advice)
     train_batches = TrainStream(
         ray.train.get_dataset_shard("train"),
         layout.micro_batch,
         config.data.prefetch_batches,
         ray.train.torch.get_device(),
         watchdog,
+        pin_memory=settings.pin_memory,
     )
     train_batches.start()  # before the model is built: see TrainStream
 
@@ -125,7 +133,9 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             else StartPoint.from_directory(directory, plan, config.data.on_resume_change)
         )
         copy = directory if is_copy else None
-        run = WorkerRun(config, plan, layout, start, loop_config["launched_at"], scratch, copy, watchdog)
+        run = WorkerRun(
+            config, plan, layout, start, loop_config["launched_at"], scratch, copy, watchdog, settings.pin_memory
+        )
         _fit(run, module, trainer_kwargs, train_batches)
 
 
@@ -160,7 +170,9 @@ def _fit(
         val_shard = ray.train.get_dataset_shard("val")
 
         def val_batches():
-            return val_shard.iter_torch_batches(batch_size=layout.micro_batch, device=ray.train.torch.get_device())
+            return val_shard.iter_torch_batches(
+                batch_size=layout.micro_batch, device=ray.train.torch.get_device(), pin_memory=run.pin_memory
+            )
 
         validation = Validation(cadence, val_batches, config.train.seed, enter)
     checkpoints = CheckpointWriter(
@@ -208,7 +220,10 @@ def _run_view(config: Config, module: Any) -> RunView:
         log.info("no sample grids under train.strategy=fsdp")
     else:
         unconditional = module.unconditional_caption.detach().cpu()
-        grids = SampleGrids(config, meta, captions, run_dir, unconditional)
+        # The trainer is attached by the time a grid is drawn (in a report, during fit).
+        grids = SampleGrids(
+            config, meta, captions, run_dir, unconditional, autocast=lambda: training_autocast(module.trainer)
+        )
     return RunView(config, run_dir, grids, config.train.max_steps)
 
 
