@@ -181,6 +181,13 @@ def test_batch_layout_keeps_the_global_batch_at_every_world_size():
             r"train\.channels_last: cannot be used with train\.strategy=fsdp",
         ),
         (["train.precision=16-mixed", "scaling.use_gpu=false"], r"train\.precision: 16-mixed needs GPUs"),
+        (["train.ddp_bucket_mb=0"], r"train\.ddp_bucket_mb: must be >= 1 \(MiB\), got 0"),
+        (["train.gradient_compression=fp16"], r"train\.gradient_compression: must be one of none, bf16"),
+        (["train.fsdp_param_dtype=float16"], r"train\.fsdp_param_dtype: must be one of auto, float32, bfloat16"),
+        (
+            ["train.fsdp_param_dtype=bfloat16"],
+            r"train\.fsdp_param_dtype: applies only to train\.strategy=fsdp \(strategy is ddp\); leave it auto",
+        ),
         (["train.attention=flash"], r"train\.attention: must be one of sdpa, eager"),
         (["train.compile=3"], r"train\.compile: expected bool"),
         (["model.prediction_type=sample"], r"model\.prediction_type: must be one of epsilon, v_prediction"),
@@ -258,14 +265,34 @@ def test_gpu_options_and_strategies_are_built():
     from sdtrain.config.schema import ModelConfig, TrainConfig
     from sdtrain.model.unet import build_unet, noise_scheduler_config, unet_config
     from sdtrain.train.module import DiffusionModule
-    from sdtrain.train.strategy import RayModelParallelStrategy, apply_options, build_strategy
+    from sdtrain.train.strategy import (
+        FSDP2Strategy,
+        RayModelParallelStrategy,
+        apply_options,
+        build_strategy,
+        mixed_precision,
+    )
 
-    assert type(build_strategy(TrainConfig(), 2, on_ray=True)) is RayDDPStrategy
+    assert isinstance(build_strategy(TrainConfig(), 2, on_ray=True), RayDDPStrategy)
     assert build_strategy(TrainConfig(), 1, on_ray=False) == "auto"
     fsdp = build_strategy(TrainConfig(strategy="fsdp"), 4, on_ray=True)
     assert type(fsdp) is RayModelParallelStrategy and (fsdp._data_parallel_size, fsdp._tensor_parallel_size) == (4, 1)
     assert fsdp._save_distributed_checkpoint is False  # one full file, as DDP writes
-    assert type(build_strategy(TrainConfig(strategy="fsdp"), 1, on_ray=False)) is ModelParallelStrategy
+    assert type(build_strategy(TrainConfig(strategy="fsdp"), 1, on_ray=False)) is FSDP2Strategy
+    assert issubclass(FSDP2Strategy, ModelParallelStrategy) and issubclass(RayModelParallelStrategy, FSDP2Strategy)
+    # FSDP2's mixed-precision policy: bf16 parameters under bf16-mixed, float32 otherwise; float32 gradient
+    # reduction unless compressed (tests/test_ddp_settings.py trains each on 2 ranks and counts the bytes).
+    bf16, fp32 = torch.bfloat16, torch.float32
+    for train, precision, dtypes in [
+        ({}, "bf16-mixed", (bf16, fp32)),
+        ({}, "32-true", (fp32, fp32)),
+        ({"fsdp_param_dtype": "float32"}, "bf16-mixed", (fp32, fp32)),
+        ({"fsdp_param_dtype": "bfloat16"}, "32-true", (bf16, fp32)),
+        ({"gradient_compression": "bf16"}, "bf16-mixed", (bf16, bf16)),
+        ({"gradient_compression": "bf16"}, "32-true", (fp32, bf16)),
+    ]:
+        policy = mixed_precision(TrainConfig(strategy="fsdp", **train), precision)
+        assert (policy.param_dtype, policy.reduce_dtype) == dtypes, (train, precision)
 
     model = ModelConfig(preset="tiny")
     meta = CheckpointMeta("test", unet_config(model), noise_scheduler_config(model), (4, 16, 16), (5, 32))

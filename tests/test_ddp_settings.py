@@ -1,16 +1,33 @@
-"""DDP as sdtrain sets it (sdtrain.train.strategy), in two real gloo processes: per-rank statistic buffers stay
-per rank, so what the reporter all-reduces is every rank's, not rank 0's copied everywhere."""
+"""DDP and FSDP2 as sdtrain sets them (sdtrain.train.strategy), in two real gloo processes without Ray:
+
+- per-rank statistic buffers stay per rank, so what the reporter all-reduces is every rank's, not rank 0's copied
+  everywhere;
+- train.gradient_compression=bf16 all-reduces half the bytes of float32 and still trains;
+- FSDP2's mixed-precision policy (bf16 all-gather, float32 reduce-scatter under bf16-mixed) trains, and with
+  gradient accumulation reduce-scatters once per optimizer step, not per micro-batch, to the weights DDP reaches.
+
+Collectives are counted as the c10d ops they dispatch (a TorchDispatchMode sees DDP's and FSDP2's, also from the
+backward pass), with their tensors' dtype and bytes: what goes on the wire.
+"""
 
 import os
 import socket
+from collections import Counter
 
+import lightning.pytorch as pl
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from conftest import tiny_config
+from support.training import CAPTIONS, FIT, LATENTS, batches
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from sdtrain.config.schema import TrainConfig
-from sdtrain.train.strategy import DDP_KWARGS, build_strategy
+from sdtrain.train.build import build_training, checkpoint_meta
+from sdtrain.train.strategy import DDP_KWARGS, bf16_compress, build_strategy, ddp_kwargs
 
 
 class _Counting(torch.nn.Module):
@@ -24,41 +41,171 @@ class _Counting(torch.nn.Module):
         return self.linear(x).sum()
 
 
-def _steps(rank: int, port: int, kwargs: dict, out) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _counters(rank: int) -> dict[str, list[float]]:
+    """Each rank's counter after 3 steps, under sdtrain's DDP settings and torch's defaults."""
+    out = {}
+    for name, kwargs in (("sdtrain", DDP_KWARGS), ("torch", {})):
+        torch.manual_seed(0)
+        model = torch.nn.parallel.DistributedDataParallel(_Counting(), **kwargs)
+        for _ in range(3):
+            model(torch.ones(2, 4)).backward()
+        counters = [torch.zeros(()) for _ in range(2)]
+        dist.all_gather(counters, model.module.counter)
+        out[name] = [float(c) for c in counters]
+    return out
+
+
+class _Collectives(TorchDispatchMode):
+    """The c10d collectives dispatched while active: calls and bytes of their first tensor, by (op, dtype)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: Counter = Counter()
+        self.bytes: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func)
+        if name.startswith("c10d."):
+            tensor = args[0]
+            while isinstance(tensor, (list, tuple)):  # the ops take tensors, lists or lists of lists
+                tensor = tensor[0]
+            key = (name.removeprefix("c10d.").removesuffix(".default").strip("_"), str(tensor.dtype).split(".")[1])
+            self.calls[key] += 1
+            self.bytes[key] += tensor.nbytes
+        return func(*args, **(kwargs or {}))
+
+
+class _Losses(pl.Callback):
+    """Each micro-batch's loss (support.training.Watch reads gradients, which FSDP2 holds only at a step's end)."""
+
+    def __init__(self):
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        self.losses.append(float(outputs["loss"]))
+
+
+def _fit(*options: str) -> dict:
+    """The module and Trainer a worker builds, 2 ranks, accumulation 2, 2 optimizer steps (4 micro-batches of 2),
+    trained on this rank with the collectives counted."""
+    cfg = tiny_config(*FIT, "train.global_batch_size=8", *options, steps=2)
+    meta = checkpoint_meta(cfg, LATENTS, CAPTIONS)
+    module, trainer_kwargs = build_training(cfg, meta, use_gpu=False, world_size=2, accumulation=2)
+    trainer_kwargs["devices"] = 2  # one process per rank, started by the test (Lightning reads LOCAL_RANK)
+    initial = module.unet.conv_in.weight.detach().clone()
+    losses = _Losses()
+    trainer = pl.Trainer(callbacks=[losses], **trainer_kwargs)
+    with _Collectives() as collectives:
+        trainer.fit(module, torch.utils.data.DataLoader(batches(4), batch_size=None))
+    weight = module.unet.conv_in.weight.detach()
+    weight = weight.full_tensor() if isinstance(weight, DTensor) else weight.clone()
+    weights = [torch.zeros_like(weight) for _ in range(2)]
+    dist.all_gather(weights, weight)
+    return dict(
+        steps=trainer.global_step,
+        losses=losses.losses,
+        weight=weight,
+        initial=initial,
+        trained=not torch.equal(weight, initial),
+        ranks_equal=torch.equal(weights[0], weights[1]),
+        calls=collectives.calls,
+        bytes=collectives.bytes,
+        params=sum(p.numel() for p in module.unet.parameters()),
+        units=sum(isinstance(m, FSDPModule) for m in module.unet.modules()),
+        strategy=trainer.strategy,
+    )
+
+
+def _fits(rank: int) -> dict[str, dict]:
+    out = {
+        "ddp": _fit(),
+        "ddp_bf16": _fit("train.gradient_compression=bf16"),
+        "fsdp": _fit("train.strategy=fsdp"),
+        "fsdp_bf16_mixed": _fit("train.strategy=fsdp", "train.precision=bf16-mixed"),
+        "fsdp_bf16_reduce": _fit(
+            "train.strategy=fsdp", "train.precision=bf16-mixed", "train.gradient_compression=bf16"
+        ),
+    }
+    for result in out.values():  # plain data: the queue shares tensors by a file descriptor that dies with the rank
+        result["strategy"] = type(result["strategy"]).__name__
+        result["weight"], result["initial"] = result["weight"].numpy(), result["initial"].numpy()
+    return out
+
+
+def _rank(rank: int, port: int, function, out) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank), NODE_RANK="0")
     dist.init_process_group("gloo", rank=rank, world_size=2)
-    torch.manual_seed(0)
-    model = torch.nn.parallel.DistributedDataParallel(_Counting(), **kwargs)
-    for _ in range(3):
-        model(torch.ones(2, 4)).backward()
-    counters = [torch.zeros(()) for _ in range(2)]
-    dist.all_gather(counters, model.module.counter)
+    result = function(rank)
     if rank == 0:
-        out.put([float(c) for c in counters])
+        out.put(result)
     dist.destroy_process_group()
 
 
-def _run(kwargs: dict) -> list[float]:
+def _run(function):
+    """``function(rank)`` on 2 spawned gloo ranks; rank 0's result."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     context = mp.get_context("spawn")
     out = context.Queue()
-    mp.start_processes(_steps, args=(port, kwargs, out), nprocs=2, start_method="spawn")
+    mp.start_processes(_rank, args=(port, function, out), nprocs=2, start_method="spawn")
     return out.get(timeout=60)
 
 
-@pytest.mark.slow  # two spawned processes each time
+@pytest.mark.slow  # two spawned processes
 def test_sdtrain_ddp_keeps_each_ranks_statistics_where_torchs_default_overwrites_them_with_rank_0s():
     strategy = build_strategy(TrainConfig(), 2, on_ray=False)
-    assert strategy._ddp_kwargs == DDP_KWARGS  # what Lightning hands DistributedDataParallel
+    assert strategy._ddp_kwargs == {**DDP_KWARGS, "bucket_cap_mb": 25}  # what Lightning hands DDP
     assert DDP_KWARGS["broadcast_buffers"] is False and DDP_KWARGS["gradient_as_bucket_view"] is True
     # The same settings on Ray Train's strategy.
     from ray.train.lightning import RayDDPStrategy
 
-    ray_strategy = build_strategy(TrainConfig(), 2, on_ray=True)
-    assert isinstance(ray_strategy, RayDDPStrategy) and ray_strategy._ddp_kwargs == DDP_KWARGS
+    ray_strategy = build_strategy(TrainConfig(ddp_bucket_mb=100, gradient_compression="bf16"), 2, on_ray=True)
+    assert isinstance(ray_strategy, RayDDPStrategy) and ray_strategy._ddp_kwargs == ddp_kwargs(
+        TrainConfig(ddp_bucket_mb=100)
+    )
+    assert ray_strategy._ddp_kwargs["bucket_cap_mb"] == 100 and ray_strategy.comm_hook is bf16_compress
     # After 3 steps rank 1's counter is 33 with sdtrain's settings; torch's default broadcast rank 0's buffers
     # into rank 1 before each forward, leaving it at 2 + 11 = 13.
-    assert _run(DDP_KWARGS) == [3.0, 33.0]
-    assert _run({}) == [3.0, 13.0]
+    assert _run(_counters) == {"sdtrain": [3.0, 33.0], "torch": [3.0, 13.0]}
+
+
+@pytest.mark.slow  # two spawned processes, five 2-rank fits of the tiny UNet
+def test_bf16_compression_halves_the_bytes_and_fsdp2_reduce_scatters_once_per_step_in_its_policys_dtypes():
+    runs = _run(_fits)
+    for name, run in runs.items():
+        assert run["steps"] == 2 and len(run["losses"]) == 4, name
+        assert all(0 < loss < 10 for loss in run["losses"]), (name, run["losses"])
+        assert run["trained"] and run["ranks_equal"], name
+    ddp, ddp_bf16 = runs["ddp"], runs["ddp_bf16"]
+    params = ddp["params"]
+    # DDP all-reduces every gradient once per optimizer step (accumulation skips the other micro-batch): 4 bytes
+    # a parameter in float32, 2 with bf16 compression. Nothing else is all-reduced in float.
+    assert ddp["strategy"] == ddp_bf16["strategy"] == "SdtrainDDPStrategy"
+    assert ddp["bytes"][("allreduce", "float32")] == 2 * 4 * params
+    assert ddp_bf16["bytes"][("allreduce", "bfloat16")] == 2 * 2 * params
+    assert ddp_bf16["bytes"][("allreduce", "float32")] == 0
+    assert ddp_bf16["calls"][("allreduce", "bfloat16")] == ddp["calls"][("allreduce", "float32")]
+    # bf16 sums round: the update differs from the float32 run's by a few percent, not more, and not zero.
+    update = abs(ddp["weight"] - ddp["initial"]).mean()
+    assert 0 < abs(ddp_bf16["weight"] - ddp["weight"]).mean() < 0.05 * update
+
+    for name in ("fsdp", "fsdp_bf16_mixed", "fsdp_bf16_reduce"):
+        run = runs[name]
+        assert run["strategy"] == "FSDP2Strategy" and run["units"] > 1
+        # One reduce-scatter per FSDP unit per optimizer step: none on the micro-batch that does not end a step.
+        scatters = {key: n for key, n in run["calls"].items() if key[0] == "reduce_scatter_base"}
+        assert sum(scatters.values()) == 2 * run["units"], (name, scatters, run["units"])
+        gathers = {key[1] for key in run["calls"] if key[0] == "allgather_base"}
+        (gathered,) = gathers
+        (reduced,) = {key[1] for key in scatters}
+        expected = {
+            "fsdp": ("float32", "float32"),  # 32-true: the policy is float32 throughout
+            "fsdp_bf16_mixed": ("bfloat16", "float32"),  # bf16-mixed: bf16 parameters, float32 gradients
+            "fsdp_bf16_reduce": ("bfloat16", "bfloat16"),  # gradient_compression=bf16: reduced in bf16 (gloo can)
+        }[name]
+        assert (gathered, reduced) == expected, name
+    # Accumulating unsharded gradients over the skipped micro-batch and reducing their sum once is the step DDP
+    # takes: same weights, within float32 summation order.
+    torch.testing.assert_close(runs["fsdp"]["weight"], ddp["weight"], rtol=1e-4, atol=1e-6)
+    assert not (runs["fsdp_bf16_mixed"]["weight"] == runs["fsdp"]["weight"]).all()

@@ -161,6 +161,18 @@ class TrainConfig(Section):
     attention: Literal["sdpa", "eager"] = "sdpa"
     """Attention kernel: sdpa (torch's scaled_dot_product_attention: flash or memory-efficient kernels on GPUs) or
     eager (plain matmul and softmax)."""
+    ddp_bucket_mb: int = 25
+    """DDP's gradient bucket size in MiB (bucket_cap_mb; torch's default 25): each bucket is all-reduced as soon as the
+    backward pass has filled it, overlapping communication with the rest of the backward pass. Larger buckets mean
+    fewer, larger all-reduces (fewer latency-bound calls on slow links) but less overlap; ddp only."""
+    gradient_compression: Literal["none", "bf16"] = "none"
+    """Gradients sent as bfloat16, half the bytes of float32, for multi-node jobs whose network, not compute, bounds
+    the step: ddp all-reduces each bucket as bf16 (torch's bf16_compress_hook), fsdp reduce-scatters in bf16
+    (MixedPrecisionPolicy.reduce_dtype). The sum over ranks loses precision (8-bit mantissa); none = float32."""
+    fsdp_param_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """The dtype FSDP2 all-gathers and computes the UNet's parameters in (MixedPrecisionPolicy.param_dtype; the
+    sharded weights, the optimizer and the EMA stay float32): auto = bfloat16 when train.precision resolves to
+    bf16-mixed, else float32. bfloat16 halves the all-gather bytes; fsdp only."""
 
     def __post_init__(self):
         for key in ("max_steps", "global_batch_size", "max_nonfinite_steps"):
@@ -193,6 +205,13 @@ class TrainConfig(Section):
                 "channels_last",
                 "cannot be used with train.strategy=fsdp: FSDP2 shards only contiguous parameters (torch: "
                 '"FSDP does not support non-contiguous parameters"); turn one of them off',
+            )
+        if self.ddp_bucket_mb < 1:
+            self._fail("ddp_bucket_mb", f"must be >= 1 (MiB), got {self.ddp_bucket_mb}")
+        if self.strategy != "fsdp" and self.fsdp_param_dtype != "auto":
+            self._fail(
+                "fsdp_param_dtype",
+                f"applies only to train.strategy=fsdp (strategy is {self.strategy}); leave it auto",
             )
         if self.strategy == "fsdp" and self.precision == "16-mixed":
             self._fail(

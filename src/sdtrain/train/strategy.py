@@ -10,12 +10,16 @@ state dict on rank 0: the same file as DDP's, resumable at any world size and by
 
 from __future__ import annotations
 
+import contextlib
+import functools
+from collections.abc import Generator
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from diffusers.models.attention_processor import AttnProcessor, AttnProcessor2_0
 from lightning.pytorch.strategies import ModelParallelStrategy
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from sdtrain.config.schema import TrainConfig
 
@@ -27,8 +31,32 @@ DDP_KWARGS: dict[str, Any] = {
     # Gradients are views into DDP's all-reduce buckets: no copy in and out of the buckets each step, and
     # one gradient-sized buffer less.
     "gradient_as_bucket_view": True,
+    # static_graph stays off: what it adds (reentrant checkpointing, unused-parameter search done once) is not
+    # needed here. Every UNet parameter gets a gradient each step (find_unused_parameters stays False: no graph
+    # search at all), the EMA's parameters require no grad (DDP ignores them), and diffusers checkpoints with
+    # use_reentrant=False, which DDP supports without it.
 }
-"""DistributedDataParallel's settings for train.strategy=ddp, with Ray and without."""
+"""DistributedDataParallel's settings for train.strategy=ddp, with Ray and without (train.ddp_bucket_mb adds
+bucket_cap_mb: :func:`ddp_kwargs`)."""
+
+
+def ddp_kwargs(train: TrainConfig) -> dict[str, Any]:
+    """DistributedDataParallel's keyword arguments for ``train``: :data:`DDP_KWARGS` and the bucket size."""
+    return {**DDP_KWARGS, "bucket_cap_mb": train.ddp_bucket_mb}
+
+
+def bf16_compress(state, bucket):
+    """torch's ``bf16_compress_hook`` (each bucket cast to bf16, divided by the world size, all-reduced, cast
+    back in place): half the bytes a step. Under its own name because DDP refuses torch's hook by name
+    unless NCCL is available, although gloo all-reduces bf16 too; so the CPU tests run the hook the GPUs do.
+    Unannotated: DDP compares a hook's annotations with its types, and this module's are strings."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
+
+    return bf16_compress_hook(state, bucket)
+
+
+COMM_HOOKS = {"none": None, "bf16": bf16_compress}
+"""The DDP communication hook of each train.gradient_compression."""
 
 
 def build_strategy(train: TrainConfig, world_size: int, on_ray: bool):
@@ -36,21 +64,64 @@ def build_strategy(train: TrainConfig, world_size: int, on_ray: bool):
     (the device Ray Train assigned this worker) when ``on_ray``."""
     if train.strategy == "fsdp":
         # Every process is one data-parallel rank: the whole world shards the UNet.
-        strategy = RayModelParallelStrategy if on_ray else ModelParallelStrategy
+        strategy = RayModelParallelStrategy if on_ray else FSDP2Strategy
         return strategy(data_parallel_size=world_size, tensor_parallel_size=1, save_distributed_checkpoint=False)
-    if on_ray:
-        from ray.train.lightning import RayDDPStrategy
-
-        return RayDDPStrategy(**DDP_KWARGS)
-    if world_size > 1:
-        from lightning.pytorch.strategies import DDPStrategy
-
-        return DDPStrategy(**DDP_KWARGS)
+    if on_ray or world_size > 1:
+        return _ddp_strategy_class(on_ray)(comm_hook=COMM_HOOKS[train.gradient_compression], **ddp_kwargs(train))
     return "auto"
 
 
-class RayModelParallelStrategy(ModelParallelStrategy):
-    """``ModelParallelStrategy`` on the device Ray Train assigned this worker, as Ray's own
+class _CommHookDDP:
+    """A DDP strategy that registers ``comm_hook`` on the wrapped module on any device: Lightning's own
+    ``ddp_comm_hook`` is registered on CUDA only, and the CPU tests must run the hook the GPUs run."""
+
+    def __init__(self, *args, comm_hook=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.comm_hook = comm_hook
+
+    def configure_ddp(self) -> None:
+        super().configure_ddp()  # type: ignore[misc]
+        if self.comm_hook is not None:
+            self.model.register_comm_hook(None, self.comm_hook)  # type: ignore[attr-defined]
+
+
+@functools.cache
+def _ddp_strategy_class(on_ray: bool) -> type:
+    """Lightning's DDPStrategy, or Ray's RayDDPStrategy when ``on_ray``, with :class:`_CommHookDDP`; built on
+    demand so that a run without Ray never imports it."""
+    from lightning.pytorch.strategies import DDPStrategy
+
+    base: type[DDPStrategy] = DDPStrategy
+    if on_ray:
+        from ray.train.lightning import RayDDPStrategy
+
+        base = RayDDPStrategy
+    return type(f"Sdtrain{base.__name__}", (_CommHookDDP, base), {})
+
+
+class FSDP2Strategy(ModelParallelStrategy):
+    """``ModelParallelStrategy`` (FSDP2 applied by :func:`apply_options`) that skips the gradient
+    reduce-scatter on the micro-batches of an accumulation that do not end an optimizer step: Lightning's
+    ``block_backward_sync`` only knows DDP's ``no_sync``. FSDP2 then keeps the unsharded gradients summed
+    on each rank and reduce-scatters their sum once, in the last micro-batch's backward pass."""
+
+    @contextlib.contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        from torch.distributed.fsdp import FSDPModule
+
+        unet = getattr(self.lightning_module, "unet", None)
+        if not isinstance(unet, FSDPModule):
+            yield
+            return
+        unet.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            unet.set_requires_gradient_sync(True)
+
+
+class RayModelParallelStrategy(FSDP2Strategy):
+    """``FSDP2Strategy`` on the device Ray Train assigned this worker, as Ray's own
     ``RayDDPStrategy`` does: Ray workers on one node may all see every GPU, and Lightning's
     ``local_rank`` indexes Lightning's device list, not Ray's assignment."""
 
@@ -63,7 +134,8 @@ class RayModelParallelStrategy(ModelParallelStrategy):
 
 def apply_options(module, train: TrainConfig, mesh: torch.distributed.device_mesh.DeviceMesh | None = None) -> None:
     """Set the attention kernel, memory format and gradient checkpointing of ``module.unet`` (and
-    its EMA, which only runs inference), shard both over ``mesh`` (FSDP), then compile the UNet:
+    its EMA, which only runs inference), shard both over ``mesh`` (FSDP; the UNet with the policy of
+    :func:`mixed_precision`), then compile the UNet:
     in place, in that order (compile sees the sharded module). Lightning calls it through
     ``DiffusionModule.configure_model``, on the device, before the strategy wraps the module."""
     unets = [module.unet] + ([module.ema_unet] if getattr(module, "ema_unet", None) is not None else [])
@@ -74,24 +146,49 @@ def apply_options(module, train: TrainConfig, mesh: torch.distributed.device_mes
     if train.gradient_checkpointing:
         module.unet.enable_gradient_checkpointing()
     if mesh is not None:
-        for unet in unets:
-            shard_unet(unet, mesh)
+        shard_unet(module.unet, mesh, mixed_precision(train, module.trainer.precision))
+        for ema in unets[1:]:
+            # The EMA only validates and samples: gathered in float32, so validation does not depend on the policy.
+            shard_unet(ema, mesh)
     if train.compile:
         # In place (nn.Module.compile): parameter names, and so checkpoints, stay those of the UNet.
         module.unet.compile()
 
 
-def shard_unet(unet: torch.nn.Module, mesh) -> None:
+def mixed_precision(train: TrainConfig, precision: str) -> MixedPrecisionPolicy:
+    """FSDP2's policy for ``train`` under Lightning's resolved ``precision``: parameters all-gathered and used
+    in ``train.fsdp_param_dtype`` (auto: bf16 under bf16-mixed, else float32), gradients reduce-scattered in
+    float32, or bf16 with ``train.gradient_compression=bf16``.
+
+    Under bf16-mixed, Lightning's autocast still picks each op's dtype: matmuls and convolutions run in bf16
+    either way (autocast would cast float32 weights on every call; FSDP2 casts once per all-gather, and
+    gathers half the bytes), and ops autocast keeps in float32 (group_norm, layer_norm, softmax on GPUs)
+    upcast their bf16 inputs, so only their weights carry bf16 rounding. The sharded weights, their update
+    and the EMA stay float32."""
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+    param = train.fsdp_param_dtype
+    if param == "auto":
+        param = "bfloat16" if precision == "bf16-mixed" else "float32"
+    reduce = torch.bfloat16 if train.gradient_compression == "bf16" else torch.float32
+    return MixedPrecisionPolicy(param_dtype=dtypes[param], reduce_dtype=reduce)
+
+
+def shard_unet(unet: torch.nn.Module, mesh, policy: MixedPrecisionPolicy | None = None) -> None:
     """FSDP2 over ``mesh``: each transformer and resnet block is one unit (its parameters are
-    gathered for its forward and freed after), the rest (conv in/out, embeddings) the root unit."""
+    gathered for its forward and freed after), the rest (conv in/out, embeddings) the root unit.
+
+    Args:
+        policy: the units' mixed-precision policy (:func:`mixed_precision`); default float32 throughout.
+    """
     from diffusers.models.resnet import ResnetBlock2D
     from diffusers.models.transformers.transformer_2d import Transformer2DModel
     from torch.distributed.fsdp import fully_shard
 
+    policy = policy or MixedPrecisionPolicy()
     for block in unet.modules():
         if isinstance(block, (ResnetBlock2D, Transformer2DModel)):
-            fully_shard(block, mesh=mesh)
-    fully_shard(unet, mesh=mesh)
+            fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(unet, mesh=mesh, mp_policy=policy)
 
 
 def is_sharded(module: pl.LightningModule) -> bool:
