@@ -19,6 +19,7 @@ from pathlib import Path
 import pyarrow.fs as pafs
 import pytest
 from conftest import committed_checkpoints, free_ports, tiny_config
+from support.ray_processes import our_training_workers
 
 from sdtrain.artifacts.run_outputs import LossLabels
 from sdtrain.config.loader import load_config
@@ -348,11 +349,10 @@ def test_a_killed_and_resumed_run_shows_each_step_once_everywhere(
             time.sleep(0.2)  # polling the run directory of a run in another process
         with open(run_dir / METRICS_FILE) as f:  # written by rank 0 while it trains, not by the driver at the end
             seen_live.extend(int(r["step"]) for r in csv.DictReader(f))
-        for process in psutil.process_iter(["pid", "cmdline"]):
-            if "RayTrainWorker" in " ".join(process.info["cmdline"] or []):
-                os.kill(process.info["pid"], signal.SIGKILL)
-                killed.append(process.info["pid"])
-                return
+        for pid in our_training_workers():
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+            return
 
     with mlflow_server(tmp_path) as uri:
         config = load_config(

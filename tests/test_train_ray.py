@@ -12,6 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from conftest import committed_checkpoints, corrupt_row_group, rows_by_step, tiny_config, write_latents
+from support.ray_processes import our_training_workers
 
 from sdtrain.artifacts.loading import load_model, read_checkpoint
 from sdtrain.data.decode import decode_batch
@@ -207,8 +208,6 @@ def _signal_a_worker_after_the_first_checkpoint(run_dir, signum: int):
     import threading
     import time
 
-    import psutil
-
     sent: list[tuple[int, float]] = []
 
     def send():
@@ -216,12 +215,11 @@ def _signal_a_worker_after_the_first_checkpoint(run_dir, signum: int):
         while not committed_checkpoints(run_dir):
             if time.monotonic() > deadline:
                 return
-            time.sleep(0.2)
-        for process in psutil.process_iter(["pid", "cmdline"]):
-            if "RayTrainWorker" in " ".join(process.info["cmdline"] or []):
-                os.kill(process.info["pid"], signum)
-                sent.append((process.info["pid"], time.time()))
-                return
+            time.sleep(0.2)  # polling the run's committed checkpoints, not waiting out a race
+        for pid in our_training_workers():
+            os.kill(pid, signum)
+            sent.append((pid, time.time()))
+            return
 
     thread = threading.Thread(target=send)
     thread.start()
