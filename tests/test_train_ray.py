@@ -251,14 +251,20 @@ def test_a_hung_worker_is_ended_by_the_stall_watchdog_and_the_run_restarts(ray_c
     import psutil
 
     run_dir = tmp_path / "runs" / "stalled"
+    # Reports every 2 steps to 16. The group cannot end before the stop whatever this machine's speed: Ray Train's
+    # controller takes one report per worker per poll, polls 2 s apart, and the commit of the first checkpoint
+    # (step 4) leaves 6 reports to take, at least 10 s.
     config = _two_workers(
         tmp_path,
         "stalled",
         16,
         "scaling.cpus_per_worker=1",  # every CPU of the cluster: the reads take none of their own
-        "run.stall_timeout_s=20",
-        # The survivor may wait in a checkpoint's barrier, a slow phase: bounded above a busy machine's start-up.
-        "run.slow_phase_timeout_s=30",
+        # Above what a busy 2-core machine takes between steps (the first batch included): a bound that fires on a
+        # slow machine spends the one restart before the stop, and the run fails.
+        "run.stall_timeout_s=30",
+        # The survivor may wait in a checkpoint's barrier, a slow phase: bounded above a busy machine's start-up
+        # (a restarted group's restore too).
+        "run.slow_phase_timeout_s=60",
         "failure.max_failures=1",
     )
     stopper, stopped = _signal_a_worker_after_the_first_checkpoint(run_dir, signal.SIGSTOP)
@@ -279,7 +285,7 @@ def test_a_hung_worker_is_ended_by_the_stall_watchdog_and_the_run_restarts(ray_c
         r"rank \d stalled: no optimizer step for \d+ s since step (\d+), .*?; it has been (.*?) for \d+ s\.",
         output.out + output.err,
     ) or re.search(
-        r"rank \d stalled: it has been (reporting a checkpoint.*?) for \d+ s \(run\.slow_phase_timeout_s=30; "
+        r"rank \d stalled: it has been (reporting a checkpoint.*?) for \d+ s \(run\.slow_phase_timeout_s=60; "
         r"last optimizer step: step (\d+)\)",
         output.out + output.err,
     )
