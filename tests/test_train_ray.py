@@ -477,7 +477,12 @@ def test_fsdp_on_two_cpu_workers_validates_with_its_ema_and_resumes_on_one(ray_c
         pq.read_table(tmp_path / "val/v.parquet"), "image_latents_256", "caption_latents", (4, 16, 16), (77, 32)
     )
     batches = [{k: torch.from_numpy(v[i : i + 4]) for k, v in val.items()} for i in range(0, 8, 4)]
-    assert validation_loss(unet, scheduler, batches, seed=0) == pytest.approx(history[-1]["val_loss"], rel=1e-5)
+    # Validated under the training step's bf16 autocast (sdtrain.train.device_settings.training_autocast), not in
+    # float32 (1e-4 apart here).
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        under_autocast = validation_loss(unet, scheduler, batches, seed=0)
+    assert under_autocast == pytest.approx(history[-1]["val_loss"], rel=1e-5)
+    assert validation_loss(unet, scheduler, batches, seed=0) != pytest.approx(history[-1]["val_loss"], rel=1e-5)
 
     summary = train(config(8, workers=1))
     assert summary.final_step == 8
