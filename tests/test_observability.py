@@ -341,14 +341,25 @@ def test_a_killed_and_resumed_run_shows_each_step_once_everywhere(
     max_steps, every = 20, 4
     killed, seen_live = [], []
 
+    def live_steps() -> list[int]:
+        """The steps metrics.csv holds now: rank 0 rewrites it (replaced whole) in a thread of its own after
+        each report, while it trains; the driver writes it only at the end."""
+        try:
+            with open(run_dir / METRICS_FILE) as f:
+                return [int(r["step"]) for r in csv.DictReader(f)]
+        except FileNotFoundError:
+            return []
+
     def kill_the_worker_after_the_first_checkpoint():
+        # Until a checkpoint is committed and the live metrics.csv has caught up with its report (written
+        # in the background, so in no set order with the commit). The run cannot end meanwhile: Ray Train's
+        # controller takes one report per worker per poll, polls 2 s apart, and 8 reports follow step 4's.
         deadline = time.monotonic() + 300
-        while not committed_checkpoints(run_dir):
+        while not (committed_checkpoints(run_dir) and max(live_steps(), default=0) >= every):
             if time.monotonic() > deadline:
                 return
             time.sleep(0.2)  # polling the run directory of a run in another process
-        with open(run_dir / METRICS_FILE) as f:  # written by rank 0 while it trains, not by the driver at the end
-            seen_live.extend(int(r["step"]) for r in csv.DictReader(f))
+        seen_live.extend(live_steps())
         for pid in our_training_workers():
             os.kill(pid, signal.SIGKILL)
             killed.append(pid)
@@ -380,7 +391,7 @@ def test_a_killed_and_resumed_run_shows_each_step_once_everywhere(
         killer.start()
         summary = train(config)
         killer.join()
-        assert killed, "no RayTrainWorker process was found to kill"
+        assert killed, f"no RayTrainWorker process was killed (live metrics.csv: {seen_live or live_steps()})"
         assert not psutil.pid_exists(killed[0])
         assert run_attempts("watched") == 2 and summary.final_step == max_steps
         assert seen_live and seen_live[-1] >= every and seen_live == sorted(set(seen_live))
