@@ -155,7 +155,9 @@ class TrainConfig(Section):
     compile: bool = False
     """torch.compile the UNet (the first steps are slow while it compiles)."""
     channels_last: bool = False
-    """Store the UNet's weights and activations channels-last (faster convolutions on tensor-core GPUs)."""
+    """Store the UNet's weights and activations channels-last. Only with train.compile: in eager mode on CUDA each
+    GroupNorm copies its input back to NCHW and the next convolution copies it back (counted on fake CUDA, docs/gpu.md),
+    so a GPU run with it on and compile off logs a warning."""
     gradient_checkpointing: bool = False
     """Recompute the UNet's activations in the backward pass instead of storing them: less memory, about 30% slower."""
     attention: Literal["sdpa", "eager"] = "sdpa"
