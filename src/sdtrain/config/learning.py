@@ -155,8 +155,8 @@ class TrainConfig(Section):
     compile: bool = False
     """torch.compile the UNet (the first steps are slow while it compiles)."""
     channels_last: bool = False
-    """Store the UNet's weights and activations channels-last. Only with train.compile: in eager mode on CUDA each
-    GroupNorm copies its input back to NCHW and the next convolution copies it back (counted on fake CUDA, docs/gpu.md),
+    """Store the UNet's weights and activations channels-last. Only with train.compile: in eager mode on CUDA half the
+    GroupNorms copy their input back to NCHW and the next convolutions copy it back (counted on fake CUDA, docs/gpu.md),
     so a GPU run with it on and compile off logs a warning."""
     gradient_checkpointing: bool = False
     """Recompute the UNet's activations in the backward pass instead of storing them: less memory, about 30% slower."""
