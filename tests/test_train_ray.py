@@ -38,6 +38,7 @@ def _config(tmp_path, max_steps):
         "checkpoint.num_to_keep=null",
         "sample_grid.columns=2",  # a grid with each checkpoint: drawn, at a tenth of the default's cost
         "sample_grid.steps=4",
+        "run.gpu_hour_cost=3.0",  # a CPU worker's hour, priced: the cost is shown, MFU is not
         tmp_path=tmp_path,
         name="two-workers",
         steps=max_steps,
@@ -90,6 +91,16 @@ def test_two_worker_run_checkpoints_reloads_and_resumes(ray_cluster, tmp_path, m
         len({r["time_to_first_step_s"] for r in rows}) == 1 and 0 < float(rows[0]["time_to_first_step_s"]) < run_seconds
     )
     assert (run_dir / "loss_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # CPU workers: their hours, named worker_hours, and the cost of a million images at each window's rate on 2
+    # workers at 3.0 an hour; no MFU column, never a made-up one. The summary totals the same rows.
+    hours = [float(r["worker_hours"]) for r in rows]
+    assert 0 < hours[0] < hours[1] < hours[2] < hours[3] < 2 * run_seconds / 3600
+    assert "mfu" not in rows[0] and "gpu_hours" not in rows[0]
+    for r in rows:
+        assert float(r["cost_per_million_images"]) == pytest.approx(2 * 3.0 / (float(r["samples_per_s"]) * 3600) * 1e6)
+    totals = summary.totals
+    assert (totals.images, totals.hours, totals.on_gpu, totals.mfu) == (48, hours[-1], False, None)
+    assert totals.cost == pytest.approx(3.0 * hours[-1])
 
     # The model comes back from the checkpoint alone and reproduces the validation loss the
     # worker computed with the trained weights: same weights, same outputs.
@@ -120,6 +131,8 @@ def test_two_worker_run_checkpoints_reloads_and_resumes(ray_cluster, tmp_path, m
     history = json.loads((run_dir / "checkpoint_000000009" / HISTORY_FILE).read_text())
     assert [row["step"] for row in history] == [2, 3, 4, 6, 8, 9]
     assert history[4]["lr"] == pytest.approx(LR * 8 / WARMUP)  # warmup continued, not restarted
+    assert history[4]["worker_hours"] > history[3]["worker_hours"] == hours[-1]  # so did the hours
+    assert summary.totals.images == 72 and summary.totals.hours == history[-1]["worker_hours"]
 
     # Re-running the finished run (a retry after training ended), or with a lowered train.max_steps,
     # trains nothing and starts no worker: it names the final checkpoint, and writes the export only
@@ -132,6 +145,7 @@ def test_two_worker_run_checkpoints_reloads_and_resumes(ray_cluster, tmp_path, m
     for max_steps in (9, 7):
         again = train(_config(tmp_path, max_steps=max_steps))
         assert (again.final_step, again.checkpoint_path) == (9, summary.checkpoint_path)
+        assert again.totals == summary.totals  # from the final checkpoint's rows
     assert _checkpoints(run_dir)[-2:] == ["checkpoint_000000009", "checkpoint_000000099"]
     assert (run_dir / "metrics.csv").exists() and export_info.stat().st_mtime_ns == written
     shutil.rmtree(run_dir / "export")
