@@ -116,6 +116,23 @@ def _follow(address, env, submission_id) -> str:
     return logs.stdout
 
 
+def _wait_until_its_trainer_is_gone(client, address: str, submission_id: str) -> None:
+    """After ``ray job stop``: the job's driver has exited, but Ray ends the Ray Train controller and workers the
+    driver owned only after that, and until then the controller may still commit a checkpoint. Wait until Ray's
+    actor table has them dead: only then is the run's record of committed checkpoints final."""
+    from ray.util.state import list_actors
+
+    job_id = client.get_job_info(submission_id).job_id
+    deadline = time.monotonic() + 120
+    while True:
+        actors = list_actors(address=address, filters=[("job_id", "=", job_id), ("state", "!=", "DEAD")])
+        alive = [actor.class_name for actor in actors if actor.class_name in ("TrainController", "RayTrainWorker")]
+        if not alive:
+            return
+        assert time.monotonic() < deadline, f"still alive 120 s after job {submission_id} stopped: {alive}"
+        time.sleep(0.2)  # polling Ray's actor table until it says they ended
+
+
 def _committed(s3, run_key: str) -> list[str]:
     """The checkpoints Ray Train has committed for the run in the bucket (its own snapshot)."""
     try:
@@ -185,6 +202,7 @@ def test_a_job_trains_from_a_bucket_into_a_bucket_is_stopped_and_resubmitted_and
     )
     assert stop.returncode == 0, stop.stderr
     assert client.get_job_status(first) == JobStatus.STOPPED
+    _wait_until_its_trainer_is_gone(client, address, first)
     committed = _committed(s3, "runs/s3job")
     assert "checkpoint_000000040" not in committed, "the job finished before it could be stopped"
     resumed_from = int(committed[-1].split("_")[1])
