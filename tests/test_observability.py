@@ -240,10 +240,18 @@ def test_ray_gauges_reach_rays_metrics_export(ray_cluster):
 
     rank0 = Rank0.remote()
     metrics = {"step": 7, "loss": 0.25, "samples_per_s": 12.5, "data_wait_fraction": float("nan"), "lr": 1e-4}
-    assert ray.get(rank0.report.remote(metrics)) == {"step": 7.0, "loss": 0.25, "samples_per_s": 12.5}
+    metrics |= {"mfu": 0.3125, "cost_per_million_images": 2.5}  # on GPU workers, with run.gpu_hour_cost
+    assert ray.get(rank0.report.remote(metrics)) == {
+        "step": 7.0,
+        "loss": 0.25,
+        "samples_per_s": 12.5,
+        "mfu": 0.3125,
+        "cost_per_million_images": 2.5,
+    }
     node = next(n for n in ray.nodes() if n["Alive"])
     url = f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics"
     wanted = {"ray_sdtrain_train_loss": 0.25, "ray_sdtrain_samples_per_second": 12.5, "ray_sdtrain_step": 7.0}
+    wanted |= {"ray_sdtrain_mfu": 0.3125, "ray_sdtrain_cost_per_million_images": 2.5}
     found: dict[str, float] = {}
     unanswered: list[str] = []  # scrapes the endpoint did not answer in time: on a busy machine, asked again
     deadline = time.monotonic() + 180  # seconds, usually; the test's whole former 120 s ran out on a busy machine
