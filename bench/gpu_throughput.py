@@ -16,7 +16,7 @@ once with the eager variant and used for every variant, so the variants compare 
 
 FLOPs: ``sdtrain.model.flops`` counts the UNet's forward pass with torch's FlopCounterMode on the meta
 device; a training step is 3 forward passes. MFU = model FLOP/s / the GPU's dense bf16 peak
-(--peak-tflops, or the known A100/H100/H200 figures).
+(--peak-tflops, or the device's entry in sdtrain.train.efficiency, the table the workers' MFU uses).
 
     python bench/gpu_throughput.py                                  # needs a CUDA GPU; every preset, size, variant
     python bench/gpu_throughput.py --presets sd2-base --resolutions 256 --variants compile+channels_last
@@ -34,7 +34,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchlib  # noqa: E402
 
 MOSAIC_IMG_PER_S_PER_A100_256 = 1100 / 8  # ~137: MosaicML's SD2 UNet on precomputed 256 px latents
-KNOWN_PEAKS_TFLOPS = {"A100": 312.0, "H100": 989.0, "H200": 989.0, "A10G": 125.0, "L4": 121.0, "L40S": 362.0}
 START_BATCH = {"tiny": 256, "small": 64, "sd2-base": 32}
 MAX_DOUBLINGS = 4
 VARIANTS = ("eager", "channels_last", "compile", "compile+channels_last")
@@ -50,13 +49,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30, help="timed steps")
     parser.add_argument("--warmup", type=int, default=10, help="untimed steps first (compilation, autotuning)")
     parser.add_argument(
-        "--peak-tflops", type=float, help="the GPU's peak dense bf16 TFLOP/s (default: known A100/H100/...)"
+        "--peak-tflops", type=float, help="the GPU's peak dense bf16 TFLOP/s (default: sdtrain.train.efficiency)"
     )
     args = parser.parse_args()
 
     import torch
 
     from sdtrain.model.flops import mfu
+    from sdtrain.train.efficiency import device_peak
 
     if args.smoke:
         use_gpu, presets, resolutions, variants = False, ["tiny"], [128], ["eager"]
@@ -68,7 +68,9 @@ def main() -> None:
             raise SystemExit("no CUDA GPU: this benchmark measures GPU training throughput (use --smoke on CPU)")
         use_gpu = True
         device_name = torch.cuda.get_device_name()
-        peak = args.peak_tflops or next((v for k, v in KNOWN_PEAKS_TFLOPS.items() if k in device_name), None)
+        # The workers' own table (sdtrain.train.efficiency), so the bench's MFU is the progress line's.
+        known = device_peak(device_name)
+        peak = args.peak_tflops or (known.bf16 / 1e12 if known is not None else None)
         if peak is None:
             raise SystemExit(f"unknown peak for {device_name}: pass --peak-tflops (dense bf16)")
         presets = args.presets.split(",")
