@@ -81,7 +81,7 @@ def reclaim(cluster, node, seconds: int) -> None:
     assert accepted, why
 
 
-def reclaim_a_node_then_add_one(cluster, run_dir: Path, running, deadline_s: float = 200) -> dict:
+def reclaim_a_node_then_add_one(cluster, run_dir: Path, running, deadline_s: float = 300) -> dict:
     """Once a checkpoint is committed: give notice that a node hosting a training worker is reclaimed in
     RECLAIM_S seconds, and remove it at that deadline (its raylet and every process on it killed) once a
     checkpoint was committed after the notice; once a smaller group has committed a checkpoint, add a node
@@ -170,7 +170,9 @@ def run_through_a_reclaimed_and_a_joined_node(cluster, tmp_path: Path, nodes: in
     return outcome["summary"], events
 
 
-@pytest.mark.timeout(500)
+# The cluster changes (up to 300 s to give up), then the rest of the run (up to 240 s): on CI's 2 cores the whole
+# test takes 155-192 s, and the first 200 s for the cluster changes ran out on a busier machine.
+@pytest.mark.timeout(600)
 def test_a_reclaimed_node_and_a_joined_one_resize_the_group_lose_no_step_and_train_every_row_once_per_epoch(
     node_cluster, tmp_path, monkeypatch, capfd
 ):
