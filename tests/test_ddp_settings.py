@@ -11,7 +11,7 @@ backward pass), with their tensors' dtype and bytes: what goes on the wire.
 """
 
 import os
-import socket
+import tempfile
 from collections import Counter
 
 import lightning.pytorch as pl
@@ -132,9 +132,10 @@ def _fits(rank: int) -> dict[str, dict]:
     return out
 
 
-def _rank(rank: int, port: int, function, out) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank), NODE_RANK="0")
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+def _rank(rank: int, rendezvous: str, function, out) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", LOCAL_RANK=str(rank), NODE_RANK="0")
+    # Lightning joins this process group rather than making its own, so no rank binds a port.
+    dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=2)
     result = function(rank)
     if rank == 0:
         out.put(result)
@@ -142,14 +143,14 @@ def _rank(rank: int, port: int, function, out) -> None:
 
 
 def _run(function):
-    """``function(rank)`` on 2 spawned gloo ranks; rank 0's result."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    context = mp.get_context("spawn")
-    out = context.Queue()
-    mp.start_processes(_rank, args=(port, function, out), nprocs=2, start_method="spawn")
-    return out.get(timeout=60)
+    """``function(rank)`` on 2 spawned gloo ranks, meeting at a file: a free port found here and let go could be
+    taken by another process before the ranks bind it; rank 0's result."""
+    with tempfile.TemporaryDirectory(prefix="sdtrain-gloo-") as directory:
+        context = mp.get_context("spawn")
+        out = context.Queue()
+        rendezvous = f"file://{directory}/store"
+        mp.start_processes(_rank, args=(rendezvous, function, out), nprocs=2, start_method="spawn")
+        return out.get(timeout=60)
 
 
 @pytest.mark.slow  # two spawned processes
