@@ -52,11 +52,13 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tests"))
+from support.ray_head import start_head, stop_head  # noqa: E402  (the suite's own head: one way to start one)
+
 MAX_STEPS = 12
 TOLERANCE = 0.0
 WRECKED_LR = 5.0  # the learning rate of the date whose model must not be promoted
@@ -206,74 +208,24 @@ retrain:
     return config
 
 
-def free_ports(n: int) -> list[int]:
-    import socket
-
-    sockets = [socket.socket() for _ in range(n)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
-
-
 def start_ray() -> tuple[subprocess.Popen, dict[str, str], str]:
     """A 2-CPU head on loopback: jobs join it (RAY_ADDRESS), so a SIGKILLed job's workers are the cluster's to end."""
-    gcs, dashboard, client, agent_grpc, agent_http, runtime_env, metrics = free_ports(7)
     temp_dir = tempfile.mkdtemp(prefix="rc", dir="/tmp")  # short: Ray's socket paths have a length limit
     bin_dir = Path(sys.executable).parent
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
     env.pop("RAY_ADDRESS", None)
-    log = open(os.path.join(temp_dir, "head.log"), "w")
-    head = subprocess.Popen(
-        [
-            str(bin_dir / "ray"),
-            "start",
-            "--head",
-            "--block",
-            "--num-cpus=2",
-            "--node-ip-address=127.0.0.1",
-            f"--port={gcs}",
-            "--dashboard-host=127.0.0.1",
-            f"--dashboard-port={dashboard}",
-            f"--ray-client-server-port={client}",
-            f"--dashboard-agent-grpc-port={agent_grpc}",
-            f"--dashboard-agent-listen-port={agent_http}",
-            f"--runtime-env-agent-port={runtime_env}",
-            f"--metrics-export-port={metrics}",
-            f"--temp-dir={temp_dir}",
-        ],
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    deadline = time.monotonic() + 120
-    while True:  # the dashboard answers once the head is up
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{dashboard}/api/version", timeout=2) as response:
-                json.load(response)
-            break
-        except OSError:
-            if head.poll() is not None or time.monotonic() > deadline:
-                stop_ray(head, temp_dir)
-                raise SystemExit(
-                    "ray start --head did not come up:\n" + Path(temp_dir, "head.log").read_text()[-3000:]
-                ) from None
-            time.sleep(1)
+    try:
+        head, gcs, _ = start_head(bin_dir / "ray", env, temp_dir, timeout_s=120)
+    except RuntimeError as e:
+        shutil.rmtree(temp_dir, ignore_errors=True)
+        raise SystemExit(str(e)) from None
     print(f"[retrain-chaos] Ray head pid {head.pid} at 127.0.0.1:{gcs}", flush=True)
     job_env = {**env, "RAY_ADDRESS": f"127.0.0.1:{gcs}", "PYTHONPATH": str(REPO / "src")}
     return head, job_env, temp_dir
 
 
 def stop_ray(head: subprocess.Popen, temp_dir: str) -> None:
-    head.send_signal(signal.SIGTERM)  # `ray start --block` stops the processes it started
-    try:
-        head.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        os.killpg(head.pid, signal.SIGKILL)
-        head.wait()
+    stop_head(head)
     shutil.rmtree(temp_dir, ignore_errors=True)
 
 

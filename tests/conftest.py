@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -128,16 +127,6 @@ def ray_cluster(_ray_session):
     if not ray.is_initialized():
         _start_ray()
     yield
-
-
-def free_ports(n: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(n)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
 
 
 S3_ENV = {

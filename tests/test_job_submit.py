@@ -3,18 +3,16 @@
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from conftest import BIN, REPO, S3_ENV, free_ports, write_latents
+from conftest import BIN, REPO, S3_ENV, write_latents
+from support.ray_head import start_head, stop_head
 
 pytestmark = pytest.mark.slow  # a Ray head, ray job submit and an S3 server, in their own processes
 
@@ -22,58 +20,20 @@ pytestmark = pytest.mark.slow  # a Ray head, ray job submit and an S3 server, in
 @pytest.fixture
 def ray_head():
     """A head node on loopback with free ports, stopped by its own process id at the end."""
-    gcs, dashboard, client, agent_grpc, agent_http, runtime_env, metrics = free_ports(7)
     temp_dir = tempfile.mkdtemp(prefix="rh", dir="/tmp")  # short: Ray's socket paths have a length limit
     # Token auth is on by default in Ray 2.60; on a trusted loopback test cluster both sides turn it off.
     # The cluster has S3 credentials (as from an instance role) but no S3 endpoint: a job names its own.
     env = {**os.environ, **S3_ENV, "RAY_AUTH_MODE": "disabled", "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
     for var in ("RAY_ADDRESS", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3"):
         env.pop(var, None)
-    log = open(os.path.join(temp_dir, "head.log"), "w")
-    head = subprocess.Popen(
-        [
-            str(BIN / "ray"),
-            "start",
-            "--head",
-            "--block",
-            "--num-cpus=2",
-            "--node-ip-address=127.0.0.1",
-            f"--port={gcs}",
-            "--dashboard-host=127.0.0.1",
-            f"--dashboard-port={dashboard}",
-            f"--ray-client-server-port={client}",
-            f"--dashboard-agent-grpc-port={agent_grpc}",
-            f"--dashboard-agent-listen-port={agent_http}",
-            f"--runtime-env-agent-port={runtime_env}",
-            f"--metrics-export-port={metrics}",
-            f"--temp-dir={temp_dir}",
-        ],
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    address = f"http://127.0.0.1:{dashboard}"
-    deadline = time.monotonic() + 90
-    while True:  # wait for the job server to answer (readiness, not a race)
-        try:
-            with urllib.request.urlopen(f"{address}/api/version", timeout=2) as response:
-                json.load(response)
-            break
-        except OSError:
-            if head.poll() is not None or time.monotonic() > deadline:
-                head.kill()
-                pytest.fail("ray start --head did not come up:\n" + Path(temp_dir, "head.log").read_text()[-3000:])
-            time.sleep(1)
+    try:
+        head, _, address = start_head(BIN / "ray", env, temp_dir, timeout_s=90)
+    except RuntimeError as e:
+        pytest.fail(str(e))
     try:
         yield address, env
     finally:
-        head.send_signal(signal.SIGTERM)  # `ray start --block` stops the processes it started
-        try:
-            head.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(head.pid, signal.SIGKILL)
-        log.close()
+        stop_head(head)
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 

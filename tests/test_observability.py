@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pyarrow.fs as pafs
 import pytest
-from conftest import committed_checkpoints, free_ports, tiny_config
+from conftest import committed_checkpoints, tiny_config
+from support.ray_head import free_ports
 from support.ray_processes import our_training_workers
 
 from sdtrain.artifacts.run_outputs import LossLabels
