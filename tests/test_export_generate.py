@@ -323,7 +323,7 @@ def test_a_pipeline_exports_card_shows_the_latest_training_grid_or_one_rendered_
         for c in captions
     ]
     metadata = {LATENT_SCALING_FACTOR: "0.18215", VAE_SOURCE: model, TEXT_ENCODER_SOURCE: model}
-    table = shard_table(rows, "image_latents_256", "caption_latents", metadata)
+    table = shard_table(rows, {"latents": "image_latents_256", "embeddings": "caption_latents"}, metadata)
     write_shard(str(tmp_path / "latents"), "part", table, {}, 4)
     run = tmp_path / "run"
     shutil.copytree(trained["checkpoint"], run / "checkpoint_000000004")

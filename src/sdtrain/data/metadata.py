@@ -27,6 +27,33 @@ TEXT_ENCODER_SOURCE = "sdtrain.text_encoder_source"
 """Where the text encoder that encoded the captions came from."""
 LATENT = "sdtrain.latent"
 """Which latent of the VAE's distribution was stored: ``mean`` or ``sample`` (preprocessing's encode.latent)."""
+TOKEN_VOCAB_SIZE = "sdtrain.token_vocab_size"
+"""Beside a column of caption token ids (integers): the size of the tokenizer's vocabulary they were made with, which
+bounds every stored id. With TEXT_ENCODER_SOURCE it is what training needs to encode the ids in its step."""
+
+
+@dataclass(frozen=True)
+class TokenIds:
+    """What a dataset whose caption column holds token ids says about them (its schema metadata)."""
+
+    text_encoder: str
+    """Where the text encoder the ids are for came from: training encodes them with it."""
+    vocab_size: int
+    """The tokenizer's vocabulary size: every stored id is below it."""
+
+
+def token_ids(metadata: Mapping[bytes, bytes] | None, where: str) -> TokenIds:
+    """The text encoder and vocabulary of a token-id caption column, from its file's schema metadata; a DataError
+    naming ``where`` (file and column) and the missing keys if the file does not record them."""
+    metadata = metadata or {}
+    missing = [key for key in (TEXT_ENCODER_SOURCE, TOKEN_VOCAB_SIZE) if key.encode() not in metadata]
+    if missing:
+        raise DataError(
+            f"{where} holds integers (caption token ids), but the file's schema metadata lacks {', '.join(missing)}: "
+            "training cannot know which text encoder the ids are for. Write the data with sdtrain's preprocessing "
+            "(output.captions: token_ids), or record those keys (docs/data.md)"
+        )
+    return TokenIds(metadata[TEXT_ENCODER_SOURCE.encode()].decode(), int(metadata[TOKEN_VOCAB_SIZE.encode()]))
 
 
 def latent_scaling(metadata: Mapping[bytes, bytes] | None) -> float | None:

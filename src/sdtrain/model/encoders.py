@@ -79,25 +79,36 @@ def load_vae(source: str, device: str = "cpu", dtype: torch.dtype = torch.float3
     return AutoencoderKL.from_pretrained(root, subfolder="vae").to(device, dtype).eval()  # a hub id needs network
 
 
+def load_tokenizer(source: str) -> Any:
+    """The tokenizer of ``source``'s tokenizer/ subfolder."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(local_model(source, "tokenizer"), subfolder="tokenizer")
+
+
 def load_text_encoder(source: str, device: str = "cpu", dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
     """(tokenizer, text encoder) from ``source``'s tokenizer/ and text_encoder/ subfolders."""
-    from transformers import AutoTokenizer, CLIPTextModel
+    from transformers import CLIPTextModel
 
     local = local_model(source, "tokenizer", "text_encoder")
-    tokenizer = AutoTokenizer.from_pretrained(local, subfolder="tokenizer")
     text_encoder: Any = CLIPTextModel.from_pretrained(local, subfolder="text_encoder")
-    return tokenizer, text_encoder.to(device, dtype).eval()
+    return load_tokenizer(local), text_encoder.to(device, dtype).eval()
+
+
+def tokenize(tokenizer: Any, prompts: list[str]) -> Any:
+    """The tokenizer's output for ``prompts`` as StableDiffusionPipeline.encode_prompt makes it: padded to the
+    tokenizer's max length (77 for SD) and truncated. ``.input_ids`` are what output.captions: token_ids stores."""
+    return tokenizer(
+        prompts, padding="max_length", max_length=tokenizer.model_max_length, truncation=True, return_tensors="pt"
+    )
 
 
 @torch.no_grad()
 def encode_prompts(tokenizer: Any, text_encoder: Any, prompts: list[str]) -> torch.Tensor:
-    """(N, L, D) float32 embeddings: padded to the tokenizer's max length (77 for SD), truncated, and the text
-    encoder's last hidden state, with the attention mask only where the model asks for one (as
-    StableDiffusionPipeline.encode_prompt does)."""
+    """(N, L, D) float32 embeddings: the text encoder's last hidden state of :func:`tokenize`'s ids, with the
+    attention mask only where the model asks for one (as StableDiffusionPipeline.encode_prompt does)."""
     device = next(text_encoder.parameters()).device
-    tokens = tokenizer(
-        prompts, padding="max_length", max_length=tokenizer.model_max_length, truncation=True, return_tensors="pt"
-    )
+    tokens = tokenize(tokenizer, prompts)
     mask = tokens.attention_mask.to(device) if getattr(text_encoder.config, "use_attention_mask", False) else None
     return text_encoder(tokens.input_ids.to(device), attention_mask=mask)[0].float().cpu()
 

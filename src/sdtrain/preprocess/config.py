@@ -110,8 +110,15 @@ class OutputConfig(Section):
     give it to training as data.train."""
     image_column: str = "image_latents_256"
     """Column of the latents (C*H*W float16 values a row): training's data.latent_column."""
+    captions: Literal["embeddings", "token_ids", "both"] = "embeddings"
+    """What is stored of each caption: the text encoder's embeddings (77*D float16 a row, in output.caption_column),
+    the tokenizer's ids (77 int32 a row, in output.token_id_column: ~500x smaller for SD 2; training encodes them in
+    its step with the text encoder the files name), or both. docs/data.md says when to choose which."""
     caption_column: str = "caption_latents"
     """Column of the caption embeddings (77*D float16 values a row): training's data.caption_column."""
+    token_id_column: str = "caption_ids"
+    """Column of the caption token ids (77 int32 values a row; output.captions token_ids or both): give it to
+    training as data.caption_column."""
     row_group_rows: int = 64
     """Rows per parquet row group: training's data.shuffle_chunk_rows (the reader reads whole row groups)."""
 
@@ -123,6 +130,8 @@ class OutputConfig(Section):
             self._fail("row_group_rows", f"must be >= 1, got {self.row_group_rows}")
         if self.image_column == self.caption_column:
             self._fail("caption_column", f"must differ from output.image_column ({self.image_column!r})")
+        if self.token_id_column in (self.image_column, self.caption_column):
+            self._fail("token_id_column", "must differ from output.image_column and output.caption_column")
 
 
 @dataclass

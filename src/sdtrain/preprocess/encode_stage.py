@@ -9,7 +9,15 @@ from typing import Literal
 import numpy as np
 import torch
 
-from sdtrain.model.encoders import encode_images, encode_prompts, load_text_encoder, load_vae, resolve_dtype
+from sdtrain.model.encoders import (
+    encode_images,
+    encode_prompts,
+    load_text_encoder,
+    load_tokenizer,
+    load_vae,
+    resolve_dtype,
+    tokenize,
+)
 from sdtrain.storage.s3 import S3Settings, apply_s3_settings
 
 
@@ -21,8 +29,10 @@ class Encoder:
     """Ray Data callable class (one per actor): loads the models once, then encodes batches.
 
     Input columns: pixels (N, H, W, 3 uint8), caption (str), valid (bool), key (str), plus any others, passed
-    through. Output: the same without pixels and caption, plus ``latents`` and ``embeddings`` as flat float16
-    rows (zeros where valid is false: those rows carry only a shard's statistics).
+    through. Output: the same without pixels and caption, plus ``latents`` as flat float16 rows and, by
+    ``captions`` (output.captions), ``embeddings`` as flat float16 rows and/or ``token_ids`` as int32 rows (zeros
+    where valid is false: those rows carry only a shard's statistics). For token ids alone the text encoder is
+    not loaded: the tokenizer makes them.
     """
 
     def __init__(
@@ -33,18 +43,26 @@ class Encoder:
         dtype: str,
         resolution: int,
         s3: S3Settings | None = None,
+        captions: Literal["embeddings", "token_ids", "both"] = "embeddings",
     ):
         if s3 is not None:  # the driver's endpoint and retries, for a model on s3://
             apply_s3_settings(s3)
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
         torch_dtype = resolve_dtype(dtype, self.device)
         self.vae = load_vae(model, self.device, torch_dtype)
-        self.tokenizer, self.text_encoder = load_text_encoder(model, self.device, torch_dtype)
+        self.captions = captions
+        self.text_encoder = None
+        if captions == "token_ids":
+            self.tokenizer = load_tokenizer(model)
+        else:
+            self.tokenizer, self.text_encoder = load_text_encoder(model, self.device, torch_dtype)
         self.latent, self.seed = latent, seed
         # Fixed row widths, also for a batch with no valid row (every batch's columns must have one shape).
         side = resolution // 2 ** (len(self.vae.config.block_out_channels) - 1)
         self.latent_width = self.vae.config.latent_channels * side * side
-        self.embedding_width = self.tokenizer.model_max_length * self.text_encoder.config.hidden_size
+        self.ids_width = self.tokenizer.model_max_length
+        if self.text_encoder is not None:
+            self.embedding_width = self.ids_width * self.text_encoder.config.hidden_size
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         valid = np.asarray(batch["valid"], dtype=bool)
@@ -52,20 +70,24 @@ class Encoder:
         captions = batch.pop("caption")
         n = len(valid)
         keep = np.flatnonzero(valid)
-        latents: np.ndarray | None = None
-        embeddings: np.ndarray | None = None
+        latents = embeddings = ids = None
         if len(keep):
             seeds = [row_seed(self.seed, str(batch["key"][i])) for i in keep] if self.latent == "sample" else None
             latents = encode_images(self.vae, pixels[keep], self.latent, seeds).flatten(1).numpy()
             prompts = [str(captions[i]) for i in keep]
-            embeddings = encode_prompts(self.tokenizer, self.text_encoder, prompts).flatten(1).numpy()
-        batch["latents"] = _scatter(latents, keep, n, self.latent_width)
-        batch["embeddings"] = _scatter(embeddings, keep, n, self.embedding_width)
+            if self.text_encoder is not None:
+                embeddings = encode_prompts(self.tokenizer, self.text_encoder, prompts).flatten(1).numpy()
+            ids = tokenize(self.tokenizer, prompts).input_ids.numpy()
+        batch["latents"] = _scatter(latents, keep, n, self.latent_width, np.float16)
+        if self.captions != "token_ids":
+            batch["embeddings"] = _scatter(embeddings, keep, n, self.embedding_width, np.float16)
+        if self.captions != "embeddings":
+            batch["token_ids"] = _scatter(ids, keep, n, self.ids_width, np.int32)
         return batch
 
 
-def _scatter(values: np.ndarray | None, rows: np.ndarray, n: int, width: int) -> np.ndarray:
-    out = np.zeros((n, width), dtype=np.float16)
+def _scatter(values: np.ndarray | None, rows: np.ndarray, n: int, width: int, dtype: type) -> np.ndarray:
+    out: np.ndarray = np.zeros((n, width), dtype=dtype)
     if values is not None:
-        out[rows] = values.astype(np.float16)
+        out[rows] = values.astype(dtype)
     return out

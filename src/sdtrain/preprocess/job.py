@@ -23,7 +23,14 @@ from typing import Any
 import numpy as np
 
 from sdtrain.data.dataset_index import DIRECTORY_INDEX, write_directory_index
-from sdtrain.data.metadata import LATENT, LATENT_SCALING_FACTOR, RESOLUTION, TEXT_ENCODER_SOURCE, VAE_SOURCE
+from sdtrain.data.metadata import (
+    LATENT,
+    LATENT_SCALING_FACTOR,
+    RESOLUTION,
+    TEXT_ENCODER_SOURCE,
+    TOKEN_VOCAB_SIZE,
+    VAE_SOURCE,
+)
 from sdtrain.errors import DataError
 from sdtrain.preprocess.config import ImageConfig, InputConfig, PreprocessConfig
 from sdtrain.preprocess.images import NO_CAPTION, clean_caption, prepare_image
@@ -39,7 +46,7 @@ from sdtrain.preprocess.outputs import (
 )
 from sdtrain.preprocess.sources import Shard, changed_source, list_shards, read_shard
 from sdtrain.storage.filesystems import write_bytes
-from sdtrain.storage.run_layout import UNCONDITIONAL_FILE
+from sdtrain.storage.run_layout import UNCONDITIONAL_FILE, UNCONDITIONAL_IDS_FILE
 from sdtrain.storage.s3 import S3Settings, apply_s3_settings, configure_s3, resolved_s3_settings
 from sdtrain.storage.uris import absolute, is_uri
 
@@ -77,11 +84,11 @@ def run_preprocess(config: PreprocessConfig, max_shards: int | None = None) -> P
     check_settings(config.output.path, {k: settings[k.split(".")[0]][k.split(".")[1]] for k in RESUME_KEYS})
     check_sources(config.output.path, shards, done)
     scaling_factor = _scaling_factor(config.encode.model)
-    _write_unconditional(config)
+    vocab_size = _write_unconditional(config)
     if pending:
         if not ray.is_initialized():
             ray.init()  # a submitted job's cluster, RAY_ADDRESS, the one `ray start` runs here, else a new one
-        _run_pipeline(config, pending, scaling_factor, summary)
+        _run_pipeline(config, pending, scaling_factor, vocab_size, summary)
     stats = read_shard_stats(config.output.path)
     summary.manifest = {
         **summarize(stats),
@@ -102,7 +109,11 @@ def run_preprocess(config: PreprocessConfig, max_shards: int | None = None) -> P
             write_directory_index(
                 config.output.path,
                 config.output.image_column,
-                config.output.caption_column,
+                # One index, of one caption column: the ids where they are the only captions, else the embeddings
+                # (training on the ids of output.captions=both reads their footers at its first start).
+                config.output.token_id_column
+                if config.output.captions == "token_ids"
+                else config.output.caption_column,
                 rows,
                 written[0] if written else None,
             )
@@ -164,18 +175,24 @@ def _scaling_factor(model: str) -> float:
     return float(config.get("scaling_factor", 0.18215))
 
 
-def _write_unconditional(config: PreprocessConfig) -> None:
-    """The empty prompt's embedding, computed once on the driver (CPU, float32)."""
-    from sdtrain.model.encoders import encode_prompts, load_text_encoder
+def _write_unconditional(config: PreprocessConfig) -> int:
+    """The empty prompt's embedding (computed once on the driver, CPU, float32) and/or its token ids, as
+    output.captions stores captions; returns the tokenizer's vocabulary size (the bound of every stored id)."""
+    from sdtrain.model.encoders import encode_prompts, load_text_encoder, load_tokenizer, tokenize
 
-    path = join(config.output.path, UNCONDITIONAL_FILE)
-    if _exists(path):
-        return
-    tokenizer, text_encoder = load_text_encoder(config.encode.model)
-    embedding = encode_prompts(tokenizer, text_encoder, [""])[0].numpy()
-    buffer = io.BytesIO()
-    np.save(buffer, embedding, allow_pickle=False)
-    write_bytes(path, buffer.getvalue())
+    tokenizer = load_tokenizer(config.encode.model)
+    files = {}
+    if config.output.captions != "token_ids":
+        files[UNCONDITIONAL_FILE] = lambda: encode_prompts(*load_text_encoder(config.encode.model), [""])[0].numpy()
+    if config.output.captions != "embeddings":
+        files[UNCONDITIONAL_IDS_FILE] = lambda: tokenize(tokenizer, [""]).input_ids[0].numpy().astype(np.int32)
+    for name, make in files.items():
+        path = join(config.output.path, name)
+        if not _exists(path):
+            buffer = io.BytesIO()
+            np.save(buffer, make(), allow_pickle=False)
+            write_bytes(path, buffer.getvalue())
+    return len(tokenizer)
 
 
 def _exists(uri: str) -> bool:
@@ -187,7 +204,9 @@ def _exists(uri: str) -> bool:
     return fs.get_file_info(path).type == pafs.FileType.File
 
 
-def _run_pipeline(config: PreprocessConfig, pending: list[Shard], scaling_factor: float, summary: PreprocessSummary):
+def _run_pipeline(
+    config: PreprocessConfig, pending: list[Shard], scaling_factor: float, vocab_size: int, summary: PreprocessSummary
+):
     import ray
     import ray.data
 
@@ -202,6 +221,12 @@ def _run_pipeline(config: PreprocessConfig, pending: list[Shard], scaling_factor
         TEXT_ENCODER_SOURCE: config.encode.model,
         LATENT: config.encode.latent,
     }
+    columns = {"latents": config.output.image_column}
+    if config.output.captions != "token_ids":
+        columns["embeddings"] = config.output.caption_column
+    if config.output.captions != "embeddings":
+        columns["token_ids"] = config.output.token_id_column
+        metadata[TOKEN_VOCAB_SIZE] = str(vocab_size)
     # A cluster started apart from this driver sees neither storage.endpoint_url nor the driver's
     # AWS_ENDPOINT_URL: the read tasks and the encoders (a model on s3://) are handed them.
     s3 = resolved_s3_settings()
@@ -222,6 +247,7 @@ def _run_pipeline(config: PreprocessConfig, pending: list[Shard], scaling_factor
             dtype=config.encode.dtype,
             resolution=config.image.resolution,
             s3=s3,
+            captions=config.output.captions,
         ),
         batch_size=config.encode.batch_size,
         batch_format="numpy",
@@ -240,8 +266,7 @@ def _run_pipeline(config: PreprocessConfig, pending: list[Shard], scaling_factor
                         "index": int(batch["index"][i]),
                         "key": str(batch["key"][i]),
                         "caption": str(batch["caption_text"][i]),
-                        "latents": batch["latents"][i],
-                        "embeddings": batch["embeddings"][i],
+                        **{value: batch[value][i] for value in columns},
                     }
                 )
             else:
@@ -256,7 +281,7 @@ def _run_pipeline(config: PreprocessConfig, pending: list[Shard], scaling_factor
                 summary.shards_failed[name] = stats["error"]
                 continue
             rows = sorted(entry["rows"], key=lambda r: r["index"])
-            table = shard_table(rows, config.output.image_column, config.output.caption_column, metadata)
+            table = shard_table(rows, columns, metadata)
             write_shard(config.output.path, name, table, stats, config.output.row_group_rows)
             summary.shards_written.append(name)
 

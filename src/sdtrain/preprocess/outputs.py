@@ -3,11 +3,15 @@ sdtrain.data.metadata.encoder_sources).
 
 ::
 
-    <output.path>/<shard>.parquet            one file per input shard: latents, caption embeddings, caption, key
+    <output.path>/<shard>.parquet            one file per input shard: latents, caption embeddings and/or token ids
+                                             (output.captions), caption, key
     <output.path>/_shards/<shard>.json       that shard's counts and source, written after its parquet: the shard
                                              is done
     <output.path>/unconditional_caption.npy  the text encoder's embedding of "" (L x D): data.unconditional_caption
-                                             (the name: sdtrain.storage.run_layout.UNCONDITIONAL_FILE)
+                                             (the name: sdtrain.storage.run_layout.UNCONDITIONAL_FILE; not written for
+                                             output.captions: token_ids)
+    <output.path>/unconditional_caption_ids.npy  the tokenizer's ids of "" (L int32): data.unconditional_caption for
+                                             token-id data (UNCONDITIONAL_IDS_FILE; token_ids and both)
     <output.path>/manifest.json              totals: inputs read, rows written, rows skipped by reason
     <output.path>/_settings.json             the settings every run into this directory must share (RESUME_KEYS)
     <output.path>/_sdtrain_index.parquet     the dataset index (rows, sizes, versions, schema): training reads no
@@ -53,6 +57,8 @@ RESUME_KEYS = (
     "encode.seed",
     "output.image_column",
     "output.caption_column",
+    "output.captions",
+    "output.token_id_column",
 )
 
 
@@ -83,36 +89,29 @@ def check_settings(output: str, settings: dict[str, Any]) -> None:
             )
 
 
-def shard_table(
-    rows: list[dict[str, Any]], image_column: str, caption_column: str, metadata: dict[str, str]
-) -> pa.Table:
-    """The rows of one shard as a table: float16 flat lists (the layout training reads without conversion)."""
-    latents = np.stack([r["latents"] for r in rows]).astype(np.float16) if rows else np.zeros((0, 0), np.float16)
-    embeddings = np.stack([r["embeddings"] for r in rows]).astype(np.float16) if rows else np.zeros((0, 0), np.float16)
-    schema = pa.schema(
-        [
-            (image_column, pa.list_(pa.float16())),
-            (caption_column, pa.list_(pa.float16())),
-            ("caption", pa.string()),
-            ("key", pa.string()),
-        ],
-        metadata=metadata,
-    )
-    return pa.table(
-        [
-            _flat_lists(latents),
-            _flat_lists(embeddings),
-            pa.array([r["caption"] for r in rows], pa.string()),
-            pa.array([r["key"] for r in rows], pa.string()),
-        ],
-        schema=schema,
-    )
+def shard_table(rows: list[dict[str, Any]], columns: dict[str, str], metadata: dict[str, str]) -> pa.Table:
+    """The rows of one shard as a table: flat lists (the layout training reads without conversion), float16 for
+    latents and embeddings, int32 for token ids.
+
+    Args:
+        columns: each row's value to store (latents, embeddings, token_ids) and the column it goes to.
+    """
+    types = {"latents": pa.float16(), "embeddings": pa.float16(), "token_ids": pa.int32()}
+    fields, arrays = [], []
+    for value, column in columns.items():
+        dtype = types[value].to_pandas_dtype()
+        stacked = np.stack([r[value] for r in rows]).astype(dtype) if rows else np.zeros((0, 0), dtype)
+        fields.append((column, pa.list_(types[value])))
+        arrays.append(_flat_lists(stacked, types[value]))
+    fields += [("caption", pa.string()), ("key", pa.string())]
+    arrays += [pa.array([r["caption"] for r in rows], pa.string()), pa.array([r["key"] for r in rows], pa.string())]
+    return pa.table(arrays, schema=pa.schema(fields, metadata=metadata))
 
 
-def _flat_lists(values: np.ndarray) -> pa.Array:
+def _flat_lists(values: np.ndarray, value_type: pa.DataType) -> pa.Array:
     width = values.shape[1] if values.ndim == 2 else 0
     offsets = np.arange(len(values) + 1, dtype=np.int32) * width
-    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values.reshape(-1), pa.float16()))
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values.reshape(-1), value_type))
 
 
 def parquet_bytes(table: pa.Table, row_group_rows: int) -> bytes:
