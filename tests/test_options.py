@@ -17,6 +17,7 @@ from support.training import CAPTIONS, FIT, LATENTS, Watch, batches, fit
 from torch.distributed.tensor import DTensor
 
 from sdtrain.config.loader import load_config
+from sdtrain.preprocess.tiny_models import write_tiny_sd_model
 from sdtrain.sampling.captions import Captions
 from sdtrain.train.build import build_training, checkpoint_meta
 from sdtrain.train.cadence import ReportCadence
@@ -150,7 +151,11 @@ def test_each_gpu_option_trains_the_same_function(options, tmp_path):
 def test_compiled_training_with_every_other_option_under_bf16_matches_eager(tmp_path):
     """torch.compile (inductor's CPU backend, gcc: minutes, so once) of the FSDP-sharded,
     checkpointed UNet with an EMA, against the plain eager run (channels_last is compiled on the GPU
-    by tests/test_gpu.py; FSDP refuses it)."""
+    by tests/test_gpu.py; FSDP refuses it); both on captions stored as token ids, which the frozen text
+    encoder turns into embeddings in each step, outside the compiled UNet (sdtrain.model.token_captions)."""
+    model = write_tiny_sd_model(str(tmp_path / "tiny-sd"))
+    g = torch.Generator().manual_seed(0)
+    data = [{"latents": torch.randn(2, *LATENTS, generator=g), "captions": torch.randint(0, 300, (2, 77))}] * 2
     options = (
         "train.compile=true",
         "train.strategy=fsdp",
@@ -158,8 +163,10 @@ def test_compiled_training_with_every_other_option_under_bf16_matches_eager(tmp_
         "train.ema_decay=0.9",
         "train.precision=bf16-mixed",
     )
-    module, trainer, steps = fit(tiny_config(*FIT, *options, steps=2), batches(2), default_root_dir=str(tmp_path))
-    _, _, eager = fit(tiny_config(*FIT, "train.precision=bf16-mixed", steps=2), batches(2))
+    with_ids = dict(caption_shape=(77, 32), text_encoder=model)
+    module, trainer, steps = fit(tiny_config(*FIT, *options, steps=2), data, default_root_dir=str(tmp_path), **with_ids)
+    _, _, eager = fit(tiny_config(*FIT, "train.precision=bf16-mixed", steps=2), data, **with_ids)
+    assert module.caption_encoder is not None
     assert trainer.global_step == 2 and module.unet._compiled_call_impl is not None
     assert isinstance(module.unet.conv_in.weight, DTensor)
     assert steps[0]["loss"] == pytest.approx(eager[0]["loss"], rel=2e-2)

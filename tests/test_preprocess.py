@@ -4,6 +4,7 @@ rows among them; parquet, WebDataset tars and a folder in; parquet that training
 
 from __future__ import annotations
 
+import csv
 import io
 import json
 import os
@@ -556,15 +557,31 @@ def test_webdataset_tars_and_an_image_folder(tmp_path, tiny_model, ray_cluster):
 
     rows = write_folder_input(tmp_path / "images")
     config = config_for(
-        tmp_path / "folder", tiny_model, "input.caption_column=text", fmt="folder", source=tmp_path / "images"
+        tmp_path / "folder",
+        tiny_model,
+        "input.caption_column=text",
+        "output.captions=token_ids",
+        fmt="folder",
+        source=tmp_path / "images",
     )
     summary = run_preprocess(config)
     manifest = summary.manifest
     assert manifest["inputs_read"] == len(rows)
     assert manifest["skipped_by_reason"] == _skips(rows)
-    files = sorted((tmp_path / "folder" / "latents").glob(SHARD_FILES))
+    output = tmp_path / "folder" / "latents"
+    files = sorted(output.glob(SHARD_FILES))
     keys = sorted(k for f in files for k in pq.read_table(f).column("key").to_pylist())
     assert keys == sorted(f"{i:03d}.jpg" for i, r in enumerate(rows) if r[2] is None)
+    # Captions as token ids alone: no embeddings anywhere, the empty prompt's ids, an index of the ids column.
+    assert {"caption_ids", "image_latents_256"} <= set(pq.read_schema(files[0]).names)
+    assert "caption_latents" not in pq.read_schema(files[0]).names
+    assert (output / "unconditional_caption_ids.npy").is_file() and not (output / "unconditional_caption.npy").exists()
+    from sdtrain.data.dataset_index import index_dataset
+
+    indexed = index_dataset(
+        [str(output)], "data.train", "image_latents_256", "caption_ids", 4, 32, str(tmp_path / "run-index.parquet")
+    )
+    assert indexed.stats.footers_read == 0 and indexed.spec.token_ids.text_encoder == tiny_model
 
 
 # --- on object storage ---
@@ -745,29 +762,41 @@ def test_inputs_model_and_output_on_s3_resumed_and_trained_on(tmp_path, tiny_mod
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_images_to_latents_to_training_to_prompted_pipeline(tmp_path, tiny_model, ray_cluster):
-    """preprocess -> train a few steps -> generate.py --prompt -> PNGs; the run's export is a diffusers pipeline
-    that from_pretrained loads and prompts."""
+    """preprocess (captions stored both ways) -> train a few steps on the token ids, encoded in the step, with
+    accumulation, an EMA, validation and sample grids -> generate.py --prompt -> PNGs; the run's export is a
+    diffusers pipeline that from_pretrained loads and prompts."""
     from diffusers import DiffusionPipeline
 
     from sdtrain.artifacts.loading import load_model
     from sdtrain.config.loader import load_config
+    from sdtrain.data.metadata import TEXT_ENCODER_SOURCE, TOKEN_VOCAB_SIZE
     from sdtrain.driver import train
     from sdtrain.preprocess.job import run_preprocess
 
     write_parquet_input(tmp_path / "input", files=2)
-    run_preprocess(config_for(tmp_path, tiny_model))
+    run_preprocess(config_for(tmp_path, tiny_model, "output.captions=both"))
     latents = tmp_path / "latents"
+    shard = pq.read_table(sorted(latents.glob("*.parquet"))[0])
+    assert shard.schema.field("caption_ids").type == pa.list_(pa.int32())
+    assert shard.schema.field("caption_latents").type == pa.list_(pa.float16())
+    assert shard.schema.metadata[TEXT_ENCODER_SOURCE.encode()] == tiny_model.encode()
+    assert int(shard.schema.metadata[TOKEN_VOCAB_SIZE.encode()]) == len(load_text_encoder(tiny_model)[0])
+    assert np.load(latents / "unconditional_caption_ids.npy").dtype == np.int32
     summary = train(
         load_config(
             None,
             [
                 f"data.train={latents}",
-                f"data.unconditional_caption={latents / 'unconditional_caption.npy'}",
+                f"data.val={latents}",
+                "data.caption_column=caption_ids",
+                f"data.unconditional_caption={latents / 'unconditional_caption_ids.npy'}",
                 "data.shuffle_chunk_rows=4",
                 "data.shuffle_window_rows=8",
                 "model.preset=tiny",
                 "train.max_steps=4",
                 "train.global_batch_size=4",
+                "train.micro_batch_size=2",
+                "train.ema_decay=0.9",
                 "train.warmup_steps=1",
                 "train.caption_dropout_prob=0.1",
                 "scaling.num_workers=1",
@@ -781,6 +810,16 @@ def test_images_to_latents_to_training_to_prompted_pipeline(tmp_path, tiny_model
     )
     assert summary.final_step == 4
     run_dir = tmp_path / "runs" / "loop"
+    with open(run_dir / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert np.isfinite(float(rows[-1]["val_loss"]))
+    assert list((run_dir / "samples").glob("*.png")), "no sample grid of the token-id captions"
+    trained = load_model(str(run_dir / "checkpoint_000000004"))
+    assert trained.meta.text_encoder == tiny_model and trained.meta.caption_shape == (77, 32)
+    # The empty prompt's ids, encoded by the run's text encoder: the embedding preprocessing stored for them.
+    torch.testing.assert_close(
+        trained.unconditional_caption, torch.from_numpy(np.load(latents / "unconditional_caption.npy")), atol=1e-5
+    )
 
     out = tmp_path / "samples"
     result = subprocess.run(

@@ -413,12 +413,17 @@ def test_an_unreadable_file_fails_the_run_at_once_naming_it(ray_cluster, tmp_pat
     assert sum(row["skipped_samples"] for row in history) == 16  # the damaged row group, each row once
 
 
-def _rows_with_a_nan(path, rows, nan_row, seed):
+def _rows_with_a_nan(path, rows, nan_row, seed, text_encoder=None):
+    """``rows`` rows whose ``nan_row`` holds a NaN latent; ``text_encoder``: captions as its token ids (random, in its
+    vocabulary, in caption_ids), else embeddings."""
     latents, captions = write_latents(path, rows=rows, dtype="float32", seed=seed)
     latents[nan_row, 0, 0, 0] = np.nan  # row 0 stays finite: the pre-flight check reads it
     import pyarrow as pa
-    from conftest import column
+    from conftest import column, token_id_table
 
+    if text_encoder is not None:
+        pq.write_table(token_id_table(latents, text_encoder, seed), path)
+        return
     pq.write_table(
         pa.table({"image_latents_256": column(latents, "list"), "caption_latents": column(captions, "list")}), path
     )
@@ -457,15 +462,25 @@ def test_bf16_with_clipping_and_ema_skips_a_nan_step_on_both_ddp_ranks(ray_clust
 def test_fsdp_on_two_cpu_workers_validates_with_its_ema_and_resumes_on_one(ray_cluster, tmp_path):
     """FSDP2 over gloo, bf16 with clipping: weights, optimizer state and EMA sharded over 2 workers,
     validation run by both, a NaN row's step skipped on both (their gradients are sharded: the norm
-    is all-reduced), checkpoints in DDP's format (one full file); resumed at world size 1."""
-    _rows_with_a_nan(tmp_path / "train/a.parquet", rows=32, nan_row=13, seed=6)
-    write_latents(tmp_path / "val/v.parquet", rows=8, dtype="float32", seed=7)
+    is all-reduced), checkpoints in DDP's format (one full file); resumed at world size 1. The captions are
+    token ids: each worker encodes them with its own whole copy of the frozen text encoder, which FSDP leaves
+    alone and no checkpoint holds."""
+    from sdtrain.model.token_captions import CaptionEncoder, load_frozen_text_encoder
+    from sdtrain.preprocess.tiny_models import write_tiny_sd_model
+
+    text_encoder = write_tiny_sd_model(str(tmp_path / "tiny-sd"))
+    _rows_with_a_nan(tmp_path / "train/a.parquet", rows=32, nan_row=13, seed=6, text_encoder=text_encoder)
+    latents, _ = write_latents(tmp_path / "val/v.parquet", rows=8, dtype="float32", seed=7)
+    from conftest import token_id_table
+
+    pq.write_table(token_id_table(latents, text_encoder, seed=7), tmp_path / "val/v.parquet")
     run_dir = tmp_path / "runs" / "fsdp"
 
     def config(max_steps, workers):
         return tiny_config(
             f"data.train={tmp_path}/train",
             f"data.val={tmp_path}/val",
+            "data.caption_column=caption_ids",
             "train.strategy=fsdp",
             "train.precision=bf16-mixed",
             "train.ema_decay=0.9",
@@ -487,16 +502,26 @@ def test_fsdp_on_two_cpu_workers_validates_with_its_ema_and_resumes_on_one(ray_c
     loaded = load_model(str(run_dir / "checkpoint_000000004"))
     unet, scheduler = loaded.unet, loaded.noise_scheduler
     assert loaded.weights == "ema" and loaded.meta.config["train"]["strategy"] == "fsdp"
+    assert loaded.meta.text_encoder == text_encoder
+    saved = torch.load(run_dir / "checkpoint_000000004" / CHECKPOINT_FILE, weights_only=True)
+    assert not any("text_model" in key for key in saved["state_dict"])
     val = decode_batch(
-        pq.read_table(tmp_path / "val/v.parquet"), "image_latents_256", "caption_latents", (4, 16, 16), (77, 32)
+        pq.read_table(tmp_path / "val/v.parquet"), "image_latents_256", "caption_ids", (4, 16, 16), (77,)
     )
+    assert val["captions"].dtype == np.int32
     batches = [{k: torch.from_numpy(v[i : i + 4]) for k, v in val.items()} for i in range(0, 8, 4)]
+    encoder = CaptionEncoder(load_frozen_text_encoder(text_encoder, use_gpu=False))
+
+    def embed(ids):
+        return encoder(ids).float()
+
     # Validated under the training step's bf16 autocast (sdtrain.train.device_settings.training_autocast), not in
     # float32 (1e-4 apart here).
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        under_autocast = validation_loss(unet, scheduler, batches, seed=0)
+        under_autocast = validation_loss(unet, scheduler, batches, seed=0, embed=embed)
     assert under_autocast == pytest.approx(history[-1]["val_loss"], rel=1e-5)
-    assert validation_loss(unet, scheduler, batches, seed=0) != pytest.approx(history[-1]["val_loss"], rel=1e-5)
+    float32 = validation_loss(unet, scheduler, batches, seed=0, embed=embed)
+    assert float32 != pytest.approx(history[-1]["val_loss"], rel=1e-5)
 
     summary = train(config(8, workers=1))
     assert summary.final_step == 8

@@ -147,14 +147,15 @@ def _check_data(config: Config, run_dir: str) -> tuple[IndexedDataset, IndexedDa
     val_data = indexed_dataset(config, "data.val", config.data.val, unet, run_dir) if config.data.val else None
     train = train_data.spec
     _check_shapes_agree(train, val_data.spec if val_data is not None else None)
-    check_unet(config.model, train.latent_shape, train.caption_shape)  # on the meta device, in a second
-    load_unconditional_caption(config.data.unconditional_caption, train.caption_shape)
+    captions = train.embedding_shape(unet["cross_attention_dim"])
+    check_unet(config.model, train.latent_shape, captions)  # on the meta device, in a second
+    load_unconditional_caption(config.data.unconditional_caption, captions, token_ids=train.token_ids is not None)
     stored_scale = stored_latent_scaling(
         [(data.schema_file, data.schema_metadata) for data in (train_data, val_data) if data is not None], config.data
     )
     print(
         f"[sdtrain] data.train: {train.num_rows} rows in {len(train.files)} file(s), latents "
-        f"{train.latent_shape}, captions {train.caption_shape}; "
+        f"{train.latent_shape}, captions {_describe_captions(train)}; "
         f"{train.num_rows // config.train.global_batch_size} steps per epoch",
         flush=True,
     )
@@ -200,7 +201,9 @@ def build_trainer(run: CheckedRun, launched_at: float) -> TorchTrainer:
     }
     if run.val is not None:
         datasets["val"] = file_order_dataset(run.val, config.data, "data.val")
-    meta = checkpoint_meta(config, run.train.latent_shape, run.train.caption_shape, run.stored_scale)
+    captions = run.train.embedding_shape(unet_config(config.model)["cross_attention_dim"])
+    text_encoder = run.train.token_ids.text_encoder if run.train.token_ids is not None else None
+    meta = checkpoint_meta(config, run.train.latent_shape, captions, run.stored_scale, text_encoder)
     return TorchTrainer(
         train_loop_per_worker,
         train_loop_config={
@@ -321,11 +324,21 @@ def indexed_dataset(config: Config, key: str, specs: list[str], unet: Mapping, r
     )
 
 
+def _describe_captions(spec: DatasetSpec) -> str:
+    if spec.token_ids is None:
+        return str(spec.caption_shape)
+    return f"{spec.caption_shape[0]} token ids for {spec.token_ids.text_encoder} (encoded in the step)"
+
+
 def _check_shapes_agree(train: DatasetSpec, val: DatasetSpec | None) -> None:
-    if val is not None and (val.latent_shape, val.caption_shape) != (train.latent_shape, train.caption_shape):
+    if val is None:
+        return
+    if (val.latent_shape, val.caption_shape) != (train.latent_shape, train.caption_shape) or (
+        val.token_ids and val.token_ids.text_encoder
+    ) != (train.token_ids and train.token_ids.text_encoder):
         raise ConfigError(
-            f"data.val holds latents {val.latent_shape} and captions {val.caption_shape}, but data.train "
-            f"holds {train.latent_shape} and {train.caption_shape}; validation data must match training data"
+            f"data.val holds latents {val.latent_shape} and captions {_describe_captions(val)}, but data.train "
+            f"holds {train.latent_shape} and {_describe_captions(train)}; validation data must match training data"
         )
 
 

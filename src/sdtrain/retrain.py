@@ -32,6 +32,7 @@ from sdtrain.data.local_read import iter_local_batches
 from sdtrain.data.parquet_files import resolve_parquet_files
 from sdtrain.driver import dataset_spec, train
 from sdtrain.errors import ConfigError, DataError
+from sdtrain.model.token_captions import CaptionEncoder, load_frozen_text_encoder
 from sdtrain.model.validation import validation_loss
 from sdtrain.preflight import preflight
 from sdtrain.storage.filesystems import filesystem_for
@@ -325,7 +326,14 @@ def heldout_loss(config: Config, unet, scheduler) -> float:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     batches = iter_local_batches(spec, config.data, EVAL_BATCH_SIZE)
     latent_scale = config.data.latent_scaling_factor or 1.0
-    return validation_loss(unet.to(device), scheduler, batches, seed=config.train.seed, latent_scale=latent_scale)
+    embed = None
+    if spec.token_ids is not None:  # both models see the same float32 embeddings of the ids
+        source = spec.token_ids.text_encoder
+        encoder = CaptionEncoder(load_frozen_text_encoder(source, use_gpu=False), source).to(device)
+        embed = lambda ids: encoder(ids).float()  # noqa: E731
+    return validation_loss(
+        unet.to(device), scheduler, batches, seed=config.train.seed, latent_scale=latent_scale, embed=embed
+    )
 
 
 def _decide(

@@ -60,9 +60,9 @@ class Watch(pl.Callback):
         )
 
 
-def fit(cfg, data, use_gpu=False, callbacks=(), **kwargs):
+def fit(cfg, data, use_gpu=False, callbacks=(), caption_shape=CAPTIONS, text_encoder=None, **kwargs):
+    """``text_encoder``: the data's captions are token ids for it (then ``caption_shape`` is its output's)."""
     watch = Watch()
-    module, trainer = fit_without_ray(
-        cfg, data, checkpoint_meta(cfg, LATENTS, CAPTIONS), use_gpu=use_gpu, callbacks=[watch, *callbacks], **kwargs
-    )
+    meta = checkpoint_meta(cfg, LATENTS, caption_shape, text_encoder=text_encoder)
+    module, trainer = fit_without_ray(cfg, data, meta, use_gpu=use_gpu, callbacks=[watch, *callbacks], **kwargs)
     return module, trainer, watch.steps

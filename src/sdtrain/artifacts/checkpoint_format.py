@@ -38,7 +38,7 @@ class CheckpointMeta:
     latent_shape: tuple[int, ...]
     """C x H x W of the training latents."""
     caption_shape: tuple[int, ...]
-    """L x D of the caption embeddings."""
+    """L x D of the caption embeddings the UNet sees (for token-id data: the text encoder's output)."""
     latent_scale: float = 1.0
     """The factor training multiplies stored latents by as it reads them (1.0: stored already scaled)."""
     latent_scaling_factor: float | None = None
@@ -46,6 +46,9 @@ class CheckpointMeta:
     (what decoding samples divides by)."""
     config: dict[str, Any] = field(default_factory=dict)
     """The run's config (``Config.to_dict()``)."""
+    text_encoder: str | None = None
+    """For data of caption token ids: the text encoder (local path, storage URI or hub id) every worker encodes them
+    with in the step (sdtrain.model.token_captions); None: the data holds embeddings."""
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (lists, not tuples) for ``torch.load(weights_only=True)`` and JSON."""

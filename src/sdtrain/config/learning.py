@@ -27,7 +27,9 @@ class DataConfig(Section):
     latent_column: str = "image_latents_256"
     """Column holding the image latents, C*H*W values a row (flat list, fixed-size list or Ray tensor)."""
     caption_column: str = "caption_latents"
-    """Column holding the caption embeddings, L*D values a row, D = the UNet's cross_attention_dim."""
+    """Column holding the caption embeddings, L*D values a row, D = the UNet's cross_attention_dim; or the captions'
+    token ids (L integers a row, e.g. preprocessing's caption_ids), which each worker encodes in the step with the
+    text encoder the files name (docs/data.md, Captions as token ids)."""
     demo: bool = False
     """Generate the digits demo dataset into data.train / data.val (one directory each) if they are empty."""
     prefetch_batches: int = 2
@@ -54,7 +56,9 @@ class DataConfig(Section):
     file's parquet metadata says its latents are already scaled (key sdtrain.latent_scaling_factor)."""
     unconditional_caption: str = "zeros"
     """The caption embedding of the empty prompt, which caption dropout substitutes and classifier-free guidance
-    samples against: zeros, or a .npy file (L x D, the text encoder's output for "") readable by every node."""
+    samples against: zeros, or a .npy file (L x D, the text encoder's output for "") readable by every node; for
+    data of token ids also the empty prompt's L ids (preprocessing's unconditional_caption_ids.npy), which each
+    worker encodes."""
 
     def __post_init__(self):
         if self.demo and (len(self.train) != 1 or len(self.val) > 1):

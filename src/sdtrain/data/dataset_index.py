@@ -407,6 +407,7 @@ def index_dataset(
         latent_shape,
         caption_shape,
         digest,
+        token_ids=checked.token_ids(key),
     )
     return IndexedDataset(dataset, stats, index, stale)
 

@@ -4,6 +4,8 @@ Three encodings are read: a flat list of floats per row (the Anyscale notebook's
 fixed-size list, and Ray Data's tensor extension type (what ``Dataset.write_parquet`` writes
 for ndarray columns). Values stay float16 or float32, as stored: the cast to the training
 dtype happens on the device, so the object store moves half the bytes for float16 data.
+A caption column may instead hold integers: token ids, read as int32 and encoded in the training step
+(sdtrain.model.token_captions).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import pyarrow.compute as pc
 from sdtrain.errors import DataError
 
 _FLOAT_TYPES = {pa.float16(): np.float16, pa.float32(): np.float32, pa.float64(): np.float64}
+_ID_TYPES = (pa.int32(), pa.int64(), pa.uint16(), pa.uint32())
 
 
 @dataclass(frozen=True)
@@ -28,6 +31,11 @@ class ColumnLayout:
     value_type: pa.DataType
     values_per_row: int | None  # None for a variable-size list: known only from a row
     shape: tuple[int, ...] | None  # only the tensor type records the shape itself
+
+    @property
+    def token_ids(self) -> bool:
+        """Integers: caption token ids, not embeddings."""
+        return self.value_type in _ID_TYPES
 
     def describe(self) -> str:
         if self.encoding == "tensor":
@@ -59,14 +67,15 @@ def column_layout(field: pa.Field) -> ColumnLayout:
     if shape is not None:
         encoding, values_per_row = "tensor", int(np.prod(shape))
     value_type = tp.value_type
-    if value_type not in _FLOAT_TYPES:
+    if value_type not in _FLOAT_TYPES and value_type not in _ID_TYPES:
         nested = " (nested lists are not read: store the values flat)" if pa.types.is_list(value_type) else ""
-        raise DataError(f"holds {value_type} values{nested}; expected float16 or float32")
+        raise DataError(f"holds {value_type} values{nested}; expected float16 or float32 (or int32 token ids)")
     return ColumnLayout(encoding, value_type, values_per_row, tuple(shape) if shape is not None else None)
 
 
 def to_array(column: pa.ChunkedArray | pa.Array, shape: tuple[int, ...], name: str) -> np.ndarray:
-    """Rows of ``column`` as one (rows, *shape) float16/float32 array; DataError if a row does not fit."""
+    """Rows of ``column`` as one (rows, *shape) float16/float32 array (int32 for token ids); DataError if a row does
+    not fit."""
     array = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
     if isinstance(array, pa.ExtensionArray):
         array = array.storage
@@ -86,6 +95,8 @@ def to_array(column: pa.ChunkedArray | pa.Array, shape: tuple[int, ...], name: s
     values = array.flatten().to_numpy(zero_copy_only=False)
     if values.dtype == np.float64:
         values = values.astype(np.float32)
+    elif values.dtype.kind in "iu" and values.dtype != np.int32:  # token ids: below any vocabulary's 2**31
+        values = values.astype(np.int32)
     return values.reshape((len(array), *shape))
 
 
@@ -94,9 +105,10 @@ def decode_batch(
     image_column: str,
     caption_column: str,
     latent_shape: tuple[int, int, int],
-    caption_shape: tuple[int, int],
+    caption_shape: tuple[int, ...],
 ) -> dict[str, np.ndarray]:
-    """A Ray Data ``map_batches`` function: arrow rows -> ``latents`` (N,C,H,W) and ``captions`` (N,L,D)."""
+    """A Ray Data ``map_batches`` function: arrow rows -> ``latents`` (N,C,H,W) and ``captions`` (N,L,D), or (N,L)
+    int32 token ids."""
     try:
         return {
             "latents": to_array(batch.column(image_column), latent_shape, image_column),

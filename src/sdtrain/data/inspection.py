@@ -22,7 +22,14 @@ import pyarrow.parquet as pq
 import ray.data  # noqa: F401
 
 from sdtrain.data.decode import ColumnLayout, column_layout, to_array
-from sdtrain.data.metadata import LATENT_SCALING_FACTOR, describe_scaling, latent_scaling
+from sdtrain.data.metadata import (
+    LATENT_SCALING_FACTOR,
+    TEXT_ENCODER_SOURCE,
+    TokenIds,
+    describe_scaling,
+    latent_scaling,
+    token_ids,
+)
 from sdtrain.errors import DataError
 from sdtrain.storage.filesystems import filesystem_for
 from sdtrain.storage.uris import split_s3
@@ -36,14 +43,24 @@ class DatasetSpec:
     files: tuple[str, ...]
     rows_per_file: tuple[int, ...]
     latent_shape: tuple[int, int, int]
-    caption_shape: tuple[int, int]
+    caption_shape: tuple[int, ...]
+    """What a row of the caption column holds: L x D embeddings, or L token ids (``token_ids`` set)."""
     content_digest: str = ""
     """sha256 (16 hex) of each file's (path, size, version = ETag or mtime_ns), in file order: a file
     rewritten in place changes it (sdtrain.data.dataset_index). Empty where sizes and versions are unknown."""
+    token_ids: TokenIds | None = None
+    """The caption column holds token ids, encoded in the training step by this text encoder; None: embeddings."""
 
     @property
     def num_rows(self) -> int:
         return sum(self.rows_per_file)
+
+    def embedding_shape(self, cross_attention_dim: int) -> tuple[int, int]:
+        """L x D of the captions the UNet sees: as stored, or the text encoder's output for token ids (whose width
+        the data check found equal to the UNet's ``cross_attention_dim``)."""
+        if self.token_ids is None:
+            return (self.caption_shape[0], self.caption_shape[1])
+        return (self.caption_shape[0], cross_attention_dim)
 
 
 @dataclass(frozen=True)
@@ -57,6 +74,12 @@ class CheckedSchema:
 
     def layouts(self, key: str) -> tuple[ColumnLayout, ColumnLayout]:
         return column_layouts(key, self.file, self.schema, self.image_column, self.caption_column)
+
+    def token_ids(self, key: str) -> TokenIds | None:
+        """What the caption column's token ids are for (its file's metadata); None for embeddings."""
+        if not self.layouts(key)[1].token_ids:
+            return None
+        return token_ids(self.schema.metadata, f"{key}: {self.file}, column {self.caption_column!r}")
 
 
 def inspect_dataset(
@@ -75,7 +98,7 @@ def inspect_dataset(
     file = files[next(i for i, n in enumerate(rows) if n)]
     row = first_row(file, key, [image_column, caption_column])
     latent_shape, caption_shape = check_shapes(key, checked, in_channels, cross_attention_dim, row, file)
-    return DatasetSpec(tuple(files), tuple(rows), latent_shape, caption_shape)
+    return DatasetSpec(tuple(files), tuple(rows), latent_shape, caption_shape, token_ids=checked.token_ids(key))
 
 
 def column_layouts(
@@ -93,6 +116,11 @@ def column_layouts(
             layouts.append(column_layout(schema.field(column)))
         except DataError as e:
             raise DataError(f"{key}: {file}, column {column!r} ({role}) {e}") from None
+    if layouts[0].token_ids:
+        raise DataError(
+            f"{key}: {file}, column {image_column!r} (data.latent_column) holds {layouts[0].value_type} values; "
+            "latents are float16 or float32"
+        )
     return layouts[0], layouts[1]
 
 
@@ -105,6 +133,16 @@ def check_same_layouts(key: str, file: str, schema: pa.Schema, reference: Checke
             raise DataError(
                 f"{key}: column {column!r} is a {layout.describe()} in {file} but a "
                 f"{first.describe()} in {reference.file}; every file must store it the same way"
+            )
+    if mine[1].token_ids:
+        encoder, first_encoder = (
+            (s.metadata or {}).get(TEXT_ENCODER_SOURCE.encode(), b"").decode() for s in (schema, reference.schema)
+        )
+        if encoder != first_encoder:
+            # One text encoder encodes every row in the step: ids of another tokenizer would mean other words.
+            raise DataError(
+                f"{key}: {file} holds token ids for the text encoder {encoder!r} but {reference.file} for "
+                f"{first_encoder!r} ({TEXT_ENCODER_SOURCE}); every file of a dataset must hold ids of one tokenizer"
             )
     scale, first_scale = latent_scaling(schema.metadata), latent_scaling(reference.schema.metadata)
     if scale != first_scale:
@@ -218,8 +256,9 @@ def check_shapes(
     row: pa.Table | None,
     row_file: str,
     recorded: tuple[tuple[int, ...], tuple[int, ...]] | None = None,
-) -> tuple[tuple[int, int, int], tuple[int, int]]:
-    """(latent shape, caption shape) of the checked columns, checked against the model.
+) -> tuple[tuple[int, int, int], tuple[int, ...]]:
+    """(latent shape, caption shape) of the checked columns, checked against the model; for token ids, the text
+    encoder they name too (its width and vocabulary: sdtrain.model.token_captions.check_text_encoder).
 
     Variable-size lists have their values per row from ``recorded`` (the shapes an index recorded: their product),
     else from ``row`` (the first row of ``row_file``); ``row``, when given, is checked to fit the shapes and to
@@ -240,6 +279,17 @@ def check_shapes(
                 raise DataError(f"{key}: {row_file}: {e}") from None
             if not np.isfinite(values).all():
                 raise DataError(f"{key}: {row_file}, column {column!r}: the first row holds NaN or infinite values")
+    ids = checked.token_ids(key)
+    if ids is not None:
+        from sdtrain.model.token_captions import check_text_encoder  # torch and transformers: not in read tasks
+
+        stored_max = None
+        if row is not None:
+            values = to_array(row.column(caption), caption_shape, caption)
+            if values.min() < 0:
+                raise DataError(f"{key}: {row_file}, column {caption!r}: the first row holds a negative token id")
+            stored_max = int(values.max())
+        check_text_encoder(ids, f"{key}: {checked.file}, column {caption!r}", cross_attention_dim, stored_max)
     return latent_shape, caption_shape
 
 
@@ -275,8 +325,12 @@ def _latent_shape(key, file, column, layout, row, in_channels, recorded=None) ->
     return (in_channels, side, side)
 
 
-def _caption_shape(key, file, column, layout, row, cross_attention_dim, recorded=None) -> tuple[int, int]:
+def _caption_shape(key, file, column, layout, row, cross_attention_dim, recorded=None) -> tuple[int, ...]:
     where = f"{key}: {file}, column {column!r} (data.caption_column)"
+    if layout.token_ids:
+        if layout.shape is not None and len(layout.shape) != 1:
+            raise DataError(f"{where} holds token ids of shape {layout.shape}; expected (L,): one id per position")
+        return (_values_per_row(where, layout, row, column, recorded),)
     if layout.shape is not None:
         if len(layout.shape) != 2 or layout.shape[1] != cross_attention_dim:
             raise DataError(

@@ -47,6 +47,8 @@ class ReadSettings:
     on_read_error: str
     latent_shape: tuple[int, ...]
     caption_shape: tuple[int, ...]
+    token_ids: bool = False
+    """The caption column holds int32 token ids (else float embeddings)."""
 
 
 class FileTable:
@@ -117,9 +119,10 @@ class WindowRead:
         order = window.order()
         destination = np.full(sum(len(valid) for _, _, valid in pieces), -1)
         destination[order] = np.arange(len(order))
-        dtype = np.result_type(*(latents for latents, _, _ in pieces))  # skipped rows must not widen float16
+        # Skipped rows (zeros of the narrowest type) must not widen float16; token ids stay int32.
+        dtype = np.result_type(*(latents for latents, _, _ in pieces))
         latents = np.empty((len(order), *settings.latent_shape), dtype)
-        captions = np.empty((len(order), *settings.caption_shape), dtype)
+        captions = np.empty((len(order), *settings.caption_shape), np.result_type(*(c for _, c, _ in pieces)))
         valid = np.empty(len(order), bool)
         first = 0
         for piece in pieces:
@@ -186,7 +189,8 @@ class WindowRead:
         log.warning("skipping rows %d-%d of %s: %s", start, stop - 1, file, reason)
         return (
             np.zeros((stop - start, *self.settings.latent_shape), np.float16),
-            np.zeros((stop - start, *self.settings.caption_shape), np.float16),
+            # Token ids: 0 is an id like any other, and these rows carry valid=False: the loss leaves them out.
+            np.zeros((stop - start, *self.settings.caption_shape), np.int32 if self.settings.token_ids else np.float16),
             np.zeros(stop - start, bool),
         )
 
@@ -200,7 +204,12 @@ class WindowReader:
         self.reads_per_worker = data.reads_per_worker
         self.files = FileTable(spec.files)
         self.settings = ReadSettings(
-            data.latent_column, data.caption_column, data.on_read_error, spec.latent_shape, spec.caption_shape
+            data.latent_column,
+            data.caption_column,
+            data.on_read_error,
+            spec.latent_shape,
+            spec.caption_shape,
+            spec.token_ids is not None,
         )
 
     def task(self, window: Window) -> WindowRead:

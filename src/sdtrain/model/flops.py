@@ -64,6 +64,18 @@ def unet_train_step_flops(
     return TRAIN_STEP_FACTOR * unet_forward_flops(unet_config, latent_shape, caption_shape, batch_size)
 
 
+def text_encoder_forward_flops(text_encoder_config: Any, length: int = 77, batch_size: int = 1) -> int:
+    """FLOPs of one forward pass of ``CLIPTextModel(text_encoder_config)`` on ``batch_size`` rows of ``length`` token
+    ids, counted on the meta device: the in-step encoding of token-id captions (sdtrain.model.token_captions), a
+    forward only (the encoder is frozen)."""
+    from transformers import CLIPTextModel
+
+    with torch.device("meta"):
+        encoder = CLIPTextModel(text_encoder_config)
+        ids = torch.zeros(batch_size, length, dtype=torch.long)
+    return forward_flops(encoder, ids)
+
+
 def mfu(images_per_s: float, train_step_flops_per_image: float, peak_flops: float) -> float:
     """Model FLOPs utilization: achieved model FLOP/s over the hardware's peak FLOP/s."""
     return images_per_s * train_step_flops_per_image / peak_flops

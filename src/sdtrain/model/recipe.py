@@ -144,11 +144,15 @@ def step_inputs(
     return StepInputs(noisy, captions, training_target(noise_scheduler, latents, noise, timesteps), dropped)
 
 
-def load_unconditional_caption(source: str, caption_shape: tuple[int, int] | list[int]) -> torch.Tensor:
-    """The embedding dropped captions are replaced with: zeros, or an empty-prompt embedding from a .npy file.
+def load_unconditional_caption(
+    source: str, caption_shape: tuple[int, ...] | list[int], token_ids: bool = False
+) -> torch.Tensor:
+    """What dropped captions are replaced with: zeros, or the empty prompt's embedding from a .npy file; for data of
+    token ids (``token_ids``), also the empty prompt's ids (L int values; sdtrain.train.build encodes them with the
+    run's text encoder).
 
-    The file holds the text encoder's output for the empty prompt "", (L, D) or (1, L, D), with
-    the dataset's caption shape. Read without unpickling (allow_pickle=False).
+    The embedding file holds the text encoder's output for the empty prompt "", (L, D) or (1, L, D), with the
+    dataset's caption shape (``caption_shape``: L x D). Read without unpickling (allow_pickle=False).
     """
     shape = tuple(int(n) for n in caption_shape)
     if source == "zeros":
@@ -161,8 +165,20 @@ def load_unconditional_caption(source: str, caption_shape: tuple[int, int] | lis
             array = np.load(f, allow_pickle=False)
     except (OSError, ValueError) as e:
         raise ConfigError(f"data.unconditional_caption: cannot read {source} as a .npy array: {e}") from None
-    if array.ndim == 3 and array.shape[0] == 1:
+    if array.ndim in (2, 3) and array.shape[0] == 1:
         array = array[0]
+    if array.dtype.kind in "iu":
+        if not token_ids:
+            raise ConfigError(
+                f"data.unconditional_caption: {source} holds token ids, but the data holds caption embeddings: give "
+                "the empty prompt's embedding (preprocessing's unconditional_caption.npy)"
+            )
+        if tuple(array.shape) != shape[:1]:
+            raise ConfigError(
+                f"data.unconditional_caption: {source} holds ids of shape {tuple(array.shape)}, but the dataset's "
+                f"captions are {shape[0]} token ids; save the empty prompt's ids from the same tokenizer"
+            )
+        return torch.from_numpy(array.astype(np.int64))
     if tuple(array.shape) != shape:
         raise ConfigError(
             f"data.unconditional_caption: {source} holds an array of shape {tuple(array.shape)}, but the "

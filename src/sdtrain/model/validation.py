@@ -12,7 +12,7 @@ no offset noise, perturbation, caption dropout or min-SNR weights.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -29,10 +29,11 @@ def validation_loss(
     batches: Iterable[dict[str, torch.Tensor]],
     seed: int = 0,
     latent_scale: float = 1.0,
+    embed: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> float:
     """Mean prediction MSE over every sample in ``batches`` (in the order given), the stored latents
-    multiplied by ``latent_scale`` first (as training does)."""
-    loss_sum, count = validation_sums(unet, noise_scheduler, batches, seed, latent_scale)
+    multiplied by ``latent_scale`` first (as training does); ``embed``: as for :func:`validation_sums`."""
+    loss_sum, count = validation_sums(unet, noise_scheduler, batches, seed, latent_scale, embed=embed)
     if count == 0:
         raise ValueError("the validation set yielded no samples")
     return loss_sum / count
@@ -47,8 +48,11 @@ def validation_sums(
     latent_scale: float = 1.0,
     rank: int = 0,
     world_size: int = 1,
+    embed: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[float, int]:
-    """(sum of per-sample losses, samples) over the samples ``rank``, ``rank + world_size``, ... of ``batches``.
+    """(sum of per-sample losses, samples) over the samples ``rank``, ``rank + world_size``, ... of ``batches``;
+    ``embed`` turns a batch's stored captions (on the device) into float embeddings (token ids: the text encoder,
+    sdtrain.model.token_captions); default: they are embeddings.
 
     A sample's noise and timestep depend on its index in the whole set only, so the ranks' sums add up
     to the single-process sum, whatever the world size.
@@ -69,7 +73,8 @@ def validation_sums(
         latents = batch["latents"][rows].to(device).float()
         if latent_scale != 1.0:
             latents = latents * latent_scale
-        captions = batch["captions"][rows].to(device).float()
+        captions = batch["captions"][rows].to(device)
+        captions = embed(captions) if embed is not None else captions.float()
         noise = torch.stack(
             [
                 torch.randn(latents.shape[1:], generator=torch.Generator().manual_seed(seed * 1_000_003 + i))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,9 +21,16 @@ class Captions:
     labels: list[Any] | None = None
 
 
-def read_captions(path: str, caption_dim: int, column: str = "caption_latents", rows: int = 8) -> Captions:
+def read_captions(
+    path: str,
+    caption_dim: int,
+    column: str = "caption_latents",
+    rows: int = 8,
+    encode: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> Captions:
     """Caption embeddings from a .npy file ((L, D) or (R, L, D)), or from parquet (a file, directory
-    or glob): one row per distinct ``label`` when the data has that column (the demo), else the first ``rows``."""
+    or glob): one row per distinct ``label`` when the data has that column (the demo), else the first ``rows``.
+    A parquet column of token ids is encoded by ``encode`` (ids (R, L) -> float embeddings (R, L, D))."""
     if path.endswith(".npy"):
         fs, fs_path = filesystem_for(path)
         with fs.open_input_file(fs_path) as f:
@@ -65,6 +73,12 @@ def read_captions(path: str, caption_dim: int, column: str = "caption_latents", 
         table = table.slice(0, rows)
         names = [f"row {i}" for i in range(table.num_rows)]
     width = table.column(column).combine_chunks()
+    value_type = (width.storage if isinstance(width, pa.ExtensionArray) else width).type.value_type
+    if pa.types.is_integer(value_type):
+        if encode is None:
+            raise DataError(f"--captions: column {column!r} holds token ids; sampling needs their text encoder")
+        ids = to_array(table.column(column), (len(width[0]),), column)
+        return Captions(encode(torch.from_numpy(ids)).float(), names, order)
     first_row = width.storage[0] if isinstance(width, pa.ExtensionArray) else width[0]
     length = len(first_row.values) if hasattr(first_row, "values") else len(first_row)
     if length % caption_dim:

@@ -20,6 +20,7 @@ from sdtrain import __version__
 from sdtrain.artifacts.checkpoint_format import CheckpointMeta
 from sdtrain.config.schema import Config, TrainConfig
 from sdtrain.errors import ConfigError
+from sdtrain.model.token_captions import CaptionEncoder, load_frozen_text_encoder
 from sdtrain.model.unet import build_unet, noise_scheduler_config, unet_config
 from sdtrain.train.device_settings import DeviceSettings, device_settings
 from sdtrain.train.module import DiffusionModule
@@ -65,13 +66,15 @@ def checkpoint_meta(
     latent_shape: Sequence[int],
     caption_shape: Sequence[int],
     latent_scaling_factor: float | None = None,
+    text_encoder: str | None = None,
 ) -> CheckpointMeta:
     """The metadata every checkpoint of a run of ``config`` stores.
 
     Args:
         latent_shape: C x H x W of the data's latents.
-        caption_shape: L x D of its caption embeddings.
+        caption_shape: L x D of its caption embeddings (for token ids: of the text encoder's output).
         latent_scaling_factor: the factor the stored latents already carry (parquet metadata), if known.
+        text_encoder: for data of token ids, the text encoder they name (the workers encode them with it).
     """
     return CheckpointMeta(
         sdtrain_version=__version__,
@@ -82,6 +85,7 @@ def checkpoint_meta(
         latent_scale=config.data.latent_scaling_factor or 1.0,
         latent_scaling_factor=config.data.latent_scaling_factor or latent_scaling_factor,
         config=config.to_dict(),
+        text_encoder=text_encoder,
     )
 
 
@@ -105,7 +109,8 @@ def build_training(
         world_size: training processes in all.
         accumulation: micro-batches per optimizer step.
         on_ray: inside a Ray Train worker (Ray's strategy flavour and cluster environment).
-        unconditional_caption: L x D empty-prompt embedding (default zeros).
+        unconditional_caption: L x D empty-prompt embedding (default zeros); for token-id data (the meta names a
+            text encoder) also the empty prompt's L ids, encoded here.
         record_samples: keep the sample index of every row trained on.
     """
     precision = resolve_precision(config.train, use_gpu)
@@ -114,6 +119,11 @@ def build_training(
     # Same initial weights on every rank (DDP also broadcasts rank 0's). Per-step noise is
     # seeded by (seed, rank, step, micro-batch) in the module, not by this global seed.
     pl.seed_everything(config.train.seed, verbose=False)
+    encoder = None
+    if meta.text_encoder is not None:  # the data holds token ids: encoded in each step, by this process's copy
+        encoder = CaptionEncoder(load_frozen_text_encoder(meta.text_encoder, use_gpu), meta.text_encoder)
+        if unconditional_caption is not None and not unconditional_caption.is_floating_point():
+            unconditional_caption = encoder(unconditional_caption[None])[0].float()
     module = DiffusionModule(
         build_unet(config.model),
         meta.noise_scheduler_config,
@@ -123,6 +133,7 @@ def build_training(
         accumulation=accumulation,
         record_samples=record_samples,
         caption_dtype=settings.caption_dtype,
+        caption_encoder=encoder,
     )
     plugins = []
     if on_ray:
@@ -160,6 +171,7 @@ def fit_without_ray(
     callbacks: Sequence[pl.Callback] = (),
     ckpt_path: str | None = None,
     default_root_dir: str | None = None,
+    unconditional_caption: torch.Tensor | None = None,
 ) -> tuple[DiffusionModule, pl.Trainer]:
     """Train ``config`` on ``batches`` (micro-batches, ``train.max_steps`` optimizer steps' worth) in
     this process, on one GPU or the CPU, through :func:`build_training`; resume from ``ckpt_path``.
@@ -169,8 +181,9 @@ def fit_without_ray(
         meta: the run's checkpoint metadata (:func:`checkpoint_meta`).
         callbacks: extra Lightning callbacks.
         default_root_dir: where Lightning may write (FSDP's process group files, nothing else).
+        unconditional_caption: as for :func:`build_training`.
     """
-    module, trainer_kwargs = build_training(config, meta, use_gpu=use_gpu)
+    module, trainer_kwargs = build_training(config, meta, use_gpu=use_gpu, unconditional_caption=unconditional_caption)
     settings = run_device_settings(config.train, use_gpu)
     for advice in settings.advice:
         log.warning(advice)

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from sdtrain.model.flops import mfu, unet_train_step_flops
+from sdtrain.model.flops import mfu, text_encoder_forward_flops, unet_train_step_flops
 
 log = logging.getLogger("sdtrain")
 
@@ -191,11 +191,13 @@ class Efficiency:
         """
         meta = module.checkpoint_meta
         try:
-            flops: float | None = float(
-                unet_train_step_flops(meta.unet_config, tuple(meta.latent_shape), tuple(meta.caption_shape))
-            )
+            counted = unet_train_step_flops(meta.unet_config, tuple(meta.latent_shape), tuple(meta.caption_shape))
+            if module.caption_encoder is not None:  # token-id captions: the text encoder's forward is model work too
+                config = module.caption_encoder.text_encoder.config
+                counted += text_encoder_forward_flops(config, int(meta.caption_shape[0]))
+            flops: float | None = float(counted)
         except Exception as error:  # MFU is a view of the run: a count that fails must not stop training
-            log.warning("no MFU: could not count the UNet's FLOPs on the meta device: %s", error)
+            log.warning("no MFU: could not count the model's FLOPs on the meta device: %s", error)
             flops = None
         device = module.device
         on_gpu = device.type == "cuda"

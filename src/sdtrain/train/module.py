@@ -17,6 +17,7 @@ from sdtrain.artifacts.checkpoint_format import CHECKPOINT_META_KEY, CheckpointM
 from sdtrain.config.schema import TrainConfig
 from sdtrain.model.ema import ema_update_, local_tensor, make_ema
 from sdtrain.model.recipe import diffusion_loss, step_inputs
+from sdtrain.model.token_captions import CaptionEncoder
 from sdtrain.model.unet import build_noise_scheduler
 from sdtrain.model.validation import validation_loss, validation_sums
 from sdtrain.train.device_settings import LATENT_DTYPE
@@ -44,6 +45,7 @@ class DiffusionModule(pl.LightningModule):
         accumulation: int = 1,
         record_samples: bool = False,
         caption_dtype: torch.dtype = torch.float32,
+        caption_encoder: CaptionEncoder | None = None,
     ):
         """``checkpoint_meta`` is stored in every checkpoint, so the model can be rebuilt from the
         checkpoint alone; its ``latent_scale`` multiplies stored latents as they are read.
@@ -55,9 +57,13 @@ class DiffusionModule(pl.LightningModule):
         the ``sample_index`` of every row trained on, for :meth:`take_sample_record`. ``caption_dtype``: the
         dtype the step hands the UNet its captions in (sdtrain.train.device_settings.CAPTION_DTYPES: autocast's
         own under mixed precision, so autocast does not cast them again at every cross-attention).
+        ``caption_encoder``: for data whose captions are token ids, the frozen text encoder that turns each
+        micro-batch's ids into embeddings (sdtrain.model.token_captions); a plain attribute, not a submodule:
+        outside the optimizer, the checkpoint, DDP and FSDP.
         """
         super().__init__()
         self.caption_dtype = caption_dtype
+        self.caption_encoder = caption_encoder
         self.accumulation = accumulation
         self.sample_record: list[torch.Tensor] | None = [] if record_samples else None
         self._micro_batch = 0
@@ -91,6 +97,10 @@ class DiffusionModule(pl.LightningModule):
         self._options_applied = True
         mesh = self._device_mesh["data_parallel"] if self._device_mesh is not None else None
         apply_options(self, self.train_config, mesh)
+
+    def on_fit_start(self) -> None:
+        if self.caption_encoder is not None:  # the strategy has moved the module to its device by now
+            self.caption_encoder.to(self.device)
 
     def noise_and_timesteps(self, latents: torch.Tensor, micro_batch: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """This micro-batch's noise and timesteps, a pure function of (seed, rank, global step, micro-batch).
@@ -128,7 +138,7 @@ class DiffusionModule(pl.LightningModule):
         latents = batch["latents"].to(LATENT_DTYPE)
         if self.latent_scale != 1.0:
             latents = latents * self.latent_scale
-        captions = batch["captions"].to(self.caption_dtype)
+        captions = self.embed_captions(batch["captions"])
         generator = self._step_generator(latents.device, self._micro_batch)
         self._micro_batch = (self._micro_batch + 1) % self.accumulation
         noise, timesteps = self._draw_noise_and_timesteps(latents, generator)
@@ -158,6 +168,18 @@ class DiffusionModule(pl.LightningModule):
         self.loss_count += finite
         torch.maximum(self.step_loss_nonfinite, (~finite).float(), out=self.step_loss_nonfinite)
         return loss
+
+    def embed_captions(self, captions: torch.Tensor) -> torch.Tensor:
+        """A micro-batch's captions as the UNet takes them, in ``caption_dtype``: the stored embeddings, or the text
+        encoder's output for stored token ids. Caption dropout then replaces dropped rows with
+        ``unconditional_caption``, the same encoder's output for the empty prompt's ids: what encoding those ids in
+        the dropped rows would give, as the encoder sees each row alone."""
+        if self.caption_encoder is not None:
+            captions = self.caption_encoder(captions)
+        return captions.to(self.caption_dtype)
+
+    def _validation_captions(self, captions: torch.Tensor) -> torch.Tensor:
+        return self.caption_encoder(captions).float() if self.caption_encoder is not None else captions.float()
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Clip the gradients and skip the update if any is NaN/inf: on the device, no host sync.
@@ -218,7 +240,14 @@ class DiffusionModule(pl.LightningModule):
 
     def validation_loss(self, batches: Iterable[dict[str, torch.Tensor]], seed: int) -> float:
         """Validation loss of ``eval_unet`` (see sdtrain.model.validation), on the data as training sees it."""
-        return validation_loss(self.eval_unet, self.noise_scheduler, batches, seed, latent_scale=self.latent_scale)
+        return validation_loss(
+            self.eval_unet,
+            self.noise_scheduler,
+            batches,
+            seed,
+            latent_scale=self.latent_scale,
+            embed=self._validation_captions,
+        )
 
     def validation_sums(
         self, batches: Iterable[dict[str, torch.Tensor]], seed: int, rank: int = 0, world_size: int = 1
@@ -226,7 +255,14 @@ class DiffusionModule(pl.LightningModule):
         """[loss sum, samples] of ``eval_unet`` over this rank's share of the validation set (float64, on the
         device, to all-reduce): see sdtrain.model.validation.validation_sums."""
         sums = validation_sums(
-            self.eval_unet, self.noise_scheduler, batches, seed, self.latent_scale, rank=rank, world_size=world_size
+            self.eval_unet,
+            self.noise_scheduler,
+            batches,
+            seed,
+            self.latent_scale,
+            rank=rank,
+            world_size=world_size,
+            embed=self._validation_captions,
         )
         return torch.tensor(sums, dtype=torch.float64, device=self.device)
 

@@ -38,18 +38,23 @@ class Grid:
     class_agreement: float | None = None
 
 
-def grid_captions(config: Config, caption_dim: int) -> Captions | None:
+def grid_captions(
+    config: Config, caption_dim: int, encode: Callable[[torch.Tensor], torch.Tensor] | None = None
+) -> Captions | None:
     """The captions of the grid's rows: sample_grid.captions, else data.val's (one row per digit for the demo);
     None when neither is set.
 
     Args:
         caption_dim: the UNet's cross-attention width.
+        encode: for data of token ids, the run's text encoder (ids -> float embeddings).
     """
     source = config.sample_grid.captions or (config.data.val[0] if config.data.val else None)
     if source is None:
         return None
     try:
-        return read_captions(source, caption_dim, column=config.data.caption_column, rows=config.sample_grid.rows)
+        return read_captions(
+            source, caption_dim, column=config.data.caption_column, rows=config.sample_grid.rows, encode=encode
+        )
     except Exception as error:
         raise ConfigError(
             f"sample_grid.captions: cannot read the sample grid's captions from {source}: {error}"

@@ -114,7 +114,9 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         world_size=world_size,
         accumulation=layout.accumulation,
         on_ray=True,
-        unconditional_caption=load_unconditional_caption(config.data.unconditional_caption, meta.caption_shape),
+        unconditional_caption=load_unconditional_caption(
+            config.data.unconditional_caption, meta.caption_shape, token_ids=meta.text_encoder is not None
+        ),
         record_samples=config.checkpoint.record_rows,
     )
 
@@ -212,7 +214,10 @@ def _run_view(config: Config, module: Any) -> RunView:
     meta = module.checkpoint_meta
     run_dir = posixpath.join(config.run.storage_path, config.run.name)
     grids = None
-    captions = grid_captions(config, meta.caption_shape[-1])
+    encoder = module.caption_encoder
+    captions = grid_captions(
+        config, meta.caption_shape[-1], encode=(lambda ids: encoder(ids).float()) if encoder else None
+    )
     if captions is None:
         log.info("no sample grids: neither sample_grid.captions nor data.val is set")
     elif config.train.strategy == "fsdp":
