@@ -137,9 +137,18 @@ def test_data_scale_smoke():
     assert "100 in 1 directory unchanged since their directory index, not listed" in out, out
 
 
+def test_caption_modes_smoke():
+    """Storage, data path, FLOPs and step time of captions as embeddings against token ids."""
+    out, ratios = run_bench("bench/caption_modes.py", "--smoke")
+    assert 0 < ratios["bytes_per_row_token_ids_sd2_256px / embeddings"] < 1, out
+    assert ratios["text_encoder_forward_flops_sd2-base / unet_train_step_flops"] > 0, out
+    assert ratios["tiny_step_s_token_ids / embeddings"] > 0, out
+
+
 @pytest.mark.parametrize(
     "script",
     [
+        "caption_modes.py",
         "data_scale.py",
         "ingest.py",
         "step_overhead.py",
