@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 from sdtrain.config.loader import load_config
 from sdtrain.preprocess.tiny_models import write_tiny_sd_model
 from sdtrain.sampling.captions import Captions
-from sdtrain.train.build import build_training, checkpoint_meta
+from sdtrain.train.build import build_training, checkpoint_meta, fit_without_ray
 from sdtrain.train.cadence import ReportCadence
 from sdtrain.train.device_settings import training_autocast
 from sdtrain.train.sample_grids import SampleGrids
@@ -230,3 +230,72 @@ def test_the_shipped_gpu_configs_train_as_auto_resolves_on_a_gpu(name):
     module, trainer, steps = fit(cfg, batches(3))
     assert trainer.global_step == 3 and trainer.precision == "bf16-mixed"
     assert all(0 < s["loss"] < 10 for s in steps) and not torch.equal(steps[0]["weight"], steps[-1]["weight"])
+
+
+# The ops by which a tensor's value reaches the host (torch's .item(), float(), bool(), nonzero and the like all
+# dispatch one of them): each one waits for the GPU to finish everything queued before it.
+HOST_SYNCS = {"aten._local_scalar_dense", "aten.item", "aten.is_nonzero", "aten.nonzero", "aten.equal"}
+
+
+class HostSyncs(pl.Callback):
+    """Every op dispatched from the start to the end of each micro-batch (the forward, the backward, clipping, the
+    skip check, the fused AdamW, the EMA) by a TorchDispatchMode; records those that read a value to the host."""
+
+    def __init__(self):
+        self.ops, self.syncs, self.seen = 0, [], set()
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        callback = self
+
+        class Detector(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                callback.ops += 1
+                callback.seen.add(str(func.overloadpacket))
+                if str(func.overloadpacket) in HOST_SYNCS:
+                    import traceback
+
+                    callback.syncs.append((trainer.global_step, str(func), "".join(traceback.format_stack(limit=8))))
+                return func(*args, **(kwargs or {}))
+
+        self.mode = Detector()
+        self.mode.__enter__()
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        self.mode.__exit__(None, None, None)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_the_training_step_reads_nothing_back_to_the_host(strategy, tmp_path):
+    """No data-dependent host sync in a step with every option that works on the device's values (bf16, clipping,
+    the non-finite skip, EMA, caption dropout, min-SNR, offset noise, accumulation): what the reporter reads at its
+    log steps (sdtrain.train.reporting) is the only wait a GPU sees."""
+    cfg = tiny_config(
+        *FIT,
+        "train.precision=bf16-mixed",
+        "train.grad_clip_norm=1.0",
+        "train.ema_decay=0.9",
+        "train.caption_dropout_prob=0.5",
+        "train.snr_gamma=5.0",
+        "train.noise_offset=0.05",
+        "train.global_batch_size=4",
+        "train.micro_batch_size=2",
+        f"train.strategy={strategy}",
+        steps=4,
+    )
+    detector = HostSyncs()  # alone: the other tests' Watch reads the weights and the loss to the host
+    module, trainer = fit_without_ray(
+        cfg,
+        batches(8, nan_at=(5,)),
+        checkpoint_meta(cfg, LATENTS, CAPTIONS),
+        use_gpu=False,
+        callbacks=[detector],
+        default_root_dir=str(tmp_path),
+    )
+    assert trainer.global_step == 4 and module.skipped_steps.item() == 1  # the NaN micro-batch's step: skipped
+    # The detector saw the whole step: forward, backward, the fused AdamW and the EMA's update.
+    assert {"aten.convolution", "aten.convolution_backward", "aten._fused_adamw_", "aten._foreach_lerp_"} <= (
+        detector.seen
+    ), sorted(detector.seen)
+    assert detector.syncs == [], "".join(f"step {step}: {func} at\n{stack}" for step, func, stack in detector.syncs[:3])

@@ -177,13 +177,19 @@ def fit_without_ray(
     this process, on one GPU or the CPU, through :func:`build_training`; resume from ``ckpt_path``.
 
     Args:
-        batches: dicts of ``latents`` (B x C x H x W) and ``captions`` (B x L x D).
+        batches: dicts of ``latents`` (B x C x H x W) and ``captions`` (B x L x D), B = one worker's micro-batch.
         meta: the run's checkpoint metadata (:func:`checkpoint_meta`).
         callbacks: extra Lightning callbacks.
         default_root_dir: where Lightning may write (FSDP's process group files, nothing else).
         unconditional_caption: as for :func:`build_training`.
     """
-    module, trainer_kwargs = build_training(config, meta, use_gpu=use_gpu, unconditional_caption=unconditional_caption)
+    module, trainer_kwargs = build_training(
+        config,
+        meta,
+        use_gpu=use_gpu,
+        accumulation=config.batch_layout(1).accumulation,  # train.micro_batch_size, as one worker would run it
+        unconditional_caption=unconditional_caption,
+    )
     settings = run_device_settings(config.train, use_gpu)
     for advice in settings.advice:
         log.warning(advice)
