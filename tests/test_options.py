@@ -20,9 +20,10 @@ from sdtrain.config.loader import load_config
 from sdtrain.preprocess.tiny_models import write_tiny_sd_model
 from sdtrain.sampling.captions import Captions
 from sdtrain.train.build import build_training, checkpoint_meta, fit_without_ray
-from sdtrain.train.cadence import ReportCadence
+from sdtrain.train.cadence import OptimizerStepCallback, ReportCadence
 from sdtrain.train.device_settings import training_autocast
 from sdtrain.train.sample_grids import SampleGrids
+from sdtrain.train.strategy import fsdp_units
 from sdtrain.train.validation import Validation
 
 
@@ -146,31 +147,79 @@ def test_each_gpu_option_trains_the_same_function(options, tmp_path):
     assert steps[0]["loss"] == pytest.approx(plain[0]["loss"], rel=1e-4)
 
 
+class Graphs(OptimizerStepCallback):
+    """Dynamo's counters after each optimizer step: graphs compiled so far and graph breaks; and the validation loss
+    every ``validate_every`` steps (the EMA's weights, as the worker's validation computes it)."""
+
+    def __init__(self, batches, validate_every):
+        self.batches, self.validate_every, self.after, self.validations = batches, validate_every, {}, []
+
+    def on_step(self, trainer, module, step):
+        from torch._dynamo.utils import counters
+
+        self.after[step] = (counters["stats"]["unique_graphs"], sum(counters["graph_break"].values()))
+        if step % self.validate_every == 0:
+            self.validations.append(module.validation_loss(self.batches, seed=0))
+
+
 @pytest.mark.slow
-@pytest.mark.timeout(600)
-def test_compiled_training_with_every_other_option_under_bf16_matches_eager(tmp_path):
-    """torch.compile (inductor's CPU backend, gcc: minutes, so once) of the FSDP-sharded,
-    checkpointed UNet with an EMA, against the plain eager run (channels_last is compiled on the GPU
-    by tests/test_gpu.py; FSDP refuses it); both on captions stored as token ids, which the frozen text
-    encoder turns into embeddings in each step, outside the compiled UNet (sdtrain.model.token_captions)."""
+@pytest.mark.timeout(900)
+def test_compiled_training_with_every_other_option_compiles_once_and_matches_eager(tmp_path):
+    """torch.compile (inductor's CPU backend, gcc: minutes, so once) of the FSDP-sharded, checkpointed UNet with an
+    EMA, caption dropout and accumulation, over 24 steps: 12, a checkpoint, then a restart from it for 12 more.
+    Dynamo's counters: no graph break anywhere, and no graph compiled after each fit's first step (no recompile
+    from validation, the EMA, dropout, accumulation or the checkpoint). Against the plain eager run (channels_last
+    is compiled on the GPU by tests/test_gpu.py; FSDP refuses it). The captions are token ids, which the frozen
+    text encoder turns into embeddings in each step, outside the compiled UNet (sdtrain.model.token_captions)."""
+    from torch._dynamo.utils import counters
+
     model = write_tiny_sd_model(str(tmp_path / "tiny-sd"))
     g = torch.Generator().manual_seed(0)
-    data = [{"latents": torch.randn(2, *LATENTS, generator=g), "captions": torch.randint(0, 300, (2, 77))}] * 2
+    data = [
+        {"latents": torch.randn(2, *LATENTS, generator=g), "captions": torch.randint(0, 300, (2, 77), generator=g)}
+        for _ in range(4)
+    ]
     options = (
         "train.compile=true",
         "train.strategy=fsdp",
         "train.gradient_checkpointing=true",
         "train.ema_decay=0.9",
         "train.precision=bf16-mixed",
+        "train.caption_dropout_prob=0.3",
+        "train.global_batch_size=4",
+        "train.micro_batch_size=2",
     )
     with_ids = dict(caption_shape=(77, 32), text_encoder=model)
-    module, trainer, steps = fit(tiny_config(*FIT, *options, steps=2), data, default_root_dir=str(tmp_path), **with_ids)
-    _, _, eager = fit(tiny_config(*FIT, "train.precision=bf16-mixed", steps=2), data, **with_ids)
-    assert module.caption_encoder is not None
-    assert trainer.global_step == 2 and module.unet._compiled_call_impl is not None
-    assert isinstance(module.unet.conv_in.weight, DTensor)
+    counters.clear()
+    first = Graphs(data[:2], validate_every=4)
+    module, trainer, steps = fit(
+        tiny_config(*FIT, *options, steps=12), data, callbacks=[first], default_root_dir=str(tmp_path), **with_ids
+    )
+    trainer.save_checkpoint(tmp_path / "step12.ckpt")
+    # Under FSDP each unit's forward is compiled (strategy.compile_unet), the hooks left outside the graphs.
+    units = fsdp_units(module.unet)
+    assert module.caption_encoder is not None and units and all("forward" in vars(unit) for unit in units)
+    assert trainer.global_step == 12 and isinstance(module.unet.conv_in.weight, DTensor)
+    graphs, breaks = first.after[1]  # one graph per distinct input shape of a unit
+    assert graphs >= 1 and breaks == 0, "\n".join(counters["graph_break"])
+    assert first.after[12] == (graphs, 0), first.after  # nothing compiled after step 1, nothing broken
+    assert len(first.validations) == 3 and all(0 < v < 10 for v in first.validations)
+
+    restart = Graphs(data[:2], validate_every=4)
+    resumed, trainer, more = fit(
+        tiny_config(*FIT, *options, steps=24),
+        data,
+        callbacks=[restart],
+        ckpt_path=str(tmp_path / "step12.ckpt"),
+        default_root_dir=str(tmp_path),
+        **with_ids,
+    )
+    assert trainer.global_step == 24 and min(restart.after) == 13
+    after_restart, breaks = restart.after[13]
+    assert breaks == 0 and restart.after[24] == (after_restart, 0), restart.after
+    _, _, eager = fit(tiny_config(*FIT, *options[3:], steps=2), data, **with_ids)
     assert steps[0]["loss"] == pytest.approx(eager[0]["loss"], rel=2e-2)
-    assert all(0 < s["loss"] < 10 for s in steps)
+    assert all(0 < s["loss"] < 10 for s in steps + more)
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])

@@ -49,7 +49,8 @@ class Watch(pl.Callback):
         grads = [local_tensor(p.grad) for p in module.unet.parameters() if p.grad is not None]  # one process: all of it
         self.steps.append(
             dict(
-                grad_norm=torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))).item(),
+                # None on an accumulation micro-batch under FSDP: it reduce-scatters (and sets .grad) on the last only.
+                grad_norm=torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))).item() if grads else None,
                 step=trainer.global_step,
                 loss=float(outputs["loss"]),
                 weight=module.unet.conv_in.weight.detach().clone(),

@@ -151,8 +151,41 @@ def apply_options(module, train: TrainConfig, mesh: torch.distributed.device_mes
             # The EMA only validates and samples: gathered in float32, so validation does not depend on the policy.
             shard_unet(ema, mesh)
     if train.compile:
-        # In place (nn.Module.compile): parameter names, and so checkpoints, stay those of the UNet.
-        module.unet.compile()
+        compile_unet(module.unet, sharded=mesh is not None)
+
+
+def compile_unet(unet: torch.nn.Module, sharded: bool) -> None:
+    """torch.compile with ``fullgraph=True`` (a graph break is an error, not a silent slow path), in place, so
+    parameter names, and so checkpoints, stay those of the UNet.
+
+    Under DDP the whole UNet is one graph (``nn.Module.compile``). Under FSDP each FSDP unit's ``forward`` is
+    compiled on its own, as torchtitan compiles each transformer block: FSDP2's unshard and reshard hooks run
+    around a unit's forward, and dynamo does not trace them (``skip_fsdp_hooks``), so a UNet compiled whole would
+    break its graph at every unit; compiling the forward leaves the hooks outside the graphs. The root unit's own
+    few layers (conv in and out, the timestep embedding, the down- and upsamplers) run eager.
+
+    Args:
+        unet: the UNet, sharded (:func:`shard_unet`) when ``sharded``.
+        sharded: under FSDP.
+    """
+    if not sharded:
+        unet.compile(fullgraph=True)
+        return
+    units = fsdp_units(unet)
+    # The units of one class share their forward's code, and dynamo's cache is per code object: one entry per
+    # distinct input shape (static shapes: dynamic ones make inductor's CPU backend fail on the symbolic sizes).
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, len(units) + 8)
+    for block in units:
+        # An instance attribute: nn.Module.__call__ runs the FSDP hooks, then this compiled forward.
+        block.forward = torch.compile(block.forward, fullgraph=True, dynamic=False)
+
+
+def fsdp_units(unet: torch.nn.Module) -> list[torch.nn.Module]:
+    """The blocks :func:`shard_unet` makes FSDP units of (the root aside): every transformer and resnet block."""
+    from diffusers.models.resnet import ResnetBlock2D
+    from diffusers.models.transformers.transformer_2d import Transformer2DModel
+
+    return [block for block in unet.modules() if isinstance(block, (ResnetBlock2D, Transformer2DModel))]
 
 
 def mixed_precision(train: TrainConfig, precision: str) -> MixedPrecisionPolicy:
@@ -180,14 +213,11 @@ def shard_unet(unet: torch.nn.Module, mesh, policy: MixedPrecisionPolicy | None 
     Args:
         policy: the units' mixed-precision policy (:func:`mixed_precision`); default float32 throughout.
     """
-    from diffusers.models.resnet import ResnetBlock2D
-    from diffusers.models.transformers.transformer_2d import Transformer2DModel
     from torch.distributed.fsdp import fully_shard
 
     policy = policy or MixedPrecisionPolicy()
-    for block in unet.modules():
-        if isinstance(block, (ResnetBlock2D, Transformer2DModel)):
-            fully_shard(block, mesh=mesh, mp_policy=policy)
+    for block in fsdp_units(unet):
+        fully_shard(block, mesh=mesh, mp_policy=policy)
     fully_shard(unet, mesh=mesh, mp_policy=policy)
 
 
