@@ -64,10 +64,10 @@ def both(tmp_path_factory):
     return root, model
 
 
-def _run_inputs(root, model, column, *overrides, cross_attention_dim=32):
+def _run_inputs(root, model, column, *overrides):
     cfg = tiny_config(*FIT, f"data.caption_column={column}", *overrides)
     spec = inspect_dataset(
-        [str(root / "data" / "part-00000.parquet")], "data.train", "image_latents_256", column, 4, cross_attention_dim
+        [str(root / "data" / "part-00000.parquet")], "data.train", "image_latents_256", column, 4, 32
     )
     ids = spec.token_ids is not None
     meta = checkpoint_meta(
@@ -153,27 +153,44 @@ def test_token_id_data_trains_under_each_strategy_and_option(both, options, tmp_
 
 
 def test_a_text_encoder_of_another_width_or_vocabulary_is_refused_naming_both(both, tmp_path):
+    """The driver's data check (sdtrain.driver.dataset_spec: what every start and the retraining gate run before
+    Ray), with the text encoder's config only."""
+    from sdtrain.driver import dataset_spec
+
     root, model = both
+
+    def check(file, cross_attention_dim=32):
+        cfg = tiny_config(f"data.train={file}", "data.caption_column=caption_ids", tmp_path=tmp_path, name="check")
+        unet = {"in_channels": 4, "cross_attention_dim": cross_attention_dim}
+        return dataset_spec(cfg, "data.train", [str(file)], unet)
+
+    data = root / "data" / "part-00000.parquet"
+    assert check(data).token_ids.text_encoder == model
     with pytest.raises(DataError) as wide:
-        _run_inputs(root, model, "caption_ids", cross_attention_dim=64)
+        check(data, cross_attention_dim=64)
     message = str(wide.value)
     assert "output is 32 wide" in message and "cross_attention_dim is 64" in message and model in message
     assert "part-00000.parquet" in message and "caption_ids" in message
 
-    table = pq.read_table(root / "data" / "part-00000.parquet")
+    table = pq.read_table(data)
     metadata = dict(table.schema.metadata)
     vocab = int(metadata[TOKEN_VOCAB_SIZE.encode()])
     metadata[TOKEN_VOCAB_SIZE.encode()] = str(vocab + 100).encode()  # ids of a larger tokenizer
     pq.write_table(table.replace_schema_metadata(metadata), tmp_path / "other.parquet")
     with pytest.raises(DataError) as narrow:
-        inspect_dataset([str(tmp_path / "other.parquet")], "data.train", "image_latents_256", "caption_ids", 4, 32)
+        check(tmp_path / "other.parquet")
     message = str(narrow.value)
     assert f"up to {vocab + 99}" in message and f"vocabulary of {vocab}" in message and model in message
+
+    metadata[TOKEN_VOCAB_SIZE.encode()] = b"5"  # the first row's ids do not fit what the file says of them
+    pq.write_table(table.replace_schema_metadata(metadata), tmp_path / "small.parquet")
+    with pytest.raises(DataError, match=r"small.parquet, column 'caption_ids': the first row holds token ids from"):
+        check(tmp_path / "small.parquet")
 
     del metadata[TOKEN_VOCAB_SIZE.encode()]  # ids that do not say what they are for
     pq.write_table(table.replace_schema_metadata(metadata), tmp_path / "bare.parquet")
     with pytest.raises(DataError, match="bare.parquet, column 'caption_ids' holds integers.*sdtrain.token_vocab_size"):
-        inspect_dataset([str(tmp_path / "bare.parquet")], "data.train", "image_latents_256", "caption_ids", 4, 32)
+        check(tmp_path / "bare.parquet")
 
 
 def test_the_ids_are_the_pipelines_own_and_the_empty_prompt_file_must_fit_the_data(both):

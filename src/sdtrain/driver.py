@@ -30,6 +30,7 @@ from sdtrain.data.read_order import DataState, SamplePlan, files_digest, resume_
 from sdtrain.data.streams import WindowReader, file_order_dataset
 from sdtrain.errors import ConfigError, DataError, TrainingFailed
 from sdtrain.model.recipe import load_unconditional_caption, stored_latent_scaling
+from sdtrain.model.token_captions import check_text_encoder
 from sdtrain.model.unet import check_unet, unet_config
 from sdtrain.preflight import preflight
 from sdtrain.storage.filesystems import ray_storage, set_aside, uri_for
@@ -312,8 +313,9 @@ def dataset_spec(config: Config, key: str, specs: list[str], unet: Mapping) -> D
 def indexed_dataset(config: Config, key: str, specs: list[str], unet: Mapping, run_dir: str) -> IndexedDataset:
     """The files ``specs`` name, checked against ``unet``, with the run's dataset index of them (read from
     ``run_dir``'s, or from one beside the data, for the files whose size and version it records; the others'
-    footers read). The caller writes ``.index`` to :func:`run_index_uri` when ``.stale``."""
-    return index_dataset(
+    footers read). The caller writes ``.index`` to :func:`run_index_uri` when ``.stale``. Token-id captions: their
+    text encoder checked against the UNet (its config only)."""
+    indexed = index_dataset(
         specs,
         key,
         image_column=config.data.latent_column,
@@ -322,6 +324,11 @@ def indexed_dataset(config: Config, key: str, specs: list[str], unet: Mapping, r
         cross_attention_dim=unet["cross_attention_dim"],
         index_uri=run_index_uri(run_dir, key),
     )
+    ids = indexed.spec.token_ids
+    if ids is not None:
+        where = f"{key}: {indexed.schema_file}, column {config.data.caption_column!r}"
+        check_text_encoder(ids, where, unet["cross_attention_dim"])
+    return indexed
 
 
 def _describe_captions(spec: DatasetSpec) -> str:

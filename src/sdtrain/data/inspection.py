@@ -25,6 +25,7 @@ from sdtrain.data.decode import ColumnLayout, column_layout, to_array
 from sdtrain.data.metadata import (
     LATENT_SCALING_FACTOR,
     TEXT_ENCODER_SOURCE,
+    TOKEN_VOCAB_SIZE,
     TokenIds,
     describe_scaling,
     latent_scaling,
@@ -119,7 +120,7 @@ def column_layouts(
     if layouts[0].token_ids:
         raise DataError(
             f"{key}: {file}, column {image_column!r} (data.latent_column) holds {layouts[0].value_type} values; "
-            "latents are float16 or float32"
+            "expected float16 or float32 (integers are read as caption token ids only)"
         )
     return layouts[0], layouts[1]
 
@@ -257,8 +258,8 @@ def check_shapes(
     row_file: str,
     recorded: tuple[tuple[int, ...], tuple[int, ...]] | None = None,
 ) -> tuple[tuple[int, int, int], tuple[int, ...]]:
-    """(latent shape, caption shape) of the checked columns, checked against the model; for token ids, the text
-    encoder they name too (its width and vocabulary: sdtrain.model.token_captions.check_text_encoder).
+    """(latent shape, caption shape) of the checked columns, checked against the model; token ids against the
+    vocabulary their file records (the text encoder they name: sdtrain.model.token_captions.check_text_encoder).
 
     Variable-size lists have their values per row from ``recorded`` (the shapes an index recorded: their product),
     else from ``row`` (the first row of ``row_file``); ``row``, when given, is checked to fit the shapes and to
@@ -280,16 +281,13 @@ def check_shapes(
             if not np.isfinite(values).all():
                 raise DataError(f"{key}: {row_file}, column {column!r}: the first row holds NaN or infinite values")
     ids = checked.token_ids(key)
-    if ids is not None:
-        from sdtrain.model.token_captions import check_text_encoder  # torch and transformers: not in read tasks
-
-        stored_max = None
-        if row is not None:
-            values = to_array(row.column(caption), caption_shape, caption)
-            if values.min() < 0:
-                raise DataError(f"{key}: {row_file}, column {caption!r}: the first row holds a negative token id")
-            stored_max = int(values.max())
-        check_text_encoder(ids, f"{key}: {checked.file}, column {caption!r}", cross_attention_dim, stored_max)
+    if ids is not None and row is not None:
+        values = to_array(row.column(caption), caption_shape, caption)
+        if values.min() < 0 or values.max() >= ids.vocab_size:
+            raise DataError(
+                f"{key}: {row_file}, column {caption!r}: the first row holds token ids from {values.min()} to "
+                f"{values.max()}, outside the vocabulary of {ids.vocab_size} the file records ({TOKEN_VOCAB_SIZE})"
+            )
     return latent_shape, caption_shape
 
 

@@ -47,15 +47,15 @@ def text_encoder_config(source: str) -> Any:
         raise DataError(f"cannot load the text encoder config of {source} (text_encoder/config.json): {e}") from None
 
 
-def check_text_encoder(ids: TokenIds, where: str, cross_attention_dim: int, stored_max: int | None = None) -> None:
+def check_text_encoder(ids: TokenIds, where: str, cross_attention_dim: int) -> None:
     """Refuse, before any worker starts, a text encoder whose output width is not the UNet's or whose vocabulary
-    does not cover the stored ids, naming both.
+    does not cover the stored ids (every one below the tokenizer's vocabulary size the files record, which the data
+    check holds the first row to), naming both.
 
     Args:
         ids: what the data says of its ids (the encoder's source, the tokenizer's vocabulary size).
         where: the file and column, for the error.
         cross_attention_dim: the UNet's.
-        stored_max: the largest id of the rows read (the first row), if any.
     """
     config = text_encoder_config(ids.text_encoder)
     if config.hidden_size != cross_attention_dim:
@@ -65,7 +65,7 @@ def check_text_encoder(ids: TokenIds, where: str, cross_attention_dim: int, stor
             f"model.unet.cross_attention_dim={config.hidden_size} (or a preset of that width), or re-encode the "
             "captions with a text encoder of the UNet's width"
         )
-    largest = max(ids.vocab_size - 1, stored_max if stored_max is not None else -1)
+    largest = ids.vocab_size - 1
     if largest >= config.vocab_size:
         raise DataError(
             f"{where} holds token ids up to {largest} (a tokenizer of {ids.vocab_size} ids), but the text "
