@@ -186,6 +186,9 @@ def step_times(out: Path, steps: int) -> dict[str, float]:
     from sdtrain.preprocess.tiny_models import write_tiny_sd_model
     from sdtrain.train.build import checkpoint_meta, fit_without_ray
 
+    import logging
+
+    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)  # after Lightning's import: no start-up chatter
     model = write_tiny_sd_model(str(out / "tiny-sd"))
 
     class Clock(pl.Callback):
@@ -229,9 +232,6 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="few rows and steps: checks that it runs")
     args = parser.parse_args()
-    import logging
-
-    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)  # one fit per mode: no start-up chatter
     print(f"# {benchlib.machine()}\n# {benchlib.versions()}\n# commit {benchlib.git_commit()}", flush=True)
     from transformers import CLIPTextModel
 
