@@ -180,13 +180,13 @@ def encoder_flops_share() -> dict[str, float]:
 def step_times(out: Path, steps: int) -> dict[str, float]:
     """Median step time of the tiny UNet on CPU, batch 8: stored embeddings against ids encoded in the step by the
     tiny test text encoder (2 layers, 32 wide)."""
+    import logging
+
     import lightning.pytorch as pl
 
     from sdtrain.config.loader import load_config
     from sdtrain.preprocess.tiny_models import write_tiny_sd_model
     from sdtrain.train.build import checkpoint_meta, fit_without_ray
-
-    import logging
 
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)  # after Lightning's import: no start-up chatter
     model = write_tiny_sd_model(str(out / "tiny-sd"))
