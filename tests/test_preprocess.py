@@ -852,6 +852,18 @@ def test_images_to_latents_to_training_to_prompted_pipeline(tmp_path, tiny_model
     info = json.loads((out / "generate.json").read_text())
     assert info["prompts"] == ["a photograph of a china", "a photograph of a flower"] and info["vae"] == tiny_model
 
+    # Sampling with the data's own captions, stored as token ids: the model's text encoder encodes them.
+    from sdtrain.sampling.generate import GenerateRequest, generate
+
+    from_ids = tmp_path / "from-ids"
+    request = GenerateRequest(
+        str(run_dir), captions=str(latents), caption_column="caption_ids", rows=2, samples_per_caption=1, steps=2
+    )
+    request.out = str(from_ids)
+    generate(request)
+    sampled = np.load(from_ids / "latents.npy")  # no --vae: latents and their preview
+    assert len(sampled) == 2 and np.isfinite(sampled).all() and (from_ids / "preview.png").is_file()
+
     export = run_dir / "export"
     for part in ("model_index.json", "README.md", "unet", "vae", "text_encoder", "tokenizer", "scheduler"):
         assert (export / part).exists(), part
