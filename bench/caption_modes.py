@@ -146,28 +146,22 @@ def data_path_rows_per_s(out: Path, n: int, repeats: int) -> dict[str, float]:
 
 
 def encoder_flops_share() -> dict[str, float]:
-    """Text encoder forward FLOPs over UNet train-step FLOPs, per sample, for the presets whose encoder is known."""
-    from transformers import CLIPTextConfig
-
+    """Text encoder forward FLOPs over UNet train-step FLOPs, per sample, for the presets of SD 2's width (1024: its
+    OpenCLIP-H text encoder)."""
     from sdtrain.config.loader import load_config
     from sdtrain.model.flops import text_encoder_forward_flops, unet_train_step_flops
     from sdtrain.model.unet import unet_config
+    from sdtrain.preprocess.tiny_models import sd2_text_encoder_config
 
-    encoders = {  # the text encoders these presets' cross_attention_dim belongs to
-        1024: CLIPTextConfig(
-            vocab_size=49408, hidden_size=1024, intermediate_size=4096, num_hidden_layers=23, num_attention_heads=16
-        ),  # OpenCLIP ViT-H/14, SD 2
-        768: CLIPTextConfig(
-            vocab_size=49408, hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12
-        ),  # CLIP ViT-L/14, SD 1.x
-    }
     shares = {}
     for preset in ("small", "sd2-base"):
         unet = unet_config(load_config(None, ["data.train=/unused", f"model.preset={preset}"]).model)
         side = unet["sample_size"]
         width = unet["cross_attention_dim"]
         step = unet_train_step_flops(unet, (unet["in_channels"], side, side), (77, width))
-        text = text_encoder_forward_flops(encoders[width])
+        if width != 1024:
+            raise SystemExit(f"{preset}: cross_attention_dim {width}; this benchmark knows SD 2's encoder (1024)")
+        text = text_encoder_forward_flops(sd2_text_encoder_config())
         shares[preset] = text / step
         print(
             f"FLOPs per sample {preset:>8} ({side * 8} px): text encoder forward {text / 1e9:7.1f} G, UNet "

@@ -465,7 +465,7 @@ def test_fsdp_on_two_cpu_workers_validates_with_its_ema_and_resumes_on_one(ray_c
     is all-reduced), checkpoints in DDP's format (one full file); resumed at world size 1. The captions are
     token ids: each worker encodes them with its own whole copy of the frozen text encoder, which FSDP leaves
     alone and no checkpoint holds."""
-    from sdtrain.model.token_captions import CaptionEncoder, load_frozen_text_encoder
+    from sdtrain.model.token_captions import CaptionEncoder
     from sdtrain.preprocess.tiny_models import write_tiny_sd_model
 
     text_encoder = write_tiny_sd_model(str(tmp_path / "tiny-sd"))
@@ -510,7 +510,7 @@ def test_fsdp_on_two_cpu_workers_validates_with_its_ema_and_resumes_on_one(ray_c
     )
     assert val["captions"].dtype == np.int32
     batches = [{k: torch.from_numpy(v[i : i + 4]) for k, v in val.items()} for i in range(0, 8, 4)]
-    encoder = CaptionEncoder(load_frozen_text_encoder(text_encoder, use_gpu=False))
+    encoder = CaptionEncoder.load(text_encoder, use_gpu=False)
 
     def embed(ids):
         return encoder(ids).float()

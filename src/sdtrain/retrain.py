@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import hashlib
 import json
 import math
@@ -32,7 +33,7 @@ from sdtrain.data.local_read import iter_local_batches
 from sdtrain.data.parquet_files import resolve_parquet_files
 from sdtrain.driver import dataset_spec, train
 from sdtrain.errors import ConfigError, DataError
-from sdtrain.model.token_captions import CaptionEncoder, load_frozen_text_encoder
+from sdtrain.model.token_captions import CaptionEncoder
 from sdtrain.model.validation import validation_loss
 from sdtrain.preflight import preflight
 from sdtrain.storage.filesystems import filesystem_for
@@ -320,6 +321,12 @@ def _best_served(registry: ModelRegistry, config: Config) -> tuple[tuple[str, fl
     return ((min(scored)[1], min(scored)[0]) if scored else None), not_compared
 
 
+@functools.lru_cache(maxsize=1)
+def _gate_encoder(source: str, device: str) -> CaptionEncoder:
+    """The data's text encoder for token-id captions, loaded once for both models a gate scores."""
+    return CaptionEncoder.load(source, use_gpu=False).to(device)
+
+
 def heldout_loss(config: Config, unet, scheduler) -> float:
     """Validation loss on data.val at fixed timesteps and noise: comparable between any two models."""
     spec = dataset_spec(config, "data.val", config.data.val, unet.config)
@@ -328,8 +335,7 @@ def heldout_loss(config: Config, unet, scheduler) -> float:
     latent_scale = config.data.latent_scaling_factor or 1.0
     embed = None
     if spec.token_ids is not None:  # both models see the same float32 embeddings of the ids
-        source = spec.token_ids.text_encoder
-        encoder = CaptionEncoder(load_frozen_text_encoder(source, use_gpu=False), source).to(device)
+        encoder = _gate_encoder(spec.token_ids.text_encoder, device)
         embed = lambda ids: encoder(ids).float()  # noqa: E731
     return validation_loss(
         unet.to(device), scheduler, batches, seed=config.train.seed, latent_scale=latent_scale, embed=embed

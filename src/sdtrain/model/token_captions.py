@@ -74,16 +74,6 @@ def check_text_encoder(ids: TokenIds, where: str, cross_attention_dim: int) -> N
         )
 
 
-def load_frozen_text_encoder(source: str, use_gpu: bool) -> Any:
-    """The text encoder of ``source`` (sdtrain.model.encoders.load_text_encoder: the one way one is loaded), frozen:
-    eval mode, no gradient, in :func:`encoder_dtype`; on the CPU until its first batch moves it."""
-    from sdtrain.model.encoders import load_text_encoder
-
-    _, text_encoder = load_text_encoder(source, "cpu", encoder_dtype(use_gpu))
-    text_encoder.requires_grad_(False)
-    return text_encoder
-
-
 class CaptionEncoder:
     """Token ids (N, L) -> the embeddings (N, L, D) the UNet cross-attends to, as StableDiffusionPipeline.encode_prompt
     computes them from the same ids: the last hidden state, padding encoded like any token (SD's text encoders take
@@ -96,6 +86,16 @@ class CaptionEncoder:
                 "do not carry; store embeddings (output.captions: embeddings) for it"
             )
         self.text_encoder = text_encoder
+
+    @classmethod
+    def load(cls, source: str, use_gpu: bool) -> CaptionEncoder:
+        """The text encoder of ``source`` (sdtrain.model.encoders.load_text_encoder: the one way one is loaded),
+        frozen: eval mode, no gradient, in :func:`encoder_dtype`; on the CPU until :meth:`to` moves it."""
+        from sdtrain.model.encoders import load_text_encoder
+
+        _, text_encoder = load_text_encoder(source, "cpu", encoder_dtype(use_gpu))
+        text_encoder.requires_grad_(False)
+        return cls(text_encoder, source)
 
     @property
     def width(self) -> int:

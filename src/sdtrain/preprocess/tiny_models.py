@@ -45,6 +45,27 @@ def write_tokenizer(directory: str) -> dict[str, int]:
     return vocab
 
 
+def sd2_text_encoder_config(vocab: dict[str, int] | None = None) -> Any:
+    """The CLIPTextConfig of Stable Diffusion 2's text encoder (OpenCLIP ViT-H: 23 layers, 1024 wide, 49408 tokens);
+    its special tokens from ``vocab`` (a tokenizer's), else CLIP's (49406 and 49407)."""
+    from transformers import CLIPTextConfig
+
+    start, end = (vocab["<|startoftext|>"], vocab["<|endoftext|>"]) if vocab is not None else (49406, 49407)
+    return CLIPTextConfig(
+        vocab_size=49408,
+        hidden_size=1024,
+        intermediate_size=4096,
+        num_hidden_layers=23,
+        num_attention_heads=16,
+        max_position_embeddings=77,
+        hidden_act="gelu",
+        projection_dim=512,
+        bos_token_id=start,
+        eos_token_id=end,
+        pad_token_id=end,
+    )
+
+
 def sd2_shaped_encoders(tokenizer_dir: str) -> tuple[Any, Any, Any]:
     """(tokenizer, text encoder, VAE) with the architectures of Stable Diffusion 2's (OpenCLIP ViT-H: 23 layers,
     1024 wide, 49408 tokens; the VAE: 128-256-512-512 channels, 2 layers a block) and random weights: encoding
@@ -55,24 +76,10 @@ def sd2_shaped_encoders(tokenizer_dir: str) -> tuple[Any, Any, Any]:
         tokenizer_dir: where to write the tokenizer.
     """
     from diffusers import AutoencoderKL
-    from transformers import AutoTokenizer, CLIPTextConfig, CLIPTextModel
+    from transformers import AutoTokenizer, CLIPTextModel
 
     vocab = write_tokenizer(tokenizer_dir)
-    text_encoder = CLIPTextModel(
-        CLIPTextConfig(
-            vocab_size=49408,
-            hidden_size=1024,
-            intermediate_size=4096,
-            num_hidden_layers=23,
-            num_attention_heads=16,
-            max_position_embeddings=77,
-            hidden_act="gelu",
-            projection_dim=512,
-            bos_token_id=vocab["<|startoftext|>"],
-            eos_token_id=vocab["<|endoftext|>"],
-            pad_token_id=vocab["<|endoftext|>"],
-        )
-    )
+    text_encoder = CLIPTextModel(sd2_text_encoder_config(vocab))
     vae = AutoencoderKL(
         block_out_channels=(128, 256, 512, 512),
         down_block_types=("DownEncoderBlock2D",) * 4,

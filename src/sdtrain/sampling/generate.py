@@ -65,11 +65,11 @@ def generate(request: GenerateRequest) -> list[str]:
     elif request.captions is not None:
 
         def encode(ids: torch.Tensor) -> torch.Tensor:  # a column of token ids: the model's text encoder, on demand
-            from sdtrain.model.token_captions import CaptionEncoder, load_frozen_text_encoder
+            from sdtrain.model.token_captions import CaptionEncoder
             from sdtrain.sampling.prompts import resolve_sources
 
             source = resolve_sources(loaded, request.text_encoder, request.vae).text_encoder
-            return CaptionEncoder(load_frozen_text_encoder(source, use_gpu=False), source)(ids).float()
+            return CaptionEncoder.load(source, use_gpu=False)(ids).float()
 
         captions = read_captions(
             request.captions, unet.config.cross_attention_dim, request.caption_column, request.rows, encode=encode

@@ -20,7 +20,7 @@ from sdtrain import __version__
 from sdtrain.artifacts.checkpoint_format import CheckpointMeta
 from sdtrain.config.schema import Config, TrainConfig
 from sdtrain.errors import ConfigError
-from sdtrain.model.token_captions import CaptionEncoder, load_frozen_text_encoder
+from sdtrain.model.token_captions import CaptionEncoder
 from sdtrain.model.unet import build_unet, noise_scheduler_config, unet_config
 from sdtrain.train.device_settings import DeviceSettings, device_settings
 from sdtrain.train.module import DiffusionModule
@@ -121,7 +121,7 @@ def build_training(
     pl.seed_everything(config.train.seed, verbose=False)
     encoder = None
     if meta.text_encoder is not None:  # the data holds token ids: encoded in each step, by this process's copy
-        encoder = CaptionEncoder(load_frozen_text_encoder(meta.text_encoder, use_gpu), meta.text_encoder)
+        encoder = CaptionEncoder.load(meta.text_encoder, use_gpu)
         if unconditional_caption is not None and not unconditional_caption.is_floating_point():
             unconditional_caption = encoder(unconditional_caption[None])[0].float()
     module = DiffusionModule(
