@@ -1,5 +1,6 @@
 """An elastic run on a Ray cluster of several nodes on this machine: a node is reclaimed mid-run (as a spot
-instance is), another joins later."""
+instance is), another joins later. Its captions are token ids, so every group's workers load the frozen text
+encoder and encode them in the step."""
 
 import json
 import re
@@ -8,11 +9,15 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pyarrow.parquet as pq
 import pytest
-from conftest import committed_checkpoints, rows_by_step, tiny_config, write_latents
+import torch
+from conftest import committed_checkpoints, rows_by_step, tiny_config, token_id_table, write_latents
 
+from sdtrain.artifacts.checkpoint_format import CHECKPOINT_META_KEY
 from sdtrain.driver import train
-from sdtrain.storage.run_layout import HISTORY_FILE, SAMPLES_FILE
+from sdtrain.preprocess.tiny_models import write_tiny_sd_model
+from sdtrain.storage.run_layout import CHECKPOINT_FILE, HISTORY_FILE, SAMPLES_FILE
 
 pytestmark = pytest.mark.slow  # a Ray cluster of three raylets and three worker groups, one after another
 
@@ -127,8 +132,12 @@ def run_through_a_reclaimed_and_a_joined_node(cluster, tmp_path: Path, nodes: in
     """Train on ``nodes`` one-CPU nodes while :func:`reclaim_a_node_then_add_one` changes them; (summary, events)."""
     import ray
 
-    write_latents(tmp_path / "train/a.parquet", rows=40, seed=1, row_group_size=8)
-    write_latents(tmp_path / "train/b.parquet", rows=56, seed=2, row_group_size=8)
+    text_encoder = write_tiny_sd_model(str(tmp_path / "tiny-sd"))
+    for name, rows, seed in (("a", 40, 1), ("b", 56, 2)):
+        latents, _ = write_latents(tmp_path / f"train/{name}.parquet", rows=rows, seed=seed)
+        pq.write_table(
+            token_id_table(latents, text_encoder, seed), tmp_path / f"train/{name}.parquet", row_group_size=8
+        )
     for _ in range(nodes):
         cluster.add_node(num_cpus=1)
     cluster.wait_for_nodes()
@@ -139,6 +148,7 @@ def run_through_a_reclaimed_and_a_joined_node(cluster, tmp_path: Path, nodes: in
         try:
             config = tiny_config(
                 f"data.train={tmp_path}/train",
+                "data.caption_column=caption_ids",
                 "train.micro_batch_size=4",
                 "scaling.cpus_per_worker=1",
                 "scaling.use_gpu=false",
@@ -221,3 +231,10 @@ def test_a_reclaimed_node_and_a_joined_one_resize_the_group_lose_no_step_and_tra
     trained = np.concatenate(steps)
     epochs = trained.reshape(-1, ROWS)  # 12 steps of 8 rows each
     assert all(sorted(epoch) == list(range(ROWS)) for epoch in epochs)
+
+    # Every group trained on the ids through the encoder it loaded: the losses are finite, the checkpoint names the
+    # encoder and holds none of its weights.
+    assert all(np.isfinite(row["loss"]) for row in history), history
+    saved = torch.load(Path(summary.checkpoint_path) / CHECKPOINT_FILE, weights_only=True)
+    assert saved[CHECKPOINT_META_KEY]["text_encoder"] == str(tmp_path / "tiny-sd")
+    assert not any("text_model" in key for key in saved["state_dict"])

@@ -606,9 +606,11 @@ def _get(s3, key: str) -> bytes:
 def test_inputs_model_and_output_on_s3_resumed_and_trained_on(tmp_path, tiny_model, s3_bucket, ray_cluster):
     """Parquet, WebDataset and folder inputs, the model and the output all in a bucket of a real S3 server. The
     cluster knows the credentials but not the endpoint (conftest's ray_cluster): the job hands it to its tasks.
-    Interrupted and re-run, no shard is written twice; training reads the latents from the bucket."""
+    Interrupted and re-run, no shard is written twice; training reads the latents and the captions' token ids from
+    the bucket, and its worker encodes them with the text encoder it fetches from there."""
     import boto3
 
+    from sdtrain.artifacts.loading import load_model
     from sdtrain.config.loader import load_config
     from sdtrain.data.inspection import inspect_dataset
     from sdtrain.data.parquet_files import resolve_parquet_files
@@ -627,7 +629,12 @@ def test_inputs_model_and_output_on_s3_resumed_and_trained_on(tmp_path, tiny_mod
     _upload(s3, tmp_path / "parquet", "in/parquet")
     output = f"{s3_bucket}/latents/parquet"
     config = config_for(
-        tmp_path, model, "input.rows_per_shard=3", f"output.path={output}", source=f"{s3_bucket}/in/parquet"
+        tmp_path,
+        model,
+        "input.rows_per_shard=3",
+        f"output.path={output}",
+        "output.captions=both",
+        source=f"{s3_bucket}/in/parquet",
     )
     first = run_preprocess(config, max_shards=2)
     assert len(first.shards_written) == 2 and first.shards_failed == {}
@@ -654,6 +661,7 @@ def test_inputs_model_and_output_on_s3_resumed_and_trained_on(tmp_path, tiny_mod
         "_sdtrain_index.parquet",
         "manifest.json",
         "unconditional_caption.npy",
+        "unconditional_caption_ids.npy",
     }
     assert {k[: -len(".parquet")] for k in parquet} <= set(names)
     manifest = json.loads(_get(s3, "latents/parquet/manifest.json"))
@@ -714,13 +722,15 @@ def test_inputs_model_and_output_on_s3_resumed_and_trained_on(tmp_path, tiny_mod
     )
     assert keys == sorted(f"{i:03d}.jpg" for i, r in enumerate(folder_rows) if r[2] is None)
 
-    # Training on the parquet latents, straight from the bucket.
+    # Training on the parquet latents and token ids, straight from the bucket: the worker fetches the text encoder
+    # the files name (the model in the bucket) and encodes the ids in the step.
     summary = train(
         load_config(
             None,
             [
                 f"data.train={output}",
-                f"data.unconditional_caption={output}/unconditional_caption.npy",
+                "data.caption_column=caption_ids",
+                f"data.unconditional_caption={output}/unconditional_caption_ids.npy",
                 "data.shuffle_chunk_rows=4",
                 "data.shuffle_window_rows=8",
                 "model.preset=tiny",
@@ -737,6 +747,7 @@ def test_inputs_model_and_output_on_s3_resumed_and_trained_on(tmp_path, tiny_mod
         )
     )
     assert summary.final_step == 2 and np.isfinite(summary.final_loss)
+    assert load_model(str(tmp_path / "runs" / "from-s3")).meta.text_encoder == model
     # The export is a whole pipeline: its VAE and text encoder come from the model in the bucket.
     export = tmp_path / "runs" / "from-s3" / "export"
     assert (export / "model_index.json").is_file()
