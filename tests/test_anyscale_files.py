@@ -11,6 +11,7 @@ from conftest import REPO
 
 from sdtrain.artifacts.provenance import COMMIT_ENV
 from sdtrain.config.loader import load_config
+from sdtrain.train.performance_model import NODE_TYPES
 
 
 def _job(name):
@@ -55,7 +56,11 @@ def test_job_files_are_valid_and_consistent_with_their_config(name, entrypoint):
     )
     (gpu_group,) = job.compute_config.worker_nodes
     assert config.scaling.use_gpu is True
-    assert (gpu_group.min_nodes, gpu_group.max_nodes) == (config.scaling.min_workers, config.scaling.max_workers)
+    gpus = NODE_TYPES[gpu_group.instance_type].gpus  # a worker per GPU
+    assert (gpu_group.min_nodes * gpus, gpu_group.max_nodes * gpus) == (
+        config.scaling.min_workers,
+        config.scaling.max_workers,
+    )
 
 
 def _assert_pyproject_pins(requirements, image_uri):
