@@ -15,7 +15,7 @@ from sdtrain.train.performance_model import NODE_TYPES
 
 
 def _job(name):
-    if name == "job.yaml":
+    if name in ("job.yaml", "check_job.yaml"):
         return JobConfig.from_yaml(str(REPO / name))
     return ScheduleConfig.from_yaml(str(REPO / name)).job_config
 
@@ -29,7 +29,12 @@ def _pins():
 
 
 @pytest.mark.parametrize(
-    "name, entrypoint", [("job.yaml", "entrypoints/train.py"), ("schedule.yaml", "entrypoints/retrain.py")]
+    "name, entrypoint",
+    [
+        ("job.yaml", "entrypoints/train.py"),
+        ("schedule.yaml", "entrypoints/retrain.py"),
+        ("check_job.yaml", "entrypoints/check.py"),
+    ],
 )
 def test_job_files_are_valid_and_consistent_with_their_config(name, entrypoint):
     job = _job(name)
@@ -47,7 +52,8 @@ def test_job_files_are_valid_and_consistent_with_their_config(name, entrypoint):
     # starting mid-run (a spot replacement) installs nothing before it trains.
     assert job.containerfile == "Containerfile" and job.image_uri is None
     assert job.requirements is None
-    assert job.max_retries >= 1 and job.timeout_s > 0
+    # A check is not retried: a phase that failed is what it found.
+    assert job.max_retries >= (0 if name == "check_job.yaml" else 1) and job.timeout_s > 0
     assert job.working_dir == "."
     assert job.py_modules == ["src/sdtrain"]  # the train and Ray Data workers import sdtrain
     # Local state, caches included (mypy's is large): not uploaded with the working directory.
@@ -158,3 +164,11 @@ def test_the_dev_setup_installs_the_extras_the_images_have():
 
     (extras,) = re.findall(r"-e '\.\[([^\]]+)\]'", (REPO / "Makefile").read_text())
     assert {"trackers", "preprocess", "test"} <= set(extras.split(","))
+
+
+def test_the_check_job_checks_what_job_yaml_runs():
+    """The same config on the same nodes: what the check measured is what the real run will do."""
+    check, job = _job("check_job.yaml"), _job("job.yaml")
+    assert check.compute_config == job.compute_config
+    config = shlex.split(job.entrypoint)[2:]
+    assert shlex.split(check.entrypoint)[2:] == config

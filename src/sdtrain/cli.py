@@ -1,4 +1,5 @@
-"""Command lines of entrypoints/train.py, retrain.py, preprocess.py and generate.py: parse, load, run, report."""
+"""Command lines of entrypoints/train.py, retrain.py, check.py, preprocess.py and generate.py: parse, load, run,
+report."""
 
 from __future__ import annotations
 
@@ -72,6 +73,36 @@ def _retrain(config: Config) -> list[str]:
         raise ConfigError("retrain.data_root and retrain.models_root are required for retraining")
     outcome = retrain(config)  # the schedule date: retrain.date, else pinned per Anyscale job (sdtrain.retrain)
     return [f"{outcome.status}: {outcome.message}", f"production: {outcome.production or 'none'}"]
+
+
+def check_main(argv: Sequence[str] | None, default_config: Path | None) -> int:
+    """Run the check job (sdtrain.check); 0 if every phase trained, 1 if one failed, 2 for bad input."""
+    parser = argparse.ArgumentParser(
+        prog="check.py",
+        description="Train the config for a few minutes on one GPU, then on all of them, and report what it measured.",
+        epilog=help_text(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--config", default=default_config and str(default_config), help="YAML config file (default: %(default)s)"
+    )
+    parser.add_argument("--steps", type=int, default=40, help="optimizer steps of each phase (default: %(default)s)")
+    parser.add_argument("--eager", action="store_true", help="train as configured, not compiled")
+    parser.add_argument("overrides", nargs="*", metavar="key.sub=value", help="override a config key")
+    args = parser.parse_args(argv)
+    if args.steps < 8:  # a report window after the first (compilation), and a checkpoint before the last step
+        print(f"error: --steps: must be >= 8, got {args.steps}", file=sys.stderr)
+        return 2
+    try:
+        from sdtrain.check import check
+
+        report = check(args.config, args.overrides, steps=args.steps, compile_unet=not args.eager)
+    except SdtrainError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for line in report.table():
+        print(f"[sdtrain check] {line}")
+    return 1 if report.failed else 0
 
 
 def preprocess_main(argv: Sequence[str] | None, default_config: Path) -> int:

@@ -160,6 +160,7 @@ class StepReporter(OptimizerStepCallback):
         data_wait_fraction = float(slowest[0])
         self.slowest_steps_per_s = -float(slowest[1])
         return {
+            **self._peak_memory(trainer, pl_module),
             "step": step,
             "start_step": self._start_step,  # where this worker group started: restarts show here
             "epoch": epoch,  # the data epoch the next step reads from
@@ -178,6 +179,15 @@ class StepReporter(OptimizerStepCallback):
             # restart it includes the time the failure cost.
             "time_to_first_step_s": self._time_to_first_step,
         }
+
+    @staticmethod
+    def _peak_memory(trainer: pl.Trainer, pl_module) -> dict[str, float]:
+        """``peak_memory_gb``: the largest rank's peak of allocated GPU memory since it started (what the memory model
+        predicts: sdtrain.model.memory); nothing on CPU workers, which have no allocator statistics."""
+        if pl_module.device.type != "cuda":
+            return {}
+        peak = torch.tensor(float(torch.cuda.max_memory_allocated(pl_module.device)), device=pl_module.device)
+        return {"peak_memory_gb": float(trainer.strategy.reduce(peak, reduce_op="max")) / 1e9}
 
 
 def check_skipped_steps(

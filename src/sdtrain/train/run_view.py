@@ -30,6 +30,7 @@ GAUGES = {
     ),
     "step": ("sdtrain_step", "Optimizer steps done"),
     "mfu": ("sdtrain_mfu", "Model FLOPs utilization over the latest report's window (GPU workers only)"),
+    "peak_memory_gb": ("sdtrain_peak_memory_gb", "The largest rank's peak allocated GPU memory, GB (GPU workers only)"),
     "cost_per_million_images": (
         "sdtrain_cost_per_million_images",
         "What a million images cost at the latest report's throughput (run.gpu_hour_cost set)",

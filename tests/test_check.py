@@ -1,0 +1,70 @@
+"""The check job users run first (entrypoints/check.py), end to end on CPU workers of a real Ray cluster: a compiled
+phase on one worker and one on two, and the table they print."""
+
+import re
+
+import pytest
+from conftest import committed_checkpoints, write_latents
+
+from sdtrain.cli import check_main
+
+pytestmark = pytest.mark.slow  # two short Ray Train runs, compiled
+
+
+def _args(tmp_path, *extra):
+    return [
+        "--steps",
+        "8",
+        f"data.train={tmp_path}/train",
+        "model.preset=tiny",
+        "train.global_batch_size=8",
+        "train.micro_batch_size=2",
+        "scaling.num_workers=[1,2]",
+        "scaling.use_gpu=false",
+        "scaling.cpus_per_worker=1",
+        f"run.storage_path={tmp_path}/runs",
+        "run.name=mine",
+        "run.gpu_hour_cost=2.5",
+        "train.max_steps=100000",
+        *extra,
+    ]
+
+
+@pytest.mark.timeout(400)
+def test_the_check_trains_compiled_on_one_worker_then_all_and_reports_what_it_measured(ray_cluster, tmp_path, capsys):
+    write_latents(tmp_path / "train/a.parquet", rows=64, seed=1)
+    assert check_main(_args(tmp_path), default_config=None) == 0
+    out = capsys.readouterr().out
+    lines = [line.removeprefix("[sdtrain check] ") for line in out.splitlines() if line.startswith("[sdtrain check]")]
+    header, one, two, communication, projected = lines
+    assert header.split()[:3] == ["phase", "options", "result"]
+    # Each phase: trained, compiled, with its micro-batch; images/s per GPU, no MFU on CPU, data wait, checkpoint
+    # stall, no measured peak memory on CPU beside the memory model's prediction.
+    for row, name in ((one, "1 GPU"), (two, "2 GPUs")):
+        assert row.startswith(name) and "compile" in row and "micro-batch 2" in row and " trained " in row, row
+        figures = re.fullmatch(r".* trained +(\d+\.\d) +- +(\d+\.\d)% +(\d+\.\d) s +- \((\d+\.\d\d)\)", row)
+        assert figures and float(figures[1]) > 0 and float(figures[4]) > 0, row
+    assert re.fullmatch(r"communication: \d+\.\d% of the full run's step", communication), communication
+    hours = re.fullmatch(
+        r"projected: 100000 steps in (\d+)h(\d\d)m on 2 workers, ([\d,]+) at run.gpu_hour_cost", projected
+    )
+    assert hours, projected
+    # Each phase is its own run beside the configured one's, checkpointed halfway and at the end, not exported.
+    runs = sorted(p.name for p in (tmp_path / "runs/checks").iterdir())
+    assert [re.sub(r"check-\d{8}T\d{6}", "check-T", name) for name in runs] == ["mine-check-T-1w", "mine-check-T-2w"]
+    for name in runs:
+        assert committed_checkpoints(tmp_path / "runs/checks" / name) == [
+            "checkpoint_000000004",
+            "checkpoint_000000008",
+        ]
+        assert not (tmp_path / "runs/checks" / name / "export").exists()
+    assert not (tmp_path / "runs/mine").exists()
+
+
+def test_a_phase_that_fails_is_reported_and_the_check_exits_1(ray_cluster, tmp_path, capsys):
+    write_latents(tmp_path / "train/a.parquet", rows=64, caption_shape=(77, 16), seed=1)  # the tiny UNet wants 32
+    assert check_main(_args(tmp_path), default_config=None) == 1
+    out = capsys.readouterr().out
+    assert re.search(r"^\[sdtrain check\] 1 GPU +.* failed ", out, re.M), out
+    assert re.search(r"^\[sdtrain check\] 1 GPU failed: DataError: .*a\.parquet", out, re.M), out
+    assert "projected" not in out
