@@ -59,3 +59,15 @@ def test_the_shipped_jobs_are_predicted_compute_bound_at_every_size(name):
 def test_docs_performance_is_what_the_report_renders():
     page = (REPO / "docs/performance.md").read_text()
     assert page == render_markdown(REPO), f"docs/performance.md is stale: {REGENERATE}"
+
+
+def test_the_memory_table_is_the_trace_at_another_micro_batch():
+    """The page's memory line (one trace, linear in the micro-batch) against a direct trace at another size."""
+    from sdtrain.config.schema import ModelConfig
+    from sdtrain.model.memory import predict_training_memory
+    from sdtrain.model.unet import unet_config
+    from sdtrain.train.performance_report import GIB, linear_memory
+
+    unet = unet_config(ModelConfig(preset="small"))
+    traced = predict_training_memory(unet, (4, 32, 32), (77, 1024), 96).total_peak / GIB
+    assert linear_memory("small", 256, False).gib(96) == pytest.approx(traced, rel=0.02)

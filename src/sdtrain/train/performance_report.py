@@ -37,14 +37,23 @@ JOB_FILES = ("job.yaml", "schedule.yaml")
 SD2_CONFIG = "configs/sd2-base.yaml"
 TABLE_HEADER = (
     "| job | config | nodes | GPUs | per GPU / micro | gradients | compute | all-reduce | exposed | share |"
-    " images/s per GPU |"
+    " images/s per GPU | memory |"
 )
-TABLE_RULE = "|---|---|---|---|---|---|---|---|---|---|---|"
+TABLE_RULE = "|---|---|---|---|---|---|---|---|---|---|---|---|"
 MFUS = (0.3, 0.4, 0.5)
 SHIPPED_MFU = 0.4
 MOSAIC_IMAGES_PER_S_PER_A100 = 137  # SD 2's UNet at 256 px, ~1,100 images/s on 8 A100s (../shared/GPU.md)
 RESOLUTIONS = (256, 512)
 PRESETS = ("small", "sd2-base")
+MEMORY_MICRO_BATCHES = (16, 32, 64, 128, 256)
+MEMORY_ROWS = (
+    ("small", 256, False),
+    ("small", 512, False),
+    ("sd2-base", 256, False),
+    ("sd2-base", 512, False),
+    ("sd2-base", 512, True),
+)
+GIB = 2**30
 
 
 @dataclass(frozen=True)
@@ -169,6 +178,90 @@ def _job_cost(config: Config) -> UNetCost:
     return unet_cost(config.model.preset, resolution)
 
 
+@dataclass(frozen=True)
+class LinearMemory:
+    """A rank's predicted peak, bf16-mixed DDP without EMA, as ``base + per_sample x micro-batch`` bytes.
+
+    ``base`` is what does not grow with the batch: the float32 weights, gradients and AdamW state, and autocast's
+    bf16 copy of the weights (2 bytes a parameter), which the backward pass keeps; ``per_sample`` is the rest of one
+    trace by sdtrain.model.memory, divided by its micro-batch. tests/test_performance_report.py holds this line to a
+    direct trace at another micro-batch.
+
+    Args:
+        base: bytes that do not grow with the micro-batch.
+        per_sample: bytes a sample adds.
+    """
+
+    base: float
+    per_sample: float
+
+    def gib(self, micro_batch: int) -> float:
+        return (self.base + self.per_sample * micro_batch) / GIB
+
+    def largest_fitting(self, gpu_gib: float) -> int:
+        """The largest micro-batch under ``gpu_gib`` less the runtime margin (sdtrain.model.memory)."""
+        from sdtrain.model.memory import CUDA_RUNTIME_MARGIN
+
+        return max(0, int((gpu_gib * GIB - CUDA_RUNTIME_MARGIN - self.base) // self.per_sample))
+
+
+TRACED_MICRO_BATCH = 32
+
+
+@cache
+def linear_memory(preset: str, resolution: int, gradient_checkpointing: bool) -> LinearMemory:
+    """The memory of ``preset`` at ``resolution``, traced at :data:`TRACED_MICRO_BATCH`.
+
+    Args:
+        preset: model.preset.
+        resolution: image side in pixels.
+        gradient_checkpointing: train.gradient_checkpointing.
+    """
+    from sdtrain.model.memory import predict_training_memory
+    from sdtrain.model.unet import unet_config
+
+    unet = unet_config(ModelConfig(preset=cast(Any, preset)))
+    side = resolution // 8
+    traced = predict_training_memory(
+        unet,
+        (4, side, side),
+        (77, unet["cross_attention_dim"]),
+        TRACED_MICRO_BATCH,
+        gradient_checkpointing=gradient_checkpointing,
+    )
+    base = traced.parameters + traced.gradients + traced.optimizer_state + traced.parameters // 2
+    return LinearMemory(base, (traced.total_peak - base) / TRACED_MICRO_BATCH)
+
+
+def _memory_section() -> list[str]:
+    gpus = (("A10G", 24), ("A100 40GB", 40), ("H100", 80))
+    lines = [
+        "## Memory of a rank",
+        "",
+        "Predicted peak GiB of one rank's training step (sdtrain.model.memory: weights, gradients and AdamW state",
+        "counted, activations traced from the real UNet under CUDA autocast's rules), bf16-mixed, DDP, no EMA (EMA",
+        f"adds one float32 copy of the weights), traced at micro-batch {TRACED_MICRO_BATCH} and linear in it; then the",
+        "largest micro-batch that fits each GPU with 1 GiB left for the CUDA context, workspaces and fragmentation.",
+        "",
+        "| preset | px | checkpointing | "
+        + " | ".join(str(b) for b in MEMORY_MICRO_BATCHES)
+        + " | "
+        + " | ".join(f"fits {name}" for name, _ in gpus)
+        + " |",
+        "|---|---|---|" + "---|" * (len(MEMORY_MICRO_BATCHES) + len(gpus)),
+    ]
+    for preset, px, checkpointing in MEMORY_ROWS:
+        memory = linear_memory(preset, px, checkpointing)
+        lines.append(
+            f"| {preset} | {px} | {'yes' if checkpointing else 'no'} | "
+            + " | ".join(f"{memory.gib(b):.1f}" for b in MEMORY_MICRO_BATCHES)
+            + " | "
+            + " | ".join(str(memory.largest_fitting(gib)) for _, gib in gpus)
+            + " |"
+        )
+    return [*lines, ""]
+
+
 def render_markdown(repo: Path) -> str:
     """The whole page, as Markdown.
 
@@ -211,6 +304,7 @@ def render_markdown(repo: Path) -> str:
         f"latents at ~{MOSAIC_IMAGES_PER_S_PER_A100} images/s per A100 on 8 A100s, which by these FLOPs is "
         f"{anchor:.0%} MFU.",
         "",
+        *_memory_section(),
         "## The shipped jobs: communication against compute",
         "",
         f"Predicted at {SHIPPED_MFU:.0%} MFU, NCCL reaching {LINK_EFFICIENCY:.0%} of each link's rate",
@@ -266,8 +360,16 @@ def _job_row(job: ShippedJob, nodes: int) -> str:
         f"{step.samples_per_rank} / {layout.micro_batch} | {step.gradient_bytes / 1e9:.2f} GB | "
         f"{step.compute_s * 1e3:.0f} ms | {step.communication_s * 1e3:.0f} ms | "
         f"{step.exposed_communication_s * 1e3:.0f} ms | {step.communication_share:.0%} | "
-        f"{step.images_per_s_per_gpu:.0f} |"
+        f"{step.images_per_s_per_gpu:.0f} | {_job_memory(job, layout.micro_batch)} |"
     )
+
+
+def _job_memory(job: ShippedJob, micro_batch: int) -> str:
+    """The predicted peak of a job's rank against its GPU's memory (traced without EMA: say so where it has one)."""
+    config = job.config
+    memory = linear_memory(config.model.preset, _job_cost(config).resolution, config.train.gradient_checkpointing)
+    ema = "+ EMA " if config.train.ema_decay is not None else ""
+    return f"{memory.gib(micro_batch):.1f} {ema}of {job.node.gpu_memory_gib:.0f} GiB"
 
 
 def main() -> None:
