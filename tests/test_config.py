@@ -96,7 +96,7 @@ def test_round_trip_through_dict():
             BASE + ["train.global_batch_size=48", "train.micro_batch_size=12", "scaling.num_workers=[2,4]"],
             r"train\.micro_batch_size: 12 does not divide the 16 samples each of 3 worker\(s\) takes per step",
         ),
-        (BASE + ["train.micro_batch_size=0"], r"train\.micro_batch_size: must be > 0 or null, got 0"),
+        (BASE + ["train.micro_batch_size=0"], r"train\.micro_batch_size: must be > 0, auto or null, got 0"),
         (BASE + ["data.shuffle_window_rows=0"], r"data\.shuffle_window_rows: must be >= 1, got 0"),
         (BASE + ["data.on_read_error=ignore"], r"data\.on_read_error: .*ignore"),
         (BASE + ["train"], r"override 'train' must look like key\.sub=value"),

@@ -192,7 +192,7 @@ def _predicted_memory(config: Config, workers: int, on_gpu: bool) -> int:
     """The memory model's peak for one of ``workers`` ranks of ``config``, on the shapes of its data."""
     from sdtrain.driver import dataset_spec
     from sdtrain.model.unet import unet_config
-    from sdtrain.train.performance_model import predict_run_memory
+    from sdtrain.train.memory_fit import predict_run_memory
 
     unet = unet_config(config.model)
     spec = dataset_spec(config, "data.train", config.data.train, unet)

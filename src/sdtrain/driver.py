@@ -41,6 +41,7 @@ from sdtrain.train.build import checkpoint_meta, resolve_precision
 from sdtrain.train.data_hook import PlannedStreams, committed_run, read_data_state
 from sdtrain.train.efficiency import RunTotals, run_totals
 from sdtrain.train.failures import StopOnDeterministicErrors, failure_message
+from sdtrain.train.memory_fit import cluster_gpu, fit_micro_batch
 from sdtrain.train.tracker_driver import check_trackers, log_export, tracker_env
 from sdtrain.train.worker import train_loop_per_worker
 
@@ -194,7 +195,13 @@ def build_trainer(run: CheckedRun, launched_at: float) -> TorchTrainer:
         ray.init()
     _quiet_ray_data()
     use_gpu = _resolve_use_gpu(config.scaling)
-    resolve_precision(config.train, use_gpu)  # 16-mixed where scaling.use_gpu=auto found no GPU fails here
+    precision = resolve_precision(config.train, use_gpu)  # 16-mixed where scaling.use_gpu=auto found no GPU fails here
+    captions = run.train.embedding_shape(unet_config(config.model)["cross_attention_dim"])
+    # train.micro_batch_size against the GPUs' memory: auto resolved, a size predicted not to fit refused.
+    gpu = cluster_gpu(ray.cluster_resources()) if use_gpu else None
+    config, decided = fit_micro_batch(config, gpu, run.train.latent_shape, captions, precision)
+    if decided is not None:
+        print(f"[sdtrain] {decided}", flush=True)
     # PlannedStreams replaces "train" by each rank's planned stream; Ray Train needs the name.
     # TorchTrainer's own value type: its dict is invariant.
     datasets: dict[str, ray.data.Dataset | Callable[[], ray.data.Dataset]] = {
@@ -202,7 +209,6 @@ def build_trainer(run: CheckedRun, launched_at: float) -> TorchTrainer:
     }
     if run.val is not None:
         datasets["val"] = file_order_dataset(run.val, config.data, "data.val")
-    captions = run.train.embedding_shape(unet_config(config.model)["cross_attention_dim"])
     text_encoder = run.train.token_ids.text_encoder if run.train.token_ids is not None else None
     meta = checkpoint_meta(config, run.train.latent_shape, captions, run.stored_scale, text_encoder)
     return TorchTrainer(

@@ -117,9 +117,12 @@ class TrainConfig(Section):
     global_batch_size: int = 32
     """Samples per optimizer step across all workers, at every world size: world size x train.micro_batch_size x
     gradient accumulation."""
-    micro_batch_size: int | None = None
+    micro_batch_size: Literal["auto"] | int | None = None
     """Samples per worker per forward/backward pass; gradients accumulate until global_batch_size. null = the largest
-    size that divides the per-worker batch at every allowed world size."""
+    size that divides the per-worker batch at every allowed world size. auto = on GPU workers, the largest of those
+    sizes whose step the memory model (sdtrain.model.memory) predicts fits 90% of the cluster's GPU with 1 GiB for the
+    runtime; on CPU workers, or where the cluster's GPU model is not known yet, as null. On GPU workers a size (or
+    null's) predicted not to fit the GPU is refused before any worker starts."""
     lr: float = 1e-4
     """AdamW peak learning rate, reached after train.warmup_steps and then held."""
     warmup_steps: int = 10_000
@@ -184,8 +187,8 @@ class TrainConfig(Section):
         for key in ("max_steps", "global_batch_size", "max_nonfinite_steps"):
             if getattr(self, key) <= 0:
                 self._fail(key, f"must be > 0, got {getattr(self, key)}")
-        if self.micro_batch_size is not None and self.micro_batch_size <= 0:
-            self._fail("micro_batch_size", f"must be > 0 or null, got {self.micro_batch_size}")
+        if isinstance(self.micro_batch_size, int) and self.micro_batch_size <= 0:
+            self._fail("micro_batch_size", f"must be > 0, auto or null, got {self.micro_batch_size}")
         if not self.lr > 0:
             self._fail("lr", f"must be > 0, got {self.lr}")
         if not 0 <= self.seed < 2**63:  # numpy's generators (the read order, noise) take no negative seed

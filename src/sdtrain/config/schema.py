@@ -151,14 +151,13 @@ class Config(ConfigTree):
         """How train.global_batch_size falls on ``world_size`` workers: the one derivation the driver, the data
         hook and the workers use."""
         batch, micro = self.train.global_batch_size, self.train.micro_batch_size
-        allowed = range(self.scaling.min_workers, self.scaling.max_workers + 1)
         if batch % world_size:
             raise ConfigError(
                 f"train.global_batch_size: {batch} does not divide evenly over {world_size} worker(s), which "
                 f"scaling.num_workers={self.scaling.num_workers} allows; pick a multiple of every allowed world size"
             )
-        if micro is None:
-            micro = math.gcd(*(batch // n for n in allowed if batch % n == 0))
+        if micro is None or micro == "auto":  # auto until the driver knows the GPUs (sdtrain.train.memory_fit)
+            micro = self.common_micro_batch()
         per_worker = batch // world_size
         if per_worker % micro:
             raise ConfigError(
@@ -166,6 +165,13 @@ class Config(ConfigTree):
                 f"worker(s) takes per step (train.global_batch_size={batch}); use a divisor of it, or null"
             )
         return BatchLayout(world_size, micro, per_worker // micro)
+
+    def common_micro_batch(self) -> int:
+        """The largest micro-batch that divides the per-worker batch at every allowed world size (null's); every
+        divisor of it does too."""
+        batch = self.train.global_batch_size
+        allowed = range(self.scaling.min_workers, self.scaling.max_workers + 1)
+        return math.gcd(*(batch // n for n in allowed if batch % n == 0))
 
     def storage_uris(self) -> list[tuple[str, str]]:
         """(key, path) for every path or URI the config names: data, models and storage."""

@@ -29,13 +29,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
-from sdtrain.config.schema import Config
 from sdtrain.train.efficiency import A10G, A100, H100_SXM, L4, L40S, DevicePeak
-
-if TYPE_CHECKING:
-    from sdtrain.model.memory import TrainingMemory
 
 GB = 1e9
 GBIT = 1e9 / 8  # bytes/s in a Gbit/s
@@ -203,37 +199,3 @@ def compute_bound_images_per_s(train_flops_per_sample: float, peak_flops: float,
 def nodes_for(workers: int, node: NodeType) -> int:
     """Nodes of ``node`` that hold ``workers`` one-GPU workers."""
     return math.ceil(workers / node.gpus)
-
-
-def predict_run_memory(
-    config: Config,
-    latent_shape: tuple[int, int, int],
-    caption_shape: tuple[int, int],
-    world_size: int,
-    precision: str,
-    micro_batch: int | None = None,
-) -> TrainingMemory:
-    """The memory model's peak for one rank of ``config`` (sdtrain.model.memory) at ``world_size``.
-
-    Args:
-        config: the run (model, strategy, EMA, gradient checkpointing, batch).
-        latent_shape: one sample's latents (C, H, W).
-        caption_shape: one sample's caption embeddings (L, D), as the UNet takes them.
-        world_size: ranks.
-        precision: Lightning's precision the run resolves to (16-mixed holds what bf16-mixed holds).
-        micro_batch: samples per forward pass; default: the config's at ``world_size``.
-    """
-    from sdtrain.model.memory import predict_training_memory
-    from sdtrain.model.unet import unet_config
-
-    return predict_training_memory(
-        unet_config(config.model),
-        latent_shape,
-        caption_shape,
-        micro_batch or config.batch_layout(world_size).micro_batch,
-        precision="32-true" if precision.startswith("32") else "bf16-mixed",
-        strategy=config.train.strategy,
-        world_size=world_size,
-        ema=config.train.ema_decay is not None,
-        gradient_checkpointing=config.train.gradient_checkpointing,
-    )

@@ -1,0 +1,89 @@
+"""train.micro_batch_size against the cluster's GPU memory (sdtrain.train.memory_fit): auto's choice, the refusal of
+a size predicted not to fit, and the driver refusing it before any worker starts, on a Ray cluster whose node
+reports an A10G."""
+
+import pytest
+from conftest import write_latents
+
+from sdtrain.config.loader import load_config
+from sdtrain.errors import ConfigError
+from sdtrain.train.memory_fit import cluster_gpu, fit_micro_batch
+
+SMALL_512 = ((4, 64, 64), (77, 1024))  # the small UNet's latents at 512 px and OpenCLIP-H captions
+
+
+def _small(*overrides, data="/unused"):
+    return load_config(None, ["model.preset=small", f"data.train={data}", "scaling.use_gpu=true", *overrides])
+
+
+def test_the_clusters_gpu_is_its_one_known_accelerator_type():
+    assert cluster_gpu({"CPU": 32, "GPU": 4, "accelerator_type:A10G": 4}) == "A10G"
+    assert cluster_gpu({"CPU": 32, "GPU": 8, "accelerator_type:A10G": 4, "accelerator_type:L4": 4}) is None
+    assert cluster_gpu({"CPU": 8}) is None  # no GPU node up yet
+    assert cluster_gpu({"GPU": 1, "accelerator_type:MI999": 1}) is None
+
+
+def test_auto_picks_the_largest_common_size_that_fits_and_keeps_the_global_batch():
+    # 192, 128 or 96 a worker: sizes 32 and its divisors work at every world size. At 32 the small UNet at 512 px
+    # is predicted to need ~23.5 GiB with the runtime, over 90% of an A10G's 24 GiB; 16 needs ~14.
+    config = _small("train.global_batch_size=384", "scaling.num_workers=[2,4]", "train.micro_batch_size=auto")
+    fitted, said = fit_micro_batch(config, "A10G", *SMALL_512, "bf16-mixed")
+    assert fitted.train.micro_batch_size == 16 and fitted.train.global_batch_size == 384
+    assert [fitted.batch_layout(n).accumulation for n in (2, 3, 4)] == [12, 8, 6]
+    assert said is not None and said.startswith("train.micro_batch_size=auto: 16, predicted ") and "A10G" in said
+    # An H100 takes the largest common size; with no GPU known, auto is null's rule.
+    assert fit_micro_batch(config, "H100", *SMALL_512, "bf16-mixed")[0].train.micro_batch_size == 32
+    unknown, said = fit_micro_batch(config, None, *SMALL_512, "bf16-mixed")
+    assert unknown.train.micro_batch_size == 32 and said is None
+
+
+def test_a_size_predicted_not_to_fit_is_refused_naming_the_numbers():
+    config = _small("train.global_batch_size=128", "scaling.num_workers=2", "train.micro_batch_size=64")
+    with pytest.raises(
+        ConfigError, match=r"train.micro_batch_size: 64 samples a rank are predicted to need 4\d\.\d GiB"
+    ):
+        fit_micro_batch(config, "A10G", *SMALL_512, "bf16-mixed")
+    # What fits the largest variant is not refused (auto would not pick it: it leaves no margin on 24 GiB)...
+    fits = _small("train.global_batch_size=128", "scaling.num_workers=2", "train.micro_batch_size=32")
+    assert fit_micro_batch(fits, "A10G", *SMALL_512, "bf16-mixed") == (fits, None)
+    # ...nor anything where the GPU is not known (CPU workers, a cluster with no GPU node up yet).
+    assert fit_micro_batch(config, None, *SMALL_512, "bf16-mixed") == (config, None)
+    # An A100 may have 80 GB: 64 samples (~42 GiB) are not refused there.
+    assert fit_micro_batch(config, "A100", *SMALL_512, "bf16-mixed") == (config, None)
+
+
+def test_the_driver_refuses_before_any_worker_starts_on_a_cluster_of_a10gs(tmp_path):
+    """A Ray cluster of this machine whose node says it has an A10G (Ray sets accelerator_type on GPU nodes): the
+    driver checks the data, joins the cluster and refuses the size before it builds the trainer."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from sdtrain.driver import train
+
+    write_latents(tmp_path / "train/a.parquet", rows=128, latent_shape=(4, 64, 64), caption_shape=(77, 1024))
+    config = _small(
+        "train.global_batch_size=128",
+        "scaling.num_workers=2",
+        "train.micro_batch_size=64",
+        f"run.storage_path={tmp_path}/runs",
+        data=str(tmp_path / "train"),
+    )
+    if ray.is_initialized():
+        ray.shutdown()  # the session's cluster starts again for the tests after this one
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={
+            "num_cpus": 1,
+            "num_gpus": 2,
+            "resources": {"accelerator_type:A10G": 2},
+            "include_dashboard": False,
+        },
+    )
+    try:
+        ray.init(address=cluster.address)
+        with pytest.raises(ConfigError, match=r"more than a A10G's 24 GiB"):
+            train(config)
+        assert not list(tmp_path.rglob("checkpoint_*"))  # no worker started
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
