@@ -20,12 +20,19 @@ device; a training step is 3 forward passes. MFU = model FLOP/s / the GPU's dens
 
     python bench/gpu_throughput.py                                  # needs a CUDA GPU; every preset, size, variant
     python bench/gpu_throughput.py --presets sd2-base --resolutions 256 --variants compile+channels_last
+    python bench/gpu_throughput.py --config configs/small.yaml      # what that config's workers run, on one GPU
     python bench/gpu_throughput.py --smoke                          # CPU, tiny UNet, 3 steps: checks that it runs (CI)
+
+With --config, one variant, "config": the config's own options (compile, channels_last, gradient checkpointing,
+EMA) at the micro-batch and accumulation its workers run at its most workers, so a step trains one worker's share
+of the global batch; the peak memory is printed beside the memory model's prediction (sdtrain.model.memory).
+What one process cannot show is DDP's all-reduce: entrypoints/check.py measures that on a cluster.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import sys
 from pathlib import Path
@@ -46,6 +53,7 @@ def main() -> None:
     parser.add_argument("--resolutions", default="256,512", help="image sizes in px (latents are 1/8 of it)")
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"any of {', '.join(VARIANTS)}")
     parser.add_argument("--batch-size", type=int, help="per GPU (default: the largest that fits, see above)")
+    parser.add_argument("--config", help="a training config: run what its workers run (see above)")
     parser.add_argument("--steps", type=int, default=30, help="timed steps")
     parser.add_argument("--warmup", type=int, default=10, help="untimed steps first (compilation, autotuning)")
     parser.add_argument(
@@ -76,6 +84,11 @@ def main() -> None:
         presets = args.presets.split(",")
         resolutions = [int(r) for r in args.resolutions.split(",")]
         variants = args.variants.split(",")
+    worker = WorkerShare.of(args.config, micro_batch=args.batch_size if args.smoke else None) if args.config else None
+    if worker is not None:
+        variants = ["config"]
+        if not args.smoke:  # the smoke keeps its tiny UNet at 128 px
+            presets, resolutions = [worker.preset], [worker.resolution]
         # No flags of its own: fit_without_ray applies the worker's (sdtrain.train.device_settings: TF32, cuDNN
         # autotuning, pinned batches), so this measures what the workers run.
 
@@ -92,12 +105,12 @@ def main() -> None:
     results = {}
     for preset in presets:
         for px in resolutions:
-            batch = args.batch_size or fitting_batch(preset, px, use_gpu)
+            batch = worker.micro_batch if worker else args.batch_size or fitting_batch(preset, px, use_gpu)
             if batch is None:
                 print(f"{preset:9} {px:4} out of memory down to batch 1")
                 continue
             for variant in variants:
-                r = measure(preset, px, variant, batch, args.steps, args.warmup, use_gpu)
+                r = measure(preset, px, variant, batch, args.steps, args.warmup, use_gpu, worker)
                 _release()
                 flops = r["train_flops_per_img"]
                 achieved = r["img_per_s"] * flops
@@ -107,6 +120,12 @@ def main() -> None:
                     f"{achieved / 1e12:8.2f} {achieved / (peak * 1e12):6.1%} {r['peak_mem'] / 2**30:12.1f}",
                     flush=True,
                 )
+                if r["predicted_mem"] is not None:
+                    print(f"# {preset} {px}px config: predicted peak {r['predicted_mem'] / 2**30:.2f} GiB")
+                    if r["peak_mem"]:  # CUDA only: a CPU has no allocator statistics
+                        print(
+                            f"RATIO peak memory / predicted {preset} {px}px = {r['peak_mem'] / r['predicted_mem']:.3f}"
+                        )
     for (preset, px, variant), r in results.items():
         utilization = mfu(r["img_per_s"], r["train_flops_per_img"], peak * 1e12)
         target = (
@@ -152,7 +171,54 @@ def fitting_batch(preset: str, px: int, use_gpu: bool):
     return best
 
 
-def measure(preset: str, px: int, variant: str, batch: int, steps: int, warmup: int, use_gpu: bool) -> dict:
+class WorkerShare:
+    """What one worker of a training config runs: its options and its share of the global batch at the config's
+    most workers.
+
+    Args:
+        overrides: the config's options as overrides of measure()'s config.
+        preset: model.preset.
+        resolution: image side in pixels (from the latent column's name, image_latents_<px>).
+        micro_batch: samples per forward and backward pass.
+        accumulation: micro-batches per optimizer step.
+    """
+
+    def __init__(self, overrides: list[str], preset: str, resolution: int, micro_batch: int, accumulation: int):
+        self.overrides, self.preset, self.resolution = overrides, preset, resolution
+        self.micro_batch, self.accumulation = micro_batch, accumulation
+
+    @classmethod
+    def of(cls, path: str, micro_batch: int | None = None) -> WorkerShare:
+        """The config at ``path``; ``micro_batch`` replaces its micro-batch, keeping its accumulation (the smoke)."""
+        from sdtrain.config.loader import load_config
+
+        config = load_config(path, ["data.train=/unused"])
+        layout = config.batch_layout(config.scaling.max_workers)
+        if micro_batch is not None:
+            layout = dataclasses.replace(layout, micro_batch=micro_batch)
+        train = config.train
+        overrides = [
+            f"train.compile={train.compile}",
+            f"train.channels_last={train.channels_last}",
+            f"train.gradient_checkpointing={train.gradient_checkpointing}",
+            *([f"train.ema_decay={train.ema_decay}"] if train.ema_decay is not None else []),
+            f"train.global_batch_size={layout.rows_per_step}",
+            f"train.micro_batch_size={layout.micro_batch}",
+        ]
+        resolution = int(config.data.latent_column.rsplit("_", 1)[-1])
+        return cls(overrides, config.model.preset, resolution, layout.micro_batch, layout.accumulation)
+
+
+def measure(
+    preset: str,
+    px: int,
+    variant: str,
+    batch: int,
+    steps: int,
+    warmup: int,
+    use_gpu: bool,
+    worker: WorkerShare | None = None,
+) -> dict:
     import torch
     from step_timer import StepTimer
 
@@ -173,8 +239,10 @@ def measure(preset: str, px: int, variant: str, batch: int, steps: int, warmup: 
             f"train.compile={'compile' in variant}",
             f"train.channels_last={'channels_last' in variant}",
             f"scaling.use_gpu={use_gpu}",
+            *(worker.overrides if worker else []),  # the config's options and batch, over the variant's
         ],
     )
+    accumulation = worker.accumulation if worker else 1
     side = px // 8
     unet = unet_config(config.model)
     latent_shape, caption_shape = (unet["in_channels"], side, side), (77, unet["cross_attention_dim"])
@@ -186,13 +254,22 @@ def measure(preset: str, px: int, variant: str, batch: int, steps: int, warmup: 
         latents = latents.contiguous(memory_format=torch.channels_last)
     batch_data = {"latents": latents, "captions": torch.randn(batch, *caption_shape, dtype=torch.float16)}
     timer = StepTimer(warmup)
-    fit_without_ray(config, [batch_data] * (warmup + steps), meta, use_gpu=use_gpu, callbacks=[timer])
+    micro_batches = [batch_data] * ((warmup + steps) * accumulation)
+    fit_without_ray(config, micro_batches, meta, use_gpu=use_gpu, callbacks=[timer])
     train_flops_per_img = unet_train_step_flops(unet, latent_shape, caption_shape)
     return dict(
-        img_per_s=batch * timer.timed_steps / timer.seconds,
+        img_per_s=batch * accumulation * timer.timed_steps / timer.seconds,
         train_flops_per_img=train_flops_per_img,
         peak_mem=timer.peak_memory,
+        predicted_mem=_predicted_memory(config, latent_shape, caption_shape) if worker else None,
     )
+
+
+def _predicted_memory(config, latent_shape, caption_shape) -> int:
+    """The memory model's peak for this process's step (one rank: fit_without_ray has no DDP)."""
+    from sdtrain.train.memory_fit import predict_run_memory
+
+    return predict_run_memory(config, latent_shape, caption_shape, 1, config.train.precision).total_peak
 
 
 def _release() -> None:

@@ -89,9 +89,13 @@ def test_scheduler_spin_smoke():
 
 def test_gpu_throughput_smoke():
     """On CPU with the tiny UNet: the Ray worker's module and Trainer (sdtrain.train.build), the FLOP
-    count and the MFU arithmetic run, and Ray is never imported (a lent GPU machine has none)."""
+    count and the MFU arithmetic run, and Ray is never imported (a lent GPU machine has none); then what
+    configs/small.yaml's workers run (its options and 3 accumulated micro-batches at 4 workers; the smoke's
+    micro-batch of 4 for its 32), with the memory model's prediction."""
     code = (
         "import runpy, sys; sys.argv = ['bench/gpu_throughput.py', '--smoke']; "
+        "runpy.run_path('bench/gpu_throughput.py', run_name='__main__'); "
+        "sys.argv = ['bench/gpu_throughput.py', '--smoke', '--config', 'configs/small.yaml']; "
         "runpy.run_path('bench/gpu_throughput.py', run_name='__main__'); "
         "print('RATIO modules from ray =', sum(m == 'ray' or m.startswith('ray.') for m in sys.modules))"
     )
@@ -100,6 +104,9 @@ def test_gpu_throughput_smoke():
     assert "MFU tiny 128px eager" in ratios, out
     assert "img/s per GPU tiny 128px eager / MosaicML SD2 per A100 at 256px" in ratios, out
     assert ratios["MFU tiny 128px eager"] > 0, out
+    assert re.search(r"^tiny\s+128 config\s+4\s+[0-9.]+", out, re.M), out
+    assert ratios["MFU tiny 128px config"] > 0, out
+    assert re.search(r"^# tiny 128px config: predicted peak [0-9.]+ GiB$", out, re.M), out
 
 
 def test_fsdp_memory_smoke():
