@@ -191,6 +191,69 @@ def test_a_restart_lists_no_directory_unchanged_since_its_directory_index(tmp_pa
     assert _start([output], other_run).stats.unlisted == 0
 
 
+def test_the_index_command_makes_restarts_on_a_directory_of_ones_own_list_nothing(tmp_path, capsys, monkeypatch):
+    from sdtrain.cli import index_main
+    from sdtrain.data import dataset_index
+
+    data = tmp_path / "latents" / "date=2026-11-26"  # a '=' in a directory is not a config override
+    for i in range(3):
+        write_latents(data / f"part-{i}.parquet", rows=4 + i, seed=i, caption_column="caption_embeddings")
+    overrides = ["data.caption_column=caption_embeddings"]
+    # A directory listed at every restart says how to stop that (from 2 files here; 1000, one S3 page, by default).
+    monkeypatch.setattr(dataset_index, "UNINDEXED_HINT_FILES", 2)
+    plain = index_dataset([str(data)], "data.train", COLUMNS[0], "caption_embeddings", 4, 32, None)
+    assert plain.stats.footers_read == 3
+    assert f"`python entrypoints/index.py {data}` once makes restarts list nothing" in capsys.readouterr().out
+
+    assert index_main([str(data), *overrides]) == 0
+    assert f"{data}: 3 files (0 from its index, 3 footers read); wrote {data}/{DIRECTORY_INDEX}" in (
+        capsys.readouterr().out
+    )
+    run_index = run_index_uri(str(tmp_path / "runs/r"), "data.train")
+
+    def start():
+        started = index_dataset([str(data)], "data.train", COLUMNS[0], "caption_embeddings", 4, 32, run_index)
+        if started.stale:
+            write_index(run_index, started.index)
+        return started
+
+    first = start()
+    assert (first.stats.footers_read, len(first.index.sealed)) == (0, 1)
+    assert first.spec.rows_per_file == (4, 5, 6)
+    assert "has no directory index" not in capsys.readouterr().out
+    restart = start()
+    assert (restart.stats.unlisted, restart.stats.footers_read, restart.stats.rows_read) == (3, 0, 0)
+
+    # Nothing changed: the index is left as it is, so the runs sealed on it still list nothing.
+    version = (data / DIRECTORY_INDEX).stat().st_mtime_ns
+    assert index_main([str(data), *overrides]) == 0
+    assert "3 files (3 from its index, 0 footers read); unchanged, not rewritten" in capsys.readouterr().out
+    assert (data / DIRECTORY_INDEX).stat().st_mtime_ns == version and start().stats.unlisted == 3
+
+    # A file added and one rewritten: only their footers are read, and the next start finds both without reading.
+    write_latents(data / "part-3.parquet", rows=2, seed=3, caption_column="caption_embeddings")
+    write_latents(data / "part-0.parquet", rows=9, seed=4, caption_column="caption_embeddings")
+    os.utime(data / "part-0.parquet", ns=(version + 10**9, version + 10**9))  # a new mtime, whatever the clock
+    assert index_main([str(data), *overrides]) == 0
+    assert "4 files (2 from its index, 2 footers read); wrote" in capsys.readouterr().out
+    relisted = start()
+    assert (relisted.stats.unlisted, relisted.stats.footers_read) == (0, 0)
+    assert relisted.spec.rows_per_file == (9, 5, 6, 2) and start().stats.unlisted == 4
+
+    # From a config: its directories (not its files or globs), with its columns; a column the files lack is named.
+    config = tmp_path / "job.yaml"
+    config.write_text(
+        f"data:\n  train: [{data}]\n  val: [{data}/part-1.parquet]\n  caption_column: caption_embeddings\n"
+    )
+    assert index_main(["--config", str(config)]) == 0
+    assert "4 files (4 from its index, 0 footers read); unchanged" in capsys.readouterr().out
+    assert index_main(["--config", str(config), "data.caption_column=captions"]) == 2
+    err = capsys.readouterr().err
+    assert "data.train" in err and "'captions'" in err and "part-0.parquet" in err
+    assert index_main([str(tmp_path / "empty")]) == 2
+    assert "holds no parquet file with rows" in capsys.readouterr().err
+
+
 def test_footers_are_read_a_bounded_number_at_a_time_with_progress(tmp_path):
     from sdtrain.data.inspection import FOOTER_READS, read_footers
 
@@ -213,7 +276,7 @@ def _upload_many(s3, bucket: str, prefix: str, source, count: int) -> None:
 
 
 @pytest.mark.slow
-def test_s3_listing_is_paginated_and_records_etags(s3_bucket, tmp_path):
+def test_s3_listing_is_paginated_and_records_etags(s3_bucket, tmp_path, capsys):
     s3 = boto3.client("s3")
     bucket = s3_bucket[len("s3://") :]
     write_latents(tmp_path / "part.parquet", rows=10)
@@ -245,11 +308,16 @@ def test_s3_listing_is_paginated_and_records_etags(s3_bucket, tmp_path):
     assert pa.array(globbed.sizes).to_pylist() == [changed.index.sizes[i] for i in range(10)]
     assert np.all(np.asarray(changed.spec.rows_per_file) == 10)
 
-    # The preprocessing job's index beside the files: a run on them records the directory as sealed, and its
-    # restart lists nothing: one GET (the run's index) and one HEAD (the directory's index).
+    # The directory index beside the files (entrypoints/index.py's, as the preprocessing job's): a run on them
+    # records the directory as sealed, and its restart lists nothing: one GET (the run's index) and one HEAD (the
+    # directory's index). Indexing again reads no footer and leaves the index as it is.
+    from sdtrain.cli import index_main
     from sdtrain.data import listing as listing_module
 
-    assert write_directory_index(f"{s3_bucket}/data", *COLUMNS) is not None
+    assert index_main([f"{s3_bucket}/data"]) == 0
+    assert "30 files (0 from its index, 30 footers read); wrote" in capsys.readouterr().out
+    assert index_main([f"{s3_bucket}/data/"]) == 0
+    assert "30 files (30 from its index, 0 footers read); unchanged, not rewritten" in capsys.readouterr().out
     sealed_uri = run_index_uri(f"{s3_bucket}/runs/sealed", "data.train")
     on_output = _start_and_write([f"{s3_bucket}/data"], sealed_uri, page_size=7)
     assert [s.spec for s in on_output.index.sealed] == [f"{s3_bucket}/data"]

@@ -1,5 +1,5 @@
-"""Command lines of entrypoints/train.py, retrain.py, check.py, preprocess.py and generate.py: parse, load, run,
-report."""
+"""Command lines of entrypoints/train.py, retrain.py, check.py, preprocess.py, index.py and generate.py: parse, load,
+run, report."""
 
 from __future__ import annotations
 
@@ -141,6 +141,59 @@ def preprocess_main(argv: Sequence[str] | None, default_config: Path) -> int:
     for name, error in summary.shards_failed.items():
         print(f"[sdtrain] shard {name} could not be read ({error}); a re-run retries it", file=sys.stderr)
     return 1 if summary.shards_failed else 0
+
+
+def index_main(argv: Sequence[str] | None) -> int:
+    """Write the dataset index beside directories of parquet latents; 0 on success, 2 for bad input."""
+    import json
+    import re
+
+    parser = argparse.ArgumentParser(
+        prog="index.py",
+        description=(
+            "Write the dataset index beside directories of parquet latents that did not come from preprocess.py: "
+            "training on them then reads no footer, and its restarts list nothing (docs/data.md, Dataset index). "
+            "Re-run it after changing a directory: it reads the footers of the new and rewritten files only."
+        ),
+    )
+    parser.add_argument(
+        "arguments",
+        nargs="*",
+        metavar="DIR | data.key=value",
+        help="local or s3:// directories (default: the directories data.train and data.val name), and config "
+        "overrides (data.latent_column, data.caption_column: the columns the index is for)",
+    )
+    parser.add_argument("--config", help="YAML config file: its data section's directories and columns")
+    args = parser.parse_args(argv)
+    # An override is section.key=value; a directory may hold '=' too (s3://bucket/date=2026-11-26/).
+    overrides = [a for a in args.arguments if re.match(r"[A-Za-z_]\w*\.[\w.]+=", a)]
+    directories = [a for a in args.arguments if a not in overrides]
+    try:
+        from sdtrain.data.dataset_index import DIRECTORY_INDEX, write_directory_index
+        from sdtrain.data.listing import names_directory
+
+        if directories:  # they are the data here, whatever the config names (which must name some)
+            overrides.append(f"data.train={json.dumps(directories)}")
+        data = load_config(args.config, overrides).data
+        targets = [("index.py", d) for d in directories] or [
+            (f"data.{key}", spec) for key in ("train", "val") for spec in getattr(data, key) if names_directory(spec)
+        ]
+        if not targets:
+            parser.error("give a directory, or a --config whose data.train or data.val names one")
+        for key, directory in targets:
+            stats = write_directory_index(directory, data.latent_column, data.caption_column, key=key)
+            if stats is None:
+                print(f"error: {key}: {directory} holds no parquet file with rows", file=sys.stderr)
+                return 2
+            done = f"wrote {directory.rstrip('/')}/{DIRECTORY_INDEX}" if stats.written else "unchanged, not rewritten"
+            print(
+                f"[sdtrain] {directory}: {stats.files} files ({stats.from_index} from its index, "
+                f"{stats.footers_read} footers read); {done}"
+            )
+    except SdtrainError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def generate_main(argv=None) -> int:

@@ -47,6 +47,7 @@ from sdtrain.data.listing import (
     list_dataset,
     list_spec,
     merge_listings,
+    names_directory,
     object_version,
 )
 from sdtrain.errors import DataError
@@ -55,6 +56,8 @@ from sdtrain.storage.run_layout import DATASET_INDEX_DIR
 from sdtrain.storage.uris import is_uri, split_s3
 
 INDEX_FORMAT = 1
+UNINDEXED_HINT_FILES = 1000
+"""A directory listed at every restart is worth indexing (entrypoints/index.py) from this many files: 1 S3 page."""
 _META = b"sdtrain.dataset_index"
 _SCHEMA = b"sdtrain.dataset_index.schema"
 
@@ -222,6 +225,8 @@ class IndexStats:
     """The index used, if any."""
     unlisted: int = 0
     """Files of directories unchanged since their directory index, taken from the run's index without a listing."""
+    written: bool = True
+    """:func:`write_directory_index` only: False when every file was as the index already there recorded it."""
 
 
 @dataclass
@@ -401,6 +406,13 @@ def index_dataset(
         f"{dropped_note}{unlisted_note})",
         flush=True,
     )
+    for spec, part in zip(specs, parts, strict=True):
+        if len(part) >= UNINDEXED_HINT_FILES and spec not in unchanged and not part.indexes and names_directory(spec):
+            print(
+                f"[sdtrain] {key}: {spec} has no directory index, so every restart lists its {len(part)} files; "
+                f"`python entrypoints/index.py {spec}` once makes restarts list nothing",
+                flush=True,
+            )
     dataset = DatasetSpec(
         tuple(listing.paths),
         tuple(rows.tolist()),
@@ -484,15 +496,17 @@ def write_directory_index(
     caption_column: str,
     known_rows: Mapping[str, int] | None = None,
     sample: str | None = None,
+    key: str = "output.path",
 ) -> IndexStats | None:
     """The index of the parquet files under ``directory``, written beside them (``_sdtrain_index.parquet``,
     paths relative to the directory), for training on it to read no footer. ``known_rows``: rows of files by
-    name relative to the directory (the preprocessing job's shard records); the others' footers are read. The
-    schema is the footer of ``sample`` (a name relative to the directory: a file the writer just wrote) or else
-    of the first file; the values per row, the first row of that file or else of the first with rows. None if the
-    directory holds no parquet file with rows."""
+    name relative to the directory (the preprocessing job's shard records); the others' rows come from the index
+    already there where their size and version are unchanged, else from their footers. The schema is the footer
+    of ``sample`` (a name relative to the directory: a file the writer just wrote) or else of the first file; the
+    values per row, the first row of that file or else of the first with rows. None if the directory holds no
+    parquet file with rows. ``key``: the name errors give the directory."""
     try:
-        listing = list_dataset([directory], "output.path")
+        listing = list_dataset([directory], key)
     except DataError:
         return None
     base = directory.rstrip("/")
@@ -506,31 +520,79 @@ def write_directory_index(
             rows[i] = known_rows[name]
         else:
             to_read.append(i)
+    before = _previous_directory_index(listing, base, image_column, caption_column) if to_read else None
+    if before is not None:
+        entries = zip(before.paths, before.sizes, before.versions, before.rows, strict=True)
+        recorded = {p: (int(size), v, int(n)) for p, size, v, n in entries}
+        unknown = []
+        for i in to_read:
+            entry = recorded.get(listing.paths[i])
+            if entry is not None and entry[:2] == (listing.sizes[i], listing.versions[i]):
+                rows[i] = entry[2]
+            else:
+                unknown.append(i)
+        if len(unknown) == len(to_read):
+            before = None  # nothing of it still stands: its schema is no reference for the new files either
+        elif not unknown and _same_files(before, listing):
+            # Rewriting it would change its version and make every run sealed on it list the directory again.
+            return IndexStats(len(listing), len(listing), 0, 0, 0, None, written=False)
+        to_read = unknown
+
+    def progress(done: int, total: int) -> None:
+        print(f"[sdtrain] {key}: read {done}/{total} footers", flush=True)
+
     read_files = [listing.paths[i] for i in to_read]
-    read_rows, checked = read_footers(read_files, "output.path", image_column, caption_column)
+    read_rows, checked = read_footers(
+        read_files,
+        key,
+        image_column,
+        caption_column,
+        before.checked if before is not None else None,
+        progress if len(read_files) >= 1000 else None,
+    )
     for i, num_rows in zip(to_read, read_rows, strict=True):
         rows[i] = num_rows
     sample_path = _join(base, sample) if sample is not None else None
     position = {path: i for i, path in enumerate(listing.paths)}.get(sample_path or "")
     if checked is None:  # every file's rows were known: one footer for the schema
         first = position if position is not None else 0
-        _, checked = read_footers(listing.paths[first : first + 1], "output.path", image_column, caption_column)
+        _, checked = read_footers(listing.paths[first : first + 1], key, image_column, caption_column)
         assert checked is not None
     with_rows = np.flatnonzero(rows)
     if len(with_rows) == 0:
         return None
     file = listing.paths[position if position is not None and rows[position] else int(with_rows[0])]
-    row = first_row(file, "output.path", [image_column, caption_column])
-    image_layout, caption_layout = checked.layouts("output.path")
-    latent_shape = image_layout.shape or (_values(row, image_column),)
-    caption_shape = caption_layout.shape or (_values(row, caption_column),)
+    row = first_row(file, key, [image_column, caption_column])
+    image_layout, caption_layout = checked.layouts(key)
+    latent_shape = image_layout.shape or (_values(row, image_column, key),)
+    caption_shape = caption_layout.shape or (_values(row, caption_column, key),)
     index = DatasetIndex(listing.paths, listing.sizes, listing.versions, rows, checked, latent_shape, caption_shape)
     write_index(_join(base, DIRECTORY_INDEX), index, base)
     return IndexStats(len(listing), len(listing) - len(to_read), len(to_read), 0, 1, None)
 
 
-def _values(row: pa.Table, column: str) -> int:
+def _previous_directory_index(
+    listing: Listing, base: str, image_column: str, caption_column: str
+) -> DatasetIndex | None:
+    """The directory index already beside the files, if it was written for these columns: a re-index reads the
+    footers of what changed only, and checks them against the schema it recorded."""
+    found = next((f for f in listing.indexes if f.base.rstrip("/") == base), None)
+    index = read_index(found.uri, found.base) if found is not None else None
+    if index is None or (index.checked.image_column, index.checked.caption_column) != (image_column, caption_column):
+        return None
+    return index
+
+
+def _same_files(index: DatasetIndex, listing: Listing) -> bool:
+    return (
+        index.paths == listing.paths
+        and index.versions == listing.versions
+        and np.array_equal(np.asarray(index.sizes, np.int64), np.asarray(listing.sizes, np.int64))
+    )
+
+
+def _values(row: pa.Table, column: str, key: str) -> int:
     value = row.column(column)[0]
     if not value.is_valid:
-        raise DataError(f"output.path: column {column!r}: the first row is null")
+        raise DataError(f"{key}: column {column!r}: the first row is null")
     return len(value)

@@ -117,6 +117,11 @@ def merge_listings(parts: Sequence[Listing]) -> tuple[Listing, list[tuple[int, i
     return listing, placed
 
 
+def names_directory(spec: str) -> bool:
+    """Whether ``spec`` can only name a directory, not a file or a glob (the specs a directory index serves)."""
+    return not any(c in spec for c in _GLOB_CHARS) and not spec.endswith(".parquet")
+
+
 def _strictly_increasing(paths: Sequence[str]) -> bool:
     return all(a < b for a, b in zip(paths, itertools.islice(paths, 1, None), strict=False))
 
