@@ -8,8 +8,9 @@ import sdtrain
 
 ROOT = Path(sdtrain.__file__).parent
 # In data-flow order; the driver (driver, cli, preflight, retrain) sits on top of everything. model (the networks:
-# the UNet, and the VAE and text encoder) comes before preprocess, which runs the encoders to write latents.
-LAYERS = ["errors", "storage", "config", "data", "model", "preprocess", "artifacts", "sampling", "train"]
+# the UNet, and the VAE and text encoder) comes before preprocess, which runs the encoders to write latents;
+# evaluation (image quality of checkpoints) samples with sampling's code, and training asks for it.
+LAYERS = ["errors", "storage", "config", "data", "model", "preprocess", "artifacts", "sampling", "evaluation", "train"]
 DRIVER = len(LAYERS)
 
 

@@ -129,3 +129,50 @@ def write_tiny_sd_model(root: str, caption_dim: int = 32, vae_blocks: int = 2) -
     )
     vae.save_pretrained(os.path.join(root, "vae"))
     return root
+
+
+def write_tiny_dinov2(path: str, image_size: int = 28) -> str:
+    """A 2-layer, 32-wide transformers Dinov2Model with random weights (seeded) saved to ``path``: the feature model
+    of eval.dinov2 at toy size. Returns ``path``."""
+    import torch
+    from transformers import Dinov2Config, Dinov2Model
+
+    torch.manual_seed(0)
+    config = Dinov2Config(
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        mlp_ratio=2,
+        patch_size=14,
+        image_size=image_size,
+    )
+    Dinov2Model(config).save_pretrained(path)
+    return path
+
+
+def write_tiny_clip(path: str) -> str:
+    """A 2-layer CLIPModel (text and vision towers 32 wide, 32 px images) with random weights (seeded) and the
+    character-level tokenizer, saved together to ``path``: the model of eval.clip at toy size. Returns ``path``."""
+    import torch
+    from transformers import CLIPConfig, CLIPModel, CLIPTextConfig, CLIPVisionConfig
+
+    vocab = write_tokenizer(path)
+    torch.manual_seed(5)  # with 0, every image-caption pair of the tests scores 0 (a cosine clamped)
+    text = CLIPTextConfig(
+        vocab_size=len(vocab),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=77,
+        bos_token_id=vocab["<|startoftext|>"],
+        eos_token_id=vocab["<|endoftext|>"],
+        pad_token_id=vocab["<|endoftext|>"],
+    )
+    vision = CLIPVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=32, patch_size=8
+    )
+    CLIPModel(
+        CLIPConfig(text_config=text.to_dict(), vision_config=vision.to_dict(), projection_dim=16)
+    ).save_pretrained(path)
+    return path
