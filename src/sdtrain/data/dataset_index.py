@@ -33,7 +33,6 @@ from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from sdtrain.data.inspection import CheckedSchema, DatasetSpec, check_shapes, first_row, read_footers
@@ -51,7 +50,7 @@ from sdtrain.data.listing import (
     object_version,
 )
 from sdtrain.errors import DataError
-from sdtrain.storage.filesystems import filesystem_for, write_bytes
+from sdtrain.storage.filesystems import read_bytes, write_bytes
 from sdtrain.storage.run_layout import DATASET_INDEX_DIR
 from sdtrain.storage.uris import is_uri, split_s3
 
@@ -186,16 +185,7 @@ def _read_object(uri: str) -> bytes | None:
             if e.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
                 return None
             raise
-    fs, path = filesystem_for(uri)
-    try:
-        with fs.open_input_stream(path) as f:
-            return f.read()
-    except FileNotFoundError:
-        return None
-    except OSError:
-        if fs.get_file_info(path).type == pafs.FileType.NotFound:
-            return None
-        raise
+    return read_bytes(uri)
 
 
 def run_index_uri(run_dir: str, key: str) -> str:
@@ -341,17 +331,9 @@ def index_dataset(
         listed = set(listing.paths)
         dropped = sum(1 for p in own.paths if p not in listed)
 
-    def progress(done: int, total: int) -> None:
-        print(f"[sdtrain] {key}: read {done}/{total} footers", flush=True)
-
     read_files = [listing.paths[i] for i in to_read]
-    read_rows, checked = read_footers(
-        read_files,
-        key,
-        image_column,
-        caption_column,
-        reference.checked if reference is not None else None,
-        progress if len(read_files) >= 1000 else None,
+    read_rows, checked = _read_footers(
+        read_files, key, image_column, caption_column, reference.checked if reference is not None else None
     )
     assert checked is not None  # a listing is never empty: list_dataset raises
     for i, num_rows in zip(to_read, read_rows, strict=True):
@@ -422,6 +404,17 @@ def index_dataset(
         token_ids=checked.token_ids(key),
     )
     return IndexedDataset(dataset, stats, index, stale)
+
+
+def _read_footers(
+    files: list[str], key: str, image_column: str, caption_column: str, reference: CheckedSchema | None
+) -> tuple[list[int], CheckedSchema | None]:
+    """:func:`read_footers`, with a progress line for 1000 files or more."""
+
+    def progress(done: int, total: int) -> None:
+        print(f"[sdtrain] {key}: read {done}/{total} footers", flush=True)
+
+    return read_footers(files, key, image_column, caption_column, reference, progress if len(files) >= 1000 else None)
 
 
 def _candidates(
@@ -538,17 +531,9 @@ def write_directory_index(
             return IndexStats(len(listing), len(listing), 0, 0, 0, None, written=False)
         to_read = unknown
 
-    def progress(done: int, total: int) -> None:
-        print(f"[sdtrain] {key}: read {done}/{total} footers", flush=True)
-
     read_files = [listing.paths[i] for i in to_read]
-    read_rows, checked = read_footers(
-        read_files,
-        key,
-        image_column,
-        caption_column,
-        before.checked if before is not None else None,
-        progress if len(read_files) >= 1000 else None,
+    read_rows, checked = _read_footers(
+        read_files, key, image_column, caption_column, before.checked if before is not None else None
     )
     for i, num_rows in zip(to_read, read_rows, strict=True):
         rows[i] = num_rows

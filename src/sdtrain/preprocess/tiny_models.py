@@ -103,21 +103,10 @@ def write_tiny_sd_model(root: str, caption_dim: int = 32, vae_blocks: int = 2) -
         vae_blocks: the VAE's encoder blocks.
     """
     from diffusers import AutoencoderKL
-    from transformers import CLIPTextConfig, CLIPTextModel
+    from transformers import CLIPTextModel
 
     vocab = write_tokenizer(os.path.join(root, "tokenizer"))
-    text_config = CLIPTextConfig(
-        vocab_size=len(vocab),
-        hidden_size=caption_dim,
-        intermediate_size=2 * caption_dim,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        max_position_embeddings=77,
-        bos_token_id=vocab["<|startoftext|>"],
-        eos_token_id=vocab["<|endoftext|>"],
-        pad_token_id=vocab["<|endoftext|>"],
-    )
-    CLIPTextModel(text_config).save_pretrained(os.path.join(root, "text_encoder"))
+    CLIPTextModel(_tiny_text_config(vocab, caption_dim)).save_pretrained(os.path.join(root, "text_encoder"))
     vae = AutoencoderKL(
         block_out_channels=tuple(16 * 2**i for i in range(vae_blocks)),
         down_block_types=("DownEncoderBlock2D",) * vae_blocks,
@@ -154,21 +143,11 @@ def write_tiny_clip(path: str) -> str:
     """A 2-layer CLIPModel (text and vision towers 32 wide, 32 px images) with random weights (seeded) and the
     character-level tokenizer, saved together to ``path``: the model of eval.clip at toy size. Returns ``path``."""
     import torch
-    from transformers import CLIPConfig, CLIPModel, CLIPTextConfig, CLIPVisionConfig
+    from transformers import CLIPConfig, CLIPModel, CLIPVisionConfig
 
     vocab = write_tokenizer(path)
     torch.manual_seed(5)  # with 0, every image-caption pair of the tests scores 0 (a cosine clamped)
-    text = CLIPTextConfig(
-        vocab_size=len(vocab),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        max_position_embeddings=77,
-        bos_token_id=vocab["<|startoftext|>"],
-        eos_token_id=vocab["<|endoftext|>"],
-        pad_token_id=vocab["<|endoftext|>"],
-    )
+    text = _tiny_text_config(vocab, 32)
     vision = CLIPVisionConfig(
         hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=32, patch_size=8
     )
@@ -176,3 +155,20 @@ def write_tiny_clip(path: str) -> str:
         CLIPConfig(text_config=text.to_dict(), vision_config=vision.to_dict(), projection_dim=16)
     ).save_pretrained(path)
     return path
+
+
+def _tiny_text_config(vocab: dict[str, int], width: int) -> Any:
+    """A 2-layer CLIPTextConfig of ``width`` for the character-level tokenizer's ``vocab``."""
+    from transformers import CLIPTextConfig
+
+    return CLIPTextConfig(
+        vocab_size=len(vocab),
+        hidden_size=width,
+        intermediate_size=2 * width,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=77,
+        bos_token_id=vocab["<|startoftext|>"],
+        eos_token_id=vocab["<|endoftext|>"],
+        pad_token_id=vocab["<|endoftext|>"],
+    )

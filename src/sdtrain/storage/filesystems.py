@@ -105,6 +105,20 @@ def read_text(uri: str, key: str) -> str:
         raise DataError(f"{key}: cannot read {uri}: {e}") from None
 
 
+def read_bytes(uri: str) -> bytes | None:
+    """The whole file at ``uri`` (local or through pyarrow's filesystems), or None if there is none."""
+    fs, path = filesystem_for(uri)
+    try:
+        with fs.open_input_stream(path) as f:
+            return f.read()
+    except FileNotFoundError:
+        return None
+    except OSError:
+        if fs.get_file_info(path).type == pafs.FileType.NotFound:
+            return None
+        raise
+
+
 def write_bytes(uri: str, data: bytes) -> None:
     """The whole file at once: locally a temporary name then an atomic rename (S3 has no rename); on S3 a single
     PutObject, which leaves no object, nor an unfinished multipart upload, if the job dies during it."""
