@@ -12,6 +12,7 @@ from sdtrain.artifacts.loading import load_model
 from sdtrain.artifacts.registry import ModelRegistry
 from sdtrain.data.demo import ensure_demo_data
 from sdtrain.errors import DataError
+from sdtrain.preprocess.tiny_models import write_tiny_dinov2, write_tiny_sd_model
 from sdtrain.retrain import find_partitions, new_partitions, retrain, retrain_run_name
 
 pytestmark = pytest.mark.slow  # retraining runs Ray Train
@@ -93,9 +94,17 @@ def test_retrain_promotes_better_keeps_production_on_worse_and_is_idempotent(
     root, val = partitions
     registry = ModelRegistry(str(tmp_path / "models"))
 
-    first = retrain(_config(tmp_path, root, val), DAY1)
+    # The first day's gate compares by fd_dinov2 (tiny DINOv2 and VAE; every checkpoint evaluated beside training
+    # too, in a task that reserves no CPU), and every measured metric goes into the manifest.
+    sd = write_tiny_sd_model(str(tmp_path / "tiny-sd"))
+    dinov2 = write_tiny_dinov2(str(tmp_path / "dinov2"))
+    by_fd = [f"eval.dinov2={dinov2}", f"eval.vae={sd}", "eval.num_samples=4", "eval.num_cpus=0"]
+    first = retrain(_config(tmp_path, root, val, *by_fd, "retrain.metric=fd_dinov2"), DAY1)
     assert (first.status, first.version, registry.production()) == ("promoted", "v0001", "v0001")
     manifest = registry.manifest("v0001")
+    assert manifest["gate_metric"] == "fd_dinov2" and manifest["reason"].startswith("first version (fd_dinov2 ")
+    assert manifest["metrics"]["fd_dinov2"] > 0 and manifest["metrics"]["val_loss"] > 0
+    assert manifest["metrics"]["production_fd_dinov2"] is None
     assert manifest["parent"] is None and manifest["partitions"] == ["2026-11-01"] and manifest["steps"] == 12
     assert manifest["config"]["run"]["name"].startswith("retrain-2026-11-01-") and manifest["code_version"]["sdtrain"]
 

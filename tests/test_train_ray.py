@@ -19,6 +19,7 @@ from sdtrain.data.decode import decode_batch
 from sdtrain.driver import train
 from sdtrain.errors import DataError, TrainingFailed
 from sdtrain.model.validation import validation_loss
+from sdtrain.preprocess.tiny_models import write_tiny_dinov2, write_tiny_sd_model
 from sdtrain.storage.run_layout import CHECKPOINT_FILE, DATA_STATE_FILE, HISTORY_FILE, SAMPLES_FILE
 
 pytestmark = pytest.mark.slow  # each test runs Ray Train on a local Ray cluster
@@ -26,8 +27,9 @@ pytestmark = pytest.mark.slow  # each test runs Ray Train on a local Ray cluster
 LR, WARMUP = 1e-3, 20
 
 
-def _config(tmp_path, max_steps):
+def _config(tmp_path, max_steps, extra=()):
     return tiny_config(
+        *extra,
         f"data.train=[{tmp_path}/train/a.parquet, {tmp_path}/train/b.parquet]",
         f"data.val={tmp_path}/val",
         f"train.lr={LR}",
@@ -70,9 +72,16 @@ def test_two_worker_run_checkpoints_reloads_and_resumes(ray_cluster, tmp_path, m
     write_latents(tmp_path / "train/b.parquet", rows=24, encoding="tensor", seed=2)
     write_latents(tmp_path / "val/v.parquet", rows=12, encoding="list", dtype="float32", seed=3)
     run_dir = tmp_path / "runs" / "two-workers"
+    # Checkpoint evaluation with a DINOv2 model whose weights are broken: each evaluation fails in its own task,
+    # says why, and training is not disturbed.
+    broken = write_tiny_dinov2(str(tmp_path / "broken-dinov2"))
+    for weights in (tmp_path / "broken-dinov2").glob("*.safetensors"):
+        weights.write_bytes(b"not safetensors")
+    sd = write_tiny_sd_model(str(tmp_path / "tiny-sd"))
+    evaluation = [f"eval.dinov2={broken}", f"eval.vae={sd}", "eval.num_samples=2", "eval.num_cpus=0"]
 
     launched = time.time()
-    summary = train(_config(tmp_path, max_steps=6))
+    summary = train(_config(tmp_path, max_steps=6, extra=evaluation))
     run_seconds = time.time() - launched
 
     assert summary.final_step == 6
@@ -85,6 +94,8 @@ def test_two_worker_run_checkpoints_reloads_and_resumes(ray_cluster, tmp_path, m
     assert [int(r["step"]) for r in rows] == [2, 3, 4, 6]  # a row per report: logs at 2, 4, 6; checkpoint at 3
     assert all(float(r["loss"]) > 0 for r in rows)
     assert [bool(r["val_loss"]) for r in rows] == [False, True, False, True]  # validation with each checkpoint
+    assert [r["eval_failed"] for r in rows] == ["", "1.0", "", "1.0"]  # both checkpoints' evaluations failed
+    assert "Error" in json.loads((run_dir / "evaluation" / "step_3.json").read_text())["error"]
     assert all(0 <= float(r["data_wait_fraction"]) < 1 for r in rows)
     # One worker group: the same launch-to-first-step time in every row, within the run's duration.
     assert (
@@ -466,9 +477,9 @@ def test_fsdp_on_two_cpu_workers_validates_with_its_ema_and_resumes_on_one(ray_c
     token ids: each worker encodes them with its own whole copy of the frozen text encoder, which FSDP leaves
     alone and no checkpoint holds."""
     from sdtrain.model.token_captions import CaptionEncoder
-    from sdtrain.preprocess.tiny_models import write_tiny_sd_model
 
     text_encoder = write_tiny_sd_model(str(tmp_path / "tiny-sd"))
+    dinov2 = write_tiny_dinov2(str(tmp_path / "dinov2"))
     _rows_with_a_nan(tmp_path / "train/a.parquet", rows=32, nan_row=13, seed=6, text_encoder=text_encoder)
     latents, _ = write_latents(tmp_path / "val/v.parquet", rows=8, dtype="float32", seed=7)
     from conftest import token_id_table
@@ -487,6 +498,12 @@ def test_fsdp_on_two_cpu_workers_validates_with_its_ema_and_resumes_on_one(ray_c
             "checkpoint.every_n_steps=2",
             "run.log_every_n_steps=2",
             "checkpoint.num_to_keep=null",
+            # Every checkpoint evaluated beside training, in a Ray task that reserves no CPU (the workers hold both).
+            f"eval.dinov2={dinov2}",
+            f"eval.vae={text_encoder}",
+            "eval.num_samples=4",
+            "eval.num_cpus=0",
+            "sample_grid.steps=2",
             tmp_path=tmp_path,
             name="fsdp",
             steps=max_steps,
@@ -529,3 +546,15 @@ def test_fsdp_on_two_cpu_workers_validates_with_its_ema_and_resumes_on_one(ray_c
     assert [row["step"] for row in history] == [2, 4, 6, 8] and history[-1]["start_step"] == 4
     assert all(math.isfinite(row["val_loss"]) for row in history)
     assert sum(row["skipped_steps"] for row in history) == 2  # the second epoch's NaN step too
+
+    # Each FSDP checkpoint was evaluated (its token-id captions encoded by the text encoder it names): fd_dinov2 at
+    # the checkpoint's own step in metrics.csv, against data.val's reference statistics, computed once for the run
+    # and reused by the resumed run's evaluations.
+    with open(run_dir / "metrics.csv") as f:
+        rows = {int(r["step"]): r for r in csv.DictReader(f)}
+    assert sorted(rows) == [2, 4, 6, 8]
+    for step in (2, 4, 6, 8):
+        assert math.isfinite(float(rows[step]["fd_dinov2"])) and float(rows[step]["fd_dinov2"]) > 0, rows[step]
+        assert float(rows[step]["eval_s"]) > 0 and rows[step]["evaluation_asked"] == "1.0"
+        assert json.loads((run_dir / "evaluation" / f"step_{step}.json").read_text())["eval_samples"] == 4
+    assert len(list((run_dir / "evaluation").glob("reference-*.npz"))) == 1

@@ -29,6 +29,8 @@ from sdtrain.data.ray_data_startup import warm_up_ray_data
 from sdtrain.data.read_order import DataState, SamplePlan, files_digest, resume_position
 from sdtrain.data.streams import WindowReader, file_order_dataset
 from sdtrain.errors import ConfigError, DataError, TrainingFailed
+from sdtrain.evaluation.checks import check_evaluation
+from sdtrain.evaluation.results import read_evaluations
 from sdtrain.model.recipe import load_unconditional_caption, stored_latent_scaling
 from sdtrain.model.token_captions import check_text_encoder
 from sdtrain.model.unet import check_unet, unet_config
@@ -40,9 +42,10 @@ from sdtrain.storage.uris import absolute
 from sdtrain.train.build import checkpoint_meta, resolve_precision
 from sdtrain.train.data_hook import PlannedStreams, committed_run, read_data_state
 from sdtrain.train.efficiency import RunTotals, run_totals
+from sdtrain.train.evaluations import merge_results
 from sdtrain.train.failures import StopOnDeterministicErrors, failure_message
 from sdtrain.train.memory_fit import cluster_gpu, fit_micro_batch
-from sdtrain.train.tracker_driver import check_trackers, log_export, tracker_env
+from sdtrain.train.tracker_driver import check_trackers, log_evaluations, log_export, tracker_env
 from sdtrain.train.worker import train_loop_per_worker
 
 
@@ -96,6 +99,8 @@ class CheckedRun:
     committed: ray.train.Result | None
     """Ray Train's record of the run's latest committed checkpoint, read once; None for a fresh run."""
     resume_step: int = 0
+    eval_vae: str | None = None
+    """With eval: the VAE that decodes latents for the evaluations (eval.vae, else the one data.val records)."""
 
     @property
     def finished(self) -> bool:
@@ -131,6 +136,9 @@ def check_run(config: Config) -> CheckedRun:
             write_index(run_index_uri(run_dir, key), data.index)
     val_spec = val_data.spec if val_data is not None else None
     run = CheckedRun(config, run_dir, train_spec, val_spec, plan, stored_scale, committed_run(*ray_storage(run_dir)))
+    if config.eval.enabled:
+        assert val_data is not None  # the config requires data.val with eval
+        run.eval_vae = check_evaluation(config, val_data.schema_metadata, val_data.index.checked.schema.names)
     if run.committed is not None:
         _check_resume_position(run)
     return run
@@ -231,6 +239,8 @@ def build_trainer(run: CheckedRun, launched_at: float) -> TorchTrainer:
         run_config=_ray_run_config(config),
         datasets=datasets,
         dataset_config=PlannedStreams(WindowReader(run.train, config.data, run.plan), run.run_dir, config),
+        # With eval, Ray Train evaluates the checkpoints rank 0 asks for, once committed, in a task of their own.
+        validation_config=_validation_config(config, run.run_dir, run.eval_vae) if run.eval_vae else None,
     )
 
 
@@ -248,7 +258,7 @@ def _ray_run_config(config: Config) -> ray.train.RunConfig:
         checkpoint_config=ray.train.CheckpointConfig(
             num_to_keep=config.checkpoint.num_to_keep,
             checkpoint_score_attribute=config.checkpoint.score_attribute,
-            checkpoint_score_order="min",
+            checkpoint_score_order="max" if config.checkpoint.score_attribute == "clip_score" else "min",
         ),
         # The two ignores: ray/train/__init__.py imports Ray Train v1's RunConfig and then, when v2 is
         # enabled (the default, and what runs), v2's over it; mypy keeps the first, which lacks
@@ -256,6 +266,21 @@ def _ray_run_config(config: Config) -> ray.train.RunConfig:
         # Ray Train logs every report at INFO; our own progress line already says it all.
         logging_config=ray.train.LoggingConfig(log_level="WARNING"),  # type: ignore[call-arg]
         callbacks=[StopOnDeterministicErrors()],  # type: ignore[list-item]
+    )
+
+
+def _validation_config(config: Config, run_dir: str, vae: str) -> ray.train.ValidationConfig:
+    """Ray Train's evaluation of committed checkpoints (sdtrain.evaluation.checkpoint_eval) in a task with eval's
+    resources; one still running after eval.timeout_s is cancelled."""
+    from sdtrain.evaluation.checkpoint_eval import evaluate_checkpoint
+
+    return ray.train.ValidationConfig(
+        fn=evaluate_checkpoint,  # type: ignore[arg-type]  # named keyword arguments: the protocol says **kwargs
+        task_config=ray.train.ValidationTaskConfig(
+            fn_kwargs={"config": config.to_dict(), "run_dir": run_dir, "vae": vae}, timeout_s=config.eval.timeout_s
+        ),
+        # No retry: an evaluation that failed says why in its result and the next checkpoint's is asked for anyway.
+        ray_remote_kwargs={"num_cpus": config.eval.num_cpus, "num_gpus": config.eval.num_gpus, "max_retries": 0},
     )
 
 
@@ -277,6 +302,10 @@ def finish(config: Config, result: ray.train.Result) -> RunSummary:
     # A committed run at train.max_steps, or a fit() that returned: its final step reported a checkpoint.
     assert checkpoint is not None
     history = read_history(checkpoint)
+    if config.eval.enabled:
+        # Evaluations that finished after their rows were saved (the final checkpoint's: Ray Train waits for it).
+        evaluated = merge_results(history, read_evaluations(uri_for(checkpoint.filesystem, result.path)))
+        log_evaluations(config, uri_for(checkpoint.filesystem, result.path), evaluated)
     labels = LossLabels(config.model.prediction_type, config.train.snr_gamma)
     outputs = write_run_outputs(history, checkpoint.filesystem, result.path, labels)
     if config.export.enabled:

@@ -25,7 +25,7 @@ import pyarrow.fs as pafs
 import torch
 
 from sdtrain import __version__
-from sdtrain.artifacts.loading import load_model
+from sdtrain.artifacts.loading import LoadedModel, load_model
 from sdtrain.artifacts.provenance import code_version
 from sdtrain.artifacts.registry import ModelRegistry, PointerMoved, RegistryLock
 from sdtrain.config.schema import Config
@@ -188,13 +188,18 @@ def _retrain_locked(
     lock.ensure_held()
 
     trained = load_model(summary.checkpoint_path)
-    new_loss = heldout_loss(run_config, trained.unet, trained.noise_scheduler)
-    production_loss = None
-    if production:
-        current = load_model(registry.location(production))
-        production_loss = heldout_loss(run_config, current.unet, current.noise_scheduler)
-    best, not_compared = _best_served(registry, run_config)
-    promote, reason = _decide(new_loss, production_loss, production, best, config.retrain.tolerance)
+    current = load_model(registry.location(production)) if production else None
+    new_scores, production_scores = gate_scores(run_config, trained, current)
+    metric = config.retrain.metric
+    best, not_compared = _best_served(registry, run_config, metric)
+    promote, reason = _decide(
+        new_scores[metric],
+        production_scores.get(metric) if production else None,
+        production,
+        best,
+        config.retrain.tolerance,
+        metric,
+    )
     if not_compared:
         reason += "; not compared: " + "; ".join(not_compared)
     manifest = {
@@ -205,10 +210,11 @@ def _retrain_locked(
         "steps": summary.final_step,
         "checkpoint": summary.checkpoint_path,
         "metrics": {
-            "val_loss": _finite_or_none(new_loss),
-            "production_val_loss": _finite_or_none(production_loss),
+            **{key: _finite_or_none(value) for key, value in new_scores.items()},
+            **{f"production_{key}": _finite_or_none(production_scores.get(key)) for key in new_scores},
             "train_loss": _finite_or_none(summary.final_loss),
         },
+        "gate_metric": metric,
         "promoted": promote,
         "reason": reason,
         "config": run_config.to_dict(),
@@ -295,30 +301,68 @@ def _is_file(fs: pafs.FileSystem, path: str) -> bool:
     return fs.get_file_info(path).type == pafs.FileType.File
 
 
-def _best_served(registry: ModelRegistry, config: Config) -> tuple[tuple[str, float] | None, list[str]]:
-    """(the version with the lowest val_loss among those production named and was not rolled back from, with that
-    loss; the versions left out because their loss was measured on another data.val or seed, and why).
+def gate_scores(config: Config, new: LoadedModel, production: LoadedModel | None) -> tuple[dict, dict]:
+    """The gate's measures of the new model and of production (empty without one): the held-out val_loss, and with
+    eval each of its metrics, both models sampled from the same data.val captions and seeds by one Evaluator (its
+    reference statistics computed once)."""
+    models = [new] if production is None else [new, production]
+    scores: list[dict[str, float]] = [{"val_loss": heldout_loss(config, m.unet, m.noise_scheduler)} for m in models]
+    if config.eval.enabled:
+        from sdtrain.evaluation.checkpoint_eval import Evaluator
+
+        evaluator = Evaluator(config, None, _eval_vae(config))
+        for model, score in zip(models, scores, strict=True):
+            measured = evaluator.evaluate(model)
+            score.update({key: measured[key] for key in config.eval.metrics})
+    return scores[0], scores[1] if production is not None else {}
+
+
+def _eval_vae(config: Config) -> str:
+    """The VAE evaluations decode with (sdtrain.evaluation.checks: eval.vae, else the one data.val records)."""
+    import pyarrow.parquet as pq
+
+    from sdtrain.evaluation.checks import check_evaluation
+
+    first = resolve_parquet_files(list(config.data.val), "data.val")[0]
+    fs, path = filesystem_for(first)
+    with fs.open_input_file(path) as f:
+        schema = pq.read_schema(f)
+    return check_evaluation(config, schema.metadata or {}, schema.names)
+
+
+def _best_served(
+    registry: ModelRegistry, config: Config, metric: str = "val_loss"
+) -> tuple[tuple[str, float] | None, list[str]]:
+    """(the version with the best ``metric`` among those production named and was not rolled back from, with that
+    value; the versions left out because theirs was measured on another data.val or seed (or, for an eval metric,
+    with other eval models or samples), and why).
 
     The pointer log, not the manifests' ``promoted`` flag, says what served: a version decided for promotion may
     have been superseded, interrupted or rolled back, and must not be the bar."""
     scored, not_compared = [], []
     measured_on = {"data.val": config.data.val, "train.seed": config.train.seed}
+    if metric != "val_loss":  # the sampled images and what measures them
+        for key in ("eval.dinov2", "eval.clip", "eval.vae", "eval.num_samples", "sample_grid.sampler"):
+            section, name = key.split(".")
+            measured_on[key] = getattr(getattr(config, section), name)
+        measured_on["sample_grid.guidance_scale"] = config.sample_grid.guidance_scale
+        measured_on["sample_grid.steps"] = config.sample_grid.steps
     for version in registry.served():
         manifest = registry.manifest(version)
-        loss = manifest["metrics"].get("val_loss")
-        if loss is None:
+        value = manifest["metrics"].get(metric)
+        if value is None:
             continue
         recorded = manifest.get("config", {})
-        theirs = {
-            "data.val": recorded.get("data", {}).get("val"),
-            "train.seed": recorded.get("train", {}).get("seed"),
-        }
+        theirs = {key: recorded.get(key.split(".")[0], {}).get(key.split(".")[1]) for key in measured_on}
         differ = [f"{k}={theirs[k]!r}, this run's is {v!r}" for k, v in measured_on.items() if theirs[k] != v]
         if differ:
-            not_compared.append(f"{version}'s {loss:.5f} was measured with " + " and ".join(differ))
+            not_compared.append(f"{version}'s {value:.5f} was measured with " + " and ".join(differ))
             continue
-        scored.append((loss, version))
-    return ((min(scored)[1], min(scored)[0]) if scored else None), not_compared
+        scored.append((-value if metric == "clip_score" else value, version))
+    if not scored:
+        return None, not_compared
+    key, version = min(scored)
+    return (version, -key if metric == "clip_score" else key), not_compared
 
 
 @functools.lru_cache(maxsize=1)
@@ -348,21 +392,31 @@ def _decide(
     production: str | None,
     best: tuple[str, float] | None,
     tolerance: float,
+    metric: str = "val_loss",
 ) -> tuple[bool, str]:
     """Promote within ``tolerance`` of production and of the best model production ever named: a gate on
-    production alone would let each promotion drift up to (1 + tolerance) worse than the last."""
+    production alone would let each promotion drift up to (1 + tolerance) worse than the last. ``metric``: what the
+    values are (clip_score is higher the better, the others lower)."""
     if not math.isfinite(new_loss):
-        return False, f"the new model's val_loss is {new_loss}: training diverged"
+        return False, f"the new model's {metric} is {new_loss}: training diverged"
     if production_loss is None:
-        return True, f"first version (val_loss {new_loss:.5f}); there is no production model to compare with"
+        return True, f"first version ({metric} {new_loss:.5f}); there is no production model to compare with"
     gates = [(production, production_loss)]
     if best is not None and best[0] != production:
         gates.append(best)
+    higher = metric == "clip_score"
     verdicts = []
     for name, loss in gates:
-        limit = loss * (1 + tolerance)
-        verdicts.append((new_loss <= limit, f"{'<=' if new_loss <= limit else '>'} {name}'s {loss:.5f}"))
-    reason = f"val_loss {new_loss:.5f} " + " and ".join(v for _, v in verdicts) + f" x (1 + {tolerance:g})"
+        if higher:
+            limit = loss * (1 - tolerance)
+            ok = new_loss >= limit
+            verdicts.append((ok, f"{'>=' if ok else '<'} {name}'s {loss:.5f}"))
+        else:
+            limit = loss * (1 + tolerance)
+            ok = new_loss <= limit
+            verdicts.append((ok, f"{'<=' if ok else '>'} {name}'s {loss:.5f}"))
+    sign = "-" if higher else "+"
+    reason = f"{metric} {new_loss:.5f} " + " and ".join(v for _, v in verdicts) + f" x (1 {sign} {tolerance:g})"
     if len(gates) > 1:
         reason += f" ({gates[1][0]} is the best that served)"
     return all(ok for ok, _ in verdicts), reason

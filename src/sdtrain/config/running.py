@@ -1,4 +1,4 @@
-"""The sections that say where and how a run runs: scaling, run, checkpoint, sample_grid, tracking, export,
+"""The sections that say where and how a run runs: scaling, run, checkpoint, sample_grid, eval, tracking, export,
 failure, storage, retrain.
 
 Each field's docstring is its reference (``train.py --help``, docs/configuration.md); values are checked in
@@ -110,9 +110,10 @@ class CheckpointConfig(Section):
     """Report a checkpoint every this many optimizer steps, and always at the end."""
     num_to_keep: int | None = 3
     """Checkpoints to keep (the newest); null keeps all."""
-    score_attribute: Literal["val_loss", "loss"] | None = None
-    """Keep the checkpoint.num_to_keep checkpoints with the lowest value of this metric (plus the latest, which a resume
-    starts from) instead of the newest; null = the newest."""
+    score_attribute: Literal["val_loss", "loss", "fd_dinov2", "clip_score"] | None = None
+    """Keep the checkpoint.num_to_keep checkpoints with the best value of this metric (the lowest; clip_score's highest)
+    plus the latest, which a resume starts from, instead of the newest; null = the newest. fd_dinov2 and clip_score
+    come from eval: a checkpoint waiting for its evaluation is kept, one never evaluated ranks last."""
     upload: Literal["async", "sync"] = "async"
     """async: training goes on while Ray Train uploads a checkpoint to run.storage_path (committed, and older ones
     pruned, once it is all there); sync: wait for the upload. The wait shows in the metric checkpoint_stall_s."""
@@ -161,6 +162,61 @@ class SampleGridConfig(Section):
                 self._fail(key, f"must be >= 1, got {getattr(self, key)}")
         if self.guidance_scale < 0:
             self._fail("guidance_scale", f"must be >= 0 (1: no guidance), got {self.guidance_scale}")
+
+
+@dataclass
+class EvalConfig(Section):
+    section: ClassVar[str] = "eval"
+
+    dinov2: str | None = None
+    """A DINOv2 model (transformers Dinov2Model: local directory, s3:// URI or hub id): the Frechet distance of its
+    features between images sampled from each evaluated checkpoint and data.val's own images is the metric fd_dinov2;
+    null = not measured."""
+    clip: str | None = None
+    """A CLIP model (transformers CLIPModel with its tokenizer, in one directory, s3:// URI or hub id) scoring each
+    sampled image against its caption's text (metric clip_score, 0-100); needs eval.text_column in data.val; null = not
+    measured."""
+    text_column: str = "caption"
+    """data.val's column of caption texts, for clip_score (preprocessing keeps it)."""
+    vae: str | None = None
+    """The VAE that decodes sampled and data.val's latents into images (a Stable Diffusion model or its vae/); null =
+    the one data.val's files record (preprocessing's sdtrain.vae_source)."""
+    num_samples: int = 1000
+    """Images sampled per evaluation: one each for the first this many rows of data.val (their captions), from the
+    same seeded noise every time, with sample_grid's sampler, steps and guidance scale."""
+    every_n_checkpoints: int = 1
+    """Evaluate every this many checkpoints (and the final one); one still running when the next is due is not
+    waited for: that checkpoint is skipped (metric evaluations_skipped)."""
+    num_cpus: float = 1
+    """CPUs of the Ray task that evaluates a committed checkpoint, beside the training workers."""
+    num_gpus: float = 0
+    """GPUs of that task (1 on a GPU cluster: sampling num_samples images on CPUs takes long)."""
+    batch_size: int = 32
+    """Images sampled, decoded and embedded at once by the evaluation task."""
+    timeout_s: float = 3600
+    """An evaluation still running after this many seconds is cancelled (reported, training goes on)."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.dinov2 is not None or self.clip is not None
+
+    @property
+    def metrics(self) -> list[str]:
+        """The metrics each evaluation reports."""
+        return [name for name, model in (("fd_dinov2", self.dinov2), ("clip_score", self.clip)) if model is not None]
+
+    def __post_init__(self):
+        for key in ("num_samples", "every_n_checkpoints", "batch_size"):
+            if getattr(self, key) < 1:
+                self._fail(key, f"must be >= 1, got {getattr(self, key)}")
+        if self.dinov2 is not None and self.num_samples < 2:
+            self._fail("num_samples", f"must be >= 2 for fd_dinov2 (a covariance), got {self.num_samples}")
+        if self.num_cpus < 0 or self.num_gpus < 0:
+            self._fail("num_cpus" if self.num_cpus < 0 else "num_gpus", "must be >= 0")
+        if not self.timeout_s > 0:
+            self._fail("timeout_s", f"must be > 0, got {self.timeout_s}")
+        if not self.text_column:
+            self._fail("text_column", "must be a column name, got an empty string")
 
 
 @dataclass
@@ -248,8 +304,12 @@ class RetrainConfig(Section):
     from."""
     models_root: str | None = None
     """Where retraining keeps model versions (versions/vNNNN/) and the production pointer (production.json)."""
+    metric: Literal["val_loss", "fd_dinov2", "clip_score"] = "val_loss"
+    """What the gate compares: the held-out val_loss, or an eval metric of both models' samples (the same data.val
+    captions and seeds: eval.dinov2 or eval.clip required). Every measured metric is recorded in the manifest."""
     tolerance: float = 0.0
-    """Promote a retrained model if its validation loss <= the production model's x (1 + tolerance)."""
+    """Promote a retrained model if its retrain.metric <= the production model's x (1 + tolerance) (clip_score: >=
+    x (1 - tolerance))."""
     date: str | None = None
     """Schedule date (YYYY-MM-DD) a retrain run is for: it takes partitions up to it, once; null = in an Anyscale job,
     the UTC date of the job's first attempt (its retries keep it, even after midnight), else today (UTC)."""

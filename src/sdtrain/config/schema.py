@@ -17,6 +17,7 @@ from sdtrain.config.coercion import ConfigTree, Section
 from sdtrain.config.learning import PRESETS, DataConfig, ModelConfig, TrainConfig
 from sdtrain.config.running import (
     CheckpointConfig,
+    EvalConfig,
     ExportConfig,
     FailureConfig,
     RetrainConfig,
@@ -33,6 +34,7 @@ __all__ = [
     "PRESETS",
     "BatchLayout",
     "CheckpointConfig",
+    "EvalConfig",
     "ExportConfig",
     "SampleGridConfig",
     "TrackingConfig",
@@ -74,6 +76,7 @@ class Config(ConfigTree):
     run: RunConfig = field(default_factory=RunConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     sample_grid: SampleGridConfig = field(default_factory=SampleGridConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
     failure: FailureConfig = field(default_factory=FailureConfig)
@@ -88,6 +91,7 @@ class Config(ConfigTree):
         "run": RunConfig,
         "checkpoint": CheckpointConfig,
         "sample_grid": SampleGridConfig,
+        "eval": EvalConfig,
         "tracking": TrackingConfig,
         "export": ExportConfig,
         "failure": FailureConfig,
@@ -144,6 +148,18 @@ class Config(ConfigTree):
                     f"run.val_every_n_steps={every} does not divide "
                     f"checkpoint.every_n_steps={self.checkpoint.every_n_steps}"
                 )
+        if self.eval.enabled and not self.data.val:
+            raise ConfigError("eval: evaluating checkpoints needs data.val (its captions and images are the reference)")
+        if self.retrain.metric != "val_loss" and self.retrain.metric not in self.eval.metrics:
+            model = "eval.dinov2" if self.retrain.metric == "fd_dinov2" else "eval.clip"
+            raise ConfigError(f"retrain.metric: {self.retrain.metric} needs {model}, the model that measures it")
+        if self.checkpoint.score_attribute in ("fd_dinov2", "clip_score"):
+            if self.checkpoint.score_attribute not in self.eval.metrics:
+                model = "eval.dinov2" if self.checkpoint.score_attribute == "fd_dinov2" else "eval.clip"
+                raise ConfigError(
+                    f"checkpoint.score_attribute: {self.checkpoint.score_attribute} needs {model}, the model that "
+                    "measures it"
+                )
         for world_size in range(self.scaling.min_workers, self.scaling.max_workers + 1):
             self.batch_layout(world_size)
 
@@ -180,6 +196,7 @@ class Config(ConfigTree):
         if self.data.unconditional_caption != "zeros":
             named.append(("data.unconditional_caption", self.data.unconditional_caption))
         named += [("model.pretrained", self.model.pretrained), ("run.storage_path", self.run.storage_path)]
+        named += [("eval.dinov2", self.eval.dinov2), ("eval.clip", self.eval.clip), ("eval.vae", self.eval.vae)]
         named += [("retrain.data_root", self.retrain.data_root), ("retrain.models_root", self.retrain.models_root)]
         return [(key, path) for key, path in named if path is not None]
 

@@ -6,6 +6,8 @@
     dataset_index/          the run's dataset index: train.parquet, val.parquet
     metrics.csv, loss_curve.png
     samples/step_<N>.png    the sample grids
+    evaluation/             checkpoint evaluations: step_<N>.json each (metrics or error), reference-<key>.npz (the
+                            feature statistics of data.val's images, computed once per run)
     trackers.json, tensorboard/, wandb/
     export/                 the diffusers pipeline: unet/, scheduler/, EXPORT_INFO_FILE, the grid, the empty prompt
 """
@@ -30,6 +32,15 @@ SAMPLE_GRID_STEP = re.compile(r"step_(\d+)\.png")
 
 def sample_grid_file(step: int) -> str:
     return f"step_{step}.png"
+
+
+EVALUATION_DIR = "evaluation"
+EVALUATION_STEP = re.compile(r"step_(\d+)\.json")
+"""An evaluation's result in EVALUATION_DIR, its checkpoint's step the group."""
+
+
+def evaluation_file(step: int) -> str:
+    return f"step_{step}.json"
 
 
 # --- a checkpoint

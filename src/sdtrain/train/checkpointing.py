@@ -50,11 +50,27 @@ class CheckpointWriter:
     """This worker's staging directory (:func:`worker_scratch`), where rank 0 writes the checkpoint."""
 
     def report(
-        self, trainer: pl.Trainer, pl_module, metrics: dict[str, float], step: int, position: DataState, history
+        self,
+        trainer: pl.Trainer,
+        pl_module,
+        metrics: dict[str, float],
+        step: int,
+        position: DataState,
+        history,
+        evaluate: bool = False,
     ) -> float:
         """:func:`report_with_checkpoint` with this writer's settings: the seconds the training loop waited."""
         return report_with_checkpoint(
-            trainer, pl_module, metrics, step, position, self.plan_fingerprint, history, self.upload, self.staging
+            trainer,
+            pl_module,
+            metrics,
+            step,
+            position,
+            self.plan_fingerprint,
+            history,
+            self.upload,
+            self.staging,
+            evaluate,
         )
 
 
@@ -68,6 +84,7 @@ def report_with_checkpoint(
     history: list[dict[str, float]],
     upload: Literal["async", "sync"],
     staging: str,
+    evaluate: bool = False,
 ) -> float:
     """Write the checkpoint of ``step`` and report it with ``metrics``; returns the seconds the
     training loop waited (the save, and the upload when ``upload`` is sync).
@@ -78,6 +95,7 @@ def report_with_checkpoint(
         history: the metric rows reported up to ``step``, saved with the checkpoint.
         upload: checkpoint.upload.
         staging: this worker's staging directory (:func:`worker_scratch`), where rank 0 writes it.
+        evaluate: rank 0 asks Ray Train to evaluate the checkpoint once committed (its ValidationConfig, eval).
     """
     started = time.perf_counter()
     name = checkpoint_dir_name(step)
@@ -104,6 +122,7 @@ def report_with_checkpoint(
             checkpoint_dir_name=name,
             checkpoint_upload_mode=_UPLOAD_MODES[upload],
             delete_local_checkpoint_after_upload=True,
+            **({"validation": True} if evaluate else {}),
         )
     except BaseException:
         if directory:

@@ -26,6 +26,7 @@ from sdtrain.errors import NonFiniteTraining, TrainingFailed
 from sdtrain.train.cadence import OptimizerStepCallback, ReportCadence
 from sdtrain.train.checkpointing import CheckpointWriter
 from sdtrain.train.efficiency import Efficiency, hours_so_far, money
+from sdtrain.train.evaluations import CheckpointEvaluations, unevaluated_score
 from sdtrain.train.run_view import RunView
 from sdtrain.train.validation import Validation
 from sdtrain.train.watchdog import Phase
@@ -46,6 +47,7 @@ class StepReporter(OptimizerStepCallback):
         launched_at: the wall-clock time the driver started the run (for time_to_first_step_s).
         validation: the validation callback whose loss joins the report of its step (None: no data.val).
         view: rank 0's live files, trackers and Ray gauges (None on other ranks).
+        evaluations: rank 0's checkpoint evaluations (None on other ranks, and without eval).
         enter: told the phase (the stall watchdog's), or a no-op.
     """
 
@@ -60,6 +62,7 @@ class StepReporter(OptimizerStepCallback):
         validation: Validation | None = None,
         view: RunView | None = None,
         enter: Callable[[str], None] = lambda phase: None,
+        evaluations: CheckpointEvaluations | None = None,
     ):
         self.cadence = cadence
         self.train = train
@@ -72,6 +75,9 @@ class StepReporter(OptimizerStepCallback):
         self.validation = validation
         self.view = view
         self.enter = enter
+        self.evaluations = evaluations
+        # What Ray Train ranks a checkpoint by until its evaluation reports the metric (checkpoint.score_attribute).
+        self._unevaluated = unevaluated_score(view.config.checkpoint.score_attribute) if view is not None else {}
         self.slowest_steps_per_s = 0.0
         """The slowest rank's step rate at the latest report (the same on every rank)."""
         self._reported_step = -1
@@ -94,8 +100,10 @@ class StepReporter(OptimizerStepCallback):
             self._efficiency = Efficiency.of_run(pl_module, str(trainer.precision), cost)
             # Continues from the checkpoint's rows: the hours of steps lost to a restart are not in them.
             self._hours = hours_so_far(self.history)
+        evaluated = self.evaluations.started(self.history) if self.evaluations is not None else []
         if self.view is not None:
             self.view.started(self.history)
+            self.view.evaluated(evaluated)
 
     def on_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> None:
         if math.isnan(self._time_to_first_step):
@@ -125,6 +133,15 @@ class StepReporter(OptimizerStepCallback):
             metrics.update(self._efficiency.window(metrics["samples_per_s"], trainer.world_size))
             self._hours += trainer.world_size * self._window_s / 3600
             metrics[self._efficiency.hours_key] = self._hours
+        evaluate = False
+        if self.evaluations is not None:  # rank 0, with eval
+            evaluated = self.evaluations.collect(self.history)
+            if self.view is not None:
+                self.view.evaluated(evaluated)
+            evaluate = with_checkpoint and self.evaluations.due(step, final=step >= self.train.max_steps)
+            if evaluate:
+                metrics["evaluation_asked"] = 1.0
+            metrics["evaluations_skipped"] = float(self.evaluations.skipped)
         if trainer.is_global_zero:
             log.info(_progress_line(metrics, self.train.max_steps))
             self.history.append(metrics)
@@ -133,7 +150,9 @@ class StepReporter(OptimizerStepCallback):
                 self.view.reported(metrics, self.history, pl_module, with_checkpoint)
         self.enter(Phase.CHECKPOINT if with_checkpoint else Phase.REPORT)
         if with_checkpoint:
-            self._checkpoint_stall = self.checkpoints.report(trainer, pl_module, metrics, step, position, self.history)
+            self._checkpoint_stall = self.checkpoints.report(
+                trainer, pl_module, {**metrics, **self._unevaluated}, step, position, self.history, evaluate
+            )
         else:
             ray.train.report(metrics)
         self._reported_step = step

@@ -112,6 +112,17 @@ class RunView:
             if checkpoint:
                 self.trackers.before_checkpoint()
 
+    def evaluated(self, results: list[tuple[int, dict[str, float]]]) -> None:
+        """Finished checkpoint evaluations, already in their rows (the live files follow at the next update): to the
+        trackers at their checkpoints' steps.
+
+        Args:
+            results: (step, metrics) each (sdtrain.train.evaluations).
+        """
+        for step, metrics in results:
+            if self.trackers is not None:
+                self.trackers.log_evaluation(metrics, step)
+
     def image(self, key: str, image: np.ndarray, step: int) -> None:
         """An H x W x 3 uint8 image of ``step`` for the trackers (before that step's report)."""
         if self.trackers is not None:

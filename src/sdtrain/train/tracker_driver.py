@@ -91,3 +91,21 @@ def log_export(config: Config, run_dir: str, export_uri: str) -> None:
         artifact.add_dir(local)
         run.log_artifact(artifact)
         run.finish()
+
+
+def log_evaluations(config: Config, run_dir: str, results: list[tuple[int, dict[str, float]]]) -> None:
+    """Evaluations that finished after the workers stopped (the final checkpoint's), from the driver: to the run's
+    MLflow run at their steps. TensorBoard and W&B get the evaluations that finish while training runs.
+
+    Args:
+        results: (step, metrics) each.
+    """
+    ids = read_state(run_dir)["ids"]
+    if not results or "mlflow" not in config.tracking.trackers or "mlflow" not in ids:
+        return
+    import mlflow
+
+    client = mlflow.MlflowClient(config.tracking.mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI"))
+    for step, metrics in results:
+        for key, value in metrics.items():
+            client.log_metric(ids["mlflow"], key, value, step=step)

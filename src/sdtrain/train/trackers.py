@@ -121,6 +121,25 @@ class Trackers:
             self._save_state()
         return bool(behind)
 
+    def log_evaluation(self, metrics: Mapping[str, float], step: int) -> None:
+        """An evaluation's ``metrics`` at its checkpoint's ``step``, which the trackers already hold (it finished
+        later): TensorBoard and MLflow at that step; W&B, whose steps only grow, in its next row with
+        ``evaluated_step``. Each step's once across restarts (trackers.json)."""
+        evaluated = set(self.state.setdefault("evaluated", []))
+        if step in evaluated:
+            return
+        values = {key: float(value) for key, value in metrics.items()}
+        for name, logger in self.loggers.items():
+            if name == "wandb":
+                logger.experiment.log({**values, "evaluated_step": step}, commit=False)
+                continue
+            logger.log_metrics(values, step)
+            if name == "tensorboard":
+                logger.experiment.flush()
+                self._mirror_tensorboard()
+        self.state["evaluated"] = sorted(evaluated | {step})
+        self._save_state()
+
     def log_image(self, key: str, image: np.ndarray, step: int) -> None:
         """Send an H x W x 3 uint8 image to every tracker at ``step`` (call before :meth:`log_metrics` of
         that step: a step a tracker holds is skipped)."""
@@ -202,7 +221,7 @@ class Trackers:
 
     def _save_state(self) -> None:
         ids = {**self.state["ids"], **{name: _run_id(name, lg) for name, lg in self.loggers.items()}}
-        state = {"ids": ids, "logged_through": self.logged_through}
+        state = {"ids": ids, "logged_through": self.logged_through, "evaluated": self.state.get("evaluated", [])}
         self._state_writer.submit(lambda: _write_state(self.run_dir, state))
 
 

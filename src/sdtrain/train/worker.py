@@ -26,6 +26,7 @@ from sdtrain.train.build import build_training, run_device_settings
 from sdtrain.train.cadence import ReportCadence
 from sdtrain.train.checkpointing import CheckpointWriter, DropRestoreCopy, restored_directory, worker_scratch
 from sdtrain.train.device_settings import training_autocast
+from sdtrain.train.evaluations import CheckpointEvaluations
 from sdtrain.train.preemption import PreemptionCheck
 from sdtrain.train.reporting import StepReporter, log
 from sdtrain.train.run_view import RunView
@@ -121,8 +122,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     )
 
     checkpoint = ray.train.get_checkpoint()
-    run_dir = posixpath.join(config.run.storage_path, config.run.name)
-    scratch = worker_scratch(config, run_dir, rank)
+    scratch = worker_scratch(config, _run_dir(config), rank)
     # Restored: read in place, or downloaded into scratch (Lightning reads its file when fit starts).
     restored = (
         restored_directory(checkpoint, scratch) if checkpoint is not None else contextlib.nullcontext((None, False))
@@ -193,6 +193,7 @@ def _fit(
         validation=validation,
         view=_run_view(config, module) if rank == 0 else None,
         enter=enter,
+        evaluations=CheckpointEvaluations(config, _run_dir(config)) if rank == 0 and config.eval.enabled else None,
     )
     callbacks: list[pl.Callback] = [] if watchdog is None else [StallWatch(watchdog)]
     callbacks.append(PreemptionCheck(cadence, lambda: reporter.slowest_steps_per_s))
@@ -212,7 +213,6 @@ def _fit(
 def _run_view(config: Config, module: Any) -> RunView:
     """Rank 0's live files, trackers, gauges and sample grids (``module``: the DiffusionModule)."""
     meta = module.checkpoint_meta
-    run_dir = posixpath.join(config.run.storage_path, config.run.name)
     grids = None
     encoder = module.caption_encoder
     captions = grid_captions(
@@ -227,9 +227,13 @@ def _run_view(config: Config, module: Any) -> RunView:
         unconditional = module.unconditional_caption.detach().cpu()
         # The trainer is attached by the time a grid is drawn (in a report, during fit).
         grids = SampleGrids(
-            config, meta, captions, run_dir, unconditional, autocast=lambda: training_autocast(module.trainer)
+            config, meta, captions, _run_dir(config), unconditional, autocast=lambda: training_autocast(module.trainer)
         )
-    return RunView(config, run_dir, grids, config.train.max_steps)
+    return RunView(config, _run_dir(config), grids, config.train.max_steps)
+
+
+def _run_dir(config: Config) -> str:
+    return posixpath.join(config.run.storage_path, config.run.name)
 
 
 def _configure_logging() -> None:

@@ -1,0 +1,248 @@
+"""Image quality of a committed checkpoint, measured off the training ranks (docs/evaluation.md).
+
+Ray Train runs :func:`evaluate_checkpoint` in a Ray task of its own (eval.num_cpus, eval.num_gpus) on a checkpoint it
+committed, while training goes on: it samples one image for each of the first eval.num_samples rows of data.val (their
+captions, the same seeded noise every time, sample_grid's sampler, steps and guidance), decodes them with the data's
+VAE and measures:
+
+- ``fd_dinov2``: the Frechet distance between the DINOv2 features of those images and of data.val's own images (the
+  same rows' latents decoded by the same VAE: what the VAE can show, so the distance measures the UNet, not the VAE).
+  Those reference statistics are computed once per run and kept in the run directory; restarts reuse them;
+- ``clip_score``: the mean CLIP score of each image against its caption's text (data.val's eval.text_column).
+
+Each result is written to ``<run dir>/evaluation/step_<N>.json`` (an error too), where rank 0 and the driver read it
+into metrics.csv, the trackers and the live files at the checkpoint's step (:mod:`sdtrain.train.evaluations`).
+The retraining gate scores both of its models with the same :class:`Evaluator`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import posixpath
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+import torch
+
+from sdtrain.artifacts.loading import LoadedModel, load_model
+from sdtrain.config.schema import Config
+from sdtrain.data.decode import to_array
+from sdtrain.data.parquet_files import resolve_parquet_files
+from sdtrain.errors import DataError
+from sdtrain.evaluation.image_metrics import ClipScore, DinoFeatures, FeatureStats, frechet_distance
+from sdtrain.evaluation.results import write_evaluation
+from sdtrain.model.encoders import load_vae
+from sdtrain.sampling.images import decode
+from sdtrain.sampling.sampler import sample_latents
+from sdtrain.storage.filesystems import filesystem_for, write_bytes
+from sdtrain.storage.run_layout import EVALUATION_DIR
+
+
+@dataclass
+class EvalRows:
+    """The first eval.num_samples rows of data.val: what every evaluation of a run samples and compares against."""
+
+    latents: np.ndarray
+    """(N, C, H, W) as stored."""
+    captions: np.ndarray
+    """(N, L, D) embeddings, or (N, L) token ids."""
+    texts: list[str] | None
+    """eval.text_column's captions, when it is measured (clip_score)."""
+    files: list[str]
+    """The files the rows came from (part of the reference statistics' key)."""
+
+
+def read_eval_rows(config: Config, latent_shape: tuple[int, ...], caption_shape: tuple[int, ...]) -> EvalRows:
+    """The first eval.num_samples rows of data.val in file order (fewer if it holds fewer), read column by column.
+
+    Args:
+        latent_shape: (C, H, W) of a row's latents.
+        caption_shape: (L, D) of a caption embedding; a column of token ids holds (L,) a row.
+    """
+    want = config.eval.num_samples
+    columns = [config.data.latent_column, config.data.caption_column]
+    if config.eval.clip is not None:
+        columns.append(config.eval.text_column)
+    tables, files, have = [], [], 0
+    for file in resolve_parquet_files(list(config.data.val), "data.val"):
+        fs, path = filesystem_for(file)
+        with fs.open_input_file(path) as f:
+            parquet = pq.ParquetFile(f)
+            missing = [c for c in columns if c not in parquet.schema_arrow.names]
+            if missing:
+                raise DataError(
+                    f"eval: data.val file {file} has no column {missing[0]!r} (columns: {parquet.schema_arrow.names})"
+                )
+            table = parquet.read(columns=columns).slice(0, want - have)
+        tables.append(table)
+        files.append(file)
+        have += table.num_rows
+        if have >= want:
+            break
+    table = pa.concat_tables(tables)
+    caption = table.column(config.data.caption_column).combine_chunks()
+    storage = caption.storage if isinstance(caption, pa.ExtensionArray) else caption
+    ids = pa.types.is_integer(storage.type.value_type)
+    return EvalRows(
+        latents=to_array(table.column(config.data.latent_column), tuple(latent_shape), config.data.latent_column),
+        captions=to_array(
+            caption, tuple(caption_shape[:1]) if ids else tuple(caption_shape), config.data.caption_column
+        ),
+        texts=[str(t) for t in table.column(config.eval.text_column).to_pylist()] if config.eval.clip else None,
+        files=files,
+    )
+
+
+class Evaluator:
+    """The models and rows every evaluation of a run shares, loaded once: the VAE, the feature and CLIP models, the
+    rows of data.val and the reference statistics.
+
+    Args:
+        config: the run's config (eval, data.val, sample_grid's sampler).
+        run_dir: where the reference statistics are kept (None: computed, not kept: the retraining gate's).
+        vae: the VAE that decodes latents (eval.vae, or the one data.val records: the driver resolves it).
+    """
+
+    def __init__(self, config: Config, run_dir: str | None, vae: str):
+        self.config = config
+        self.run_dir = run_dir
+        self.vae_source = vae
+        self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.vae = load_vae(vae, self.device)
+        self.features = DinoFeatures(config.eval.dinov2, self.device) if config.eval.dinov2 else None
+        self.clip = ClipScore(config.eval.clip, self.device) if config.eval.clip else None
+        self.rows: EvalRows | None = None
+        self.reference: FeatureStats | None = None
+
+    def evaluate(self, model: str | LoadedModel) -> dict[str, float]:
+        """The metrics of the model at ``model`` (a checkpoint, export or registry version; or one loaded): eval_s
+        and eval_samples with them."""
+        started = time.perf_counter()
+        loaded = load_model(model) if isinstance(model, str) else model
+        assert loaded.latent_shape is not None and loaded.caption_shape is not None
+        rows = self._rows(loaded)
+        captions = torch.tensor(rows.captions)  # a copy: arrow's buffers are read-only
+        if captions.dtype == torch.int32:
+            captions = self._encode(loaded, captions)
+        unet = loaded.unet.to(self.device)
+        grid = self.config.sample_grid
+        latents = sample_latents(
+            unet,
+            loaded.noise_scheduler.config,
+            captions.float(),
+            loaded.unconditional_caption,
+            tuple(loaded.latent_shape),
+            sampler=grid.sampler,
+            steps=grid.steps,
+            guidance_scale=grid.guidance_scale,
+            seed=self.config.train.seed,
+            batch_size=self.config.eval.batch_size,
+        )
+        images = self._decode(latents, loaded)
+        metrics: dict[str, float] = {}
+        if self.features is not None:
+            generated = FeatureStats(self.features.dim)
+            generated.add(self.features(images, self.config.eval.batch_size))
+            metrics["fd_dinov2"] = frechet_distance(generated, self._reference(loaded))
+        if self.clip is not None:
+            assert rows.texts is not None
+            metrics["clip_score"] = float(np.mean(self.clip(images, rows.texts, self.config.eval.batch_size)))
+        metrics["eval_samples"] = float(len(images))
+        metrics["eval_s"] = time.perf_counter() - started
+        return metrics
+
+    def _rows(self, loaded: LoadedModel) -> EvalRows:
+        if self.rows is None:
+            assert loaded.latent_shape is not None and loaded.caption_shape is not None
+            self.rows = read_eval_rows(self.config, loaded.latent_shape, loaded.caption_shape)
+        return self.rows
+
+    def _encode(self, loaded: LoadedModel, ids: torch.Tensor) -> torch.Tensor:
+        from sdtrain.model.token_captions import CaptionEncoder
+
+        source = loaded.meta.text_encoder if loaded.meta is not None else None
+        if source is None:
+            raise DataError(f"eval: data.val holds token ids, but {loaded.source} records no text encoder for them")
+        encoder = CaptionEncoder.load(source, use_gpu=False).to(self.device)
+        return torch.cat([encoder(ids[i : i + 64]).float().cpu() for i in range(0, len(ids), 64)])
+
+    def _decode(self, latents: torch.Tensor, loaded: LoadedModel) -> np.ndarray:
+        """Model-space latents -> images, divided by the scaling factor the model was trained with (else the VAE's)."""
+        scale = loaded.latent_scaling_factor or float(self.vae.config.scaling_factor)
+        return decode(self.vae, latents, scale, self.config.eval.batch_size)
+
+    def _reference(self, loaded: LoadedModel) -> FeatureStats:
+        """data.val's images' feature statistics: read from the run directory if an evaluation computed them for this
+        key, else computed (the rows' stored latents in model space, decoded) and kept there."""
+        if self.reference is not None:
+            return self.reference
+        assert self.features is not None and self.rows is not None
+        key = self.reference_key()
+        uri = posixpath.join(self.run_dir, EVALUATION_DIR, f"reference-{key}.npz") if self.run_dir else None
+        if uri is not None:
+            fs, path = filesystem_for(uri)
+            if fs.get_file_info(path).type == pafs.FileType.File:
+                with fs.open_input_stream(path) as f:
+                    self.reference = FeatureStats.from_bytes(f.read())
+                return self.reference
+        stored = torch.from_numpy(self.rows.latents.astype(np.float32))
+        images = self._decode(stored * (self.config.data.latent_scaling_factor or 1.0), loaded)
+        reference = FeatureStats(self.features.dim)
+        reference.add(self.features(images, self.config.eval.batch_size))
+        if uri is not None:
+            write_bytes(uri, reference.to_bytes())
+        self.reference = reference
+        return reference
+
+    def reference_key(self) -> str:
+        """What the reference statistics depend on: the rows, the VAE, the feature model, the latents' scaling."""
+        assert self.rows is not None
+        what = [self.rows.files, len(self.rows.latents), self.vae_source, self.config.eval.dinov2]
+        what.append(self.config.data.latent_scaling_factor)
+        return hashlib.sha256(json.dumps(what).encode()).hexdigest()[:12]
+
+
+_EVALUATORS: dict[str, Evaluator] = {}
+
+
+def evaluate_checkpoint(checkpoint: Any, config: dict[str, Any], run_dir: str, vae: str) -> dict[str, float]:
+    """Ray Train's validation function (ray.train.v2 ValidationConfig): the metrics of one committed checkpoint, also
+    written to ``<run dir>/evaluation/step_<N>.json``; an error is written there too, then raised (Ray Train records
+    the evaluation as failed; training goes on).
+
+    Args:
+        checkpoint: the ray.train.Checkpoint Ray Train committed.
+        config: the run's config as a dict (the task's arguments must be JSON).
+        run_dir: run.storage_path/run.name.
+        vae: the VAE that decodes latents.
+    """
+    from sdtrain.storage.filesystems import uri_for
+
+    uri = uri_for(checkpoint.filesystem, checkpoint.path)
+    step = _checkpoint_step(uri)
+    started = time.time()
+    try:
+        # A task's worker process may run several evaluations of a run: the models and the reference are kept.
+        evaluator = _EVALUATORS.get(run_dir)
+        if evaluator is None:
+            evaluator = _EVALUATORS[run_dir] = Evaluator(Config.from_dict(config), run_dir, vae)
+        metrics = evaluator.evaluate(uri)
+    except Exception as error:
+        write_evaluation(run_dir, step, {"step": step, "error": f"{type(error).__name__}: {error}", "time": started})
+        raise
+    write_evaluation(run_dir, step, {"step": step, **metrics, "time": started})
+    return metrics
+
+
+def _checkpoint_step(uri: str) -> int:
+    from sdtrain.storage.run_layout import DATA_STATE_FILE
+
+    fs, path = filesystem_for(posixpath.join(uri, DATA_STATE_FILE))
+    with fs.open_input_stream(path) as f:
+        return int(json.loads(f.read())["step"])

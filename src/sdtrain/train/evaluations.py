@@ -1,0 +1,119 @@
+"""Rank 0's side of checkpoint evaluation (:mod:`sdtrain.evaluation.checkpoint_eval` runs it, in a Ray task of its
+own): which checkpoints to have evaluated, and the finished evaluations' metrics into the run's rows.
+
+At most one evaluation is in flight: a checkpoint due while one still runs is skipped (counted in
+``evaluations_skipped``), never queued, so a slow evaluation cannot pile up work behind training; only the final
+checkpoint's waits behind the one in flight. An evaluation is in
+flight until its result file appears or eval.timeout_s has passed (Ray Train cancels it then).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+from sdtrain.config.schema import Config
+from sdtrain.evaluation.results import read_evaluation, read_evaluations
+
+log = logging.getLogger("sdtrain")
+
+RESULT_KEYS = ("fd_dinov2", "clip_score", "eval_s")
+"""What an evaluation adds to its checkpoint's row (eval_failed instead when it failed)."""
+
+
+def unevaluated_score(attribute: str | None) -> dict[str, float]:
+    """The value Ray Train ranks a checkpoint by until its evaluation reports one: the worst (fd_dinov2 is lower
+    the better, clip_score higher), so a checkpoint never evaluated is pruned first and one waiting is kept (Ray
+    Train keeps checkpoints whose evaluation is pending)."""
+    if attribute == "fd_dinov2":
+        return {attribute: math.inf}
+    if attribute == "clip_score":
+        return {attribute: -math.inf}
+    return {}
+
+
+class CheckpointEvaluations:
+    """Which checkpoints rank 0 asks Ray Train to evaluate, and their results as they come.
+
+    Args:
+        config: the run's config (eval, checkpoint.every_n_steps).
+        run_dir: run.storage_path/run.name, where results are written.
+        clock: seconds, monotonic (tests may pass their own).
+    """
+
+    def __init__(self, config: Config, run_dir: str, clock: Callable[[], float] = time.monotonic):
+        self.every = config.eval.every_n_checkpoints * config.checkpoint.every_n_steps
+        self.timeout_s = config.eval.timeout_s
+        self.run_dir = run_dir
+        self.clock = clock
+        self.pending: tuple[int, float] | None = None
+        """(step, when it was asked for) of the evaluation in flight."""
+        self.skipped = 0
+
+    def started(self, history: list[dict[str, float]]) -> list[tuple[int, dict[str, Any]]]:
+        """A worker group starts from the checkpoint whose rows are ``history``: results written since (while no
+        group ran, or after that checkpoint) go into their rows; an evaluation asked for and not finished (Ray Train
+        runs it again after a restart) is in flight. Returns the results added: (step, result)."""
+        self.skipped = int(history[-1].get("evaluations_skipped", 0)) if history else 0
+        added = merge_results(history, read_evaluations(self.run_dir))
+        asked = [int(row["step"]) for row in history if row.get("evaluation_asked") and not _has_result(row)]
+        if asked:
+            self.pending = (asked[-1], self.clock())
+        return added
+
+    def due(self, step: int, final: bool) -> bool:
+        """Whether the checkpoint of ``step`` is to be evaluated: every eval.every_n_checkpoints-th, skipped if one is
+        in flight; the final one always (Ray Train runs it after the one in flight, before the run ends)."""
+        if not (final or step % self.every == 0):
+            return False
+        if self.pending is not None and not final:
+            self.skipped += 1
+            log.info(
+                "evaluation of step %d still running: the checkpoint of step %d is not evaluated", self.pending[0], step
+            )
+            return False
+        self.pending = (step, self.clock())
+        return True
+
+    def collect(self, history: list[dict[str, float]]) -> list[tuple[int, dict[str, Any]]]:
+        """The in-flight evaluation's result, if it has come, merged into its row of ``history``: (step, result)."""
+        if self.pending is None:
+            return []
+        step, asked_at = self.pending
+        result = read_evaluation(self.run_dir, step)
+        if result is None:
+            if self.clock() - asked_at > self.timeout_s:
+                log.warning(
+                    "evaluation of step %d: no result after eval.timeout_s=%s s; cancelled", step, self.timeout_s
+                )
+                self.pending = None
+            return []
+        self.pending = None
+        return merge_results(history, {step: result})
+
+
+def merge_results(history: list[dict[str, float]], results: dict[int, dict[str, Any]]) -> list[tuple[int, dict]]:
+    """Each result into the row of its step (once); a failed one as ``eval_failed`` = 1, its error logged. Returns
+    the (step, metrics) added, for the trackers."""
+    rows = {int(row["step"]): row for row in history}
+    added = []
+    for step, result in sorted(results.items()):
+        row = rows.get(step)
+        if row is None or _has_result(row):
+            continue
+        if "error" in result:
+            log.warning("evaluation of the checkpoint of step %d failed: %s", step, result["error"])
+            metrics = {"eval_failed": 1.0}
+        else:
+            metrics = {key: float(result[key]) for key in RESULT_KEYS if key in result}
+            log.info("evaluation of step %d: %s", step, ", ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
+        row.update(metrics)
+        added.append((step, metrics))
+    return added
+
+
+def _has_result(row: dict[str, Any]) -> bool:
+    return "eval_s" in row or "eval_failed" in row

@@ -1,0 +1,279 @@
+"""Checkpoint evaluation (eval): a tiny UNet's checkpoint evaluated on real photographs (scikit-learn's) encoded by a
+tiny VAE, with tiny DINOv2 and CLIP models built from configs; rank 0's choice of what to evaluate; the checks before
+Ray. The evaluation beside a real Ray run is in tests/test_train_ray.py."""
+
+import json
+import os
+
+import lightning.pytorch as pl
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import ray.train
+import torch
+from conftest import tiny_config
+
+from sdtrain.artifacts.checkpoint_format import CheckpointMeta
+from sdtrain.config.loader import load_config
+from sdtrain.data.metadata import LATENT_SCALING_FACTOR, VAE_SOURCE
+from sdtrain.errors import ConfigError
+from sdtrain.evaluation import checkpoint_eval
+from sdtrain.evaluation.checkpoint_eval import Evaluator, evaluate_checkpoint
+from sdtrain.evaluation.checks import check_evaluation
+from sdtrain.evaluation.image_metrics import DinoFeatures, FeatureStats, frechet_distance
+from sdtrain.evaluation.results import read_evaluation, read_evaluations
+from sdtrain.model.encoders import encode_images, encode_prompts, load_text_encoder, load_vae
+from sdtrain.model.unet import build_unet, noise_scheduler_config, unet_config
+from sdtrain.preprocess.tiny_models import write_tiny_clip, write_tiny_dinov2, write_tiny_sd_model
+from sdtrain.sampling.images import decode
+from sdtrain.storage.run_layout import DATA_STATE_FILE, EVALUATION_DIR
+from sdtrain.train.evaluations import CheckpointEvaluations, merge_results, unevaluated_score
+from sdtrain.train.module import DiffusionModule
+
+ROWS = 12
+TEXTS = ["a pagoda by a lake", "a pink flower", "temple roof", "petals in the sun"]
+
+
+def _photo_crops(count: int, size: int = 32) -> np.ndarray:
+    """Real photographs: ``count`` crops of scikit-learn's china.jpg and flower.jpg, resized to ``size``."""
+    from PIL import Image
+    from sklearn.datasets import load_sample_images
+
+    photos = load_sample_images().images
+    rng = np.random.default_rng(0)
+    crops = []
+    for i in range(count):
+        photo = photos[i % 2]
+        y, x = rng.integers(0, photo.shape[0] - 128), rng.integers(0, photo.shape[1] - 128)
+        crops.append(np.asarray(Image.fromarray(photo[y : y + 128, x : x + 128]).resize((size, size))))
+    return np.stack(crops)
+
+
+@pytest.fixture(scope="module")
+def evaluated(tmp_path_factory):
+    """data.val as preprocessing would write it (photographs through a tiny VAE, captions through a tiny text
+    encoder, the texts kept), the tiny DINOv2 and CLIP models, and a checkpoint of the tiny UNet trained on those rows
+    for 2 steps, in a run directory."""
+    root = tmp_path_factory.mktemp("evaluation")
+    sd = write_tiny_sd_model(str(root / "sd"), caption_dim=32, vae_blocks=2)
+    vae = load_vae(sd)
+    latents = encode_images(vae, _photo_crops(ROWS), "mean").numpy().astype(np.float16)
+    tokenizer, text_encoder = load_text_encoder(sd)
+    texts = [TEXTS[i % len(TEXTS)] for i in range(ROWS)]
+    captions = encode_prompts(tokenizer, text_encoder, texts).numpy().astype(np.float16)
+    table = pa.table(
+        {
+            "image_latents_256": pa.array(list(latents.reshape(ROWS, -1))),
+            "caption_latents": pa.array(list(captions.reshape(ROWS, -1))),
+            "caption": texts,
+        }
+    ).replace_schema_metadata({VAE_SOURCE: sd, LATENT_SCALING_FACTOR: str(vae.config.scaling_factor)})
+    (root / "val").mkdir()
+    pq.write_table(table, root / "val" / "part-0.parquet")
+
+    model = load_config(None, ["model.preset=tiny", "data.train=[x]"]).model
+    meta = CheckpointMeta("test", unet_config(model), noise_scheduler_config(model), (4, 16, 16), (77, 32))
+    torch.manual_seed(0)
+    module = DiffusionModule(
+        build_unet(model), meta.noise_scheduler_config, tiny_config("data.train=[x]", steps=2).train, meta
+    )
+    batches = [{"latents": torch.from_numpy(latents[:6]).float(), "captions": torch.from_numpy(captions[:6]).float()}]
+    trainer = pl.Trainer(
+        max_steps=2, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False
+    )
+    trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(batches * 2, batch_size=None))
+    run_dir = root / "runs" / "r"
+    checkpoint = run_dir / "checkpoint_000000002"
+    trainer.save_checkpoint(checkpoint / "checkpoint.ckpt", weights_only=False)
+    (checkpoint / DATA_STATE_FILE).write_text(json.dumps({"step": 2}))
+    config = tiny_config(
+        f"data.val=[{root / 'val'}]",
+        f"data.train=[{root / 'val'}]",
+        f"eval.dinov2={write_tiny_dinov2(str(root / 'dinov2'))}",
+        f"eval.clip={write_tiny_clip(str(root / 'clip'))}",
+        "eval.num_samples=8",
+        "eval.batch_size=4",
+        "sample_grid.steps=2",
+        tmp_path=root,
+        name="r",
+    )
+    return {"root": root, "sd": sd, "config": config, "run_dir": str(run_dir), "checkpoint": checkpoint, "vae": vae}
+
+
+def test_a_checkpoint_is_evaluated_against_reference_statistics_kept_in_the_run(evaluated):
+    config, run_dir = evaluated["config"], evaluated["run_dir"]
+    metadata = pq.read_schema(evaluated["root"] / "val" / "part-0.parquet").metadata
+    vae = check_evaluation(config, metadata, ["image_latents_256", "caption_latents", "caption"])
+    assert vae == evaluated["sd"]  # the VAE data.val records
+    checkpoint = ray.train.Checkpoint.from_directory(str(evaluated["checkpoint"]))
+    checkpoint_eval._EVALUATORS.clear()
+    metrics = evaluate_checkpoint(checkpoint, config.to_dict(), run_dir, vae)
+    assert metrics["eval_samples"] == 8 and metrics["eval_s"] > 0
+    assert np.isfinite(metrics["fd_dinov2"]) and metrics["fd_dinov2"] > 0
+    assert 0 <= metrics["clip_score"] <= 100
+    written = read_evaluation(run_dir, 2)
+    assert written is not None and {k: written[k] for k in metrics} == metrics and written["step"] == 2
+
+    # The reference: data.val's first 8 rows' own images (their stored latents decoded by the same VAE), computed
+    # once and kept in the run directory.
+    references = [n for n in os.listdir(os.path.join(run_dir, EVALUATION_DIR)) if n.startswith("reference-")]
+    assert len(references) == 1
+    path = os.path.join(run_dir, EVALUATION_DIR, references[0])
+    with open(path, "rb") as f:
+        kept = FeatureStats.from_bytes(f.read())
+    table = pq.read_table(evaluated["root"] / "val" / "part-0.parquet")
+    stored = np.stack(table.column("image_latents_256").to_numpy(zero_copy_only=False)[:8]).reshape(8, 4, 16, 16)
+    images = decode(
+        evaluated["vae"], torch.from_numpy(stored.astype(np.float32)), evaluated["vae"].config.scaling_factor
+    )
+    direct = FeatureStats(32)
+    direct.add(DinoFeatures(config.eval.dinov2)(images))
+    assert kept.count == 8 and np.allclose(kept.mean, direct.mean, atol=1e-5)
+    assert frechet_distance(kept, direct) < 1e-6
+
+    # A restart's evaluator (a new process) reads the reference back instead of computing it: the same numbers.
+    mtime = os.stat(path).st_mtime_ns
+    checkpoint_eval._EVALUATORS.clear()
+    again = Evaluator(config, run_dir, vae).evaluate(str(evaluated["checkpoint"]))
+    assert os.stat(path).st_mtime_ns == mtime
+    assert again["fd_dinov2"] == pytest.approx(metrics["fd_dinov2"], rel=1e-6)
+    assert again["clip_score"] == pytest.approx(metrics["clip_score"], rel=1e-6)
+
+
+def test_an_evaluation_that_fails_writes_its_error_and_rank_0_records_it(evaluated, tmp_path, caplog):
+    broken = tmp_path / "checkpoint_000000004"
+    broken.mkdir()
+    (broken / "checkpoint.ckpt").write_bytes(b"not a checkpoint")
+    (broken / DATA_STATE_FILE).write_text(json.dumps({"step": 4}))
+    run_dir = str(tmp_path / "run")
+    checkpoint_eval._EVALUATORS.clear()
+    with pytest.raises(Exception):  # noqa: B017  # whatever torch raises on a corrupt file; Ray Train records it
+        evaluate_checkpoint(
+            ray.train.Checkpoint.from_directory(str(broken)), evaluated["config"].to_dict(), run_dir, evaluated["sd"]
+        )
+    result = read_evaluation(run_dir, 4)
+    assert result is not None and result["step"] == 4 and "error" in result
+    history = [{"step": 2.0, "loss": 1.0}, {"step": 4.0, "loss": 0.9}]
+    with caplog.at_level("WARNING", logger="sdtrain"):
+        assert merge_results(history, read_evaluations(run_dir)) == [(4, {"eval_failed": 1.0})]
+    assert history[1]["eval_failed"] == 1.0 and "evaluation of the checkpoint of step 4 failed" in caplog.text
+    assert merge_results(history, read_evaluations(run_dir)) == []  # once
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_rank_0_keeps_one_evaluation_in_flight_and_skips_checkpoints_due_meanwhile(tmp_path):
+    config = tiny_config(
+        "data.train=[t]",
+        "data.val=[v]",
+        "eval.dinov2=d",
+        "checkpoint.every_n_steps=10",
+        "eval.every_n_checkpoints=2",
+        "eval.timeout_s=60",
+    )
+    run_dir = str(tmp_path / "run")
+    clock = Clock()
+    evaluations = CheckpointEvaluations(config, run_dir, clock)
+    history: list[dict] = []
+    assert evaluations.started(history) == [] and evaluations.pending is None
+    assert not evaluations.due(10, final=False)  # every 2nd checkpoint: steps 20, 40, ...
+    assert evaluations.due(20, final=False) and evaluations.pending == (20, 0.0)
+    history.append({"step": 20.0, "evaluation_asked": 1.0})
+    assert not evaluations.due(40, final=False) and evaluations.skipped == 1  # 20's still runs: 40 is skipped
+    assert evaluations.collect(history) == []
+    checkpoint_eval.write_evaluation(run_dir, 20, {"step": 20, "fd_dinov2": 3.5, "eval_s": 7.0, "time": 0})
+    assert evaluations.collect(history) == [(20, {"fd_dinov2": 3.5, "eval_s": 7.0})]
+    assert history[0]["fd_dinov2"] == 3.5 and evaluations.pending is None
+    # The final checkpoint is always asked for, behind one in flight; one that never answers stops blocking after
+    # eval.timeout_s.
+    assert evaluations.due(60, final=False) and evaluations.pending == (60, 0.0)
+    history.append({"step": 60.0, "evaluation_asked": 1.0})
+    assert evaluations.due(65, final=True) and evaluations.skipped == 1 and evaluations.pending == (65, 0.0)
+    history.append({"step": 65.0, "evaluation_asked": 1.0})
+    clock.now = 61.0
+    assert evaluations.collect(history) == [] and evaluations.pending is None
+
+    # A restart from the checkpoint of step 65: results written meanwhile for rows without them are merged; an
+    # evaluation asked for and not finished (Ray Train runs it again) is in flight.
+    checkpoint_eval.write_evaluation(run_dir, 65, {"step": 65, "fd_dinov2": 2.0, "eval_s": 5.0, "time": 0})
+    resumed = [
+        {"step": 20.0, "evaluation_asked": 1.0},
+        {"step": 60.0, "evaluation_asked": 1.0},
+        {"step": 65.0, "evaluation_asked": 1.0, "evaluations_skipped": 1},
+    ]
+    again = CheckpointEvaluations(config, run_dir, clock)
+    assert again.started(resumed) == [(20, {"fd_dinov2": 3.5, "eval_s": 7.0}), (65, {"fd_dinov2": 2.0, "eval_s": 5.0})]
+    assert again.skipped == 1 and again.pending == (60, 61.0)
+
+
+def test_an_unevaluated_checkpoint_ranks_last_for_ray_train():
+    assert unevaluated_score("fd_dinov2") == {"fd_dinov2": float("inf")}
+    assert unevaluated_score("clip_score") == {"clip_score": float("-inf")}
+    assert unevaluated_score("val_loss") == {} and unevaluated_score(None) == {}
+
+
+def test_eval_is_refused_before_ray_when_something_it_needs_is_missing(evaluated, tmp_path):
+    with pytest.raises(ConfigError, match="eval: evaluating checkpoints needs data.val"):
+        tiny_config("data.train=[t]", "eval.dinov2=/models/dinov2")
+    with pytest.raises(ConfigError, match="checkpoint.score_attribute: clip_score needs eval.clip"):
+        tiny_config(
+            "data.train=[t]", "data.val=[v]", "eval.dinov2=/models/dinov2", "checkpoint.score_attribute=clip_score"
+        )
+    with pytest.raises(ConfigError, match="retrain.metric: clip_score needs eval.clip"):
+        tiny_config("data.train=[t]", "data.val=[v]", "eval.dinov2=/models/dinov2", "retrain.metric=clip_score")
+    with pytest.raises(ConfigError, match="eval.num_samples: must be >= 2 for fd_dinov2"):
+        tiny_config("data.train=[t]", "data.val=[v]", "eval.dinov2=/models/dinov2", "eval.num_samples=1")
+    config = evaluated["config"]
+    columns = ["image_latents_256", "caption_latents", "caption"]
+    with pytest.raises(ConfigError, match=r"eval.vae: data.val's files record no VAE"):
+        check_evaluation(config, {}, columns)
+    with pytest.raises(ConfigError, match=r"eval.text_column: data.val has no column 'caption'.*caption_latents"):
+        check_evaluation(config, {VAE_SOURCE.encode(): evaluated["sd"].encode()}, columns[:2])
+    (tmp_path / "empty").mkdir()
+    no_model = tiny_config(*_eval_keys(config), f"eval.dinov2={tmp_path / 'empty'}")
+    with pytest.raises(ConfigError, match=r"eval.dinov2: .*empty holds no config.json"):
+        check_evaluation(no_model, {VAE_SOURCE.encode(): evaluated["sd"].encode()}, columns)
+
+
+def _eval_keys(config) -> list[str]:
+    return [f"data.train=[{config.data.val[0]}]", f"data.val=[{config.data.val[0]}]", f"eval.clip={config.eval.clip}"]
+
+
+def test_the_retraining_gate_compares_both_models_by_fd_dinov2_on_the_same_samples(evaluated):
+    from sdtrain.artifacts.loading import load_model
+    from sdtrain.retrain import _decide, gate_scores
+
+    config = tiny_config(*_eval_keys(evaluated["config"]), *_rest(evaluated["config"]), "retrain.metric=fd_dinov2")
+    trained = load_model(str(evaluated["checkpoint"]))
+    untrained = load_model(str(evaluated["checkpoint"]))
+    torch.manual_seed(1)
+    untrained.unet = build_unet(load_config(None, ["model.preset=tiny", "data.train=[x]"]).model).eval()
+    new, production = gate_scores(config, trained, untrained)
+    assert set(new) == set(production) == {"val_loss", "fd_dinov2", "clip_score"}
+    assert new["fd_dinov2"] != production["fd_dinov2"]
+    # The same samples and reference: scoring the trained model alone gives its number again.
+    alone, none = gate_scores(config, trained, None)
+    assert alone["fd_dinov2"] == pytest.approx(new["fd_dinov2"], rel=1e-6) and none == {}
+    better, worse = sorted([new["fd_dinov2"], production["fd_dinov2"]])
+    assert _decide(better, worse, "v0001", ("v0001", worse), 0.0, "fd_dinov2") == (
+        True,
+        f"fd_dinov2 {better:.5f} <= v0001's {worse:.5f} x (1 + 0)",
+    )
+    assert _decide(worse, better, "v0001", ("v0001", better), 0.0, "fd_dinov2")[0] is False
+    # clip_score is higher the better.
+    assert _decide(30.0, 31.0, "v0001", None, 0.05, "clip_score") == (
+        True,
+        "clip_score 30.00000 >= v0001's 31.00000 x (1 - 0.05)",
+    )
+    assert _decide(29.0, 31.0, "v0001", None, 0.05, "clip_score")[0] is False
+
+
+def _rest(config) -> list[str]:
+    return [f"eval.dinov2={config.eval.dinov2}", "eval.num_samples=8", "eval.batch_size=4", "sample_grid.steps=2"]
