@@ -22,13 +22,13 @@ from sdtrain.evaluation import checkpoint_eval
 from sdtrain.evaluation.checkpoint_eval import Evaluator, evaluate_checkpoint
 from sdtrain.evaluation.checks import check_evaluation
 from sdtrain.evaluation.image_metrics import DinoFeatures, FeatureStats, frechet_distance
-from sdtrain.evaluation.results import read_evaluation, read_evaluations
+from sdtrain.evaluation.results import read_evaluation
 from sdtrain.model.encoders import encode_images, encode_prompts, load_text_encoder, load_vae
 from sdtrain.model.unet import build_unet, noise_scheduler_config, unet_config
 from sdtrain.preprocess.tiny_models import write_tiny_clip, write_tiny_dinov2, write_tiny_sd_model
 from sdtrain.sampling.images import decode
 from sdtrain.storage.run_layout import DATA_STATE_FILE, EVALUATION_DIR
-from sdtrain.train.evaluations import CheckpointEvaluations, merge_results, unevaluated_score
+from sdtrain.train.evaluations import CheckpointEvaluations, awaited_results, merge_results, unevaluated_score
 from sdtrain.train.module import DiffusionModule
 
 ROWS = 12
@@ -154,11 +154,11 @@ def test_an_evaluation_that_fails_writes_its_error_and_rank_0_records_it(evaluat
         )
     result = read_evaluation(run_dir, 4)
     assert result is not None and result["step"] == 4 and "error" in result
-    history = [{"step": 2.0, "loss": 1.0}, {"step": 4.0, "loss": 0.9}]
+    history = [{"step": 2.0, "loss": 1.0}, {"step": 4.0, "loss": 0.9, "evaluation_asked": 1.0}]
     with caplog.at_level("WARNING", logger="sdtrain"):
-        assert merge_results(history, read_evaluations(run_dir)) == [(4, {"eval_failed": 1.0})]
+        assert merge_results(history, awaited_results(run_dir, history)) == [(4, {"eval_failed": 1.0})]
     assert history[1]["eval_failed"] == 1.0 and "evaluation of the checkpoint of step 4 failed" in caplog.text
-    assert merge_results(history, read_evaluations(run_dir)) == []  # once
+    assert awaited_results(run_dir, history) == {} and merge_results(history, {4: result}) == []  # once
 
 
 class Clock:

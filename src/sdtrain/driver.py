@@ -30,7 +30,6 @@ from sdtrain.data.read_order import DataState, SamplePlan, files_digest, resume_
 from sdtrain.data.streams import WindowReader, file_order_dataset
 from sdtrain.errors import ConfigError, DataError, TrainingFailed
 from sdtrain.evaluation.checks import check_evaluation
-from sdtrain.evaluation.results import read_evaluations
 from sdtrain.model.recipe import load_unconditional_caption, stored_latent_scaling
 from sdtrain.model.token_captions import check_text_encoder
 from sdtrain.model.unet import check_unet, unet_config
@@ -42,7 +41,7 @@ from sdtrain.storage.uris import absolute
 from sdtrain.train.build import checkpoint_meta, resolve_precision
 from sdtrain.train.data_hook import PlannedStreams, committed_run, read_data_state
 from sdtrain.train.efficiency import RunTotals, run_totals
-from sdtrain.train.evaluations import merge_results
+from sdtrain.train.evaluations import awaited_results, merge_results
 from sdtrain.train.failures import StopOnDeterministicErrors, failure_message
 from sdtrain.train.memory_fit import cluster_gpu, fit_micro_batch
 from sdtrain.train.tracker_driver import check_trackers, log_evaluations, log_export, tracker_env
@@ -304,7 +303,7 @@ def finish(config: Config, result: ray.train.Result) -> RunSummary:
     history = read_history(checkpoint)
     if config.eval.enabled:
         # Evaluations that finished after their rows were saved (the final checkpoint's: Ray Train waits for it).
-        evaluated = merge_results(history, read_evaluations(uri_for(checkpoint.filesystem, result.path)))
+        evaluated = merge_results(history, awaited_results(uri_for(checkpoint.filesystem, result.path), history))
         log_evaluations(config, uri_for(checkpoint.filesystem, result.path), evaluated)
     labels = LossLabels(config.model.prediction_type, config.train.snr_gamma)
     outputs = write_run_outputs(history, checkpoint.filesystem, result.path, labels)

@@ -8,10 +8,8 @@ import json
 import posixpath
 from typing import Any
 
-import pyarrow.fs as pafs
-
-from sdtrain.storage.filesystems import filesystem_for, read_bytes, write_bytes
-from sdtrain.storage.run_layout import EVALUATION_DIR, EVALUATION_STEP, evaluation_file
+from sdtrain.storage.filesystems import read_bytes, write_bytes
+from sdtrain.storage.run_layout import EVALUATION_DIR, evaluation_file
 
 
 def write_evaluation(run_dir: str, step: int, result: dict[str, Any]) -> None:
@@ -22,15 +20,3 @@ def read_evaluation(run_dir: str, step: int) -> dict[str, Any] | None:
     """The result of the evaluation of ``step``'s checkpoint, or None while there is none."""
     data = read_bytes(posixpath.join(run_dir, EVALUATION_DIR, evaluation_file(step)))
     return json.loads(data) if data is not None else None
-
-
-def read_evaluations(run_dir: str) -> dict[int, dict[str, Any]]:
-    """Every evaluation result of the run, by step (one listing of its evaluation directory)."""
-    fs, path = filesystem_for(posixpath.join(run_dir, EVALUATION_DIR))
-    found = {}
-    for info in fs.get_file_info(pafs.FileSelector(path, allow_not_found=True)):
-        match = EVALUATION_STEP.fullmatch(posixpath.basename(info.path))
-        if match and info.type == pafs.FileType.File:
-            with fs.open_input_stream(info.path) as f:
-                found[int(match.group(1))] = json.loads(f.read())
-    return found

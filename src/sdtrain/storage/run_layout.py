@@ -35,8 +35,6 @@ def sample_grid_file(step: int) -> str:
 
 
 EVALUATION_DIR = "evaluation"
-EVALUATION_STEP = re.compile(r"step_(\d+)\.json")
-"""An evaluation's result in EVALUATION_DIR, its checkpoint's step the group."""
 
 
 def evaluation_file(step: int) -> str:

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from sdtrain.config.schema import Config
-from sdtrain.evaluation.results import read_evaluation, read_evaluations
+from sdtrain.evaluation.results import read_evaluation
 
 log = logging.getLogger("sdtrain")
 
@@ -58,7 +58,7 @@ class CheckpointEvaluations:
         group ran, or after that checkpoint) go into their rows; an evaluation asked for and not finished (Ray Train
         runs it again after a restart) is in flight. Returns the results added: (step, result)."""
         self.skipped = int(history[-1].get("evaluations_skipped", 0)) if history else 0
-        added = merge_results(history, read_evaluations(self.run_dir))
+        added = merge_results(history, awaited_results(self.run_dir, history))
         asked = [int(row["step"]) for row in history if row.get("evaluation_asked") and not _has_result(row)]
         if asked:
             self.pending = (asked[-1], self.clock())
@@ -93,6 +93,18 @@ class CheckpointEvaluations:
             return []
         self.pending = None
         return merge_results(history, {step: result})
+
+
+def awaited_results(run_dir: str, history: list[dict[str, float]]) -> dict[int, dict[str, Any]]:
+    """The results written for the rows of ``history`` that asked for an evaluation and hold none yet: one read
+    each, of those few (usually the last one or two), not of every evaluation the run ever made."""
+    found = {}
+    for row in history:
+        if row.get("evaluation_asked") and not _has_result(row):
+            result = read_evaluation(run_dir, int(row["step"]))
+            if result is not None:
+                found[int(row["step"])] = result
+    return found
 
 
 def merge_results(history: list[dict[str, float]], results: dict[int, dict[str, Any]]) -> list[tuple[int, dict]]:
