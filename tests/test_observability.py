@@ -170,12 +170,16 @@ def test_trackers_hold_each_step_once_across_a_restart(tmp_path, monkeypatch):
         for step in (6, 8):  # 6 is re-done: MLflow holds it, TensorBoard purged it
             second.log_image("samples", grid, step)
             assert second.log_metrics({"step": step, "loss": 10.0 / step}, step)
+            if step == 6:  # the checkpoint of step 4's evaluation comes in (sdtrain.train.evaluations), once
+                second.log_evaluation({"fd_dinov2": 3.0, "eval_s": 1.5}, 4)
+                second.log_evaluation({"fd_dinov2": 3.0, "eval_s": 1.5}, 4)
         second.finish("success")
-        assert read_state(str(run_dir)) == {"ids": ids, "logged_through": 8}
+        assert read_state(str(run_dir)) == {"ids": ids, "logged_through": 8, "evaluated": [4]}
 
         scalars, images = tensorboard_scalars(run_dir / TENSORBOARD_DIR)
         assert [(s, round(v, 4)) for s, v in scalars["loss"]] == [(2, 0.5), (4, 0.25), (6, 1.6667), (8, 1.25)]
         assert images == {"samples": [4, 6, 8]}
+        assert scalars["fd_dinov2"] == [(4, 3.0)]  # at the evaluated checkpoint's step
         assert (run_dir / TENSORBOARD_DIR / "hparams.yaml").read_text().count("tracked") >= 1
 
         client = mlflow.MlflowClient(uri)
@@ -187,6 +191,7 @@ def test_trackers_hold_each_step_once_across_a_restart(tmp_path, monkeypatch):
             (6, 1 / 6),
             (8, 1.25),
         ]
+        assert [(m.step, m.value) for m in client.get_metric_history(ids["mlflow"], "fd_dinov2")] == [(4, 3.0)]
         assert len(client.search_runs([run.info.experiment_id])) == 1  # the restart continued the same run
         assert run.info.status == "FINISHED"
         artifacts = [a.path for a in client.list_artifacts(ids["mlflow"], "images")]
@@ -202,6 +207,10 @@ def test_trackers_hold_each_step_once_across_a_restart(tmp_path, monkeypatch):
         (8, 1.25),
     ]
     assert [step for step, row in rows if "samples/_type" in row] == [4, 6, 8]
+    # W&B's steps only grow: the evaluation of step 4 joins the next row, saying which step it is for.
+    assert [
+        (step, int(row["evaluated_step"]), float(row["fd_dinov2"])) for step, row in rows if "fd_dinov2" in row
+    ] == [(8, 4, 3.0)]
     assert (run_dir / TRACKERS_FILE).exists()
 
 

@@ -221,7 +221,9 @@ class Trackers:
 
     def _save_state(self) -> None:
         ids = {**self.state["ids"], **{name: _run_id(name, lg) for name, lg in self.loggers.items()}}
-        state = {"ids": ids, "logged_through": self.logged_through, "evaluated": self.state.get("evaluated", [])}
+        state = {"ids": ids, "logged_through": self.logged_through}
+        if self.state.get("evaluated"):  # only a run with eval has any
+            state["evaluated"] = self.state["evaluated"]
         self._state_writer.submit(lambda: _write_state(self.run_dir, state))
 
 
