@@ -59,7 +59,8 @@ class EvalRows:
 
 
 def read_eval_rows(config: Config, latent_shape: tuple[int, ...], caption_shape: tuple[int, ...]) -> EvalRows:
-    """The first eval.num_samples rows of data.val in file order (fewer if it holds fewer), read column by column.
+    """The first eval.num_samples rows of data.val in file order (fewer if it holds fewer): their columns only, and
+    no more of a file than they need.
 
     Args:
         latent_shape: (C, H, W) of a row's latents.
@@ -79,10 +80,13 @@ def read_eval_rows(config: Config, latent_shape: tuple[int, ...], caption_shape:
                 raise DataError(
                     f"eval: data.val file {file} has no column {missing[0]!r} (columns: {parquet.schema_arrow.names})"
                 )
-            table = parquet.read(columns=columns).slice(0, want - have)
-        tables.append(table)
+            # Batch by batch, only as many rows as are still wanted: a data.val file may hold gigabytes of captions.
+            for batch in parquet.iter_batches(batch_size=min(want - have, 1024), columns=columns):
+                tables.append(pa.Table.from_batches([batch]).slice(0, want - have))
+                have += tables[-1].num_rows
+                if have >= want:
+                    break
         files.append(file)
-        have += table.num_rows
         if have >= want:
             break
     table = pa.concat_tables(tables)
