@@ -1,5 +1,5 @@
-"""The demo's class-agreement check: a nearest-class-mean digit classifier, run on the real demo
-data as written to parquet (no model, under a few seconds)."""
+"""The demo's class-agreement check: an SVC digit classifier, run on the real demo data as written to parquet (no
+model, under a few seconds)."""
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -9,7 +9,7 @@ from sdtrain.data.demo import (
     NUM_CLASSES,
     class_agreement,
     classify_digits,
-    digit_class_means,
+    digits_from_latents,
     ensure_demo_data,
     real_digits_agreement,
 )
@@ -24,10 +24,11 @@ def _read(directory):
 
 def test_real_demo_latents_agree_with_their_labels_and_shuffled_labels_do_not(tmp_path):
     ensure_demo_data(str(tmp_path / "train"), str(tmp_path / "val"), caption_dim=32)
-    for split, floor in (("train", 0.9), ("val", 0.85)):
+    for split, floor in (("train", 0.99), ("val", 0.94)):
         latents, labels = _read(tmp_path / split)
         result = class_agreement(latents, labels)
-        # The ceiling of a nearest-class-mean classifier on real handwriting: 0.91 and 0.87, not 1.
+        # Fitted on the training digits it reads them all; on the held-out ones 0.95 (a nearest class mean read 0.87
+        # of them, which left a model's samples no room to show an improvement past that).
         assert result["class_agreement"] >= floor, (split, result)
         assert result["samples"] == len(labels) and set(result["per_class"]) == set(range(NUM_CLASSES))
         shuffled = class_agreement(latents, np.random.default_rng(0).permutation(labels))
@@ -35,9 +36,14 @@ def test_real_demo_latents_agree_with_their_labels_and_shuffled_labels_do_not(tm
     assert abs(real_digits_agreement() - class_agreement(*_read(tmp_path / "val"))["class_agreement"]) < 0.01
 
 
-def test_the_classifier_reads_shape_not_contrast_and_refuses_blanks():
-    means = digit_class_means()
-    assert means.shape == (NUM_CLASSES, 16, 16)
-    assert (classify_digits(means) == np.arange(NUM_CLASSES)).all()
-    assert (classify_digits(0.2 * means) == np.arange(NUM_CLASSES)).all()  # a faint digit is still that digit
-    assert (classify_digits(np.stack([np.zeros((16, 16)), np.full((16, 16), 30.0)])) == -1).all()  # blank, saturated
+def test_the_classifier_reads_the_digits_as_the_demo_decodes_them_and_refuses_blanks(tmp_path):
+    ensure_demo_data(str(tmp_path / "train"), str(tmp_path / "val"), caption_dim=32)
+    latents, labels = _read(tmp_path / "val")
+    images = digits_from_latents(latents)  # 16x16, each 8x8 pixel a 2x2 block, 0..16 up to float16 rounding
+    assert images.shape == (len(labels), 16, 16) and abs(images.max() - 16) < 0.1 and abs(images.min()) < 0.1
+    # What decides is the shape: noise of a tenth of the ink's range leaves the reading of almost every digit as it
+    # was, a blank image (or one saturated everywhere) is no digit at all.
+    noisy = images + np.random.default_rng(0).normal(0, 1.6, images.shape)
+    assert (classify_digits(noisy) == classify_digits(images)).mean() > 0.9
+    assert (classify_digits(np.stack([np.zeros((16, 16)), np.full((16, 16), 30.0)])) == -1).all()
+    assert len(classify_digits(np.zeros((0, 16, 16)))) == 0

@@ -54,33 +54,33 @@ def digits_from_latents(latents: np.ndarray) -> np.ndarray:
     return (up + 1.0) * 8.0
 
 
-def digit_class_means() -> np.ndarray:
-    """(10, 16, 16): the mean image of each digit over the demo's training split, at the size
-    ``digits_from_latents`` returns (each 8x8 pixel as a 2x2 block; the training latents decode to
-    exactly these images, up to their float16 rounding)."""
-    images, labels = _split("train")
-    up = _upsampled(images)
-    return np.stack([up[labels == c].mean(axis=0) for c in range(NUM_CLASSES)])
-
-
 def classify_digits(images: np.ndarray) -> np.ndarray:
-    """Nearest class mean: (N, 16, 16) digit images (ink high, 0..16, as ``digits_from_latents``
-    returns) -> (N,) predicted digit, or -1 for a blank image (no variation, so no shape).
+    """(N, 16, 16) digit images (ink high, 0..16, as ``digits_from_latents`` returns) -> (N,) predicted digit, or -1
+    for a blank image (no variation, so no shape).
 
-    Each image is clipped to 0..16 (what the preview shows), then compared with each class mean by
-    correlation (cosine of the mean-centred pixels), so a faint digit of the right shape counts as
-    that digit: it measures which digit a sample looks like, not its contrast. Its agreement with
-    the true labels of the real digits (``real_digits_agreement``) is the ceiling a model's samples
-    can reach with so simple a classifier; shuffled labels give chance, 10%.
+    Each image is clipped to 0..16 (what the preview shows) and averaged over its 2x2 blocks back to the 8x8 of the
+    real digits, then read by an RBF support vector classifier fitted on the demo's training digits. It reads 0.95 of
+    the real validation digits as their digit (``real_digits_agreement``): the ceiling a model's samples can reach.
     """
-    x = np.clip(np.asarray(images, dtype=np.float64), 0, 16).reshape(len(images), -1)
-    x = x - x.mean(axis=1, keepdims=True)
-    norms = np.linalg.norm(x, axis=1)
-    means = digit_class_means().reshape(NUM_CLASSES, -1)
-    means = means - means.mean(axis=1, keepdims=True)
-    means /= np.linalg.norm(means, axis=1, keepdims=True)
-    predicted = np.argmax(x @ means.T, axis=1)
-    return np.where(norms > 1e-6 * x.shape[1], predicted, -1)
+    x = np.clip(np.asarray(images, dtype=np.float64), 0, 16)
+    small = x.reshape(len(x), 8, 2, 8, 2).mean(axis=(2, 4)).reshape(len(x), 64)
+    predicted = _digit_classifier().predict(small) if len(x) else np.zeros(0, dtype=np.int64)
+    return np.where(small.std(axis=1) > 1e-6, predicted, -1)
+
+
+@functools.lru_cache(maxsize=1)
+def _digit_classifier():
+    """scikit-learn's digits classifier (SVC, RBF kernel, gamma 0.001) fitted on the demo's training split (a
+    fraction of a second). A nearest-class-mean classifier reads only 0.87 of the real digits and cannot see a
+    model's samples improve past that."""
+    try:
+        from sklearn.svm import SVC
+    except ImportError:
+        raise ImportError(
+            "the digits demo's class agreement needs scikit-learn: pip install 'sdtrain[preprocess]'"
+        ) from None
+    images, labels = _split("train")
+    return SVC(gamma=0.001).fit(images.reshape(len(images), -1).astype(np.float64), labels)
 
 
 def class_agreement(latents: np.ndarray, labels) -> dict:
@@ -118,7 +118,8 @@ _SPLITS = {"train": lambda n: slice(0, n - VAL_ROWS), "val": lambda n: slice(n -
 
 
 def _upsampled(images: np.ndarray) -> np.ndarray:
-    """(N, 8, 8) -> (N, 16, 16), each pixel a 2x2 block: what the training latents decode to."""
+    """(N, 8, 8) -> (N, 16, 16), each pixel a 2x2 block: what the training latents decode to (up to their float16
+    rounding)."""
     return np.kron(images.astype(np.float64), np.ones((2, 2)))
 
 

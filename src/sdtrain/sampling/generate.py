@@ -149,7 +149,7 @@ def generate(request: GenerateRequest) -> list[str]:
         request.results.append(
             f"class agreement {accuracy['class_agreement']:.2f}: {accuracy['agreeing']} of "
             f"{accuracy['samples']} samples "
-            f"look like the digit they were conditioned on (nearest class mean; chance 0.10, real digits "
+            f"look like the digit they were conditioned on (an SVC of the training digits; chance 0.10, real digits "
             f"{accuracy['real_digits']:.2f})"
         )
 
