@@ -198,7 +198,8 @@ def test_batch_layout_keeps_the_global_batch_at_every_world_size():
         ),
         (
             ["checkpoint.score_attribute=accuracy"],
-            r"checkpoint\.score_attribute: expected val_loss \| loss \| fd_dinov2 \| clip_score \| null",
+            r"checkpoint\.score_attribute: expected val_loss \| loss \| fd_dinov2 \| fd_inception \| clip_score \| "
+            r"class_agreement \| null",
         ),
         (["checkpoint.score_attribute=val_loss"], r"checkpoint\.score_attribute: val_loss needs data\.val"),
         (

@@ -88,7 +88,7 @@ def test_retrain_entrypoint_checks_its_input_before_anything_runs(tmp_path):
 
 @pytest.mark.timeout(600)
 @pytest.mark.slow
-def test_the_demo_survives_a_killed_driver_and_the_loss_falls(tmp_path):
+def test_the_demo_survives_a_killed_driver_and_the_loss_falls(tmp_path, monkeypatch):
     """The README's demo command, shortened to 40 steps (everything else is configs/demo.yaml).
     Once a checkpoint is committed, SIGKILL the driver and the local Ray it started (as when a
     job's head node dies); the same command again resumes from it, ends at max_steps, and the
@@ -107,6 +107,7 @@ def test_the_demo_survives_a_killed_driver_and_the_loss_falls(tmp_path):
         "run.gpu_hour_cost=1.5",  # a CPU worker's hour, priced: the cost is shown, MFU is not
     ]
     args += ["sample_grid.columns=2", "sample_grid.steps=4"]  # a grid at each checkpoint: 16 s each at the demo's size
+    args += ["eval.num_samples=20"]  # each checkpoint's class agreement, evaluated beside training, on 20 val digits
     env = {**os.environ, "RAY_ADDRESS": "local", **CHECKOUT}
     driver = subprocess.Popen(
         TRAIN + args, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
@@ -156,13 +157,22 @@ def test_the_demo_survives_a_killed_driver_and_the_loss_falls(tmp_path):
     assert [row["start_step"] for row in history if row["step"] > resumed_from] == [resumed_from] * (
         (40 - resumed_from) // 10
     )
-    # A sample grid with each checkpoint, and for the demo its class agreement: a curve over steps.
-    agreement = [row.get("sample_class_agreement") for row in history]
-    assert all(value is not None and 0 <= value <= 1 for value in agreement), agreement
     assert all((run_dir / "samples" / f"step_{step}.png").is_file() for step in (10, 20, 30, 40))
     with open(run_dir / "metrics.csv") as f:
-        losses = [float(row["loss"]) for row in csv.DictReader(f)]
+        rows = list(csv.DictReader(f))
+    losses = [float(row["loss"]) for row in rows]
     assert len(losses) == 4 and losses[-1] < 0.7 * losses[0], losses
+    # The demo's class agreement, evaluated off the training ranks at least for the final checkpoint, lands at its
+    # step; an evaluation of that checkpoint in this process, from the same rows and noise, reads the same samples.
+    agreement = {int(row["step"]): float(row["class_agreement"]) for row in rows if row.get("class_agreement")}
+    assert 40 in agreement and all(0 <= value <= 1 for value in agreement.values()), agreement
+    from sdtrain.config.loader import load_config
+    from sdtrain.evaluation.checkpoint_eval import Evaluator
+
+    monkeypatch.chdir(tmp_path)  # configs/demo.yaml's data paths are relative to where the run started
+    config = load_config(str(REPO / "configs" / "demo.yaml"), args)
+    again = Evaluator(config, None, None).evaluate(str(run_dir / "checkpoint_000000040"))
+    assert again["class_agreement"] == agreement[40] and again["eval_samples"] == 20
     assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE for pid in started)
 
     # The README's next command, as written (a relative run directory), at a token size: a row per

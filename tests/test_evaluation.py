@@ -17,15 +17,15 @@ from conftest import tiny_config
 from sdtrain.artifacts.checkpoint_format import CheckpointMeta
 from sdtrain.config.loader import load_config
 from sdtrain.data.metadata import LATENT_SCALING_FACTOR, VAE_SOURCE
-from sdtrain.errors import ConfigError
+from sdtrain.errors import ConfigError, DataError
 from sdtrain.evaluation import checkpoint_eval
 from sdtrain.evaluation.checkpoint_eval import Evaluator, evaluate_checkpoint
 from sdtrain.evaluation.checks import check_evaluation
-from sdtrain.evaluation.image_metrics import DinoFeatures, FeatureStats, frechet_distance
+from sdtrain.evaluation.image_metrics import DinoFeatures, FeatureStats, InceptionFeatures, frechet_distance
 from sdtrain.evaluation.results import read_evaluation
 from sdtrain.model.encoders import encode_images, encode_prompts, load_text_encoder, load_vae
 from sdtrain.model.unet import build_unet, noise_scheduler_config, unet_config
-from sdtrain.preprocess.tiny_models import write_tiny_clip, write_tiny_dinov2, write_tiny_sd_model
+from sdtrain.preprocess.tiny_models import write_tiny_clip, write_tiny_dinov2, write_tiny_inception, write_tiny_sd_model
 from sdtrain.sampling.images import decode
 from sdtrain.storage.run_layout import DATA_STATE_FILE, EVALUATION_DIR
 from sdtrain.train.evaluations import CheckpointEvaluations, awaited_results, merge_results, unevaluated_score
@@ -92,6 +92,7 @@ def evaluated(tmp_path_factory):
         f"data.train=[{root / 'val'}]",
         f"eval.dinov2={write_tiny_dinov2(str(root / 'dinov2'))}",
         f"eval.clip={write_tiny_clip(str(root / 'clip'))}",
+        f"eval.inception={write_tiny_inception(str(root / 'inception.pt'))}",
         "eval.num_samples=8",
         "eval.batch_size=4",
         "sample_grid.steps=2",
@@ -111,33 +112,45 @@ def test_a_checkpoint_is_evaluated_against_reference_statistics_kept_in_the_run(
     metrics = evaluate_checkpoint(checkpoint, config.to_dict(), run_dir, vae)
     assert metrics["eval_samples"] == 8 and metrics["eval_s"] > 0
     assert np.isfinite(metrics["fd_dinov2"]) and metrics["fd_dinov2"] > 0
+    assert np.isfinite(metrics["fd_inception"]) and metrics["fd_inception"] > 0
     assert 0 <= metrics["clip_score"] <= 100
     written = read_evaluation(run_dir, 2)
     assert written is not None and {k: written[k] for k in metrics} == metrics and written["step"] == 2
 
-    # The reference: data.val's first 8 rows' own images (their stored latents decoded by the same VAE), computed
-    # once and kept in the run directory.
+    # The references: data.val's first 8 rows' own images (their stored latents decoded by the same VAE) in each
+    # feature model's features, computed once and kept in the run directory.
     references = [n for n in os.listdir(os.path.join(run_dir, EVALUATION_DIR)) if n.startswith("reference-")]
-    assert len(references) == 1
-    path = os.path.join(run_dir, EVALUATION_DIR, references[0])
-    with open(path, "rb") as f:
-        kept = FeatureStats.from_bytes(f.read())
+    evaluator = checkpoint_eval._EVALUATORS[run_dir]
+    keys = {metric: evaluator.reference_key(metric) for metric in ("fd_dinov2", "fd_inception")}
+    assert (
+        sorted(references) == sorted(f"reference-{key}.npz" for key in keys.values()) and len(set(keys.values())) == 2
+    )
+    kept = {}
+    for metric, key in keys.items():
+        with open(os.path.join(run_dir, EVALUATION_DIR, f"reference-{key}.npz"), "rb") as f:
+            kept[metric] = FeatureStats.from_bytes(f.read())
     table = pq.read_table(evaluated["root"] / "val" / "part-0.parquet")
     stored = np.stack(table.column("image_latents_256").to_numpy(zero_copy_only=False)[:8]).reshape(8, 4, 16, 16)
     images = decode(
         evaluated["vae"], torch.from_numpy(stored.astype(np.float32)), evaluated["vae"].config.scaling_factor
     )
-    direct = FeatureStats(32)
-    direct.add(DinoFeatures(config.eval.dinov2)(images))
-    assert kept.count == 8 and np.allclose(kept.mean, direct.mean, atol=1e-5)
-    assert frechet_distance(kept, direct) < 1e-6
+    for metric, features in (
+        ("fd_dinov2", DinoFeatures(config.eval.dinov2)),
+        ("fd_inception", InceptionFeatures(config.eval.inception)),
+    ):
+        direct = FeatureStats(features.dim)
+        direct.add(features(images))
+        assert kept[metric].count == 8 and np.allclose(kept[metric].mean, direct.mean, atol=1e-5), metric
+        assert frechet_distance(kept[metric], direct) < 1e-6, metric
 
-    # A restart's evaluator (a new process) reads the reference back instead of computing it: the same numbers.
+    # A restart's evaluator (a new process) reads the references back instead of computing them: the same numbers.
+    path = os.path.join(run_dir, EVALUATION_DIR, f"reference-{keys['fd_inception']}.npz")
     mtime = os.stat(path).st_mtime_ns
     checkpoint_eval._EVALUATORS.clear()
     again = Evaluator(config, run_dir, vae).evaluate(str(evaluated["checkpoint"]))
     assert os.stat(path).st_mtime_ns == mtime
     assert again["fd_dinov2"] == pytest.approx(metrics["fd_dinov2"], rel=1e-6)
+    assert again["fd_inception"] == pytest.approx(metrics["fd_inception"], rel=1e-6)
     assert again["clip_score"] == pytest.approx(metrics["clip_score"], rel=1e-6)
 
 
@@ -216,6 +229,8 @@ def test_rank_0_keeps_one_evaluation_in_flight_and_skips_checkpoints_due_meanwhi
 def test_an_unevaluated_checkpoint_ranks_last_for_ray_train():
     assert unevaluated_score("fd_dinov2") == {"fd_dinov2": float("inf")}
     assert unevaluated_score("clip_score") == {"clip_score": float("-inf")}
+    assert unevaluated_score("fd_inception") == {"fd_inception": float("inf")}
+    assert unevaluated_score("class_agreement") == {"class_agreement": float("-inf")}
     assert unevaluated_score("val_loss") == {} and unevaluated_score(None) == {}
 
 
@@ -240,6 +255,22 @@ def test_eval_is_refused_before_ray_when_something_it_needs_is_missing(evaluated
     no_model = tiny_config(*_eval_keys(config), f"eval.dinov2={tmp_path / 'empty'}")
     with pytest.raises(ConfigError, match=r"eval.dinov2: .*empty holds no config.json"):
         check_evaluation(no_model, {VAE_SOURCE.encode(): evaluated["sd"].encode()}, columns)
+    missing = tiny_config(*_eval_keys(config), f"eval.inception={tmp_path / 'inception.pt'}")
+    with pytest.raises(ConfigError, match=r"eval.inception: .*inception.pt is not a file \(FID's Inception network"):
+        check_evaluation(missing, {VAE_SOURCE.encode(): evaluated["sd"].encode()}, columns)
+    (tmp_path / "inception.pt").write_bytes(b"not torchscript")
+    with pytest.raises(DataError, match=r"the Inception feature extractor .*inception.pt is not a TorchScript file"):
+        InceptionFeatures(str(tmp_path / "inception.pt"))
+    with pytest.raises(ConfigError, match="checkpoint.score_attribute: fd_inception needs eval.inception"):
+        tiny_config(*_eval_keys(config), "checkpoint.score_attribute=fd_inception")
+    # The demo's class agreement: the demo's data only, with its label column; it decodes nothing, so needs no VAE.
+    with pytest.raises(ConfigError, match="eval.class_agreement: measures the digits demo"):
+        tiny_config("data.train=[t]", "data.val=[v]", "eval.class_agreement=true")
+    demo = tiny_config("data.train=[t]", "data.val=[v]", "data.demo=true", "eval.class_agreement=true")
+    assert demo.eval.enabled and demo.eval.metrics == ["class_agreement"] and not demo.eval.needs_vae
+    with pytest.raises(ConfigError, match=r"eval.class_agreement: data.val has no column 'label'.*caption_latents"):
+        check_evaluation(demo, {}, columns[:2])
+    assert check_evaluation(demo, {}, [*columns[:2], "label"]) is None
 
 
 def _eval_keys(config) -> list[str]:

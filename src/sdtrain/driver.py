@@ -21,6 +21,7 @@ from ray.train.torch import TorchTrainer
 
 from sdtrain.artifacts.export import export_checkpoint, export_source
 from sdtrain.artifacts.run_outputs import LossLabels, read_history, write_run_outputs
+from sdtrain.config.running import HIGHER_IS_BETTER
 from sdtrain.config.schema import Config, ScalingConfig
 from sdtrain.data.dataset_index import IndexedDataset, index_dataset, run_index_uri, write_index
 from sdtrain.data.demo import ensure_demo_data
@@ -99,7 +100,8 @@ class CheckedRun:
     """Ray Train's record of the run's latest committed checkpoint, read once; None for a fresh run."""
     resume_step: int = 0
     eval_vae: str | None = None
-    """With eval: the VAE that decodes latents for the evaluations (eval.vae, else the one data.val records)."""
+    """With eval: the VAE that decodes latents for the evaluations (eval.vae, else the one data.val records); None
+    when no metric needs images (the demo's class agreement)."""
 
     @property
     def finished(self) -> bool:
@@ -239,7 +241,7 @@ def build_trainer(run: CheckedRun, launched_at: float) -> TorchTrainer:
         datasets=datasets,
         dataset_config=PlannedStreams(WindowReader(run.train, config.data, run.plan), run.run_dir, config),
         # With eval, Ray Train evaluates the checkpoints rank 0 asks for, once committed, in a task of their own.
-        validation_config=_validation_config(config, run.run_dir, run.eval_vae) if run.eval_vae else None,
+        validation_config=_validation_config(config, run.run_dir, run.eval_vae) if config.eval.enabled else None,
     )
 
 
@@ -257,7 +259,7 @@ def _ray_run_config(config: Config) -> ray.train.RunConfig:
         checkpoint_config=ray.train.CheckpointConfig(
             num_to_keep=config.checkpoint.num_to_keep,
             checkpoint_score_attribute=config.checkpoint.score_attribute,
-            checkpoint_score_order="max" if config.checkpoint.score_attribute == "clip_score" else "min",
+            checkpoint_score_order="max" if config.checkpoint.score_attribute in HIGHER_IS_BETTER else "min",
         ),
         # The two ignores: ray/train/__init__.py imports Ray Train v1's RunConfig and then, when v2 is
         # enabled (the default, and what runs), v2's over it; mypy keeps the first, which lacks
@@ -268,7 +270,7 @@ def _ray_run_config(config: Config) -> ray.train.RunConfig:
     )
 
 
-def _validation_config(config: Config, run_dir: str, vae: str) -> ray.train.ValidationConfig:
+def _validation_config(config: Config, run_dir: str, vae: str | None) -> ray.train.ValidationConfig:
     """Ray Train's evaluation of committed checkpoints (sdtrain.evaluation.checkpoint_eval) in a task with eval's
     resources; one still running after eval.timeout_s is cancelled."""
     from sdtrain.evaluation.checkpoint_eval import evaluate_checkpoint

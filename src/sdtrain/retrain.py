@@ -28,6 +28,7 @@ from sdtrain import __version__
 from sdtrain.artifacts.loading import LoadedModel, load_model
 from sdtrain.artifacts.provenance import code_version
 from sdtrain.artifacts.registry import ModelRegistry, PointerMoved, RegistryLock
+from sdtrain.config.running import HIGHER_IS_BETTER
 from sdtrain.config.schema import Config
 from sdtrain.data.local_read import iter_local_batches
 from sdtrain.data.parquet_files import resolve_parquet_files
@@ -317,8 +318,9 @@ def gate_scores(config: Config, new: LoadedModel, production: LoadedModel | None
     return scores[0], scores[1] if production is not None else {}
 
 
-def _eval_vae(config: Config) -> str:
-    """The VAE evaluations decode with (sdtrain.evaluation.checks: eval.vae, else the one data.val records)."""
+def _eval_vae(config: Config) -> str | None:
+    """The VAE evaluations decode with (sdtrain.evaluation.checks: eval.vae, else the one data.val records; None when
+    no metric needs images)."""
     import pyarrow.parquet as pq
 
     from sdtrain.evaluation.checks import check_evaluation
@@ -358,11 +360,11 @@ def _best_served(
         if differ:
             not_compared.append(f"{version}'s {value:.5f} was measured with " + " and ".join(differ))
             continue
-        scored.append((-value if metric == "clip_score" else value, version))
+        scored.append((-value if metric in HIGHER_IS_BETTER else value, version))
     if not scored:
         return None, not_compared
     key, version = min(scored)
-    return (version, -key if metric == "clip_score" else key), not_compared
+    return (version, -key if metric in HIGHER_IS_BETTER else key), not_compared
 
 
 @functools.lru_cache(maxsize=1)
@@ -396,7 +398,7 @@ def _decide(
 ) -> tuple[bool, str]:
     """Promote within ``tolerance`` of production and of the best model production ever named: a gate on
     production alone would let each promotion drift up to (1 + tolerance) worse than the last. ``metric``: what the
-    values are (clip_score is higher the better, the others lower)."""
+    values are (clip_score and class_agreement are higher the better, the others lower)."""
     if not math.isfinite(new_loss):
         return False, f"the new model's {metric} is {new_loss}: training diverged"
     if production_loss is None:
@@ -404,7 +406,7 @@ def _decide(
     gates = [(production, production_loss)]
     if best is not None and best[0] != production:
         gates.append(best)
-    higher = metric == "clip_score"
+    higher = metric in HIGHER_IS_BETTER
     verdicts = []
     for name, loss in gates:
         if higher:

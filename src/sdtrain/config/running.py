@@ -16,6 +16,16 @@ from sdtrain.config.coercion import Section
 from sdtrain.config.secrets import refuse_userinfo
 from sdtrain.storage.s3 import DEFAULT_MAX_ATTEMPTS
 
+EVAL_METRICS = {
+    "fd_dinov2": "dinov2",
+    "fd_inception": "inception",
+    "clip_score": "clip",
+    "class_agreement": "class_agreement",
+}
+"""Each metric an evaluation can report, and the eval key that turns it on."""
+HIGHER_IS_BETTER = ("clip_score", "class_agreement")
+"""The eval metrics whose higher values are better (the Frechet distances are better lower)."""
+
 
 @dataclass
 class ScalingConfig(Section):
@@ -110,10 +120,12 @@ class CheckpointConfig(Section):
     """Report a checkpoint every this many optimizer steps, and always at the end."""
     num_to_keep: int | None = 3
     """Checkpoints to keep (the newest); null keeps all."""
-    score_attribute: Literal["val_loss", "loss", "fd_dinov2", "clip_score"] | None = None
-    """Keep the checkpoint.num_to_keep checkpoints with the best value of this metric (the lowest; clip_score's highest)
-    plus the latest, which a resume starts from, instead of the newest; null = the newest. fd_dinov2 and clip_score
-    come from eval: a checkpoint waiting for its evaluation is kept, one never evaluated ranks last."""
+    score_attribute: (
+        Literal["val_loss", "loss", "fd_dinov2", "fd_inception", "clip_score", "class_agreement"] | None
+    ) = None
+    """Keep the checkpoint.num_to_keep checkpoints with the best value of this metric (the lowest; clip_score's and
+    class_agreement's highest) plus the latest, which a resume starts from, instead of the newest; null = the newest.
+    The eval metrics come from eval: a checkpoint waiting for its evaluation is kept, one never evaluated ranks last."""
     upload: Literal["async", "sync"] = "async"
     """async: training goes on while Ray Train uploads a checkpoint to run.storage_path (committed, and older ones
     pruned, once it is all there); sync: wait for the upload. The wait shows in the metric checkpoint_stall_s."""
@@ -172,12 +184,20 @@ class EvalConfig(Section):
     """A DINOv2 model (transformers Dinov2Model: local directory, s3:// URI or hub id): the Frechet distance of its
     features between images sampled from each evaluated checkpoint and data.val's own images is the metric fd_dinov2;
     null = not measured."""
+    inception: str | None = None
+    """FID's Inception network as a TorchScript file (inception-2015-12-05.pt, as StyleGAN3 and clean-fid use it:
+    local path or s3:// URI): the Frechet distance of its features, as for eval.dinov2, is the metric fd_inception;
+    null = not measured."""
     clip: str | None = None
     """A CLIP model (transformers CLIPModel with its tokenizer, in one directory, s3:// URI or hub id) scoring each
     sampled image against its caption's text (metric clip_score, 0-100); needs eval.text_column in data.val; null = not
     measured."""
     text_column: str = "caption"
     """data.val's column of caption texts, for clip_score (preprocessing keeps it)."""
+    class_agreement: bool = False
+    """The digits demo (data.demo): the share of sampled images that a digit classifier (an SVC fitted on the demo's
+    training digits; it reads 0.95 of the real validation digits) reads as the digit of their caption (metric
+    class_agreement, chance 0.1; data.val's label column). The demo's latents are digits themselves: no VAE."""
     vae: str | None = None
     """The VAE that decodes sampled and data.val's latents into images (a Stable Diffusion model or its vae/); null =
     the one data.val's files record (preprocessing's sdtrain.vae_source)."""
@@ -198,19 +218,25 @@ class EvalConfig(Section):
 
     @property
     def enabled(self) -> bool:
-        return self.dinov2 is not None or self.clip is not None
+        return bool(self.metrics)
 
     @property
     def metrics(self) -> list[str]:
         """The metrics each evaluation reports."""
-        return [name for name, model in (("fd_dinov2", self.dinov2), ("clip_score", self.clip)) if model is not None]
+        return [metric for metric, key in EVAL_METRICS.items() if getattr(self, key)]
+
+    @property
+    def needs_vae(self) -> bool:
+        """Whether evaluations decode latents into images (every metric but the demo's class agreement)."""
+        return any(metric != "class_agreement" for metric in self.metrics)
 
     def __post_init__(self):
         for key in ("num_samples", "every_n_checkpoints", "batch_size"):
             if getattr(self, key) < 1:
                 self._fail(key, f"must be >= 1, got {getattr(self, key)}")
-        if self.dinov2 is not None and self.num_samples < 2:
-            self._fail("num_samples", f"must be >= 2 for fd_dinov2 (a covariance), got {self.num_samples}")
+        for metric in ("fd_dinov2", "fd_inception"):
+            if metric in self.metrics and self.num_samples < 2:
+                self._fail("num_samples", f"must be >= 2 for {metric} (a covariance), got {self.num_samples}")
         if self.num_cpus < 0 or self.num_gpus < 0:
             self._fail("num_cpus" if self.num_cpus < 0 else "num_gpus", "must be >= 0")
         if not self.timeout_s > 0:
@@ -304,12 +330,12 @@ class RetrainConfig(Section):
     from."""
     models_root: str | None = None
     """Where retraining keeps model versions (versions/vNNNN/) and the production pointer (production.json)."""
-    metric: Literal["val_loss", "fd_dinov2", "clip_score"] = "val_loss"
+    metric: Literal["val_loss", "fd_dinov2", "fd_inception", "clip_score", "class_agreement"] = "val_loss"
     """What the gate compares: the held-out val_loss, or an eval metric of both models' samples (the same data.val
-    captions and seeds: eval.dinov2 or eval.clip required). Every measured metric is recorded in the manifest."""
+    captions and seeds; the eval key that measures it required). Every measured metric is recorded in the manifest."""
     tolerance: float = 0.0
-    """Promote a retrained model if its retrain.metric <= the production model's x (1 + tolerance) (clip_score: >=
-    x (1 - tolerance))."""
+    """Promote a retrained model if its retrain.metric <= the production model's x (1 + tolerance) (clip_score and
+    class_agreement: >= x (1 - tolerance))."""
     date: str | None = None
     """Schedule date (YYYY-MM-DD) a retrain run is for: it takes partitions up to it, once; null = in an Anyscale job,
     the UTC date of the job's first attempt (its retries keep it, even after midnight), else today (UTC)."""

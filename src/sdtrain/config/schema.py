@@ -16,6 +16,7 @@ from typing import ClassVar
 from sdtrain.config.coercion import ConfigTree, Section
 from sdtrain.config.learning import PRESETS, DataConfig, ModelConfig, TrainConfig
 from sdtrain.config.running import (
+    EVAL_METRICS,
     CheckpointConfig,
     EvalConfig,
     ExportConfig,
@@ -150,16 +151,17 @@ class Config(ConfigTree):
                 )
         if self.eval.enabled and not self.data.val:
             raise ConfigError("eval: evaluating checkpoints needs data.val (its captions and images are the reference)")
-        if self.retrain.metric != "val_loss" and self.retrain.metric not in self.eval.metrics:
-            model = "eval.dinov2" if self.retrain.metric == "fd_dinov2" else "eval.clip"
-            raise ConfigError(f"retrain.metric: {self.retrain.metric} needs {model}, the model that measures it")
-        if self.checkpoint.score_attribute in ("fd_dinov2", "clip_score"):
-            if self.checkpoint.score_attribute not in self.eval.metrics:
-                model = "eval.dinov2" if self.checkpoint.score_attribute == "fd_dinov2" else "eval.clip"
-                raise ConfigError(
-                    f"checkpoint.score_attribute: {self.checkpoint.score_attribute} needs {model}, the model that "
-                    "measures it"
-                )
+        if self.eval.class_agreement and not self.data.demo:
+            raise ConfigError(
+                "eval.class_agreement: measures the digits demo (data.demo: true), whose latents are digits; this data "
+                "is not the demo"
+            )
+        for key, metric in (
+            ("retrain.metric", self.retrain.metric),
+            ("checkpoint.score_attribute", self.checkpoint.score_attribute),
+        ):
+            if metric in EVAL_METRICS and metric not in self.eval.metrics:
+                raise ConfigError(f"{key}: {metric} needs eval.{EVAL_METRICS[metric]}, which measures it")
         for world_size in range(self.scaling.min_workers, self.scaling.max_workers + 1):
             self.batch_layout(world_size)
 
@@ -196,7 +198,8 @@ class Config(ConfigTree):
         if self.data.unconditional_caption != "zeros":
             named.append(("data.unconditional_caption", self.data.unconditional_caption))
         named += [("model.pretrained", self.model.pretrained), ("run.storage_path", self.run.storage_path)]
-        named += [("eval.dinov2", self.eval.dinov2), ("eval.clip", self.eval.clip), ("eval.vae", self.eval.vae)]
+        named += [("eval.dinov2", self.eval.dinov2), ("eval.inception", self.eval.inception)]
+        named += [("eval.clip", self.eval.clip), ("eval.vae", self.eval.vae)]
         named += [("retrain.data_root", self.retrain.data_root), ("retrain.models_root", self.retrain.models_root)]
         return [(key, path) for key, path in named if path is not None]
 

@@ -5,10 +5,13 @@ committed, while training goes on: it samples one image for each of the first ev
 captions, the same seeded noise every time, sample_grid's sampler, steps and guidance), decodes them with the data's
 VAE and measures:
 
-- ``fd_dinov2``: the Frechet distance between the DINOv2 features of those images and of data.val's own images (the
-  same rows' latents decoded by the same VAE: what the VAE can show, so the distance measures the UNet, not the VAE).
-  Those reference statistics are computed once per run and kept in the run directory; restarts reuse them;
-- ``clip_score``: the mean CLIP score of each image against its caption's text (data.val's eval.text_column).
+- ``fd_dinov2`` and ``fd_inception``: the Frechet distance between the DINOv2 (Inception) features of those images and
+  of data.val's own images (the same rows' latents decoded by the same VAE: what the VAE can show, so the distance
+  measures the UNet, not the VAE). Those reference statistics are computed once per run and kept in the run
+  directory; restarts reuse them;
+- ``clip_score``: the mean CLIP score of each image against its caption's text (data.val's eval.text_column);
+- ``class_agreement`` (the digits demo): the share of samples a digit classifier reads as their caption's digit
+  (:func:`sdtrain.data.demo.class_agreement`; the demo's latents are digits, nothing is decoded).
 
 Each result is written to ``<run dir>/evaluation/step_<N>.json`` (an error too), where rank 0 and the driver read it
 into metrics.csv, the trackers and the live files at the checkpoint's step (:mod:`sdtrain.train.evaluations`).
@@ -35,7 +38,7 @@ from sdtrain.config.schema import Config
 from sdtrain.data.decode import to_array
 from sdtrain.data.parquet_files import resolve_parquet_files
 from sdtrain.errors import DataError
-from sdtrain.evaluation.image_metrics import ClipScore, DinoFeatures, FeatureStats, frechet_distance
+from sdtrain.evaluation.image_metrics import ClipScore, DinoFeatures, FeatureStats, InceptionFeatures, frechet_distance
 from sdtrain.evaluation.results import write_evaluation
 from sdtrain.model.encoders import load_vae
 from sdtrain.sampling.images import decode
@@ -54,6 +57,8 @@ class EvalRows:
     """(N, L, D) embeddings, or (N, L) token ids."""
     texts: list[str] | None
     """eval.text_column's captions, when it is measured (clip_score)."""
+    labels: np.ndarray | None
+    """The demo's digits (its label column), for class_agreement."""
     files: list[str]
     """The files the rows came from (part of the reference statistics' key)."""
 
@@ -70,6 +75,8 @@ def read_eval_rows(config: Config, latent_shape: tuple[int, ...], caption_shape:
     columns = [config.data.latent_column, config.data.caption_column]
     if config.eval.clip is not None:
         columns.append(config.eval.text_column)
+    if config.eval.class_agreement:
+        columns.append("label")
     tables, files, have = [], [], 0
     for file in resolve_parquet_files(list(config.data.val), "data.val"):
         fs, path = filesystem_for(file)
@@ -99,6 +106,7 @@ def read_eval_rows(config: Config, latent_shape: tuple[int, ...], caption_shape:
             caption, tuple(caption_shape[:1]) if ids else tuple(caption_shape), config.data.caption_column
         ),
         texts=[str(t) for t in table.column(config.eval.text_column).to_pylist()] if config.eval.clip else None,
+        labels=table.column("label").to_numpy() if config.eval.class_agreement else None,
         files=files,
     )
 
@@ -110,19 +118,25 @@ class Evaluator:
     Args:
         config: the run's config (eval, data.val, sample_grid's sampler).
         run_dir: where the reference statistics are kept (None: computed, not kept: the retraining gate's).
-        vae: the VAE that decodes latents (eval.vae, or the one data.val records: the driver resolves it).
+        vae: the VAE that decodes latents (eval.vae, or the one data.val records: the driver resolves it); None when
+            no metric needs images.
     """
 
-    def __init__(self, config: Config, run_dir: str | None, vae: str):
+    def __init__(self, config: Config, run_dir: str | None, vae: str | None):
         self.config = config
         self.run_dir = run_dir
         self.vae_source = vae
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.vae = load_vae(vae, self.device)
-        self.features = DinoFeatures(config.eval.dinov2, self.device) if config.eval.dinov2 else None
+        self.vae = load_vae(vae, self.device) if vae is not None else None
+        self.features: dict[str, DinoFeatures | InceptionFeatures] = {}
+        """The feature models, by the Frechet distance each measures."""
+        if config.eval.dinov2:
+            self.features["fd_dinov2"] = DinoFeatures(config.eval.dinov2, self.device)
+        if config.eval.inception:
+            self.features["fd_inception"] = InceptionFeatures(config.eval.inception, self.device)
         self.clip = ClipScore(config.eval.clip, self.device) if config.eval.clip else None
         self.rows: EvalRows | None = None
-        self.reference: FeatureStats | None = None
+        self.references: dict[str, FeatureStats] = {}
 
     def evaluate(self, model: str | LoadedModel) -> dict[str, float]:
         """The metrics of the model at ``model`` (a checkpoint, export or registry version; or one loaded): eval_s
@@ -148,16 +162,21 @@ class Evaluator:
             seed=self.config.train.seed,
             batch_size=self.config.eval.batch_size,
         )
-        images = self._decode(latents, loaded)
         metrics: dict[str, float] = {}
-        if self.features is not None:
-            generated = FeatureStats(self.features.dim)
-            generated.add(self.features(images, self.config.eval.batch_size))
-            metrics["fd_dinov2"] = frechet_distance(generated, self._reference(loaded))
+        if rows.labels is not None:
+            from sdtrain.data.demo import class_agreement
+
+            metrics["class_agreement"] = class_agreement(latents.numpy(), rows.labels)["class_agreement"]
+        images = self._decode(latents, loaded) if self.vae is not None else None
+        for metric, features in self.features.items():
+            assert images is not None
+            generated = FeatureStats(features.dim)
+            generated.add(features(images, self.config.eval.batch_size))
+            metrics[metric] = frechet_distance(generated, self._reference(metric, loaded))
         if self.clip is not None:
-            assert rows.texts is not None
+            assert rows.texts is not None and images is not None
             metrics["clip_score"] = float(np.mean(self.clip(images, rows.texts, self.config.eval.batch_size)))
-        metrics["eval_samples"] = float(len(images))
+        metrics["eval_samples"] = float(len(latents))
         metrics["eval_s"] = time.perf_counter() - started
         return metrics
 
@@ -178,36 +197,40 @@ class Evaluator:
 
     def _decode(self, latents: torch.Tensor, loaded: LoadedModel) -> np.ndarray:
         """Model-space latents -> images, divided by the scaling factor the model was trained with (else the VAE's)."""
+        assert self.vae is not None
         scale = loaded.latent_scaling_factor or float(self.vae.config.scaling_factor)
         return decode(self.vae, latents, scale, self.config.eval.batch_size)
 
-    def _reference(self, loaded: LoadedModel) -> FeatureStats:
-        """data.val's images' feature statistics: read from the run directory if an evaluation computed them for this
-        key, else computed (the rows' stored latents in model space, decoded) and kept there."""
-        if self.reference is not None:
-            return self.reference
-        assert self.features is not None and self.rows is not None
-        key = self.reference_key()
-        uri = posixpath.join(self.run_dir, EVALUATION_DIR, f"reference-{key}.npz") if self.run_dir else None
+    def _reference(self, metric: str, loaded: LoadedModel) -> FeatureStats:
+        """data.val's images' statistics in ``metric``'s features: read from the run directory if an evaluation
+        computed them for this key, else computed (the rows' stored latents in model space, decoded) and kept there."""
+        if metric in self.references:
+            return self.references[metric]
+        assert self.rows is not None
+        features = self.features[metric]
+        name = f"reference-{self.reference_key(metric)}.npz"
+        uri = posixpath.join(self.run_dir, EVALUATION_DIR, name) if self.run_dir else None
         if uri is not None:
             fs, path = filesystem_for(uri)
             if fs.get_file_info(path).type == pafs.FileType.File:
                 with fs.open_input_stream(path) as f:
-                    self.reference = FeatureStats.from_bytes(f.read())
-                return self.reference
+                    self.references[metric] = FeatureStats.from_bytes(f.read())
+                return self.references[metric]
         stored = torch.from_numpy(self.rows.latents.astype(np.float32))
         images = self._decode(stored * (self.config.data.latent_scaling_factor or 1.0), loaded)
-        reference = FeatureStats(self.features.dim)
-        reference.add(self.features(images, self.config.eval.batch_size))
+        reference = FeatureStats(features.dim)
+        reference.add(features(images, self.config.eval.batch_size))
         if uri is not None:
             write_bytes(uri, reference.to_bytes())
-        self.reference = reference
+        self.references[metric] = reference
         return reference
 
-    def reference_key(self) -> str:
-        """What the reference statistics depend on: the rows, the VAE, the feature model, the latents' scaling."""
+    def reference_key(self, metric: str) -> str:
+        """What the reference statistics of ``metric`` depend on: the rows, the VAE, the feature model, the latents'
+        scaling."""
         assert self.rows is not None
-        what = [self.rows.files, len(self.rows.latents), self.vae_source, self.config.eval.dinov2]
+        model = self.config.eval.dinov2 if metric == "fd_dinov2" else self.config.eval.inception
+        what = [self.rows.files, len(self.rows.latents), self.vae_source, model]
         what.append(self.config.data.latent_scaling_factor)
         return hashlib.sha256(json.dumps(what).encode()).hexdigest()[:12]
 

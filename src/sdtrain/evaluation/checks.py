@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import posixpath
 from typing import Any
@@ -15,14 +16,26 @@ from sdtrain.storage.filesystems import filesystem_for
 from sdtrain.storage.uris import is_uri
 
 
-def check_evaluation(config: Config, val_metadata: dict | Any, val_columns: list[str]) -> str:
-    """Before Ray starts: what eval needs is there (the models' configs where they are local or in storage, the text
-    column for clip_score, a VAE). Returns the VAE evaluations decode with: eval.vae, else the one data.val records.
+def check_evaluation(config: Config, val_metadata: dict | Any, val_columns: list[str]) -> str | None:
+    """Before Ray starts: what eval needs is there (the models' configs where they are local or in storage, the
+    Inception file, the text column for clip_score, a VAE; the label column and scikit-learn for the demo's class
+    agreement). Returns the VAE evaluations decode with: eval.vae, else the one data.val records; None when no metric
+    needs images.
 
     Args:
         val_metadata: data.val's schema metadata (from its dataset index).
         val_columns: data.val's columns.
     """
+    if config.eval.class_agreement:
+        if "label" not in val_columns:
+            raise ConfigError(
+                f"eval.class_agreement: data.val has no column 'label' of digits (the demo writes one; its columns: "
+                f"{', '.join(val_columns)})"
+            )
+        if importlib.util.find_spec("sklearn") is None:
+            raise ConfigError("eval.class_agreement: needs scikit-learn (pip install 'sdtrain[preprocess]')")
+    if not config.eval.needs_vae:
+        return None
     recorded = (val_metadata or {}).get(VAE_SOURCE.encode())
     vae = config.eval.vae or (recorded.decode() if recorded else None)
     if vae is None:
@@ -41,6 +54,14 @@ def check_evaluation(config: Config, val_metadata: dict | Any, val_columns: list
     ):
         if source is not None and not _has_file(source, wanted):
             raise ConfigError(f"{key}: {source} holds no {wanted} (a transformers model directory is expected)")
+    inception = config.eval.inception
+    if inception is not None:
+        fs, path = filesystem_for(inception if is_uri(inception) else os.path.abspath(os.path.expanduser(inception)))
+        if fs.get_file_info(path).type != pafs.FileType.File:
+            raise ConfigError(
+                f"eval.inception: {inception} is not a file (FID's Inception network as TorchScript, "
+                "inception-2015-12-05.pt, is expected)"
+            )
     if not (_has_file(vae, "vae/config.json") or _has_file(vae, "config.json")):
         raise ConfigError(f"eval.vae: {vae} holds neither vae/config.json nor config.json (a diffusers VAE)")
     return vae

@@ -1,5 +1,6 @@
 """Image quality of generated images: the Fréchet distance between two sets of image features (the FID formula; on
-DINOv2's features it is FD_DINOv2, Stein et al. 2023) and the CLIP score (Hessel et al. 2021). Features are held as
+DINOv2's features it is FD_DINOv2, Stein et al. 2023; on the Inception network's, FID) and the CLIP score (Hessel et al.
+2021). Features are held as
 running sums (:class:`FeatureStats`), so a reference set is computed once and stored in a few kilobytes to megabytes,
 whatever its size; the models load from a local directory, a storage URI or a hub id."""
 
@@ -172,6 +173,64 @@ class DinoFeatures:
             output = self.model(pixel_values=pixels.to(self.device))
             features[start : start + batch_size] = output.pooler_output.double().cpu().numpy()
         return features
+
+
+class InceptionFeatures:
+    """Image features of the Inception network FID is defined on, from a TorchScript file the user supplies (nothing is
+    downloaded): the detector StyleGAN2-ADA, StyleGAN3 and clean-fid compute FID with (inception-2015-12-05.pt), called
+    as ``model(images, return_features=True)`` on uint8 (N, 3, H, W) images of any size, which it resizes to 299
+    itself, and answering (N, 2048) pool features.
+
+    Args:
+        source: the TorchScript file: a local path or a storage URI (s3://...).
+        device: where the model runs.
+    """
+
+    def __init__(self, source: str, device: str = "cpu"):
+        from sdtrain.storage.filesystems import read_bytes
+
+        try:
+            data = read_bytes(source if is_uri(source) else os.path.abspath(os.path.expanduser(source)))
+        except OSError as e:
+            raise DataError(f"cannot read the Inception feature extractor {source}: {_first_line(e)}") from None
+        if data is None:
+            raise DataError(
+                f"the Inception feature extractor {source} does not exist (a TorchScript .pt file expected)"
+            )
+        self.source = source
+        self.device = torch.device(device)
+        try:
+            self.model: Any = torch.jit.load(io.BytesIO(data), map_location=self.device).eval()
+        except RuntimeError as e:
+            raise DataError(
+                f"the Inception feature extractor {source} is not a TorchScript file ({_first_line(e)}); expected a "
+                "module saved by torch.jit.save, as inception-2015-12-05.pt is"
+            ) from None
+        self.dim = int(self(np.zeros((1, 64, 64, 3), dtype=np.uint8)).shape[1])
+
+    @torch.no_grad()
+    def __call__(self, images: np.ndarray, batch_size: int = 32) -> np.ndarray:
+        """(N, dim) float64 features of ``images`` ((N, H, W, 3) uint8 RGB, of any size: the model resizes them)."""
+        _check_images(images, "InceptionFeatures")
+        _check_batch_size(batch_size, "InceptionFeatures")
+        out = []
+        for start in range(0, len(images), batch_size):
+            pixels = torch.from_numpy(np.ascontiguousarray(images[start : start + batch_size])).permute(0, 3, 1, 2)
+            try:
+                features = self.model(pixels.contiguous().to(self.device), return_features=True)
+            except RuntimeError as e:
+                raise DataError(
+                    f"the Inception feature extractor {self.source} failed on uint8 images of shape "
+                    f"{tuple(pixels.shape)} called with return_features=True: {_first_line(e)}"
+                ) from None
+            if not isinstance(features, torch.Tensor) or features.ndim != 2 or len(features) != len(pixels):
+                got = tuple(features.shape) if isinstance(features, torch.Tensor) else type(features).__name__
+                raise DataError(
+                    f"the Inception feature extractor {self.source} answered {got} for {len(pixels)} images; expected "
+                    "features of shape (N, D)"
+                )
+            out.append(features.double().cpu().numpy())
+        return np.concatenate(out)
 
 
 class ClipScore:

@@ -139,6 +139,36 @@ def write_tiny_dinov2(path: str, image_size: int = 28) -> str:
     return path
 
 
+def write_tiny_inception(path: str) -> str:
+    """A TorchScript file at ``path`` with the interface of FID's Inception detector (inception-2015-12-05.pt:
+    ``model(uint8 images (N, 3, H, W), return_features=True)`` -> (N, D) features, resizing inside), two random
+    convolutions (seeded) and 16 features: the extractor of eval.inception at toy size. Returns ``path``."""
+    import torch
+
+    torch.manual_seed(0)
+    torch.jit.script(_tiny_inception()()).save(path)
+    return path
+
+
+def _tiny_inception() -> Any:
+    import torch
+    import torch.nn.functional as F
+
+    class TinyInception(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv1 = torch.nn.Conv2d(3, 8, 3, stride=2)
+            self.conv2 = torch.nn.Conv2d(8, 16, 3, stride=2)
+            self.logits = torch.nn.Linear(16, 10)
+
+        def forward(self, img: torch.Tensor, return_features: bool = False) -> torch.Tensor:
+            x = F.interpolate(img.float() / 127.5 - 1, size=(48, 48), mode="bilinear", align_corners=False)
+            features = F.relu(self.conv2(F.relu(self.conv1(x)))).mean(dim=(2, 3))
+            return features if return_features else self.logits(features).softmax(dim=-1)
+
+    return TinyInception
+
+
 def write_tiny_clip(path: str) -> str:
     """A 2-layer CLIPModel (text and vision towers 32 wide, 32 px images) with random weights (seeded) and the
     character-level tokenizer, saved together to ``path``: the model of eval.clip at toy size. Returns ``path``."""

@@ -15,24 +15,23 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from sdtrain.config.running import EVAL_METRICS, HIGHER_IS_BETTER
 from sdtrain.config.schema import Config
 from sdtrain.evaluation.results import read_evaluation
 
 log = logging.getLogger("sdtrain")
 
-RESULT_KEYS = ("fd_dinov2", "clip_score", "eval_s")
+RESULT_KEYS = (*EVAL_METRICS, "eval_s")
 """What an evaluation adds to its checkpoint's row (eval_failed instead when it failed)."""
 
 
 def unevaluated_score(attribute: str | None) -> dict[str, float]:
-    """The value Ray Train ranks a checkpoint by until its evaluation reports one: the worst (fd_dinov2 is lower
-    the better, clip_score higher), so a checkpoint never evaluated is pruned first and one waiting is kept (Ray
-    Train keeps checkpoints whose evaluation is pending)."""
-    if attribute == "fd_dinov2":
-        return {attribute: math.inf}
-    if attribute == "clip_score":
-        return {attribute: -math.inf}
-    return {}
+    """The value Ray Train ranks a checkpoint by until its evaluation reports one: the worst (the Frechet distances
+    are lower the better, clip_score and class_agreement higher), so a checkpoint never evaluated is pruned first and
+    one waiting is kept (Ray Train keeps checkpoints whose evaluation is pending)."""
+    if attribute not in EVAL_METRICS:
+        return {}
+    return {attribute: -math.inf if attribute in HIGHER_IS_BETTER else math.inf}
 
 
 class CheckpointEvaluations:

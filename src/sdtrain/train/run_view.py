@@ -95,14 +95,11 @@ class RunView:
         self, metrics: dict[str, float], history: list[dict[str, float]], module: Any, checkpoint: bool = False
     ) -> None:
         """A report of ``metrics``, already appended to ``history``; a sample grid when one is due, from
-        ``module.eval_unet``, adds its metrics (sample_grid_s, and sample_class_agreement for the demo);
-        ``checkpoint``: a checkpoint of this step follows."""
+        ``module.eval_unet``, adds its time (sample_grid_s); ``checkpoint``: a checkpoint of this step follows."""
         step = int(metrics["step"])
         if self.grids is not None and self.grids.due(step, self.max_steps):
             grid = self.grids.sample(module.eval_unet, step)
             metrics["sample_grid_s"] = grid.seconds
-            if grid.class_agreement is not None:
-                metrics["sample_class_agreement"] = grid.class_agreement
             self.image("samples", grid.image, step)
         self.live.update(history)
         if self.gauges is not None:

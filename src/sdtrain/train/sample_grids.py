@@ -30,12 +30,11 @@ log = logging.getLogger("sdtrain")
 
 @dataclass
 class Grid:
-    """One grid: the picture (H x W x 3 uint8), and for the digits demo the class agreement."""
+    """One grid: the picture (H x W x 3 uint8)."""
 
     image: np.ndarray
     path: str
     seconds: float
-    class_agreement: float | None = None
 
 
 def grid_captions(
@@ -88,7 +87,6 @@ class SampleGrids:
         self.unconditional = unconditional
         self.every = config.sample_grid.every_n_steps or config.checkpoint.every_n_steps
         self.filesystem, self.dir = filesystem_for(posixpath.join(run_dir, SAMPLES_DIR))
-        self.labels = captions.labels if meta.trained_on_demo and _digits(captions.labels) else None
 
     def due(self, step: int, max_steps: int) -> bool:
         return step % self.every == 0 or step >= max_steps
@@ -122,17 +120,8 @@ class SampleGrids:
         else:
             tiles = channels_preview(latents)
         picture = grid_image(tiles.reshape(rows, columns, *tiles.shape[1:]), self.captions.names, zoom=2)
-        agreement = None
-        if self.labels is not None:
-            from sdtrain.data.demo import class_agreement
-
-            agreement = float(class_agreement(latents, np.repeat(self.labels, columns))["class_agreement"])
         buffer = io.BytesIO()
         picture.save(buffer, format="PNG")
         path = posixpath.join(self.dir, sample_grid_file(step))
         write_whole(self.filesystem, path, buffer.getvalue())
-        return Grid(np.asarray(picture.convert("RGB")), path, time.perf_counter() - started, agreement)
-
-
-def _digits(labels: list | None) -> bool:
-    return labels is not None and all(isinstance(label, int) and 0 <= label < 10 for label in labels)
+        return Grid(np.asarray(picture.convert("RGB")), path, time.perf_counter() - started)
