@@ -3,6 +3,7 @@ model, under a few seconds)."""
 
 import numpy as np
 import pyarrow.parquet as pq
+import pytest
 
 from sdtrain.data.decode import to_array
 from sdtrain.data.demo import (
@@ -13,6 +14,7 @@ from sdtrain.data.demo import (
     ensure_demo_data,
     real_digits_agreement,
 )
+from sdtrain.errors import DataError
 
 
 def _read(directory):
@@ -47,3 +49,16 @@ def test_the_classifier_reads_the_digits_as_the_demo_decodes_them_and_refuses_bl
     assert (classify_digits(noisy) == classify_digits(images)).mean() > 0.9
     assert (classify_digits(np.stack([np.zeros((16, 16)), np.full((16, 16), 30.0)])) == -1).all()
     assert len(classify_digits(np.zeros((0, 16, 16)))) == 0
+
+
+def test_demo_files_of_an_older_layout_are_refused_with_how_to_renew_them(tmp_path):
+    assert ensure_demo_data(str(tmp_path / "train"), str(tmp_path / "val"), caption_dim=32)
+    assert not ensure_demo_data(str(tmp_path / "train"), str(tmp_path / "val"), caption_dim=32)  # there: kept
+    first = tmp_path / "val" / "part-00000.parquet"
+    pq.write_table(pq.read_table(first).replace_schema_metadata(None), first)  # as sdtrain wrote it before layout 2
+    with pytest.raises(
+        DataError,
+        match=rf"data.demo: {first} holds the digits demo as another sdtrain version.*"
+        rf"remove {tmp_path / 'val'}",
+    ):
+        ensure_demo_data(str(tmp_path / "train"), str(tmp_path / "val"), caption_dim=32)

@@ -2,8 +2,8 @@
 
 assets/digits.csv.gz is the UCI optical handwritten digits test set (1797 8x8 images, 64
 pixel values 0..16 and the digit, a row), as bundled with scikit-learn. Each image is
-upsampled to 16x16 and spread over 4 latent channels; each digit gets one fixed random
-caption embedding. A tiny UNet learns it on two CPU cores in minutes, and a sample
+upsampled to 16x16 and spread over 4 latent channels; each digit gets one fixed caption
+embedding (``class_captions``). A tiny UNet learns it on two CPU cores in minutes, and a sample
 conditioned on a digit's caption should look like that digit.
 
 Rows are stored the way the Anyscale notebook's files store real latents: flat float16
@@ -24,11 +24,18 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from sdtrain.errors import DataError
+
 NUM_CLASSES = 10
 CAPTION_LENGTH = 77
 LATENT_SIZE = 16
 VAL_ROWS = 197
 TRAIN_FILES = 4
+DIGIT_WEIGHT = 0.85
+"""The digit's share of each caption token (the rest is the token's position, the same for every digit)."""
+LAYOUT = "2"
+"""The demo files' layout (their parquet metadata sdtrain.demo_layout); files without it are an older sdtrain's."""
+LAYOUT_KEY = b"sdtrain.demo_layout"
 
 
 def load_digits() -> tuple[np.ndarray, np.ndarray]:
@@ -136,9 +143,14 @@ def _demo_normalization() -> tuple[float, float]:
 
 
 def class_captions(caption_dim: int, seed: int = 0) -> np.ndarray:
-    """(10, 77, caption_dim): one fixed embedding per digit, like a text encoder's for 'a photo of a 3'."""
+    """(10, 77, caption_dim): one fixed embedding per digit, shaped like a text encoder's output for "a photo of a 3",
+    where every token carries the prompt: each token is the digit's own vector over its position's vector, which all
+    digits share (the prompt's template), at unit variance. Whichever tokens the UNet attends to tell it the digit;
+    77 unrelated random tokens a digit made it learn the digit from their average, slowly."""
     rng = np.random.default_rng(seed)
-    return rng.standard_normal((NUM_CLASSES, CAPTION_LENGTH, caption_dim)).astype(np.float32)
+    digit = rng.standard_normal((NUM_CLASSES, 1, caption_dim))
+    position = rng.standard_normal((1, CAPTION_LENGTH, caption_dim))
+    return (DIGIT_WEIGHT * digit + np.sqrt(1 - DIGIT_WEIGHT**2) * position).astype(np.float32)
 
 
 def ensure_demo_data(train_dir: str, val_dir: str | None, caption_dim: int) -> bool:
@@ -148,6 +160,8 @@ def ensure_demo_data(train_dir: str, val_dir: str | None, caption_dim: int) -> b
     renamed into place, so an interrupted run never leaves a half-written dataset behind.
     """
     wanted = [(d, split) for d, split in ((train_dir, "train"), (val_dir, "val")) if d and not _has_parquet(d)]
+    for directory in {train_dir, val_dir} - {d for d, _ in wanted} - {None}:
+        _check_layout(str(directory))
     if not wanted:
         return False
     images, labels = load_digits()
@@ -173,7 +187,19 @@ def _table(ids, labels, latents, captions) -> pa.Table:
             "image_latents_256": flat(latents),
             "caption_latents": flat(captions),
         }
-    )
+    ).replace_schema_metadata({LAYOUT_KEY: LAYOUT})
+
+
+def _check_layout(directory: str) -> None:
+    """The demo files already in ``directory`` are of this layout; else a DataError that says how to renew them."""
+    first = sorted(Path(directory).glob("*.parquet"))[0]
+    layout = (pq.read_schema(first).metadata or {}).get(LAYOUT_KEY)
+    if layout != LAYOUT.encode():
+        raise DataError(
+            f"data.demo: {first} holds the digits demo as another sdtrain version wrote it (layout "
+            f"{layout.decode() if layout else 1}, this version writes {LAYOUT}); remove {directory} (make clean-runs "
+            "removes the demo's data and runs) and it is written again"
+        )
 
 
 def _write_atomically(table: pa.Table, directory: Path, num_files: int) -> None:
