@@ -264,8 +264,8 @@ def test_eval_is_refused_before_ray_when_something_it_needs_is_missing(evaluated
     with pytest.raises(ConfigError, match="checkpoint.score_attribute: fd_inception needs eval.inception"):
         tiny_config(*_eval_keys(config), "checkpoint.score_attribute=fd_inception")
     # The demo's class agreement: the demo's data only, with its label column; it decodes nothing, so needs no VAE.
-    with pytest.raises(ConfigError, match="eval.class_agreement: measures the digits demo"):
-        tiny_config("data.train=[t]", "data.val=[v]", "eval.class_agreement=true")
+    other = tiny_config("data.train=[t]", "eval.class_agreement=true")  # not the demo: the metric is off
+    assert not other.eval.class_agreement and not other.eval.enabled
     demo = tiny_config("data.train=[t]", "data.val=[v]", "data.demo=true", "eval.class_agreement=true")
     assert demo.eval.enabled and demo.eval.metrics == ["class_agreement"] and not demo.eval.needs_vae
     with pytest.raises(ConfigError, match=r"eval.class_agreement: data.val has no column 'label'.*caption_latents"):

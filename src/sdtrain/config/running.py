@@ -197,7 +197,8 @@ class EvalConfig(Section):
     class_agreement: bool = False
     """The digits demo (data.demo): the share of sampled images that a digit classifier (an SVC fitted on the demo's
     training digits; it reads 0.95 of the real validation digits) reads as the digit of their caption (metric
-    class_agreement, chance 0.1; data.val's label column). The demo's latents are digits themselves: no VAE."""
+    class_agreement, chance 0.1; data.val's label column). The demo's latents are digits themselves: no VAE. Off for
+    data that is not the demo, so a run that overrides the demo config's data need not turn it off."""
     vae: str | None = None
     """The VAE that decodes sampled and data.val's latents into images (a Stable Diffusion model or its vae/); null =
     the one data.val's files record (preprocessing's sdtrain.vae_source)."""
