@@ -34,6 +34,7 @@ import pyarrow.parquet as pq
 import torch
 
 from sdtrain.artifacts.loading import LoadedModel, load_model
+from sdtrain.config.running import EVAL_METRICS
 from sdtrain.config.schema import Config
 from sdtrain.data.decode import to_array
 from sdtrain.data.parquet_files import resolve_parquet_files
@@ -229,7 +230,7 @@ class Evaluator:
         """What the reference statistics of ``metric`` depend on: the rows, the VAE, the feature model, the latents'
         scaling."""
         assert self.rows is not None
-        model = self.config.eval.dinov2 if metric == "fd_dinov2" else self.config.eval.inception
+        model = getattr(self.config.eval, EVAL_METRICS[metric])  # the feature model's source
         what = [self.rows.files, len(self.rows.latents), self.vae_source, model]
         what.append(self.config.data.latent_scaling_factor)
         return hashlib.sha256(json.dumps(what).encode()).hexdigest()[:12]

@@ -56,7 +56,7 @@ def check_evaluation(config: Config, val_metadata: dict | Any, val_columns: list
             raise ConfigError(f"{key}: {source} holds no {wanted} (a transformers model directory is expected)")
     inception = config.eval.inception
     if inception is not None:
-        fs, path = filesystem_for(inception if is_uri(inception) else os.path.abspath(os.path.expanduser(inception)))
+        fs, path = filesystem_for(inception)
         if fs.get_file_info(path).type != pafs.FileType.File:
             raise ConfigError(
                 f"eval.inception: {inception} is not a file (FID's Inception network as TorchScript, "

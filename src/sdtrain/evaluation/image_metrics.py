@@ -1,8 +1,7 @@
 """Image quality of generated images: the Fréchet distance between two sets of image features (the FID formula; on
 DINOv2's features it is FD_DINOv2, Stein et al. 2023; on the Inception network's, FID) and the CLIP score (Hessel et al.
-2021). Features are held as
-running sums (:class:`FeatureStats`), so a reference set is computed once and stored in a few kilobytes to megabytes,
-whatever its size; the models load from a local directory, a storage URI or a hub id."""
+2021). Features are held as running sums (:class:`FeatureStats`), so a reference set is computed once and stored in a
+few kilobytes to megabytes, whatever its size; the models load from a local directory, a storage URI or a hub id."""
 
 from __future__ import annotations
 
@@ -190,7 +189,7 @@ class InceptionFeatures:
         from sdtrain.storage.filesystems import read_bytes
 
         try:
-            data = read_bytes(source if is_uri(source) else os.path.abspath(os.path.expanduser(source)))
+            data = read_bytes(source)
         except OSError as e:
             raise DataError(f"cannot read the Inception feature extractor {source}: {_first_line(e)}") from None
         if data is None:
