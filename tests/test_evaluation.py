@@ -18,11 +18,10 @@ from sdtrain.artifacts.checkpoint_format import CheckpointMeta
 from sdtrain.config.loader import load_config
 from sdtrain.data.metadata import LATENT_SCALING_FACTOR, VAE_SOURCE
 from sdtrain.errors import ConfigError, DataError
-from sdtrain.evaluation import checkpoint_eval
 from sdtrain.evaluation.checkpoint_eval import Evaluator, evaluate_checkpoint
 from sdtrain.evaluation.checks import check_evaluation
 from sdtrain.evaluation.image_metrics import DinoFeatures, FeatureStats, InceptionFeatures, frechet_distance
-from sdtrain.evaluation.results import read_evaluation
+from sdtrain.evaluation.results import read_evaluation, write_evaluation
 from sdtrain.model.encoders import encode_images, encode_prompts, load_text_encoder, load_vae
 from sdtrain.model.unet import build_unet, noise_scheduler_config, unet_config
 from sdtrain.preprocess.tiny_models import write_tiny_clip, write_tiny_dinov2, write_tiny_inception, write_tiny_sd_model
@@ -108,7 +107,6 @@ def test_a_checkpoint_is_evaluated_against_reference_statistics_kept_in_the_run(
     vae = check_evaluation(config, metadata, ["image_latents_256", "caption_latents", "caption"])
     assert vae == evaluated["sd"]  # the VAE data.val records
     checkpoint = ray.train.Checkpoint.from_directory(str(evaluated["checkpoint"]))
-    checkpoint_eval._EVALUATORS.clear()
     metrics = evaluate_checkpoint(checkpoint, config.to_dict(), run_dir, vae)
     assert metrics["eval_samples"] == 8 and metrics["eval_s"] > 0
     assert np.isfinite(metrics["fd_dinov2"]) and metrics["fd_dinov2"] > 0
@@ -116,11 +114,19 @@ def test_a_checkpoint_is_evaluated_against_reference_statistics_kept_in_the_run(
     assert 0 <= metrics["clip_score"] <= 100
     written = read_evaluation(run_dir, 2)
     assert written is not None and {k: written[k] for k in metrics} == metrics and written["step"] == 2
+    assert written["cpu_policy"] == "normal"  # called here, not in the evaluation task (tests/test_train_ray.py)
+
+    # A restart's evaluator (a new process) reads the references back instead of computing them: the same numbers.
+    references = [n for n in os.listdir(os.path.join(run_dir, EVALUATION_DIR)) if n.startswith("reference-")]
+    mtimes = {n: os.stat(os.path.join(run_dir, EVALUATION_DIR, n)).st_mtime_ns for n in references}
+    evaluator = Evaluator(config, run_dir, vae)
+    again = evaluator.evaluate(str(evaluated["checkpoint"]))
+    assert {n: os.stat(os.path.join(run_dir, EVALUATION_DIR, n)).st_mtime_ns for n in references} == mtimes
+    for metric in ("fd_dinov2", "fd_inception", "clip_score"):
+        assert again[metric] == pytest.approx(metrics[metric], rel=1e-6), metric
 
     # The references: data.val's first 8 rows' own images (their stored latents decoded by the same VAE) in each
     # feature model's features, computed once and kept in the run directory.
-    references = [n for n in os.listdir(os.path.join(run_dir, EVALUATION_DIR)) if n.startswith("reference-")]
-    evaluator = checkpoint_eval._EVALUATORS[run_dir]
     keys = {metric: evaluator.reference_key(metric) for metric in ("fd_dinov2", "fd_inception")}
     assert (
         sorted(references) == sorted(f"reference-{key}.npz" for key in keys.values()) and len(set(keys.values())) == 2
@@ -143,16 +149,6 @@ def test_a_checkpoint_is_evaluated_against_reference_statistics_kept_in_the_run(
         assert kept[metric].count == 8 and np.allclose(kept[metric].mean, direct.mean, atol=1e-5), metric
         assert frechet_distance(kept[metric], direct) < 1e-6, metric
 
-    # A restart's evaluator (a new process) reads the references back instead of computing them: the same numbers.
-    path = os.path.join(run_dir, EVALUATION_DIR, f"reference-{keys['fd_inception']}.npz")
-    mtime = os.stat(path).st_mtime_ns
-    checkpoint_eval._EVALUATORS.clear()
-    again = Evaluator(config, run_dir, vae).evaluate(str(evaluated["checkpoint"]))
-    assert os.stat(path).st_mtime_ns == mtime
-    assert again["fd_dinov2"] == pytest.approx(metrics["fd_dinov2"], rel=1e-6)
-    assert again["fd_inception"] == pytest.approx(metrics["fd_inception"], rel=1e-6)
-    assert again["clip_score"] == pytest.approx(metrics["clip_score"], rel=1e-6)
-
 
 def test_an_evaluation_that_fails_writes_its_error_and_rank_0_records_it(evaluated, tmp_path, caplog):
     broken = tmp_path / "checkpoint_000000004"
@@ -160,7 +156,6 @@ def test_an_evaluation_that_fails_writes_its_error_and_rank_0_records_it(evaluat
     (broken / "checkpoint.ckpt").write_bytes(b"not a checkpoint")
     (broken / DATA_STATE_FILE).write_text(json.dumps({"step": 4}))
     run_dir = str(tmp_path / "run")
-    checkpoint_eval._EVALUATORS.clear()
     with pytest.raises(Exception):  # noqa: B017  # whatever torch raises on a corrupt file; Ray Train records it
         evaluate_checkpoint(
             ray.train.Checkpoint.from_directory(str(broken)), evaluated["config"].to_dict(), run_dir, evaluated["sd"]
@@ -201,7 +196,7 @@ def test_rank_0_keeps_one_evaluation_in_flight_and_skips_checkpoints_due_meanwhi
     history.append({"step": 20.0, "evaluation_asked": 1.0})
     assert not evaluations.due(40, final=False) and evaluations.skipped == 1  # 20's still runs: 40 is skipped
     assert evaluations.collect(history) == []
-    checkpoint_eval.write_evaluation(run_dir, 20, {"step": 20, "fd_dinov2": 3.5, "eval_s": 7.0, "time": 0})
+    write_evaluation(run_dir, 20, {"step": 20, "fd_dinov2": 3.5, "eval_s": 7.0, "time": 0})
     assert evaluations.collect(history) == [(20, {"fd_dinov2": 3.5, "eval_s": 7.0})]
     assert history[0]["fd_dinov2"] == 3.5 and evaluations.pending is None
     # The final checkpoint is always asked for, behind one in flight; one that never answers stops blocking after
@@ -215,7 +210,7 @@ def test_rank_0_keeps_one_evaluation_in_flight_and_skips_checkpoints_due_meanwhi
 
     # A restart from the checkpoint of step 65: results written meanwhile for rows without them are merged; an
     # evaluation asked for and not finished (Ray Train runs it again) is in flight.
-    checkpoint_eval.write_evaluation(run_dir, 65, {"step": 65, "fd_dinov2": 2.0, "eval_s": 5.0, "time": 0})
+    write_evaluation(run_dir, 65, {"step": 65, "fd_dinov2": 2.0, "eval_s": 5.0, "time": 0})
     resumed = [
         {"step": 20.0, "evaluation_asked": 1.0},
         {"step": 60.0, "evaluation_asked": 1.0},
@@ -232,6 +227,42 @@ def test_an_unevaluated_checkpoint_ranks_last_for_ray_train():
     assert unevaluated_score("fd_inception") == {"fd_inception": float("inf")}
     assert unevaluated_score("class_agreement") == {"class_agreement": float("-inf")}
     assert unevaluated_score("val_loss") == {} and unevaluated_score(None) == {}
+
+
+_PRIORITY_PROBE = """
+import json, os, sys, threading
+import sdtrain.evaluation.eval_task as task
+before = "torch" in sys.modules  # Ray imports the task's module before the task lowers its priority
+started = threading.Event()
+early = threading.Thread(target=started.wait, daemon=True)
+early.start()  # a thread that exists before (Ray's own threads do)
+lowered = task.lowest_cpu_priority()
+import torch
+torch.ones(512, 512) @ torch.ones(512, 512)  # starts torch's thread pool, after
+started.set()
+policies = sorted({os.sched_getscheduler(int(t)) for t in os.listdir("/proc/self/task")})
+print(json.dumps({"torch_before": before, "lowered": lowered, "policies": policies, "label": task.cpu_policy()}))
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux's SCHED_IDLE")
+def test_the_evaluation_task_runs_at_the_lowest_cpu_priority_only_in_its_own_runtime_environment():
+    import subprocess
+    import sys
+
+    from sdtrain.evaluation.eval_task import EVALUATION_TASK_ENV
+
+    def probe(**env):
+        environment = {k: v for k, v in os.environ.items() if k != EVALUATION_TASK_ENV} | env
+        done = subprocess.run([sys.executable, "-c", _PRIORITY_PROBE], env=environment, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    inside = probe(**{EVALUATION_TASK_ENV: "1"})
+    assert inside == {"torch_before": False, "lowered": True, "policies": [os.SCHED_IDLE], "label": "idle"}
+    # A process other tasks may be given (no such variable) keeps its priority: it could not get it back.
+    outside = probe()
+    assert outside["lowered"] is False and os.SCHED_IDLE not in outside["policies"] and outside["label"] != "idle"
 
 
 def test_eval_is_refused_before_ray_when_something_it_needs_is_missing(evaluated, tmp_path):

@@ -273,15 +273,22 @@ def _ray_run_config(config: Config) -> ray.train.RunConfig:
 def _validation_config(config: Config, run_dir: str, vae: str | None) -> ray.train.ValidationConfig:
     """Ray Train's evaluation of committed checkpoints (sdtrain.evaluation.checkpoint_eval) in a task with eval's
     resources; one still running after eval.timeout_s is cancelled."""
-    from sdtrain.evaluation.checkpoint_eval import evaluate_checkpoint
+    from sdtrain.evaluation.eval_task import EVALUATION_TASK_ENV, evaluate_in_task
 
     return ray.train.ValidationConfig(
-        fn=evaluate_checkpoint,  # type: ignore[arg-type]  # named keyword arguments: the protocol says **kwargs
+        fn=evaluate_in_task,  # type: ignore[arg-type]  # named keyword arguments: the protocol says **kwargs
         task_config=ray.train.ValidationTaskConfig(
             fn_kwargs={"config": config.to_dict(), "run_dir": run_dir, "vae": vae}, timeout_s=config.eval.timeout_s
         ),
         # No retry: an evaluation that failed says why in its result and the next checkpoint's is asked for anyway.
-        ray_remote_kwargs={"num_cpus": config.eval.num_cpus, "num_gpus": config.eval.num_gpus, "max_retries": 0},
+        # Its own environment variable gives the task a pool of worker processes of its own: one whose CPU
+        # priority an evaluation lowered for good is never lent to another task (Ray Data's reads).
+        ray_remote_kwargs={
+            "num_cpus": config.eval.num_cpus,
+            "num_gpus": config.eval.num_gpus,
+            "max_retries": 0,
+            "runtime_env": {"env_vars": {EVALUATION_TASK_ENV: "1"}},  # merged into the job's
+        },
     )
 
 

@@ -1,9 +1,9 @@
 """Image quality of a committed checkpoint, measured off the training ranks (docs/evaluation.md).
 
-Ray Train runs :func:`evaluate_checkpoint` in a Ray task of its own (eval.num_cpus, eval.num_gpus) on a checkpoint it
-committed, while training goes on: it samples one image for each of the first eval.num_samples rows of data.val (their
-captions, the same seeded noise every time, sample_grid's sampler, steps and guidance), decodes them with the data's
-VAE and measures:
+Ray Train runs :func:`evaluate_checkpoint` in a Ray task of its own (eval.num_cpus, eval.num_gpus; at the lowest CPU
+priority: :mod:`sdtrain.evaluation.eval_task`) on a checkpoint it committed, while training goes on: it samples one
+image for each of the first eval.num_samples rows of data.val (their captions, the same seeded noise every time,
+sample_grid's sampler, steps and guidance), decodes them with the data's VAE and measures:
 
 - ``fd_dinov2`` and ``fd_inception``: the Frechet distance between the DINOv2 (Inception) features of those images and
   of data.val's own images (the same rows' latents decoded by the same VAE: what the VAE can show, so the distance
@@ -236,35 +236,32 @@ class Evaluator:
         return hashlib.sha256(json.dumps(what).encode()).hexdigest()[:12]
 
 
-_EVALUATORS: dict[str, Evaluator] = {}
-
-
-def evaluate_checkpoint(checkpoint: Any, config: dict[str, Any], run_dir: str, vae: str) -> dict[str, float]:
-    """Ray Train's validation function (ray.train.v2 ValidationConfig): the metrics of one committed checkpoint, also
-    written to ``<run dir>/evaluation/step_<N>.json``; an error is written there too, then raised (Ray Train records
-    the evaluation as failed; training goes on).
+def evaluate_checkpoint(checkpoint: Any, config: dict[str, Any], run_dir: str, vae: str | None) -> dict[str, float]:
+    """The metrics of one committed checkpoint (Ray Train's evaluation task calls it through
+    :func:`sdtrain.evaluation.eval_task.evaluate_in_task`), also written to ``<run dir>/evaluation/step_<N>.json`` with
+    the CPU priority it ran at; an error is written there too, then raised (Ray Train records the evaluation as failed;
+    training goes on).
 
     Args:
         checkpoint: the ray.train.Checkpoint Ray Train committed.
         config: the run's config as a dict (the task's arguments must be JSON).
         run_dir: run.storage_path/run.name.
-        vae: the VAE that decodes latents.
+        vae: the VAE that decodes latents (None when no metric needs images).
     """
+    from sdtrain.evaluation.eval_task import cpu_policy
     from sdtrain.storage.filesystems import uri_for
 
     uri = uri_for(checkpoint.filesystem, checkpoint.path)
     step = _checkpoint_step(uri)
     started = time.time()
+    # A new Evaluator each time: no models stay in an idle process on a training node between evaluations (Ray ends a
+    # GPU task's process after each call anyway).
     try:
-        # A task's worker process may run several evaluations of a run: the models and the reference are kept.
-        evaluator = _EVALUATORS.get(run_dir)
-        if evaluator is None:
-            evaluator = _EVALUATORS[run_dir] = Evaluator(Config.from_dict(config), run_dir, vae)
-        metrics = evaluator.evaluate(uri)
+        metrics = Evaluator(Config.from_dict(config), run_dir, vae).evaluate(uri)
     except Exception as error:
         write_evaluation(run_dir, step, {"step": step, "error": f"{type(error).__name__}: {error}", "time": started})
         raise
-    write_evaluation(run_dir, step, {"step": step, **metrics, "time": started})
+    write_evaluation(run_dir, step, {"step": step, **metrics, "time": started, "cpu_policy": cpu_policy()})
     return metrics
 
 
