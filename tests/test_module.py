@@ -14,6 +14,7 @@ from sdtrain.model.presets import PRESETS
 from sdtrain.model.unet import build_unet, noise_scheduler_config, unet_config
 from sdtrain.model.validation import validation_loss, validation_sums
 from sdtrain.train.module import DiffusionModule
+from sdtrain.train.validation import HeldValBatches
 
 
 def _batches(n=4, batch=2, seed=0):
@@ -130,6 +131,42 @@ def test_ranks_validation_shares_add_up_to_the_whole_set():
         shares = [validation_sums(unet, scheduler, batches, 7, 1.0, r, world_size) for r in range(world_size)]
         assert [count for _, count in shares] == [len(range(r, 9, world_size)) for r in range(world_size)]
         assert sum(total for total, _ in shares) / 9 == pytest.approx(whole, rel=1e-6)
+
+
+def test_the_validation_set_is_read_once_and_held_while_it_fits(caplog):
+    """After one complete pass the batches come from memory: the same loss, no second read; a set over the limit, a
+    pass cut short and a limit of 0 read again."""
+    module = _module()
+    batches = _batches(3, batch=3, seed=3)
+    size = sum(t.nbytes for batch in batches for t in batch.values())
+    reads = []
+
+    def read():
+        reads.append(1)
+        yield from ({k: v.clone() for k, v in batch.items()} for batch in batches)
+
+    held = HeldValBatches(read, limit_bytes=size)
+    cut = held()
+    next(cut)
+    cut.close()  # a validation that raised mid-pass: nothing held
+    assert held.held is None and len(reads) == 1
+    whole = validation_sums(module.unet, module.noise_scheduler, held(), 7)
+    assert len(reads) == 2 and held.held is not None
+    for _ in range(2):  # the rows scored are copies: the held tensors stay as read
+        assert validation_sums(module.unet, module.noise_scheduler, held(), 7) == whole
+    assert len(reads) == 2
+    assert whole == validation_sums(module.unet, module.noise_scheduler, batches, 7)
+
+    with caplog.at_level("INFO", logger="sdtrain"):
+        too_large = HeldValBatches(read, limit_bytes=size - 1)
+        for _ in range(2):
+            assert validation_sums(module.unet, module.noise_scheduler, too_large(), 7) == whole
+    assert len(reads) == 4 and too_large.held is None
+    assert caplog.text.count("it is read again at every validation") == 1
+    never = HeldValBatches(read, limit_bytes=0)
+    for _ in range(2):
+        list(never())
+    assert len(reads) == 6 and never.held is None
 
 
 def test_presets_match_their_sources():

@@ -38,6 +38,9 @@ class DataConfig(Section):
     """Windows each worker's training stream reads at once, in Ray Data tasks on the worker's node that take no CPU of
     their own: they share the CPUs the worker reserves (scaling.cpus_per_worker), so any group Ray Train can place,
     after any resize, can read."""
+    val_memory_gb: float = 2.0
+    """Each worker holds data.val in its CPU memory after the first validation read it, if it takes at most this many
+    GB (decoded): later validations read no file. A larger set is read again at every validation; 0 always reads it."""
     shuffle_chunk_rows: int = 64
     """Each epoch reads the training files as a seeded shuffle of chunks of this many consecutive rows of a file."""
     shuffle_window_rows: int = 512
@@ -68,6 +71,8 @@ class DataConfig(Section):
                 self._fail(key, f"must be >= 1, got {getattr(self, key)}")
         if self.prefetch_batches < 0:
             self._fail("prefetch_batches", f"must be >= 0, got {self.prefetch_batches}")
+        if not self.val_memory_gb >= 0:
+            self._fail("val_memory_gb", f"must be >= 0, got {self.val_memory_gb}")
         if self.reads_per_worker < 1:
             self._fail("reads_per_worker", f"must be >= 1, got {self.reads_per_worker}")
         for key in ("latent_column", "caption_column"):

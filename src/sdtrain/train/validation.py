@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import logging
+from collections.abc import Callable, Iterable, Iterator
 
 import lightning.pytorch as pl
 import torch
@@ -13,7 +14,49 @@ from sdtrain.train.device_settings import training_autocast
 from sdtrain.train.strategy import is_sharded
 from sdtrain.train.watchdog import Phase
 
+log = logging.getLogger("sdtrain")
+
 ValBatches = Callable[[], Iterable[dict[str, torch.Tensor]]]
+
+
+class HeldValBatches:
+    """data.val's batches, read once and then held in this worker's CPU memory while they fit in data.val_memory_gb.
+
+    Every validation scores the same rows in the same order, so later ones read them from memory: no file is read
+    again and no Ray Data execution starts, whose read tasks would need a worker process (on a small node Ray ends
+    idle ones within a second, and a new one takes seconds to start, all inside the training loop). A set larger than
+    the limit is read again at every validation, as it is without the limit. Only a complete pass is held.
+
+    Args:
+        read: yields the whole validation set, on the CPU (Ray Data's iterator over the worker's "val" shard).
+        limit_bytes: the most it holds (data.val_memory_gb); 0 holds nothing.
+    """
+
+    def __init__(self, read: ValBatches, limit_bytes: int):
+        self.read = read
+        self.limit_bytes = limit_bytes
+        self.held: list[dict[str, torch.Tensor]] | None = None
+        self.too_large = limit_bytes <= 0
+
+    def __call__(self) -> Iterator[dict[str, torch.Tensor]]:
+        if self.held is not None:
+            yield from self.held  # validation_sums copies the rows it takes: the held tensors are never changed
+            return
+        held: list[dict[str, torch.Tensor]] | None = None if self.too_large else []
+        size = 0
+        for batch in self.read():
+            if held is not None:
+                size += sum(t.nbytes for t in batch.values())
+                if size > self.limit_bytes:
+                    held, self.too_large = None, True
+                    log.info(
+                        "data.val takes more than data.val_memory_gb=%.3g GB: it is read again at every validation",
+                        self.limit_bytes / 1e9,
+                    )
+                else:
+                    held.append(batch)
+            yield batch
+        self.held = held
 
 
 class Validation(OptimizerStepCallback):

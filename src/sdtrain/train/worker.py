@@ -33,7 +33,7 @@ from sdtrain.train.run_view import RunView
 from sdtrain.train.sample_grids import SampleGrids, grid_captions
 from sdtrain.train.tracker_driver import apply_tracker_env
 from sdtrain.train.train_stream import TrainStream
-from sdtrain.train.validation import Validation
+from sdtrain.train.validation import HeldValBatches, Validation
 from sdtrain.train.watchdog import StallWatch, StallWatchdog
 
 
@@ -171,11 +171,11 @@ def _fit(
     if config.data.val:
         val_shard = ray.train.get_dataset_shard("val")
 
-        def val_batches():
-            return val_shard.iter_torch_batches(
-                batch_size=layout.micro_batch, device=ray.train.torch.get_device(), pin_memory=run.pin_memory
-            )
-
+        # On the CPU: validation_sums moves only the rows this rank scores to the device.
+        val_batches = HeldValBatches(
+            lambda: val_shard.iter_torch_batches(batch_size=layout.micro_batch, device="cpu"),
+            limit_bytes=int(config.data.val_memory_gb * 1e9),
+        )
         validation = Validation(cadence, val_batches, config.train.seed, enter)
     checkpoints = CheckpointWriter(
         data_position=lambda step: plan.advance(start.data, layout.world_size, layout.rows_per_step, step - start.step),
