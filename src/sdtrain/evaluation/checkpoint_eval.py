@@ -39,6 +39,7 @@ from sdtrain.config.schema import Config
 from sdtrain.data.decode import to_array
 from sdtrain.data.parquet_files import resolve_parquet_files
 from sdtrain.errors import DataError
+from sdtrain.evaluation.eval_task import cpu_policy
 from sdtrain.evaluation.image_metrics import ClipScore, DinoFeatures, FeatureStats, InceptionFeatures, frechet_distance
 from sdtrain.evaluation.results import write_evaluation
 from sdtrain.model.encoders import load_vae
@@ -248,7 +249,6 @@ def evaluate_checkpoint(checkpoint: Any, config: dict[str, Any], run_dir: str, v
         run_dir: run.storage_path/run.name.
         vae: the VAE that decodes latents (None when no metric needs images).
     """
-    from sdtrain.evaluation.eval_task import cpu_policy
     from sdtrain.storage.filesystems import uri_for
 
     uri = uri_for(checkpoint.filesystem, checkpoint.path)
