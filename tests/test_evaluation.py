@@ -233,14 +233,28 @@ _PRIORITY_PROBE = """
 import json, os, sys, threading
 import sdtrain.evaluation.eval_task as task
 before = "torch" in sys.modules  # Ray imports the task's module before the task lowers its priority
-started = threading.Event()
+started, ending = threading.Event(), threading.Event()
 early = threading.Thread(target=started.wait, daemon=True)
 early.start()  # a thread that exists before (Ray's own threads do)
 lowered = task.lowest_cpu_priority()
 import torch
 torch.ones(512, 512) @ torch.ones(512, 512)  # starts torch's thread pool, after
+late = threading.Thread(target=ending.wait, daemon=True)
+late.start()
+threads = os.listdir("/proc/self/task")
+ending.set()
+late.join()  # a thread that ends between the listing and the query, as torch's pool threads may
+
+
+def policy(thread):
+    try:
+        return os.sched_getscheduler(int(thread))
+    except ProcessLookupError:  # it ended since the listing
+        return None
+
+
+policies = sorted({p for p in map(policy, threads) if p is not None})
 started.set()
-policies = sorted({os.sched_getscheduler(int(t)) for t in os.listdir("/proc/self/task")})
 print(json.dumps({"torch_before": before, "lowered": lowered, "policies": policies, "label": task.cpu_policy()}))
 """
 
