@@ -27,7 +27,14 @@ from sdtrain.model.unet import build_unet, noise_scheduler_config, unet_config
 from sdtrain.preprocess.tiny_models import write_tiny_clip, write_tiny_dinov2, write_tiny_inception, write_tiny_sd_model
 from sdtrain.sampling.images import decode
 from sdtrain.storage.run_layout import DATA_STATE_FILE, EVALUATION_DIR
-from sdtrain.train.evaluations import CheckpointEvaluations, awaited_results, merge_results, unevaluated_score
+from sdtrain.train.evaluations import (
+    NO_RESULT,
+    CheckpointEvaluations,
+    awaited_results,
+    final_results,
+    merge_results,
+    unevaluated_score,
+)
 from sdtrain.train.module import DiffusionModule
 
 ROWS = 12
@@ -199,17 +206,17 @@ def test_rank_0_keeps_one_evaluation_in_flight_and_skips_checkpoints_due_meanwhi
     write_evaluation(run_dir, 20, {"step": 20, "fd_dinov2": 3.5, "eval_s": 7.0, "time": 0})
     assert evaluations.collect(history) == [(20, {"fd_dinov2": 3.5, "eval_s": 7.0})]
     assert history[0]["fd_dinov2"] == 3.5 and evaluations.pending is None
-    # The final checkpoint is always asked for, behind one in flight; one that never answers stops blocking after
-    # eval.timeout_s.
+    # The final checkpoint is always asked for, behind one in flight (its task starts when that one's timeout ends,
+    # at the latest); one that never answers stops blocking after eval.timeout_s, recorded failed.
     assert evaluations.due(60, final=False) and evaluations.pending == (60, 0.0)
     history.append({"step": 60.0, "evaluation_asked": 1.0})
-    assert evaluations.due(65, final=True) and evaluations.skipped == 1 and evaluations.pending == (65, 0.0)
+    assert evaluations.due(65, final=True) and evaluations.skipped == 1 and evaluations.pending == (65, 60.0)
     history.append({"step": 65.0, "evaluation_asked": 1.0})
     clock.now = 61.0
-    assert evaluations.collect(history) == [] and evaluations.pending is None
+    assert evaluations.collect(history) == [(60, {"eval_failed": 1.0})] and evaluations.pending == (65, 60.0)
 
-    # A restart from the checkpoint of step 65: results written meanwhile for rows without them are merged; an
-    # evaluation asked for and not finished (Ray Train runs it again) is in flight.
+    # A restart from the checkpoint of step 65: results written meanwhile for rows without them are merged (60's
+    # record of no result too); none is in flight.
     write_evaluation(run_dir, 65, {"step": 65, "fd_dinov2": 2.0, "eval_s": 5.0, "time": 0})
     resumed = [
         {"step": 20.0, "evaluation_asked": 1.0},
@@ -217,8 +224,54 @@ def test_rank_0_keeps_one_evaluation_in_flight_and_skips_checkpoints_due_meanwhi
         {"step": 65.0, "evaluation_asked": 1.0, "evaluations_skipped": 1},
     ]
     again = CheckpointEvaluations(config, run_dir, clock)
-    assert again.started(resumed) == [(20, {"fd_dinov2": 3.5, "eval_s": 7.0}), (65, {"fd_dinov2": 2.0, "eval_s": 5.0})]
-    assert again.skipped == 1 and again.pending == (60, 61.0)
+    assert again.started(resumed) == [
+        (20, {"fd_dinov2": 3.5, "eval_s": 7.0}),
+        (60, {"eval_failed": 1.0}),
+        (65, {"fd_dinov2": 2.0, "eval_s": 5.0}),
+    ]
+    assert again.skipped == 1 and again.pending is None and again.awaited == {}
+
+
+def test_an_evaluation_that_never_answers_is_recorded_failed_and_blocks_nothing_after_a_restart(tmp_path):
+    """Ray Train cancels an evaluation past eval.timeout_s with force (no result file), and a killed task writes none
+    either: such a row used to stay asked for good, and every restart took it for in flight and skipped every
+    checkpoint due for up to eval.timeout_s (ranked last under checkpoint.score_attribute: fd_*)."""
+    config = tiny_config(
+        "data.train=[t]", "data.val=[v]", "eval.dinov2=d", "checkpoint.every_n_steps=10", "eval.timeout_s=60"
+    )
+    run_dir = str(tmp_path / "run")
+    clock = Clock()
+    evaluations = CheckpointEvaluations(config, run_dir, clock)
+    evaluations.started([])
+    assert evaluations.due(10, final=False)
+    history: list[dict] = [{"step": 10.0, "evaluation_asked": 1.0}]
+    clock.now = 61.0  # cancelled by Ray Train: no result file
+    assert evaluations.collect(history) == [(10, {"eval_failed": 1.0})] and evaluations.pending is None
+    recorded = read_evaluation(run_dir, 10)
+    assert recorded is not None and recorded["step"] == 10
+    assert recorded["error"].startswith(f"{NO_RESULT}; none came within eval.timeout_s=60 s"), recorded
+    assert history[0]["eval_failed"] == 1.0
+
+    # A group that restarts from the checkpoint of step 20, whose evaluation was killed with the group before it
+    # wrote anything (or timed out while no group ran): the next checkpoint due is evaluated, none is skipped.
+    resumed = [{"step": 10.0, "evaluation_asked": 1.0}, {"step": 20.0, "evaluation_asked": 1.0}]
+    again = CheckpointEvaluations(config, run_dir, clock)
+    assert again.started(resumed) == [(10, {"eval_failed": 1.0})] and again.pending is None
+    assert again.due(30, final=False) and again.skipped == 0 and again.pending == (30, 61.0)
+    resumed.append({"step": 30.0, "evaluation_asked": 1.0})
+    # 20's result, should it still come (an evaluation that ran on through the restart), goes into its row...
+    write_evaluation(run_dir, 30, {"step": 30, "fd_dinov2": 4.0, "eval_s": 3.0, "time": 0})
+    assert again.collect(resumed) == [(30, {"fd_dinov2": 4.0, "eval_s": 3.0})]
+    # ...and once no evaluation of it can still run, it is recorded failed, saying why.
+    clock.now = 122.0
+    assert again.collect(resumed) == [(20, {"eval_failed": 1.0})]
+    assert read_evaluation(run_dir, 20)["error"].startswith(NO_RESULT)  # type: ignore[index]
+    assert again.collect(resumed) == []  # once
+
+    # At the end of a run (Ray Train has waited for every evaluation), a row still without a result gets this record.
+    final = [{"step": 40.0, "evaluation_asked": 1.0}]
+    assert merge_results(final, final_results(run_dir, final)) == [(40, {"eval_failed": 1.0})]
+    assert read_evaluation(run_dir, 40)["error"].startswith(NO_RESULT)  # type: ignore[index]
 
 
 def test_an_unevaluated_checkpoint_ranks_last_for_ray_train():

@@ -42,7 +42,7 @@ from sdtrain.storage.uris import absolute
 from sdtrain.train.build import checkpoint_meta, resolve_precision
 from sdtrain.train.data_hook import PlannedStreams, committed_run, read_data_state
 from sdtrain.train.efficiency import RunTotals, run_totals
-from sdtrain.train.evaluations import awaited_results, merge_results
+from sdtrain.train.evaluations import final_results, merge_results
 from sdtrain.train.failures import StopOnDeterministicErrors, failure_message
 from sdtrain.train.memory_fit import cluster_gpu, fit_micro_batch
 from sdtrain.train.tracker_driver import check_trackers, log_evaluations, log_export, tracker_env
@@ -312,7 +312,7 @@ def finish(config: Config, result: ray.train.Result) -> RunSummary:
     history = read_history(checkpoint)
     if config.eval.enabled:
         # Evaluations that finished after their rows were saved (the final checkpoint's: Ray Train waits for it).
-        evaluated = merge_results(history, awaited_results(uri_for(checkpoint.filesystem, result.path), history))
+        evaluated = merge_results(history, final_results(uri_for(checkpoint.filesystem, result.path), history))
         log_evaluations(config, uri_for(checkpoint.filesystem, result.path), evaluated)
     labels = LossLabels(config.model.prediction_type, config.train.snr_gamma)
     outputs = write_run_outputs(history, checkpoint.filesystem, result.path, labels)

@@ -3,8 +3,12 @@ own): which checkpoints to have evaluated, and the finished evaluations' metrics
 
 At most one evaluation is in flight: a checkpoint due while one still runs is skipped (counted in
 ``evaluations_skipped``), never queued, so a slow evaluation cannot pile up work behind training; only the final
-checkpoint's waits behind the one in flight. An evaluation is in
-flight until its result file appears or eval.timeout_s has passed (Ray Train cancels it then).
+checkpoint's waits behind the one in flight. An evaluation is in flight until its result file appears or
+eval.timeout_s has passed: Ray Train then cancels it with force, so it writes nothing, and rank 0 writes its result
+(:data:`NO_RESULT`) and marks its row ``eval_failed``. After a restart, an evaluation asked for and without a result
+is awaited but not in flight (it may have been killed with the group, or have timed out while no group ran): the
+checkpoints due are evaluated, and its result goes into its row if it still comes, else it is recorded failed the same
+way once eval.timeout_s has passed.
 """
 
 from __future__ import annotations
@@ -17,12 +21,15 @@ from typing import Any
 
 from sdtrain.config.running import EVAL_METRICS, HIGHER_IS_BETTER
 from sdtrain.config.schema import Config
-from sdtrain.evaluation.results import read_evaluation
+from sdtrain.evaluation.results import read_evaluation, write_evaluation
 
 log = logging.getLogger("sdtrain")
 
 RESULT_KEYS = (*EVAL_METRICS, "eval_s")
 """What an evaluation adds to its checkpoint's row (eval_failed instead when it failed)."""
+NO_RESULT = "no result: the evaluation task ended without one (timeout or killed)"
+"""The error recorded for an evaluation asked for whose task wrote no result (Ray Train cancels one past
+eval.timeout_s with force; a task killed with its node or driver writes none either)."""
 
 
 def unevaluated_score(attribute: str | None) -> dict[str, float]:
@@ -49,18 +56,22 @@ class CheckpointEvaluations:
         self.run_dir = run_dir
         self.clock = clock
         self.pending: tuple[int, float] | None = None
-        """(step, when it was asked for) of the evaluation in flight."""
+        """(step, when its task started at the latest) of the evaluation in flight: when it was asked for; for the
+        final one, asked behind another, when that one's timeout ends."""
+        self.awaited: dict[int, float] = {}
+        """Evaluations asked for that are not in flight, by step: when to record them failed if no result came."""
         self.skipped = 0
 
     def started(self, history: list[dict[str, float]]) -> list[tuple[int, dict[str, Any]]]:
         """A worker group starts from the checkpoint whose rows are ``history``: results written since (while no
-        group ran, or after that checkpoint) go into their rows; an evaluation asked for and not finished (Ray Train
-        runs it again after a restart) is in flight. Returns the results added: (step, result)."""
+        group ran, or after that checkpoint) go into their rows; an evaluation asked for and without a result is
+        awaited, not in flight: its task may have been killed with the group, or timed out while none ran. Returns
+        the results added: (step, result)."""
         self.skipped = int(history[-1].get("evaluations_skipped", 0)) if history else 0
         added = merge_results(history, awaited_results(self.run_dir, history))
-        asked = [int(row["step"]) for row in history if row.get("evaluation_asked") and not _has_result(row)]
-        if asked:
-            self.pending = (asked[-1], self.clock())
+        # One still running (Ray Train's controller outlives a worker group) has ended by then, by its timeout.
+        deadline = self.clock() + self.timeout_s
+        self.awaited = {int(row["step"]): deadline for row in history if _awaits(row)}
         return added
 
     def due(self, step: int, final: bool) -> bool:
@@ -74,24 +85,49 @@ class CheckpointEvaluations:
                 "evaluation of step %d still running: the checkpoint of step %d is not evaluated", self.pending[0], step
             )
             return False
-        self.pending = (step, self.clock())
+        start = self.clock()
+        if self.pending is not None:  # the final one queues behind it, which is still awaited
+            self.awaited[self.pending[0]] = self.pending[1] + self.timeout_s
+            start = max(start, self.pending[1] + self.timeout_s)
+        self.pending = (step, start)
         return True
 
     def collect(self, history: list[dict[str, float]]) -> list[tuple[int, dict[str, Any]]]:
-        """The in-flight evaluation's result, if it has come, merged into its row of ``history``: (step, result)."""
-        if self.pending is None:
-            return []
-        step, asked_at = self.pending
-        result = read_evaluation(self.run_dir, step)
-        if result is None:
-            if self.clock() - asked_at > self.timeout_s:
-                log.warning(
-                    "evaluation of step %d: no result after eval.timeout_s=%s s; cancelled", step, self.timeout_s
-                )
-                self.pending = None
-            return []
-        self.pending = None
-        return merge_results(history, {step: result})
+        """The results of the evaluations awaited that have come, merged into their rows of ``history``, and the
+        record of those past eval.timeout_s without one: (step, result)."""
+        awaited = dict(self.awaited)
+        if self.pending is not None:
+            awaited[self.pending[0]] = self.pending[1] + self.timeout_s
+        results = {}
+        for step, deadline in awaited.items():
+            result = read_evaluation(self.run_dir, step)
+            if result is None and self.clock() > deadline:
+                log.warning("evaluation of step %d: no result within eval.timeout_s=%s s", step, self.timeout_s)
+                result = record_no_result(self.run_dir, step, f"none came within eval.timeout_s={self.timeout_s:g} s")
+            if result is not None:
+                results[step] = result
+                self.awaited.pop(step, None)
+                if self.pending is not None and self.pending[0] == step:
+                    self.pending = None
+        return merge_results(history, results)
+
+
+def record_no_result(run_dir: str, step: int, why: str) -> dict[str, Any]:
+    """The result of an evaluation whose task ended without writing one (:data:`NO_RESULT`), written in its place."""
+    result = {"step": step, "error": f"{NO_RESULT}; {why}", "time": time.time()}
+    write_evaluation(run_dir, step, result)
+    return result
+
+
+def final_results(run_dir: str, history: list[dict[str, float]]) -> dict[int, dict[str, Any]]:
+    """:func:`awaited_results` at the end of a run, when Ray Train has waited for every evaluation: a row still without
+    one gets the :data:`NO_RESULT` record (written), so metrics.csv says why it has no metrics."""
+    found = awaited_results(run_dir, history)
+    for row in history:
+        step = int(row["step"])
+        if _awaits(row) and step not in found:
+            found[step] = record_no_result(run_dir, step, "the run ended without it")
+    return found
 
 
 def awaited_results(run_dir: str, history: list[dict[str, float]]) -> dict[int, dict[str, Any]]:
@@ -99,7 +135,7 @@ def awaited_results(run_dir: str, history: list[dict[str, float]]) -> dict[int, 
     each, of those few (usually the last one or two), not of every evaluation the run ever made."""
     found = {}
     for row in history:
-        if row.get("evaluation_asked") and not _has_result(row):
+        if _awaits(row):
             result = read_evaluation(run_dir, int(row["step"]))
             if result is not None:
                 found[int(row["step"])] = result
@@ -128,3 +164,8 @@ def merge_results(history: list[dict[str, float]], results: dict[int, dict[str, 
 
 def _has_result(row: dict[str, Any]) -> bool:
     return "eval_s" in row or "eval_failed" in row
+
+
+def _awaits(row: dict[str, Any]) -> bool:
+    """Whether the row asked for an evaluation whose result it does not hold yet."""
+    return bool(row.get("evaluation_asked")) and not _has_result(row)
