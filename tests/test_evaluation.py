@@ -18,7 +18,7 @@ from sdtrain.artifacts.checkpoint_format import CheckpointMeta
 from sdtrain.config.loader import load_config
 from sdtrain.data.metadata import LATENT_SCALING_FACTOR, VAE_SOURCE
 from sdtrain.errors import ConfigError, DataError
-from sdtrain.evaluation.checkpoint_eval import Evaluator, evaluate_checkpoint
+from sdtrain.evaluation.checkpoint_eval import Evaluator, evaluate_checkpoint, read_eval_rows
 from sdtrain.evaluation.checks import check_evaluation
 from sdtrain.evaluation.image_metrics import DinoFeatures, FeatureStats, InceptionFeatures, frechet_distance
 from sdtrain.evaluation.results import read_evaluation, write_evaluation
@@ -155,6 +155,38 @@ def test_a_checkpoint_is_evaluated_against_reference_statistics_kept_in_the_run(
         direct.add(features(images))
         assert kept[metric].count == 8 and np.allclose(kept[metric].mean, direct.mean, atol=1e-5), metric
         assert frechet_distance(kept[metric], direct) < 1e-6, metric
+
+
+def test_the_reference_key_changes_with_the_files_content_and_the_latent_column(evaluated, tmp_path):
+    """A data.val rewritten in place, or read through another data.latent_column, used to reuse the reference
+    statistics of other images: the Frechet distance was then measured against them."""
+    table = pq.read_table(evaluated["root"] / "val" / "part-0.parquet")
+    flipped = pa.array(table.column("image_latents_256").to_pylist()[::-1], table.column("image_latents_256").type)
+    table = table.append_column("other_latents", flipped)
+    (tmp_path / "val").mkdir()
+    file = tmp_path / "val" / "part-0.parquet"
+    pq.write_table(table, file)
+    os.utime(file, ns=(1_700_000_000_000_000_000,) * 2)
+
+    def key(*overrides):
+        config = tiny_config(
+            f"data.train=[{tmp_path / 'val'}]",
+            f"data.val=[{tmp_path / 'val'}]",
+            f"eval.dinov2={evaluated['config'].eval.dinov2}",
+            "eval.num_samples=8",
+            *overrides,
+        )
+        evaluator = Evaluator(config, None, evaluated["sd"])
+        evaluator.rows = read_eval_rows(config, (4, 16, 16), (77, 32))
+        return evaluator.reference_key("fd_dinov2")
+
+    first = key()
+    assert key() == first  # what a restart reads back
+    assert key("data.latent_column=other_latents") != first
+    # The same file name and size, other rows: as a job that rewrites data.val in place leaves it.
+    pq.write_table(table.set_column(0, "image_latents_256", flipped), file)
+    os.utime(file, ns=(1_700_000_100_000_000_000,) * 2)
+    assert key() != first
 
 
 def test_an_evaluation_that_fails_writes_its_error_and_rank_0_records_it(evaluated, tmp_path, caplog):

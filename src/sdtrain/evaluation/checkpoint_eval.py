@@ -37,7 +37,7 @@ from sdtrain.artifacts.loading import LoadedModel, load_model
 from sdtrain.config.running import EVAL_METRICS
 from sdtrain.config.schema import Config
 from sdtrain.data.decode import to_array
-from sdtrain.data.parquet_files import resolve_parquet_files
+from sdtrain.data.listing import list_dataset
 from sdtrain.errors import DataError
 from sdtrain.evaluation.eval_task import cpu_policy
 from sdtrain.evaluation.image_metrics import ClipScore, DinoFeatures, FeatureStats, InceptionFeatures, frechet_distance
@@ -63,6 +63,8 @@ class EvalRows:
     """The demo's digits (its label column), for class_agreement."""
     files: list[str]
     """The files the rows came from (part of the reference statistics' key)."""
+    versions: list[tuple[int, str]]
+    """Their (size, version) as listed (the S3 ETag, or the local mtime in ns): a file rewritten in place changes it."""
 
 
 def read_eval_rows(config: Config, latent_shape: tuple[int, ...], caption_shape: tuple[int, ...]) -> EvalRows:
@@ -79,8 +81,9 @@ def read_eval_rows(config: Config, latent_shape: tuple[int, ...], caption_shape:
         columns.append(config.eval.text_column)
     if config.eval.class_agreement:
         columns.append("label")
-    tables, files, have = [], [], 0
-    for file in resolve_parquet_files(list(config.data.val), "data.val"):
+    tables, files, versions, have = [], [], [], 0
+    listing = list_dataset(list(config.data.val), "data.val")
+    for file, size, version in zip(listing.paths, listing.sizes, listing.versions, strict=True):
         fs, path = filesystem_for(file)
         with fs.open_input_file(path) as f:
             parquet = pq.ParquetFile(f)
@@ -96,6 +99,7 @@ def read_eval_rows(config: Config, latent_shape: tuple[int, ...], caption_shape:
                 if have >= want:
                     break
         files.append(file)
+        versions.append((size, version))
         if have >= want:
             break
     table = pa.concat_tables(tables)
@@ -110,6 +114,7 @@ def read_eval_rows(config: Config, latent_shape: tuple[int, ...], caption_shape:
         texts=[str(t) for t in table.column(config.eval.text_column).to_pylist()] if config.eval.clip else None,
         labels=table.column("label").to_numpy() if config.eval.class_agreement else None,
         files=files,
+        versions=versions,
     )
 
 
@@ -228,12 +233,12 @@ class Evaluator:
         return reference
 
     def reference_key(self, metric: str) -> str:
-        """What the reference statistics of ``metric`` depend on: the rows, the VAE, the feature model, the latents'
-        scaling."""
+        """What the reference statistics of ``metric`` depend on: the rows (their files' names, sizes and versions, the
+        column and how many), the VAE, the feature model, the latents' scaling."""
         assert self.rows is not None
         model = getattr(self.config.eval, EVAL_METRICS[metric])  # the feature model's source
-        what = [self.rows.files, len(self.rows.latents), self.vae_source, model]
-        what.append(self.config.data.latent_scaling_factor)
+        rows = [self.rows.files, self.rows.versions, self.config.data.latent_column, len(self.rows.latents)]
+        what = [*rows, self.vae_source, model, self.config.data.latent_scaling_factor]
         return hashlib.sha256(json.dumps(what).encode()).hexdigest()[:12]
 
 
