@@ -7,10 +7,23 @@ from pathlib import Path
 import sdtrain
 
 ROOT = Path(sdtrain.__file__).parent
-# In data-flow order; the driver (driver, cli, preflight, retrain) sits on top of everything. model (the networks:
-# the UNet, and the VAE and text encoder) comes before preprocess, which runs the encoders to write latents;
-# evaluation (image quality of checkpoints) samples with sampling's code, and training asks for it.
-LAYERS = ["errors", "storage", "config", "data", "model", "preprocess", "artifacts", "sampling", "evaluation", "train"]
+# In data-flow order; the driver (driver, cli, preflight, retrain) sits on top of everything. private (the adapters
+# of other libraries' private names) serves every layer. model (the networks: the UNet, and the VAE and text encoder)
+# comes before preprocess, which runs the encoders to write latents; evaluation (image quality of checkpoints) samples
+# with sampling's code, and training asks for it.
+LAYERS = [
+    "errors",
+    "private",
+    "storage",
+    "config",
+    "data",
+    "model",
+    "preprocess",
+    "artifacts",
+    "sampling",
+    "evaluation",
+    "train",
+]
 DRIVER = len(LAYERS)
 
 

@@ -23,13 +23,18 @@ from __future__ import annotations
 import time
 
 import ray.data
-from ray.data._internal.execution.execution_callback import ExecutionCallback
+
+from sdtrain.private import ray as ray_private
 
 ROUND_S = 0.05
 """Shortest round of the scheduling loop: at most 20 rounds a second when nothing is running."""
 
 
-class PacedScheduling(ExecutionCallback):
+# Ray Data's private base class (sdtrain.private.ray): without it, streams run unpaced.
+_CALLBACK = ray_private.execution_callback_base() or object
+
+
+class PacedScheduling(_CALLBACK):  # type: ignore[misc, valid-type]
     """Sleeps out the rest of :data:`ROUND_S` after a scheduling round that took less."""
 
     def __init__(self) -> None:
@@ -48,6 +53,6 @@ def paced(dataset: ray.data.Dataset) -> ray.data.Dataset:
     """``dataset``, executed with :class:`PacedScheduling` (the dataset's own context carries it to
     the training worker that iterates it)."""
     callbacks = dataset.context.custom_execution_callback_classes
-    if PacedScheduling not in callbacks:
+    if _CALLBACK is not object and PacedScheduling not in callbacks:
         callbacks.append(PacedScheduling)
     return dataset

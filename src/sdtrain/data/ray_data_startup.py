@@ -26,12 +26,9 @@ import time
 
 import numpy as np
 import ray.data
-from ray.data._internal.datasource.range_datasource import RangeDatasource
-from ray.data._internal.stats import STATS_ACTOR_NAME, STATS_ACTOR_NAMESPACE
 
-# Ray Data's names for its coordinator (ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator,
-# where they are literals).
-COORDINATOR_NAME = COORDINATOR_NAMESPACE = "AutoscalingCoordinator"
+from sdtrain.private import ray as ray_private
+from sdtrain.private._lookup import PrivateApiMissing
 
 log = logging.getLogger("sdtrain")
 _THREAD_NAME = "sdtrain-ray-data-warmup"
@@ -54,7 +51,11 @@ def warm_up_ray_data() -> threading.Thread | None:
 
     An optimization only: a failure is logged, never raised (the streams then pay the start-up).
     """
-    if _cluster_actors_exist():
+    try:
+        if _cluster_actors_exist():
+            return None
+    except PrivateApiMissing as error:
+        log.warning("Ray Data's start-up is left to the streams: %s", error)
         return None
     for handler in logging.getLogger("ray.data").handlers:
         if isinstance(handler, logging.StreamHandler) and _QUIET not in handler.filters:
@@ -67,7 +68,9 @@ def warm_up_ray_data() -> threading.Thread | None:
 def _cluster_actors_exist() -> bool:
     """Whether Ray Data's autoscaling coordinator and stats actor run on this cluster already."""
     named = {(actor["namespace"], actor["name"]) for actor in ray.util.list_named_actors(all_namespaces=True)}
-    return {(COORDINATOR_NAMESPACE, COORDINATOR_NAME), (STATS_ACTOR_NAMESPACE, STATS_ACTOR_NAME)} <= named
+    stats_name, stats_namespace = ray_private.data_stats_actor()
+    coordinator = (ray_private.COORDINATOR_NAMESPACE, ray_private.COORDINATOR_NAME)
+    return {coordinator, (stats_namespace, stats_name)} <= named
 
 
 def _run() -> None:
@@ -75,7 +78,7 @@ def _run() -> None:
     try:
         # One block, read and mapped in one task, as a stream's windows are (sdtrain.data.streams).
         # No CPU, as the streams' reads take none: it must not wait behind workers that hold every CPU.
-        ids = RangeDatasource(n=1, block_format="arrow", column_name="id")
+        ids = ray_private.range_datasource(1)
         dataset = ray.data.read_datasource(ids, override_num_blocks=1, num_cpus=0).map_batches(
             _import_reader, batch_size=None, num_cpus=0
         )

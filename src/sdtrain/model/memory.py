@@ -53,10 +53,9 @@ from diffusers import UNet2DConditionModel
 from diffusers.models.attention_processor import AttnProcessor2_0
 from diffusers.models.resnet import ResnetBlock2D
 from diffusers.models.transformers.transformer_2d import Transformer2DModel
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_map_only
+
+from sdtrain.private import torch as torch_private
 
 Precision = Literal["bf16-mixed", "32-true"]
 Strategy = Literal["ddp", "fsdp"]
@@ -68,9 +67,6 @@ kernels (~0.5-1 GB), cuDNN and cuBLAS workspaces, allocator fragmentation. NCCL'
 _FLOAT32 = 4
 _ADAMW_MOMENTS = 2  # exp_avg and exp_avg_sq, float32 like the master weights
 _FSDP_UNITS_IN_FLIGHT = 2  # the unit computing and the one prefetched (FSDP2's default, one unit ahead)
-# What the step holds beyond the state counted exactly: MemTracker's activations (forward), temporaries
-# (backward) and the tensors it could not attribute.
-_TRANSIENT = (_MemRefType.ACT, _MemRefType.TEMP, _MemRefType.OTH)
 
 
 @dataclass(frozen=True)
@@ -165,7 +161,7 @@ class CudaAutocastRules(TorchFunctionMode):
         kwargs = kwargs or {}
         if func not in self._FLOAT32 or not torch.is_autocast_enabled("cpu"):
             return func(*args, **kwargs)
-        args, kwargs = tree_map_only(torch.Tensor, _float32, (args, kwargs))
+        args, kwargs = torch_private.tree_map_only(torch.Tensor, _float32, (args, kwargs))
         with torch.autocast("cpu", enabled=False):
             return func(*args, **kwargs)
 
@@ -186,20 +182,6 @@ def _float32(t: torch.Tensor) -> torch.Tensor:
     return t.float() if t.is_floating_point() else t
 
 
-class _TransientTracker(MemTracker):
-    """MemTracker keeping only what the prediction needs: the peak of the transient bytes (:data:`_TRANSIENT`)
-    over the step. Its own peak bookkeeping (per module, at every op) is skipped: it would take most of the
-    trace's time. Reads MemTracker's private snapshot; torch is pinned exactly (pyproject.toml)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.transient_peak = 0
-
-    def _update_peak_stats(self, peak_state) -> None:
-        for snapshot in self._curr_mem_snap.values():
-            self.transient_peak = max(self.transient_peak, sum(snapshot[kind] for kind in _TRANSIENT))
-
-
 def _traced_activation_peak(
     unet: UNet2DConditionModel,
     latent_shape: tuple[int, int, int],
@@ -216,7 +198,7 @@ def _traced_activation_peak(
     if gradient_checkpointing:
         unet.enable_gradient_checkpointing(_checkpoint_with_cuda_rules)
     unet.train()
-    mode = FakeTensorMode()
+    mode = torch_private.fake_tensor_mode()
     with mode:
         for module in unet.modules():
             for name, param in list(module.named_parameters(recurse=False)):
@@ -224,7 +206,8 @@ def _traced_activation_peak(
                 module._parameters[name] = torch.nn.Parameter(fake, requires_grad=param.requires_grad)
             for name, buffer in list(module.named_buffers(recurse=False)):
                 module._buffers[name] = torch.empty_strided(buffer.shape, buffer.stride(), dtype=buffer.dtype)
-    tracker = _TransientTracker()
+    # MemTracker keeping the peak of the step's activations, temporaries and unattributed tensors only.
+    tracker = torch_private.transient_memory_tracker()()
     tracker.track_external(unet)
     caption_dtype = torch.bfloat16 if autocast else torch.float32  # sdtrain.train.device_settings.CAPTION_DTYPES
     forward = torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast)

@@ -15,13 +15,12 @@ import posixpath
 
 import pyarrow.fs as pafs
 import ray.train
-from ray.train.v2._internal.constants import CHECKPOINT_MANAGER_SNAPSHOT_FILENAME
-from ray.train.v2._internal.exceptions import CheckpointManagerInitializationError
 
 from sdtrain.config.schema import Config
 from sdtrain.data.read_order import DataState, resume_position
 from sdtrain.data.streams import WindowReader, rank_dataset
 from sdtrain.errors import SdtrainError
+from sdtrain.private import ray as ray_private
 from sdtrain.storage.filesystems import ray_storage
 from sdtrain.storage.run_layout import DATA_STATE_FILE
 
@@ -53,25 +52,20 @@ class PlannedStreams(ray.train.DataConfig):
         for rank in range(world_size):
             node = worker_node_ids[rank] if worker_node_ids else None
             dataset = rank_dataset(self.reader, stretches[rank], node)
-            dataset.context.execution_options = self._resolve_execution_options("train")
+            options = self.default_ingest_options()
+            options.preserve_order = True  # the plan's order is what makes resumption exact
+            dataset.context.execution_options = options
             output.append({"train": dataset.iterator()})
         return output
-
-    def _resolve_execution_options(self, dataset_name: str):
-        options = super()._resolve_execution_options(dataset_name)
-        # The training stream's order is the plan (exact resumption); validation numbers
-        # compare across runs only if every pass sees the same order.
-        options.preserve_order = True
-        return options
 
 
 def committed_run(filesystem: pafs.FileSystem | None, run_dir: str) -> ray.train.Result | None:
     """Ray Train's record of the run in ``run_dir``, if it has committed a checkpoint."""
     try:
         result = ray.train.Result.from_path(run_dir, storage_filesystem=filesystem)
-    except CheckpointManagerInitializationError as e:
+    except ray_private.checkpoint_record_error() as e:
         raise SdtrainError(
-            f"run: {run_dir}: Ray Train's record of the run's checkpoints ({CHECKPOINT_MANAGER_SNAPSHOT_FILENAME}) "
+            f"run: {run_dir}: Ray Train's record of the run's checkpoints ({ray_private.checkpoint_record_file()}) "
             f"cannot be read: {' '.join(str(e).split())[:300]}. Ray Train writes it whole, so it was damaged or cut "
             "short outside the run, or written by another Ray version. Restore it from a copy, or set "
             "run.start_fresh=true to move the run aside and start over"

@@ -22,6 +22,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from sdtrain.config.schema import TrainConfig
+from sdtrain.private import torch as torch_private
 
 DDP_KWARGS: dict[str, Any] = {
     # The module's buffers are per-rank statistics (loss sums, skipped samples), all-reduced where they are
@@ -174,7 +175,7 @@ def compile_unet(unet: torch.nn.Module, sharded: bool) -> None:
     units = fsdp_units(unet)
     # The units of one class share their forward's code, and dynamo's cache is per code object: one entry per
     # distinct input shape (static shapes: dynamic ones make inductor's CPU backend fail on the symbolic sizes).
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, len(units) + 8)
+    torch_private.raise_recompile_limit(len(units) + 8)
     for block in units:
         # An instance attribute: nn.Module.__call__ runs the FSDP hooks, then this compiled forward.
         block.forward = torch.compile(block.forward, fullgraph=True, dynamic=False)

@@ -15,6 +15,8 @@ import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from sdtrain.private import wandb as wandb_private
+
 STEP_KEY = "trainer/global_step"  # where Lightning's WandbLogger puts the trainer's step
 
 # The log's layout: a 7-byte header (":W&B", a 2-byte magic, a version byte), then LevelDB's log format:
@@ -66,14 +68,12 @@ def read_run_file(path: str) -> RunFile:
         path: the ``.wandb`` file.
     """
     from google.protobuf.message import DecodeError
-    from wandb.proto import wandb_internal_pb2
 
     with open(path, "rb") as f:
         data = f.read()
     run = RunFile(path)
     for payload in _records(data):
-        # wandb.proto re-exports the generated module of the installed protobuf version: no static type.
-        record = wandb_internal_pb2.Record()  # type: ignore[attr-defined]
+        record = wandb_private.run_file_record()
         try:
             record.ParseFromString(payload)
         except DecodeError:

@@ -20,6 +20,7 @@ from ray.train.lightning import RayDDPStrategy, prepare_trainer
 from sdtrain.config.schema import BatchLayout, Config
 from sdtrain.data.read_order import DataState, SamplePlan, resume_position
 from sdtrain.model.recipe import load_unconditional_caption
+from sdtrain.private import ray as ray_private
 from sdtrain.storage.run_layout import CHECKPOINT_FILE, DATA_STATE_FILE, HISTORY_FILE
 from sdtrain.storage.s3 import apply_s3_settings
 from sdtrain.train.build import build_training, run_device_settings
@@ -238,21 +239,18 @@ def _run_dir(config: Config) -> str:
 
 def _configure_logging() -> None:
     """Our progress lines at INFO; Lightning's start-up chatter and Ray Train's per-report lines off."""
-    from ray.train.v2._internal.execution import context as ray_train_context
-
     logging.getLogger("sdtrain").setLevel(logging.INFO)
     # Ray Train logs every report at INFO under a logger named by its file path, outside
     # "ray.train", where RunConfig's LoggingConfig does not reach.
-    logging.getLogger(ray_train_context.__file__).setLevel(logging.WARNING)
+    logging.getLogger(ray_private.report_logger_name()).setLevel(logging.WARNING)
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", message=".*LeafSpec.*")  # Lightning internals, not actionable
     # Ray Data in this worker (reading the validation set) says that progress bars are off, which the
     # driver asked for (driver._quiet_ray_data), and that the validation set does not get its own
     # per-dataset log while the training stream has one: neither is a problem (docs/observability.md).
-    logging.getLogger("ray.data._internal.progress").addFilter(
-        lambda record: not record.getMessage().startswith("Progress bars disabled")
-    )
-    logging.getLogger("ray.data._internal.logging").setLevel(logging.WARNING)
+    progress, execution = ray_private.data_logger_names()
+    logging.getLogger(progress).addFilter(lambda record: not record.getMessage().startswith("Progress bars disabled"))
+    logging.getLogger(execution).setLevel(logging.WARNING)
     # Every rank reads the validation set at each validation: a "Dataset ... execution finished" line a rank
     # each time, on the console only (Ray Data's log file keeps them).
     for handler in logging.getLogger("ray.data").handlers:
