@@ -7,14 +7,23 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 import torch
-from conftest import tiny_config
+from conftest import tiny_config, write_latents
 from diffusers import DDPMScheduler, UNet2DConditionModel
 
 from sdtrain.artifacts.registry import ModelRegistry
 from sdtrain.model.presets import PRESETS
-from sdtrain.retrain import JOB_ID_VAR, _best_served, _decide, retrain, schedule_date_for
+from sdtrain.retrain import (
+    JOB_ID_VAR,
+    _best_served,
+    _decide,
+    find_partitions,
+    new_partitions,
+    retrain,
+    schedule_date_for,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -154,6 +163,34 @@ def test_the_schedule_date_comes_from_the_config_else_the_jobs_first_attempt_els
     date, source = schedule_date_for(tiny_config(*roots), registry)
     assert date in (today, today + datetime.timedelta(days=1))  # the test may straddle midnight
     assert source == "today (UTC): retrain.date is not set and ANYSCALE_PRODJOB_ID is not either, so nothing pins it"
+
+
+def test_a_complete_partition_whose_parquet_files_hold_no_rows_is_passed_over(tmp_path):
+    """Spark writes a schema-only part-00000.parquet (and _SUCCESS) for a day without rows: that partition used to
+    count as new, and training refused "the 1 parquet file(s) hold no rows" at every retry."""
+    root = tmp_path / "daily"
+    write_latents(root / "date=2026-11-01" / "part-00000.parquet", rows=8)
+    empty = pq.read_table(root / "date=2026-11-01" / "part-00000.parquet").slice(0, 0)
+    (root / "date=2026-11-02").mkdir()
+    pq.write_table(empty, root / "date=2026-11-02" / "part-00000.parquet")
+    (root / "date=2026-11-03").mkdir()  # a day without any file
+    for day in ("01", "02", "03"):
+        (root / f"date=2026-11-{day}" / "_SUCCESS").touch()
+    found = find_partitions(str(root), datetime.date(2026, 11, 3))
+    assert new_partitions(found, []) == (["2026-11-01"], ["2026-11-02", "2026-11-03"])
+
+    # Production has seen the first day: the run for the next one trains nothing, and says why.
+    config = _rules_config(tmp_path)
+    registry = ModelRegistry(str(tmp_path / "models"))
+    manifest = {"schedule_date": "2026-11-01", "parent": None, "promoted": True, "reason": "test"}
+    manifest |= {"metrics": {"val_loss": 0.3}, "partitions_seen": ["2026-11-01"]}
+    torch.manual_seed(0)
+    first = registry.write_version(UNet2DConditionModel(**PRESETS["tiny"]), DDPMScheduler(), manifest)
+    registry.set_production(first, expected=None, kind="promote")
+    outcome = retrain(config, datetime.date(2026, 11, 2))
+    assert (outcome.status, outcome.production) == ("no-new-data", "v0001"), outcome
+    assert "passed over 1 complete partition(s) without rows: 2026-11-02" in outcome.message
+    assert not (tmp_path / "runs").exists()
 
 
 def _rules_config(tmp_path, *overrides):

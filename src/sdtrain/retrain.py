@@ -19,9 +19,12 @@ import math
 import os
 import posixpath
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import pyarrow as pa
 import pyarrow.fs as pafs
+import pyarrow.parquet as pq
 import torch
 
 from sdtrain import __version__
@@ -30,6 +33,7 @@ from sdtrain.artifacts.provenance import code_version
 from sdtrain.artifacts.registry import ModelRegistry, PointerMoved, RegistryLock
 from sdtrain.config.running import HIGHER_IS_BETTER
 from sdtrain.config.schema import Config
+from sdtrain.data.listing import list_dataset
 from sdtrain.data.local_read import iter_local_batches
 from sdtrain.data.parquet_files import resolve_parquet_files
 from sdtrain.driver import dataset_spec, train
@@ -159,16 +163,19 @@ def _retrain_locked(
     partitions = find_partitions(data_root, schedule_date, config.retrain.complete_marker)
     seen = registry.manifest(production)["partitions_seen"] if production else []
     new, empty = new_partitions(partitions, seen)
+    passed_over = f"passed over {len(empty)} complete partition(s) without rows: {', '.join(empty)}"
     if empty:
-        # A day without data: marked complete, holding nothing. Passed over and recorded as seen with the next
-        # version, rather than failing every later run on "matches no parquet files".
-        print(f"[sdtrain] passing over {len(empty)} complete partition(s) without data: {', '.join(empty)}", flush=True)
+        # A day without data: marked complete, holding no parquet file or none with rows. Passed over and recorded as
+        # seen with the next version, rather than failing every later run on "matches no parquet files" or "hold no
+        # rows".
+        print(f"[sdtrain] {passed_over}", flush=True)
     if not new:
         return RetrainOutcome(
             "no-new-data",
             None,
             production,
-            f"{day}: no partitions with data since {production or 'the start'}; nothing to train",
+            f"{day}: no partitions with data since {production or 'the start'}; nothing to train"
+            + (f" ({passed_over})" if empty else ""),
         )
     print(
         f"[sdtrain] retraining on {len(new)} new partition(s): {', '.join(new)}; production is "
@@ -245,18 +252,35 @@ def record_and_promote(registry: ModelRegistry, lock: RegistryLock, unet, schedu
 
 
 def new_partitions(partitions: dict[str, str], seen: list[str]) -> tuple[list[str], list[str]]:
-    """(dates to train on, dates to pass over as empty) among ``partitions`` not in ``seen``."""
-    new, empty = [], []
+    """(dates to train on, dates to pass over as empty) among ``partitions`` not in ``seen``: empty is no parquet
+    file, or parquet files that hold no rows (Spark writes a schema-only part file for a day without rows)."""
+    new: list[str] = []
+    empty: list[str] = []
     for date in partitions:
         if date in seen:
             continue
         try:
-            resolve_parquet_files([partitions[date]], "retrain.data_root")
+            listing = list_dataset([partitions[date]], "retrain.data_root")
         except DataError:  # complete, and no parquet file in it
             empty.append(date)
-        else:
-            new.append(date)
+            continue
+        (new if _holds_rows(listing.paths, listing.sizes) else empty).append(date)
     return new, empty
+
+
+def _holds_rows(files: list[str], sizes: Sequence[int]) -> bool:
+    """Whether any of ``files`` holds a row, by their footers, largest file first: a partition with data answers with
+    one footer, however many files it has (training's start reads them all anyway); only a day without rows, whose
+    files are schema-only and small, has each read. A footer that cannot be read counts as rows: training's data
+    check then names the file."""
+    for i in sorted(range(len(files)), key=lambda i: -sizes[i]):
+        fs, path = filesystem_for(files[i])
+        try:
+            if pq.read_metadata(path, filesystem=fs).num_rows > 0:
+                return True
+        except (OSError, pa.ArrowException):
+            return True
+    return False
 
 
 def retrain_run_name(name: str, day: str, parent: str | None, partitions: list[str]) -> str:
