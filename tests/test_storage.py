@@ -281,6 +281,7 @@ def test_credentials_in_uris_or_endpoints_are_refused_without_repeating_them(cle
         (f"run.storage_path=s3://AKIAXXXX:{SECRET}@bucket/runs", "run.storage_path"),
         (f"data.unconditional_caption=s3://AKIAXXXX:{SECRET}@bucket/empty.npy", "data.unconditional_caption"),
         (f"storage.endpoint_url=http://minio:{SECRET}@minio:9000", "storage.endpoint_url"),
+        (f"data.val=s3://AKIAXXXX:se@{SECRET}@bucket/val", "data.val[0]"),
     ]:
         with pytest.raises(ConfigError) as e:
             tiny_config("data.train=s3://bucket/data", override)
@@ -297,6 +298,64 @@ def test_credentials_in_uris_or_endpoints_are_refused_without_repeating_them(cle
         tiny_config("data.train=s3://bucket/data"),
         "from AWS_ENDPOINT_URL (http://***@127.0.0.1:9000) holds a user name or password",
     )
+
+
+@pytest.mark.parametrize(
+    "uri, shown",
+    [
+        # A secret holding '@' and '/': the separator is the last '@', and nothing before it survives.
+        ("s3://AKIAX:se@cret/x@bucket/k", "s3://***@bucket/k"),
+        (f"s3://AKIAX:{SECRET}@bucket/k", "s3://***@bucket/k"),
+        ("https://admin:p@ss@mlflow:5000", "https://***@mlflow:5000"),
+        ("https://admin:pa?ss#wd@mlflow:5000", "https://***@mlflow:5000"),
+        # Query strings and fragments: every value, whatever its name.
+        ("https://mlflow/?token=abc123", "https://mlflow/?token=***"),
+        ("https://mlflow/api?x=1&access_token=abc123;sig=abc123", "https://mlflow/api?x=***&access_token=***;sig=***"),
+        (
+            "https://b.s3.amazonaws.com/k?X-Amz-Signature=abc123&X-Amz-Credential=AKIAX",
+            "https://b.s3.amazonaws.com/k?X-Amz-Signature=***&X-Amz-Credential=***",
+        ),
+        ("https://mlflow/#access_token=abc123", "https://mlflow/#access_token=***"),
+        ("https://mlflow/?abc123", "https://mlflow/?***"),
+        # Nothing to hide: kept as they are.
+        ("s3://bucket/a@b/c.parquet", "s3://bucket/a@b/c.parquet"),
+        ("http://minio:9000", "http://minio:9000"),
+        ("data/what?token=1.parquet", "data/what?token=1.parquet"),  # a local file name, not a URI
+    ],
+)
+def test_redaction_leaves_no_character_of_a_secret(uri, shown):
+    from sdtrain.storage.uris import redact
+
+    # The whole of what is shown: no character of a secret is left over.
+    assert redact(uri) == shown
+
+
+def test_tokens_in_a_query_are_refused_naming_the_variable_to_use_instead(clean_storage_settings):
+    """The config is copied into checkpoints, tracker params, manifests and run files: a token in a URI's query
+    would land in all of them, so it is refused like a password, and the message says where it belongs."""
+    token = "tok-" + SECRET
+    for override, key, instead in [
+        (f"tracking.mlflow_tracking_uri=https://mlflow/?token={token}", "tracking.mlflow_tracking_uri", "MLFLOW"),
+        (
+            f"tracking.mlflow_tracking_uri=https://mlflow/x?a=1&access_token={token}",
+            "tracking.mlflow_tracking_uri",
+            "MLFLOW_TRACKING_TOKEN",
+        ),
+        (f"data.train=https://b.s3.amazonaws.com/k?X-Amz-Signature={token}", "data.train[0]", "AWS credential chain"),
+        (f"run.storage_path=s3://bucket/runs?secret_key={token}", "run.storage_path", "AWS credential chain"),
+        (f"model.pretrained=https://host/m?sig={token}", "model.pretrained", "AWS credential chain"),
+        (f"storage.endpoint_url=http://minio:9000/?X-Amz-Security-Token={token}", "storage.endpoint_url", "AWS"),
+    ]:
+        with pytest.raises(ConfigError) as e:
+            tiny_config("data.train=s3://bucket/data", override)
+        message = str(e.value)
+        assert message.startswith(f"{key}: ") and "=***" in message and "credential" in message, message
+        assert token not in message and "tok-" not in message and instead in message, message
+    # A query without a credential is no secret: kept.
+    config = tiny_config(
+        "data.train=s3://bucket/data", "tracking.mlflow_tracking_uri=postgresql://db/m?sslmode=require"
+    )
+    assert config.tracking.mlflow_tracking_uri.endswith("?sslmode=require")
 
 
 # --- transient faults, retried ---------------------------------------------------------------
