@@ -406,3 +406,73 @@ def test_s3_listing_in_key_ranges_from_the_index_finds_what_changed(s3_bucket, t
         assert restart.spec.files == tuple(expected)
     finally:
         client.meta.events.unregister("before-parameter-build.s3.ListObjectsV2", record)
+
+
+def _indexed_output(directory, metadata: dict, token_ids: bool = False, files: int = 2, seed: int = 0) -> list[str]:
+    """A preprocessing output: parquet files whose schema records ``metadata``, captions as embeddings or as token
+    ids (caption_ids), and the directory index beside them. Returns the files."""
+    from conftest import column
+
+    paths = []
+    for i in range(files):
+        path = directory / f"shard-{i:03d}.parquet"
+        latents, _ = write_latents(path, rows=4, seed=seed + i)
+        table = pq.read_table(path)
+        if token_ids:
+            ids = np.random.default_rng(seed + i).integers(0, 1000, (4, 77)).astype(np.int32)
+            table = pa.table({"image_latents_256": column(latents, "list"), "caption_ids": column(ids, "list")})
+        pq.write_table(table.replace_schema_metadata({**(table.schema.metadata or {}), **metadata}), path)
+        paths.append(str(path))
+    caption = "caption_ids" if token_ids else COLUMNS[1]
+    assert write_directory_index(str(directory), COLUMNS[0], caption) is not None
+    return paths
+
+
+@pytest.mark.parametrize("case", ["scaling", "text encoder"])
+def test_indexed_directories_are_held_to_each_other_as_their_footers_are(tmp_path, case):
+    """Two preprocessing outputs whose latents are scaled differently, or whose token ids are of two text encoders,
+    trained together when their rows came from their indexes (no footer read): the index records each output's
+    checked schema with its metadata, so a first start over both and a restart that adds one refuse as the footers
+    do, naming both files and the key."""
+    from sdtrain.data.metadata import TEXT_ENCODER_SOURCE, TOKEN_VOCAB_SIZE
+
+    if case == "scaling":
+        key, token_ids, caption = LATENT_SCALING_FACTOR, False, COLUMNS[1]
+        first, second, same = ({key: v} for v in ("0.18215", "0.13025", "0.18215"))
+        message = r"records latents multiplied by 0\.1(3025|8215) but .* records latents multiplied by 0\.1(3025|8215)"
+    else:
+        key, token_ids, caption = TEXT_ENCODER_SOURCE, True, "caption_ids"
+        first, second, same = ({key: v, TOKEN_VOCAB_SIZE: "1000"} for v in ("enc-a", "enc-b", "enc-a"))
+        message = r"holds token ids for the text encoder 'enc-(a|b)' but .* for 'enc-(a|b)'"
+    a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
+    files = _indexed_output(a, first, token_ids) + _indexed_output(b, second, token_ids, seed=5)
+    _indexed_output(c, same, token_ids, seed=9)
+
+    def start(specs, run):
+        data = index_dataset([str(s) for s in specs], "data.train", COLUMNS[0], caption, 4, 32, run)
+        if data.stale:
+            write_index(run, data.index)
+        return data
+
+    def refused(specs, run):
+        with pytest.raises(DataError, match=message) as error:
+            start(specs, run)
+        assert str(a) in str(error.value) and str(b) in str(error.value) and key in str(error.value)
+
+    # What the footers say, and what a start from the indexes must say too.
+    with pytest.raises(DataError, match=message):
+        inspect_dataset(files, "data.train", COLUMNS[0], caption, 4, 32)
+    refused([a, b], run_index_uri(str(tmp_path / "runs/both"), "data.train"))
+    refused([b, a], run_index_uri(str(tmp_path / "runs/both-reversed"), "data.train"))
+    # A restart that adds the other output, to a run's index with its directory sealed or listed.
+    run = run_index_uri(str(tmp_path / "runs/r"), "data.train")
+    assert start([a], run).stats.footers_read == 0
+    refused([a, b], run)
+    refused([str(a) + "/*.parquet", b], run)
+
+    # Outputs that agree train together from their indexes, on a first start and on a restart that adds one.
+    agreeing = run_index_uri(str(tmp_path / "runs/agreeing"), "data.train")
+    assert start([a, c], agreeing).stats.footers_read == 0
+    assert start([a, c], agreeing).stats.unlisted == 4
+    assert start([a], run).stats.unlisted == 2
+    assert start([a, c], run).stats.footers_read == 0

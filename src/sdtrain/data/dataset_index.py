@@ -14,8 +14,9 @@ The contract, owned here:
   job) records the values per row as a 1-tuple. For variable-size lists only their product is used.
 - **A start** (:func:`index_dataset`): read the run's index (one GET); list (on S3, key ranges cut at the
   index's paths, listed concurrently); use the run's index, else an index found beside the data: take each listed
-  file's rows from it when its size and version are unchanged; read the footers of the others (new or rewritten;
-  bounded parallelism); drop files gone; check the columns and shapes against the model from the recorded
+  file's rows from it when its size and version are unchanged (an index beside the data held to the reference
+  schema as the footers of its files would be); read the footers of the others (new or rewritten; bounded
+  parallelism); drop files gone; check the columns and shapes against the model from the recorded
   schema, without I/O. The first row is read (the finiteness check) only on a start that
   read footers (of the first of them with rows) or that has no index of its own yet.
 """
@@ -35,7 +36,14 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from sdtrain.data.inspection import CheckedSchema, DatasetSpec, check_shapes, first_row, read_footers
+from sdtrain.data.inspection import (
+    CheckedSchema,
+    DatasetSpec,
+    check_same_layouts,
+    check_shapes,
+    first_row,
+    read_footers,
+)
 from sdtrain.data.listing import (
     DIRECTORY_INDEX,
     LIST_PAGE_SIZE,
@@ -275,19 +283,6 @@ def index_dataset(
             directory_indexes[found.uri] = read_index(found.uri, found.base)
         return directory_indexes[found.uri]
 
-    reference: DatasetIndex | None = None
-
-    def usable(index: DatasetIndex) -> bool:
-        """Checked with these columns, and storing them as the reference does."""
-        if (index.checked.image_column, index.checked.caption_column) != columns:
-            return False
-        if reference is None or index is reference:
-            return True
-        try:
-            return index.checked.layouts(key) == reference.checked.layouts(key)
-        except DataError:
-            return False
-
     rows = np.zeros(n, np.int64)
     unknown_rows = np.ones(n, bool)
     for spec, part, (start, count) in zip(specs, parts, placed, strict=True):
@@ -298,25 +293,8 @@ def index_dataset(
     to_read = np.flatnonzero(unknown_rows).tolist()
     del unknown_rows
     # The run's own index first (one GET); an index beside the data only for what it leaves unknown.
-    for index in _candidates(own, listing, directory_index):
-        if not usable(index):
-            continue
-        reference = reference or index
-        if not to_read:
-            break
-        entries = zip(index.paths, index.sizes, index.versions, index.rows, strict=True)
-        known = {path: (int(size), version, int(n)) for path, size, version, n in entries}
-        unknown = []
-        for i in to_read:
-            entry = known.get(listing.paths[i])
-            if entry is not None and entry[0] == listing.sizes[i] and entry[1] == listing.versions[i]:
-                rows[i] = entry[2]
-            else:
-                unknown.append(i)
-        to_read = unknown
-        del known
-        if not to_read:
-            break
+    candidates = _candidates(own, listing, directory_index)
+    to_read, reference = _rows_from_indexes(candidates, listing, rows, to_read, key, columns)
     # The run's index as it was, every file taken from it in its order: nothing dropped, the same content digest.
     as_before = (
         own is not None
@@ -415,6 +393,46 @@ def _read_footers(
         print(f"[sdtrain] {key}: read {done}/{total} footers", flush=True)
 
     return read_footers(files, key, image_column, caption_column, reference, progress if len(files) >= 1000 else None)
+
+
+def _rows_from_indexes(
+    candidates: Iterator[DatasetIndex],
+    listing: Listing,
+    rows: np.ndarray,
+    to_read: list[int],
+    key: str,
+    columns: tuple[str, str],
+) -> tuple[list[int], DatasetIndex | None]:
+    """Fill in ``rows`` of the files ``to_read`` that an index records at the size and version listed; return the
+    files left to read and the reference: the first index checked with the data's columns (the run's own, else
+    the first beside the data). An index some of whose files still stand records the schema they were checked
+    with, so it is held to the reference as their footers would be (layouts, latent scaling, text encoder): a
+    mixed dataset is refused, not trained with the reference's metadata."""
+    reference: DatasetIndex | None = None
+    for index in candidates:
+        if (index.checked.image_column, index.checked.caption_column) != columns:
+            continue
+        reference = reference or index
+        if not to_read:
+            break
+        entries = zip(index.paths, index.sizes, index.versions, index.rows, strict=True)
+        known = {path: (int(size), version, int(n)) for path, size, version, n in entries}
+        found, unknown = [], []
+        for i in to_read:
+            entry = known.get(listing.paths[i])
+            if entry is not None and entry[0] == listing.sizes[i] and entry[1] == listing.versions[i]:
+                found.append((i, entry[2]))
+            else:
+                unknown.append(i)
+        del known
+        if found and index is not reference:
+            check_same_layouts(key, index.checked.file, index.checked.schema, reference.checked)
+        for i, num_rows in found:
+            rows[i] = num_rows
+        to_read = unknown
+        if not to_read:  # the next index beside the data is not read
+            break
+    return to_read, reference
 
 
 def _candidates(
