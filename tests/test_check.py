@@ -6,9 +6,9 @@ import re
 import pytest
 from conftest import committed_checkpoints, write_latents
 
+from sdtrain.check import CheckReport, phase_config
 from sdtrain.cli import check_main
-
-pytestmark = pytest.mark.slow  # two short Ray Train runs
+from sdtrain.config.loader import load_config
 
 
 def _args(tmp_path, *extra):
@@ -33,6 +33,32 @@ def _args(tmp_path, *extra):
     ]
 
 
+def test_the_checks_phases_run_without_evaluation_and_its_table_says_so(tmp_path):
+    """Ray Train waits for the final checkpoint's evaluation before a run ends: a phase of an eval-enabled config took
+    up to twice eval.timeout_s (an hour each by default) beside its few minutes of training."""
+    evaluated = [
+        f"data.train={tmp_path}/train",
+        f"data.val={tmp_path}/val",
+        "eval.dinov2=/models/dinov2",
+        "eval.clip=/models/clip",
+        "checkpoint.score_attribute=fd_dinov2",
+        "retrain.metric=clip_score",
+        "scaling.num_workers=[1,2]",
+    ]
+    for workers in (1, 2):
+        phase = phase_config(None, evaluated, workers, steps=8)
+        assert not phase.eval.enabled and phase.eval.metrics == [], phase.eval
+        assert phase.checkpoint.score_attribute is None and phase.retrain.metric == "val_loss"
+    table = CheckReport(load_config(None, [*evaluated, "eval.inception=/i.pt"]), [], None, None, None).table()
+    assert any(
+        line.startswith("evaluation: off in the check's phases (the run evaluates fd_dinov2, fd_inception, clip_score)")
+        for line in table
+    ), table
+    plain = CheckReport(load_config(None, evaluated[:1]), [], None, None, None).table()
+    assert not any(line.startswith("evaluation") for line in plain)
+
+
+@pytest.mark.slow  # two short Ray Train runs
 @pytest.mark.timeout(400)
 def test_the_check_trains_on_one_worker_then_all_and_reports_what_it_measured(ray_cluster, tmp_path, capsys):
     write_latents(tmp_path / "train/a.parquet", rows=64, seed=1)
@@ -64,6 +90,7 @@ def test_the_check_trains_on_one_worker_then_all_and_reports_what_it_measured(ra
     assert not (tmp_path / "runs/mine").exists()
 
 
+@pytest.mark.slow  # two short Ray Train runs
 def test_a_phase_that_fails_is_reported_and_the_check_exits_1(ray_cluster, tmp_path, capsys):
     write_latents(tmp_path / "train/a.parquet", rows=64, caption_shape=(77, 16), seed=1)  # the tiny UNet wants 32
     assert check_main(_args(tmp_path), default_config=None) == 1

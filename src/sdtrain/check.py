@@ -6,7 +6,8 @@ fragmentation: ../shared/GPU.md) is measured here.
     python entrypoints/check.py --config configs/small.yaml            # on the cluster (check_job.yaml)
 
 Each phase is its own short run under ``<run.storage_path>/checks/``, compiled (train.compile: the fast path) unless
-``--eager``, with a checkpoint halfway (its stall is measured) and no export or trackers. The one-GPU phase trains
+``--eager``, with a checkpoint halfway (its stall is measured) and no export, trackers or evaluation (Ray Train would
+wait for the final checkpoint's evaluation: up to twice eval.timeout_s). The one-GPU phase trains
 the per-GPU batch of the full run (train.global_batch_size / the most workers), so its images/s per GPU against the
 full run's is the share of a step the full run loses to communication. Exit 1 if any phase failed.
 """
@@ -19,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from sdtrain.config.loader import load_config
+from sdtrain.config.running import EVAL_METRICS
 from sdtrain.config.schema import Config
 from sdtrain.train.reporting import format_duration
 
@@ -91,6 +93,11 @@ class CheckReport:
                 f"{_figure(phase.peak_memory_gb, '.2f'):>10} ({_figure(phase.predicted_memory_gb, '.2f')})"
             )
         lines += [f"{phase.name} failed: {phase.error}" for phase in self.phases if phase.error]
+        if self.config.eval.enabled:
+            lines.append(
+                f"evaluation: off in the check's phases (the run evaluates {', '.join(self.config.eval.metrics)}), "
+                "whose ends would wait for their final checkpoint's evaluation"
+            )
         lines.append(f"communication: {_figure(self.communication_share, '.1%')} of the full run's step")
         if self.projected_hours is not None:
             steps = self.config.train.max_steps
@@ -120,23 +127,8 @@ def check(config_file: str | None, overrides: Sequence[str], steps: int = 40, co
     stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
     phases = []
     for workers in sorted({1, most}):
-        # The one-GPU phase trains one GPU's share of the full run's batch: the same work per GPU and step.
-        batch = config.train.global_batch_size * workers // most
-        phase_overrides = [
-            *overrides,
-            f"run.name={config.run.name}-check-{stamp}-{workers}w",
-            f"run.storage_path={config.run.storage_path.rstrip('/')}/checks",
-            f"run.log_every_n_steps={max(1, steps // 4)}",
-            f"train.max_steps={steps}",
-            f"train.global_batch_size={batch}",
-            f"scaling.num_workers={workers}",
-            f"checkpoint.every_n_steps={max(1, steps // 2)}",
-            "checkpoint.num_to_keep=null",
-            "export.enabled=false",
-            "tracking.trackers=[]",
-            *(["train.compile=true"] if compile_unet else []),
-        ]
-        phases.append(_run_phase(load_config(config_file, phase_overrides), workers))
+        phase = phase_config(config_file, overrides, workers, steps, compile_unet, stamp)
+        phases.append(_run_phase(phase, workers))
     one, full = phases[0], phases[-1]
     share = None
     if len(phases) > 1 and one.images_per_s_per_gpu and full.images_per_s_per_gpu:
@@ -147,6 +139,53 @@ def check(config_file: str | None, overrides: Sequence[str], steps: int = 40, co
         if config.run.gpu_hour_cost is not None:
             cost = hours * most * config.run.gpu_hour_cost
     return CheckReport(config, phases, share, hours, cost)
+
+
+def phase_config(
+    config_file: str | None,
+    overrides: Sequence[str],
+    workers: int,
+    steps: int = 40,
+    compile_unet: bool = True,
+    stamp: str = "T",
+) -> Config:
+    """The config of the check's phase on ``workers`` workers: ``steps`` steps of the configured run's per-GPU work,
+    as its own run under ``<run.storage_path>/checks/``, checkpointed halfway, without export or trackers."""
+    config = load_config(config_file, overrides)
+    most = config.scaling.max_workers
+    # The one-GPU phase trains one GPU's share of the full run's batch: the same work per GPU and step.
+    batch = config.train.global_batch_size * workers // most
+    phase_overrides = [
+        *overrides,
+        f"run.name={config.run.name}-check-{stamp}-{workers}w",
+        f"run.storage_path={config.run.storage_path.rstrip('/')}/checks",
+        f"run.log_every_n_steps={max(1, steps // 4)}",
+        f"train.max_steps={steps}",
+        f"train.global_batch_size={batch}",
+        f"scaling.num_workers={workers}",
+        f"checkpoint.every_n_steps={max(1, steps // 2)}",
+        "checkpoint.num_to_keep=null",
+        "export.enabled=false",
+        "tracking.trackers=[]",
+        *(["train.compile=true"] if compile_unet else []),
+        *_without_evaluation(config),
+    ]
+    return load_config(config_file, phase_overrides)
+
+
+def _without_evaluation(config: Config) -> list[str]:
+    """Overrides that turn eval off: Ray Train waits for the final checkpoint's evaluation before a run ends, which
+    would add up to twice eval.timeout_s to a phase of a few minutes; the keys that rank by an eval metric go back to
+    their defaults."""
+    if not config.eval.enabled:
+        return []
+    off = [f"eval.{key}=null" for key in sorted(set(EVAL_METRICS.values()) - {"class_agreement"})]
+    off.append("eval.class_agreement=false")
+    if config.checkpoint.score_attribute in EVAL_METRICS:
+        off.append("checkpoint.score_attribute=null")
+    if config.retrain.metric in EVAL_METRICS:
+        off.append("retrain.metric=val_loss")
+    return off
 
 
 def _run_phase(config: Config, workers: int) -> Phase:
