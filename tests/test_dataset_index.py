@@ -476,3 +476,49 @@ def test_indexed_directories_are_held_to_each_other_as_their_footers_are(tmp_pat
     assert start([a, c], agreeing).stats.unlisted == 4
     assert start([a], run).stats.unlisted == 2
     assert start([a, c], run).stats.footers_read == 0
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda meta: meta.pop("image_column"),
+        lambda meta: meta.pop("schema_file"),
+        lambda meta: meta.update(latent_shape=5),
+        lambda meta: meta.update(sealed=[{"spec": "x"}]),
+        lambda meta: meta.update(
+            sealed=[{"spec": "x", "index_uri": "y", "size": 1, "version": "v", "start": "0", "count": 1}]
+        ),
+        lambda meta: meta.update(caption_shape=None),
+        lambda meta: meta.update(caption_column=["caption_latents"]),
+    ],
+    ids=[
+        "no image_column",
+        "no schema_file",
+        "latent_shape an int",
+        "sealed incomplete",
+        "sealed start a string",
+        "caption_shape null",
+        "caption_column a list",
+    ],
+)
+def test_an_index_of_this_format_missing_or_mistyping_a_key_is_read_past_to_the_footers(tmp_path, capsys, damage):
+    """read_index parsed the metadata after its guarded block: an index of format 1 missing a key crashed the
+    start with a KeyError or TypeError instead of reading the footers, as an unreadable index does."""
+    import json
+
+    data_dir = tmp_path / "data"
+    for i in range(2):
+        write_latents(data_dir / f"{i}.parquet", rows=3 + i, seed=i)
+    index_uri = run_index_uri(str(tmp_path / "runs/r"), "data.train")
+    _start_and_write([data_dir], index_uri)
+    table = pq.read_table(index_uri)
+    meta = json.loads(table.schema.metadata[b"sdtrain.dataset_index"])
+    damage(meta)
+    metadata = {**table.schema.metadata, b"sdtrain.dataset_index": json.dumps(meta).encode()}
+    pq.write_table(table.replace_schema_metadata(metadata), index_uri)
+    capsys.readouterr()
+
+    assert read_index(index_uri) is None
+    assert f"the dataset index {index_uri} cannot be read" in capsys.readouterr().out
+    restart = _start([data_dir], index_uri)
+    assert (restart.stats.footers_read, restart.stale, restart.spec.rows_per_file) == (2, True, (3, 4))

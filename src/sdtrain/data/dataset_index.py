@@ -31,6 +31,7 @@ import posixpath
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -151,7 +152,8 @@ def write_index(uri: str, index: DatasetIndex, relative_to: str | None = None) -
 
 def read_index(uri: str, base: str | None = None) -> DatasetIndex | None:
     """The index at ``uri`` in one read (one GET on S3), or None if there is none or it cannot be used (another
-    format, unreadable: the footers are read instead). ``base``: the directory a relative index is under."""
+    format, unreadable, a key missing or of another type: the footers are read instead). ``base``: the directory a
+    relative index is under."""
     data = _read_object(uri)
     if data is None:
         return None
@@ -159,27 +161,65 @@ def read_index(uri: str, base: str | None = None) -> DatasetIndex | None:
         table = pq.read_table(io.BytesIO(data))
         metadata = table.schema.metadata or {}
         meta = json.loads(metadata[_META])
+        if not isinstance(meta, dict):
+            raise TypeError(f"its metadata is a {type(meta).__name__}, not an object")
         if meta.get("format") != INDEX_FORMAT:
             return None
-        schema = pa.ipc.read_schema(pa.py_buffer(base64.b64decode(metadata[_SCHEMA])))
-    except (OSError, KeyError, ValueError, pa.ArrowException) as e:
-        print(f"[sdtrain] the dataset index {uri} cannot be read ({e}); reading the footers instead", flush=True)
+        return _parsed_index(table, meta, metadata[_SCHEMA], uri, base)
+    except (OSError, KeyError, ValueError, TypeError, pa.ArrowException) as e:
+        # Anything short of a whole index costs this start its footers, never the start itself.
+        reason = f"{type(e).__name__}: {e}" if isinstance(e, KeyError | TypeError) else str(e)
+        print(f"[sdtrain] the dataset index {uri} cannot be read ({reason}); reading the footers instead", flush=True)
         return None
+
+
+def _parsed_index(table: pa.Table, meta: dict, schema: bytes, uri: str, base: str | None) -> DatasetIndex:
+    """The index ``table`` holds, its metadata ``meta``; a KeyError, TypeError or ValueError for any field missing
+    or of another type."""
+    relative = _typed(meta, "relative", bool, False)
     paths = table.column("path").to_pylist()
-    if meta.get("relative"):
+    if relative:
         root = (base if base is not None else posixpath.dirname(uri)).rstrip("/")
         paths = [_join(root, p) for p in paths]
+    checked = CheckedSchema(
+        _typed(meta, "schema_file", str),
+        pa.ipc.read_schema(pa.py_buffer(base64.b64decode(schema))),
+        _typed(meta, "image_column", str),
+        _typed(meta, "caption_column", str),
+    )
+    sealed = _typed(meta, "sealed", list, [])
     return DatasetIndex(
         paths=paths,
         sizes=table.column("size").to_numpy(),
         versions=table.column("version").to_pylist(),
         rows=table.column("rows").to_numpy(),
-        checked=CheckedSchema(meta["schema_file"], schema, meta["image_column"], meta["caption_column"]),
-        latent_shape=tuple(meta["latent_shape"]),
-        caption_shape=tuple(meta["caption_shape"]),
-        sealed=() if meta.get("relative") else tuple(SealedDirectory(**d) for d in meta.get("sealed", ())),
-        content_digest="" if meta.get("relative") else str(meta.get("content_digest", "")),
+        checked=checked,
+        latent_shape=_shape(meta, "latent_shape"),
+        caption_shape=_shape(meta, "caption_shape"),
+        sealed=() if relative else tuple(_sealed_directory(entry) for entry in sealed),
+        content_digest="" if relative else _typed(meta, "content_digest", str, ""),
     )
+
+
+_REQUIRED = object()
+
+
+def _typed(meta: dict, key: str, kind: type, default: Any = _REQUIRED) -> Any:
+    value = meta[key] if default is _REQUIRED else meta.get(key, default)
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise TypeError(f"{key} is {value!r}, not a {kind.__name__}")
+    return value
+
+
+def _sealed_directory(entry: Any) -> SealedDirectory:
+    if not isinstance(entry, dict):
+        raise TypeError(f"a sealed directory is {entry!r}, not an object")
+    kinds = {"spec": str, "index_uri": str, "size": int, "version": str, "start": int, "count": int}
+    return SealedDirectory(**{key: _typed(entry, key, kind) for key, kind in kinds.items()})
+
+
+def _shape(meta: dict, key: str) -> tuple[int, ...]:
+    return tuple(_typed({key: v}, key, int) for v in _typed(meta, key, list))
 
 
 def _read_object(uri: str) -> bytes | None:
