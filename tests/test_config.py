@@ -75,7 +75,7 @@ def test_round_trip_through_dict():
         (BASE + ["scaling.num_workers=[1,2,3]"], r"scaling\.num_workers: as a list must be \[min, max\]"),
         (BASE + ["scaling.num_workers=two"], r"scaling\.num_workers: expected int \| list of int"),
         (BASE + ["scaling.use_gpu=maybe"], r"scaling\.use_gpu: expected auto \| bool, got 'maybe'"),
-        (BASE + ["scaling.cpus_per_worker=0"], r"scaling\.cpus_per_worker: must be > 0 or auto"),
+        (BASE + ["scaling.cpus_per_worker=0"], r"scaling\.cpus_per_worker: must be auto or in \[0\.0001, "),
         (BASE + ["run.name=my run/1"], r"run\.name: must be letters, digits"),
         (BASE + ["checkpoint.every_n_steps=0"], r"checkpoint\.every_n_steps: must be >= 1"),
         (BASE + ["run.log_every_n_steps=0"], r"run\.log_every_n_steps: must be >= 1"),
@@ -181,7 +181,7 @@ def test_batch_layout_keeps_the_global_batch_at_every_world_size():
             r"train\.channels_last: cannot be used with train\.strategy=fsdp",
         ),
         (["train.precision=16-mixed", "scaling.use_gpu=false"], r"train\.precision: 16-mixed needs GPUs"),
-        (["train.ddp_bucket_mb=0"], r"train\.ddp_bucket_mb: must be >= 1 \(MiB\), got 0"),
+        (["train.ddp_bucket_mb=0"], r"train\.ddp_bucket_mb: must be in \[1, 1048576\] MiB, got 0"),
         (["train.gradient_compression=fp16"], r"train\.gradient_compression: must be one of none, bf16"),
         (["train.fsdp_param_dtype=float16"], r"train\.fsdp_param_dtype: must be one of auto, float32, bfloat16"),
         (
@@ -371,6 +371,35 @@ def test_every_numeric_key_refuses_non_finite_and_negative_values_naming_the_key
                     load(f"{key}={value}")
                 checked += 1
     assert checked > 50  # every section's numbers, not an empty walk
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        # int(val_memory_gb * 1e9) in each worker: an OverflowError there, after Ray started.
+        ("data.val_memory_gb=1e300", r"data\.val_memory_gb: must be in \[0, 1000000\] GB, got 1e\+300$"),
+        # bucket_cap_mb * 2**20 bytes, a C++ int64 in DDP's reducer: a TypeError in each worker.
+        (
+            "train.ddp_bucket_mb=10000000000000",
+            r"train\.ddp_bucket_mb: must be in \[1, 1048576\] MiB, got 10000000000000$",
+        ),
+        # Ray counts resources in integers of 0.0001: a finer fraction is refused when the task is submitted.
+        ("scaling.cpus_per_worker=0.00001", r"scaling\.cpus_per_worker: must be auto or in \[0\.0001, 1000000\]"),
+        ("scaling.cpus_per_worker=1e300", r"scaling\.cpus_per_worker: must be .* got 1e\+300$"),
+        ("eval.num_cpus=0.00001", r"eval\.num_cpus: must be 0 or in \[0\.0001, 1000000\], got 1e-05$"),
+        ("eval.num_gpus=1e300", r"eval\.num_gpus: must be 0 or in \[0\.0001, 1000000\], got 1e\+300$"),
+    ],
+)
+def test_numbers_a_worker_converts_are_bounded_naming_the_key_value_and_range(override, message):
+    """Numbers that a worker, DDP or Ray turns into integers (bytes, resource units) fail there when out of their
+    range, after Ray started: the config refuses them first."""
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [*BASE, override])
+    key = override.partition("=")[0]
+    section, name = key.split(".")
+    highest = {"data.val_memory_gb": 1e6, "train.ddp_bucket_mb": 2**20}.get(key, 1e6)
+    config = load_config(None, [*BASE, f"{key}={highest}"])  # the bounds themselves are allowed
+    assert getattr(getattr(config, section), name) == highest
 
 
 def test_renamed_keys_keep_working_for_a_release_with_a_one_line_notice(tmp_path, capsys):

@@ -26,6 +26,14 @@ class Section:
     def _fail(self, key: str, message: str) -> typing.NoReturn:
         raise ConfigError(f"{self.section}.{key}: {message}")
 
+    def _within(self, key: str, low: float, high: float, unit: str = "", also: str = "") -> None:
+        """Refuse the number ``key`` outside [low, high], naming its value and the range; ``also`` is what else is
+        allowed (``0``, ``auto``), which the caller checks. Not a number (None, auto): nothing to check."""
+        value = getattr(self, key)
+        if isinstance(value, (int, float)) and not low <= value <= high:
+            allowed = f"{also + ' or ' if also else ''}in [{_shown(low)}, {_shown(high)}]{' ' + unit if unit else ''}"
+            self._fail(key, f"must be {allowed}, got {_shown(value)}")
+
 
 Tree = TypeVar("Tree", bound="ConfigTree")
 
@@ -163,6 +171,13 @@ def type_name(tp: Any) -> str:
     if origin is dict:
         return "mapping"
     return getattr(tp, "__name__", str(tp))
+
+
+def _shown(number: float) -> str:
+    """A number as a message shows it: 1000000 rather than 1e+06, 1e+300 rather than 301 digits."""
+    if isinstance(number, int) or (number.is_integer() and abs(number) < 1e15):
+        return str(int(number))
+    return f"{number:g}"
 
 
 def suggest(key: str, choices: typing.Iterable[str]) -> str:

@@ -71,8 +71,7 @@ class DataConfig(Section):
                 self._fail(key, f"must be >= 1, got {getattr(self, key)}")
         if self.prefetch_batches < 0:
             self._fail("prefetch_batches", f"must be >= 0, got {self.prefetch_batches}")
-        if not self.val_memory_gb >= 0:
-            self._fail("val_memory_gb", f"must be >= 0, got {self.val_memory_gb}")
+        self._within("val_memory_gb", 0, 1e6, "GB")  # a worker holds int(GB * 1e9) bytes: no overflow
         if self.reads_per_worker < 1:
             self._fail("reads_per_worker", f"must be >= 1, got {self.reads_per_worker}")
         for key in ("latent_column", "caption_column"):
@@ -220,8 +219,8 @@ class TrainConfig(Section):
                 "cannot be used with train.strategy=fsdp: FSDP2 shards only contiguous parameters (torch: "
                 '"FSDP does not support non-contiguous parameters"); turn one of them off',
             )
-        if self.ddp_bucket_mb < 1:
-            self._fail("ddp_bucket_mb", f"must be >= 1 (MiB), got {self.ddp_bucket_mb}")
+        # DDP's reducer takes the bytes as a C++ int64; 1 TiB holds any model's gradients in one bucket.
+        self._within("ddp_bucket_mb", 1, 2**20, "MiB")
         if self.strategy != "fsdp" and self.fsdp_param_dtype != "auto":
             self._fail(
                 "fsdp_param_dtype",

@@ -23,6 +23,9 @@ EVAL_METRICS = {
     "class_agreement": "class_agreement",
 }
 """Each metric an evaluation can report, and the eval key that turns it on."""
+RESOURCE_RANGE = (1e-4, 1e6)
+"""CPUs or GPUs a Ray task or worker may ask for: Ray counts them in integers of 0.0001 and refuses a finer fraction
+when the task is submitted (an evaluation's, after training started); no node has a million."""
 HIGHER_IS_BETTER = ("clip_score", "class_agreement")
 """The eval metrics whose higher values are better (the Frechet distances are better lower)."""
 
@@ -50,8 +53,7 @@ class ScalingConfig(Section):
                 self._fail("num_workers", f"as a list must be [min, max] with 1 <= min <= max, got {self.num_workers}")
         elif self.num_workers < 1:
             self._fail("num_workers", f"must be >= 1, got {self.num_workers}")
-        if self.cpus_per_worker != "auto" and not self.cpus_per_worker > 0:
-            self._fail("cpus_per_worker", f"must be > 0 or auto, got {self.cpus_per_worker}")
+        self._within("cpus_per_worker", *RESOURCE_RANGE, also="auto")
         if not self.resize_check_s > 0:
             self._fail("resize_check_s", f"must be > 0 seconds, got {self.resize_check_s}")
 
@@ -238,8 +240,9 @@ class EvalConfig(Section):
         for metric in ("fd_dinov2", "fd_inception"):
             if metric in self.metrics and self.num_samples < 2:
                 self._fail("num_samples", f"must be >= 2 for {metric} (a covariance), got {self.num_samples}")
-        if self.num_cpus < 0 or self.num_gpus < 0:
-            self._fail("num_cpus" if self.num_cpus < 0 else "num_gpus", "must be >= 0")
+        for key in ("num_cpus", "num_gpus"):
+            if getattr(self, key) != 0:
+                self._within(key, *RESOURCE_RANGE, also="0")
         if not self.timeout_s > 0:
             self._fail("timeout_s", f"must be > 0, got {self.timeout_s}")
         if not self.text_column:
