@@ -356,3 +356,38 @@ def test_non_finite_held_out_rows_are_a_data_error_naming_the_file_and_row_not_a
         pa.table({"image_latents_256": column(latents, "list"), "caption_latents": column(captions, "list")}), path
     )
     assert sum(len(b["latents"]) for b in iter_local_batches(spec, DataConfig(train=["x"]), 32)) == 80
+
+
+def test_a_fresh_start_is_checked_against_its_data_not_the_old_runs_index(tmp_path):
+    """check_run read the run's dataset index before run.start_fresh set the old run aside: data re-encoded with
+    another VAE since was refused against the old run's index, naming one file twice. The old run is set aside
+    first, whole; the fresh start reads the footers and records the new scaling."""
+    import os
+
+    from conftest import tiny_config
+
+    from sdtrain.driver import check_run
+
+    def encode(factor: bytes) -> None:
+        for i, name in enumerate("ab"):
+            path = tmp_path / "data" / f"{name}.parquet"
+            write_latents(path, rows=8, seed=i)
+            table = pq.read_table(path)
+            pq.write_table(table.replace_schema_metadata({LATENT_SCALING_FACTOR.encode(): factor}), path)
+            os.utime(path, ns=(0, (int(factor[-2:]) + i) * 10**9))  # another version, whatever the clock
+
+    encode(b"0.18215")
+    options = [f"data.train={tmp_path}/data"]
+    first = check_run(tiny_config(*options, tmp_path=tmp_path, name="r", batch=4))
+    assert first.stored_scale == pytest.approx(0.18215)
+    old_index = tmp_path / "runs/r/dataset_index/train.parquet"
+    recorded = old_index.read_bytes()
+
+    encode(b"0.13025")
+    fresh = check_run(tiny_config(*options, "run.start_fresh=true", tmp_path=tmp_path, name="r", batch=4))
+    assert fresh.stored_scale == pytest.approx(0.13025) and fresh.committed is None
+    (aside,) = (tmp_path / "runs").glob("r.replaced-*")
+    assert (aside / "dataset_index/train.parquet").read_bytes() == recorded  # moved whole, not rewritten
+    assert old_index.read_bytes() != recorded
+    restart = check_run(tiny_config(*options, tmp_path=tmp_path, name="r", batch=4))
+    assert restart.stored_scale == pytest.approx(0.13025)

@@ -111,12 +111,18 @@ class CheckedRun:
 def check_run(config: Config) -> CheckedRun:
     """Storage, trackers, the data against the model, and the run's own state: every check before Ray starts.
 
-    Writes only the run's dataset index (when it changed) and, with run.start_fresh, moves the old run aside.
+    Writes only the run's dataset index (when it changed) and, with run.start_fresh, moves the old run aside first.
     """
     config = _with_absolute_paths(config)
     preflight(config)  # object storage: endpoint, credentials, buckets, permissions (sdtrain.preflight)
     check_trackers(config)
     run_dir = posixpath.join(config.run.storage_path, config.run.name)
+    if config.run.start_fresh:
+        # Before the data check: the old run's dataset index describes the data it trained on, not this data. Only
+        # moved, so a fresh start whose check then fails has lost nothing.
+        replaced = set_aside(run_dir)
+        if replaced:
+            print(f"[sdtrain] run.start_fresh: moved the previous run to {replaced}", flush=True)
     train_data, val_data, stored_scale = _check_data(config, run_dir)
     train_spec = train_data.spec
     plan = SamplePlan(
@@ -127,13 +133,8 @@ def check_run(config: Config) -> CheckedRun:
         files_digest(train_spec.files),
         train_spec.content_digest,
     )
-    replaced = None
-    if config.run.start_fresh:
-        replaced = set_aside(run_dir)
-        if replaced:
-            print(f"[sdtrain] run.start_fresh: moved the previous run to {replaced}", flush=True)
     for key, data in (("data.train", train_data), ("data.val", val_data)):
-        if data is not None and (data.stale or replaced):
+        if data is not None and data.stale:
             write_index(run_index_uri(run_dir, key), data.index)
     val_spec = val_data.spec if val_data is not None else None
     run = CheckedRun(config, run_dir, train_spec, val_spec, plan, stored_scale, committed_run(*ray_storage(run_dir)))
