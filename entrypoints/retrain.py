@@ -6,7 +6,7 @@ model, warm-started from it, and promote the result only if it is at least as go
     python entrypoints/retrain.py --rollback [vNNNN] [--reason TEXT] retrain.models_root=...
 Running twice for the same date does not train twice. Without retrain.date, the retries of an Anyscale
 job keep its first attempt's date. One run at a time: a run that finds <models_root>/retrain.lock held
-exits 2 at once (docs/retraining.md). --rollback moves production back (default: to the latest other
+exits 75 at once (busy: try later; docs/retraining.md). --rollback moves production back (default: to the latest other
 version it named and was not rolled back from) under the same lock, recorded in the pointer log, so
 no later run promotes the version rolled back from again. Every config key: --help
 """
@@ -27,6 +27,7 @@ RETRAIN_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "retrain.y
 
 
 def rollback_main(argv: list[str]) -> int:
+    from sdtrain.cli import exit_code
     from sdtrain.config.loader import load_config
     from sdtrain.errors import SdtrainError
     from sdtrain.retrain import rollback
@@ -44,7 +45,7 @@ def rollback_main(argv: list[str]) -> int:
         source, target = rollback(load_config(args.config, args.overrides), args.rollback or None, args.reason)
     except SdtrainError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return exit_code(e)  # 75 while a retrain run holds the lock
     print(f"[sdtrain] rolled back: production now names {target}, not {source} (recorded in the pointer log)")
     return 0
 

@@ -59,6 +59,19 @@ def test_bad_input_exits_2_with_one_paragraph(tmp_path, args, message):
     assert "Traceback" not in result.stderr
 
 
+def test_every_command_tells_bad_input_a_failed_run_and_a_busy_registry_apart_by_its_exit_status():
+    """2: bad input; 1: a run that failed after it started (train.py, retrain.py and check.py alike: check.py said 2);
+    75 (EX_TEMPFAIL, as the watchdog's): the registry's lock is held, try later. A scheduler that retries on 75 alone
+    no longer spends its retries on a config that cannot work, nor marks a held lock a failure of the input."""
+    from sdtrain.artifacts.registry_lock import RegistryBusy
+    from sdtrain.cli import exit_code
+    from sdtrain.errors import ConfigError, DataError, TrainingFailed
+
+    assert exit_code(ConfigError("x")) == exit_code(DataError("x")) == 2
+    assert exit_code(TrainingFailed("x")) == 1
+    assert exit_code(RegistryBusy("x")) == 75
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_retrain_entrypoint_checks_its_input_before_anything_runs(tmp_path):

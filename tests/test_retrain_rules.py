@@ -139,7 +139,17 @@ def test_a_run_that_finds_the_lock_held_stops_before_ray_and_a_retry_keeps_its_j
             timeout=170,
         )
         assert json.loads((models / "retrain.lock").read_text())["token"] == held.token  # not taken, not removed
-    assert result.returncode == 2, result.stderr[-3000:]  # bad input, not a failed run: Ray never started
+        # A rollback waits for the lock the same way.
+        rollback = subprocess.run(
+            [sys.executable, str(REPO / "entrypoints" / "retrain.py"), "--rollback", f"retrain.models_root={models}"],
+            env={**os.environ, "PYTHONPATH": str(REPO / "src")},
+            capture_output=True,
+            text=True,
+            timeout=170,
+        )
+    # Busy, try later (EX_TEMPFAIL): neither bad input nor a failed run, and Ray never started.
+    assert result.returncode == 75, result.stderr[-3000:]
+    assert rollback.returncode == 75 and "is held by run retrain-2026-11-01" in rollback.stderr, rollback.stderr
     assert "schedule date 2026-11-02 (pinned by the first attempt of job prodjob_day2 at" in result.stdout
     assert result.stderr.startswith(
         f"error: {models}/retrain.lock is held by run retrain-2026-11-01, date 2026-11-01, job prodjob_day1"

@@ -13,6 +13,20 @@ from sdtrain.config.loader import load_config
 from sdtrain.config.schema import Config
 from sdtrain.errors import SdtrainError, TrainingFailed
 
+EX_TEMPFAIL = 75
+"""The exit status of a command that did nothing because another holds what it needs (the registry's lock): a retry
+later may succeed. The training watchdog's is the same (sdtrain.train.watchdog)."""
+
+
+def exit_code(error: SdtrainError) -> int:
+    """A command's exit status for ``error``: 1 for a run that failed after it started, EX_TEMPFAIL (75) when the
+    registry is busy, 2 for bad input."""
+    from sdtrain.artifacts.registry_lock import RegistryBusy
+
+    if isinstance(error, TrainingFailed):
+        return 1
+    return EX_TEMPFAIL if isinstance(error, RegistryBusy) else 2
+
 
 def train_main(argv: Sequence[str] | None, default_config: Path) -> int:
     """Run the training job; the exit code is 0 on success, 2 for bad input, 1 for a failed run."""
@@ -26,7 +40,8 @@ def train_main(argv: Sequence[str] | None, default_config: Path) -> int:
 
 
 def retrain_main(argv: Sequence[str] | None, default_config: Path) -> int:
-    """Run one scheduled retraining; exit codes as for training (a rejected model is not a failure)."""
+    """Run one scheduled retraining; exit codes as for training (a rejected model is not a failure), and 75 when
+    another retraining holds the registry's lock (busy: try later)."""
     return _main(
         argv,
         default_config,
@@ -47,7 +62,7 @@ def _main(argv, default_config: Path, prog: str, description: str, job: Callable
         lines = job(load_config(args.config, args.overrides))
     except SdtrainError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 1 if isinstance(e, TrainingFailed) else 2
+        return exit_code(e)
     for line in lines:
         print(f"[sdtrain] {line}")
     return 0
@@ -76,7 +91,8 @@ def _retrain(config: Config) -> list[str]:
 
 
 def check_main(argv: Sequence[str] | None, default_config: Path | None) -> int:
-    """Run the check job (sdtrain.check); 0 if every phase trained, 1 if one failed, 2 for bad input."""
+    """Run the check job (sdtrain.check); 0 if every phase trained, 1 if one failed (or a TrainingFailed), 2 for bad
+    input."""
     parser = argparse.ArgumentParser(
         prog="check.py",
         description="Train the config for a few minutes on one GPU, then on all of them, and report what it measured.",
@@ -99,7 +115,7 @@ def check_main(argv: Sequence[str] | None, default_config: Path | None) -> int:
         report = check(args.config, args.overrides, steps=args.steps, compile_unet=not args.eager)
     except SdtrainError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return exit_code(e)
     for line in report.table():
         print(f"[sdtrain check] {line}")
     return 1 if report.failed else 0
