@@ -255,7 +255,10 @@ def _signal_a_worker_after_the_first_checkpoint(run_dir, signum: int):
                 return
             time.sleep(0.2)  # polling the run's committed checkpoints, not waiting out a race
         for pid in our_training_workers():
-            os.kill(pid, signum)
+            try:
+                os.kill(pid, signum)
+            except ProcessLookupError:  # it ended since the listing: the next one
+                continue
             sent.append((pid, time.time()))
             return
 
