@@ -85,12 +85,10 @@ def main() -> None:
                     "run": {
                         "name": f"stall-{mode}",
                         "storage_path": f"s3://{BUCKET}/runs",
-                        "checkpoint_upload": mode,
-                        "checkpoint_every_n_steps": args.every,
                         "log_every_n_steps": args.every,
-                        "num_to_keep": 2,
-                        "export": False,
                     },
+                    "checkpoint": {"upload": mode, "every_n_steps": args.every, "num_to_keep": 2},
+                    "export": {"enabled": False},
                     "failure": {"max_failures": 0},
                 }
             )

@@ -191,10 +191,9 @@ def full_path(args) -> None:
             "run": {
                 "name": "step-overhead",
                 "storage_path": tempfile.mkdtemp(prefix="runs-", dir=args.data),
-                "checkpoint_every_n_steps": args.steps,
                 "log_every_n_steps": args.log_every,
-                "num_to_keep": 1,
             },
+            "checkpoint": {"every_n_steps": args.steps, "num_to_keep": 1},
             "failure": {"max_failures": 0},
         }
     )

@@ -402,27 +402,22 @@ def test_numbers_a_worker_converts_are_bounded_naming_the_key_value_and_range(ov
     assert getattr(getattr(config, section), name) == highest
 
 
-def test_renamed_keys_keep_working_for_a_release_with_a_one_line_notice(tmp_path, capsys):
-    """The run section was split (checkpoint, sample_grid, tracking, export) and a few keys renamed: a config
-    written for 0.1 loads to the same values, each old key named once on stderr with its new name."""
-    (tmp_path / "old.yaml").write_text(
-        "data:\n  train: x\n  image_column: latents\n  on_change: new_epoch\n"
-        "train:\n  max_bad_steps: 7\n"
-        "run:\n  name: old\n  checkpoint_every_n_steps: 50\n  sample_columns: 2\n  trackers: []\n  export: false\n"
+def test_an_old_key_name_is_refused_naming_its_new_one(tmp_path, capsys):
+    """Keys were renamed before any release (the run section was split): one name per key, so an old name given
+    once, on the command line over a shipped config that sets the new one, is refused naming the new name, never
+    as "set too" (which it was), nor taken with a notice."""
+    with pytest.raises(ConfigError) as e:
+        load_config(REPO / "configs" / "demo.yaml", ["run.checkpoint_every_n_steps=8"])
+    assert str(e.value) == (
+        "run.checkpoint_every_n_steps: was renamed checkpoint.every_n_steps; set checkpoint.every_n_steps instead"
     )
-    config = load_config(tmp_path / "old.yaml", ["run.num_to_keep=5"])
-    assert (config.data.latent_column, config.data.on_resume_change, config.train.max_nonfinite_steps) == (
-        "latents",
-        "new_epoch",
-        7,
-    )
-    assert (config.run.name, config.checkpoint.every_n_steps, config.checkpoint.num_to_keep) == ("old", 50, 5)
-    assert (config.sample_grid.columns, config.tracking.trackers, config.export.enabled) == (2, [], False)
-    notices = capsys.readouterr().err.splitlines()
-    assert "[sdtrain] run.checkpoint_every_n_steps is deprecated: it is now checkpoint.every_n_steps" in notices[3]
-    assert len(notices) == 8 and all("is deprecated: it is now" in line for line in notices)
-    with pytest.raises(ConfigError, match=r"^run\.num_to_keep: is the old name of checkpoint\.num_to_keep, which is"):
-        load_config(None, ["data.train=x", "run.num_to_keep=5", "checkpoint.num_to_keep=2"])
-    # Every old name maps to a key that exists.
+    (tmp_path / "old.yaml").write_text("data:\n  train: x\ntrain:\n  max_bad_steps: 7\n")
+    with pytest.raises(ConfigError, match=r"^train\.max_bad_steps: was renamed train\.max_nonfinite_steps; "):
+        load_config(tmp_path / "old.yaml")
+    for old, new in Config.RENAMED.items():
+        with pytest.raises(ConfigError, match=rf"^{re.escape(old)}: was renamed {re.escape(new)}; "):
+            load_config(None, [*BASE, f"{old}=1"])
+    assert capsys.readouterr().err == ""  # refused, not taken with a notice
+    # Every old name maps to a key that exists, and none is a key itself.
     keys = {key for key, *_ in describe_keys()}
     assert set(Config.RENAMED.values()) <= keys and not set(Config.RENAMED) & keys

@@ -7,7 +7,6 @@ import dataclasses
 import datetime
 import difflib
 import math
-import sys
 import types
 import typing
 from dataclasses import dataclass
@@ -45,12 +44,14 @@ class ConfigTree:
 
     SECTIONS: ClassVar[dict[str, type[Section]]] = {}
     RENAMED: ClassVar[dict[str, str]] = {}
-    """Old dotted key -> its new name: the old one keeps working for a release, with a one-line notice."""
+    """Old dotted key -> its new name: never accepted (a key has one name), only named in the error that refuses
+    the old one."""
 
     @classmethod
     def from_dict(cls: type[Tree], raw: dict[str, Any]) -> Tree:
         """Build and validate the tree from nested plain data."""
-        raw = _renamed(cls.RENAMED, {k: dict(v) if isinstance(v, dict) else v for k, v in raw.items()})
+        _refuse_old_names(cls.RENAMED, raw)
+        raw = dict(raw)  # the caller's is kept: sections are popped from this one
         sections = {}
         for name, section_cls in cls.SECTIONS.items():
             value = raw.pop(name, None) or {}
@@ -66,23 +67,11 @@ class ConfigTree:
         return dataclasses.asdict(self)  # type: ignore[call-overload]  # every subclass is a dataclass
 
 
-def _renamed(renamed: dict[str, str], raw: dict[str, Any]) -> dict[str, Any]:
+def _refuse_old_names(renamed: dict[str, str], raw: dict[str, Any]) -> None:
     for old, new in renamed.items():
-        old_section, _, old_key = old.partition(".")
-        section = raw.get(old_section)
-        if not isinstance(section, dict) or old_key not in section:
-            continue
-        new_section, _, new_key = new.partition(".")
-        target = raw.setdefault(new_section, {})
-        if isinstance(target, dict) and new_key in target:
-            raise ConfigError(f"{old}: is the old name of {new}, which is set too; keep {new}")
-        value = section.pop(old_key)
-        if not section:
-            del raw[old_section]
-        raw.setdefault(new_section, {})[new_key] = value
-        notice = f"[sdtrain] {old} is deprecated: it is now {new} (the old name works for one more release)"
-        print(notice, file=sys.stderr)
-    return raw
+        section, _, key = old.partition(".")
+        if isinstance(raw.get(section), dict) and key in raw[section]:
+            raise ConfigError(f"{old}: was renamed {new}; set {new} instead")
 
 
 def build_section(cls: type[Section], values: dict[str, Any]) -> Any:

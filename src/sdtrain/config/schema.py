@@ -124,7 +124,9 @@ class Config(ConfigTree):
         "run.wandb_project": "tracking.wandb_project",
         "run.export": "export.enabled",
     }
-    """Keys renamed in 0.2.0 (the run section was split): the old names keep working through 0.2.x, with a notice."""
+    """Keys renamed before any release (the run section was split): an old name is refused, its error naming the new
+    one; none is accepted, so that each key has one name (an old name on the command line over a config setting the
+    new one would be set twice)."""
 
     def __post_init__(self):
         for key, uri in self.storage_uris():
