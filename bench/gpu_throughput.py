@@ -64,7 +64,7 @@ def main() -> None:
     import torch
 
     from sdtrain.model.flops import mfu
-    from sdtrain.train.efficiency import device_peak
+    from sdtrain.model.hardware import device_gpu
 
     if args.smoke:
         use_gpu, presets, resolutions, variants = False, ["tiny"], [128], ["eager"]
@@ -77,7 +77,7 @@ def main() -> None:
         use_gpu = True
         device_name = torch.cuda.get_device_name()
         # The workers' own table (sdtrain.train.efficiency), so the bench's MFU is the progress line's.
-        known = device_peak(device_name)
+        known = device_gpu(device_name)
         peak = args.peak_tflops or (known.bf16 / 1e12 if known is not None else None)
         if peak is None:
             raise SystemExit(f"unknown peak for {device_name}: pass --peak-tflops (dense bf16)")

@@ -11,7 +11,7 @@ from conftest import REPO
 
 from sdtrain.artifacts.provenance import COMMIT_ENV
 from sdtrain.config.loader import load_config
-from sdtrain.train.performance_model import NODE_TYPES
+from sdtrain.model.hardware import NODE_TYPES
 
 
 def _job(name):

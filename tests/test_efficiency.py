@@ -1,5 +1,5 @@
-"""Live MFU and cost (sdtrain.train.efficiency): the GPU peak table, the arithmetic, and what the progress line,
-metrics.csv and the final summary show with and without a GPU."""
+"""Live MFU and cost (sdtrain.train.efficiency): the GPU peak table (sdtrain.model.hardware), the arithmetic, and
+what the progress line, metrics.csv and the final summary show with and without a GPU."""
 
 import csv
 
@@ -8,9 +8,7 @@ from conftest import tiny_config
 
 from sdtrain.artifacts.run_outputs import LossLabels
 from sdtrain.model.flops import unet_train_step_flops
-from sdtrain.storage.run_layout import METRICS_FILE
-from sdtrain.train.build import build_training, checkpoint_meta
-from sdtrain.train.efficiency import (
+from sdtrain.model.hardware import (
     A10,
     A10G,
     A100,
@@ -23,13 +21,12 @@ from sdtrain.train.efficiency import (
     L4,
     L40S,
     TERA,
-    Efficiency,
-    cost_per_million_images,
-    device_peak,
-    hours_so_far,
+    device_gpu,
     peak_flops,
-    run_totals,
 )
+from sdtrain.storage.run_layout import METRICS_FILE
+from sdtrain.train.build import build_training, checkpoint_meta
+from sdtrain.train.efficiency import Efficiency, cost_per_million_images, hours_so_far, run_totals
 from sdtrain.train.live_files import LiveOutputs
 from sdtrain.train.reporting import _progress_line
 
@@ -54,7 +51,7 @@ NAMED = [
 
 @pytest.mark.parametrize(("name", "peak", "bf16_tflops"), NAMED)
 def test_each_named_device_gets_its_datasheet_peak(name, peak, bf16_tflops):
-    assert device_peak(name) is peak
+    assert device_gpu(name) is peak
     assert peak.bf16 == pytest.approx(bf16_tflops * TERA)
 
 
@@ -71,7 +68,7 @@ def test_each_named_device_gets_its_datasheet_peak(name, peak, bf16_tflops):
     ],
 )
 def test_an_unknown_or_ambiguous_device_has_no_peak(name):
-    assert device_peak(name) is None
+    assert device_gpu(name) is None
 
 
 def test_the_precision_picks_the_peak():

@@ -4,7 +4,8 @@ generates."""
 import pytest
 from conftest import REPO
 
-from sdtrain.train.performance_model import GBIT, LINK_EFFICIENCY, NODE_TYPES, collective_seconds, predict_step
+from sdtrain.model.hardware import NODE_TYPES
+from sdtrain.train.performance_model import GBIT, LINK_EFFICIENCY, collective_seconds, predict_step
 from sdtrain.train.performance_report import JOB_FILES, REGENERATE, predict_job, read_job, render_markdown
 
 PARAMS, FLOPS = 223_000_000, 145e9  # the small UNet at 256 px

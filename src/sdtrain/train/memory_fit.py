@@ -1,12 +1,12 @@
 """train.micro_batch_size against the memory of the cluster's GPUs, decided by the driver before any worker starts.
 
 The GPU model comes from the cluster's ``accelerator_type:<model>`` resources, which Ray sets on every GPU node; its
-memory from :data:`GPU_MEMORY_GIB`. A model sold with more than one memory size (an A100 has 40 or 80 GB, and Ray
-names both "A100") is taken at its smallest to choose a size and at its largest to refuse one: auto never picks what
-may not fit, and no size that fits some variant is refused. Where no GPU node is up yet (an autoscaling cluster at
-start), or the nodes hold different models, nothing is known: auto falls back to null's size and nothing is refused.
-The prediction is the memory model's (sdtrain.model.memory) for a rank at the fewest workers allowed (FSDP shards
-least there).
+memory from the hardware table (:func:`sdtrain.model.hardware.memory_range`). A model sold with more than one memory
+size (an A100 has 40 or 80 GB, and Ray names both "A100") is taken at its smallest to choose a size and at its
+largest to refuse one: auto never picks what may not fit, and no size that fits some variant is refused. Where no
+GPU node is up yet (an autoscaling cluster at start), or the nodes hold different models, nothing is known: auto
+falls back to null's size and nothing is refused. The prediction is the memory model's (sdtrain.model.memory) for a
+rank at the fewest workers allowed (FSDP shards least there).
 """
 
 from __future__ import annotations
@@ -18,23 +18,9 @@ from collections.abc import Mapping
 
 from sdtrain.config.schema import Config
 from sdtrain.errors import ConfigError
+from sdtrain.model.hardware import GIB, memory_range
 from sdtrain.model.memory import Precision, Strategy, TrainingMemory, predict_training_memory
 from sdtrain.model.unet import unet_config
-
-GIB = 2**30
-
-GPU_MEMORY_GIB: dict[str, tuple[float, float]] = {
-    "T4": (16, 16),
-    "V100": (16, 32),
-    "A10G": (24, 24),
-    "L4": (24, 24),
-    "L40S": (48, 48),
-    "A100": (40, 80),
-    "H100": (80, 94),
-    "H200": (141, 141),
-    "B200": (180, 180),
-}
-"""Ray's accelerator type -> (smallest, largest) memory in GiB of the GPUs sold under that name."""
 
 AUTO_FILL = 0.9
 """The share of the GPU's memory auto fills (the rest: fragmentation and what the model leaves out)."""
@@ -42,7 +28,7 @@ AUTO_FILL = 0.9
 
 def cluster_gpu(resources: Mapping[str, float]) -> str | None:
     """The one GPU model the cluster's nodes report (``ray.cluster_resources()``), or None: none up, several, or
-    one :data:`GPU_MEMORY_GIB` does not know.
+    one the hardware table does not know.
 
     Args:
         resources: the cluster's resources by name.
@@ -51,7 +37,7 @@ def cluster_gpu(resources: Mapping[str, float]) -> str | None:
     if len(models) != 1:
         return None
     (model,) = models
-    return model if model in GPU_MEMORY_GIB else None
+    return model if memory_range(model) is not None else None
 
 
 def fit_micro_batch(
@@ -74,7 +60,9 @@ def fit_micro_batch(
     configured = config.train.micro_batch_size
     if gpu is None:
         return _with_micro_batch(config, config.common_micro_batch()) if configured == "auto" else config, None
-    smallest, largest = (gib * GIB for gib in GPU_MEMORY_GIB[gpu])
+    known = memory_range(gpu)
+    assert known is not None  # cluster_gpu names only GPUs the table knows
+    smallest, largest = known
     world = config.scaling.min_workers
 
     def needs(micro_batch: int) -> int:

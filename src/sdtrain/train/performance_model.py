@@ -31,7 +31,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from sdtrain.train.efficiency import A10G, A100, H100_SXM, L4, L40S, DevicePeak
+from sdtrain.model.hardware import NodeType
 
 GB = 1e9
 GBIT = 1e9 / 8  # bytes/s in a Gbit/s
@@ -39,50 +39,6 @@ GBIT = 1e9 / 8  # bytes/s in a Gbit/s
 LINK_EFFICIENCY = 0.7
 """The share of a link's rate NCCL's all-reduce is assumed to reach (its bus bandwidth over the link's rate):
 nccl-tests reach ~0.7-0.8 on NVLink and EFA at large messages; a check job measures it."""
-
-
-@dataclass(frozen=True)
-class NodeType:
-    """One cloud instance type's GPUs and links, from its provider's published specifications.
-
-    Args:
-        name: the instance type as the provider names it (what job.yaml's ``instance_type`` says).
-        gpu: the GPU model's dense peaks.
-        gpus: GPUs in one node.
-        gpu_memory_gib: memory of one GPU.
-        network_gbit_s: the node's network (inter-node) bandwidth, Gbit/s.
-        intra_gbyte_s: one GPU's bandwidth to the others in its node, GB/s in one direction (NVLink through
-            NVSwitch, or PCIe where there is no NVLink); 0 for a single-GPU node.
-    """
-
-    name: str
-    gpu: DevicePeak
-    gpus: int
-    gpu_memory_gib: float
-    network_gbit_s: float
-    intra_gbyte_s: float
-
-
-PCIE4_X16 = 32.0  # GB/s one direction: A10G, L4 and L40S nodes have no NVLink
-NODE_TYPES = {
-    node.name: node
-    for node in (
-        # AWS G5 (A10G 24 GB): 10 Gbit/s is the g5.2xlarge's burst ("up to"); the larger sizes' rates are sustained.
-        NodeType("g5.2xlarge", A10G, 1, 24, 10, 0),
-        NodeType("g5.8xlarge", A10G, 1, 24, 25, 0),
-        NodeType("g5.12xlarge", A10G, 4, 24, 40, PCIE4_X16),
-        NodeType("g5.48xlarge", A10G, 8, 24, 100, PCIE4_X16),
-        # AWS G6 (L4 24 GB) and G6e (L40S 48 GB).
-        NodeType("g6.12xlarge", L4, 4, 24, 40, PCIE4_X16),
-        NodeType("g6e.12xlarge", L40S, 4, 48, 100, PCIE4_X16),
-        NodeType("g6e.48xlarge", L40S, 8, 48, 400, PCIE4_X16),
-        # AWS P4d (A100 40 GB, NVSwitch: 600 GB/s both directions) and P5 (H100 SXM 80 GB, 900 GB/s), EFA networks.
-        NodeType("p4d.24xlarge", A100, 8, 40, 400, 300),
-        NodeType("p4de.24xlarge", A100, 8, 80, 400, 300),
-        NodeType("p5.48xlarge", H100_SXM, 8, 80, 3200, 450),
-    )
-}
-"""The node types the shipped jobs and docs/performance.md consider."""
 
 
 @dataclass(frozen=True)
@@ -170,7 +126,7 @@ def predict_step(
         raise ValueError(f"global batch {global_batch} does not fall in micro-batches of {micro_batch} on {world}")
     per_rank = global_batch // world
     accumulation = per_rank // micro_batch
-    compute = per_rank * train_flops_per_sample / (node.gpu.bf16 * mfu)
+    compute = per_rank * train_flops_per_sample / (node.gpu.bf16_peak * mfu)
     backward = compute * 2 / 3
     if strategy == "ddp":
         gradient_bytes = parameters * (2 if gradient_compression == "bf16" else 4)

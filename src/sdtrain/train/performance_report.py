@@ -22,10 +22,9 @@ import yaml
 
 from sdtrain.config.loader import load_config
 from sdtrain.config.schema import Config, ModelConfig
-from sdtrain.train.efficiency import A100, H100_SXM
+from sdtrain.model.hardware import A100, H100_SXM, NODE_TYPES
 from sdtrain.train.performance_model import (
     LINK_EFFICIENCY,
-    NODE_TYPES,
     NodeType,
     StepPrediction,
     compute_bound_images_per_s,
@@ -134,7 +133,7 @@ def read_job(path: str) -> ShippedJob:
     config = load_config(config_path, overrides)
     (group,) = job["compute_config"]["worker_nodes"]
     if group["instance_type"] not in NODE_TYPES:
-        raise ValueError(f"{path}: instance type {group['instance_type']!r} is not in performance_model.NODE_TYPES")
+        raise ValueError(f"{path}: instance type {group['instance_type']!r} is not in the hardware table's NODE_TYPES")
     node = NODE_TYPES[group["instance_type"]]
     return ShippedJob(
         Path(path).name,
@@ -290,14 +289,14 @@ def render_markdown(repo: Path) -> str:
     for preset in PRESETS:
         for px in RESOLUTIONS:
             cost = unet_cost(preset, px)
-            rates = [compute_bound_images_per_s(cost.train_flops, d.bf16, m) for d in (H100_SXM, A100) for m in MFUS]
+            rates = [compute_bound_images_per_s(cost.train_flops, d.bf16_peak, m) for d in (H100_SXM, A100) for m in MFUS]
             lines.append(
                 f"| {preset} | {px} | {cost.parameters / 1e6:.1f}M | {cost.train_flops / 1e9:,.0f} | "
                 + " | ".join(f"{r:,.0f}" for r in rates)
                 + " |"
             )
     sd2 = unet_cost("sd2-base", 256)
-    anchor = MOSAIC_IMAGES_PER_S_PER_A100 * sd2.train_flops / A100.bf16
+    anchor = MOSAIC_IMAGES_PER_S_PER_A100 * sd2.train_flops / A100.bf16_peak
     lines += [
         "",
         "Images/s per GPU, compute-bound (bf16, dense peak x MFU). For scale: MosaicML trained the SD 2 UNet on 256 px",
