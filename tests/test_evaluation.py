@@ -316,7 +316,8 @@ def test_an_unevaluated_checkpoint_ranks_last_for_ray_train():
 
 _PRIORITY_PROBE = """
 import json, os, sys, threading
-import sdtrain.evaluation.eval_task as task
+import sdtrain.evaluation.eval_task  # what Ray imports to call the task
+from sdtrain.evaluation import cpu_priority as task
 before = "torch" in sys.modules  # Ray imports the task's module before the task lowers its priority
 started, ending = threading.Event(), threading.Event()
 early = threading.Thread(target=started.wait, daemon=True)
@@ -349,7 +350,7 @@ def test_the_evaluation_task_runs_at_the_lowest_cpu_priority_only_in_its_own_run
     import subprocess
     import sys
 
-    from sdtrain.evaluation.eval_task import EVALUATION_TASK_ENV
+    from sdtrain.evaluation.cpu_priority import EVALUATION_TASK_ENV
 
     def probe(**env):
         environment = {k: v for k, v in os.environ.items() if k != EVALUATION_TASK_ENV} | env

@@ -59,3 +59,40 @@ def test_package_init_files_are_empty():
     # Ray Train's controller imports sdtrain.train.data_hook: an __init__ that imported the module
     # (Lightning, diffusers) would load them there (test_stream checks the controller's imports).
     assert [p for p in ROOT.glob("*/__init__.py") if p.read_text().strip()] == []
+
+
+def test_no_module_imports_itself_back():
+    # Within a layer too: a circle (a imports b, which imports a, even lazily) means neither can be read, loaded or
+    # moved alone. Tarjan's strongly connected components over every sdtrain import, function-level ones included.
+    graph: dict[str, set[str]] = {}
+    for path in sorted(ROOT.rglob("*.py")):
+        module = "sdtrain." + ".".join(path.relative_to(ROOT).with_suffix("").parts)
+        graph[module.removesuffix(".__init__")] = {m for m in _sdtrain_imports(path) if m != "sdtrain"}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for target in graph.get(node, ()):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    assert not circles, "modules that import each other: " + "; ".join(" <-> ".join(c) for c in circles)

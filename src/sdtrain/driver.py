@@ -274,7 +274,8 @@ def _ray_run_config(config: Config) -> ray.train.RunConfig:
 def _validation_config(config: Config, run_dir: str, vae: str | None) -> ray.train.ValidationConfig:
     """Ray Train's evaluation of committed checkpoints (sdtrain.evaluation.checkpoint_eval) in a task with eval's
     resources; one still running after eval.timeout_s is cancelled."""
-    from sdtrain.evaluation.eval_task import EVALUATION_TASK_ENV, evaluate_in_task
+    from sdtrain.evaluation.cpu_priority import EVALUATION_TASK_ENV
+    from sdtrain.evaluation.eval_task import evaluate_in_task
 
     return ray.train.ValidationConfig(
         fn=evaluate_in_task,  # type: ignore[arg-type]  # named keyword arguments: the protocol says **kwargs

@@ -39,7 +39,7 @@ from sdtrain.config.schema import Config
 from sdtrain.data.decode import to_array
 from sdtrain.data.listing import list_dataset
 from sdtrain.errors import DataError
-from sdtrain.evaluation.eval_task import cpu_policy
+from sdtrain.evaluation.cpu_priority import cpu_policy
 from sdtrain.evaluation.image_metrics import ClipScore, DinoFeatures, FeatureStats, InceptionFeatures, frechet_distance
 from sdtrain.evaluation.results import write_evaluation
 from sdtrain.model.encoders import load_vae
