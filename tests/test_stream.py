@@ -190,3 +190,40 @@ def test_a_validation_file_damaged_past_its_first_row_group_is_named_not_a_raw_p
     with pytest.raises(DataError, match=r"data\.val: .*v\.parquet cannot be read \(.*\)\. The file is damaged"):
         for _ in val.iter_batches(batch_size=None):
             pass
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.usefixtures("ray_cluster")
+def test_a_token_id_past_the_vocabulary_read_by_a_ray_data_task_stops_the_run_naming_file_row_and_value(tmp_path):
+    """The error a read task raises reaches the worker wrapped by Ray; the controller's callback still finds our
+    DataError (so no restart is spent on it) and the driver's message is that one paragraph, not a traceback."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from conftest import column
+
+    from sdtrain.data.metadata import TEXT_ENCODER_SOURCE, TOKEN_VOCAB_SIZE
+    from sdtrain.errors import DataError
+    from sdtrain.train.failures import StopOnDeterministicErrors, failure_message
+
+    ids = np.random.default_rng(0).integers(0, 1000, (16, 77)).astype(np.int32)
+    ids[5, 3] = 1234  # row 0, which the driver's check reads, is fine
+    latents = np.zeros((16, 4, 16, 16), np.float16)
+    table = pa.table({"image_latents_256": column(latents, "list"), "caption_ids": column(ids, "list")})
+    file = str(tmp_path / "ids.parquet")
+    # The read path needs only the recorded vocabulary; the encoder named is never loaded here.
+    pq.write_table(table.replace_schema_metadata({TEXT_ENCODER_SOURCE: "a-tokenizer", TOKEN_VOCAB_SIZE: "1000"}), file)
+    spec = inspect_dataset([file], "data.train", "image_latents_256", "caption_ids", 4, 32)
+    plan = SamplePlan(spec.rows_per_file, seed=0, chunk_rows=8, window_rows=8)
+    (stretches,) = plan.rank_stretches(DataState(), 1, 8, 2)
+    reader = WindowReader(spec, DataConfig(train=[file], caption_column="caption_ids"), plan)
+    with pytest.raises(Exception) as raised:
+        for _ in rank_dataset(reader, stretches, None).iter_batches(batch_size=None):
+            pass
+
+    expected = f"data.train: {file}: column 'caption_ids', row 5: token id 1234 "
+    with pytest.raises(DataError) as stopped:
+        StopOnDeterministicErrors().after_exception(None, {0: raised.value})
+    assert str(stopped.value).startswith(expected) and "vocabulary of 1000 ids" in str(stopped.value)
+    message = failure_message(raised.value, str(tmp_path / "run"))
+    assert message.startswith(f"training failed: {expected}") and len(message.splitlines()) == 2

@@ -239,3 +239,65 @@ def test_token_ids_alone_need_no_text_encoder_to_write(both):
     assert "embeddings" not in out and out["token_ids"].shape == (2, 77) and out["token_ids"].dtype == np.int32
     assert not out["token_ids"][1].any()  # an invalid row: zeros, only a shard's statistics
     assert out["token_ids"][0].tolist() == tokenize(load_tokenizer(model), ["fox"]).input_ids[0].tolist()
+
+
+def _with_a_bad_id(both, path, row=5, position=3, excess=7) -> tuple[str, int, int]:
+    """The fixture's rows (row groups of 4) with one id past the recorded vocabulary at ``row``, whose first row stays
+    good (the driver's check reads it); returns (file, vocabulary size, the bad id)."""
+    import pyarrow as pa
+
+    root, _ = both
+    table = pq.read_table(root / "data" / "part-00000.parquet")
+    vocab = int(table.schema.metadata[TOKEN_VOCAB_SIZE.encode()])
+    ids = table.column("caption_ids").to_pylist()
+    ids[row][position] = vocab + excess
+    field = table.schema.field("caption_ids")
+    table = table.set_column(table.schema.get_field_index("caption_ids"), field, pa.array(ids, field.type))
+    pq.write_table(table, path, row_group_size=4)
+    return str(path), vocab, vocab + excess
+
+
+@pytest.mark.parametrize("on_read_error", ["fail", "skip"])
+def test_a_token_id_past_the_vocabulary_in_any_row_is_a_data_error_naming_file_row_and_value(
+    both, tmp_path, on_read_error
+):
+    """What a training read task runs (WindowRead.read) and what a validation read runs, without Ray: the first row is
+    fine, row 5 holds an id the recorded vocabulary does not have. Not a damaged file: skip does not hide it."""
+    from sdtrain.config.schema import DataConfig
+    from sdtrain.data.read_order import DataState, SamplePlan
+    from sdtrain.data.streams import WindowReader, _read_file
+    from sdtrain.storage.filesystems import filesystems_for
+
+    file, vocab, bad = _with_a_bad_id(both, tmp_path / "bad.parquet")
+    spec = inspect_dataset([file], "data.train", "image_latents_256", "caption_ids", 4, 32)  # row 0: fine
+    data = DataConfig(train=[file], caption_column="caption_ids", on_read_error=on_read_error)
+    plan = SamplePlan(spec.rows_per_file, seed=0, chunk_rows=4, window_rows=4)
+    (stretches,) = plan.rank_stretches(DataState(), 1, 4, 3)
+    reader = WindowReader(spec, data, plan)
+    expected = rf"data\.train: {file}: column 'caption_ids', row 5: token id {bad} .*vocabulary of {vocab} ids"
+    with pytest.raises(DataError, match=expected):
+        for stretch in stretches:
+            for window in plan.windows(stretch):
+                reader.read(window)
+
+    with pytest.raises(DataError, match=expected.replace("train", "val")):
+        list(_read_file({"id": np.array([0])}, spec, data, "data.val", filesystems_for(spec.files)))
+
+
+def test_the_text_encoder_refuses_ids_past_its_vocabulary_naming_row_and_value(both):
+    """The step's own bound, for ids read another way than the checked data path."""
+    from sdtrain.model.token_captions import CaptionEncoder
+
+    root, model = both
+    encoder = CaptionEncoder.load(model, use_gpu=False)
+    vocab = encoder.text_encoder.config.vocab_size
+    ids = torch.tensor(pq.read_table(root / "data" / "part-00000.parquet").column("caption_ids").to_pylist())
+    assert encoder(ids).shape == (ROWS, 77, 32)
+    ids[2, 9] = vocab
+    with pytest.raises(
+        DataError, match=rf"row 2 of a batch holds token id {vocab}, outside the vocabulary of {vocab} of"
+    ):
+        encoder(ids)
+    ids[2, 9] = -1
+    with pytest.raises(DataError, match=r"row 2 of a batch holds token id -1, outside"):
+        encoder(ids)

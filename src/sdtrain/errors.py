@@ -4,6 +4,16 @@
 class SdtrainError(Exception):
     """A problem with the user's input (config, data, cluster): the message says what and how to fix it."""
 
+    def __init__(self, *args: object):
+        super().__init__(*args)
+        # Kept apart from args: Ray Data appends its retry advice to the args of an error a read task raised ("Failed
+        # to apply UDF transform after 1/1 attempts ... if you believe this to be transient"), which would follow our
+        # message into the driver's. Pickling keeps it (an exception's __dict__ travels with it).
+        self._message = super().__str__()
+
+    def __str__(self) -> str:
+        return getattr(self, "_message", None) or super().__str__()
+
 
 class ConfigError(SdtrainError):
     """A config key is unknown, has the wrong type, or an impossible value."""

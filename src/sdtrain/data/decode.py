@@ -5,7 +5,7 @@ fixed-size list, and Ray Data's tensor extension type (what ``Dataset.write_parq
 for ndarray columns). Values stay float16 or float32, as stored: the cast to the training
 dtype happens on the device, so the object store moves half the bytes for float16 data.
 A caption column may instead hold integers: token ids, read as int32 and encoded in the training step
-(sdtrain.model.token_captions).
+(sdtrain.model.token_captions); every id is checked against the vocabulary its file records as it is read.
 """
 
 from __future__ import annotations
@@ -17,10 +17,16 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from sdtrain.data.metadata import TOKEN_VOCAB_SIZE
 from sdtrain.errors import DataError
 
 _FLOAT_TYPES = {pa.float16(): np.float16, pa.float32(): np.float32, pa.float64(): np.float64}
 _ID_TYPES = (pa.int32(), pa.int64(), pa.uint16(), pa.uint32())
+
+
+class TokenIdOutOfRange(DataError):
+    """A token id outside the vocabulary its file records: the ids are another tokenizer's or were written wrongly.
+    Not a damaged file: ``data.on_read_error=skip`` does not skip its rows."""
 
 
 @dataclass(frozen=True)
@@ -73,9 +79,16 @@ def column_layout(field: pa.Field) -> ColumnLayout:
     return ColumnLayout(encoding, value_type, values_per_row, tuple(shape) if shape is not None else None)
 
 
-def to_array(column: pa.ChunkedArray | pa.Array, shape: tuple[int, ...], name: str) -> np.ndarray:
+def to_array(
+    column: pa.ChunkedArray | pa.Array,
+    shape: tuple[int, ...],
+    name: str,
+    vocab_size: int | None = None,
+    first_row: int = 0,
+) -> np.ndarray:
     """Rows of ``column`` as one (rows, *shape) float16/float32 array (int32 for token ids); DataError if a row does
-    not fit."""
+    not fit. Token ids with ``vocab_size`` given are checked to be below it (:func:`check_token_ids`; ``first_row``:
+    the file's row number of the column's first row, for the error)."""
     array = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
     if isinstance(array, pa.ExtensionArray):
         array = array.storage
@@ -93,11 +106,27 @@ def to_array(column: pa.ChunkedArray | pa.Array, shape: tuple[int, ...], name: s
             f"column {name!r} has a row of {found} values; expected {expected} = {' x '.join(map(str, shape))}"
         )
     values = array.flatten().to_numpy(zero_copy_only=False)
+    if vocab_size is not None and values.dtype.kind in "iu":  # before the cast to int32, which could wrap an id
+        check_token_ids(values.reshape(len(array), -1), vocab_size, name, first_row)
     if values.dtype == np.float64:
         values = values.astype(np.float32)
     elif values.dtype.kind in "iu" and values.dtype != np.int32:  # token ids: below any vocabulary's 2**31
         values = values.astype(np.int32)
     return values.reshape((len(array), *shape))
+
+
+def check_token_ids(ids: np.ndarray, vocab_size: int, name: str, first_row: int = 0) -> None:
+    """A TokenIdOutOfRange naming the row (``first_row`` + its index in ``ids``, one row of ids a row) and the value of
+    the first id outside [0, ``vocab_size``). A batch costs a min and a max; the search for the row only a failure."""
+    if not ids.size or (ids.min() >= 0 and ids.max() < vocab_size):
+        return
+    row, position = (int(i) for i in np.argwhere((ids < 0) | (ids >= vocab_size))[0])
+    raise TokenIdOutOfRange(
+        f"column {name!r}, row {first_row + row}: token id {ids[row, position]} (position {position}) is outside the "
+        f"vocabulary of {vocab_size} ids the file records ({TOKEN_VOCAB_SIZE}): the ids were made with another "
+        "tokenizer or written wrongly. Re-write the file (sdtrain preprocessing, output.captions: token_ids) or "
+        "remove it, and re-run (the run resumes from its latest checkpoint)"
+    )
 
 
 def decode_batch(
@@ -106,13 +135,16 @@ def decode_batch(
     caption_column: str,
     latent_shape: tuple[int, int, int],
     caption_shape: tuple[int, ...],
+    vocab_size: int | None = None,
+    first_row: int = 0,
 ) -> dict[str, np.ndarray]:
     """A Ray Data ``map_batches`` function: arrow rows -> ``latents`` (N,C,H,W) and ``captions`` (N,L,D), or (N,L)
-    int32 token ids."""
+    int32 token ids, checked to be below ``vocab_size`` when it is given (``first_row``: the file's row number of
+    the batch's first row, for the error)."""
     try:
         return {
             "latents": to_array(batch.column(image_column), latent_shape, image_column),
-            "captions": to_array(batch.column(caption_column), caption_shape, caption_column),
+            "captions": to_array(batch.column(caption_column), caption_shape, caption_column, vocab_size, first_row),
         }
     except DataError as e:
         files = sorted(set(batch.column("path").to_pylist())) if "path" in batch.column_names else []

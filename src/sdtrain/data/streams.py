@@ -23,7 +23,7 @@ from ray.data.datasource import Datasource, ReadTask
 from ray.data.extensions import ArrowTensorArray
 
 from sdtrain.config.schema import DataConfig
-from sdtrain.data.decode import decode_batch, to_array
+from sdtrain.data.decode import TokenIdOutOfRange, decode_batch, to_array
 from sdtrain.data.inspection import DatasetSpec
 from sdtrain.data.pacing import paced
 from sdtrain.data.read_order import FILE, SamplePlan, Stretch, Window, window_sample_indices
@@ -47,8 +47,9 @@ class ReadSettings:
     on_read_error: str
     latent_shape: tuple[int, ...]
     caption_shape: tuple[int, ...]
-    token_ids: bool = False
-    """The caption column holds int32 token ids (else float embeddings)."""
+    vocab_size: int | None = None
+    """The caption column holds int32 token ids, each checked to be below this as it is read (the vocabulary the
+    files record); None: float embeddings."""
 
 
 class FileTable:
@@ -168,11 +169,17 @@ class WindowRead:
                     (
                         to_array(table.column(settings.image_column), settings.latent_shape, settings.image_column),
                         to_array(
-                            table.column(settings.caption_column), settings.caption_shape, settings.caption_column
+                            table.column(settings.caption_column),
+                            settings.caption_shape,
+                            settings.caption_column,
+                            settings.vocab_size,
+                            first_row=lo,
                         ),
                         np.ones(hi - lo, bool),
                     )
                 )
+            except TokenIdOutOfRange as error:  # the file is readable, its ids are wrong: skipping would hide that
+                raise DataError(f"data.train: {file}: {error}") from None
             except (OSError, pa.ArrowException, DataError) as error:
                 _raise_if_transient(error, file)
                 pieces.append(self._unreadable(file, lo, hi, error))
@@ -190,7 +197,10 @@ class WindowRead:
         return (
             np.zeros((stop - start, *self.settings.latent_shape), np.float16),
             # Token ids: 0 is an id like any other, and these rows carry valid=False: the loss leaves them out.
-            np.zeros((stop - start, *self.settings.caption_shape), np.int32 if self.settings.token_ids else np.float16),
+            np.zeros(
+                (stop - start, *self.settings.caption_shape),
+                np.int32 if self.settings.vocab_size is not None else np.float16,
+            ),
             np.zeros(stop - start, bool),
         )
 
@@ -209,7 +219,7 @@ class WindowReader:
             data.on_read_error,
             spec.latent_shape,
             spec.caption_shape,
-            spec.token_ids is not None,
+            spec.token_ids.vocab_size if spec.token_ids is not None else None,
         )
 
     def task(self, window: Window) -> WindowRead:
@@ -339,12 +349,23 @@ def _read_file(batch: dict[str, np.ndarray], spec: DatasetSpec, data: DataConfig
     (index,) = batch["id"]
     file = spec.files[int(index)]
     fs, path = sources[int(index)]
+    vocab_size = spec.token_ids.vocab_size if spec.token_ids is not None else None
+    first_row = 0
     try:
         parquet = pq.ParquetFile(fs.open_input_file(path))
         for group in range(parquet.metadata.num_row_groups):
             table = parquet.read_row_group(group, columns=[data.latent_column, data.caption_column])
-            yield decode_batch(table, data.latent_column, data.caption_column, spec.latent_shape, spec.caption_shape)
-    except DataError as error:  # rows that do not decode to the shapes the first row has
+            yield decode_batch(
+                table,
+                data.latent_column,
+                data.caption_column,
+                spec.latent_shape,
+                spec.caption_shape,
+                vocab_size,
+                first_row,
+            )
+            first_row += table.num_rows
+    except DataError as error:  # rows that do not decode to the shapes the first row has, or ids past the vocabulary
         raise DataError(f"{key}: {file}: {error}") from None
     except (OSError, pa.ArrowException) as error:
         _raise_if_transient(error, file, key)

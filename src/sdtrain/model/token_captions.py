@@ -86,6 +86,7 @@ class CaptionEncoder:
                 "do not carry; store embeddings (output.captions: embeddings) for it"
             )
         self.text_encoder = text_encoder
+        self.source = source
 
     @classmethod
     def load(cls, source: str, use_gpu: bool) -> CaptionEncoder:
@@ -109,5 +110,22 @@ class CaptionEncoder:
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         """Embeddings of ``ids``, computed where the encoder is (the training device once fit starts), returned on
         the device of ``ids``."""
+        if ids.device.type == "cpu":
+            self._check(ids)
         device = next(self.text_encoder.parameters()).device
         return self.text_encoder(ids.to(device).long())[0].to(ids.device)
+
+    def _check(self, ids: torch.Tensor) -> None:
+        """A DataError naming the row and value of the first id outside the encoder's vocabulary, where the ids are on
+        the CPU: ids read another way than the training and validation streams (which check every id against the
+        vocabulary its file records as they read it: sdtrain.data.decode.check_token_ids), e.g. the retraining gate's.
+        Ids on an accelerator are not checked here: that would wait for the device every micro-batch, a host sync the
+        step otherwise avoids; they came through the streams."""
+        vocab = int(self.text_encoder.config.vocab_size)
+        if not ids.numel() or (int(ids.min()) >= 0 and int(ids.max()) < vocab):
+            return
+        first = tuple(int(i) for i in torch.nonzero((ids < 0) | (ids >= vocab))[0])
+        raise DataError(
+            f"row {first[0]} of a batch holds token id {int(ids[first])}, outside the vocabulary of {vocab} of the "
+            f"text encoder {self.source}: the ids were made with another tokenizer or written wrongly"
+        )
