@@ -5,6 +5,7 @@ rows among them; parquet, WebDataset tars and a folder in; parquet that training
 from __future__ import annotations
 
 import csv
+import dataclasses
 import io
 import json
 import os
@@ -106,7 +107,7 @@ def write_parquet_input(directory: Path, files: int = 3) -> list[tuple[bytes | N
     return rows
 
 
-def config_for(tmp_path: Path, model: str, *overrides: str, fmt: str = "parquet", source: Path | None = None):
+def config_for(tmp_path: Path, model: str, *overrides: str, fmt: str = "parquet", source: Path | str | None = None):
     source = source or tmp_path / "input"
     return load_config(
         ROOT / "configs" / "preprocess.yaml",
@@ -353,6 +354,49 @@ def test_an_image_added_to_a_folder_never_moves_a_row_of_a_done_shard(tmp_path, 
     assert sorted(held + pending) == sorted(every)  # each key once: none lost, none twice
     assert "0000.jpg" in pending and not set(held) & set(pending)
     assert list_shards(config.input, done) == after  # a re-run cuts the pending keys the same way
+
+
+def test_a_folder_spelled_another_way_is_the_same_input(tmp_path, tiny_model):
+    """A trailing '/', './', '//' or a file:// URI of the same folder named another input: its done shards were not
+    found, and a re-run after one image arrived encoded every image again. One spelling names a source in the
+    records; records an earlier run wrote with another spelling are still found."""
+    from sdtrain.preprocess.job import run_preprocess
+    from sdtrain.preprocess.outputs import read_shard_stats
+    from sdtrain.preprocess.sources import list_shards
+
+    images = tmp_path / "images"
+    write_folder_input(images)
+
+    def spelled(source: str):
+        overrides = ("input.caption_column=text", "input.rows_per_shard=3")
+        return config_for(tmp_path, tiny_model, *overrides, fmt="folder", source=source)
+
+    before = list_shards(spelled(f"file://{images}/").input)
+    for shard in before[:2]:
+        _mark_done(tmp_path / "latents", shard)
+    (images / "0000.jpg").write_bytes((images / "001.jpg").read_bytes())  # sorts first: every new cut moves
+    held = {key for s in before[:2] for key in s.identity["keys"]}
+    for source in (f"{images}", f"{images}/", f"{images}/./", f"{tmp_path}//images", f"file://{images}"):
+        summary = run_preprocess(spelled(source), max_shards=0)  # lists and records, no Ray
+        assert summary.shards_done_before == 2, source
+        done = {r["shard"]: r for r in read_shard_stats(str(tmp_path / "latents"))}
+        pending = {key for s in list_shards(spelled(source).input, done) if s.name not in done for key, _ in s.rows}
+        assert not pending & held and "0000.jpg" in pending, source  # only what no done shard holds
+    # A record written with another spelling than the one used now (by an earlier sdtrain) is of the same source.
+    marker = tmp_path / "latents" / "_shards" / f"{before[0].name}.json"
+    record = json.loads(marker.read_text())
+    record["identity"]["path"] = record["source"] = f"file://{images}//"
+    marker.write_text(json.dumps(record))
+    assert run_preprocess(spelled(str(images)), max_shards=0).shards_done_before == 2
+
+
+def test_one_spelling_of_a_source():
+    from sdtrain.preprocess.sources import canonical_source
+
+    for same in (("s3://bucket/prefix", "s3://bucket/prefix/", "s3://bucket//prefix/"), ("/a/b", "/a/./b/", "//a//b")):
+        assert len({canonical_source(s) for s in same}) == 1, same
+    assert canonical_source("file:///a/b%20c/") == "/a/b c" == canonical_source("/a/b c")
+    assert canonical_source("s3://bucket/./prefix") != canonical_source("s3://bucket/prefix")  # S3: another key
 
 
 @pytest.mark.slow  # entrypoints/preprocess.py in five subprocesses
@@ -721,6 +765,11 @@ def test_inputs_model_and_output_on_s3_resumed_and_trained_on(tmp_path, tiny_mod
         for k in pq.read_table(io.BytesIO(_get(s3, f[len("s3://sdtrain-test/") :]))).column("key").to_pylist()
     )
     assert keys == sorted(f"{i:03d}.jpg" for i, r in enumerate(folder_rows) if r[2] is None)
+    # The folder's prefix spelled with a trailing '/' is the same input: its done shards are found, none redone.
+    again = run_preprocess(
+        dataclasses.replace(config, input=dataclasses.replace(config.input, paths=[f"{s3_bucket}/in/images/"]))
+    )
+    assert again.shards_written == [] and again.shards_done_before == summary.shards_total
 
     # Training on the parquet latents and token ids, straight from the bucket: the worker fetches the text encoder
     # the files name (the model in the bucket) and encodes the ids in the step.

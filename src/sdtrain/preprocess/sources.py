@@ -8,6 +8,9 @@ or modification time) and its rows, or for a folder the image keys it holds. A f
 keys a done shard of the folder holds are never cut again, and the others are cut into new shards named by a
 digest of their keys, so an image added later never moves a row of a done shard.
 
+A source has one spelling in shard names and records (:func:`canonical_source`): a folder named with a trailing '/',
+'./' or as a file:// URI is the same input, its done shards found.
+
 Listing runs on the driver and checks what it can before any worker starts (a missing column, an
 unreadable captions file); reading a shard runs in Ray Data tasks and never raises on bad rows.
 """
@@ -20,9 +23,11 @@ import io
 import json
 import os
 import posixpath
+import re
 import tarfile
+import urllib.parse
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import pyarrow.fs as pafs
@@ -32,7 +37,7 @@ from sdtrain.data.dataset_index import list_dataset
 from sdtrain.errors import ConfigError, DataError
 from sdtrain.preprocess.config import InputConfig
 from sdtrain.storage.filesystems import filesystem_for, read_text
-from sdtrain.storage.uris import uri_prefix
+from sdtrain.storage.uris import is_uri, split_s3, uri_prefix
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
 
@@ -67,15 +72,13 @@ def list_shards(config: InputConfig, done: Mapping[str, Mapping[str, Any]] | Non
         done: the records (_shards/<name>.json) of the shards the output holds, by name: a folder's done shards
             are listed as they were cut (their keys are not cut again). Files' shards do not depend on them.
     """
-    if config.format == "parquet":
-        shards = _parquet_shards(config)
-    elif config.format == "webdataset":
-        shards = [
-            Shard(f"{_stem(tar)}-{source_digest(tar)}", tar, identity={"path": tar, "size": size, "version": version})
-            for tar, size, version in _expand(config.paths, (".tar",), "input.paths")
-        ]
+    done = done or {}
+    paths = [canonical_source(path) for path in config.paths]
+    if config.format == "folder":
+        shards = _folder_shards(config, paths[0], done)
     else:
-        shards = _folder_shards(config, done or {})
+        files = _parquet_shards(config, paths) if config.format == "parquet" else _tar_shards(paths)
+        shards = _recorded_names(files, done)
     unique: dict[str, Shard] = {}
     for shard in shards:  # a file named twice (a directory and a file in it) is one input
         if unique.setdefault(shard.name, shard).identity != shard.identity:
@@ -91,17 +94,53 @@ def source_digest(path: str) -> str:
     return hashlib.sha256(path.rstrip("/").encode()).hexdigest()[:10]
 
 
+def canonical_source(path: str) -> str:
+    """The one spelling of an input's path or URI that its shards' names and records hold: the file or directory it
+    reads. A local path or a file:// URI is the absolute, normalized local path ('./', '//', a trailing '/' and
+    %-escapes resolved); s3://bucket/prefix/ is s3://bucket/prefix (S3 keys are literal: 'a/./b' is another key,
+    kept); another store's URI loses its trailing '/'."""
+    if path.startswith("s3://"):
+        bucket, key = split_s3(path)
+        return f"s3://{bucket}/{key}" if key else f"s3://{bucket}"
+    if path.startswith("file://") and urllib.parse.urlsplit(path).netloc == "":
+        path = urllib.parse.unquote(urllib.parse.urlsplit(path).path)
+    elif is_uri(path):
+        return path.rstrip("/")
+    return re.sub("^/+", "/", os.path.normpath(os.path.abspath(os.path.expanduser(path))))  # POSIX keeps '//x'
+
+
 def changed_source(shard: Shard, record: Mapping[str, Any]) -> str | None:
     """Why a done shard's record does not match the shard as listed now (None if it does): the file was rewritten
     (size or version), or its rows are others."""
     recorded = record.get("identity")
-    if recorded == shard.identity:
+    if recorded and _canonical(recorded) == _canonical(shard.identity):
         return None
     return (
         f"shard {shard.name} was made from {_describe(recorded)}, the input now is {_describe(shard.identity)}"
         if recorded
         else f"shard {shard.name} records no source (written by an earlier sdtrain)"
     )
+
+
+def _canonical(identity: Mapping[str, Any]) -> dict[str, Any]:
+    """``identity`` with its path in one spelling (a record written before sources had one holds another)."""
+    return {**identity, "path": canonical_source(identity["path"])} if "path" in identity else dict(identity)
+
+
+def _recorded_names(shards: list[Shard], done: Mapping[str, Mapping[str, Any]]) -> list[Shard]:
+    """Files' shards under the names of the done shards of the same file and rows recorded with another spelling of
+    its path (file:///x for /x, before sources had one): found done, not written again under a new name."""
+    recorded = {}
+    for name, record in done.items():
+        identity = record.get("identity") or {}
+        if "path" in identity and "keys" not in identity:
+            recorded[canonical_source(identity["path"]), str(identity.get("rows"))] = name
+    return [
+        shard
+        if shard.name in done
+        else replace(shard, name=recorded.get((shard.identity["path"], str(shard.identity.get("rows"))), shard.name))
+        for shard in shards
+    ]
 
 
 def _describe(identity: Mapping[str, Any] | None) -> str:
@@ -154,9 +193,16 @@ def _ranges(total: int, size: int) -> list[tuple[int, int]]:
     return [(start, min(start + size, total)) for start in range(0, total, size)]
 
 
-def _parquet_shards(config: InputConfig) -> list[Shard]:
+def _tar_shards(paths: list[str]) -> list[Shard]:
+    return [
+        Shard(f"{_stem(tar)}-{source_digest(tar)}", tar, identity={"path": tar, "size": size, "version": version})
+        for tar, size, version in _expand(paths, (".tar",), "input.paths")
+    ]
+
+
+def _parquet_shards(config: InputConfig, paths: list[str]) -> list[Shard]:
     shards = []
-    listing = list_dataset(config.paths, "input.paths")  # sizes and versions (ETag or mtime) with the files
+    listing = list_dataset(paths, "input.paths")  # sizes and versions (ETag or mtime) with the files
     for file, size, version in zip(listing.paths, listing.sizes, listing.versions, strict=True):
         fs, path = filesystem_for(file)
         try:
@@ -241,12 +287,11 @@ def _tar_row(key: str, parts: dict[str, bytes], config: InputConfig) -> Row:
     return Row(key, image, caption)
 
 
-def _folder_shards(config: InputConfig, done: Mapping[str, Mapping[str, Any]]) -> list[Shard]:
-    (folder,) = config.paths
+def _folder_shards(config: InputConfig, folder: str, done: Mapping[str, Mapping[str, Any]]) -> list[Shard]:
     fs, root = filesystem_for(folder)
     if fs.get_file_info(root).type != pafs.FileType.Directory:
         raise DataError(f"input.paths: {folder} is not a directory (format folder reads a directory of images)")
-    captions_file = config.captions_file or posixpath.join(folder.rstrip("/"), "captions.jsonl")
+    captions_file = config.captions_file or posixpath.join(folder, "captions.jsonl")
     captions = _read_captions_file(captions_file, config)
     infos = fs.get_file_info(pafs.FileSelector(root, recursive=True))
     images = sorted(
@@ -261,12 +306,13 @@ def _folder_shards(config: InputConfig, done: Mapping[str, Mapping[str, Any]]) -
         raise DataError(
             f"input.paths: {folder} holds no images ({', '.join(IMAGE_EXTENSIONS)}) and {captions_file} none"
         )
-    # The folder's done shards as they were cut; the keys none of them holds, cut anew in key order.
+    # The folder's done shards as they were cut (recorded with whatever spelling of its path); the keys none of them
+    # holds, cut anew in key order.
     stem = f"{_stem(folder)}-{source_digest(folder)}"
     shards = [
         Shard(name, folder, identity=dict(record["identity"]))
         for name, record in sorted(done.items())
-        if name.startswith(stem + "-") and (record.get("identity") or {}).get("path") == folder
+        if "keys" in (record.get("identity") or {}) and canonical_source(record["identity"]["path"]) == folder
     ]
     taken = {key for shard in shards for key in shard.identity["keys"]}
     rows = [(name, captions.get(name)) for name in names if name not in taken]
