@@ -399,6 +399,103 @@ def test_one_spelling_of_a_source():
     assert canonical_source("s3://bucket/./prefix") != canonical_source("s3://bucket/prefix")  # S3: another key
 
 
+class _Killed(BaseException):
+    """The job killed between two of its writes."""
+
+
+def _write_keys(output: str, shard) -> None:
+    """What the job writes for a folder shard, with made-up values: one row a key (no encoder needed)."""
+    from sdtrain.preprocess.outputs import shard_table, write_shard
+
+    rows = [{"latents": np.zeros(4), "embeddings": np.zeros(4), "caption": str(c), "key": k} for k, c in shard.rows]
+    table = shard_table(rows, {"latents": "image_latents_256", "embeddings": "caption_latents"}, {})
+    stats = {"shard": shard.name, "source": shard.source, "identity": shard.identity, "inputs_read": len(rows)}
+    write_shard(output, shard.name, table, {**stats, "rows_written": len(rows), "skipped": {}}, 4)
+
+
+def _kill_writes(monkeypatch, after_record: bool) -> None:
+    """The shard writer's storage operations die at its record's write, or at the first one after it."""
+    from sdtrain.preprocess import outputs
+
+    recorded = []
+
+    def dying(real):
+        def operation(uri: str, *args) -> None:
+            is_record = "/_shards/" in uri and uri.endswith(".json")
+            if recorded or (is_record and not after_record):
+                raise _Killed(uri)
+            real(uri, *args)
+            recorded.extend([uri] if is_record else [])
+
+        return operation
+
+    for name in ("write_bytes", "move_file"):  # move_file: the writer's last step, where it has one
+        if hasattr(outputs, name):
+            monkeypatch.setattr(outputs, name, dying(getattr(outputs, name)))
+
+
+def _killed_and_rerun(output: str, tmp_path: Path, tiny_model: str, monkeypatch) -> tuple[list[str], list[str]]:
+    """A folder's shards written, the job killed while writing a shard at each point a kill can fall (before its
+    record, after it), an image added, the job re-run (its cut moves every key): the keys listed at first, and the
+    keys of the files training's listing then finds."""
+    from sdtrain.data.parquet_files import resolve_parquet_files
+    from sdtrain.preprocess import outputs
+    from sdtrain.preprocess.job import run_preprocess
+    from sdtrain.preprocess.sources import list_shards
+    from sdtrain.storage.filesystems import filesystem_for
+
+    images = tmp_path / "images"
+    write_folder_input(images)
+    overrides = ("input.caption_column=text", "input.rows_per_shard=3", f"output.path={output}")
+    config = config_for(tmp_path, tiny_model, *overrides, fmt="folder", source=images)
+    shards = list_shards(config.input)
+    _write_keys(output, shards[0])
+    for shard, after_record in ((shards[1], False), (shards[2], True)):
+        with monkeypatch.context() as patched:
+            _kill_writes(patched, after_record)
+            try:
+                _write_keys(output, shard)
+            except _Killed:
+                pass
+    # An earlier sdtrain's writer (the parquet, then the record) killed between the two: a file no record names.
+    orphan = outputs.parquet_bytes(pa.table({"key": ["written by an earlier sdtrain"]}), 4)
+    outputs.write_bytes(outputs.join(output, f"{shards[3].name}.parquet"), orphan)
+    (images / "0000.jpg").write_bytes((images / "001.jpg").read_bytes())
+
+    run_preprocess(config, max_shards=0)  # what the re-run does before it encodes (no Ray)
+    done = {r["shard"]: r for r in outputs.read_shard_stats(output)}
+    for shard in list_shards(config.input, done):
+        if shard.name not in done:
+            _write_keys(output, shard)
+    keys = []
+    for file in resolve_parquet_files([output], "data.train"):
+        fs, path = filesystem_for(file)
+        keys += pq.read_table(path, filesystem=fs, columns=["key"]).column("key").to_pylist()
+    return sorted([key for shard in shards for key, _ in shard.rows] + ["0000.jpg"]), sorted(keys)
+
+
+def test_a_job_killed_while_writing_a_shard_never_leaves_a_row_twice(tmp_path, tiny_model, monkeypatch):
+    """The shard's parquet was written before its record: a kill between the two left a file no record names, which
+    a re-run that cut the folder anew (an image added) never replaced, and training read its rows twice."""
+    listed, trained = _killed_and_rerun(str(tmp_path / "latents"), tmp_path, tiny_model, monkeypatch)
+    assert trained == listed  # each row once: none twice, none lost
+    left = [p.name for p in (tmp_path / "latents").rglob("*") if p.is_file() and ".parquet" in p.name]
+    assert not [name for name in left if name.startswith((".", "_")) and name != "_sdtrain_index.parquet"]
+
+
+@pytest.mark.slow  # moto's server
+def test_a_job_killed_while_writing_a_shard_to_s3_never_leaves_a_row_twice(
+    tmp_path, tiny_model, s3_bucket, monkeypatch
+):
+    """S3 has no rename: the parquet waits under _shards/ and is copied to its name once its record is written."""
+    import boto3
+
+    listed, trained = _killed_and_rerun(f"{s3_bucket}/latents", tmp_path, tiny_model, monkeypatch)
+    assert trained == listed
+    objects = _keys(boto3.client("s3"), "latents/")
+    assert not [k for k in objects if k.startswith("_shards/") and not k.endswith(".json")], objects
+
+
 @pytest.mark.slow  # entrypoints/preprocess.py in five subprocesses
 def test_the_command_line_lists_every_key_and_fails_bad_input_in_one_line(tmp_path):
     command = [sys.executable, str(ROOT / "entrypoints" / "preprocess.py")]

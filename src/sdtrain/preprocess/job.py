@@ -40,11 +40,12 @@ from sdtrain.preprocess.outputs import (
     check_settings,
     join,
     read_shard_stats,
+    settle_shards,
     shard_table,
     summarize,
     write_shard,
 )
-from sdtrain.preprocess.sources import Shard, changed_source, list_shards, read_shard
+from sdtrain.preprocess.sources import Shard, changed_source, list_shards, read_shard, shard_prefix
 from sdtrain.storage.filesystems import write_bytes
 from sdtrain.storage.run_layout import UNCONDITIONAL_FILE, UNCONDITIONAL_IDS_FILE
 from sdtrain.storage.s3 import S3Settings, apply_s3_settings, configure_s3, resolved_s3_settings
@@ -83,6 +84,7 @@ def run_preprocess(config: PreprocessConfig, max_shards: int | None = None) -> P
     settings = config.to_dict()
     check_settings(config.output.path, {k: settings[k.split(".")[0]][k.split(".")[1]] for k in RESUME_KEYS})
     check_sources(config.output.path, shards, done)
+    settle_shards(config.output.path, done, shard_prefix(config.input))
     scaling_factor = _scaling_factor(config.encode.model)
     vocab_size = _write_unconditional(config)
     if pending:

@@ -5,8 +5,9 @@ sdtrain.data.metadata.encoder_sources).
 
     <output.path>/<shard>.parquet            one file per input shard: latents, caption embeddings and/or token ids
                                              (output.captions), caption, key
-    <output.path>/_shards/<shard>.json       that shard's counts and source, written after its parquet: the shard
-                                             is done
+    <output.path>/_shards/<shard>.json       that shard's counts and source: the shard is done (its parquet is
+                                             written beside it as _shards/<shard>.parquet first, then moved to its
+                                             name: write_shard)
     <output.path>/unconditional_caption.npy  the text encoder's embedding of "" (L x D): data.unconditional_caption
                                              (the name: sdtrain.storage.run_layout.UNCONDITIONAL_FILE; not written for
                                              output.captions: token_ids)
@@ -27,6 +28,7 @@ import io
 import json
 import os
 import posixpath
+from collections.abc import Collection
 from typing import Any
 
 import numpy as np
@@ -35,7 +37,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from sdtrain.errors import ConfigError
-from sdtrain.storage.filesystems import filesystem_for, write_bytes
+from sdtrain.storage.filesystems import delete_file, filesystem_for, move_file, write_bytes
 from sdtrain.storage.uris import is_uri
 
 SHARDS_DIR = "_shards"
@@ -121,10 +123,42 @@ def parquet_bytes(table: pa.Table, row_group_rows: int) -> bytes:
 
 
 def write_shard(output: str, name: str, table: pa.Table | None, stats: dict[str, Any], row_group_rows: int) -> None:
-    """The shard's parquet (when it has rows), then its counts: the counts file marks the shard done."""
+    """The shard's parquet (when it has rows) under _shards/, a name training does not list; then its record, which
+    marks the shard done; then the parquet moved to <name>.parquet. A kill at any point leaves no file training reads
+    that no record names: such a file would stay beside the rows' new shard when a re-run cuts a folder anew (an
+    image added), and its rows be trained twice. settle_shards finishes what a kill interrupted."""
+    waiting = join(output, SHARDS_DIR, f"{name}.parquet")
     if table is not None and table.num_rows:
-        write_bytes(join(output, f"{name}.parquet"), parquet_bytes(table, row_group_rows))
+        write_bytes(waiting, parquet_bytes(table, row_group_rows))
     write_bytes(join(output, SHARDS_DIR, f"{name}.json"), json.dumps(stats, indent=2).encode())
+    if table is not None and table.num_rows:
+        move_file(waiting, join(output, f"{name}.parquet"))
+
+
+def settle_shards(output: str, done: Collection[str], prefix: str | None) -> None:
+    """What a job killed while writing shards left, set right before a re-run: a parquet waiting under _shards/ whose
+    record was written is moved to its name (the shard is done); one without a record is deleted (the re-run writes
+    its rows again). ``prefix``: a folder input's shard names (sources.shard_prefix), whose files no record names are
+    deleted too: an earlier sdtrain wrote the parquet before the record, and a re-run cuts their rows into other
+    shards.
+
+    Args:
+        done: the names of the shards with a record.
+    """
+    fs, path = filesystem_for(join(output, SHARDS_DIR))
+    for info in fs.get_file_info(pafs.FileSelector(path, allow_not_found=True)):
+        name = info.base_name[: -len(".parquet")]
+        if info.base_name.endswith(".parquet") and name in done:
+            move_file(join(output, SHARDS_DIR, info.base_name), join(output, info.base_name))
+        elif info.base_name.endswith(".parquet"):
+            delete_file(join(output, SHARDS_DIR, info.base_name))
+    if prefix is None:
+        return
+    fs, path = filesystem_for(output)
+    for info in fs.get_file_info(pafs.FileSelector(path, allow_not_found=True)):
+        name = info.base_name[: -len(".parquet")]
+        if name.startswith(prefix) and info.base_name.endswith(".parquet") and name not in done:
+            delete_file(join(output, info.base_name))
 
 
 def read_shard_stats(output: str) -> list[dict[str, Any]]:

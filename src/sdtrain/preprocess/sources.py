@@ -109,6 +109,14 @@ def canonical_source(path: str) -> str:
     return re.sub("^/+", "/", os.path.normpath(os.path.abspath(os.path.expanduser(path))))  # POSIX keeps '//x'
 
 
+def shard_prefix(config: InputConfig) -> str | None:
+    """What every shard name of a folder input starts with; None for files, whose shards a re-run names the same."""
+    if config.format != "folder":
+        return None
+    folder = canonical_source(config.paths[0])
+    return f"{_stem(folder)}-{source_digest(folder)}-"
+
+
 def changed_source(shard: Shard, record: Mapping[str, Any]) -> str | None:
     """Why a done shard's record does not match the shard as listed now (None if it does): the file was rewritten
     (size or version), or its rows are others."""

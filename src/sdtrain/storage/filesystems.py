@@ -138,6 +138,29 @@ def write_bytes(uri: str, data: bytes) -> None:
     os.replace(temporary, path)
 
 
+def move_file(source: str, target: str) -> None:
+    """A file to another name in the same store: locally an atomic rename; on S3, which has no rename, a
+    server-side CopyObject then a DeleteObject (pyarrow's move would leave a '<prefix>/' marker object)."""
+    if source.startswith("s3://"):
+        (bucket, key), (target_bucket, target_key) = split_s3(source), split_s3(target)
+        _client().copy_object(Bucket=target_bucket, Key=target_key, CopySource={"Bucket": bucket, "Key": key})
+        _client().delete_object(Bucket=bucket, Key=key)
+        return
+    fs, path = filesystem_for(source)
+    fs.move(path, filesystem_for(target)[1])
+
+
+def delete_file(uri: str) -> None:
+    """Delete one file, if it is there (on S3 one DeleteObject: pyarrow's would put a '<prefix>/' marker)."""
+    if uri.startswith("s3://"):
+        bucket, key = split_s3(uri)
+        _client().delete_object(Bucket=bucket, Key=key)
+        return
+    fs, path = filesystem_for(uri)
+    if fs.get_file_info(path).type == pafs.FileType.File:
+        fs.delete_file(path)
+
+
 def _client() -> Any:
     """One boto3 client per S3 settings (making one costs ~0.2 s: two a shard would add up). Its credentials
     refresh themselves where they expire (an instance role)."""
