@@ -39,6 +39,7 @@ from sdtrain.preprocess.tiny_models import write_tiny_sd_model
 
 ROOT = Path(__file__).resolve().parent.parent
 RESOLUTION = 32  # tiny VAE halves it: 4 x 16 x 16 latents, model.preset=tiny's sample_size
+OUTSIDE_FOLDER = "file_outside_folder"  # the skip reason of a captions-file name that leaves the folder
 
 
 @pytest.fixture(scope="module")
@@ -496,6 +497,28 @@ def test_a_job_killed_while_writing_a_shard_to_s3_never_leaves_a_row_twice(
     assert not [k for k in objects if k.startswith("_shards/") and not k.endswith(".json")], objects
 
 
+def test_captions_file_names_outside_the_folder_are_skipped_and_never_read(tmp_path, capsys):
+    """file_name values were joined to the folder as written: '../private/secret.jpg' or an absolute path read a
+    file outside the folder (on S3, any prefix the job's credentials reach) and encoded it. They, and URIs, are
+    skipped and counted (file_outside_folder), named on the driver, and never opened."""
+    from sdtrain.preprocess.sources import list_shards, read_shard
+
+    images = tmp_path / "images"
+    rows = write_folder_input(images)
+    config = config_for(tmp_path, "unused", "input.caption_column=text", fmt="folder", source=images)
+    shards = list_shards(config.input)
+    secret = (tmp_path / "private" / "secret.jpg").read_bytes()
+    read = [row for shard in shards for row in read_shard(shard, config.input)]
+    assert len(read) == len(rows)
+    assert not [row.key for row in read if row.image == secret]
+    outside = sorted(row.key for row in read if getattr(row, "skip", None) == OUTSIDE_FOLDER)
+    assert outside == sorted(_outside_names(images))
+    assert all(row.skip is None for row in read if row.key not in outside)
+    message = capsys.readouterr().out
+    assert f"input.captions_file: {images / 'captions.jsonl'}: 3 file names leave the folder" in message
+    assert "'../private/secret.jpg'" in message and OUTSIDE_FOLDER in message
+
+
 @pytest.mark.slow  # entrypoints/preprocess.py in five subprocesses
 def test_the_command_line_lists_every_key_and_fails_bad_input_in_one_line(tmp_path):
     command = [sys.executable, str(ROOT / "entrypoints" / "preprocess.py")]
@@ -652,17 +675,31 @@ def write_webdataset_input(directory: Path, per_tar: int = 6) -> list[tuple[byte
     return rows
 
 
+def _outside_names(directory: Path) -> list[str]:
+    """Captions-file names of a photograph beside the folder, outside it: through '..', as an absolute path, a URI."""
+    secret = directory.parent / "private" / "secret.jpg"
+    return ["../private/secret.jpg", str(secret), f"file://{secret}"]
+
+
 def write_folder_input(directory: Path) -> list[tuple[bytes | None, str | None, str | None]]:
-    """Image files plus captions.jsonl; a caption entry whose file is absent, and an image with no entry."""
+    """Image files plus captions.jsonl; a caption entry whose file is absent, an image with no entry, and entries
+    naming a photograph outside the folder (<directory>/../private/secret.jpg)."""
     rows = [r for r in all_rows() if r[0] is not None]
     directory.mkdir(parents=True, exist_ok=True)
+    (directory.parent / "private").mkdir(exist_ok=True)
+    (directory.parent / "private" / "secret.jpg").write_bytes(
+        _encoded(Image.open(io.BytesIO(photographs()[-1][0])), "PNG")
+    )
     with open(directory / "captions.jsonl", "w") as f:
         for i, (data, caption, _) in enumerate(rows):
             (directory / f"{i:03d}.jpg").write_bytes(data)
             if caption is not None:  # a row without a caption has no entry: the image stands alone
                 f.write(json.dumps({"file_name": f"{i:03d}.jpg", "text": caption}) + "\n")
         f.write(json.dumps({"file_name": "missing.jpg", "text": "an image that is not there"}) + "\n")
-    return rows + [(None, "an image that is not there", NO_IMAGE)]
+        for name in _outside_names(directory):
+            f.write(json.dumps({"file_name": name, "text": "a photograph the job must not read"}) + "\n")
+    outside = [(None, "a photograph the job must not read", OUTSIDE_FOLDER)] * len(_outside_names(directory))
+    return rows + [(None, "an image that is not there", NO_IMAGE)] + outside
 
 
 def _skips(rows) -> dict[str, int]:
@@ -844,6 +881,7 @@ def test_inputs_model_and_output_on_s3_resumed_and_trained_on(tmp_path, tiny_mod
     # A folder of images with its captions file, in the bucket.
     folder_rows = write_folder_input(tmp_path / "images")
     _upload(s3, tmp_path / "images", "in/images")
+    _upload(s3, tmp_path / "private", "in/private")  # what '../private/secret.jpg' would reach
     config = config_for(
         tmp_path,
         tiny_model,

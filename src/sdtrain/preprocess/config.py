@@ -31,7 +31,8 @@ class InputConfig(Section):
     captions_file: str | None = None
     """folder: a .jsonl or .csv file mapping each image to its caption; null = <folder>/captions.jsonl."""
     file_column: str = "file_name"
-    """folder: the field of the captions file that names the image (relative to the folder)."""
+    """folder: the field of the captions file that names the image, relative to the folder (a name that leaves it:
+    absolute, '..' above it or a URI, is skipped and counted as file_outside_folder)."""
     rows_per_shard: int = 1000
     """parquet and folder inputs are cut into shards of this many rows; each shard becomes one output file (a
     WebDataset tar is one shard). Sets the output files' size."""

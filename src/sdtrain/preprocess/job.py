@@ -319,7 +319,11 @@ class _Prepare:
                 number = stats["inputs_read"]
                 stats["inputs_read"] += 1
                 caption = clean_caption(row.caption)
-                pixels, reason = prepare_image(row.image, self.image.resolution, self.image.small_images)
+                pixels, reason = (
+                    (None, row.skip)
+                    if row.skip
+                    else prepare_image(row.image, self.image.resolution, self.image.small_images)
+                )
                 if reason is None and caption is None:
                     reason = NO_CAPTION
                 if reason is not None:

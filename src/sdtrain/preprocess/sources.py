@@ -9,7 +9,8 @@ keys a done shard of the folder holds are never cut again, and the others are cu
 digest of their keys, so an image added later never moves a row of a done shard.
 
 A source has one spelling in shard names and records (:func:`canonical_source`): a folder named with a trailing '/',
-'./' or as a file:// URI is the same input, its done shards found.
+'./' or as a file:// URI is the same input, its done shards found. A captions file's names that leave the folder (an
+absolute path, '..' above it, a URI) are never opened: their rows are skipped and counted (``OUTSIDE_FOLDER``).
 
 Listing runs on the driver and checks what it can before any worker starts (a missing column, an
 unreadable captions file); reading a shard runs in Ray Data tasks and never raises on bad rows.
@@ -40,6 +41,8 @@ from sdtrain.storage.filesystems import filesystem_for, read_text
 from sdtrain.storage.uris import is_uri, split_s3, uri_prefix
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
+OUTSIDE_FOLDER = "file_outside_folder"
+"""The skip reason of a folder row whose file name leaves the folder."""
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,8 @@ class Row:
     key: str
     image: bytes | None
     caption: object
+    skip: str | None = None
+    """Why the row is skipped without reading its image (OUTSIDE_FOLDER), else None."""
 
 
 def list_shards(config: InputConfig, done: Mapping[str, Mapping[str, Any]] | None = None) -> list[Shard]:
@@ -301,6 +306,14 @@ def _folder_shards(config: InputConfig, folder: str, done: Mapping[str, Mapping[
         raise DataError(f"input.paths: {folder} is not a directory (format folder reads a directory of images)")
     captions_file = config.captions_file or posixpath.join(folder, "captions.jsonl")
     captions = _read_captions_file(captions_file, config)
+    outside = [name for name in captions if outside_folder(name)]
+    if outside:
+        named = ", ".join(map(repr, outside[:3])) + (", ..." if len(outside) > 3 else "")
+        print(
+            f"[sdtrain] input.captions_file: {captions_file}: {len(outside)} file names leave the folder ({named}): "
+            f"never read, skipped as {OUTSIDE_FOLDER}",
+            flush=True,
+        )
     infos = fs.get_file_info(pafs.FileSelector(root, recursive=True))
     images = sorted(
         os.path.relpath(i.path, root) if not uri_prefix(folder) else i.path[len(root) :].lstrip("/")
@@ -355,13 +368,26 @@ def _read_captions_file(path: str, config: InputConfig) -> dict[str, str | None]
                 f"{', '.join(map(str, record))}"
             )
         caption = record.get(config.caption_column)
-        captions[posixpath.normpath(str(record[config.file_column]))] = caption if isinstance(caption, str) else None
+        name = str(record[config.file_column])
+        name = name if outside_folder(name) else posixpath.normpath(name)  # named as written in what is skipped
+        captions[name] = caption if isinstance(caption, str) else None
     return captions
+
+
+def outside_folder(name: str) -> bool:
+    """Whether a file name of a folder input leaves the folder: an absolute path, a URI, or '..' above the folder.
+    Joined to the folder and read, it would encode any file the job can read (on S3, any prefix of any bucket its
+    credentials reach) into the output."""
+    normal = posixpath.normpath(name)
+    return is_uri(name) or name.startswith("/") or normal == ".." or normal.startswith("../")
 
 
 def _folder_rows(shard: Shard) -> Iterator[Row]:
     fs, root = filesystem_for(shard.source)
     for name, caption in shard.rows:
+        if outside_folder(name):  # checked where it is read too: a listed S3 key may hold '..'
+            yield Row(name, None, caption, OUTSIDE_FOLDER)
+            continue
         try:
             with fs.open_input_stream(posixpath.join(root, name)) as f:
                 image: bytes | None = f.read()
