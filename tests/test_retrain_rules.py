@@ -313,6 +313,34 @@ def test_the_best_ever_bar_is_what_production_named_measured_on_the_same_val_set
     assert _decide(0.20, 0.30, "v0006", best, 0.05)[0] is True
 
 
+def test_a_metric_is_compared_only_with_values_measured_by_the_same_model(tmp_path):
+    # One definition of what a value depends on (sdtrain.evaluation.results.measured_with): an fd_inception measured
+    # with another Inception file is no bar, as an fd_dinov2 of another DINOv2 is not.
+    from sdtrain.evaluation.results import measured_with
+
+    config = _rules_config(tmp_path, "eval.inception=/models/inception.pt", "eval.dinov2=/models/dinov2")
+    assert measured_with(config, "fd_inception")["eval.inception"] == "/models/inception.pt"
+    assert "eval.dinov2" not in measured_with(config, "fd_inception")
+    assert "eval.inception" not in measured_with(config, "val_loss")
+    registry = ModelRegistry(str(tmp_path / "models"))
+    recorded = config.to_dict()
+    for day, inception, fd in (("2026-11-01", "/models/inception.pt", 20.0), ("2026-11-02", "/other.pt", 5.0)):
+        recorded["eval"] = {**recorded["eval"], "inception": inception}
+        manifest = {"schedule_date": day, "parent": None, "promoted": True, "reason": "test"}
+        torch.manual_seed(0)
+        version = registry.write_version(
+            UNet2DConditionModel(**PRESETS["tiny"]),
+            DDPMScheduler(),
+            manifest | {"metrics": {"fd_inception": fd}, "config": recorded},
+        )
+        registry.set_production(version, expected=registry.production(), kind="promote")
+    best, not_compared = _best_served(registry, config, "fd_inception")
+    assert best == ("v0001", 20.0)
+    assert not_compared == [
+        "v0002's 5.00000 was measured with eval.inception='/other.pt', this run's is '/models/inception.pt'"
+    ]
+
+
 _RECORD_STEP = """
 import json, sys
 import torch

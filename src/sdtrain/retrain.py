@@ -38,6 +38,7 @@ from sdtrain.data.local_read import iter_local_batches
 from sdtrain.data.parquet_files import resolve_parquet_files
 from sdtrain.driver import dataset_spec, train
 from sdtrain.errors import ConfigError, DataError
+from sdtrain.evaluation.results import measured_with
 from sdtrain.model.token_captions import CaptionEncoder
 from sdtrain.model.validation import validation_loss
 from sdtrain.preflight import preflight
@@ -356,6 +357,9 @@ def _eval_vae(config: Config) -> str | None:
     return check_evaluation(config, schema.metadata or {}, schema.names)
 
 
+_UNRECORDED = object()
+
+
 def _best_served(
     registry: ModelRegistry, config: Config, metric: str = "val_loss"
 ) -> tuple[tuple[str, float] | None, list[str]]:
@@ -366,21 +370,20 @@ def _best_served(
     The pointer log, not the manifests' ``promoted`` flag, says what served: a version decided for promotion may
     have been superseded, interrupted or rolled back, and must not be the bar."""
     scored, not_compared = [], []
-    measured_on = {"data.val": config.data.val, "train.seed": config.train.seed}
-    if metric != "val_loss":  # the sampled images and what measures them
-        for key in ("eval.dinov2", "eval.clip", "eval.vae", "eval.num_samples", "sample_grid.sampler"):
-            section, name = key.split(".")
-            measured_on[key] = getattr(getattr(config, section), name)
-        measured_on["sample_grid.guidance_scale"] = config.sample_grid.guidance_scale
-        measured_on["sample_grid.steps"] = config.sample_grid.steps
+    measured_on = measured_with(config, metric)
     for version in registry.served():
         manifest = registry.manifest(version)
         value = manifest["metrics"].get(metric)
         if value is None:
             continue
         recorded = manifest.get("config", {})
-        theirs = {key: recorded.get(key.split(".")[0], {}).get(key.split(".")[1]) for key in measured_on}
-        differ = [f"{k}={theirs[k]!r}, this run's is {v!r}" for k, v in measured_on.items() if theirs[k] != v]
+        # A setting the version's config does not record predates the key: no difference can be shown.
+        theirs = {key: recorded.get(key.split(".")[0], {}).get(key.split(".")[1], _UNRECORDED) for key in measured_on}
+        differ = [
+            f"{k}={theirs[k]!r}, this run's is {v!r}"
+            for k, v in measured_on.items()
+            if theirs[k] is not _UNRECORDED and theirs[k] != v
+        ]
         if differ:
             not_compared.append(f"{version}'s {value:.5f} was measured with " + " and ".join(differ))
             continue

@@ -34,14 +34,13 @@ import pyarrow.parquet as pq
 import torch
 
 from sdtrain.artifacts.loading import LoadedModel, load_model
-from sdtrain.config.running import EVAL_METRICS
 from sdtrain.config.schema import Config
 from sdtrain.data.decode import to_array
 from sdtrain.data.listing import list_dataset
 from sdtrain.errors import DataError
 from sdtrain.evaluation.cpu_priority import cpu_policy
 from sdtrain.evaluation.image_metrics import ClipScore, DinoFeatures, FeatureStats, InceptionFeatures, frechet_distance
-from sdtrain.evaluation.results import write_evaluation
+from sdtrain.evaluation.results import measured_with, write_evaluation
 from sdtrain.model.encoders import load_vae
 from sdtrain.sampling.images import decode
 from sdtrain.sampling.sampler import sample_latents
@@ -233,12 +232,12 @@ class Evaluator:
         return reference
 
     def reference_key(self, metric: str) -> str:
-        """What the reference statistics of ``metric`` depend on: the rows (their files' names, sizes and versions, the
-        column and how many), the VAE, the feature model, the latents' scaling."""
+        """What the reference statistics of ``metric`` depend on: the rows (their files' names, sizes and versions, and
+        how many), the VAE, and the settings any value of the metric depends on (the column, the feature model, the
+        latents' scaling: :func:`sdtrain.evaluation.results.measured_with`)."""
         assert self.rows is not None
-        model = getattr(self.config.eval, EVAL_METRICS[metric])  # the feature model's source
-        rows = [self.rows.files, self.rows.versions, self.config.data.latent_column, len(self.rows.latents)]
-        what = [*rows, self.vae_source, model, self.config.data.latent_scaling_factor]
+        rows = [self.rows.files, self.rows.versions, len(self.rows.latents)]
+        what = [*rows, self.vae_source, measured_with(self.config, metric)]
         return hashlib.sha256(json.dumps(what).encode()).hexdigest()[:12]
 
 
