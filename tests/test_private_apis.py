@@ -39,3 +39,22 @@ def test_a_missing_private_name_is_refused_naming_it_and_the_pin():
     message = str(raised.value)
     assert "torch._subclasses.fake_tensor.NoSuchMode (what it would serve)" in message
     assert "torch==2.13.0" in message and pinned("torch") == "torch==2.13.0"
+
+
+def test_no_module_outside_sdtrain_private_reaches_a_private_name():
+    # Read as text: an import, an attribute or a logger name of another library's private module counts.
+    import re
+    from pathlib import Path
+
+    import sdtrain
+
+    root = Path(sdtrain.__file__).parent
+    private_use = re.compile(r"\b(ray|torch|wandb)(\.\w+)*\.(_internal|_subclasses|_tools|_pytree|_dynamo)\b")
+    found = [
+        f"{path.relative_to(root)}:{number}: {line.strip()}"
+        for path in sorted(root.rglob("*.py"))
+        if path.parent.name != "private"
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if private_use.search(line) or "wandb_internal_pb2" in line
+    ]
+    assert not found, "private names outside sdtrain.private:\n" + "\n".join(found)

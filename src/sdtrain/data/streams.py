@@ -17,7 +17,6 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import ray.data
-from ray.data._internal.datasource.range_datasource import RangeDatasource
 from ray.data.block import BlockMetadata
 from ray.data.datasource import Datasource, ReadTask
 from ray.data.extensions import ArrowTensorArray
@@ -28,6 +27,7 @@ from sdtrain.data.inspection import DatasetSpec
 from sdtrain.data.pacing import paced
 from sdtrain.data.read_order import FILE, SamplePlan, Stretch, Window, window_sample_indices
 from sdtrain.errors import DataError
+from sdtrain.private import ray as ray_private
 from sdtrain.storage.filesystems import filesystem_for, filesystems_for
 from sdtrain.storage.s3 import is_transient, s3_filesystem
 from sdtrain.storage.uris import split_s3
@@ -292,11 +292,7 @@ def _task_ids(n: int, placement: dict[str, Any]) -> ray.data.Dataset:
     Read by a task that takes no CPU either (ray.data.range's read tasks take 1 CPU), with the same
     placement, so Ray Data fuses it into each read task.
     """
-    return _ordered(
-        ray.data.read_datasource(
-            RangeDatasource(n=n, block_format="arrow", column_name="id"), override_num_blocks=n, **placement
-        )
-    )
+    return _ordered(ray.data.read_datasource(ray_private.range_datasource(n), override_num_blocks=n, **placement))
 
 
 def _ordered(dataset: ray.data.Dataset) -> ray.data.Dataset:
