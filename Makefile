@@ -31,8 +31,8 @@ test-fast: $(STAMP)
 # ruff's lint and format check and mypy's type check of src/ (settings for both in
 # pyproject.toml); CI runs it before the tests.
 lint: $(STAMP)
-	$(VENV)/bin/ruff check src tests bench entrypoints
-	$(VENV)/bin/ruff format --check src tests bench entrypoints
+	$(VENV)/bin/ruff check src tests bench entrypoints tools
+	$(VENV)/bin/ruff format --check src tests bench entrypoints tools
 	$(VENV)/bin/mypy
 
 # On a machine with a CUDA GPU (docs/gpu.md): the training checks of tests/test_gpu.py.

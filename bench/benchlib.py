@@ -126,7 +126,7 @@ def sdtrain_batches(
         from ray.data import ExecutionResources
 
         dataset.context.execution_options.resource_limits = ExecutionResources(object_store_memory=object_store_limit)
-    shard = dataset.iterator()  # what sdtrain.train.data_hook.PlannedStreams hands a worker
+    shard = dataset.iterator()  # what sdtrain.controller.data_hook.PlannedStreams hands a worker
     batches = shard.iter_torch_batches(batch_size=batch_size, prefetch_batches=data.prefetch_batches)
     return batches, shard
 

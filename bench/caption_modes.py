@@ -4,7 +4,7 @@ the training step.
 - Bytes per row: shards written by the preprocessing job's own table writer (sdtrain.preprocess.outputs, zstd, row
   groups of 64) for output.captions = embeddings, token_ids and both, with the tiny test shapes (77 x 32 captions,
   4x16x16 latents) and SD 2's (77 x 1024 captions from an OpenCLIP-H-shaped text encoder with random weights,
-  sdtrain.preprocess.tiny_models.sd2_shaped_encoders; 4x32x32 latents of 256 px), captions the length of LAION's;
+  tests/support/tiny_models.py.sd2_shaped_encoders; 4x32x32 latents of 256 px), captions the length of LAION's;
   then storage per billion rows.
 - Rows/s of the data path: the training read tasks (``WindowReader`` -> ``WindowRead.read``, the code a Ray Data
   read task runs) over a local file of SD 2-shaped rows in each mode.
@@ -29,6 +29,7 @@ import pyarrow.parquet as pq
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # support.tiny_models
 import benchlib  # noqa: E402
 
 MODES = {
@@ -148,10 +149,11 @@ def data_path_rows_per_s(out: Path, n: int, repeats: int) -> dict[str, float]:
 def encoder_flops_share() -> dict[str, float]:
     """Text encoder forward FLOPs over UNet train-step FLOPs, per sample, for the presets of SD 2's width (1024: its
     OpenCLIP-H text encoder)."""
+    from support.tiny_models import sd2_text_encoder_config
+
     from sdtrain.config.loader import load_config
     from sdtrain.model.flops import text_encoder_forward_flops, unet_train_step_flops
     from sdtrain.model.unet import unet_config
-    from sdtrain.preprocess.tiny_models import sd2_text_encoder_config
 
     shares = {}
     for preset in ("small", "sd2-base"):
@@ -177,9 +179,9 @@ def step_times(out: Path, steps: int) -> dict[str, float]:
     import logging
 
     import lightning.pytorch as pl
+    from support.tiny_models import write_tiny_sd_model
 
     from sdtrain.config.loader import load_config
-    from sdtrain.preprocess.tiny_models import write_tiny_sd_model
     from sdtrain.train.build import checkpoint_meta, fit_without_ray
 
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)  # after Lightning's import: no start-up chatter
@@ -227,10 +229,10 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="few rows and steps: checks that it runs")
     args = parser.parse_args()
     print(f"# {benchlib.machine()}\n# {benchlib.versions()}\n# commit {benchlib.git_commit()}", flush=True)
+    from support.tiny_models import sd2_shaped_encoders, write_tiny_sd_model
     from transformers import CLIPTextModel
 
     from sdtrain.model.encoders import load_text_encoder
-    from sdtrain.preprocess.tiny_models import sd2_shaped_encoders, write_tiny_sd_model
 
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)

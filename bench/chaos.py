@@ -36,7 +36,7 @@ import pyarrow.parquet as pq
 
 from sdtrain.config.loader import load_config
 from sdtrain.data.parquet_files import resolve_parquet_files
-from sdtrain.driver import train
+from sdtrain.driver.run import train
 from sdtrain.storage.run_layout import HISTORY_FILE, SAMPLES_FILE
 
 CHECKPOINT_EVERY = 4

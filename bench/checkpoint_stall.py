@@ -50,7 +50,7 @@ def main() -> None:
     import ray
 
     from sdtrain.config.schema import Config
-    from sdtrain.driver import train
+    from sdtrain.driver.run import train
     from sdtrain.model.unet import build_unet
 
     print(f"# machine: {benchlib.machine()}")

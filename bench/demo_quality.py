@@ -38,7 +38,7 @@ def main() -> None:
 
     from sdtrain.artifacts.loading import load_model
     from sdtrain.config.loader import load_config
-    from sdtrain.data.demo import real_digits_agreement
+    from sdtrain.demo.digits import real_digits_agreement
     from sdtrain.evaluation.checkpoint_eval import Evaluator
 
     with tempfile.TemporaryDirectory(prefix="sdtrain-demo-quality-") as directory:

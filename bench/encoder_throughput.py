@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # support.tiny_models
 
 
 def photographs(n: int) -> list[bytes]:
@@ -53,10 +54,10 @@ def main() -> None:
 
     import numpy as np
     import torch
+    from support.tiny_models import sd2_shaped_encoders
 
     from sdtrain.model.encoders import encode_images, encode_prompts, resolve_dtype
     from sdtrain.preprocess.images import prepare_image
-    from sdtrain.preprocess.tiny_models import sd2_shaped_encoders
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = resolve_dtype(args.dtype, device)

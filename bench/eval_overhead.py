@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # support.tiny_models
 import benchlib  # noqa: E402
 
 
@@ -38,10 +39,10 @@ def main() -> None:
     repeats = args.repeats or (1 if args.smoke else 3)
 
     import ray
+    from support.tiny_models import write_tiny_dinov2, write_tiny_sd_model
 
     from sdtrain.config.loader import load_config
-    from sdtrain.driver import train
-    from sdtrain.preprocess.tiny_models import write_tiny_dinov2, write_tiny_sd_model
+    from sdtrain.driver.run import train
 
     print(f"# machine: {benchlib.machine()}")
     print(f"# {benchlib.versions()}, sdtrain commit {benchlib.git_commit()}")

@@ -267,7 +267,7 @@ def measure(
 
 def _predicted_memory(config, latent_shape, caption_shape) -> int:
     """The memory model's peak for this process's step (one rank: fit_without_ray has no DDP)."""
-    from sdtrain.train.memory_fit import predict_run_memory
+    from sdtrain.driver.memory_fit import predict_run_memory
 
     return predict_run_memory(config, latent_shape, caption_shape, 1, config.train.precision).total_peak
 

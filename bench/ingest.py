@@ -328,12 +328,12 @@ def child(args) -> None:
         import ray
 
         ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
-        context = ray.data.DataContext.get_current()  # as sdtrain.driver sets it up
+        context = ray.data.DataContext.get_current()  # as sdtrain.driver.run sets it up
         context.enable_progress_bars = False
         context.print_on_execution_start = False
-        # sdtrain.driver starts Ray Data's cluster-wide actors while the trainer starts, ~10 s
+        # sdtrain.driver.run starts Ray Data's cluster-wide actors while the trainer starts, ~10 s
         # before the first stream: done (not timed) here, as the cluster is.
-        from sdtrain.data.ray_data_startup import warm_up_ray_data
+        from sdtrain.driver.ray_data_startup import warm_up_ray_data
 
         warm_up = warm_up_ray_data()
         assert warm_up is not None  # a fresh cluster

@@ -18,6 +18,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # support.tiny_models
 
 
 def write_input(directory: Path, images: int, files: int) -> None:
@@ -57,11 +58,11 @@ def main() -> None:
         args.images, args.files = 32, 2
 
     import ray
+    from support.tiny_models import write_tiny_sd_model
 
     from sdtrain.config.loader import load_config
     from sdtrain.preprocess.config import PreprocessConfig
     from sdtrain.preprocess.job import run_preprocess
-    from sdtrain.preprocess.tiny_models import write_tiny_sd_model
 
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)

@@ -147,7 +147,7 @@ def main() -> int:
 
 def make_partitions(root: Path, smoke: bool) -> list[Day]:
     sys.path.insert(0, str(REPO / "src"))
-    from sdtrain.data.demo import ensure_demo_data
+    from sdtrain.demo.digits import ensure_demo_data
 
     demo = root / "demo"
     ensure_demo_data(str(demo / "train"), str(demo / "val"), caption_dim=32)
@@ -249,7 +249,7 @@ def run_day(
     day: Day, config: Path, root: Path, ray_env: dict, rng: random.Random, state: AuditState, smoke: bool
 ) -> list[Attempt]:
     from sdtrain.artifacts.conditional_writes import CHAOS_KILL_VAR
-    from sdtrain.retrain import JOB_ID_VAR
+    from sdtrain.driver.retrain import JOB_ID_VAR
 
     env = {**ray_env, JOB_ID_VAR: f"prodjob_chaos_{day.date}"}
     command = [sys.executable, str(REPO / "entrypoints" / "retrain.py"), "--config", str(config)]

@@ -164,7 +164,7 @@ def run_child(kind: str, args, *extra: str) -> dict:
 
 
 def full_path(args) -> None:
-    import sdtrain.driver
+    import sdtrain.driver.run
     from sdtrain.config.schema import Config
     from sdtrain.model.presets import PRESETS
     from sdtrain.model.unet import unet_config

@@ -14,7 +14,7 @@ try:
 except ImportError:  # running from a checkout that is not pip-installed
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 
-from sdtrain.cli import generate_main
+from sdtrain.driver.cli import generate_main
 
 if __name__ == "__main__":
     sys.exit(generate_main(sys.argv[1:]))

@@ -15,7 +15,7 @@ try:
 except ImportError:  # running from a checkout that is not pip-installed (e.g. a job's working_dir)
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 
-from sdtrain.cli import index_main
+from sdtrain.driver.cli import index_main
 
 if __name__ == "__main__":
     sys.exit(index_main(sys.argv[1:]))

@@ -21,16 +21,16 @@ try:
 except ImportError:  # running from a checkout that is not pip-installed (e.g. a job's working_dir)
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 
-from sdtrain.cli import retrain_main
+from sdtrain.driver.cli import retrain_main
 
 RETRAIN_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "retrain.yaml"
 
 
 def rollback_main(argv: list[str]) -> int:
-    from sdtrain.cli import exit_code
     from sdtrain.config.loader import load_config
+    from sdtrain.driver.cli import exit_code
+    from sdtrain.driver.retrain import rollback
     from sdtrain.errors import SdtrainError
-    from sdtrain.retrain import rollback
 
     parser = argparse.ArgumentParser(prog="retrain.py --rollback", description="Move production back, logged.")
     parser.add_argument("--rollback", nargs="?", const="", metavar="vNNNN", help="the version to go back to")

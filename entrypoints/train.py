@@ -18,7 +18,7 @@ try:
 except ImportError:  # running from a checkout that is not pip-installed (e.g. a job's working_dir)
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 
-from sdtrain.cli import train_main
+from sdtrain.driver.cli import train_main
 
 # The embedded default: what this script runs with no arguments.
 DEMO_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"

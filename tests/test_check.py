@@ -6,9 +6,9 @@ import re
 import pytest
 from conftest import committed_checkpoints, write_latents
 
-from sdtrain.check import CheckReport, phase_config
-from sdtrain.cli import check_main
 from sdtrain.config.loader import load_config
+from sdtrain.driver.check import CheckReport, phase_config
+from sdtrain.driver.cli import check_main
 
 
 def _args(tmp_path, *extra):

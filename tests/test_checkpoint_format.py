@@ -47,7 +47,7 @@ def test_load_model_says_what_a_path_is_not(tmp_path):
 def test_a_damaged_record_of_committed_checkpoints_is_named(tmp_path):
     from ray.train.v2._internal.constants import CHECKPOINT_MANAGER_SNAPSHOT_FILENAME
 
-    from sdtrain.train.data_hook import committed_run
+    from sdtrain.controller.data_hook import committed_run
 
     run_dir = tmp_path / "runs" / "a"
     assert committed_run(None, str(run_dir)) is None  # nothing there: a fresh run

@@ -1,5 +1,5 @@
 """docs/configuration.md is generated from the config's field docstrings and checked in: it must be
-what sdtrain.config.reference renders now, and name every key. The README and docs/ link only to
+what tools/config_reference.py renders now, and name every key. The README and docs/ link only to
 files that exist, and the README's test command is the one CI runs."""
 
 import re
@@ -7,7 +7,7 @@ import re
 from conftest import REPO
 
 from sdtrain.config.keys import describe_keys
-from sdtrain.config.reference import REGENERATE, render_markdown
+from tools.config_reference import REGENERATE, render_markdown
 
 PAGE = REPO / "docs" / "configuration.md"
 

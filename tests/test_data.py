@@ -7,10 +7,10 @@ import pytest
 from conftest import ENCODINGS, column, write_latents
 
 from sdtrain.data.decode import decode_batch
-from sdtrain.data.demo import NUM_CLASSES, ensure_demo_data, load_digits
 from sdtrain.data.inspection import inspect_dataset
 from sdtrain.data.metadata import LATENT_SCALING_FACTOR
 from sdtrain.data.parquet_files import resolve_parquet_files
+from sdtrain.demo.digits import NUM_CLASSES, ensure_demo_data, load_digits
 from sdtrain.errors import DataError
 
 
@@ -366,7 +366,7 @@ def test_a_fresh_start_is_checked_against_its_data_not_the_old_runs_index(tmp_pa
 
     from conftest import tiny_config
 
-    from sdtrain.driver import check_run
+    from sdtrain.driver.run import check_run
 
     def encode(factor: bytes) -> None:
         for i, name in enumerate("ab"):

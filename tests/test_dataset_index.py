@@ -192,8 +192,8 @@ def test_a_restart_lists_no_directory_unchanged_since_its_directory_index(tmp_pa
 
 
 def test_the_index_command_makes_restarts_on_a_directory_of_ones_own_list_nothing(tmp_path, capsys, monkeypatch):
-    from sdtrain.cli import index_main
     from sdtrain.data import dataset_index
+    from sdtrain.driver.cli import index_main
 
     data = tmp_path / "latents" / "date=2026-11-26"  # a '=' in a directory is not a config override
     for i in range(3):
@@ -311,8 +311,8 @@ def test_s3_listing_is_paginated_and_records_etags(s3_bucket, tmp_path, capsys):
     # The directory index beside the files (entrypoints/index.py's, as the preprocessing job's): a run on them
     # records the directory as sealed, and its restart lists nothing: one GET (the run's index) and one HEAD (the
     # directory's index). Indexing again reads no footer and leaves the index as it is.
-    from sdtrain.cli import index_main
     from sdtrain.data import listing as listing_module
+    from sdtrain.driver.cli import index_main
 
     assert index_main([f"{s3_bucket}/data"]) == 0
     assert "30 files (0 from its index, 30 footers read); wrote" in capsys.readouterr().out

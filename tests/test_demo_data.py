@@ -6,7 +6,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from sdtrain.data.decode import to_array
-from sdtrain.data.demo import (
+from sdtrain.demo.digits import (
     NUM_CLASSES,
     class_agreement,
     classify_digits,

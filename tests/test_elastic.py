@@ -13,10 +13,10 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from conftest import committed_checkpoints, rows_by_step, tiny_config, token_id_table, write_latents
+from support.tiny_models import write_tiny_sd_model
 
 from sdtrain.artifacts.checkpoint_format import CHECKPOINT_META_KEY
-from sdtrain.driver import train
-from sdtrain.preprocess.tiny_models import write_tiny_sd_model
+from sdtrain.driver.run import train
 from sdtrain.storage.run_layout import CHECKPOINT_FILE, HISTORY_FILE, SAMPLES_FILE
 
 pytestmark = pytest.mark.slow  # a Ray cluster of three raylets and three worker groups, one after another

@@ -64,7 +64,7 @@ def test_every_command_tells_bad_input_a_failed_run_and_a_busy_registry_apart_by
     75 (EX_TEMPFAIL, as the watchdog's): the registry's lock is held, try later. A scheduler that retries on 75 alone
     no longer spends its retries on a config that cannot work, nor marks a held lock a failure of the input."""
     from sdtrain.artifacts.registry_lock import RegistryBusy
-    from sdtrain.cli import exit_code
+    from sdtrain.driver.cli import exit_code
     from sdtrain.errors import ConfigError, DataError, TrainingFailed
 
     assert exit_code(ConfigError("x")) == exit_code(DataError("x")) == 2

@@ -13,6 +13,7 @@ import pytest
 import ray.train
 import torch
 from conftest import tiny_config
+from support.tiny_models import write_tiny_clip, write_tiny_dinov2, write_tiny_inception, write_tiny_sd_model
 
 from sdtrain.artifacts.checkpoint_format import CheckpointMeta
 from sdtrain.config.loader import load_config
@@ -24,7 +25,6 @@ from sdtrain.evaluation.image_metrics import DinoFeatures, FeatureStats, Incepti
 from sdtrain.evaluation.results import read_evaluation, write_evaluation
 from sdtrain.model.encoders import encode_images, encode_prompts, load_text_encoder, load_vae
 from sdtrain.model.unet import build_unet, noise_scheduler_config, unet_config
-from sdtrain.preprocess.tiny_models import write_tiny_clip, write_tiny_dinov2, write_tiny_inception, write_tiny_sd_model
 from sdtrain.sampling.images import decode
 from sdtrain.storage.run_layout import DATA_STATE_FILE, EVALUATION_DIR
 from sdtrain.train.evaluations import (
@@ -410,7 +410,7 @@ def _eval_keys(config) -> list[str]:
 
 def test_the_retraining_gate_compares_both_models_by_fd_dinov2_on_the_same_samples(evaluated):
     from sdtrain.artifacts.loading import load_model
-    from sdtrain.retrain import _decide, gate_scores
+    from sdtrain.driver.retrain import _decide, gate_scores
 
     config = tiny_config(*_eval_keys(evaluated["config"]), *_rest(evaluated["config"]), "retrain.metric=fd_dinov2")
     trained = load_model(str(evaluated["checkpoint"]))

@@ -21,10 +21,10 @@ from sdtrain.artifacts.checkpoint_format import CheckpointMeta
 from sdtrain.artifacts.export import export_checkpoint
 from sdtrain.artifacts.loading import load_model
 from sdtrain.config.schema import DataConfig, ModelConfig, TrainConfig
-from sdtrain.data.demo import digits_from_latents, ensure_demo_data, load_digits, pseudo_latents
 from sdtrain.data.inspection import inspect_dataset
 from sdtrain.data.local_read import iter_local_batches
 from sdtrain.data.parquet_files import resolve_parquet_files
+from sdtrain.demo.digits import digits_from_latents, ensure_demo_data, load_digits, pseudo_latents
 from sdtrain.model.unet import build_unet, noise_scheduler_config, unet_config
 from sdtrain.sampling.sampler import guided_prediction, sample_latents
 from sdtrain.train.module import DiffusionModule
@@ -304,10 +304,11 @@ def _grid_png(colour: str) -> bytes:
 def test_a_pipeline_exports_card_shows_the_latest_training_grid_or_one_rendered_at_export(trained, tmp_path):
     """Data that names its VAE and text encoder makes the export a pipeline; its card shows sample_grid.png:
     training's latest grid at or before the exported step, else one the pipeline draws from the data's captions."""
+    from support.tiny_models import write_tiny_sd_model
+
     from sdtrain.artifacts.export import write_export
     from sdtrain.data.metadata import LATENT_SCALING_FACTOR, TEXT_ENCODER_SOURCE, VAE_SOURCE
     from sdtrain.preprocess.outputs import shard_table, write_shard
-    from sdtrain.preprocess.tiny_models import write_tiny_sd_model
     from sdtrain.storage.run_layout import EXPORT_SAMPLE_GRID_FILE as SAMPLE_GRID_FILE
 
     model = write_tiny_sd_model(str(tmp_path / "tiny-sd"))

@@ -12,6 +12,7 @@ import scipy.linalg
 import torch
 import torch.nn.functional as F
 from sklearn.datasets import load_sample_images
+from support.tiny_models import write_tiny_clip, write_tiny_dinov2
 from transformers import (
     AutoTokenizer,
     CLIPModel,
@@ -26,7 +27,6 @@ from sdtrain.evaluation.image_metrics import (
     FeatureStats,
     frechet_distance,
 )
-from sdtrain.preprocess.tiny_models import write_tiny_clip, write_tiny_dinov2
 
 
 def _stats(features: np.ndarray) -> FeatureStats:

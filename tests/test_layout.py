@@ -1,5 +1,6 @@
-"""The package's folders follow the data, and nothing imports upward: a module may import from its
-own folder and from the layers before it, never from a layer after it."""
+"""The package's folders follow the data and the processes that run it, and nothing imports upward: a module may
+import from its own folder and from the layers before it, never from a layer after it, and no module imports itself
+back."""
 
 import ast
 from pathlib import Path
@@ -7,22 +8,26 @@ from pathlib import Path
 import sdtrain
 
 ROOT = Path(sdtrain.__file__).parent
-# In data-flow order; the driver (driver, cli, preflight, retrain) sits on top of everything. private (the adapters
-# of other libraries' private names) serves every layer. model (the networks: the UNet, and the VAE and text encoder)
-# comes before preprocess, which runs the encoders to write latents; evaluation (image quality of checkpoints) samples
-# with sampling's code, and training asks for it.
+# Each folder is a room of one process, in data-flow order: the libraries every process uses (private: the adapters
+# of other libraries' private names; storage, config, data, model, artifacts, sampling), the digits demo behind its
+# own door, preprocessing's job with its Ray tasks and actors, the evaluation task, then the Ray Train worker
+# (train), Ray Train's controller (controller: the data hook and the failure callback) and, on top, the job's driver
+# (driver: the command lines, the run's three steps, the check job, retraining).
 LAYERS = [
     "errors",
     "private",
     "storage",
     "config",
     "data",
+    "demo",
     "model",
     "preprocess",
     "artifacts",
     "sampling",
     "evaluation",
     "train",
+    "controller",
+    "driver",
 ]
 DRIVER = len(LAYERS)
 
@@ -56,7 +61,7 @@ def test_no_module_imports_from_a_later_layer():
 
 
 def test_package_init_files_are_empty():
-    # Ray Train's controller imports sdtrain.train.data_hook: an __init__ that imported the module
+    # Ray Train's controller imports sdtrain.controller.data_hook: an __init__ that imported the module
     # (Lightning, diffusers) would load them there (test_stream checks the controller's imports).
     assert [p for p in ROOT.glob("*/__init__.py") if p.read_text().strip()] == []
 

@@ -1,4 +1,4 @@
-"""train.micro_batch_size against the cluster's GPU memory (sdtrain.train.memory_fit): auto's choice, the refusal of
+"""train.micro_batch_size against the cluster's GPU memory (sdtrain.driver.memory_fit): auto's choice, the refusal of
 a size predicted not to fit, and the driver refusing it before any worker starts, on a Ray cluster whose node
 reports an A10G."""
 
@@ -6,8 +6,8 @@ import pytest
 from conftest import write_latents
 
 from sdtrain.config.loader import load_config
+from sdtrain.driver.memory_fit import cluster_gpu, fit_micro_batch
 from sdtrain.errors import ConfigError
-from sdtrain.train.memory_fit import cluster_gpu, fit_micro_batch
 
 SMALL_512 = ((4, 64, 64), (77, 1024))  # the small UNet's latents at 512 px and OpenCLIP-H captions
 
@@ -58,7 +58,7 @@ def test_the_driver_refuses_before_any_worker_starts_on_a_cluster_of_a10gs(tmp_p
     import ray
     from ray.cluster_utils import Cluster
 
-    from sdtrain.driver import train
+    from sdtrain.driver.run import train
 
     write_latents(tmp_path / "train/a.parquet", rows=128, latent_shape=(4, 64, 64), caption_shape=(77, 1024))
     config = _small(

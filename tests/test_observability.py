@@ -116,8 +116,8 @@ def test_background_writer_runs_the_newest_job_and_survives_a_failing_one(caplog
 
 
 def test_mlflow_without_a_tracking_server_is_refused_before_ray_starts(monkeypatch):
+    from sdtrain.driver.trackers import check_trackers
     from sdtrain.errors import ConfigError
-    from sdtrain.train.tracker_driver import check_trackers
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     config = load_config(None, ["data.train=unused", "tracking.trackers=[tensorboard, mlflow]"])
@@ -353,7 +353,7 @@ def test_a_killed_and_resumed_run_shows_each_step_once_everywhere(
     import psutil
     from conftest import write_latents
 
-    from sdtrain.driver import train
+    from sdtrain.driver.run import train
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")

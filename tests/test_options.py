@@ -13,11 +13,11 @@ import pytest
 import torch
 from conftest import tiny_config
 from lightning.pytorch.plugins.precision import MixedPrecision
+from support.tiny_models import write_tiny_sd_model
 from support.training import CAPTIONS, FIT, LATENTS, Watch, batches, fit
 from torch.distributed.tensor import DTensor
 
 from sdtrain.config.loader import load_config
-from sdtrain.preprocess.tiny_models import write_tiny_sd_model
 from sdtrain.sampling.captions import Captions
 from sdtrain.train.build import build_training, checkpoint_meta, fit_without_ray
 from sdtrain.train.cadence import OptimizerStepCallback, ReportCadence

@@ -5,8 +5,8 @@ import pytest
 from conftest import REPO
 
 from sdtrain.model.hardware import NODE_TYPES
-from sdtrain.train.performance_model import GBIT, LINK_EFFICIENCY, collective_seconds, predict_step
-from sdtrain.train.performance_report import JOB_FILES, REGENERATE, predict_job, read_job, render_markdown
+from tools.performance_model import GBIT, LINK_EFFICIENCY, collective_seconds, predict_step
+from tools.performance_report import JOB_FILES, REGENERATE, predict_job, read_job, render_markdown
 
 PARAMS, FLOPS = 223_000_000, 145e9  # the small UNet at 256 px
 
@@ -67,7 +67,7 @@ def test_the_memory_table_is_the_trace_at_another_micro_batch():
     from sdtrain.config.schema import ModelConfig
     from sdtrain.model.memory import predict_training_memory
     from sdtrain.model.unet import unet_config
-    from sdtrain.train.performance_report import GIB, linear_memory
+    from tools.performance_report import GIB, linear_memory
 
     unet = unet_config(ModelConfig(preset="small"))
     traced = predict_training_memory(unet, (4, 32, 32), (77, 1024), 96).total_peak / GIB

@@ -21,6 +21,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from PIL import Image
+from support.tiny_models import write_tiny_sd_model
 
 from sdtrain.config.loader import load_config
 from sdtrain.data.metadata import LATENT_SCALING_FACTOR, encoder_sources
@@ -35,7 +36,6 @@ from sdtrain.model.encoders import (
 )
 from sdtrain.preprocess.config import PreprocessConfig
 from sdtrain.preprocess.images import NO_CAPTION, NO_IMAGE, TOO_SMALL, UNDECODABLE, prepare_image
-from sdtrain.preprocess.tiny_models import write_tiny_sd_model
 
 ROOT = Path(__file__).resolve().parent.parent
 RESOLUTION = 32  # tiny VAE halves it: 4 x 16 x 16 latents, model.preset=tiny's sample_size
@@ -792,7 +792,7 @@ def test_inputs_model_and_output_on_s3_resumed_and_trained_on(tmp_path, tiny_mod
     from sdtrain.config.loader import load_config
     from sdtrain.data.inspection import inspect_dataset
     from sdtrain.data.parquet_files import resolve_parquet_files
-    from sdtrain.driver import train
+    from sdtrain.driver.run import train
     from sdtrain.preprocess.job import run_preprocess
     from sdtrain.sampling.generate import GenerateRequest, generate
 
@@ -965,7 +965,7 @@ def test_images_to_latents_to_training_to_prompted_pipeline(tmp_path, tiny_model
     from sdtrain.artifacts.loading import load_model
     from sdtrain.config.loader import load_config
     from sdtrain.data.metadata import TEXT_ENCODER_SOURCE, TOKEN_VOCAB_SIZE
-    from sdtrain.driver import train
+    from sdtrain.driver.run import train
     from sdtrain.preprocess.job import run_preprocess
 
     write_parquet_input(tmp_path / "input", files=2)

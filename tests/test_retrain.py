@@ -7,13 +7,13 @@ import shutil
 import pytest
 import torch
 from conftest import tiny_config
+from support.tiny_models import write_tiny_dinov2, write_tiny_sd_model
 
 from sdtrain.artifacts.loading import load_model
 from sdtrain.artifacts.registry import ModelRegistry
-from sdtrain.data.demo import ensure_demo_data
+from sdtrain.demo.digits import ensure_demo_data
+from sdtrain.driver.retrain import find_partitions, new_partitions, retrain, retrain_run_name
 from sdtrain.errors import DataError
-from sdtrain.preprocess.tiny_models import write_tiny_dinov2, write_tiny_sd_model
-from sdtrain.retrain import find_partitions, new_partitions, retrain, retrain_run_name
 
 pytestmark = pytest.mark.slow  # retraining runs Ray Train
 

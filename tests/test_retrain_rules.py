@@ -14,8 +14,7 @@ from conftest import tiny_config, write_latents
 from diffusers import DDPMScheduler, UNet2DConditionModel
 
 from sdtrain.artifacts.registry import ModelRegistry
-from sdtrain.model.presets import PRESETS
-from sdtrain.retrain import (
+from sdtrain.driver.retrain import (
     JOB_ID_VAR,
     _best_served,
     _decide,
@@ -24,6 +23,7 @@ from sdtrain.retrain import (
     retrain,
     schedule_date_for,
 )
+from sdtrain.model.presets import PRESETS
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -347,7 +347,7 @@ import torch
 from diffusers import DDPMScheduler, UNet2DConditionModel
 from sdtrain.artifacts.registry import ModelRegistry
 from sdtrain.model.presets import PRESETS
-from sdtrain.retrain import record_and_promote
+from sdtrain.driver.retrain import record_and_promote
 
 registry = ModelRegistry(sys.argv[1])
 torch.manual_seed(1)

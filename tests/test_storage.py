@@ -19,8 +19,8 @@ from conftest import REPO, tiny_config, write_latents
 
 from sdtrain.data.inspection import inspect_dataset
 from sdtrain.data.parquet_files import resolve_parquet_files
+from sdtrain.driver.preflight import check_s3, preflight
 from sdtrain.errors import ConfigError, DataError
-from sdtrain.preflight import check_s3, preflight
 from sdtrain.storage import s3
 from sdtrain.storage.filesystems import filesystem_for
 from sdtrain.storage.s3 import configure_s3, is_transient, s3_client, s3_endpoint
@@ -478,7 +478,7 @@ def test_no_secret_in_config_dumps_or_the_model_registry(s3_bucket, monkeypatch,
 def test_retrain_checks_its_roots_before_reading_anything(s3_bucket, tmp_path):
     import datetime
 
-    from sdtrain.retrain import retrain
+    from sdtrain.driver.retrain import retrain
 
     _upload(tmp_path, "parts/date=2026-11-01/part.parquet")
     _upload(tmp_path, "val/part.parquet")

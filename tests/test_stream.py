@@ -108,10 +108,10 @@ def test_validation_streams_are_paced_too_and_keep_it_through_ray_trains_copy(tm
 
 
 def test_ray_trains_controller_loads_no_model_libraries():
-    """Ray Train's controller unpickles the data hook (sdtrain.train.data_hook) and the failure callback:
+    """Ray Train's controller unpickles the data hook (sdtrain.controller.data_hook) and the failure callback:
     diffusers and Lightning imported there cost ~6 s of every run's start-up."""
     code = (
-        "import sys, sdtrain.train.data_hook, sdtrain.train.failures; "
+        "import sys, sdtrain.controller.data_hook, sdtrain.controller.failures; "
         "loaded = [m for m in ('torch', 'diffusers', 'lightning') if m in sys.modules]; assert not loaded, loaded"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -124,7 +124,7 @@ def test_read_tasks_do_not_import_torch():
 
 
 def test_the_driver_starts_ray_datas_cluster_actors_before_any_stream_and_quietly():
-    """sdtrain.data.ray_data_startup: until Ray Data's autoscaling coordinator answers, a stream's executor
+    """sdtrain.driver.ray_data_startup: until Ray Data's autoscaling coordinator answers, a stream's executor
     sees no CPUs and reads one window at a time; on a fresh cluster the coordinator takes seconds
     to start. The warm-up (a fresh cluster of its own here) starts it and the stats actor, and
     keeps its own dataset's lines off the console; on a cluster that has them it runs nothing."""
@@ -133,7 +133,7 @@ def test_the_driver_starts_ray_datas_cluster_actors_before_any_stream_and_quietl
         ray.init(address="local", num_cpus=1, include_dashboard=False)
         named = lambda: {actor["name"] for actor in ray.util.list_named_actors(all_namespaces=True)}
         assert "AutoscalingCoordinator" not in named(), named()
-        from sdtrain.data.ray_data_startup import warm_up_ray_data
+        from sdtrain.driver.ray_data_startup import warm_up_ray_data
         thread = warm_up_ray_data()
         thread.join(120)
         assert not thread.is_alive(), "the warm-up did not finish in 120 s"
@@ -202,9 +202,9 @@ def test_a_token_id_past_the_vocabulary_read_by_a_ray_data_task_stops_the_run_na
     import pyarrow.parquet as pq
     from conftest import column
 
+    from sdtrain.controller.failures import StopOnDeterministicErrors, failure_message
     from sdtrain.data.metadata import TEXT_ENCODER_SOURCE, TOKEN_VOCAB_SIZE
     from sdtrain.errors import DataError
-    from sdtrain.train.failures import StopOnDeterministicErrors, failure_message
 
     ids = np.random.default_rng(0).integers(0, 1000, (16, 77)).astype(np.int32)
     ids[5, 3] = 1234  # row 0, which the driver's check reads, is fine

@@ -11,6 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from conftest import tiny_config
+from support.tiny_models import write_tiny_sd_model
 from support.training import FIT, Watch
 from torch.distributed.tensor import DTensor
 
@@ -23,7 +24,6 @@ from sdtrain.model.encoders import load_tokenizer, tokenize
 from sdtrain.model.recipe import load_unconditional_caption
 from sdtrain.preprocess.encode_stage import Encoder
 from sdtrain.preprocess.outputs import shard_table
-from sdtrain.preprocess.tiny_models import write_tiny_sd_model
 from sdtrain.train.build import checkpoint_meta, fit_without_ray
 
 ROWS = 12
@@ -155,7 +155,7 @@ def test_token_id_data_trains_under_each_strategy_and_option(both, options, tmp_
 def test_a_text_encoder_of_another_width_or_vocabulary_is_refused_naming_both(both, tmp_path):
     """The driver's data check (sdtrain.driver.dataset_spec: what every start and the retraining gate run before
     Ray), with the text encoder's config only."""
-    from sdtrain.driver import dataset_spec
+    from sdtrain.driver.run import dataset_spec
 
     root, model = both
 
@@ -208,8 +208,8 @@ def test_the_ids_are_the_pipelines_own_and_the_empty_prompt_file_must_fit_the_da
 
 def test_the_retraining_gate_scores_token_id_data_as_it_scores_the_same_rows_stored_as_embeddings(both, tmp_path):
     """retrain's held-out loss (both models of a gate are scored by it) encodes the ids with the data's encoder."""
+    from sdtrain.driver.retrain import heldout_loss
     from sdtrain.model.unet import build_noise_scheduler, build_unet, noise_scheduler_config
-    from sdtrain.retrain import heldout_loss
 
     root, _ = both
     data = root / "data" / "part-00000.parquet"

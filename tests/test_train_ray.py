@@ -13,13 +13,13 @@ import pytest
 import torch
 from conftest import committed_checkpoints, corrupt_row_group, rows_by_step, tiny_config, write_latents
 from support.ray_processes import our_training_workers
+from support.tiny_models import write_tiny_dinov2, write_tiny_sd_model
 
 from sdtrain.artifacts.loading import load_model, read_checkpoint
 from sdtrain.data.decode import decode_batch
-from sdtrain.driver import train
+from sdtrain.driver.run import train
 from sdtrain.errors import DataError, TrainingFailed
 from sdtrain.model.validation import validation_loss
-from sdtrain.preprocess.tiny_models import write_tiny_dinov2, write_tiny_sd_model
 from sdtrain.storage.run_layout import CHECKPOINT_FILE, DATA_STATE_FILE, HISTORY_FILE, SAMPLES_FILE
 
 pytestmark = pytest.mark.slow  # each test runs Ray Train on a local Ray cluster
@@ -179,7 +179,7 @@ def test_two_worker_run_checkpoints_reloads_and_resumes(ray_cluster, tmp_path, m
 def test_cpu_workers_share_their_cpus_with_their_reads(ray_cluster):
     """Reads take no CPU of their own, so workers may reserve every CPU (2 CPUs: 2 workers at 1 each)."""
     from sdtrain.config.schema import ScalingConfig
-    from sdtrain.driver import _cpus_per_worker
+    from sdtrain.driver.run import _cpus_per_worker
 
     assert _cpus_per_worker(ScalingConfig(num_workers=1), use_gpu=False) == 1.0
     assert _cpus_per_worker(ScalingConfig(num_workers=2), use_gpu=False) == 1.0

@@ -10,7 +10,7 @@ are stored, so loading never unpickles code (``torch.load(weights_only=True)``;
 :mod:`sdtrain.artifacts.loading` loads them).
 
 This module imports nothing heavy: Ray Train's controller loads it (through
-:mod:`sdtrain.train.data_hook`, which reads the data position), where importing diffusers and
+:mod:`sdtrain.controller.data_hook`, which reads the data position), where importing diffusers and
 Lightning would delay every run's start.
 """
 

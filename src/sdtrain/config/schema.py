@@ -175,7 +175,7 @@ class Config(ConfigTree):
                 f"train.global_batch_size: {batch} does not divide evenly over {world_size} worker(s), which "
                 f"scaling.num_workers={self.scaling.num_workers} allows; pick a multiple of every allowed world size"
             )
-        if micro is None or micro == "auto":  # auto until the driver knows the GPUs (sdtrain.train.memory_fit)
+        if micro is None or micro == "auto":  # auto until the driver knows the GPUs (sdtrain.driver.memory_fit)
             micro = self.common_micro_batch()
         per_worker = batch // world_size
         if per_worker % micro:

@@ -11,7 +11,7 @@ sample_grid's sampler, steps and guidance), decodes them with the data's VAE and
   directory; restarts reuse them;
 - ``clip_score``: the mean CLIP score of each image against its caption's text (data.val's eval.text_column);
 - ``class_agreement`` (the digits demo): the share of samples a digit classifier reads as their caption's digit
-  (:func:`sdtrain.data.demo.class_agreement`; the demo's latents are digits, nothing is decoded).
+  (:func:`sdtrain.demo.digits.class_agreement`; the demo's latents are digits, nothing is decoded).
 
 Each result is written to ``<run dir>/evaluation/step_<N>.json`` (an error too), where rank 0 and the driver read it
 into metrics.csv, the trackers and the live files at the checkpoint's step (:mod:`sdtrain.train.evaluations`).
@@ -170,7 +170,7 @@ class Evaluator:
         )
         metrics: dict[str, float] = {}
         if rows.labels is not None:
-            from sdtrain.data.demo import class_agreement
+            from sdtrain.demo.digits import class_agreement
 
             metrics["class_agreement"] = class_agreement(latents.numpy(), rows.labels)["class_agreement"]
         images = self._decode(latents, loaded) if self.vae is not None else None

@@ -12,7 +12,7 @@ def demo_labels(loaded: LoadedModel, captions: Captions) -> list[int] | None:
     """Each grid row's digit when the model was trained on the digits demo and the captions are the
     demo's own (a ``label`` column of digits, each row's embedding the demo's caption of its
     digit); else None, and there is no class agreement to measure."""
-    from sdtrain.data.demo import NUM_CLASSES, class_captions
+    from sdtrain.demo.digits import NUM_CLASSES, class_captions
 
     if not loaded.trained_on_demo or captions.labels is None:
         return None
@@ -30,7 +30,7 @@ def demo_labels(loaded: LoadedModel, captions: Captions) -> list[int] | None:
 def class_agreement_report(latents: np.ndarray, labels: list[int], samples_per_caption: int) -> dict:
     """The share of samples whose decoded digit is the one they were conditioned on, with chance
     and the classifier's agreement on real digits for scale."""
-    from sdtrain.data.demo import class_agreement, real_digits_agreement
+    from sdtrain.demo.digits import class_agreement, real_digits_agreement
 
     return {
         **class_agreement(latents, np.repeat(labels, samples_per_caption)),
@@ -38,6 +38,6 @@ def class_agreement_report(latents: np.ndarray, labels: list[int], samples_per_c
         "real_digits": round(real_digits_agreement(), 4),
         "classifier": (
             "an SVC (RBF kernel) fitted on the demo's training digits, on each sample decoded by "
-            "sdtrain.data.demo.digits_from_latents; real_digits = its agreement on the real validation digits"
+            "sdtrain.demo.digits.digits_from_latents; real_digits = its agreement on the real validation digits"
         ),
     }

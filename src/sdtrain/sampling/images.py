@@ -9,7 +9,7 @@ import torch
 
 def digits_preview(latents: np.ndarray) -> np.ndarray:
     """(N, 4, 16, 16) demo latents -> (N, 16, 16) uint8, dark ink on white."""
-    from sdtrain.data.demo import digits_from_latents
+    from sdtrain.demo.digits import digits_from_latents
 
     ink = np.clip(digits_from_latents(latents) / 16.0, 0, 1)
     return (255 * (1 - ink)).astype(np.uint8)

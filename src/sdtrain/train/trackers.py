@@ -12,7 +12,7 @@ then logs each step the tracker does not hold yet:
 - W&B holds what its run files hold (offline) or its server's summary says (online); likewise.
 
 What the driver does with them (the checks before Ray, the settings it hands the workers, the export it attaches
-at the end) is in :mod:`sdtrain.train.tracker_driver`.
+at the end) is in :mod:`sdtrain.driver.trackers`.
 """
 
 from __future__ import annotations
@@ -41,6 +41,19 @@ from sdtrain.train.wandb_files import STEP_KEY, run_files
 log = logging.getLogger("sdtrain")
 
 HELD_KEY = "loss"  # in every report: the steps a tracker holds are those it has this metric at
+
+# Settings the driver's environment gives the trackers, handed to the workers (a cluster started
+# separately does not share it). Credentials are not among them: they belong in the cluster's environment.
+FORWARDED_ENV = ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "WANDB_MODE", "WANDB_ENTITY", "WANDB_BASE_URL")
+
+
+def apply_tracker_env(env: Mapping[str, str]) -> None:
+    """Args: env: what :func:`sdtrain.driver.trackers.tracker_env` returned on the driver (FORWARDED_ENV)."""
+    os.environ.update(env)
+    # W&B keeps the address of its service process in the environment, which Ray's workers inherit from
+    # the process that started the cluster: a worker sharing that service leaves its run open there when
+    # it is killed, and the restarted worker could not continue the run ("run ID is in use").
+    os.environ.pop("WANDB_SERVICE", None)
 
 
 def read_state(run_dir: str) -> dict[str, Any]:

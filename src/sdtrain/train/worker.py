@@ -32,7 +32,7 @@ from sdtrain.train.preemption import PreemptionCheck
 from sdtrain.train.reporting import StepReporter, log
 from sdtrain.train.run_view import RunView
 from sdtrain.train.sample_grids import SampleGrids, grid_captions
-from sdtrain.train.tracker_driver import apply_tracker_env
+from sdtrain.train.trackers import apply_tracker_env
 from sdtrain.train.train_stream import TrainStream
 from sdtrain.train.validation import HeldValBatches, Validation
 from sdtrain.train.watchdog import StallWatch, StallWatchdog

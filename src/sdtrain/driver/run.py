@@ -23,29 +23,29 @@ from sdtrain.artifacts.export import export_checkpoint, export_source
 from sdtrain.artifacts.run_outputs import LossLabels, read_history, write_run_outputs
 from sdtrain.config.running import HIGHER_IS_BETTER
 from sdtrain.config.schema import Config, ScalingConfig
+from sdtrain.controller.data_hook import PlannedStreams, committed_run, read_data_state
+from sdtrain.controller.failures import StopOnDeterministicErrors, failure_message
 from sdtrain.data.dataset_index import IndexedDataset, index_dataset, run_index_uri, write_index
-from sdtrain.data.demo import ensure_demo_data
 from sdtrain.data.inspection import DatasetSpec
-from sdtrain.data.ray_data_startup import warm_up_ray_data
 from sdtrain.data.read_order import DataState, SamplePlan, files_digest, resume_position
 from sdtrain.data.streams import WindowReader, file_order_dataset
+from sdtrain.demo.digits import ensure_demo_data
+from sdtrain.driver.memory_fit import cluster_gpu, fit_micro_batch
+from sdtrain.driver.preflight import preflight
+from sdtrain.driver.ray_data_startup import warm_up_ray_data
+from sdtrain.driver.trackers import check_trackers, log_evaluations, log_export, tracker_env
 from sdtrain.errors import ConfigError, DataError, TrainingFailed
 from sdtrain.evaluation.checks import check_evaluation
 from sdtrain.model.recipe import load_unconditional_caption, stored_latent_scaling
 from sdtrain.model.token_captions import check_text_encoder
 from sdtrain.model.unet import check_unet, unet_config
-from sdtrain.preflight import preflight
 from sdtrain.storage.filesystems import ray_storage, set_aside, uri_for
 from sdtrain.storage.run_layout import EXPORT_DIR
 from sdtrain.storage.s3 import resolved_s3_settings
 from sdtrain.storage.uris import absolute
 from sdtrain.train.build import checkpoint_meta, resolve_precision
-from sdtrain.train.data_hook import PlannedStreams, committed_run, read_data_state
 from sdtrain.train.efficiency import RunTotals, run_totals
 from sdtrain.train.evaluations import final_results, merge_results
-from sdtrain.train.failures import StopOnDeterministicErrors, failure_message
-from sdtrain.train.memory_fit import cluster_gpu, fit_micro_batch
-from sdtrain.train.tracker_driver import check_trackers, log_evaluations, log_export, tracker_env
 from sdtrain.train.worker import train_loop_per_worker
 
 
@@ -114,7 +114,7 @@ def check_run(config: Config) -> CheckedRun:
     Writes only the run's dataset index (when it changed) and, with run.start_fresh, moves the old run aside first.
     """
     config = _with_absolute_paths(config)
-    preflight(config)  # object storage: endpoint, credentials, buckets, permissions (sdtrain.preflight)
+    preflight(config)  # object storage: endpoint, credentials, buckets, permissions (sdtrain.driver.preflight)
     check_trackers(config)
     run_dir = posixpath.join(config.run.storage_path, config.run.name)
     if config.run.start_fresh:
@@ -296,7 +296,7 @@ def _validation_config(config: Config, run_dir: str, vae: str | None) -> ray.tra
 
 def fit(trainer: TorchTrainer, run_dir: str) -> ray.train.Result:
     """Run the trainer to train.max_steps; a failure it cannot restart from is a TrainingFailed naming why."""
-    warm_up = warm_up_ray_data()  # in the background, while Ray Train starts (sdtrain.data.ray_data_startup)
+    warm_up = warm_up_ray_data()  # in the background, while Ray Train starts (sdtrain.driver.ray_data_startup)
     try:
         return trainer.fit()
     except ray.train.TrainingFailedError as e:

@@ -1,6 +1,6 @@
 """The configuration reference (docs/configuration.md), generated from the config's own field docstrings.
 
-    python -m sdtrain.config.reference > docs/configuration.md
+    python -m tools.config_reference > docs/configuration.md
 
 One table per section (key | type | default | description), from the same rows that
 ``train.py --help`` prints, so the page cannot drift from the code: tests/test_config_reference.py
@@ -9,7 +9,7 @@ checks that the checked-in page is what this renders.
 
 from __future__ import annotations
 
-REGENERATE = "python -m sdtrain.config.reference > docs/configuration.md"
+REGENERATE = "python -m tools.config_reference > docs/configuration.md"
 
 _INTRO = f"""\
 # Configuration reference

@@ -192,7 +192,7 @@ def _run_phase(config: Config, workers: int) -> Phase:
     import ray.train
 
     from sdtrain.artifacts.run_outputs import read_history
-    from sdtrain.driver import train  # Ray and torch: only once the config is known good
+    from sdtrain.driver.run import train  # Ray and torch: only once the config is known good
 
     train_options = config.train
     options = ", ".join(
@@ -229,9 +229,9 @@ def _run_phase(config: Config, workers: int) -> Phase:
 
 def _predicted_memory(config: Config, workers: int, on_gpu: bool) -> int:
     """The memory model's peak for one of ``workers`` ranks of ``config``, on the shapes of its data."""
-    from sdtrain.driver import dataset_spec
+    from sdtrain.driver.memory_fit import predict_run_memory
+    from sdtrain.driver.run import dataset_spec
     from sdtrain.model.unet import unet_config
-    from sdtrain.train.memory_fit import predict_run_memory
 
     unet = unet_config(config.model)
     spec = dataset_spec(config, "data.train", config.data.train, unet)

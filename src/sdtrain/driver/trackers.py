@@ -6,31 +6,18 @@ from __future__ import annotations
 
 import importlib
 import os
-from collections.abc import Mapping
 
 from sdtrain.config.schema import Config
 from sdtrain.errors import ConfigError
 from sdtrain.storage.filesystems import local_copy
 from sdtrain.storage.uris import is_uri
-from sdtrain.train.trackers import read_state, wandb_save_dir
-
-# Settings the driver's environment gives the trackers, handed to the workers (a cluster started
-# separately does not share it). Credentials are not among them: they belong in the cluster's environment.
-FORWARDED_ENV = ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "WANDB_MODE", "WANDB_ENTITY", "WANDB_BASE_URL")
+from sdtrain.train.trackers import FORWARDED_ENV, read_state, wandb_save_dir
 
 
 def tracker_env() -> dict[str, str]:
-    """The tracker settings of this process's environment, for :func:`apply_tracker_env` on a worker."""
+    """The tracker settings of this process's environment, for :func:`sdtrain.train.trackers.apply_tracker_env` on a
+    worker."""
     return {key: os.environ[key] for key in FORWARDED_ENV if key in os.environ}
-
-
-def apply_tracker_env(env: Mapping[str, str]) -> None:
-    """Args: env: what :func:`tracker_env` returned on the driver."""
-    os.environ.update(env)
-    # W&B keeps the address of its service process in the environment, which Ray's workers inherit from
-    # the process that started the cluster: a worker sharing that service leaves its run open there when
-    # it is killed, and the restarted worker could not continue the run ("run ID is in use").
-    os.environ.pop("WANDB_SERVICE", None)
 
 
 def check_trackers(config: Config) -> None:

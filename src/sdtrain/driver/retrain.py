@@ -36,12 +36,12 @@ from sdtrain.config.schema import Config
 from sdtrain.data.listing import list_dataset
 from sdtrain.data.local_read import iter_local_batches
 from sdtrain.data.parquet_files import resolve_parquet_files
-from sdtrain.driver import dataset_spec, train
+from sdtrain.driver.preflight import preflight
+from sdtrain.driver.run import dataset_spec, train
 from sdtrain.errors import ConfigError, DataError
 from sdtrain.evaluation.results import measured_with
 from sdtrain.model.token_captions import CaptionEncoder
 from sdtrain.model.validation import validation_loss
-from sdtrain.preflight import preflight
 from sdtrain.storage.filesystems import filesystem_for
 from sdtrain.storage.uris import absolute, uri_prefix
 

@@ -1,10 +1,10 @@
 """docs/performance.md: what the UNets cost and what the shipped jobs are predicted to do on GPUs, generated.
 
-    python -m sdtrain.train.performance_report > docs/performance.md      # in the checkout
+    python -m tools.performance_report > docs/performance.md      # in the checkout
 
 FLOPs and parameters are counted from the real models (sdtrain.model.flops), memory traced from a real training
 step on fake tensors (sdtrain.model.memory), and the step of each shipped job predicted from its config and its
-nodes (sdtrain.train.performance_model). tests/test_performance_report.py checks that the checked-in page is what
+nodes (tools/performance_model.py). tests/test_performance_report.py checks that the checked-in page is what
 this renders.
 """
 
@@ -23,7 +23,7 @@ import yaml
 from sdtrain.config.loader import load_config
 from sdtrain.config.schema import Config, ModelConfig
 from sdtrain.model.hardware import A100, H100_SXM, NODE_TYPES
-from sdtrain.train.performance_model import (
+from tools.performance_model import (
     LINK_EFFICIENCY,
     NodeType,
     StepPrediction,
@@ -31,7 +31,7 @@ from sdtrain.train.performance_model import (
     predict_step,
 )
 
-REGENERATE = "python -m sdtrain.train.performance_report > docs/performance.md"
+REGENERATE = "python -m tools.performance_report > docs/performance.md"
 JOB_FILES = ("job.yaml", "schedule.yaml")
 SD2_CONFIG = "configs/sd2-base.yaml"
 TABLE_HEADER = (
@@ -289,7 +289,9 @@ def render_markdown(repo: Path) -> str:
     for preset in PRESETS:
         for px in RESOLUTIONS:
             cost = unet_cost(preset, px)
-            rates = [compute_bound_images_per_s(cost.train_flops, d.bf16_peak, m) for d in (H100_SXM, A100) for m in MFUS]
+            rates = [
+                compute_bound_images_per_s(cost.train_flops, d.bf16_peak, m) for d in (H100_SXM, A100) for m in MFUS
+            ]
             lines.append(
                 f"| {preset} | {px} | {cost.parameters / 1e6:.1f}M | {cost.train_flops / 1e9:,.0f} | "
                 + " | ".join(f"{r:,.0f}" for r in rates)
@@ -307,7 +309,7 @@ def render_markdown(repo: Path) -> str:
         "## The shipped jobs: communication against compute",
         "",
         f"Predicted at {SHIPPED_MFU:.0%} MFU, NCCL reaching {LINK_EFFICIENCY:.0%} of each link's rate",
-        "(`sdtrain.train.performance_model`: the model and what it leaves out). DDP all-reduces the gradients once an",
+        "(`tools/performance_model.py`: the model and what it leaves out). DDP all-reduces the gradients once an",
         "optimizer step, during the backward pass; only what the backward pass does not hide (exposed) costs time.",
         "",
         TABLE_HEADER,

@@ -69,7 +69,7 @@ def _main(argv, default_config: Path, prog: str, description: str, job: Callable
 
 
 def _train(config: Config) -> list[str]:
-    from sdtrain.driver import train  # imports Ray and torch: only once the config is known good
+    from sdtrain.driver.run import train  # imports Ray and torch: only once the config is known good
 
     summary = train(config)
     return [
@@ -81,18 +81,18 @@ def _train(config: Config) -> list[str]:
 
 
 def _retrain(config: Config) -> list[str]:
+    from sdtrain.driver.retrain import retrain
     from sdtrain.errors import ConfigError
-    from sdtrain.retrain import retrain
 
     if config.retrain.data_root is None:
         raise ConfigError("retrain.data_root and retrain.models_root are required for retraining")
-    outcome = retrain(config)  # the schedule date: retrain.date, else pinned per Anyscale job (sdtrain.retrain)
+    outcome = retrain(config)  # the schedule date: retrain.date, else pinned per Anyscale job (sdtrain.driver.retrain)
     return [f"{outcome.status}: {outcome.message}", f"production: {outcome.production or 'none'}"]
 
 
 def check_main(argv: Sequence[str] | None, default_config: Path | None) -> int:
-    """Run the check job (sdtrain.check); 0 if every phase trained, 1 if one failed (or a TrainingFailed), 2 for bad
-    input."""
+    """Run the check job (sdtrain.driver.check); 0 if every phase trained, 1 if one failed (or a TrainingFailed), 2
+    for bad input."""
     parser = argparse.ArgumentParser(
         prog="check.py",
         description="Train the config for a few minutes on one GPU, then on all of them, and report what it measured.",
@@ -110,7 +110,7 @@ def check_main(argv: Sequence[str] | None, default_config: Path | None) -> int:
         print(f"error: --steps: must be >= 8, got {args.steps}", file=sys.stderr)
         return 2
     try:
-        from sdtrain.check import check
+        from sdtrain.driver.check import check
 
         report = check(args.config, args.overrides, steps=args.steps, compile_unet=not args.eager)
     except SdtrainError as e:
