@@ -103,14 +103,14 @@ def _timed(endpoint: str, call) -> tuple[float, float, float | None, object]:
 
 
 def _measure(bucket: str, count: int, endpoint: str) -> dict:
-    from sdtrain.data.dataset_index import (
-        index_dataset,
-        list_dataset,
+    from sdtrain.data.dataset_index import index_dataset
+    from sdtrain.data.directory_index import write_directory_index
+    from sdtrain.data.index_format import (
         read_index,
         run_index_uri,
-        write_directory_index,
         write_index,
     )
+    from sdtrain.data.listing import list_dataset
 
     spec = [f"s3://{bucket}/data"]
     index_uri = run_index_uri(f"s3://{bucket}/runs/bench", "data.train")

@@ -411,7 +411,7 @@ def empty_partition(root: Path, date: str) -> bool:
 def trained_partitions(checkpoint: str) -> tuple[set[str], int | None, list[str]]:
     """(the partitions a version's training run read, its checkpoint's step, problems): from the run directory's
     dataset index (the files the run read) and the checkpoint's data state."""
-    from sdtrain.data.dataset_index import read_index, run_index_uri
+    from sdtrain.data.index_format import read_index, run_index_uri
     from sdtrain.data.read_order import files_digest
     from sdtrain.storage.run_layout import DATA_STATE_FILE
 

@@ -11,16 +11,11 @@ import pytest
 from conftest import write_latents
 
 from sdtrain.config.schema import DataConfig
-from sdtrain.data.dataset_index import (
-    DIRECTORY_INDEX,
-    index_dataset,
-    list_dataset,
-    read_index,
-    run_index_uri,
-    write_directory_index,
-    write_index,
-)
+from sdtrain.data.dataset_index import index_dataset
+from sdtrain.data.directory_index import write_directory_index
+from sdtrain.data.index_format import read_index, run_index_uri, write_index
 from sdtrain.data.inspection import inspect_dataset
+from sdtrain.data.listing import DIRECTORY_INDEX, list_dataset
 from sdtrain.data.metadata import LATENT_SCALING_FACTOR
 from sdtrain.errors import ConfigError, DataError
 from sdtrain.model.recipe import stored_latent_scaling
@@ -322,7 +317,7 @@ def test_s3_listing_is_paginated_and_records_etags(s3_bucket, tmp_path, capsys):
     on_output = _start_and_write([f"{s3_bucket}/data"], sealed_uri, page_size=7)
     assert [s.spec for s in on_output.index.sealed] == [f"{s3_bucket}/data"]
     calls: list[str] = []
-    client = listing_module._client()
+    client = listing_module.listing_client()
     record = lambda model, **_: calls.append(model.name)  # noqa: E731
     client.meta.events.register("before-call.s3", record)
     try:
@@ -361,7 +356,7 @@ def test_s3_listing_in_key_ranges_from_the_index_finds_what_changed(s3_bucket, t
     assert len(splits) >= 3  # several ranges, each of whole pages
 
     calls: list[str | None] = []
-    client = listing_module._client()
+    client = listing_module.listing_client()
     record = lambda params, **_: calls.append(params.get("StartAfter"))  # noqa: E731
     client.meta.events.register("before-parameter-build.s3.ListObjectsV2", record)
     try:

@@ -80,7 +80,7 @@ def list_dataset(
     parts = []
     for spec in specs:
         found = list_spec(spec, key, page_size, known)
-        if len(specs) == 1 and _strictly_increasing(found.paths):
+        if len(specs) == 1 and strictly_increasing(found.paths):
             return found  # an S3 listing comes sorted: held once, not copied
         parts.append(found)
     return merge_listings(parts)[0]
@@ -122,7 +122,7 @@ def names_directory(spec: str) -> bool:
     return not any(c in spec for c in _GLOB_CHARS) and not spec.endswith(".parquet")
 
 
-def _strictly_increasing(paths: Sequence[str]) -> bool:
+def strictly_increasing(paths: Sequence[str]) -> bool:
     return all(a < b for a, b in zip(paths, itertools.islice(paths, 1, None), strict=False))
 
 
@@ -251,7 +251,7 @@ def _split_keys(known: Sequence[str], prefix: str, page_size: int) -> list[str]:
     return keys[step - 1 : len(keys) - 1 : step]
 
 
-def _client():
+def listing_client():
     """One boto3 client per S3 settings and credentials in the environment (making one costs ~0.2 s, a restart's
     listing and index read would pay it twice)."""
     from sdtrain.storage.s3 import resolved_s3_settings, s3_client
@@ -281,7 +281,7 @@ def _expand_s3(spec: str, found: Listing, page_size: int, known: Sequence[str] |
 
     from botocore.exceptions import ClientError
 
-    client = _client()
+    client = listing_client()
     bucket, key = split_s3(spec)
     if any(c in key for c in _GLOB_CHARS):
         pattern = f"{bucket}/{key}"
@@ -316,7 +316,7 @@ def object_version(uri: str) -> tuple[int, str] | None:
 
         bucket, key = split_s3(uri)
         try:
-            head = _client().head_object(Bucket=bucket, Key=key)
+            head = listing_client().head_object(Bucket=bucket, Key=key)
         except ClientError as e:
             if e.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
                 return None

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from sdtrain.data.dataset_index import list_dataset
+from sdtrain.data.listing import list_dataset
 
 
 def resolve_parquet_files(specs: list[str], key: str) -> list[str]:
     """Every parquet file that ``specs`` names, in a stable order, with duplicates removed (each spec's files
-    sorted; the listing of sdtrain.data.dataset_index, which keeps their sizes and versions too).
+    sorted; sdtrain.data.listing's listing, which keeps their sizes and versions too).
 
     Raises DataError naming ``key`` and the spec when a spec names nothing.
     """

@@ -185,8 +185,8 @@ def index_main(argv: Sequence[str] | None) -> int:
     overrides = [a for a in args.arguments if re.match(r"[A-Za-z_]\w*\.[\w.]+=", a)]
     directories = [a for a in args.arguments if a not in overrides]
     try:
-        from sdtrain.data.dataset_index import DIRECTORY_INDEX, write_directory_index
-        from sdtrain.data.listing import names_directory
+        from sdtrain.data.directory_index import write_directory_index
+        from sdtrain.data.listing import DIRECTORY_INDEX, names_directory
 
         if directories:  # they are the data here, whatever the config names (which must name some)
             overrides.append(f"data.train={json.dumps(directories)}")

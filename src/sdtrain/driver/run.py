@@ -25,7 +25,8 @@ from sdtrain.config.running import HIGHER_IS_BETTER
 from sdtrain.config.schema import Config, ScalingConfig
 from sdtrain.controller.data_hook import PlannedStreams, committed_run, read_data_state
 from sdtrain.controller.failures import StopOnDeterministicErrors, failure_message
-from sdtrain.data.dataset_index import IndexedDataset, index_dataset, run_index_uri, write_index
+from sdtrain.data.dataset_index import IndexedDataset, index_dataset
+from sdtrain.data.index_format import run_index_uri, write_index
 from sdtrain.data.inspection import DatasetSpec
 from sdtrain.data.read_order import DataState, SamplePlan, files_digest, resume_position
 from sdtrain.data.streams import WindowReader, file_order_dataset

@@ -22,7 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from sdtrain.data.dataset_index import DIRECTORY_INDEX, write_directory_index
+from sdtrain.data.directory_index import write_directory_index
+from sdtrain.data.listing import DIRECTORY_INDEX
 from sdtrain.data.metadata import (
     LATENT,
     LATENT_SCALING_FACTOR,

@@ -34,7 +34,7 @@ from typing import Any
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from sdtrain.data.dataset_index import list_dataset
+from sdtrain.data.listing import list_dataset
 from sdtrain.errors import ConfigError, DataError
 from sdtrain.preprocess.config import InputConfig
 from sdtrain.storage.filesystems import filesystem_for, read_text

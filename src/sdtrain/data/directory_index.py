@@ -1,0 +1,113 @@
+"""The index beside a directory of parquet files (``_sdtrain_index.parquet``, paths relative to the directory), written
+by the preprocessing job after each shard and by ``entrypoints/index.py`` for latents made elsewhere: training on
+the directory then reads no footer (:mod:`sdtrain.data.dataset_index`), and a run sealed on it lists nothing.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+import numpy as np
+import pyarrow as pa
+
+from sdtrain.data.dataset_index import IndexStats, read_footers_with_progress
+from sdtrain.data.index_format import DatasetIndex, join_path, read_index, recorded_rows, write_index
+from sdtrain.data.inspection import first_row, read_footers
+from sdtrain.data.listing import DIRECTORY_INDEX, Listing, list_dataset
+from sdtrain.errors import DataError
+from sdtrain.storage.uris import is_uri
+
+
+def write_directory_index(
+    directory: str,
+    image_column: str,
+    caption_column: str,
+    known_rows: Mapping[str, int] | None = None,
+    sample: str | None = None,
+    key: str = "output.path",
+) -> IndexStats | None:
+    """The index of the parquet files under ``directory``, written beside them (``_sdtrain_index.parquet``,
+    paths relative to the directory), for training on it to read no footer. ``known_rows``: rows of files by
+    name relative to the directory (the preprocessing job's shard records); the others' rows come from the index
+    already there where their size and version are unchanged, else from their footers. The schema is the footer
+    of ``sample`` (a name relative to the directory: a file the writer just wrote) or else of the first file; the
+    values per row, the first row of that file or else of the first with rows. None if the directory holds no
+    parquet file with rows. ``key``: the name errors give the directory."""
+    try:
+        listing = list_dataset([directory], key)
+    except DataError:
+        return None
+    base = directory.rstrip("/")
+    if not is_uri(base):
+        base = os.path.abspath(os.path.expanduser(base))
+    rows = np.zeros(len(listing), np.int64)
+    to_read = []
+    for i, path in enumerate(listing.paths):
+        name = path[len(base) + 1 :] if path.startswith(base + "/") else None
+        if known_rows is not None and name is not None and name in known_rows:
+            rows[i] = known_rows[name]
+        else:
+            to_read.append(i)
+    before = _previous_directory_index(listing, base, image_column, caption_column) if to_read else None
+    if before is not None:
+        found, unknown = recorded_rows(before, listing, to_read)
+        for i, num_rows in found:
+            rows[i] = num_rows
+        if len(unknown) == len(to_read):
+            before = None  # nothing of it still stands: its schema is no reference for the new files either
+        elif not unknown and _same_files(before, listing):
+            # Rewriting it would change its version and make every run sealed on it list the directory again.
+            return IndexStats(len(listing), len(listing), 0, 0, 0, None, written=False)
+        to_read = unknown
+
+    read_files = [listing.paths[i] for i in to_read]
+    read_rows, checked = read_footers_with_progress(
+        read_files, key, image_column, caption_column, before.checked if before is not None else None
+    )
+    for i, num_rows in zip(to_read, read_rows, strict=True):
+        rows[i] = num_rows
+    sample_path = join_path(base, sample) if sample is not None else None
+    position = {path: i for i, path in enumerate(listing.paths)}.get(sample_path or "")
+    if checked is None:  # every file's rows were known: one footer for the schema
+        first = position if position is not None else 0
+        _, checked = read_footers(listing.paths[first : first + 1], key, image_column, caption_column)
+        assert checked is not None
+    with_rows = np.flatnonzero(rows)
+    if len(with_rows) == 0:
+        return None
+    file = listing.paths[position if position is not None and rows[position] else int(with_rows[0])]
+    row = first_row(file, key, [image_column, caption_column])
+    image_layout, caption_layout = checked.layouts(key)
+    latent_shape = image_layout.shape or (_values(row, image_column, key),)
+    caption_shape = caption_layout.shape or (_values(row, caption_column, key),)
+    index = DatasetIndex(listing.paths, listing.sizes, listing.versions, rows, checked, latent_shape, caption_shape)
+    write_index(join_path(base, DIRECTORY_INDEX), index, base)
+    return IndexStats(len(listing), len(listing) - len(to_read), len(to_read), 0, 1, None)
+
+
+def _previous_directory_index(
+    listing: Listing, base: str, image_column: str, caption_column: str
+) -> DatasetIndex | None:
+    """The directory index already beside the files, if it was written for these columns: a re-index reads the
+    footers of what changed only, and checks them against the schema it recorded."""
+    found = next((f for f in listing.indexes if f.base.rstrip("/") == base), None)
+    index = read_index(found.uri, found.base) if found is not None else None
+    if index is None or (index.checked.image_column, index.checked.caption_column) != (image_column, caption_column):
+        return None
+    return index
+
+
+def _same_files(index: DatasetIndex, listing: Listing) -> bool:
+    return (
+        index.paths == listing.paths
+        and index.versions == listing.versions
+        and np.array_equal(np.asarray(index.sizes, np.int64), np.asarray(listing.sizes, np.int64))
+    )
+
+
+def _values(row: pa.Table, column: str, key: str) -> int:
+    value = row.column(column)[0]
+    if not value.is_valid:
+        raise DataError(f"{key}: column {column!r}: the first row is null")
+    return len(value)
