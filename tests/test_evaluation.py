@@ -18,6 +18,8 @@ from support.tiny_models import write_tiny_clip, write_tiny_dinov2, write_tiny_i
 from sdtrain.artifacts.checkpoint_format import CheckpointMeta
 from sdtrain.config.loader import load_config
 from sdtrain.data.metadata import LATENT_SCALING_FACTOR, VAE_SOURCE
+from sdtrain.data.position import DataPosition
+from sdtrain.data.read_order import DataState
 from sdtrain.errors import ConfigError, DataError
 from sdtrain.evaluation.checkpoint_eval import Evaluator, evaluate_checkpoint, read_eval_rows
 from sdtrain.evaluation.checks import check_evaluation
@@ -92,7 +94,7 @@ def evaluated(tmp_path_factory):
     run_dir = root / "runs" / "r"
     checkpoint = run_dir / "checkpoint_000000002"
     trainer.save_checkpoint(checkpoint / "checkpoint.ckpt", weights_only=False)
-    (checkpoint / DATA_STATE_FILE).write_text(json.dumps({"step": 2}))
+    (checkpoint / DATA_STATE_FILE).write_text(json.dumps(DataPosition(2, DataState()).to_dict()))
     config = tiny_config(
         f"data.val=[{root / 'val'}]",
         f"data.train=[{root / 'val'}]",
@@ -193,7 +195,7 @@ def test_an_evaluation_that_fails_writes_its_error_and_rank_0_records_it(evaluat
     broken = tmp_path / "checkpoint_000000004"
     broken.mkdir()
     (broken / "checkpoint.ckpt").write_bytes(b"not a checkpoint")
-    (broken / DATA_STATE_FILE).write_text(json.dumps({"step": 4}))
+    (broken / DATA_STATE_FILE).write_text(json.dumps(DataPosition(4, DataState()).to_dict()))
     run_dir = str(tmp_path / "run")
     with pytest.raises(Exception):  # noqa: B017  # whatever torch raises on a corrupt file; Ray Train records it
         evaluate_checkpoint(

@@ -7,7 +7,8 @@ import itertools
 import numpy as np
 import pytest
 
-from sdtrain.data.read_order import DataState, SamplePlan, files_digest, plan_changes, resume_position
+from sdtrain.data.position import DataPosition, plan_changes
+from sdtrain.data.read_order import DataState, SamplePlan, files_digest
 from sdtrain.errors import DataError
 
 
@@ -87,15 +88,15 @@ def test_a_position_is_resumed_only_against_the_data_and_settings_it_refers_to()
     plan = SamplePlan((48, 48), seed=0, chunk_rows=8, window_rows=16, files_digest=files_digest(["a", "b"]))
     state = plan.advance(DataState(), 2, 12, 2)  # 48 of the 96 rows consumed
     saved = {"step": 2, "data": state.to_dict(), "plan": plan.fingerprint()}
-    assert resume_position(saved, plan, "fail", "ckpt") == (2, state)
+    assert DataPosition.from_dict(saved).resume(plan, "fail", "ckpt") == (2, state)
     old = {"step": 2, "data": state.to_dict()}  # a checkpoint from before fingerprints: replayed as before
-    assert resume_position(old, SamplePlan((48, 48, 24), 0, 8, 16), "fail", "ckpt") == (2, state)
+    assert DataPosition.from_dict(old).resume(SamplePlan((48, 48, 24), 0, 8, 16), "fail", "ckpt") == (2, state)
 
     added = SamplePlan((48, 48, 24), 0, 8, 16, files_digest(["a", "b", "c"]))
     with pytest.raises(
         DataError, match=r"ckpt \(step 2, epoch 0\) .* data.train has 3 file\(s\), the checkpoint's had 2"
     ):
-        resume_position(saved, added, "fail", "ckpt")
+        DataPosition.from_dict(saved).resume(added, "fail", "ckpt")
     assert plan_changes(plan.fingerprint(), SamplePlan((48, 48), 1, 4, 16, plan.files_digest).fingerprint()) == [
         "train.seed is 1, was 0",
         "data.shuffle_chunk_rows is 4, was 8",
@@ -104,7 +105,7 @@ def test_a_position_is_resumed_only_against_the_data_and_settings_it_refers_to()
         "the list of data.train files changed (renamed, moved or replaced)"
     ]
     # Deliberately: keep the weights, start the next epoch on the data as it is now.
-    assert resume_position(saved, added, "new_epoch", "ckpt") == (2, DataState(epoch=1))
+    assert DataPosition.from_dict(saved).resume(added, "new_epoch", "ckpt") == (2, DataState(epoch=1))
 
 
 def test_random_plans_read_every_row_once_per_epoch_across_world_size_changes_and_resume_bitwise():

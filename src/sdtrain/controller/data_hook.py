@@ -10,19 +10,16 @@ restarts (ray-project/ray#37633); the position lives in our checkpoints instead.
 
 from __future__ import annotations
 
-import json
-import posixpath
-
 import pyarrow.fs as pafs
 import ray.train
 
 from sdtrain.config.schema import Config
-from sdtrain.data.read_order import DataState, resume_position
+from sdtrain.data.position import DataPosition
+from sdtrain.data.read_order import DataState
 from sdtrain.data.streams import WindowReader, rank_dataset
 from sdtrain.errors import SdtrainError
 from sdtrain.private import ray as ray_private
 from sdtrain.storage.filesystems import ray_storage
-from sdtrain.storage.run_layout import DATA_STATE_FILE
 
 
 class PlannedStreams(ray.train.DataConfig):
@@ -40,10 +37,8 @@ class PlannedStreams(ray.train.DataConfig):
         step, state = (0, DataState())
         if result is not None:
             assert result.checkpoint is not None  # committed_run returns only runs with a committed checkpoint
-            saved = read_data_state(result.checkpoint)
-            step, state = resume_position(
-                saved, self.reader.plan, self.config.data.on_resume_change, result.checkpoint.path
-            )
+            position = DataPosition.read(result.checkpoint.filesystem, result.checkpoint.path)
+            step, state = position.resume(self.reader.plan, self.config.data.on_resume_change, result.checkpoint.path)
         layout = self.config.batch_layout(world_size)
         stretches = self.reader.plan.rank_stretches(
             state, world_size, layout.rows_per_step, self.config.train.max_steps - step
@@ -73,11 +68,3 @@ def committed_run(filesystem: pafs.FileSystem | None, run_dir: str) -> ray.train
     except RuntimeError:  # no run directory or no committed checkpoint yet: a fresh run
         return None
     return result if result.checkpoint is not None else None
-
-
-def read_data_state(checkpoint: ray.train.Checkpoint) -> dict:
-    """A committed checkpoint's ``data_state.json``: its step, data position and plan fingerprint."""
-    filesystem = checkpoint.filesystem
-    assert filesystem is not None  # Checkpoint() resolves one from the path when it is given none
-    with filesystem.open_input_stream(posixpath.join(checkpoint.path, DATA_STATE_FILE)) as f:
-        return json.loads(f.read())

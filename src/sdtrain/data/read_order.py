@@ -19,13 +19,13 @@ Rows are named by their *sample index*: the row's position in the file list read
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from sdtrain.errors import DataError
+from sdtrain.data.chunks import Chunks, EpochOrder
 
 # Spans are int64 arrays of shape (n, 3): (file index, first row, end row), rows [start, stop).
 # Intervals are (n, 2): [first, end) of positions in an epoch's row order. Both end in (start, stop).
@@ -77,109 +77,6 @@ class Stretch:
         return (self.skip + self.rows - 1) // window_rows - self.skip // window_rows + 1
 
 
-class ChunkShuffle:
-    """A seeded bijection of [0, n): chunk ids to their places in one epoch's order, in O(1) memory.
-
-    A balanced Feistel network over the smallest even number of bits that covers ``n``, walked
-    until it lands inside [0, n) ("cycle walking": a permutation of the larger domain restricted to
-    [0, n) by following its cycles, which stay bijective). The domain is under 4n, so a value walks
-    under four steps on average. Any chunk's place, and the chunk at any place, cost a few integer
-    operations: no table of all chunks exists (2e9 rows in 64-row chunks would be 31M entries).
-    """
-
-    ROUNDS = 6
-
-    def __init__(self, n: int, key: tuple[int, ...]):
-        self.n = n
-        bits = max(2, int(n - 1).bit_length())
-        self.half = (bits + 1) // 2
-        self.mask = np.uint64((1 << self.half) - 1)
-        self.keys = np.random.default_rng(key).integers(0, 2**63, size=self.ROUNDS, dtype=np.int64).astype(np.uint64)
-
-    def _round(self, x: np.ndarray, key: np.uint64) -> np.ndarray:
-        # splitmix64's finalizer: every output bit depends on every input bit.
-        z = x ^ key
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        return (z ^ (z >> np.uint64(31))) & self.mask
-
-    def _forward(self, x: np.ndarray) -> np.ndarray:
-        left, right = x >> np.uint64(self.half), x & self.mask
-        for key in self.keys:
-            left, right = right, left ^ self._round(right, key)
-        return (left << np.uint64(self.half)) | right
-
-    def _backward(self, x: np.ndarray) -> np.ndarray:
-        left, right = x >> np.uint64(self.half), x & self.mask
-        for key in self.keys[::-1]:
-            left, right = right ^ self._round(left, key), left
-        return (left << np.uint64(self.half)) | right
-
-    def _walk(self, step, values: np.ndarray) -> np.ndarray:
-        out = step(np.asarray(values, np.uint64))
-        outside = np.flatnonzero(out >= np.uint64(self.n))
-        while len(outside):
-            out[outside] = step(out[outside])
-            outside = outside[out[outside] >= np.uint64(self.n)]
-        return out.astype(np.int64)
-
-    def chunk_at(self, places: np.ndarray) -> np.ndarray:
-        """The chunk id at each place of the epoch's order."""
-        return self._walk(self._forward, places)
-
-    def place_of(self, chunks: np.ndarray) -> np.ndarray:
-        """The place of each chunk id in the epoch's order."""
-        return self._walk(self._backward, chunks)
-
-
-class EpochOrder:
-    """One epoch's order of every row: the chunks in their shuffled order, each chunk's rows in file order.
-
-    A *place* is a position in the chunk order; a *position* is a row's position in the epoch's row
-    sequence. All chunks hold ``chunk_rows`` rows but the last of each file, which may hold fewer; so the
-    rows before place p are p * chunk_rows less the shortfall of the short chunks placed before p. Only the
-    short chunks are listed (their places and shortfalls: at most one per file), which is all the memory an
-    epoch's order takes.
-    """
-
-    def __init__(self, plan: SamplePlan, epoch: int):
-        self.plan = plan
-        self.shuffle = ChunkShuffle(plan.num_chunks, (plan.seed, epoch))
-        short = plan.short_chunks
-        places = self.shuffle.place_of(short)
-        order = np.argsort(places, kind="stable")
-        self.short_places = places[order]
-        shortfall = (plan.chunk_rows - plan.short_chunk_rows)[order]
-        self.shortfall_before = np.concatenate([[0], np.cumsum(shortfall)]).astype(np.int64)
-        # The position just past each short chunk: where the next run of whole chunks starts.
-        self.short_ends = (self.short_places + 1) * plan.chunk_rows - self.shortfall_before[1:]
-
-    def place_of_position(self, positions: np.ndarray) -> np.ndarray:
-        """The place of the chunk that holds each row position."""
-        # Past the short chunks that end at or before a position, the chunks are whole up to the next short one.
-        before = np.searchsorted(self.short_ends, positions, side="right")
-        return (positions + self.shortfall_before[before]) // self.plan.chunk_rows
-
-    def first_position(self, places: np.ndarray) -> np.ndarray:
-        """The position of each place's first row."""
-        return places * self.plan.chunk_rows - self.shortfall_before[np.searchsorted(self.short_places, places)]
-
-    def spans(self, intervals: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Spans (file, first row, end row) of the rows at the positions ``intervals`` cover, in their order,
-        and the interval each span is part of."""
-        intervals = intervals[intervals[:, 1] > intervals[:, 0]]
-        lo, hi = intervals[:, 0], intervals[:, 1]
-        first, last = self.place_of_position(lo), self.place_of_position(hi - 1)
-        counts = last - first + 1
-        owner = np.repeat(np.arange(len(intervals)), counts)
-        places = np.repeat(first, counts) + np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
-        starts = self.first_position(places)
-        files, begin, end = self.plan.chunk_spans(self.shuffle.chunk_at(places))
-        # The first and last chunk of an interval may hold rows outside it.
-        cut_front, cut_back = np.maximum(lo[owner] - starts, 0), np.maximum(starts + (end - begin) - hi[owner], 0)
-        return np.stack([files, begin + cut_front, end - cut_back], axis=1).astype(np.int64), owner
-
-
 @dataclass
 class SamplePlan:
     rows_per_file: Sequence[int]
@@ -196,11 +93,7 @@ class SamplePlan:
     def __post_init__(self):
         rows = self.rows = np.asarray(self.rows_per_file, np.int64)
         self.file_offsets = np.concatenate([[0], np.cumsum(rows)]).astype(np.int64)
-        chunks = -(-rows // self.chunk_rows)
-        self.chunk_offsets = np.concatenate([[0], np.cumsum(chunks)]).astype(np.int64)
-        tail = rows % self.chunk_rows
-        self.short_chunks = self.chunk_offsets[1:][tail > 0] - 1  # the last chunk of each file with a short tail
-        self.short_chunk_rows = tail[tail > 0]
+        self.chunks = Chunks(rows, self.chunk_rows)
         self._rows_digest = hashlib.sha256(rows.tobytes()).hexdigest()[:16]
 
     def __getstate__(self):
@@ -223,13 +116,7 @@ class SamplePlan:
 
     @property
     def num_chunks(self) -> int:
-        return int(self.chunk_offsets[-1])
-
-    def chunk_spans(self, chunks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(file, first row, end row) of each chunk id."""
-        files = np.searchsorted(self.chunk_offsets, chunks, side="right") - 1
-        starts = (chunks - self.chunk_offsets[files]) * self.chunk_rows
-        return files, starts, np.minimum(starts + self.chunk_rows, self.rows[files])
+        return self.chunks.count
 
     def fingerprint(self) -> dict[str, Any]:
         """What a :class:`DataState` of this plan refers to, saved beside it in every checkpoint."""
@@ -248,7 +135,7 @@ class SamplePlan:
     def epoch_order(self, epoch: int) -> EpochOrder:
         if epoch not in self._orders:
             self._orders.clear()  # a rank walks the epochs in turn
-            self._orders[epoch] = EpochOrder(self, epoch)
+            self._orders[epoch] = EpochOrder(self.chunks, (self.seed, epoch))
         return self._orders[epoch]
 
     def remaining(self, state: DataState) -> np.ndarray:
@@ -270,29 +157,33 @@ class SamplePlan:
     def rank_stretches(self, state: DataState, world_size: int, rows_per_step: int, steps: int) -> list[list[Stretch]]:
         """Each rank's reads for the next ``steps`` optimizer steps, one stretch per epoch they touch."""
         stretches: list[list[Stretch]] = [[] for _ in range(world_size)]
+        for before, skip, taken, _ in self._epochs_ahead(state, world_size, rows_per_step, steps):
+            if taken:
+                for rank in range(world_size):
+                    stretches[rank].append(Stretch(before, world_size, rank, skip, taken * rows_per_step))
+        return stretches
+
+    def advance(self, state: DataState, world_size: int, rows_per_step: int, steps: int) -> DataState:
+        """The state after ``steps`` more optimizer steps at ``world_size`` from ``state``."""
+        for before, skip, taken, available in self._epochs_ahead(state, world_size, rows_per_step, steps):
+            if taken < available:  # the steps end inside this epoch
+                return DataState(before.epoch, before.segments + ((world_size, skip + taken * rows_per_step),))
+            state = DataState(before.epoch + 1)
+        return state
+
+    def _epochs_ahead(
+        self, state: DataState, world_size: int, rows_per_step: int, steps: int
+    ) -> Iterator[tuple[DataState, int, int, int]]:
+        """For each epoch the next ``steps`` steps touch: (the state its current segment split, the rows each rank
+        read in that segment, the steps taken in it, the steps it had left)."""
         while steps > 0:
             before, skip = self._segment_start(state, world_size)
             available = (span_rows(self._parts(before, world_size)[0]) - skip) // rows_per_step
             self._check_fits(available, before, skip, world_size, rows_per_step)
             taken = min(available, steps)
-            if taken:
-                for rank in range(world_size):
-                    stretches[rank].append(Stretch(before, world_size, rank, skip, taken * rows_per_step))
+            yield before, skip, taken, available
             steps -= taken
             state = DataState(state.epoch + 1)
-        return stretches
-
-    def advance(self, state: DataState, world_size: int, rows_per_step: int, steps: int) -> DataState:
-        """The state after ``steps`` more optimizer steps at ``world_size`` from ``state``."""
-        while steps > 0:
-            before, skip = self._segment_start(state, world_size)
-            available = (span_rows(self._parts(before, world_size)[0]) - skip) // rows_per_step
-            self._check_fits(available, before, skip, world_size, rows_per_step)
-            if steps < available:
-                return DataState(before.epoch, before.segments + ((world_size, skip + steps * rows_per_step),))
-            steps -= available
-            state = DataState(state.epoch + 1)
-        return state
 
     def window(self, stretch: Stretch, index: int) -> Window:
         """Read task ``index`` of ``stretch``."""
@@ -419,56 +310,3 @@ def window_sample_indices(spans: np.ndarray, file_offsets: np.ndarray) -> np.nda
 
 def files_digest(files: Sequence[str]) -> str:
     return hashlib.sha256("\n".join(files).encode()).hexdigest()[:16]
-
-
-def resume_position(saved: dict[str, Any], plan: SamplePlan, on_change: str, where: str) -> tuple[int, DataState]:
-    """(step, data state) to resume from, given a checkpoint's saved data state (``data_state.json``).
-
-    Args:
-        saved: the checkpoint's data state: step, position and the fingerprint of the plan it refers to.
-        plan: the plan of this run (the data and settings as they are now).
-        on_change: data.on_resume_change: fail, or new_epoch (start the next epoch on the current plan).
-        where: the checkpoint, for the error.
-    """
-    step, state = int(saved["step"]), DataState.from_dict(saved["data"])
-    stored = saved.get("plan")  # None: written before fingerprints were kept; replayed as before
-    changes = [] if stored is None else plan_changes(stored, plan.fingerprint())
-    if not changes:
-        return step, state
-    if on_change == "new_epoch":
-        return step, DataState(epoch=state.epoch + 1)
-    raise DataError(
-        f"data.train: the data position of {where} (step {step}, epoch {state.epoch}) refers to other data than "
-        f"this run's: {'; '.join(changes)}. Resuming would read rows twice or never. Restore the data and settings, "
-        "set data.on_resume_change=new_epoch to keep the weights and start the next epoch on the data as it is now, or "
-        "start a new run (another run.name) with model.pretrained set to this run's export"
-    )
-
-
-_CHANGES = {
-    "files": "data.train has {new} file(s), the checkpoint's had {old}",
-    "rows": "data.train has {new} rows, the checkpoint's had {old}",
-    "files_digest": "the list of data.train files changed (renamed, moved or replaced)",
-    "rows_digest": "the rows per file of data.train changed",
-    "content_digest": "a data.train file was rewritten in place (its size or ETag/mtime changed)",
-    "seed": "train.seed is {new}, was {old}",
-    "chunk_rows": "data.shuffle_chunk_rows is {new}, was {old}",
-    "window_rows": "data.shuffle_window_rows is {new}, was {old}",
-    "order": "the checkpoint was written with read order {old} of an earlier sdtrain, this one reads order {new}",
-}
-_DEFAULTS = {"order": 1}  # what a fingerprint written before a key existed meant by it
-
-
-def plan_changes(stored: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    """What differs between two :meth:`SamplePlan.fingerprint` s, in the config's terms."""
-    stored = {**_DEFAULTS, **stored}
-    # A content digest is compared where both sides have one: checkpoints from before it, or plans made without
-    # the dataset index, have none.
-    changed = [
-        key
-        for key in _CHANGES
-        if stored.get(key) != current.get(key) and (key != "content_digest" or (stored.get(key) and current.get(key)))
-    ]
-    if "files" in changed or "rows" in changed:  # the digests differ too; the counts say more
-        changed = [key for key in changed if key not in ("files_digest", "rows_digest", "content_digest")]
-    return [_CHANGES[key].format(new=current.get(key), old=stored.get(key)) for key in changed]

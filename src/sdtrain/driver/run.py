@@ -23,12 +23,13 @@ from sdtrain.artifacts.export import export_checkpoint, export_source
 from sdtrain.artifacts.run_outputs import LossLabels, read_history, write_run_outputs
 from sdtrain.config.running import HIGHER_IS_BETTER
 from sdtrain.config.schema import Config, ScalingConfig
-from sdtrain.controller.data_hook import PlannedStreams, committed_run, read_data_state
+from sdtrain.controller.data_hook import PlannedStreams, committed_run
 from sdtrain.controller.failures import StopOnDeterministicErrors, failure_message
 from sdtrain.data.dataset_index import IndexedDataset, index_dataset
 from sdtrain.data.index_format import run_index_uri, write_index
 from sdtrain.data.inspection import DatasetSpec
-from sdtrain.data.read_order import DataState, SamplePlan, files_digest, resume_position
+from sdtrain.data.position import DataPosition
+from sdtrain.data.read_order import SamplePlan, files_digest
 from sdtrain.data.streams import WindowReader, file_order_dataset
 from sdtrain.demo.digits import ensure_demo_data
 from sdtrain.driver.memory_fit import cluster_gpu, fit_micro_batch
@@ -185,10 +186,11 @@ def _check_resume_position(run: CheckedRun) -> None:
     other data (a partition completed since) must not pass the old run off as its own."""
     assert run.committed is not None and run.committed.checkpoint is not None  # committed_run: only such runs
     config = run.config
-    saved = read_data_state(run.committed.checkpoint)
-    where = uri_for(run.committed.checkpoint.filesystem, run.committed.checkpoint.path)
-    run.resume_step, state = resume_position(saved, run.plan, config.data.on_resume_change, where)
-    if not run.finished and config.data.on_resume_change == "new_epoch" and state != DataState.from_dict(saved["data"]):
+    checkpoint = run.committed.checkpoint
+    position = DataPosition.read(checkpoint.filesystem, checkpoint.path)
+    where = uri_for(checkpoint.filesystem, checkpoint.path)
+    run.resume_step, state = position.resume(run.plan, config.data.on_resume_change, where)
+    if not run.finished and config.data.on_resume_change == "new_epoch" and state != position.state:
         print(
             f"[sdtrain] data.on_resume_change=new_epoch: the data changed since {where}; resuming its weights "
             f"at step {run.resume_step} and starting epoch {state.epoch} on the data as it is now",

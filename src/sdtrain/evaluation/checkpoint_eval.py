@@ -37,6 +37,7 @@ from sdtrain.artifacts.loading import LoadedModel, load_model
 from sdtrain.config.schema import Config
 from sdtrain.data.decode import to_array
 from sdtrain.data.listing import list_dataset
+from sdtrain.data.position import DataPosition
 from sdtrain.errors import DataError
 from sdtrain.evaluation.cpu_priority import cpu_policy
 from sdtrain.evaluation.image_metrics import ClipScore, DinoFeatures, FeatureStats, InceptionFeatures, frechet_distance
@@ -270,8 +271,5 @@ def evaluate_checkpoint(checkpoint: Any, config: dict[str, Any], run_dir: str, v
 
 
 def _checkpoint_step(uri: str) -> int:
-    from sdtrain.storage.run_layout import DATA_STATE_FILE
-
-    fs, path = filesystem_for(posixpath.join(uri, DATA_STATE_FILE))
-    with fs.open_input_stream(path) as f:
-        return int(json.loads(f.read())["step"])
+    fs, path = filesystem_for(uri)
+    return DataPosition.read(fs, path).step

@@ -24,10 +24,10 @@ import pyarrow.fs as pafs
 import ray.train
 
 from sdtrain.config.schema import Config
+from sdtrain.data.position import DataPosition
 from sdtrain.data.read_order import DataState
 from sdtrain.storage.run_layout import (
     CHECKPOINT_FILE,
-    DATA_STATE_FILE,
     HISTORY_FILE,
     SAMPLES_FILE,
     checkpoint_dir_name,
@@ -64,9 +64,7 @@ class CheckpointWriter:
             trainer,
             pl_module,
             metrics,
-            step,
-            position,
-            self.plan_fingerprint,
+            DataPosition(step, position, self.plan_fingerprint),
             history,
             self.upload,
             self.staging,
@@ -78,27 +76,24 @@ def report_with_checkpoint(
     trainer: pl.Trainer,
     pl_module,
     metrics: dict[str, float],
-    step: int,
-    position: DataState,
-    plan_fingerprint: dict[str, Any],
+    position: DataPosition,
     history: list[dict[str, float]],
     upload: Literal["async", "sync"],
     staging: str,
     evaluate: bool = False,
 ) -> float:
-    """Write the checkpoint of ``step`` and report it with ``metrics``; returns the seconds the
+    """Write the checkpoint of ``position.step`` and report it with ``metrics``; returns the seconds the
     training loop waited (the save, and the upload when ``upload`` is sync).
 
     Args:
-        position: the data state after ``step``, where a resumed stream starts.
-        plan_fingerprint: what ``position`` refers to (``SamplePlan.fingerprint``), checked on resume.
-        history: the metric rows reported up to ``step``, saved with the checkpoint.
+        position: the step and the data state after it, where a resumed stream starts, with what it refers to.
+        history: the metric rows reported up to the step, saved with the checkpoint.
         upload: checkpoint.upload.
         staging: this worker's staging directory (:func:`worker_scratch`), where rank 0 writes it.
         evaluate: rank 0 asks Ray Train to evaluate the checkpoint once committed (its ValidationConfig, eval).
     """
     started = time.perf_counter()
-    name = checkpoint_dir_name(step)
+    name = checkpoint_dir_name(position.step)
     directory = tempfile.mkdtemp(prefix=f"{name}-", dir=staging) if trainer.is_global_zero else ""
     if pl_module.sample_record is not None:
         # Collective: every rank trained on as many rows; rank 0 saves them all.
@@ -110,8 +105,7 @@ def report_with_checkpoint(
     if trainer.is_global_zero:
         with open(os.path.join(directory, HISTORY_FILE), "w") as f:
             json.dump(history, f)
-        with open(os.path.join(directory, DATA_STATE_FILE), "w") as f:
-            json.dump({"step": step, "data": position.to_dict(), "plan": plan_fingerprint}, f)
+        position.write(directory)
     checkpoint = ray.train.Checkpoint.from_directory(directory) if trainer.is_global_zero else None
     try:
         # Ray Train uploads (in the background when async), commits the checkpoint once it is

@@ -12,16 +12,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import lightning.pytorch as pl
+import pyarrow.fs as pafs
 import ray.train
 import ray.train.torch
 import torch
 from ray.train.lightning import RayDDPStrategy, prepare_trainer
 
 from sdtrain.config.schema import BatchLayout, Config
-from sdtrain.data.read_order import DataState, SamplePlan, resume_position
+from sdtrain.data.position import DataPosition
+from sdtrain.data.read_order import DataState, SamplePlan
 from sdtrain.model.recipe import load_unconditional_caption
 from sdtrain.private import ray as ray_private
-from sdtrain.storage.run_layout import CHECKPOINT_FILE, DATA_STATE_FILE, HISTORY_FILE
+from sdtrain.storage.run_layout import CHECKPOINT_FILE, HISTORY_FILE
 from sdtrain.storage.s3 import apply_s3_settings
 from sdtrain.train.build import build_training, run_device_settings
 from sdtrain.train.cadence import ReportCadence
@@ -55,9 +57,8 @@ class StartPoint:
         """The restored checkpoint in ``directory``, its data position checked against ``plan``."""
         with open(os.path.join(directory, HISTORY_FILE)) as f:
             history = json.load(f)
-        with open(os.path.join(directory, DATA_STATE_FILE)) as f:
-            saved = json.load(f)
-        step, data = resume_position(saved, plan, on_change, "the restored checkpoint")
+        position = DataPosition.read(pafs.LocalFileSystem(), directory)
+        step, data = position.resume(plan, on_change, "the restored checkpoint")
         return cls(step, data, history, os.path.join(directory, CHECKPOINT_FILE))
 
 
