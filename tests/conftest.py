@@ -15,10 +15,16 @@ import pyarrow.parquet as pq
 import pytest
 from s3_server import moto_server
 
+from sdtrain.logs import configure_logging
+
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # tools/ (the docs generators the tests hold the docs to)
     sys.path.append(str(REPO))
 BIN = Path(sys.executable).parent
+
+# The driver's lines, as the command lines print them, for tests that call the driver's functions in this process (and
+# to pytest's log capture too).
+configure_logging(propagate=True)
 
 ENCODINGS = ("list", "fixed_size_list", "tensor")
 

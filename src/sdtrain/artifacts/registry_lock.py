@@ -10,6 +10,7 @@ from typing import Any
 
 from sdtrain.artifacts.conditional_writes import ConditionalStore, RegistryConflict, _now, _whoami
 from sdtrain.errors import SdtrainError
+from sdtrain.logs import log
 
 LOCK_FILE = "retrain.lock"
 # A holder renews its lease every quarter of it: a holder that died (SIGKILL, lost node) blocks
@@ -57,7 +58,7 @@ class RegistryLock:
             if error is None:
                 raise
             # The run's own error is what the operator needs; the lease ends the lock anyway.
-            print(f"[sdtrain] could not release {self.uri} ({e}); it expires with its lease", flush=True)
+            log.warning(f"could not release {self.uri} ({e}); it expires with its lease")
 
     def acquire(self) -> None:
         registry = self.registry
@@ -101,7 +102,7 @@ class RegistryLock:
             if same_job
             else f"let its lease expire at {expires.isoformat(timespec='seconds')} without releasing it"
         )
-        print(f"[sdtrain] took over {self.uri}: its holder ({_describe(holder)}) {why}", flush=True)
+        log.info(f"took over {self.uri}: its holder ({_describe(holder)}) {why}")
         self._held(text, new_tag)
 
     def renew(self) -> None:
@@ -130,7 +131,7 @@ class RegistryLock:
             self._renewer.join()
         with self._guard:
             if self._tag is not None and not self._lost and not self.registry._delete(self.path, self._tag):
-                print(f"[sdtrain] {self.uri} was no longer this run's when it ended; left as it is", flush=True)
+                log.warning(f"{self.uri} was no longer this run's when it ended; left as it is")
             self._tag = None
 
     def _held(self, text: str, tag: str) -> None:
@@ -143,7 +144,7 @@ class RegistryLock:
             try:
                 self.renew()
             except Exception as e:  # storage trouble: the next renewal may get through, within the lease
-                print(f"[sdtrain] could not renew {self.uri} ({e}); trying again", flush=True)
+                log.warning(f"could not renew {self.uri} ({e}); trying again")
 
     def _remember(self, text: str, tag: str) -> None:
         self._tag = tag

@@ -37,6 +37,7 @@ from sdtrain.data.listing import (
     strictly_increasing,
 )
 from sdtrain.errors import DataError
+from sdtrain.logs import log
 
 UNINDEXED_HINT_FILES = 1000
 """A directory listed at every restart is worth indexing (entrypoints/index.py) from this many files: 1 S3 page."""
@@ -236,17 +237,15 @@ def _report(key: str, listed: _Listed, stats: IndexStats) -> None:
         if unchanged
         else ""
     )
-    print(
-        f"[sdtrain] {key}: {stats.files} files ({stats.from_index} from the index, {stats.footers_read} footers read"
-        f"{dropped_note}{unlisted_note})",
-        flush=True,
+    log.info(
+        f"{key}: {stats.files} files ({stats.from_index} from the index, {stats.footers_read} footers read"
+        f"{dropped_note}{unlisted_note})"
     )
     for spec, part in zip(listed.specs, listed.parts, strict=True):
         if len(part) >= UNINDEXED_HINT_FILES and spec not in unchanged and not part.indexes and names_directory(spec):
-            print(
-                f"[sdtrain] {key}: {spec} has no directory index, so every restart lists its {len(part)} files; "
-                f"`python entrypoints/index.py {spec}` once makes restarts list nothing",
-                flush=True,
+            log.info(
+                f"{key}: {spec} has no directory index, so every restart lists its {len(part)} files; "
+                f"`python entrypoints/index.py {spec}` once makes restarts list nothing"
             )
 
 
@@ -256,7 +255,7 @@ def read_footers_with_progress(
     """:func:`sdtrain.data.inspection.read_footers`, with a progress line for 1000 files or more."""
 
     def progress(done: int, total: int) -> None:
-        print(f"[sdtrain] {key}: read {done}/{total} footers", flush=True)
+        log.info(f"{key}: read {done}/{total} footers")
 
     return read_footers(files, key, image_column, caption_column, reference, progress if len(files) >= 1000 else None)
 

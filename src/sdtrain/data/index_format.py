@@ -28,6 +28,7 @@ import pyarrow.parquet as pq
 
 from sdtrain.data.inspection import CheckedSchema
 from sdtrain.data.listing import Listing, listing_client
+from sdtrain.logs import log
 from sdtrain.storage.filesystems import read_bytes, write_bytes
 from sdtrain.storage.run_layout import DATASET_INDEX_DIR
 from sdtrain.storage.uris import is_uri, split_s3
@@ -133,7 +134,7 @@ def read_index(uri: str, base: str | None = None) -> DatasetIndex | None:
     except (OSError, KeyError, ValueError, TypeError, pa.ArrowException) as e:
         # Anything short of a whole index costs this start its footers, never the start itself.
         reason = f"{type(e).__name__}: {e}" if isinstance(e, KeyError | TypeError) else str(e)
-        print(f"[sdtrain] the dataset index {uri} cannot be read ({reason}); reading the footers instead", flush=True)
+        log.info(f"the dataset index {uri} cannot be read ({reason}); reading the footers instead")
         return None
 
 

@@ -7,7 +7,6 @@ block per window); validation data is read in file order.
 from __future__ import annotations
 
 import dataclasses
-import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -27,12 +26,11 @@ from sdtrain.data.inspection import DatasetSpec
 from sdtrain.data.pacing import paced
 from sdtrain.data.read_order import FILE, SamplePlan, Stretch, Window, window_sample_indices
 from sdtrain.errors import DataError
+from sdtrain.logs import log
 from sdtrain.private import ray as ray_private
 from sdtrain.storage.filesystems import filesystem_for, filesystems_for
 from sdtrain.storage.s3 import is_transient, s3_filesystem
 from sdtrain.storage.uris import split_s3
-
-log = logging.getLogger("sdtrain")
 
 NODE_ID_LABEL = "ray.io/node-id"
 """The label Ray gives every node: its node id."""

@@ -12,6 +12,7 @@ from sdtrain.config.keys import help_text
 from sdtrain.config.loader import load_config
 from sdtrain.config.schema import Config
 from sdtrain.errors import SdtrainError, TrainingFailed
+from sdtrain.logs import configure_logging, log
 
 EX_TEMPFAIL = 75
 """The exit status of a command that did nothing because another holds what it needs (the registry's lock): a retry
@@ -58,13 +59,14 @@ def _main(argv, default_config: Path, prog: str, description: str, job: Callable
     parser.add_argument("--config", default=str(default_config), help="YAML config file (default: %(default)s)")
     parser.add_argument("overrides", nargs="*", metavar="key.sub=value", help="override a config key")
     args = parser.parse_args(argv)
+    configure_logging()
     try:
         lines = job(load_config(args.config, args.overrides))
     except SdtrainError as e:
         print(f"error: {e}", file=sys.stderr)
         return exit_code(e)
     for line in lines:
-        print(f"[sdtrain] {line}")
+        log.info(line)
     return 0
 
 
@@ -106,6 +108,7 @@ def check_main(argv: Sequence[str] | None, default_config: Path | None) -> int:
     parser.add_argument("--eager", action="store_true", help="train as configured, not compiled")
     parser.add_argument("overrides", nargs="*", metavar="key.sub=value", help="override a config key")
     args = parser.parse_args(argv)
+    configure_logging()
     if args.steps < 8:  # a report window after the first (compilation), and a checkpoint before the last step
         print(f"error: --steps: must be >= 8, got {args.steps}", file=sys.stderr)
         return 2
@@ -117,7 +120,7 @@ def check_main(argv: Sequence[str] | None, default_config: Path | None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return exit_code(e)
     for line in report.table():
-        print(f"[sdtrain check] {line}")
+        log.info(f"check: {line}")
     return 1 if report.failed else 0
 
 
@@ -135,6 +138,7 @@ def preprocess_main(argv: Sequence[str] | None, default_config: Path) -> int:
     parser.add_argument("--max-shards", type=int, help="do at most this many pending shards (a re-run does the rest)")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="override a config key")
     args = parser.parse_args(argv)
+    configure_logging()
     if args.max_shards is not None and args.max_shards < 0:  # a slice [:-1] would silently drop the last shard
         print(f"error: --max-shards: must be >= 0 (0: list and record only), got {args.max_shards}", file=sys.stderr)
         return 2
@@ -146,16 +150,16 @@ def preprocess_main(argv: Sequence[str] | None, default_config: Path) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     manifest = summary.manifest
-    print(
-        f"[sdtrain] {len(summary.shards_written)} shard(s) written this run, {summary.shards_done_before} done "
+    log.info(
+        f"{len(summary.shards_written)} shard(s) written this run, {summary.shards_done_before} done "
         f"before, of {summary.shards_total}; {summary.seconds:.1f} s"
     )
-    print(
-        f"[sdtrain] in all: {manifest['inputs_read']} inputs read, {manifest['rows_written']} rows written, "
+    log.info(
+        f"in all: {manifest['inputs_read']} inputs read, {manifest['rows_written']} rows written, "
         f"{manifest['rows_skipped']} skipped {manifest['skipped_by_reason']}"
     )
     for name, error in summary.shards_failed.items():
-        print(f"[sdtrain] shard {name} could not be read ({error}); a re-run retries it", file=sys.stderr)
+        log.warning(f"shard {name} could not be read ({error}); a re-run retries it")
     return 1 if summary.shards_failed else 0
 
 
@@ -181,6 +185,7 @@ def index_main(argv: Sequence[str] | None) -> int:
     )
     parser.add_argument("--config", help="YAML config file: its data section's directories and columns")
     args = parser.parse_args(argv)
+    configure_logging()
     # An override is section.key=value; a directory may hold '=' too (s3://bucket/date=2026-11-26/).
     overrides = [a for a in args.arguments if re.match(r"[A-Za-z_]\w*\.[\w.]+=", a)]
     directories = [a for a in args.arguments if a not in overrides]
@@ -202,8 +207,8 @@ def index_main(argv: Sequence[str] | None) -> int:
                 print(f"error: {key}: {directory} holds no parquet file with rows", file=sys.stderr)
                 return 2
             done = f"wrote {directory.rstrip('/')}/{DIRECTORY_INDEX}" if stats.written else "unchanged, not rewritten"
-            print(
-                f"[sdtrain] {directory}: {stats.files} files ({stats.from_index} from its index, "
+            log.info(
+                f"{directory}: {stats.files} files ({stats.from_index} from its index, "
                 f"{stats.footers_read} footers read); {done}"
             )
     except SdtrainError as e:
@@ -287,6 +292,7 @@ def generate_main(argv=None) -> int:
         help="instead of sampling: export the model in diffusers format to DIR (local or s3://)",
     )
     args = parser.parse_args(argv)
+    configure_logging()
     for name in ("rows", "samples_per_caption", "steps", "batch_size"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -297,7 +303,7 @@ def generate_main(argv=None) -> int:
 
             loaded = load_model(args.model, args.weights)
             write_export(loaded, args.export_to)
-            print(f"[sdtrain] exported {loaded.weights} weights of step {loaded.global_step} to {args.export_to}")
+            log.info(f"exported {loaded.weights} weights of step {loaded.global_step} to {args.export_to}")
             return 0
         prompts = list(args.prompt)
         if args.prompts_file:
@@ -331,9 +337,9 @@ def generate_main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     for note in request.notes:
-        print(f"[sdtrain] note: {note}")
+        log.info(f"note: {note}")
     for line in request.results:
-        print(f"[sdtrain] {line}")
+        log.info(line)
     for path in written:
-        print(f"[sdtrain] wrote {path}")
+        log.info(f"wrote {path}")
     return 0

@@ -27,10 +27,10 @@ import time
 import numpy as np
 import ray.data
 
+from sdtrain.logs import log
 from sdtrain.private import ray as ray_private
 from sdtrain.private._lookup import PrivateApiMissing
 
-log = logging.getLogger("sdtrain")
 _THREAD_NAME = "sdtrain-ray-data-warmup"
 
 

@@ -40,6 +40,7 @@ from sdtrain.driver.preflight import preflight
 from sdtrain.driver.run import dataset_spec, train
 from sdtrain.errors import ConfigError, DataError
 from sdtrain.evaluation.results import measured_with
+from sdtrain.logs import log
 from sdtrain.model.token_captions import CaptionEncoder
 from sdtrain.model.validation import validation_loss
 from sdtrain.storage.filesystems import filesystem_for
@@ -68,7 +69,7 @@ def retrain(config: Config, schedule_date: datetime.date | None = None) -> Retra
     registry = ModelRegistry(models_root)
     if schedule_date is None:
         schedule_date, source = schedule_date_for(config, registry)
-        print(f"[sdtrain] schedule date {schedule_date} ({source})", flush=True)
+        log.info(f"schedule date {schedule_date} ({source})")
     day = schedule_date.isoformat()
     owner = {"run": f"{config.run.name}-{day}", "date": day, "job": os.environ.get(JOB_ID_VAR)}
     # Taken before Ray starts: a second run fails here, in seconds, without spending a restart.
@@ -169,7 +170,7 @@ def _retrain_locked(
         # A day without data: marked complete, holding no parquet file or none with rows. Passed over and recorded as
         # seen with the next version, rather than failing every later run on "matches no parquet files" or "hold no
         # rows".
-        print(f"[sdtrain] {passed_over}", flush=True)
+        log.info(f"{passed_over}")
     if not new:
         return RetrainOutcome(
             "no-new-data",
@@ -178,11 +179,7 @@ def _retrain_locked(
             f"{day}: no partitions with data since {production or 'the start'}; nothing to train"
             + (f" ({passed_over})" if empty else ""),
         )
-    print(
-        f"[sdtrain] retraining on {len(new)} new partition(s): {', '.join(new)}; production is "
-        f"{production or 'none yet'}",
-        flush=True,
-    )
+    log.info(f"retraining on {len(new)} new partition(s): {', '.join(new)}; production is {production or 'none yet'}")
 
     model = config.model
     if production:  # warm start: the production weights, a fresh optimizer and the configured short warmup

@@ -38,6 +38,7 @@ from sdtrain.driver.ray_data_startup import warm_up_ray_data
 from sdtrain.driver.trackers import check_trackers, log_evaluations, log_export, tracker_env
 from sdtrain.errors import ConfigError, DataError, TrainingFailed
 from sdtrain.evaluation.checks import check_evaluation
+from sdtrain.logs import log
 from sdtrain.model.recipe import load_unconditional_caption, stored_latent_scaling
 from sdtrain.model.token_captions import check_text_encoder
 from sdtrain.model.unet import check_unet, unet_config
@@ -71,10 +72,9 @@ def train(config: Config) -> RunSummary:
     if run.finished:
         # A retry after training ended, a driver that died after fit(), a lowered train.max_steps: nothing to
         # train, so no Ray and no workers; finish the outputs the run may lack.
-        print(
-            f"[sdtrain] {run.run_dir} is already at step {run.resume_step} (train.max_steps="
-            f"{config.train.max_steps}): nothing to train; finishing its outputs from its final checkpoint",
-            flush=True,
+        log.info(
+            f"{run.run_dir} is already at step {run.resume_step} (train.max_steps="
+            f"{config.train.max_steps}): nothing to train; finishing its outputs from its final checkpoint"
         )
         assert run.committed is not None
         return finish(run.config, run.committed)
@@ -124,7 +124,7 @@ def check_run(config: Config) -> CheckedRun:
         # moved, so a fresh start whose check then fails has lost nothing.
         replaced = set_aside(run_dir)
         if replaced:
-            print(f"[sdtrain] run.start_fresh: moved the previous run to {replaced}", flush=True)
+            log.info(f"run.start_fresh: moved the previous run to {replaced}")
     train_data, val_data, stored_scale = _check_data(config, run_dir)
     train_spec = train_data.spec
     plan = SamplePlan(
@@ -155,7 +155,7 @@ def _check_data(config: Config, run_dir: str) -> tuple[IndexedDataset, IndexedDa
     if config.data.demo:
         val_dir = config.data.val[0] if config.data.val else None
         if ensure_demo_data(config.data.train[0], val_dir, caption_dim=unet["cross_attention_dim"]):
-            print(f"[sdtrain] wrote the digits demo dataset to {config.data.train[0]}", flush=True)
+            log.info(f"wrote the digits demo dataset to {config.data.train[0]}")
     # The run's dataset index (its first start reads the footers; later starts, the index and changed files).
     train_data = indexed_dataset(config, "data.train", config.data.train, unet, run_dir)
     val_data = indexed_dataset(config, "data.val", config.data.val, unet, run_dir) if config.data.val else None
@@ -167,11 +167,10 @@ def _check_data(config: Config, run_dir: str) -> tuple[IndexedDataset, IndexedDa
     stored_scale = stored_latent_scaling(
         [(data.schema_file, data.schema_metadata) for data in (train_data, val_data) if data is not None], config.data
     )
-    print(
-        f"[sdtrain] data.train: {train.num_rows} rows in {len(train.files)} file(s), latents "
+    log.info(
+        f"data.train: {train.num_rows} rows in {len(train.files)} file(s), latents "
         f"{train.latent_shape}, captions {_describe_captions(train)}; "
-        f"{train.num_rows // config.train.global_batch_size} steps per epoch",
-        flush=True,
+        f"{train.num_rows // config.train.global_batch_size} steps per epoch"
     )
     if train.num_rows < config.train.global_batch_size:
         raise DataError(
@@ -191,10 +190,9 @@ def _check_resume_position(run: CheckedRun) -> None:
     where = uri_for(checkpoint.filesystem, checkpoint.path)
     run.resume_step, state = position.resume(run.plan, config.data.on_resume_change, where)
     if not run.finished and config.data.on_resume_change == "new_epoch" and state != position.state:
-        print(
-            f"[sdtrain] data.on_resume_change=new_epoch: the data changed since {where}; resuming its weights "
-            f"at step {run.resume_step} and starting epoch {state.epoch} on the data as it is now",
-            flush=True,
+        log.info(
+            f"data.on_resume_change=new_epoch: the data changed since {where}; resuming its weights "
+            f"at step {run.resume_step} and starting epoch {state.epoch} on the data as it is now"
         )
 
 
@@ -214,7 +212,7 @@ def build_trainer(run: CheckedRun, launched_at: float) -> TorchTrainer:
     gpu = cluster_gpu(ray.cluster_resources()) if use_gpu else None
     config, decided = fit_micro_batch(config, gpu, run.train.latent_shape, captions, precision)
     if decided is not None:
-        print(f"[sdtrain] {decided}", flush=True)
+        log.info(f"{decided}")
     # PlannedStreams replaces "train" by each rank's planned stream; Ray Train needs the name.
     # TorchTrainer's own value type: its dict is invariant.
     datasets: dict[str, ray.data.Dataset | Callable[[], ray.data.Dataset]] = {
@@ -330,7 +328,7 @@ def finish(config: Config, result: ray.train.Result) -> RunSummary:
                 fs = checkpoint.filesystem
                 log_export(config, uri_for(fs, result.path), uri_for(fs, export_path))
             except Exception as error:  # the run and its export are done: a tracker's failure must not undo that
-                print(f"[sdtrain] could not attach the export to the trackers: {error}", flush=True)
+                log.warning(f"could not attach the export to the trackers: {error}")
         outputs.append(export_path)
     return RunSummary(
         run_dir=uri_for(checkpoint.filesystem, result.path),

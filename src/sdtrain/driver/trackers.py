@@ -9,6 +9,7 @@ import os
 
 from sdtrain.config.schema import Config
 from sdtrain.errors import ConfigError
+from sdtrain.logs import log
 from sdtrain.storage.filesystems import local_copy
 from sdtrain.storage.uris import is_uri
 from sdtrain.train.trackers import FORWARDED_ENV, read_state, wandb_save_dir
@@ -64,7 +65,7 @@ def log_export(config: Config, run_dir: str, export_uri: str) -> None:
                 client.create_registered_model(name)
             source = f"{client.get_run(ids['mlflow']).info.artifact_uri}/export"
             version = client.create_model_version(name, source, run_id=ids["mlflow"])
-            print(f"[sdtrain] registered the export as MLflow model {name} version {version.version}", flush=True)
+            log.info(f"registered the export as MLflow model {name} version {version.version}")
     if "wandb" in config.tracking.trackers and "wandb" in ids:
         import wandb
 

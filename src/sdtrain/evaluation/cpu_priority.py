@@ -4,10 +4,9 @@ Light on purpose: it imports nothing but the standard library."""
 
 from __future__ import annotations
 
-import logging
 import os
 
-log = logging.getLogger("sdtrain")
+from sdtrain.logs import log
 
 EVALUATION_TASK_ENV = "SDTRAIN_EVALUATION_TASK"
 """Set (to "1") in the task's runtime environment by the driver: Ray keeps worker processes of a runtime environment

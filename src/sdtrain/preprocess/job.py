@@ -33,6 +33,7 @@ from sdtrain.data.metadata import (
     VAE_SOURCE,
 )
 from sdtrain.errors import DataError
+from sdtrain.logs import log
 from sdtrain.preprocess.config import ImageConfig, InputConfig, PreprocessConfig
 from sdtrain.preprocess.images import NO_CAPTION, clean_caption, prepare_image
 from sdtrain.preprocess.outputs import (
@@ -121,7 +122,7 @@ def run_preprocess(config: PreprocessConfig, max_shards: int | None = None) -> P
                 written[0] if written else None,
             )
         except DataError as e:  # the shards are done whatever the index: training reads their footers instead
-            print(f"[sdtrain] no dataset index written beside the shards: {e}", flush=True)
+            log.info(f"no dataset index written beside the shards: {e}")
     summary.seconds = time.perf_counter() - started
     return summary
 

@@ -36,6 +36,7 @@ import pyarrow.parquet as pq
 
 from sdtrain.data.listing import list_dataset
 from sdtrain.errors import ConfigError, DataError
+from sdtrain.logs import log
 from sdtrain.preprocess.config import InputConfig
 from sdtrain.storage.filesystems import filesystem_for, read_text
 from sdtrain.storage.uris import is_uri, split_s3, uri_prefix
@@ -309,10 +310,9 @@ def _folder_shards(config: InputConfig, folder: str, done: Mapping[str, Mapping[
     outside = [name for name in captions if outside_folder(name)]
     if outside:
         named = ", ".join(map(repr, outside[:3])) + (", ..." if len(outside) > 3 else "")
-        print(
-            f"[sdtrain] input.captions_file: {captions_file}: {len(outside)} file names leave the folder ({named}): "
-            f"never read, skipped as {OUTSIDE_FOLDER}",
-            flush=True,
+        log.info(
+            f"input.captions_file: {captions_file}: {len(outside)} file names leave the folder ({named}): "
+            f"never read, skipped as {OUTSIDE_FOLDER}"
         )
     infos = fs.get_file_info(pafs.FileSelector(root, recursive=True))
     images = sorted(

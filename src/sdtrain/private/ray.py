@@ -7,13 +7,11 @@ Data's start-up on the driver) go on without it, with a warning.
 
 from __future__ import annotations
 
-import logging
 from functools import cache
 from typing import Any
 
+from sdtrain.logs import log
 from sdtrain.private._lookup import PrivateApiMissing, private
-
-log = logging.getLogger("sdtrain")
 
 NAMES = {
     ("ray.train.v2._internal.constants", "CHECKPOINT_MANAGER_SNAPSHOT_FILENAME"): (

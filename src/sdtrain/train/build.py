@@ -9,7 +9,6 @@ code a Ray worker runs on a machine where Ray cannot be installed.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -20,13 +19,12 @@ from sdtrain import __version__
 from sdtrain.artifacts.checkpoint_format import CheckpointMeta
 from sdtrain.config.schema import Config, TrainConfig
 from sdtrain.errors import ConfigError
+from sdtrain.logs import log
 from sdtrain.model.token_captions import CaptionEncoder
 from sdtrain.model.unet import build_unet, noise_scheduler_config, unet_config
 from sdtrain.train.device_settings import DeviceSettings, device_settings
 from sdtrain.train.module import DiffusionModule
 from sdtrain.train.strategy import build_strategy
-
-log = logging.getLogger("sdtrain")
 
 
 def resolve_precision(train: TrainConfig, use_gpu: bool) -> str:

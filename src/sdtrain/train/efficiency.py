@@ -12,7 +12,6 @@ shown on CPU workers too when the user priced them.
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -20,10 +19,9 @@ from typing import Any
 
 import torch
 
+from sdtrain.logs import log
 from sdtrain.model.flops import mfu, text_encoder_forward_flops, unet_train_step_flops
 from sdtrain.model.hardware import TERA, device_gpu, peak_flops
-
-log = logging.getLogger("sdtrain")
 
 
 def tf32_allowed() -> bool:

@@ -13,7 +13,6 @@ way once eval.timeout_s has passed.
 
 from __future__ import annotations
 
-import logging
 import math
 import time
 from collections.abc import Callable
@@ -22,8 +21,7 @@ from typing import Any
 from sdtrain.config.running import EVAL_METRICS, HIGHER_IS_BETTER
 from sdtrain.config.schema import Config
 from sdtrain.evaluation.results import read_evaluation, write_evaluation
-
-log = logging.getLogger("sdtrain")
+from sdtrain.logs import log
 
 RESULT_KEYS = (*EVAL_METRICS, "eval_s")
 """What an evaluation adds to its checkpoint's row (eval_failed instead when it failed)."""

@@ -3,14 +3,12 @@ in a background thread after every report, so the training loop only hands over 
 
 from __future__ import annotations
 
-import logging
 import threading
 from collections.abc import Callable
 
 from sdtrain.artifacts.run_outputs import LossLabels, write_run_outputs
+from sdtrain.logs import log
 from sdtrain.storage.filesystems import filesystem_for
-
-log = logging.getLogger("sdtrain")
 
 
 class BackgroundWriter:

@@ -6,16 +6,14 @@ deadline (failure.max_preemptions), from this checkpoint.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable
 
 import lightning.pytorch as pl
 import ray.train
 
+from sdtrain.logs import log
 from sdtrain.train.cadence import OptimizerStepCallback, ReportCadence
-
-log = logging.getLogger("sdtrain")
 
 # Seconds of training between two checks for a preemption notice (a collective through Ray Train's
 # synchronization actor, a few ms): Ray Train's watcher polls Ray for draining nodes every 5 s, and

@@ -12,7 +12,6 @@ a 550k-step single-epoch run; this one reports by optimizer step. Every rank cal
 
 from __future__ import annotations
 
-import logging
 import math
 import time
 from collections.abc import Callable
@@ -23,6 +22,7 @@ import torch
 
 from sdtrain.config.schema import TrainConfig
 from sdtrain.errors import NonFiniteTraining, TrainingFailed
+from sdtrain.logs import log
 from sdtrain.train.cadence import OptimizerStepCallback, ReportCadence
 from sdtrain.train.checkpointing import CheckpointWriter
 from sdtrain.train.efficiency import Efficiency, hours_so_far, money
@@ -30,8 +30,6 @@ from sdtrain.train.evaluations import CheckpointEvaluations, unevaluated_score
 from sdtrain.train.run_view import RunView
 from sdtrain.train.validation import Validation
 from sdtrain.train.watchdog import Phase
-
-log = logging.getLogger("sdtrain")
 
 
 class StepReporter(OptimizerStepCallback):

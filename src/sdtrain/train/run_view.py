@@ -4,7 +4,6 @@ Ray's dashboard, Prometheus/Grafana and Anyscale show)."""
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -13,11 +12,10 @@ import numpy as np
 
 from sdtrain.artifacts.run_outputs import LossLabels
 from sdtrain.config.schema import Config
+from sdtrain.logs import log
 from sdtrain.train.live_files import LiveOutputs
 from sdtrain.train.sample_grids import SampleGrids
 from sdtrain.train.trackers import Trackers
-
-log = logging.getLogger("sdtrain")
 
 # metric -> (gauge name, description): what a dashboard needs to tell a healthy run from a stalled one.
 GAUGES = {

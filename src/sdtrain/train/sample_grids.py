@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import logging
 import posixpath
 import time
 from collections.abc import Callable
@@ -24,8 +23,6 @@ from sdtrain.sampling.images import channels_preview, digits_preview, grid_image
 from sdtrain.sampling.sampler import sample_latents
 from sdtrain.storage.filesystems import filesystem_for
 from sdtrain.storage.run_layout import SAMPLES_DIR, sample_grid_file
-
-log = logging.getLogger("sdtrain")
 
 
 @dataclass

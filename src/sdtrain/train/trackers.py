@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import io
 import json
-import logging
 import os
 import posixpath
 import tempfile
@@ -32,13 +31,12 @@ from lightning.pytorch.loggers import Logger
 
 from sdtrain.artifacts.run_outputs import write_whole
 from sdtrain.config.schema import Config
+from sdtrain.logs import log
 from sdtrain.storage.filesystems import filesystem_for
 from sdtrain.storage.run_layout import SAMPLES_DIR, TENSORBOARD_DIR, TRACKERS_FILE, sample_grid_file
 from sdtrain.storage.uris import is_uri
 from sdtrain.train.live_files import BackgroundWriter
 from sdtrain.train.wandb_files import STEP_KEY, run_files
-
-log = logging.getLogger("sdtrain")
 
 HELD_KEY = "loss"  # in every report: the steps a tracker holds are those it has this metric at
 

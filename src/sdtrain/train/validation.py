@@ -2,19 +2,17 @@
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Iterable, Iterator
 
 import lightning.pytorch as pl
 import torch
 
 from sdtrain.errors import TrainingFailed
+from sdtrain.logs import log
 from sdtrain.train.cadence import OptimizerStepCallback, ReportCadence
 from sdtrain.train.device_settings import training_autocast
 from sdtrain.train.strategy import is_sharded
 from sdtrain.train.watchdog import Phase
-
-log = logging.getLogger("sdtrain")
 
 ValBatches = Callable[[], Iterable[dict[str, torch.Tensor]]]
 

@@ -26,7 +26,7 @@ from collections.abc import Callable
 
 import lightning.pytorch as pl
 
-log = logging.getLogger("sdtrain")
+from sdtrain.logs import log
 
 EXIT_CODE = 75
 """The exit status of a worker the watchdog ended (EX_TEMPFAIL: a retry may succeed)."""
