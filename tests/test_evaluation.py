@@ -412,7 +412,7 @@ def _eval_keys(config) -> list[str]:
 
 def test_the_retraining_gate_compares_both_models_by_fd_dinov2_on_the_same_samples(evaluated):
     from sdtrain.artifacts.loading import load_model
-    from sdtrain.driver.retrain import _decide, gate_scores
+    from sdtrain.driver.retrain_gate import decide, gate_scores
 
     config = tiny_config(*_eval_keys(evaluated["config"]), *_rest(evaluated["config"]), "retrain.metric=fd_dinov2")
     trained = load_model(str(evaluated["checkpoint"]))
@@ -426,17 +426,17 @@ def test_the_retraining_gate_compares_both_models_by_fd_dinov2_on_the_same_sampl
     alone, none = gate_scores(config, trained, None)
     assert alone["fd_dinov2"] == pytest.approx(new["fd_dinov2"], rel=1e-6) and none == {}
     better, worse = sorted([new["fd_dinov2"], production["fd_dinov2"]])
-    assert _decide(better, worse, "v0001", ("v0001", worse), 0.0, "fd_dinov2") == (
+    assert decide(better, worse, "v0001", ("v0001", worse), 0.0, "fd_dinov2") == (
         True,
         f"fd_dinov2 {better:.5f} <= v0001's {worse:.5f} x (1 + 0)",
     )
-    assert _decide(worse, better, "v0001", ("v0001", better), 0.0, "fd_dinov2")[0] is False
+    assert decide(worse, better, "v0001", ("v0001", better), 0.0, "fd_dinov2")[0] is False
     # clip_score is higher the better.
-    assert _decide(30.0, 31.0, "v0001", None, 0.05, "clip_score") == (
+    assert decide(30.0, 31.0, "v0001", None, 0.05, "clip_score") == (
         True,
         "clip_score 30.00000 >= v0001's 31.00000 x (1 - 0.05)",
     )
-    assert _decide(29.0, 31.0, "v0001", None, 0.05, "clip_score")[0] is False
+    assert decide(29.0, 31.0, "v0001", None, 0.05, "clip_score")[0] is False
 
 
 def _rest(config) -> list[str]:

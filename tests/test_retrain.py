@@ -12,7 +12,8 @@ from support.tiny_models import write_tiny_dinov2, write_tiny_sd_model
 from sdtrain.artifacts.loading import load_model
 from sdtrain.artifacts.registry import ModelRegistry
 from sdtrain.demo.digits import ensure_demo_data
-from sdtrain.driver.retrain import find_partitions, new_partitions, retrain, retrain_run_name
+from sdtrain.driver.retrain import retrain, retrain_run_name
+from sdtrain.driver.retrain_partitions import find_partitions, new_partitions
 from sdtrain.errors import DataError
 
 pytestmark = pytest.mark.slow  # retraining runs Ray Train

@@ -14,30 +14,24 @@ from conftest import tiny_config, write_latents
 from diffusers import DDPMScheduler, UNet2DConditionModel
 
 from sdtrain.artifacts.registry import ModelRegistry
-from sdtrain.driver.retrain import (
-    JOB_ID_VAR,
-    _best_served,
-    _decide,
-    find_partitions,
-    new_partitions,
-    retrain,
-    schedule_date_for,
-)
+from sdtrain.driver.retrain import JOB_ID_VAR, retrain, schedule_date_for
+from sdtrain.driver.retrain_gate import best_served, decide
+from sdtrain.driver.retrain_partitions import find_partitions, new_partitions
 from sdtrain.model.presets import PRESETS
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 def test_the_gate_holds_against_production_and_the_best_model_ever_promoted():
-    assert _decide(1.0, None, None, None, 0.05) == (
+    assert decide(1.0, None, None, None, 0.05) == (
         True,
         "first version (val_loss 1.00000); there is no production model to compare with",
     )
-    assert _decide(float("nan"), 1.0, "v0001", ("v0001", 1.0), 0.05)[0] is False
+    assert decide(float("nan"), 1.0, "v0001", ("v0001", 1.0), 0.05)[0] is False
     # Within 5% of production, which is itself the best: promoted.
-    assert _decide(1.04, 1.0, "v0003", ("v0003", 1.0), 0.05)[0] is True
+    assert decide(1.04, 1.0, "v0003", ("v0003", 1.0), 0.05)[0] is True
     # Production drifted to 1.04 from the best 1.0 (v0001): 1.09 is within 5% of 1.04, not of 1.0.
-    promote, reason = _decide(1.09, 1.04, "v0003", ("v0001", 1.0), 0.05)
+    promote, reason = decide(1.09, 1.04, "v0003", ("v0001", 1.0), 0.05)
     assert promote is False
     assert (
         reason
@@ -303,14 +297,14 @@ def test_the_best_ever_bar_is_what_production_named_measured_on_the_same_val_set
     registry.set_production(_version(registry, "2026-11-06", "v0005", 0.30, val=val), expected="v0005")
     assert registry.served() == ["v0001", "v0004", "v0005", "v0006"]
 
-    best, not_compared = _best_served(registry, config)
+    best, not_compared = best_served(registry, config)
     assert best in (("v0001", 0.30), ("v0006", 0.30))
     assert not_compared == [
         f"v0004's 0.01000 was measured with data.val='/other/val', this run's is {val!r}",
         "v0005's 0.02000 was measured with train.seed=7, this run's is 0",
     ]
     # A model at 0.20 against production at 0.30: promoted (the rolled-back v0002's 0.10 is no bar).
-    assert _decide(0.20, 0.30, "v0006", best, 0.05)[0] is True
+    assert decide(0.20, 0.30, "v0006", best, 0.05)[0] is True
 
 
 def test_a_metric_is_compared_only_with_values_measured_by_the_same_model(tmp_path):
@@ -334,7 +328,7 @@ def test_a_metric_is_compared_only_with_values_measured_by_the_same_model(tmp_pa
             manifest | {"metrics": {"fd_inception": fd}, "config": recorded},
         )
         registry.set_production(version, expected=registry.production(), kind="promote")
-    best, not_compared = _best_served(registry, config, "fd_inception")
+    best, not_compared = best_served(registry, config, "fd_inception")
     assert best == ("v0001", 20.0)
     assert not_compared == [
         "v0002's 5.00000 was measured with eval.inception='/other.pt', this run's is '/models/inception.pt'"

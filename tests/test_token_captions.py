@@ -16,6 +16,7 @@ from support.training import FIT, Watch
 from torch.distributed.tensor import DTensor
 
 from sdtrain.artifacts.checkpoint_format import CHECKPOINT_META_KEY
+from sdtrain.config.learning import Columns
 from sdtrain.data.inspection import inspect_dataset
 from sdtrain.data.local_read import iter_local_batches
 from sdtrain.data.metadata import LATENT_SCALING_FACTOR, TEXT_ENCODER_SOURCE, TOKEN_VOCAB_SIZE, VAE_SOURCE
@@ -208,7 +209,7 @@ def test_the_ids_are_the_pipelines_own_and_the_empty_prompt_file_must_fit_the_da
 
 def test_the_retraining_gate_scores_token_id_data_as_it_scores_the_same_rows_stored_as_embeddings(both, tmp_path):
     """retrain's held-out loss (both models of a gate are scored by it) encodes the ids with the data's encoder."""
-    from sdtrain.driver.retrain import heldout_loss
+    from sdtrain.driver.retrain_gate import heldout_loss
     from sdtrain.model.unet import build_noise_scheduler, build_unet, noise_scheduler_config
 
     root, _ = both
@@ -269,7 +270,7 @@ def test_a_token_id_past_the_vocabulary_in_any_row_is_a_data_error_naming_file_r
     from sdtrain.storage.filesystems import filesystems_for
 
     file, vocab, bad = _with_a_bad_id(both, tmp_path / "bad.parquet")
-    spec = inspect_dataset([file], "data.train", "image_latents_256", "caption_ids", 4, 32)  # row 0: fine
+    spec = inspect_dataset([file], "data.train", Columns("image_latents_256", "caption_ids"), 4, 32)  # row 0: fine
     data = DataConfig(train=[file], caption_column="caption_ids", on_read_error=on_read_error)
     plan = SamplePlan(spec.rows_per_file, seed=0, chunk_rows=4, window_rows=4)
     (stretches,) = plan.rank_stretches(DataState(), 1, 4, 3)
