@@ -8,6 +8,7 @@ from conftest import write_latents
 from sdtrain.config.loader import load_config
 from sdtrain.driver.memory_fit import cluster_gpu, fit_micro_batch
 from sdtrain.errors import ConfigError
+from sdtrain.train.build import driver_precision
 
 SMALL_512 = ((4, 64, 64), (77, 1024))  # the small UNet's latents at 512 px and OpenCLIP-H captions
 
@@ -52,6 +53,30 @@ def test_a_size_predicted_not_to_fit_is_refused_naming_the_numbers():
     assert fit_micro_batch(config, "A100", *SMALL_512, "bf16-mixed") == (config, None)
 
 
+def config_overrides(config):
+    return [
+        f"train.global_batch_size={config.train.global_batch_size}",
+        f"scaling.num_workers={config.scaling.num_workers}",
+        f"train.micro_batch_size={config.train.micro_batch_size}",
+        f"run.storage_path={config.run.storage_path}",
+    ]
+
+
+def test_the_driver_predicts_with_the_precision_of_the_clusters_gpu_not_its_own_machines():
+    """The driver's machine (an Anyscale head node) has no GPU: auto resolves from the cluster's GPU model, from the
+    hardware table, as each worker will on its own GPU."""
+    config = _small()
+    assert driver_precision(config.train, True, "A10G") == "bf16-mixed"
+    assert driver_precision(config.train, True, "T4") == "16-mixed"  # no bf16: the workers take 16-mixed
+    assert driver_precision(config.train, True, None) == "bf16-mixed"  # not known yet: 16-mixed holds the same memory
+    assert driver_precision(config.train, False, None) == "32-true"
+    assert driver_precision(_small("train.precision=32-true").train, True, "A10G") == "32-true"
+    fsdp = _small("train.strategy=fsdp").train
+    assert driver_precision(fsdp, True, "H100") == "bf16-mixed"
+    with pytest.raises(ConfigError, match=r"auto would be 16-mixed on this GPU \(T4, no bf16\)"):
+        driver_precision(fsdp, True, "T4")
+
+
 def test_the_driver_refuses_before_any_worker_starts_on_a_cluster_of_a10gs(tmp_path):
     """A Ray cluster of this machine whose node says it has an A10G (Ray sets accelerator_type on GPU nodes): the
     driver checks the data, joins the cluster and refuses the size before it builds the trainer."""
@@ -68,6 +93,10 @@ def test_the_driver_refuses_before_any_worker_starts_on_a_cluster_of_a10gs(tmp_p
         f"run.storage_path={tmp_path}/runs",
         data=str(tmp_path / "train"),
     )
+    # FSDP with precision auto: the driver decides the precision it predicts with from the cluster's GPU (an A10G has
+    # bf16), not from its own machine, which has no GPU (job.yaml's head node; this one): it called
+    # torch.cuda.get_device_name() there, which raised, and would have predicted 16-mixed on a CUDA build.
+    fsdp = _small(*config_overrides(config), "train.strategy=fsdp", data=str(tmp_path / "train"))
     if ray.is_initialized():
         ray.shutdown()  # the session's cluster starts again for the tests after this one
     cluster = Cluster(
@@ -83,6 +112,8 @@ def test_the_driver_refuses_before_any_worker_starts_on_a_cluster_of_a10gs(tmp_p
         ray.init(address=cluster.address)
         with pytest.raises(ConfigError, match=r"more than a A10G's 24 GiB"):
             train(config)
+        with pytest.raises(ConfigError, match=r"more than a A10G's 24 GiB"):
+            train(fsdp)
         assert not list(tmp_path.rglob("checkpoint_*"))  # no worker started
     finally:
         ray.shutdown()

@@ -46,7 +46,7 @@ from sdtrain.storage.filesystems import ray_storage, set_aside, uri_for
 from sdtrain.storage.run_layout import EXPORT_DIR
 from sdtrain.storage.s3 import resolved_s3_settings
 from sdtrain.storage.uris import absolute
-from sdtrain.train.build import checkpoint_meta, resolve_precision
+from sdtrain.train.build import checkpoint_meta, driver_precision
 from sdtrain.train.efficiency import RunTotals, run_totals
 from sdtrain.train.evaluations import final_results, merge_results
 from sdtrain.train.worker import train_loop_per_worker
@@ -206,10 +206,12 @@ def build_trainer(run: CheckedRun, launched_at: float) -> TorchTrainer:
         ray.init()
     _quiet_ray_data()
     use_gpu = _resolve_use_gpu(config.scaling)
-    precision = resolve_precision(config.train, use_gpu)  # 16-mixed where scaling.use_gpu=auto found no GPU fails here
     captions = run.train.embedding_shape(unet_config(config.model)["cross_attention_dim"])
     # train.micro_batch_size against the GPUs' memory: auto resolved, a size predicted not to fit refused.
     gpu = cluster_gpu(ray.cluster_resources()) if use_gpu else None
+    # The workers' precision from the cluster's GPU model (this machine may have none); 16-mixed where
+    # scaling.use_gpu=auto found no GPU fails here.
+    precision = driver_precision(config.train, use_gpu, gpu)
     config, decided = fit_micro_batch(config, gpu, run.train.latent_shape, captions, precision)
     if decided is not None:
         log.info(f"{decided}")

@@ -128,6 +128,13 @@ def peak_flops(gpu: Gpu, precision: str, tf32: bool) -> float | None:
     return None
 
 
+def has_bf16(accelerator_type: str) -> bool | None:
+    """Whether the GPUs Ray names ``accelerator_type`` have bf16 (a bf16 peak in the table), or None for a name the
+    table does not know."""
+    models = [gpu for gpu in GPUS if gpu.accelerator_type == accelerator_type]
+    return all(gpu.bf16 is not None for gpu in models) if models else None
+
+
 def memory_range(accelerator_type: str) -> tuple[float, float] | None:
     """(smallest, largest) memory in bytes of the GPUs Ray names ``accelerator_type``, or None for a name the table
     does not know."""

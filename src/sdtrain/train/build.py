@@ -29,7 +29,32 @@ from sdtrain.train.strategy import build_strategy
 
 def resolve_precision(train: TrainConfig, use_gpu: bool) -> str:
     """Lightning's precision for ``train.precision`` on this machine (auto: bf16-mixed on GPUs that
-    have bf16, else 16-mixed; 32-true on CPU), refusing what cannot run here."""
+    have bf16, else 16-mixed; 32-true on CPU), refusing what cannot run here. A worker's, on its own GPU."""
+    if not use_gpu or train.precision != "auto":
+        return _precision(train, use_gpu, bf16=False, gpu="")
+    bf16 = torch.cuda.is_bf16_supported()
+    return _precision(train, use_gpu, bf16, "" if bf16 else torch.cuda.get_device_name())
+
+
+def driver_precision(train: TrainConfig, use_gpu: bool, gpu: str | None) -> str:
+    """The precision the workers will resolve (:func:`resolve_precision`), decided on the driver from the cluster's
+    GPU model: the driver's own machine may have no GPU (job.yaml's head node). A GPU with a bf16 peak in the
+    hardware table has bf16; one not known yet (no GPU node up) counts as bf16: the driver only predicts memory
+    with it, and 16-mixed holds what bf16-mixed holds.
+
+    Args:
+        train: the run's train config.
+        use_gpu: the workers train on GPUs.
+        gpu: the cluster's GPU model as Ray names it (sdtrain.driver.memory_fit.cluster_gpu), or None.
+    """
+    from sdtrain.model.hardware import has_bf16
+
+    bf16 = gpu is None or has_bf16(gpu) is not False
+    return _precision(train, use_gpu, bf16, gpu or "")
+
+
+def _precision(train: TrainConfig, use_gpu: bool, bf16: bool, gpu: str) -> str:
+    """:func:`resolve_precision`'s rules on a GPU named ``gpu`` that has ``bf16`` or not."""
     if train.precision == "16-mixed" and not use_gpu:  # scaling.use_gpu=auto found no GPU
         raise ConfigError(
             "train.precision: 16-mixed needs GPUs (CPUs have no fp16 autocast); use bf16-mixed or 32-true"
@@ -38,11 +63,11 @@ def resolve_precision(train: TrainConfig, use_gpu: bool) -> str:
         return train.precision
     if not use_gpu:
         return "32-true"
-    if torch.cuda.is_bf16_supported():
+    if bf16:
         return "bf16-mixed"
     if train.strategy == "fsdp":
         raise ConfigError(
-            f"train.precision: auto would be 16-mixed on this GPU ({torch.cuda.get_device_name()}, no bf16), which "
+            f"train.precision: auto would be 16-mixed on this GPU ({gpu}, no bf16), which "
             "cannot run with train.strategy=fsdp; use ddp, or GPUs with bf16 (A100, L4, H100 and later)"
         )
     return "16-mixed"
