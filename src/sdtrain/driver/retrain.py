@@ -22,14 +22,14 @@ import os
 from dataclasses import dataclass
 
 from sdtrain import __version__
-from sdtrain.artifacts.loading import load_model
+from sdtrain.artifacts.loading import LoadedModel, load_model
 from sdtrain.artifacts.provenance import code_version
 from sdtrain.artifacts.registry import ModelRegistry, PointerMoved, RegistryLock
 from sdtrain.config.schema import Config
 from sdtrain.driver.preflight import preflight
 from sdtrain.driver.retrain_gate import best_served, decide, gate_scores
 from sdtrain.driver.retrain_partitions import find_partitions, new_partitions
-from sdtrain.driver.run import train
+from sdtrain.driver.run import RunSummary, train
 from sdtrain.errors import ConfigError
 from sdtrain.logs import log
 
@@ -100,52 +100,9 @@ def _retrain_locked(
     lock.ensure_held()
     registry.settle_log(by=lock.owner)  # a move the log lacks (a writer died between swap and log entry)
     production = registry.production()
-
-    for version in reversed(registry.versions()):
-        manifest = registry.manifest(version)
-        if manifest["schedule_date"] != day:
-            continue
-        if manifest["promoted"] and production != version:
-            named = [e for e in registry.pointer_log() if e["to"] == version]
-            if named:
-                # It served, and production was moved off it since (a rollback, a later promotion undone): a re-run
-                # must not undo that. Only a promotion that never happened is still pending.
-                last = named[-1]
-                return RetrainOutcome(
-                    "rolled-back",
-                    version,
-                    production,
-                    f"{day}: {version} was promoted (pointer log entry {last['seq']}) and production was moved off it "
-                    f"since, now {production}; not promoted again",
-                )
-            # Pending, and only if production is still its parent: the version was compared with its parent alone.
-            if production == manifest["parent"]:
-                lock.ensure_held()
-                try:
-                    registry.set_production(
-                        version, expected=production, kind="promote", reason=manifest["reason"], by=lock.owner
-                    )
-                except PointerMoved as e:
-                    return _superseded(day, version, e)
-                return RetrainOutcome(
-                    "completed-promotion",
-                    version,
-                    version,
-                    f"{day}: finished promoting {version}, written before an interruption",
-                )
-            return RetrainOutcome(
-                "superseded",
-                version,
-                production,
-                f"{day}: {version} was written to replace {manifest['parent'] or 'nothing'}, but production is now "
-                f"{production}, which it was never compared with; not promoted (train a later date to compare again)",
-            )
-        return RetrainOutcome(
-            "already-done",
-            version,
-            production,
-            f"{day}: already retrained as {version} ({manifest['reason']}); nothing to do",
-        )
+    done = _finish_date(registry, lock, day, production)
+    if done is not None:
+        return done
 
     partitions = find_partitions(data_root, schedule_date, config.retrain.complete_marker)
     seen = registry.manifest(production)["partitions_seen"] if production else []
@@ -166,38 +123,107 @@ def _retrain_locked(
         )
     log.info(f"retraining on {len(new)} new partition(s): {', '.join(new)}; production is {production or 'none yet'}")
 
+    run_config = _run_config(config, registry, day, production, [partitions[d] for d in new], new)
+    summary = train(run_config)
+    lock.ensure_held()
+    trained = load_model(summary.checkpoint_path)
+    manifest = {
+        "parent": production,
+        "schedule_date": day,
+        "partitions": new,
+        "partitions_seen": sorted(seen + new + empty),
+        **_judged(run_config, registry, trained, summary, production),
+    }
+    return record_and_promote(registry, lock, trained.unet, trained.noise_scheduler, manifest)
+
+
+def _finish_date(
+    registry: ModelRegistry, lock: RegistryLock, day: str, production: str | None
+) -> RetrainOutcome | None:
+    """The outcome for a date that already has a version (None: it has none yet): reported, or its promotion, written
+    before an interruption, finished if production is still the parent it was compared with."""
+    for version in reversed(registry.versions()):
+        manifest = registry.manifest(version)
+        if manifest["schedule_date"] != day:
+            continue
+        if not manifest["promoted"] or production == version:
+            return RetrainOutcome(
+                "already-done",
+                version,
+                production,
+                f"{day}: already retrained as {version} ({manifest['reason']}); nothing to do",
+            )
+        named = [e for e in registry.pointer_log() if e["to"] == version]
+        if named:
+            # It served, and production was moved off it since (a rollback, a later promotion undone): a re-run
+            # must not undo that. Only a promotion that never happened is still pending.
+            return RetrainOutcome(
+                "rolled-back",
+                version,
+                production,
+                f"{day}: {version} was promoted (pointer log entry {named[-1]['seq']}) and production was moved off "
+                f"it since, now {production}; not promoted again",
+            )
+        # Pending, and only if production is still its parent: the version was compared with its parent alone.
+        if production != manifest["parent"]:
+            return RetrainOutcome(
+                "superseded",
+                version,
+                production,
+                f"{day}: {version} was written to replace {manifest['parent'] or 'nothing'}, but production is now "
+                f"{production}, which it was never compared with; not promoted (train a later date to compare again)",
+            )
+        lock.ensure_held()
+        try:
+            registry.set_production(
+                version, expected=production, kind="promote", reason=manifest["reason"], by=lock.owner
+            )
+        except PointerMoved as e:
+            return _superseded(day, version, e)
+        return RetrainOutcome(
+            "completed-promotion",
+            version,
+            version,
+            f"{day}: finished promoting {version}, written before an interruption",
+        )
+    return None
+
+
+def _run_config(
+    config: Config, registry: ModelRegistry, day: str, production: str | None, files: list[str], new: list[str]
+) -> Config:
+    """The training run's config: the new partitions' ``files``, warm-started from production if there is one."""
     model = config.model
     if production:  # warm start: the production weights, a fresh optimizer and the configured short warmup
         model = dataclasses.replace(model, pretrained=registry.location(production), unet={})
-    run_config = dataclasses.replace(
+    return dataclasses.replace(
         config,
-        data=dataclasses.replace(config.data, train=[partitions[d] for d in new]),
+        data=dataclasses.replace(config.data, train=files),
         model=model,
         run=dataclasses.replace(config.run, name=retrain_run_name(config.run.name, day, production, new)),
     )
-    summary = train(run_config)
-    lock.ensure_held()
 
-    trained = load_model(summary.checkpoint_path)
+
+def _judged(
+    run_config: Config, registry: ModelRegistry, trained: LoadedModel, summary: RunSummary, production: str | None
+) -> dict:
+    """The new version's manifest past its parent, date and partitions: both models scored by the gate, the decision
+    and why, what was trained and with which code."""
     current = load_model(registry.location(production)) if production else None
     new_scores, production_scores = gate_scores(run_config, trained, current)
-    metric = config.retrain.metric
+    metric = run_config.retrain.metric
     best, not_compared = best_served(registry, run_config, metric)
     promote, reason = decide(
         new_scores[metric],
         production_scores.get(metric) if production else None,
         production,
         best,
-        config.retrain.tolerance,
+        run_config.retrain.tolerance,
         metric,
     )
     if not_compared:
         reason += "; not compared: " + "; ".join(not_compared)
-    manifest = {
-        "parent": production,
-        "schedule_date": day,
-        "partitions": new,
-        "partitions_seen": sorted(seen + new + empty),
+    return {
         "steps": summary.final_step,
         "checkpoint": summary.checkpoint_path,
         "metrics": {
@@ -212,7 +238,6 @@ def _retrain_locked(
         "code_version": {"sdtrain": __version__, "git": code_version()},
         "created_at": datetime.datetime.now(datetime.timezone.utc).isoformat(),
     }
-    return record_and_promote(registry, lock, trained.unet, trained.noise_scheduler, manifest)
 
 
 def record_and_promote(registry: ModelRegistry, lock: RegistryLock, unet, scheduler, manifest: dict) -> RetrainOutcome:
