@@ -110,9 +110,7 @@ def sdtrain_batches(
     data = DataConfig(train=list(files), latent_column=IMAGE_COLUMN, caption_column=CAPTION_COLUMN)
     if prefetch_batches is not None:
         data = DataConfig(**{**data.__dict__, "prefetch_batches": prefetch_batches})
-    spec = inspect_dataset(
-        list(files), "data.train", IMAGE_COLUMN, CAPTION_COLUMN, in_channels=4, cross_attention_dim=caption_dim
-    )
+    spec = inspect_dataset(list(files), "data.train", data.columns, in_channels=4, cross_attention_dim=caption_dim)
     plan = SamplePlan(
         spec.rows_per_file, seed=0, chunk_rows=data.shuffle_chunk_rows, window_rows=data.shuffle_window_rows
     )

@@ -45,9 +45,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import benchlib  # noqa: E402
 from s3_server import moto_server  # noqa: E402
 
+from sdtrain.config.learning import Columns  # noqa: E402
+
 ROWS = 10
 IN_CHANNELS, CAPTION_DIM = 4, 8  # latents 4x2x2, captions 1x8: tiny files, real footers
-COLUMNS = ("latents", "captions")
+COLUMNS = Columns("latents", "captions")
 UPLOAD_THREADS = 16
 RESTARTS = 3
 
@@ -59,7 +61,9 @@ def _parquet_file() -> bytes:
         values = pa.array(rng.standard_normal(ROWS * width).astype(np.float16))
         return pa.ListArray.from_arrays(pa.array(np.arange(ROWS + 1, dtype=np.int32) * width), values)
 
-    table = pa.table({COLUMNS[0]: flat(IN_CHANNELS * 2 * 2), COLUMNS[1]: flat(CAPTION_DIM), "id": np.arange(ROWS)})
+    table = pa.table(
+        {COLUMNS.latent: flat(IN_CHANNELS * 2 * 2), COLUMNS.caption: flat(CAPTION_DIM), "id": np.arange(ROWS)}
+    )
     buffer = io.BytesIO()
     pq.write_table(table, buffer)
     return buffer.getvalue()
@@ -116,7 +120,7 @@ def _measure(bucket: str, count: int, endpoint: str) -> dict:
     index_uri = run_index_uri(f"s3://{bucket}/runs/bench", "data.train")
 
     def start_on(uri):
-        return index_dataset(spec, "data.train", *COLUMNS, IN_CHANNELS, CAPTION_DIM, uri)
+        return index_dataset(spec, "data.train", COLUMNS, IN_CHANNELS, CAPTION_DIM, uri)
 
     def start():
         return start_on(index_uri)
@@ -152,7 +156,7 @@ def _measure(bucket: str, count: int, endpoint: str) -> dict:
     names = {
         path[len(spec[0]) + 1 :]: int(n) for path, n in zip(first.spec.files, first.spec.rows_per_file, strict=True)
     }
-    assert write_directory_index(spec[0], *COLUMNS, names) is not None
+    assert write_directory_index(spec[0], COLUMNS, names) is not None
     sealed_uri = run_index_uri(f"s3://{bucket}/runs/bench-on-output", "data.train")
     on_output = start_on(sealed_uri)
     assert on_output.stats.footers_read == 0 and len(on_output.index.sealed) == 1

@@ -6,16 +6,22 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import ENCODINGS, column, write_latents
 
-from sdtrain.data.decode import decode_batch
+from sdtrain.config.learning import Columns
+from sdtrain.data.decode import to_array
 from sdtrain.data.inspection import inspect_dataset
 from sdtrain.data.metadata import LATENT_SCALING_FACTOR
 from sdtrain.data.parquet_files import resolve_parquet_files
+from sdtrain.data.rows import RowReader
 from sdtrain.demo.digits import NUM_CLASSES, ensure_demo_data, load_digits
 from sdtrain.errors import DataError
 
+COLUMNS = Columns("image_latents_256", "caption_latents")
+
 
 def _inspect(files, in_channels=4, cross_attention_dim=32, image="image_latents_256", caption="caption_latents"):
-    return inspect_dataset([str(f) for f in files], "data.train", image, caption, in_channels, cross_attention_dim)
+    return inspect_dataset(
+        [str(f) for f in files], "data.train", Columns(image, caption), in_channels, cross_attention_dim
+    )
 
 
 @pytest.mark.parametrize("encoding", ENCODINGS)
@@ -29,12 +35,10 @@ def test_every_encoding_decodes_to_the_written_values(tmp_path, encoding, dtype)
     assert spec.latent_shape == (4, 8, 8)  # from the data, not hard-coded
     assert spec.caption_shape == (7, 32)
     assert spec.num_rows == 5
-    batch = decode_batch(
-        pq.read_table(path), "image_latents_256", "caption_latents", spec.latent_shape, spec.caption_shape
-    )
-    assert batch["latents"].dtype == dtype  # kept as stored; cast on the device
-    np.testing.assert_array_equal(batch["latents"], latents)
-    np.testing.assert_array_equal(batch["captions"], captions)
+    (batch,) = RowReader.of(spec, COLUMNS).batches([str(path)], "data.train")
+    assert batch.latents.dtype == dtype  # kept as stored; cast on the device
+    np.testing.assert_array_equal(batch.latents, latents)
+    np.testing.assert_array_equal(batch.captions, captions)
 
 
 def test_seed_notebook_layout_is_read_as_4x32x32_and_77x1024(tmp_path):
@@ -49,8 +53,7 @@ def test_decode_of_a_sliced_batch_respects_offsets(tmp_path):
     path = tmp_path / "p.parquet"
     latents, _ = write_latents(path, rows=6, latent_shape=(4, 4, 4), caption_shape=(3, 32))
     table = pq.read_table(path).slice(2, 3)
-    batch = decode_batch(table, "image_latents_256", "caption_latents", (4, 4, 4), (3, 32))
-    np.testing.assert_array_equal(batch["latents"], latents[2:5])
+    np.testing.assert_array_equal(to_array(table.column("image_latents_256"), (4, 4, 4), "latents"), latents[2:5])
 
 
 def test_a_ragged_row_mid_file_names_the_column_and_file(tmp_path):
@@ -60,14 +63,16 @@ def test_a_ragged_row_mid_file_names_the_column_and_file(tmp_path):
         {
             "image_latents_256": pa.array(rows, pa.list_(pa.float32())),
             "caption_latents": pa.array([[0.0] * 32] * 2, pa.list_(pa.float32())),
-            "path": pa.array(["/data/bad.parquet"] * 2),
         }
     )
+    bad = tmp_path / "bad.parquet"
+    pq.write_table(table, bad)
+    reader = RowReader(COLUMNS, (4, 4, 4), (1, 32))
     with pytest.raises(
         DataError,
-        match=r"column 'image_latents_256' has a row of 63 values; expected 64 = 4 x 4 x 4 in /data/bad\.parquet",
+        match=rf"data.val: {bad}: column 'image_latents_256' has a row of 63 values; expected 64 = 4 x 4 x 4",
     ):
-        decode_batch(table, "image_latents_256", "caption_latents", (4, 4, 4), (1, 32))
+        list(reader.batches([str(bad)], "data.val"))
 
 
 def test_files_dirs_globs_and_lists(tmp_path):
@@ -258,8 +263,7 @@ def test_a_window_reads_the_planned_rows_in_the_planned_order(tmp_path, done_ste
     spec = inspect_dataset(
         [str(tmp_path / "a.parquet"), str(tmp_path / "b.parquet")],
         "data.train",
-        "image_latents_256",
-        "caption_latents",
+        Columns("image_latents_256", "caption_latents"),
         4,
         32,
     )
@@ -290,7 +294,9 @@ def test_an_unreadable_row_group_fails_naming_it_or_is_skipped_alone(tmp_path):
 
     write_latents(tmp_path / "bad.parquet", rows=24, seed=1, row_group_size=8)
     corrupt_row_group(tmp_path / "bad.parquet", 1)  # rows 8-15
-    spec = inspect_dataset([str(tmp_path / "bad.parquet")], "data.train", "image_latents_256", "caption_latents", 4, 32)
+    spec = inspect_dataset(
+        [str(tmp_path / "bad.parquet")], "data.train", Columns("image_latents_256", "caption_latents"), 4, 32
+    )
     plan = SamplePlan(spec.rows_per_file, seed=0, chunk_rows=24, window_rows=24)
     window = Window(np.array([[0, 0, 24]]), (0,), 0, 24)
     with pytest.raises(

@@ -10,6 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import write_latents
 
+from sdtrain.config.learning import Columns
 from sdtrain.config.schema import DataConfig
 from sdtrain.data.dataset_index import index_dataset
 from sdtrain.data.directory_index import write_directory_index
@@ -20,11 +21,11 @@ from sdtrain.data.metadata import LATENT_SCALING_FACTOR
 from sdtrain.errors import ConfigError, DataError
 from sdtrain.model.recipe import stored_latent_scaling
 
-COLUMNS = ("image_latents_256", "caption_latents")
+COLUMNS = Columns("image_latents_256", "caption_latents")
 
 
 def _start(specs, index_uri, in_channels=4, page_size=1000):
-    return index_dataset([str(s) for s in specs], "data.train", *COLUMNS, in_channels, 32, index_uri, page_size)
+    return index_dataset([str(s) for s in specs], "data.train", COLUMNS, in_channels, 32, index_uri, page_size)
 
 
 def _start_and_write(specs, index_uri, **kwargs):
@@ -46,7 +47,7 @@ def test_a_restart_reads_the_index_and_only_the_files_that_changed(tmp_path, cap
     assert (first.stats.files, first.stats.from_index, first.stats.footers_read, first.stats.rows_read) == (3, 0, 3, 1)
     assert first.stale and os.path.isfile(index_uri)
     # The same spec as reading every footer, plus the digest of each file's size and version.
-    full = inspect_dataset([str(data_dir / f"{n}.parquet") for n in "abc"], "data.train", *COLUMNS, 4, 32)
+    full = inspect_dataset([str(data_dir / f"{n}.parquet") for n in "abc"], "data.train", COLUMNS, 4, 32)
     assert (first.spec.files, first.spec.rows_per_file) == (full.files, (8, 9, 10))
     assert (first.spec.latent_shape, first.spec.caption_shape) == ((4, 16, 16), (77, 32))
     assert len(first.spec.content_digest) == 16
@@ -121,10 +122,10 @@ def test_training_on_a_preprocessing_output_reads_no_footer(tmp_path, capsys):
     (output / "shard-000.parquet").rename(tmp_path / "kept.parquet")
     (output / "shard-000.parquet").write_bytes(b"not parquet")
     known = {f"{name}.parquet": n for name, n in rows.items()}
-    stats = write_directory_index(str(output), *COLUMNS, known, sample="shard-001.parquet")
+    stats = write_directory_index(str(output), COLUMNS, known, sample="shard-001.parquet")
     assert stats is not None and stats.footers_read == 0
     (tmp_path / "kept.parquet").replace(output / "shard-000.parquet")
-    stats = write_directory_index(str(output), *COLUMNS, known)
+    stats = write_directory_index(str(output), COLUMNS, known)
     assert stats is not None and stats.footers_read == 0
     assert (output / DIRECTORY_INDEX).is_file()
     assert list_dataset([str(output)], "data.train").paths == [str(output / f"{n}.parquet") for n in sorted(rows)]
@@ -148,7 +149,7 @@ def test_a_restart_lists_no_directory_unchanged_since_its_directory_index(tmp_pa
     for i in range(3):
         write_latents(output / f"shard-{i:03d}.parquet", rows=4 + i, seed=i)
     write_latents(extra / "x.parquet", rows=2, seed=9)
-    assert write_directory_index(str(output), *COLUMNS) is not None
+    assert write_directory_index(str(output), COLUMNS) is not None
     run_index = run_index_uri(str(tmp_path / "runs/r"), "data.train")
     specs = [output, extra]
 
@@ -169,7 +170,7 @@ def test_a_restart_lists_no_directory_unchanged_since_its_directory_index(tmp_pa
     assert "3 in 1 directory unchanged since their directory index, not listed" in capsys.readouterr().out
 
     # The job rewrites its index (a new shard): the directory is listed again, its new file found, and sealed anew.
-    assert write_directory_index(str(output), *COLUMNS) is not None
+    assert write_directory_index(str(output), COLUMNS) is not None
     relisted = _start_and_write(specs, run_index)
     assert relisted.stats.unlisted == 0 and str(output / "by-hand.parquet") in relisted.spec.files
     assert relisted.stats.footers_read == 0  # its rows came from the directory index
@@ -196,7 +197,7 @@ def test_the_index_command_makes_restarts_on_a_directory_of_ones_own_list_nothin
     overrides = ["data.caption_column=caption_embeddings"]
     # A directory listed at every restart says how to stop that (from 2 files here; 1000, one S3 page, by default).
     monkeypatch.setattr(dataset_index, "UNINDEXED_HINT_FILES", 2)
-    plain = index_dataset([str(data)], "data.train", COLUMNS[0], "caption_embeddings", 4, 32, None)
+    plain = index_dataset([str(data)], "data.train", Columns(COLUMNS.latent, "caption_embeddings"), 4, 32, None)
     assert plain.stats.footers_read == 3
     assert f"`python entrypoints/index.py {data}` once makes restarts list nothing" in capsys.readouterr().out
 
@@ -207,7 +208,9 @@ def test_the_index_command_makes_restarts_on_a_directory_of_ones_own_list_nothin
     run_index = run_index_uri(str(tmp_path / "runs/r"), "data.train")
 
     def start():
-        started = index_dataset([str(data)], "data.train", COLUMNS[0], "caption_embeddings", 4, 32, run_index)
+        started = index_dataset(
+            [str(data)], "data.train", Columns(COLUMNS.latent, "caption_embeddings"), 4, 32, run_index
+        )
         if started.stale:
             write_index(run_index, started.index)
         return started
@@ -257,7 +260,7 @@ def test_footers_are_read_a_bounded_number_at_a_time_with_progress(tmp_path):
         write_latents(tmp_path / f"{i:02d}.parquet", rows=1 + i % 3, latent_shape=(4, 2, 2), caption_shape=(1, 32))
         files.append(str(tmp_path / f"{i:02d}.parquet"))
     reports = []
-    rows, checked = read_footers(files, "data.train", *COLUMNS, progress=lambda done, total: reports.append(done))
+    rows, checked = read_footers(files, "data.train", COLUMNS, progress=lambda done, total: reports.append(done))
     assert rows == [1 + i % 3 for i in range(40)] and checked is not None and checked.file == files[0]
     assert reports[-1] == 40 and len(reports) >= 2 and reports == sorted(reports)  # tenths, finished in batches
     assert FOOTER_READS == 16
@@ -418,8 +421,8 @@ def _indexed_output(directory, metadata: dict, token_ids: bool = False, files: i
             table = pa.table({"image_latents_256": column(latents, "list"), "caption_ids": column(ids, "list")})
         pq.write_table(table.replace_schema_metadata({**(table.schema.metadata or {}), **metadata}), path)
         paths.append(str(path))
-    caption = "caption_ids" if token_ids else COLUMNS[1]
-    assert write_directory_index(str(directory), COLUMNS[0], caption) is not None
+    caption = "caption_ids" if token_ids else COLUMNS.caption
+    assert write_directory_index(str(directory), Columns(COLUMNS.latent, caption)) is not None
     return paths
 
 
@@ -432,7 +435,7 @@ def test_indexed_directories_are_held_to_each_other_as_their_footers_are(tmp_pat
     from sdtrain.data.metadata import TEXT_ENCODER_SOURCE, TOKEN_VOCAB_SIZE
 
     if case == "scaling":
-        key, token_ids, caption = LATENT_SCALING_FACTOR, False, COLUMNS[1]
+        key, token_ids, caption = LATENT_SCALING_FACTOR, False, COLUMNS.caption
         first, second, same = ({key: v} for v in ("0.18215", "0.13025", "0.18215"))
         message = r"records latents multiplied by 0\.1(3025|8215) but .* records latents multiplied by 0\.1(3025|8215)"
     else:
@@ -444,7 +447,7 @@ def test_indexed_directories_are_held_to_each_other_as_their_footers_are(tmp_pat
     _indexed_output(c, same, token_ids, seed=9)
 
     def start(specs, run):
-        data = index_dataset([str(s) for s in specs], "data.train", COLUMNS[0], caption, 4, 32, run)
+        data = index_dataset([str(s) for s in specs], "data.train", Columns(COLUMNS.latent, caption), 4, 32, run)
         if data.stale:
             write_index(run, data.index)
         return data
@@ -456,7 +459,7 @@ def test_indexed_directories_are_held_to_each_other_as_their_footers_are(tmp_pat
 
     # What the footers say, and what a start from the indexes must say too.
     with pytest.raises(DataError, match=message):
-        inspect_dataset(files, "data.train", COLUMNS[0], caption, 4, 32)
+        inspect_dataset(files, "data.train", Columns(COLUMNS.latent, caption), 4, 32)
     refused([a, b], run_index_uri(str(tmp_path / "runs/both"), "data.train"))
     refused([b, a], run_index_uri(str(tmp_path / "runs/both-reversed"), "data.train"))
     # A restart that adds the other output, to a run's index with its directory sealed or listed.
@@ -476,7 +479,7 @@ def test_indexed_directories_are_held_to_each_other_as_their_footers_are(tmp_pat
 @pytest.mark.parametrize(
     "damage",
     [
-        lambda meta: meta.pop("image_column"),
+        lambda meta: meta.pop("latent_column"),
         lambda meta: meta.pop("schema_file"),
         lambda meta: meta.update(latent_shape=5),
         lambda meta: meta.update(sealed=[{"spec": "x"}]),
@@ -487,7 +490,7 @@ def test_indexed_directories_are_held_to_each_other_as_their_footers_are(tmp_pat
         lambda meta: meta.update(caption_column=["caption_latents"]),
     ],
     ids=[
-        "no image_column",
+        "no latent_column",
         "no schema_file",
         "latent_shape an int",
         "sealed incomplete",

@@ -39,9 +39,7 @@ def trained(tmp_path_factory):
     root = tmp_path_factory.mktemp("trained")
     ensure_demo_data(str(root / "train"), str(root / "val"), caption_dim=32)
     data = DataConfig(train=[str(root / "train")], val=[str(root / "val")], demo=True)
-    spec = inspect_dataset(
-        resolve_parquet_files(data.train, "data.train"), "data.train", data.latent_column, data.caption_column, 4, 32
-    )
+    spec = inspect_dataset(resolve_parquet_files(data.train, "data.train"), "data.train", data.columns, 4, 32)
     batches = []
     for batch in iter_local_batches(spec, data, 16):
         batches.append(batch)

@@ -23,6 +23,7 @@ import torch
 from PIL import Image
 from support.tiny_models import write_tiny_sd_model
 
+from sdtrain.config.learning import Columns
 from sdtrain.config.loader import load_config
 from sdtrain.data.metadata import LATENT_SCALING_FACTOR, encoder_sources
 from sdtrain.errors import ConfigError, DataError
@@ -610,10 +611,10 @@ def test_parquet_input_interrupted_and_resumed(tmp_path, tiny_model, ray_cluster
             expected_skips[reason] = expected_skips.get(reason, 0) + 1
     assert manifest["skipped_by_reason"] == expected_skips
 
-    spec = inspect_dataset(files, "data.train", "image_latents_256", "caption_latents", 4, 32)
+    spec = inspect_dataset(files, "data.train", Columns("image_latents_256", "caption_latents"), 4, 32)
     assert spec.latent_shape == (4, 16, 16) and spec.caption_shape == (77, 32)
     # The job's dataset index: training on its output reads no footer, and finds what the footers say.
-    indexed = index_dataset([str(output)], "data.train", "image_latents_256", "caption_latents", 4, 32)
+    indexed = index_dataset([str(output)], "data.train", Columns("image_latents_256", "caption_latents"), 4, 32)
     assert (indexed.stats.from_index, indexed.stats.footers_read) == (len(files), 0)
     assert (indexed.spec.files, indexed.spec.rows_per_file) == (spec.files, spec.rows_per_file)
     assert (indexed.spec.latent_shape, indexed.spec.caption_shape) == (spec.latent_shape, spec.caption_shape)
@@ -757,7 +758,12 @@ def test_webdataset_tars_and_an_image_folder(tmp_path, tiny_model, ray_cluster):
     from sdtrain.data.dataset_index import index_dataset
 
     indexed = index_dataset(
-        [str(output)], "data.train", "image_latents_256", "caption_ids", 4, 32, str(tmp_path / "run-index.parquet")
+        [str(output)],
+        "data.train",
+        Columns("image_latents_256", "caption_ids"),
+        4,
+        32,
+        str(tmp_path / "run-index.parquet"),
     )
     assert indexed.stats.footers_read == 0 and indexed.spec.token_ids.text_encoder == tiny_model
 
@@ -853,7 +859,7 @@ def test_inputs_model_and_output_on_s3_resumed_and_trained_on(tmp_path, tiny_mod
     # Training's reader finds the files (and only them) in the bucket, with the shapes the model needs.
     files = resolve_parquet_files([output], "data.train")
     assert files == [f"{output}/{k}" for k in parquet]
-    spec = inspect_dataset(files, "data.train", "image_latents_256", "caption_latents", 4, 32)
+    spec = inspect_dataset(files, "data.train", Columns("image_latents_256", "caption_latents"), 4, 32)
     assert spec.latent_shape == (4, 16, 16) and spec.caption_shape == (77, 32)
     sources = encoder_sources(files)
     assert sources is not None and sources.vae == model and sources.text_encoder == model

@@ -17,6 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import REPO, tiny_config, write_latents
 
+from sdtrain.config.learning import Columns
 from sdtrain.data.inspection import inspect_dataset
 from sdtrain.data.parquet_files import resolve_parquet_files
 from sdtrain.driver.preflight import check_s3, preflight
@@ -145,7 +146,7 @@ def test_s3_files_prefixes_globs_and_lists(s3_bucket, tmp_path):
         [f"{s3_bucket}/d/a/", f"{s3_bucket}/d/?/3.parquet", f"{s3_bucket}/d/a/1.parquet"], "data.train"
     )
     assert found == [f"{s3_bucket}/d/a/1.parquet", f"{s3_bucket}/d/a/sub/2.parquet", f"{s3_bucket}/d/b/3.parquet"]
-    spec = inspect_dataset(found, "data.train", "image_latents_256", "caption_latents", 4, 32)
+    spec = inspect_dataset(found, "data.train", Columns("image_latents_256", "caption_latents"), 4, 32)
     assert (spec.num_rows, spec.latent_shape, spec.caption_shape) == (6, (4, 16, 16), (77, 32))
 
 

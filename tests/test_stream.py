@@ -15,6 +15,7 @@ from conftest import corrupt_row_group, write_latents
 from ray.data import ExecutionResources
 from ray.data._internal.execution.execution_callback import ExecutionCallback
 
+from sdtrain.config.learning import Columns
 from sdtrain.config.schema import DataConfig
 from sdtrain.data.inspection import inspect_dataset
 from sdtrain.data.pacing import ROUND_S, PacedScheduling
@@ -42,7 +43,7 @@ def _rounds_while_a_slow_trainer_reads(tmp_path, paced: bool) -> tuple[int, floa
     files = [str(tmp_path / "a.parquet")]
     if not (tmp_path / "a.parquet").exists():
         write_latents(tmp_path / "a.parquet", rows=96, seed=0, row_group_size=8)
-    spec = inspect_dataset(files, "data.train", "image_latents_256", "caption_latents", 4, 32)
+    spec = inspect_dataset(files, "data.train", Columns("image_latents_256", "caption_latents"), 4, 32)
     plan = SamplePlan(spec.rows_per_file, seed=0, chunk_rows=8, window_rows=8)
     (stretches,) = plan.rank_stretches(DataState(), 1, 8, 12)
     dataset = rank_dataset(WindowReader(spec, DataConfig(train=files), plan), stretches, None)
@@ -79,7 +80,7 @@ def test_a_workers_stream_starts_reading_before_it_is_iterated_and_hands_over_ev
     """The worker starts its stream before building its model; Lightning iterates it later."""
     write_latents(tmp_path / "a.parquet", rows=48, seed=0, row_group_size=8)
     files = [str(tmp_path / "a.parquet")]
-    spec = inspect_dataset(files, "data.train", "image_latents_256", "caption_latents", 4, 32)
+    spec = inspect_dataset(files, "data.train", Columns("image_latents_256", "caption_latents"), 4, 32)
     plan = SamplePlan(spec.rows_per_file, seed=0, chunk_rows=8, window_rows=16)
     (stretches,) = plan.rank_stretches(DataState(), 1, 8, 6)
     dataset = rank_dataset(WindowReader(spec, DataConfig(train=files), plan), stretches, None)
@@ -101,7 +102,7 @@ def test_a_workers_stream_starts_reading_before_it_is_iterated_and_hands_over_ev
 def test_validation_streams_are_paced_too_and_keep_it_through_ray_trains_copy(tmp_path):
     write_latents(tmp_path / "a.parquet", rows=8, seed=0)
     files = [str(tmp_path / "a.parquet")]
-    spec = inspect_dataset(files, "data.val", "image_latents_256", "caption_latents", 4, 32)
+    spec = inspect_dataset(files, "data.val", Columns("image_latents_256", "caption_latents"), 4, 32)
     dataset = file_order_dataset(spec, DataConfig(train=files, val=files), "data.val")
     copied = ray.data.Dataset.copy(dataset)  # what Ray Train's DataConfig.configure iterates
     assert copied.context.custom_execution_callback_classes == [PacedScheduling]
@@ -164,7 +165,7 @@ def test_streams_read_while_the_worker_group_holds_every_cpu(tmp_path):
     assert ray.available_resources().get("CPU", 0) == 0
     write_latents(tmp_path / "a.parquet", rows=32, seed=0, row_group_size=8)
     files = [str(tmp_path / "a.parquet")]
-    spec = inspect_dataset(files, "data.train", "image_latents_256", "caption_latents", 4, 32)
+    spec = inspect_dataset(files, "data.train", Columns("image_latents_256", "caption_latents"), 4, 32)
     plan = SamplePlan(spec.rows_per_file, seed=0, chunk_rows=8, window_rows=8)
     (stretches,) = plan.rank_stretches(DataState(), 1, 8, 4)
 
@@ -184,7 +185,7 @@ def test_a_validation_file_damaged_past_its_first_row_group_is_named_not_a_raw_p
 
     write_latents(tmp_path / "v.parquet", rows=24, seed=0, row_group_size=8)
     files = [str(tmp_path / "v.parquet")]
-    spec = inspect_dataset(files, "data.val", "image_latents_256", "caption_latents", 4, 32)
+    spec = inspect_dataset(files, "data.val", Columns("image_latents_256", "caption_latents"), 4, 32)
     corrupt_row_group(tmp_path / "v.parquet", 2)
     val = file_order_dataset(spec, DataConfig(train=files), "data.val")
     with pytest.raises(DataError, match=r"data\.val: .*v\.parquet cannot be read \(.*\)\. The file is damaged"):
@@ -213,7 +214,7 @@ def test_a_token_id_past_the_vocabulary_read_by_a_ray_data_task_stops_the_run_na
     file = str(tmp_path / "ids.parquet")
     # The read path needs only the recorded vocabulary; the encoder named is never loaded here.
     pq.write_table(table.replace_schema_metadata({TEXT_ENCODER_SOURCE: "a-tokenizer", TOKEN_VOCAB_SIZE: "1000"}), file)
-    spec = inspect_dataset([file], "data.train", "image_latents_256", "caption_ids", 4, 32)
+    spec = inspect_dataset([file], "data.train", Columns("image_latents_256", "caption_ids"), 4, 32)
     plan = SamplePlan(spec.rows_per_file, seed=0, chunk_rows=8, window_rows=8)
     (stretches,) = plan.rank_stretches(DataState(), 1, 8, 2)
     reader = WindowReader(spec, DataConfig(train=[file], caption_column="caption_ids"), plan)

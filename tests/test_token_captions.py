@@ -68,7 +68,7 @@ def both(tmp_path_factory):
 def _run_inputs(root, model, column, *overrides):
     cfg = tiny_config(*FIT, f"data.caption_column={column}", *overrides)
     spec = inspect_dataset(
-        [str(root / "data" / "part-00000.parquet")], "data.train", "image_latents_256", column, 4, 32
+        [str(root / "data" / "part-00000.parquet")], "data.train", Columns("image_latents_256", column), 4, 32
     )
     ids = spec.token_ids is not None
     meta = checkpoint_meta(

@@ -16,7 +16,8 @@ from support.ray_processes import our_training_workers
 from support.tiny_models import write_tiny_dinov2, write_tiny_sd_model
 
 from sdtrain.artifacts.loading import load_model, read_checkpoint
-from sdtrain.data.decode import decode_batch
+from sdtrain.config.learning import Columns
+from sdtrain.data.rows import RowReader
 from sdtrain.driver.run import train
 from sdtrain.errors import DataError, TrainingFailed
 from sdtrain.model.validation import validation_loss
@@ -25,6 +26,13 @@ from sdtrain.storage.run_layout import CHECKPOINT_FILE, DATA_STATE_FILE, HISTORY
 pytestmark = pytest.mark.slow  # each test runs Ray Train on a local Ray cluster
 
 LR, WARMUP = 1e-3, 20
+
+
+def _read_val(path, caption_column, caption_shape):
+    """The validation file's rows, decoded as training decodes them."""
+    reader = RowReader(Columns("image_latents_256", caption_column), (4, 16, 16), caption_shape)
+    (batch,) = reader.batches([str(path)], "data.val")
+    return {"latents": batch.latents, "captions": batch.captions}
 
 
 def _config(tmp_path, max_steps, extra=()):
@@ -119,9 +127,7 @@ def test_two_worker_run_checkpoints_reloads_and_resumes(ray_cluster, tmp_path, m
     unet, scheduler, meta = loaded.unet, loaded.noise_scheduler, loaded.meta
     assert loaded.global_step == 6 and meta.latent_shape == (4, 16, 16) and meta.caption_shape == (77, 32)
     assert meta.config["run"]["name"] == "two-workers"
-    val = decode_batch(
-        pq.read_table(tmp_path / "val/v.parquet"), "image_latents_256", "caption_latents", (4, 16, 16), (77, 32)
-    )
+    val = _read_val(tmp_path / "val/v.parquet", "caption_latents", (77, 32))
     batches = [{k: torch.from_numpy(v[i : i + 4]) for k, v in val.items()} for i in range(0, 12, 4)]
     assert validation_loss(unet, scheduler, batches, seed=0) == pytest.approx(float(rows[-1]["val_loss"]), rel=1e-5)
 
@@ -525,9 +531,7 @@ def test_fsdp_on_two_cpu_workers_validates_with_its_ema_and_resumes_on_one(ray_c
     assert loaded.meta.text_encoder == text_encoder
     saved = torch.load(run_dir / "checkpoint_000000004" / CHECKPOINT_FILE, weights_only=True)
     assert not any("text_model" in key for key in saved["state_dict"])
-    val = decode_batch(
-        pq.read_table(tmp_path / "val/v.parquet"), "image_latents_256", "caption_ids", (4, 16, 16), (77,)
-    )
+    val = _read_val(tmp_path / "val/v.parquet", "caption_ids", (77,))
     assert val["captions"].dtype == np.int32
     batches = [{k: torch.from_numpy(v[i : i + 4]) for k, v in val.items()} for i in range(0, 8, 4)]
     encoder = CaptionEncoder.load(text_encoder, use_gpu=False)

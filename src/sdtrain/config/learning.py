@@ -15,6 +15,18 @@ from sdtrain.config.coercion import Section, suggest
 PRESETS = ("tiny", "small", "sd2-base")
 
 
+@dataclass(frozen=True)
+class Columns:
+    """The two columns a dataset's rows are read from: the latents (data.latent_column) and the captions
+    (data.caption_column), embeddings or token ids."""
+
+    latent: str
+    caption: str
+
+    def names(self) -> list[str]:
+        return [self.latent, self.caption]
+
+
 @dataclass
 class DataConfig(Section):
     section: ClassVar[str] = "data"
@@ -62,6 +74,10 @@ class DataConfig(Section):
     samples against: zeros, or a .npy file (L x D, the text encoder's output for "") readable by every node; for
     data of token ids also the empty prompt's L ids (preprocessing's unconditional_caption_ids.npy), which each
     worker encodes."""
+
+    @property
+    def columns(self) -> Columns:
+        return Columns(self.latent_column, self.caption_column)
 
     def __post_init__(self):
         if self.demo and (len(self.train) != 1 or len(self.val) > 1):

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from sdtrain.config.learning import Columns
 from sdtrain.data.index_format import DatasetIndex, SealedDirectory, read_index, recorded_rows
 from sdtrain.data.index_sealing import files_of, sealed_directories, unchanged_directories
 from sdtrain.data.inspection import (
@@ -121,8 +122,7 @@ class _Listed:
 def index_dataset(
     specs: Sequence[str],
     key: str,
-    image_column: str,
-    caption_column: str,
+    columns: Columns,
     in_channels: int,
     cross_attention_dim: int,
     index_uri: str | None = None,
@@ -131,7 +131,6 @@ def index_dataset(
     """The files ``specs`` name, their rows and shapes checked against the model, from the index at
     ``index_uri`` (the run's) or one beside the data where it has them, else from the footers. Writes nothing:
     :func:`sdtrain.data.index_format.write_index` the result's ``index`` to ``index_uri`` when ``stale``."""
-    columns = (image_column, caption_column)
     listed = _list(specs, key, read_index(index_uri) if index_uri else None, columns, page_size)
     listing, own = listed.listing, listed.own
     rows, to_read = _rows_of_unchanged_directories(listed)
@@ -139,7 +138,7 @@ def index_dataset(
     to_read, reference = _rows_from_indexes(_candidates(listed), listing, rows, to_read, key, columns)
     read_files = [listing.paths[i] for i in to_read]
     read_rows, checked = read_footers_with_progress(
-        read_files, key, image_column, caption_column, reference.checked if reference is not None else None
+        read_files, key, columns, reference.checked if reference is not None else None
     )
     assert checked is not None  # a listing is never empty: list_dataset raises
     rows[to_read] = read_rows
@@ -151,7 +150,7 @@ def index_dataset(
     row_file = next((f for f, r in zip(read_files, read_rows, strict=True) if r), None)
     if not read_files and own is None:
         row_file = listing.paths[int(np.flatnonzero(rows)[0])]
-    row = first_row(row_file, key, list(columns)) if row_file is not None else None
+    row = first_row(row_file, key, columns.names()) if row_file is not None else None
     recorded = (reference.latent_shape, reference.caption_shape) if reference is not None else None
     latent_shape, caption_shape = check_shapes(
         key, checked, in_channels, cross_attention_dim, row, row_file or checked.file, recorded
@@ -179,13 +178,11 @@ def index_dataset(
     return IndexedDataset(spec, stats, index, _stale(own, index, stats))
 
 
-def _list(
-    specs: Sequence[str], key: str, own: DatasetIndex | None, columns: tuple[str, str], page_size: int
-) -> _Listed:
+def _list(specs: Sequence[str], key: str, own: DatasetIndex | None, columns: Columns, page_size: int) -> _Listed:
     """Each spec's files: a stretch of the run's index for a directory unchanged since its directory index (if the
     run's index was checked with these columns; else its schema is no reference), else listed."""
     unchanged = {}
-    if own is not None and (own.checked.image_column, own.checked.caption_column) == columns:
+    if own is not None and own.checked.columns == columns:
         unchanged = unchanged_directories(own, specs)
     listed_before = own.paths if own is not None else None
     parts = [
@@ -250,14 +247,14 @@ def _report(key: str, listed: _Listed, stats: IndexStats) -> None:
 
 
 def read_footers_with_progress(
-    files: list[str], key: str, image_column: str, caption_column: str, reference: CheckedSchema | None
+    files: list[str], key: str, columns: Columns, reference: CheckedSchema | None
 ) -> tuple[list[int], CheckedSchema | None]:
     """:func:`sdtrain.data.inspection.read_footers`, with a progress line for 1000 files or more."""
 
     def progress(done: int, total: int) -> None:
         log.info(f"{key}: read {done}/{total} footers")
 
-    return read_footers(files, key, image_column, caption_column, reference, progress if len(files) >= 1000 else None)
+    return read_footers(files, key, columns, reference, progress if len(files) >= 1000 else None)
 
 
 def _rows_from_indexes(
@@ -266,7 +263,7 @@ def _rows_from_indexes(
     rows: np.ndarray,
     to_read: list[int],
     key: str,
-    columns: tuple[str, str],
+    columns: Columns,
 ) -> tuple[list[int], DatasetIndex | None]:
     """Fill in ``rows`` of the files ``to_read`` that an index records at the size and version listed; return the
     files left to read and the reference: the first index checked with the data's columns (the run's own, else
@@ -275,7 +272,7 @@ def _rows_from_indexes(
     mixed dataset is refused, not trained with the reference's metadata."""
     reference: DatasetIndex | None = None
     for index in candidates:
-        if (index.checked.image_column, index.checked.caption_column) != columns:
+        if index.checked.columns != columns:
             continue
         reference = reference or index
         if not to_read:

@@ -127,26 +127,3 @@ def check_token_ids(ids: np.ndarray, vocab_size: int, name: str, first_row: int 
         "tokenizer or written wrongly. Re-write the file (sdtrain preprocessing, output.captions: token_ids) or "
         "remove it, and re-run (the run resumes from its latest checkpoint)"
     )
-
-
-def decode_batch(
-    batch: pa.Table,
-    image_column: str,
-    caption_column: str,
-    latent_shape: tuple[int, int, int],
-    caption_shape: tuple[int, ...],
-    vocab_size: int | None = None,
-    first_row: int = 0,
-) -> dict[str, np.ndarray]:
-    """A Ray Data ``map_batches`` function: arrow rows -> ``latents`` (N,C,H,W) and ``captions`` (N,L,D), or (N,L)
-    int32 token ids, checked to be below ``vocab_size`` when it is given (``first_row``: the file's row number of
-    the batch's first row, for the error)."""
-    try:
-        return {
-            "latents": to_array(batch.column(image_column), latent_shape, image_column),
-            "captions": to_array(batch.column(caption_column), caption_shape, caption_column, vocab_size, first_row),
-        }
-    except DataError as e:
-        files = sorted(set(batch.column("path").to_pylist())) if "path" in batch.column_names else []
-        where = f" in {', '.join(files)}" if files else ""
-        raise DataError(f"{e}{where}") from None

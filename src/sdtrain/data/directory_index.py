@@ -11,6 +11,7 @@ from collections.abc import Mapping
 import numpy as np
 import pyarrow as pa
 
+from sdtrain.config.learning import Columns
 from sdtrain.data.dataset_index import IndexStats, read_footers_with_progress
 from sdtrain.data.index_format import DatasetIndex, join_path, read_index, recorded_rows, write_index
 from sdtrain.data.inspection import first_row, read_footers
@@ -21,8 +22,7 @@ from sdtrain.storage.uris import is_uri
 
 def write_directory_index(
     directory: str,
-    image_column: str,
-    caption_column: str,
+    columns: Columns,
     known_rows: Mapping[str, int] | None = None,
     sample: str | None = None,
     key: str = "output.path",
@@ -49,7 +49,7 @@ def write_directory_index(
             rows[i] = known_rows[name]
         else:
             to_read.append(i)
-    before = _previous_directory_index(listing, base, image_column, caption_column) if to_read else None
+    before = _previous_directory_index(listing, base, columns) if to_read else None
     if before is not None:
         found, unknown = recorded_rows(before, listing, to_read)
         for i, num_rows in found:
@@ -63,7 +63,7 @@ def write_directory_index(
 
     read_files = [listing.paths[i] for i in to_read]
     read_rows, checked = read_footers_with_progress(
-        read_files, key, image_column, caption_column, before.checked if before is not None else None
+        read_files, key, columns, before.checked if before is not None else None
     )
     for i, num_rows in zip(to_read, read_rows, strict=True):
         rows[i] = num_rows
@@ -71,29 +71,27 @@ def write_directory_index(
     position = {path: i for i, path in enumerate(listing.paths)}.get(sample_path or "")
     if checked is None:  # every file's rows were known: one footer for the schema
         first = position if position is not None else 0
-        _, checked = read_footers(listing.paths[first : first + 1], key, image_column, caption_column)
+        _, checked = read_footers(listing.paths[first : first + 1], key, columns)
         assert checked is not None
     with_rows = np.flatnonzero(rows)
     if len(with_rows) == 0:
         return None
     file = listing.paths[position if position is not None and rows[position] else int(with_rows[0])]
-    row = first_row(file, key, [image_column, caption_column])
+    row = first_row(file, key, columns.names())
     image_layout, caption_layout = checked.layouts(key)
-    latent_shape = image_layout.shape or (_values(row, image_column, key),)
-    caption_shape = caption_layout.shape or (_values(row, caption_column, key),)
+    latent_shape = image_layout.shape or (_values(row, columns.latent, key),)
+    caption_shape = caption_layout.shape or (_values(row, columns.caption, key),)
     index = DatasetIndex(listing.paths, listing.sizes, listing.versions, rows, checked, latent_shape, caption_shape)
     write_index(join_path(base, DIRECTORY_INDEX), index, base)
     return IndexStats(len(listing), len(listing) - len(to_read), len(to_read), 0, 1, None)
 
 
-def _previous_directory_index(
-    listing: Listing, base: str, image_column: str, caption_column: str
-) -> DatasetIndex | None:
+def _previous_directory_index(listing: Listing, base: str, columns: Columns) -> DatasetIndex | None:
     """The directory index already beside the files, if it was written for these columns: a re-index reads the
     footers of what changed only, and checks them against the schema it recorded."""
     found = next((f for f in listing.indexes if f.base.rstrip("/") == base), None)
     index = read_index(found.uri, found.base) if found is not None else None
-    if index is None or (index.checked.image_column, index.checked.caption_column) != (image_column, caption_column):
+    if index is None or index.checked.columns != columns:
         return None
     return index
 

@@ -26,6 +26,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from sdtrain.config.learning import Columns
 from sdtrain.data.inspection import CheckedSchema
 from sdtrain.data.listing import Listing, listing_client
 from sdtrain.logs import log
@@ -79,8 +80,8 @@ class DatasetIndex:
             "format": INDEX_FORMAT,
             "relative": relative_to is not None,
             "schema_file": self.checked.file,
-            "image_column": self.checked.image_column,
-            "caption_column": self.checked.caption_column,
+            "latent_column": self.checked.columns.latent,
+            "caption_column": self.checked.columns.caption,
             "latent_shape": list(self.latent_shape),
             "caption_shape": list(self.caption_shape),
             "sealed": [asdict(s) for s in self.sealed],
@@ -149,8 +150,11 @@ def _parsed_index(table: pa.Table, meta: dict, schema: bytes, uri: str, base: st
     checked = CheckedSchema(
         _typed(meta, "schema_file", str),
         pa.ipc.read_schema(pa.py_buffer(base64.b64decode(schema))),
-        _typed(meta, "image_column", str),
-        _typed(meta, "caption_column", str),
+        # Indexes written before the key was data.latent_column call it image_column.
+        Columns(
+            _typed(meta, "latent_column" if "latent_column" in meta else "image_column", str),
+            _typed(meta, "caption_column", str),
+        ),
     )
     sealed = _typed(meta, "sealed", list, [])
     return DatasetIndex(

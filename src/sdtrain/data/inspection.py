@@ -21,7 +21,9 @@ import pyarrow.parquet as pq
 # Registers Ray's tensor extension types with pyarrow, so their shapes are read from footers.
 import ray.data  # noqa: F401
 
+from sdtrain.config.learning import Columns
 from sdtrain.data.decode import ColumnLayout, column_layout, to_array
+from sdtrain.data.footer import read_footer
 from sdtrain.data.metadata import (
     LATENT_SCALING_FACTOR,
     TEXT_ENCODER_SOURCE,
@@ -70,44 +72,40 @@ class CheckedSchema:
 
     file: str
     schema: pa.Schema
-    image_column: str
-    caption_column: str
+    columns: Columns
 
     def layouts(self, key: str) -> tuple[ColumnLayout, ColumnLayout]:
-        return column_layouts(key, self.file, self.schema, self.image_column, self.caption_column)
+        return column_layouts(key, self.file, self.schema, self.columns)
 
     def token_ids(self, key: str) -> TokenIds | None:
         """What the caption column's token ids are for (its file's metadata); None for embeddings."""
         if not self.layouts(key)[1].token_ids:
             return None
-        return token_ids(self.schema.metadata, f"{key}: {self.file}, column {self.caption_column!r}")
+        return token_ids(self.schema.metadata, f"{key}: {self.file}, column {self.columns.caption!r}")
 
 
 def inspect_dataset(
     files: list[str],
     key: str,
-    image_column: str,
-    caption_column: str,
+    columns: Columns,
     in_channels: int,
     cross_attention_dim: int,
 ) -> DatasetSpec:
     """Read every file's footer and the first row; check columns, shapes and types against the model."""
-    rows, checked = read_footers(files, key, image_column, caption_column)
+    rows, checked = read_footers(files, key, columns)
     assert checked is not None
     if sum(rows) == 0:
         raise DataError(f"{key}: the {len(files)} parquet file(s) hold no rows (first: {files[0]})")
     file = files[next(i for i, n in enumerate(rows) if n)]
-    row = first_row(file, key, [image_column, caption_column])
+    row = first_row(file, key, columns.names())
     latent_shape, caption_shape = check_shapes(key, checked, in_channels, cross_attention_dim, row, file)
     return DatasetSpec(tuple(files), tuple(rows), latent_shape, caption_shape, token_ids=checked.token_ids(key))
 
 
-def column_layouts(
-    key: str, file: str, schema: pa.Schema, image_column: str, caption_column: str
-) -> tuple[ColumnLayout, ColumnLayout]:
-    """The layouts of the image and caption columns in ``file``'s ``schema``, or the DataError naming both."""
+def column_layouts(key: str, file: str, schema: pa.Schema, columns: Columns) -> tuple[ColumnLayout, ColumnLayout]:
+    """The layouts of the latent and caption columns in ``file``'s ``schema``, or the DataError naming both."""
     layouts = []
-    for column, role in ((image_column, "data.latent_column"), (caption_column, "data.caption_column")):
+    for column, role in ((columns.latent, "data.latent_column"), (columns.caption, "data.caption_column")):
         if column not in schema.names:
             raise DataError(
                 f"{key}: {file} has no column {column!r} ({role}); its columns are "
@@ -119,7 +117,7 @@ def column_layouts(
             raise DataError(f"{key}: {file}, column {column!r} ({role}) {e}") from None
     if layouts[0].token_ids:
         raise DataError(
-            f"{key}: {file}, column {image_column!r} (data.latent_column) holds {layouts[0].value_type} values; "
+            f"{key}: {file}, column {columns.latent!r} (data.latent_column) holds {layouts[0].value_type} values; "
             "expected float16 or float32 (integers are read as caption token ids only)"
         )
     return layouts[0], layouts[1]
@@ -127,9 +125,8 @@ def column_layouts(
 
 def check_same_layouts(key: str, file: str, schema: pa.Schema, reference: CheckedSchema) -> None:
     """``file`` stores both columns as ``reference`` does, else the DataError naming both files."""
-    columns = (reference.image_column, reference.caption_column)
-    mine = column_layouts(key, file, schema, *columns)
-    for column, layout, first in zip(columns, mine, reference.layouts(key), strict=True):
+    mine = column_layouts(key, file, schema, reference.columns)
+    for column, layout, first in zip(reference.columns.names(), mine, reference.layouts(key), strict=True):
         if layout != first:
             raise DataError(
                 f"{key}: column {column!r} is a {layout.describe()} in {file} but a "
@@ -158,8 +155,7 @@ def check_same_layouts(key: str, file: str, schema: pa.Schema, reference: Checke
 def read_footers(
     files: Sequence[str],
     key: str,
-    image_column: str,
-    caption_column: str,
+    columns: Columns,
     reference: CheckedSchema | None = None,
     progress: Callable[[int, int], None] | None = None,
 ) -> tuple[list[int], CheckedSchema | None]:
@@ -175,14 +171,14 @@ def read_footers(
     rows = [0] * len(files)
     start = 0
     if reference is None:
-        schema, rows[0] = _read_footer(files[0], key, sources)
-        reference = CheckedSchema(files[0], schema, image_column, caption_column)
+        schema, rows[0] = read_footer(files[0], key, sources)
+        reference = CheckedSchema(files[0], schema, columns)
         reference.layouts(key)  # the first file's own errors: a missing column, an unreadable type
         start = 1
     checked = reference
 
     def read(index: int) -> tuple[int, int]:
-        schema, num_rows = _read_footer(files[index], key, sources)
+        schema, num_rows = read_footer(files[index], key, sources)
         check_same_layouts(key, files[index], schema, checked)
         return index, num_rows
 
@@ -230,15 +226,6 @@ class _Sources:
         return self._buckets[bucket], f"{bucket}/{key}"
 
 
-def _read_footer(file: str, key: str, sources: Callable[[str], tuple[pafs.FileSystem, str]] = filesystem_for):
-    fs, path = sources(file)
-    try:
-        metadata = pq.read_metadata(path, filesystem=fs)
-    except (OSError, pa.ArrowException) as e:
-        raise DataError(f"{key}: cannot read {file} as parquet: {e}") from None
-    return metadata.schema.to_arrow_schema(), metadata.num_rows
-
-
 def first_row(file: str, key: str, columns: list[str]) -> pa.Table:
     fs, path = filesystem_for(file)
     try:
@@ -266,7 +253,7 @@ def check_shapes(
     hold finite values.
     """
     image_layout, caption_layout = checked.layouts(key)
-    image, caption = checked.image_column, checked.caption_column
+    image, caption = checked.columns.latent, checked.columns.caption
     file = row_file if recorded is None else checked.file
     latent_shape = _latent_shape(key, file, image, image_layout, row, in_channels, recorded and recorded[0])
     caption_shape = _caption_shape(

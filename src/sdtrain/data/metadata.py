@@ -10,11 +10,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-import pyarrow as pa
-import pyarrow.parquet as pq
-
+from sdtrain.data.footer import read_schema
 from sdtrain.errors import DataError
-from sdtrain.storage.filesystems import filesystem_for
 
 LATENT_SCALING_FACTOR = "sdtrain.latent_scaling_factor"
 """The factor the stored latents are already multiplied by (the VAE's scaling_factor); absent = raw VAE latents or
@@ -83,12 +80,7 @@ def encoder_sources(files: list[str]) -> EncoderSources | None:
         files: parquet files written by the preprocessing job (or any parquet: None when they record nothing).
     """
     for file in files[:1]:
-        fs, path = filesystem_for(file)
-        try:
-            with fs.open_input_file(path) as f:
-                metadata = pq.read_schema(f).metadata or {}
-        except (OSError, pa.ArrowException) as e:
-            raise DataError(f"cannot read the parquet metadata of {file}: {e}") from None
+        metadata = read_schema(file, "the data's encoders").metadata or {}
         if VAE_SOURCE.encode() in metadata and TEXT_ENCODER_SOURCE.encode() in metadata:
             resolution = metadata.get(RESOLUTION.encode())
             return EncoderSources(

@@ -20,16 +20,18 @@ from ray.data.block import BlockMetadata
 from ray.data.datasource import Datasource, ReadTask
 from ray.data.extensions import ArrowTensorArray
 
+from sdtrain.config.learning import Columns
 from sdtrain.config.schema import DataConfig
-from sdtrain.data.decode import TokenIdOutOfRange, decode_batch, to_array
+from sdtrain.data.decode import TokenIdOutOfRange, to_array
 from sdtrain.data.inspection import DatasetSpec
 from sdtrain.data.pacing import paced
 from sdtrain.data.read_order import FILE, SamplePlan, Stretch, Window, window_sample_indices
+from sdtrain.data.rows import RowReader, raise_if_transient
 from sdtrain.errors import DataError
 from sdtrain.logs import log
 from sdtrain.private import ray as ray_private
 from sdtrain.storage.filesystems import filesystem_for, filesystems_for
-from sdtrain.storage.s3 import is_transient, s3_filesystem
+from sdtrain.storage.s3 import s3_filesystem
 from sdtrain.storage.uris import split_s3
 
 NODE_ID_LABEL = "ray.io/node-id"
@@ -40,8 +42,7 @@ NODE_ID_LABEL = "ray.io/node-id"
 class ReadSettings:
     """What a read task needs of the config and the data's checked shapes."""
 
-    image_column: str
-    caption_column: str
+    columns: Columns
     on_read_error: str
     latent_shape: tuple[int, ...]
     caption_shape: tuple[int, ...]
@@ -150,7 +151,7 @@ class WindowRead:
                 files[file_index] = pq.ParquetFile(fs.open_input_file(path))
             meta = files[file_index].metadata
         except (OSError, pa.ArrowException) as error:
-            _raise_if_transient(error, file)
+            raise_if_transient(error, file)
             return [self._unreadable(file, start, stop, error)]
         offsets = np.cumsum([0] + [meta.row_group(i).num_rows for i in range(meta.num_row_groups)])
         first = int(np.searchsorted(offsets, start, side="right")) - 1
@@ -160,16 +161,16 @@ class WindowRead:
             lo, hi = max(start, int(offsets[group])), min(stop, int(offsets[group + 1]))
             try:
                 if (file_index, group) not in row_groups:
-                    columns = [settings.image_column, settings.caption_column]
+                    columns = settings.columns.names()
                     row_groups[file_index, group] = files[file_index].read_row_group(group, columns=columns)
                 table = row_groups[file_index, group].slice(lo - int(offsets[group]), hi - lo)
                 pieces.append(
                     (
-                        to_array(table.column(settings.image_column), settings.latent_shape, settings.image_column),
+                        to_array(table.column(settings.columns.latent), settings.latent_shape, settings.columns.latent),
                         to_array(
-                            table.column(settings.caption_column),
+                            table.column(settings.columns.caption),
                             settings.caption_shape,
-                            settings.caption_column,
+                            settings.columns.caption,
                             settings.vocab_size,
                             first_row=lo,
                         ),
@@ -179,7 +180,7 @@ class WindowRead:
             except TokenIdOutOfRange as error:  # the file is readable, its ids are wrong: skipping would hide that
                 raise DataError(f"data.train: {file}: {error}") from None
             except (OSError, pa.ArrowException, DataError) as error:
-                _raise_if_transient(error, file)
+                raise_if_transient(error, file)
                 pieces.append(self._unreadable(file, lo, hi, error))
         return pieces
 
@@ -212,8 +213,7 @@ class WindowReader:
         self.reads_per_worker = data.reads_per_worker
         self.files = FileTable(spec.files)
         self.settings = ReadSettings(
-            data.latent_column,
-            data.caption_column,
+            data.columns,
             data.on_read_error,
             spec.latent_shape,
             spec.caption_shape,
@@ -266,14 +266,6 @@ def _counted_only() -> list[pa.Table]:
 
 
 _COUNTED_ONLY = ReadTask(_counted_only, BlockMetadata(None, None, None, None))
-
-
-def _raise_if_transient(error: BaseException, file: str, key: str = "data.train") -> None:
-    """A storage failure that outlasted the client's retries is not a damaged file: it must neither
-    stop the run as one nor drop rows under data.on_read_error=skip. It fails this attempt, and Ray
-    Train restarts the workers from the latest checkpoint (failure.max_failures)."""
-    if is_transient(error):
-        raise OSError(f"{key}: {file}: storage failed after retries: {' '.join(str(error).split())}") from error
 
 
 def rank_dataset(reader: WindowReader, stretches: list[Stretch], node_id: str | None) -> ray.data.Dataset:
@@ -341,30 +333,6 @@ def file_order_dataset(spec: DatasetSpec, data: DataConfig, key: str) -> ray.dat
 
 def _read_file(batch: dict[str, np.ndarray], spec: DatasetSpec, data: DataConfig, key: str, sources):
     (index,) = batch["id"]
-    file = spec.files[int(index)]
-    fs, path = sources[int(index)]
-    vocab_size = spec.token_ids.vocab_size if spec.token_ids is not None else None
-    first_row = 0
-    try:
-        parquet = pq.ParquetFile(fs.open_input_file(path))
-        for group in range(parquet.metadata.num_row_groups):
-            table = parquet.read_row_group(group, columns=[data.latent_column, data.caption_column])
-            yield decode_batch(
-                table,
-                data.latent_column,
-                data.caption_column,
-                spec.latent_shape,
-                spec.caption_shape,
-                vocab_size,
-                first_row,
-            )
-            first_row += table.num_rows
-    except DataError as error:  # rows that do not decode to the shapes the first row has, or ids past the vocabulary
-        raise DataError(f"{key}: {file}: {error}") from None
-    except (OSError, pa.ArrowException) as error:
-        _raise_if_transient(error, file, key)
-        reason = " ".join(str(error).split())
-        raise DataError(
-            f"{key}: {file} cannot be read ({reason}). The file is damaged or changed since the run started: "
-            "replace or remove it and re-run (the run resumes from its latest checkpoint)"
-        ) from None
+    reader = RowReader.of(spec, data.columns)
+    for rows in reader.file_batches(spec.files[int(index)], key, source=sources[int(index)]):
+        yield {"latents": rows.latents, "captions": rows.captions}

@@ -24,6 +24,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from sdtrain.data.footer import read_schema
 from sdtrain.errors import DataError
 
 NUM_CLASSES = 10
@@ -193,7 +194,7 @@ def _table(ids, labels, latents, captions) -> pa.Table:
 def _check_layout(directory: str) -> None:
     """The demo files already in ``directory`` are of this layout; else a DataError that says how to renew them."""
     first = sorted(Path(directory).glob("*.parquet"))[0]
-    layout = (pq.read_schema(first).metadata or {}).get(LAYOUT_KEY)
+    layout = (read_schema(str(first), "the demo's data").metadata or {}).get(LAYOUT_KEY)
     if layout != LAYOUT.encode():
         raise DataError(
             f"data.demo: {first} holds the digits demo as another sdtrain version wrote it (layout "

@@ -202,7 +202,7 @@ def index_main(argv: Sequence[str] | None) -> int:
         if not targets:
             parser.error("give a directory, or a --config whose data.train or data.val names one")
         for key, directory in targets:
-            stats = write_directory_index(directory, data.latent_column, data.caption_column, key=key)
+            stats = write_directory_index(directory, data.columns, key=key)
             if stats is None:
                 print(f"error: {key}: {directory} holds no parquet file with rows", file=sys.stderr)
                 return 2

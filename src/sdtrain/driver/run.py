@@ -366,8 +366,7 @@ def indexed_dataset(config: Config, key: str, specs: list[str], unet: Mapping, r
     indexed = index_dataset(
         specs,
         key,
-        image_column=config.data.latent_column,
-        caption_column=config.data.caption_column,
+        columns=config.data.columns,
         in_channels=unet["in_channels"],
         cross_attention_dim=unet["cross_attention_dim"],
         index_uri=run_index_uri(run_dir, key),

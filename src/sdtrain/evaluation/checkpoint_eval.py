@@ -30,14 +30,13 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.fs as pafs
-import pyarrow.parquet as pq
 import torch
 
 from sdtrain.artifacts.loading import LoadedModel, load_model
 from sdtrain.config.schema import Config
-from sdtrain.data.decode import to_array
 from sdtrain.data.listing import list_dataset
 from sdtrain.data.position import DataPosition
+from sdtrain.data.rows import RowReader
 from sdtrain.errors import DataError
 from sdtrain.evaluation.cpu_priority import cpu_policy
 from sdtrain.evaluation.image_metrics import ClipScore, DinoFeatures, FeatureStats, InceptionFeatures, frechet_distance
@@ -75,44 +74,26 @@ def read_eval_rows(config: Config, latent_shape: tuple[int, ...], caption_shape:
         latent_shape: (C, H, W) of a row's latents.
         caption_shape: (L, D) of a caption embedding; a column of token ids holds (L,) a row.
     """
-    want = config.eval.num_samples
-    columns = [config.data.latent_column, config.data.caption_column]
-    if config.eval.clip is not None:
-        columns.append(config.eval.text_column)
-    if config.eval.class_agreement:
-        columns.append("label")
-    tables, files, versions, have = [], [], [], 0
+    extra = ([config.eval.text_column] if config.eval.clip is not None else []) + (
+        ["label"] if config.eval.class_agreement else []
+    )
+    reader = RowReader(config.data.columns, tuple(latent_shape), tuple(caption_shape), extra=tuple(extra))
     listing = list_dataset(list(config.data.val), "data.val")
-    for file, size, version in zip(listing.paths, listing.sizes, listing.versions, strict=True):
-        fs, path = filesystem_for(file)
-        with fs.open_input_file(path) as f:
-            parquet = pq.ParquetFile(f)
-            missing = [c for c in columns if c not in parquet.schema_arrow.names]
-            if missing:
-                raise DataError(
-                    f"eval: data.val file {file} has no column {missing[0]!r} (columns: {parquet.schema_arrow.names})"
-                )
-            # Batch by batch, only as many rows as are still wanted: a data.val file may hold gigabytes of captions.
-            for batch in parquet.iter_batches(batch_size=min(want - have, 1024), columns=columns):
-                tables.append(pa.Table.from_batches([batch]).slice(0, want - have))
-                have += tables[-1].num_rows
-                if have >= want:
-                    break
-        files.append(file)
-        versions.append((size, version))
-        if have >= want:
-            break
-    table = pa.concat_tables(tables)
-    caption = table.column(config.data.caption_column).combine_chunks()
-    storage = caption.storage if isinstance(caption, pa.ExtensionArray) else caption
-    ids = pa.types.is_integer(storage.type.value_type)
+    # Batch by batch, only as many rows as are wanted: a data.val file may hold gigabytes of caption embeddings.
+    batches = list(reader.batches(listing.paths, "eval: data.val", batch_size=1024, limit=config.eval.num_samples))
+    read = {batch.file for batch in batches}
+    used = [i for i, file in enumerate(listing.paths) if file in read]
+    files = [listing.paths[i] for i in used]
+    versions = [(listing.sizes[i], listing.versions[i]) for i in used]
+
+    def extra_column(name: str) -> pa.ChunkedArray:
+        return pa.chunked_array([chunk for batch in batches for chunk in batch.extra[name].chunks])
+
     return EvalRows(
-        latents=to_array(table.column(config.data.latent_column), tuple(latent_shape), config.data.latent_column),
-        captions=to_array(
-            caption, tuple(caption_shape[:1]) if ids else tuple(caption_shape), config.data.caption_column
-        ),
-        texts=[str(t) for t in table.column(config.eval.text_column).to_pylist()] if config.eval.clip else None,
-        labels=table.column("label").to_numpy() if config.eval.class_agreement else None,
+        latents=np.concatenate([batch.latents for batch in batches if batch.latents is not None]),
+        captions=np.concatenate([batch.captions for batch in batches]),
+        texts=[str(t) for t in extra_column(config.eval.text_column).to_pylist()] if config.eval.clip else None,
+        labels=extra_column("label").to_numpy() if config.eval.class_agreement else None,
         files=files,
         versions=versions,
     )

@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from sdtrain.config.learning import Columns
 from sdtrain.data.directory_index import write_directory_index
 from sdtrain.data.listing import DIRECTORY_INDEX
 from sdtrain.data.metadata import (
@@ -112,12 +113,14 @@ def run_preprocess(config: PreprocessConfig, max_shards: int | None = None) -> P
         try:  # its schema and values per row from a shard this run wrote, where it wrote one with rows
             write_directory_index(
                 config.output.path,
-                config.output.image_column,
                 # One index, of one caption column: the ids where they are the only captions, else the embeddings
                 # (training on the ids of output.captions=both reads their footers at its first start).
-                config.output.token_id_column
-                if config.output.captions == "token_ids"
-                else config.output.caption_column,
+                Columns(
+                    config.output.image_column,
+                    config.output.token_id_column
+                    if config.output.captions == "token_ids"
+                    else config.output.caption_column,
+                ),
                 rows,
                 written[0] if written else None,
             )

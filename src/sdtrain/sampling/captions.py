@@ -1,4 +1,4 @@
-"""The captions to sample with: embeddings from a .npy file or from parquet rows (one per label for the demo)."""
+"""The captions to sample with: embeddings from a .npy file, or parquet rows (one per label when they have labels)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from sdtrain.config.learning import Columns
+from sdtrain.data.decode import column_layout
+from sdtrain.data.footer import read_schema
+from sdtrain.data.inspection import first_row
 from sdtrain.data.parquet_files import resolve_parquet_files
+from sdtrain.data.rows import RowReader
 from sdtrain.errors import DataError
 from sdtrain.storage.filesystems import filesystem_for
 
@@ -29,7 +34,7 @@ def read_captions(
     encode: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> Captions:
     """Caption embeddings from a .npy file ((L, D) or (R, L, D)), or from parquet (a file, directory
-    or glob): one row per distinct ``label`` when the data has that column (the demo), else the first ``rows``.
+    or glob): one row per distinct ``label`` when the data has that column, else the first ``rows``.
     A parquet column of token ids is encoded by ``encode`` (ids (R, L) -> float embeddings (R, L, D))."""
     if path.endswith(".npy"):
         fs, fs_path = filesystem_for(path)
@@ -43,48 +48,47 @@ def read_captions(
             )
         return Captions(torch.from_numpy(array.astype(np.float32)), [f"caption {i}" for i in range(len(array))])
 
-    import pyarrow as pa
-    import pyarrow.parquet as pq
+    return _parquet_captions(path, caption_dim, column, rows, encode)
 
-    from sdtrain.data.decode import to_array
 
-    tables = []
-    for file in resolve_parquet_files([path], "--captions"):
-        fs, fs_path = filesystem_for(file)
-        with fs.open_input_file(fs_path) as f:
-            schema = pq.read_schema(f)
-            if column not in schema.names:
-                raise DataError(
-                    f"--captions: {file} has no column {column!r}; its columns are {', '.join(schema.names)} "
-                    f"(see --caption-column)"
-                )
-            tables.append(pq.read_table(f, columns=[column] + (["label"] if "label" in schema.names else [])))
-    table = pa.concat_tables(tables)
-    if "label" in table.column_names:
-        labels = table.column("label").to_pylist()
-        first: dict[Any, int] = {}  # label: the first row that has it
-        for i, label in enumerate(labels):
-            first.setdefault(label, i)
-        order = sorted(first)
-        table = table.take([first[label] for label in order])
-        names = [f"label {label}" for label in order]
-    else:
-        order = None
-        table = table.slice(0, rows)
-        names = [f"row {i}" for i in range(table.num_rows)]
-    width = table.column(column).combine_chunks()
-    value_type = (width.storage if isinstance(width, pa.ExtensionArray) else width).type.value_type
-    if pa.types.is_integer(value_type):
+def _parquet_captions(
+    path: str, caption_dim: int, column: str, rows: int, encode: Callable[[torch.Tensor], torch.Tensor] | None
+) -> Captions:
+    files = resolve_parquet_files([path], "--captions")
+    schema = read_schema(files[0], "--captions")
+    if column not in schema.names:
+        raise DataError(
+            f"--captions: {files[0]} has no column {column!r}; its columns are {', '.join(schema.names)} "
+            "(see --caption-column)"
+        )
+    layout = column_layout(schema.field(column))
+    width = layout.values_per_row or len(first_row(files[0], "--captions", [column]).column(column)[0])
+    if layout.token_ids:
         if encode is None:
             raise DataError(f"--captions: column {column!r} holds token ids; sampling needs their text encoder")
-        ids = to_array(table.column(column), (len(width[0]),), column)
-        return Captions(encode(torch.from_numpy(ids)).float(), names, order)
-    first_row = width.storage[0] if isinstance(width, pa.ExtensionArray) else width[0]
-    length = len(first_row.values) if hasattr(first_row, "values") else len(first_row)
-    if length % caption_dim:
+        shape: tuple[int, ...] = (width,)
+    elif width % caption_dim:
         raise DataError(
-            f"--captions: column {column!r} has {length} values a row, not a multiple of the UNet's "
+            f"--captions: column {column!r} has {width} values a row, not a multiple of the UNet's "
             f"cross_attention_dim {caption_dim}"
         )
-    embeddings = to_array(table.column(column), (length // caption_dim, caption_dim), column).astype(np.float32)
-    return Captions(torch.from_numpy(embeddings), names, order)
+    else:
+        shape = (width // caption_dim, caption_dim)
+    labelled = "label" in schema.names
+    reader = RowReader(Columns("", column), None, shape, extra=("label",) if labelled else ())
+    order: list[Any] | None = None
+    if labelled:  # one row per label, the first that has it, in the labels' order
+        first: dict[Any, np.ndarray] = {}
+        for batch in reader.batches(files, "--captions"):
+            for label, caption in zip(batch.extra["label"].to_pylist(), batch.captions, strict=True):
+                first.setdefault(label, caption)
+        order = sorted(first)
+        values = np.stack([first[label] for label in order])
+        names = [f"label {label}" for label in order]
+    else:
+        values = np.concatenate([batch.captions for batch in reader.batches(files, "--captions", limit=rows)])
+        names = [f"row {i}" for i in range(len(values))]
+    if layout.token_ids:
+        assert encode is not None
+        return Captions(encode(torch.from_numpy(values)).float(), names, order)
+    return Captions(torch.from_numpy(values.astype(np.float32)), names, order)

@@ -1,0 +1,157 @@
+"""The one reader of a dataset's rows in file order: validation's Ray Data stream (each rank reads data.val whole),
+the retraining gate's validation loss, the evaluation task's rows of data.val, and the captions of sample grids and
+``generate.py``. Training reads in the plan's order instead (:mod:`sdtrain.data.streams`).
+
+Light on purpose (numpy and pyarrow): Ray Data's read tasks import it, and a read worker that imported torch would
+pay that at its start.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+
+from sdtrain.config.learning import Columns
+from sdtrain.data.decode import to_array
+from sdtrain.data.inspection import DatasetSpec
+from sdtrain.errors import DataError
+from sdtrain.storage.filesystems import filesystem_for
+from sdtrain.storage.s3 import is_transient
+
+
+@dataclass(frozen=True)
+class RowBatch:
+    """Consecutive rows of one file, decoded."""
+
+    file: str
+    first_row: int
+    """The file's row number of the batch's first row."""
+    latents: np.ndarray | None
+    """(N, C, H, W) as stored (float16 or float32); None when the reader reads no latents."""
+    captions: np.ndarray
+    """(N, L, D) embeddings, or (N, L) int32 token ids."""
+    extra: dict[str, pa.ChunkedArray] = field(default_factory=dict)
+    """The reader's other columns, as stored."""
+
+    def __len__(self) -> int:
+        return len(self.captions)
+
+
+@dataclass(frozen=True)
+class RowReader:
+    """Which columns of a dataset's files are read and the shapes they decode to.
+
+    Args:
+        columns: the latent and caption columns.
+        latent_shape: (C, H, W) of a row's latents; None: the latents are not read (captions only).
+        caption_shape: (L, D) of an embedding, or (L,) of token ids; a column of integers is read as token ids of
+            its first dimension whatever is given.
+        vocab_size: token ids must be below it (the file's recorded vocabulary); None: not checked.
+        extra: other columns read as they are (a label, a caption's text).
+    """
+
+    columns: Columns
+    latent_shape: tuple[int, ...] | None
+    caption_shape: tuple[int, ...]
+    vocab_size: int | None = None
+    extra: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, spec: DatasetSpec, columns: Columns, extra: Sequence[str] = ()) -> RowReader:
+        """The reader of a checked dataset's rows."""
+        vocab = spec.token_ids.vocab_size if spec.token_ids is not None else None
+        return cls(columns, spec.latent_shape, spec.caption_shape, vocab, tuple(extra))
+
+    def batches(
+        self, files: Sequence[str], key: str, batch_size: int | None = None, limit: int | None = None
+    ) -> Iterator[RowBatch]:
+        """The rows of ``files`` in order, ``batch_size`` at a time (None: a row group at a time), up to ``limit`` rows
+        in all; no more of a file is read than the rows taken need. ``key`` names the files in errors."""
+        left = limit
+        for file in files:
+            if left is not None and left <= 0:
+                return
+            for batch in self.file_batches(file, key, batch_size=batch_size, limit=left):
+                if left is not None:
+                    left -= len(batch)
+                yield batch
+
+    def file_batches(
+        self,
+        file: str,
+        key: str,
+        source: tuple[pafs.FileSystem, str] | None = None,
+        batch_size: int | None = None,
+        limit: int | None = None,
+    ) -> Iterator[RowBatch]:
+        """One file's rows (``source``: its filesystem and path, when made elsewhere; see :meth:`batches`). A file that
+        cannot be read, or rows that do not decode, are a DataError naming ``key`` and the file; a storage failure that
+        outlasted its retries is an OSError (a retry may get through)."""
+        fs, path = source if source is not None else filesystem_for(file)
+        try:
+            with fs.open_input_file(path) as handle:
+                yield from self._decoded(pq.ParquetFile(handle), file, key, batch_size, limit)
+        except DataError as error:  # rows that do not decode to the checked shapes, or ids past the vocabulary
+            raise DataError(f"{key}: {file}: {error}") from None
+        except (OSError, pa.ArrowException) as error:
+            raise_if_transient(error, file, key)
+            reason = " ".join(str(error).split())
+            raise DataError(
+                f"{key}: {file} cannot be read ({reason}). The file is damaged or changed since the run started: "
+                "replace or remove it and re-run (the run resumes from its latest checkpoint)"
+            ) from None
+
+    def _decoded(
+        self, parquet: pq.ParquetFile, file: str, key: str, batch_size: int | None, limit: int | None
+    ) -> Iterator[RowBatch]:
+        names = ([self.columns.latent] if self.latent_shape is not None else []) + [self.columns.caption]
+        names += [c for c in self.extra if c not in names]
+        missing = [c for c in names if c not in parquet.schema_arrow.names]
+        if missing:
+            raise DataError(f"has no column {missing[0]!r}; its columns are {', '.join(parquet.schema_arrow.names)}")
+        first = 0
+        for table in _tables(parquet, names, batch_size, limit):
+            yield self._decode(table, file, first)
+            first += table.num_rows
+
+    def _decode(self, table: pa.Table, file: str, first: int) -> RowBatch:
+        caption = table.column(self.columns.caption)
+        storage_type = caption.type.storage_type if isinstance(caption.type, pa.ExtensionType) else caption.type
+        ids = pa.types.is_integer(storage_type.value_type)
+        shape = self.caption_shape[:1] if ids else self.caption_shape
+        captions = to_array(caption, shape, self.columns.caption, self.vocab_size if ids else None, first)
+        latents = None
+        if self.latent_shape is not None:
+            latents = to_array(table.column(self.columns.latent), self.latent_shape, self.columns.latent)
+        return RowBatch(file, first, latents, captions, {c: table.column(c) for c in self.extra})
+
+
+def _tables(
+    parquet: pq.ParquetFile, columns: list[str], batch_size: int | None, limit: int | None
+) -> Iterator[pa.Table]:
+    """The file's rows as tables: each row group, or ``batch_size`` rows at a time; ``limit`` rows at most."""
+    left = limit if limit is not None else parquet.metadata.num_rows
+    if batch_size is None:
+        parts = (parquet.read_row_group(g, columns=columns) for g in range(parquet.metadata.num_row_groups))
+    else:
+        batches = parquet.iter_batches(batch_size=min(batch_size, max(left, 1)), columns=columns)
+        parts = (pa.Table.from_batches([b]) for b in batches)
+    for table in parts:
+        if left <= 0:
+            return
+        table = table.slice(0, left)
+        left -= table.num_rows
+        yield table
+
+
+def raise_if_transient(error: BaseException, file: str, key: str = "data.train") -> None:
+    """A storage failure that outlasted the client's retries is not a damaged file: it must neither
+    stop the run as one nor drop rows under data.on_read_error=skip. It fails this attempt, and Ray
+    Train restarts the workers from the latest checkpoint (failure.max_failures)."""
+    if is_transient(error):
+        raise OSError(f"{key}: {file}: storage failed after retries: {' '.join(str(error).split())}") from error
