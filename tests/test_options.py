@@ -8,6 +8,8 @@ on a GPU by tests/test_gpu.py (``pytest -m gpu``); the Ray runs of tests/test_tr
 
 from __future__ import annotations
 
+import copy
+
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -56,6 +58,43 @@ def test_every_precision_with_and_without_clipping_and_ema_trains_under_each_str
     if ema:
         assert not torch.equal(steps[0]["ema"], steps[-1]["ema"])
         assert not torch.equal(steps[-1]["ema"], steps[-1]["weight"])  # an average, not a copy
+
+
+class ClippedReference(pl.Callback):
+    """Before each optimizer step (callbacks' hooks run before the module's, so the gradients are not clipped yet):
+    the step torch's own clipping and a fused AdamW without grad_scale take from the same weights, gradients and
+    state; after it, how far the module's weights are from that."""
+
+    def __init__(self, clip):
+        self.clip, self.expected, self.differences = clip, None, []
+
+    def on_before_optimizer_step(self, trainer, module, optimizer):
+        params = [torch.nn.Parameter(p.detach().clone()) for p in module.unet.parameters()]
+        for twin, p in zip(params, module.unet.parameters(), strict=True):
+            twin.grad = p.grad.detach().clone()
+        reference = torch.optim.AdamW(params, lr=optimizer.param_groups[0]["lr"], weight_decay=0.01, fused=True)
+        reference.load_state_dict(copy.deepcopy(optimizer.state_dict()))  # loading shares the state's tensors
+        torch.nn.utils.clip_grad_norm_(params, self.clip)
+        reference.step()
+        self.expected = params
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        self.differences.append(
+            max((p - e).abs().max().item() for p, e in zip(module.unet.parameters(), self.expected, strict=True))
+        )
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_clipping_in_the_fused_step_is_torchs_clipping_then_the_step(precision):
+    """The clipping factor goes to the fused AdamW as its grad_scale (one pass over the gradients less): each step's
+    weights are what clip_grad_norm_ and a plain fused step give, within float32 rounding of g / (1 / f) against
+    g * f. The clip is far below the gradients' norm, so every step clips."""
+    cfg = tiny_config(*FIT, f"train.precision={precision}", "train.grad_clip_norm=0.01", "train.weight_decay=0.01")
+    reference = ClippedReference(0.01)
+    module, trainer, steps = fit(cfg, batches(3), callbacks=[reference])
+    assert trainer.global_step == 3 and all(s["grad_norm"] <= 0.01 * 1.001 for s in steps)
+    assert not torch.equal(steps[0]["weight"], steps[-1]["weight"])
+    assert len(reference.differences) == 3 and max(reference.differences) < 1e-6, reference.differences
 
 
 class AutocastSeen(pl.Callback):

@@ -189,6 +189,10 @@ class DiffusionModule(pl.LightningModule):
         refuses fused optimizers under mixed precision even without a scaler (Lightning-AI/
         pytorch-lightning#21435), and it would compute the norm a second time.
 
+        The clipping factor is handed to the fused AdamW as its ``grad_scale`` (the divisor GradScaler
+        unscales by), so the step scales each gradient as it reads it: one pass over the gradients less than
+        scaling them first (equal within float32 rounding: ``g / (1 / f)`` against ``g * f``).
+
         The skip: without a GradScaler (32-true, bf16-mixed) this sets the fused AdamW's
         ``found_inf``, which leaves weights and optimizer state untouched (GradScaler's mechanism);
         such a step counts toward ``train.max_nonfinite_steps``. With one (16-mixed) the gradients are
@@ -203,14 +207,18 @@ class DiffusionModule(pl.LightningModule):
         grads = [local_tensor(p.grad) for p in self.unet.parameters() if p.grad is not None]
         norm = _global_norm(grads, sharded=is_sharded(self))
         nonfinite = (~torch.isfinite(norm)).float()
-        if self.train_config.grad_clip_norm > 0:
-            torch._foreach_mul_(grads, torch.clamp(self.train_config.grad_clip_norm / (norm + 1e-6), max=1.0))
+        clip = self.train_config.grad_clip_norm
+        factor = torch.clamp(clip / (norm + 1e-6), max=1.0) if clip > 0 else None
         if scaler is None:
-            # Not declared by torch's Optimizer: the fused step reads it with getattr, and torch's own
-            # GradScaler sets it this same way (with the same ignore).
+            # Not declared by torch's Optimizer: the fused step reads both with getattr, and torch's own GradScaler
+            # sets them this same way (with the same ignore). The fused step divides each gradient by grad_scale
+            # as it reads it: clipping in the step's own pass over the gradients, not in a pass of its own.
             optimizer.found_inf = nonfinite  # type: ignore[attr-defined]
+            optimizer.grad_scale = None if factor is None else 1.0 / factor  # type: ignore[attr-defined]
             bad = nonfinite
         else:
+            if factor is not None:  # the scaler's step sets grad_scale itself
+                torch._foreach_mul_(grads, factor)
             bad = self.step_loss_nonfinite.clone()
         self.step_skipped.copy_(nonfinite)
         self.step_loss_nonfinite.zero_()
