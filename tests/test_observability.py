@@ -3,23 +3,19 @@ read back through their own formats, and Ray gauges."""
 
 from __future__ import annotations
 
-import contextlib
 import csv
 import io
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
 import pyarrow.fs as pafs
 import pytest
 from conftest import committed_checkpoints, tiny_config
-from support.ray_head import free_ports
+from support.mlflow_server import mlflow_server
 from support.ray_processes import our_training_workers
 
 from sdtrain.artifacts.run_outputs import LossLabels
@@ -279,52 +275,7 @@ def test_ray_gauges_reach_rays_metrics_export(ray_cluster):
     ray.kill(rank0)
 
 
-# Readers of what the trackers wrote, each through the tracker's own format, and a real MLflow server.
-
-
-@contextlib.contextmanager
-def mlflow_server(directory: Path) -> Iterator[str]:
-    """A real ``mlflow server`` on loopback with a SQLite backend and local artifacts; yields its URI."""
-    port = free_ports(1)[0]
-    log = open(directory / "mlflow-server.log", "wb")
-    process = subprocess.Popen(
-        [
-            os.path.join(os.path.dirname(sys.executable), "mlflow"),
-            "server",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--backend-store-uri",
-            f"sqlite:///{directory / 'mlflow.db'}",
-            "--artifacts-destination",
-            str(directory / "mlflow-artifacts"),
-            "--workers",
-            "1",
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,  # its uvicorn workers go with it
-    )
-    uri = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 90
-        while True:
-            try:
-                with urllib.request.urlopen(f"{uri}/health", timeout=2) as response:
-                    if response.status == 200:
-                        break
-            except OSError:
-                if process.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(
-                        f"mlflow server did not start: {(directory / 'mlflow-server.log').read_text()[-2000:]}"
-                    ) from None
-                time.sleep(0.5)  # polling a server coming up, not dodging a race
-        yield uri
-    finally:
-        os.killpg(process.pid, signal.SIGTERM)
-        process.wait(timeout=30)
-        log.close()
+# Readers of what the trackers wrote, each through the tracker's own format (an MLflow server: support.mlflow_server).
 
 
 def tensorboard_scalars(log_dir: Path) -> tuple[dict[str, list[tuple[int, float]]], dict[str, list[int]]]:
