@@ -58,7 +58,6 @@ def main() -> int:
     config = load_config(
         None,
         [
-            "data.demo=true",
             f"data.train={root}/data/train",
             "model.preset=tiny",
             f"train.max_steps={max_steps}",

@@ -14,12 +14,15 @@ from sdtrain.train.build import checkpoint_meta
 
 
 def test_metadata_round_trips_as_plain_data_and_names_what_is_missing():
-    config = Config.from_dict({"model": {"preset": "tiny"}, "data": {"demo": True, "train": ["d/train"]}})
-    meta = checkpoint_meta(config, [4, 16, 16], [77, 32], latent_scaling_factor=0.18215)
+    config = Config.from_dict({"model": {"preset": "tiny"}, "data": {"train": ["d/train"]}})
+    meta = checkpoint_meta(
+        config, [4, 16, 16], [77, 32], latent_scaling_factor=0.18215, latent_classifier="sdtrain.demo.digits"
+    )
     raw = meta.to_dict()
     assert raw["latent_shape"] == [4, 16, 16] and raw["caption_shape"] == [77, 32]  # lists: weights_only loads them
     assert CheckpointMeta.from_dict(raw, "x") == meta
-    assert meta.trained_on_demo and meta.latent_scaling_factor == 0.18215 and meta.latent_scale == 1.0
+    assert meta.latent_classifier == "sdtrain.demo.digits"
+    assert meta.latent_scaling_factor == 0.18215 and meta.latent_scale == 1.0
     # An older writer's extra key is ignored; a missing one is named with the checkpoint.
     assert CheckpointMeta.from_dict({**raw, "retired_key": 1}, "x") == meta
     del raw["caption_shape"]

@@ -86,7 +86,6 @@ def test_round_trip_through_dict():
         (BASE + ["failure.max_preemptions=-2"], r"failure\.max_preemptions: must be >= -1"),
         (BASE + ["data.prefetch_batches=-1"], r"data\.prefetch_batches: must be >= 0"),
         (BASE + ["data.latent_column="], r"data\.latent_column: expected str, got None"),
-        (["data.train=[a,b]", "data.demo=true"], r"data\.demo: needs data\.train .* single directory"),
         (
             BASE + ["train.global_batch_size=12", "scaling.num_workers=[2,5]"],
             r"train\.global_batch_size: 12 does not divide evenly over 5 worker\(s\), which "

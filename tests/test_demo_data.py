@@ -4,6 +4,7 @@ model, under a few seconds)."""
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
+from conftest import REPO
 
 from sdtrain.data.decode import to_array
 from sdtrain.demo.digits import (
@@ -58,7 +59,25 @@ def test_demo_files_of_an_older_layout_are_refused_with_how_to_renew_them(tmp_pa
     pq.write_table(pq.read_table(first).replace_schema_metadata(None), first)  # as sdtrain wrote it before layout 2
     with pytest.raises(
         DataError,
-        match=rf"data.demo: {first} holds the digits demo as another sdtrain version.*"
+        match=rf"the digits demo: {first} holds its data as another sdtrain version.*"
         rf"remove {tmp_path / 'val'}",
     ):
         ensure_demo_data(str(tmp_path / "train"), str(tmp_path / "val"), caption_dim=32)
+
+
+def test_the_demo_door_writes_its_data_only_where_its_config_names_it(tmp_path, monkeypatch):
+    import yaml
+
+    from sdtrain.data.metadata import latent_classifier
+    from sdtrain.demo import digits
+
+    shipped = yaml.safe_load((REPO / "configs" / "demo.yaml").read_text())["data"]
+    assert [shipped["train"], shipped["val"]] == [f"{digits.DATA_DIR}/train", f"{digits.DATA_DIR}/val"]
+    monkeypatch.chdir(tmp_path)
+    assert digits.prepare([str(tmp_path / "mine")], [], caption_dim=32) is None  # other data: nothing written
+    assert not (tmp_path / "mine").exists() and not (tmp_path / digits.DATA_DIR).exists()
+    written = digits.prepare([shipped["train"]], [shipped["val"]], caption_dim=32)
+    assert written == str(tmp_path / digits.DATA_DIR / "train")
+    first = tmp_path / digits.DATA_DIR / "val" / "part-00000.parquet"
+    assert latent_classifier(pq.read_schema(first).metadata) == "sdtrain.demo.digits"  # its files name their reader
+    assert digits.prepare([shipped["train"]], [shipped["val"]], caption_dim=32) is None  # there already: kept

@@ -206,4 +206,4 @@ def test_the_demo_survives_a_killed_driver_and_the_loss_falls(tmp_path, monkeypa
     result = subprocess.run(generate, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "of 10 samples look like the digit they were conditioned on" in result.stdout
-    assert json.loads((tmp_path / "samples" / "demo" / "demo_accuracy.json").read_text())["samples"] == 10
+    assert json.loads((tmp_path / "samples" / "demo" / "class_agreement.json").read_text())["samples"] == 10

@@ -17,7 +17,7 @@ from support.tiny_models import write_tiny_clip, write_tiny_dinov2, write_tiny_i
 
 from sdtrain.artifacts.checkpoint_format import CheckpointMeta
 from sdtrain.config.loader import load_config
-from sdtrain.data.metadata import LATENT_SCALING_FACTOR, VAE_SOURCE
+from sdtrain.data.metadata import LATENT_CLASSIFIER, LATENT_SCALING_FACTOR, VAE_SOURCE
 from sdtrain.data.position import DataPosition
 from sdtrain.data.read_order import DataState
 from sdtrain.errors import ConfigError, DataError
@@ -396,14 +396,18 @@ def test_eval_is_refused_before_ray_when_something_it_needs_is_missing(evaluated
         InceptionFeatures(str(tmp_path / "inception.pt"))
     with pytest.raises(ConfigError, match="checkpoint.score_attribute: fd_inception needs eval.inception"):
         tiny_config(*_eval_keys(config), "checkpoint.score_attribute=fd_inception")
-    # The demo's class agreement: the demo's data only, with its label column; it decodes nothing, so needs no VAE.
-    other = tiny_config("data.train=[t]", "eval.class_agreement=true")  # not the demo: the metric is off
-    assert not other.eval.class_agreement and not other.eval.enabled
-    demo = tiny_config("data.train=[t]", "data.val=[v]", "data.demo=true", "eval.class_agreement=true")
-    assert demo.eval.enabled and demo.eval.metrics == ["class_agreement"] and not demo.eval.needs_vae
+    # Class agreement: data.val's label column and the latent classifier its files name (the demo's do); it decodes
+    # nothing, so needs no VAE. Data that names none is refused before Ray, never measured with a guessed one.
+    agreement = tiny_config("data.train=[t]", "data.val=[v]", "eval.class_agreement=true")
+    assert agreement.eval.enabled and agreement.eval.metrics == ["class_agreement"] and not agreement.eval.needs_vae
     with pytest.raises(ConfigError, match=r"eval.class_agreement: data.val has no column 'label'.*caption_latents"):
-        check_evaluation(demo, {}, columns[:2])
-    assert check_evaluation(demo, {}, [*columns[:2], "label"]) is None
+        check_evaluation(agreement, {}, columns[:2])
+    with pytest.raises(ConfigError, match=r"data.val's files name no latent classifier .*eval.class_agreement=false"):
+        check_evaluation(agreement, {}, [*columns[:2], "label"])
+    named = {LATENT_CLASSIFIER.encode(): b"sdtrain.demo.digits"}
+    assert check_evaluation(agreement, named, [*columns[:2], "label"]) is None
+    with pytest.raises(ConfigError, match=r"'sdtrain.demo' is no latent classifier: it has no preview\(\), class_agr"):
+        check_evaluation(agreement, {LATENT_CLASSIFIER.encode(): b"sdtrain.demo"}, [*columns[:2], "label"])
 
 
 def _eval_keys(config) -> list[str]:

@@ -38,7 +38,7 @@ def trained(tmp_path_factory):
     """A checkpoint of the tiny UNet after 4 steps on the digits demo, with EMA and caption dropout."""
     root = tmp_path_factory.mktemp("trained")
     ensure_demo_data(str(root / "train"), str(root / "val"), caption_dim=32)
-    data = DataConfig(train=[str(root / "train")], val=[str(root / "val")], demo=True)
+    data = DataConfig(train=[str(root / "train")], val=[str(root / "val")])
     spec = inspect_dataset(resolve_parquet_files(data.train, "data.train"), "data.train", data.columns, 4, 32)
     batches = []
     for batch in iter_local_batches(spec, data, 16):
@@ -53,7 +53,8 @@ def trained(tmp_path_factory):
         noise_scheduler_config(model),
         latent_shape=(4, 16, 16),
         caption_shape=(77, 32),
-        config={"data": {"demo": True}, "train": {"caption_dropout_prob": 0.2}},
+        config={"train": {"caption_dropout_prob": 0.2}},
+        latent_classifier="sdtrain.demo.digits",  # what the demo's files name (a run's driver reads it from them)
     )
     torch.manual_seed(0)
     module = DiffusionModule(build_unet(model), meta.noise_scheduler_config, train, meta)
@@ -99,7 +100,7 @@ def test_export_round_trips_through_from_pretrained(trained, tmp_path):
     scheduler = DDPMScheduler.from_pretrained(out, subfolder="scheduler")
     assert scheduler.config.prediction_type == "v_prediction" and scheduler.config.clip_sample is False
     info = json.loads((tmp_path / "export" / "sdtrain.json").read_text())
-    assert info["weights"] == "ema" and info["global_step"] == 4 and info["demo"] is True
+    assert info["weights"] == "ema" and info["global_step"] == 4 and info["latent_classifier"] == "sdtrain.demo.digits"
 
     module = trained["module"]
     x, t, c = torch.randn(2, 4, 16, 16), torch.tensor([5, 700]), torch.randn(2, 77, 32)
@@ -213,7 +214,7 @@ def test_generate_end_to_end_writes_a_grid_per_class(trained, tmp_path):
         tmp_path,
     )
     assert sorted(p.name for p in out.iterdir()) == [
-        "demo_accuracy.json",
+        "class_agreement.json",
         "generate.json",
         "latents.npy",
         "preview.png",
@@ -230,7 +231,7 @@ def test_generate_end_to_end_writes_a_grid_per_class(trained, tmp_path):
         width, height = preview.size
     assert height == 10 * (64 + 2) + 2 and width == 60 + 3 * (64 + 2) + 2  # 10 rows of 3 tiles of 64x64
     assert f"wrote {out}/preview.png" in result.stdout
-    accuracy = json.loads((out / "demo_accuracy.json").read_text())  # the demo's class agreement, 30 samples
+    accuracy = json.loads((out / "class_agreement.json").read_text())  # the demo's class agreement, 30 samples
     assert (
         accuracy["samples"] == 30
         and 0 <= accuracy["class_agreement"] <= 1

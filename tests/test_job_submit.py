@@ -128,7 +128,7 @@ def test_a_job_trains_from_a_bucket_into_a_bucket_is_stopped_and_resubmitted_and
     job_args = [
         "python",
         "entrypoints/train.py",
-        "data.demo=false",
+        "eval.class_agreement=false",
         f"data.train={s3_bucket}/data/train",
         f"data.val={s3_bucket}/data/val/",
         f"run.storage_path={s3_bucket}/runs",

@@ -41,7 +41,7 @@ def _module(prediction_type="epsilon", uncond=None, latent_scale=None, **train):
         latent_shape=(4, 16, 16),
         caption_shape=tuple(CAPTION_SHAPE),
         latent_scale=1.0 if latent_scale is None else latent_scale,
-        config={"data": {"demo": False}, "train": {"caption_dropout_prob": train.get("caption_dropout_prob", 0.0)}},
+        config={"train": {"caption_dropout_prob": train.get("caption_dropout_prob", 0.0)}},
     )
     return DiffusionModule(
         build_unet(model), meta.noise_scheduler_config, TrainConfig(**train), meta, unconditional_caption=uncond

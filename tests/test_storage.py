@@ -508,7 +508,7 @@ def test_the_train_entrypoint_stops_before_ray_starts(s3_bucket, tmp_path):
                 str(REPO / "entrypoints" / "train.py"),
                 "data.train=s3://no-such-bucket/latents",
                 "data.val=[]",
-                "data.demo=false",
+                "eval.class_agreement=false",
                 f"run.storage_path={s3_bucket}/runs",
             ],
             # This checkout's package, whatever an editable install elsewhere points at.

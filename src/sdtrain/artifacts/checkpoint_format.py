@@ -49,6 +49,9 @@ class CheckpointMeta:
     text_encoder: str | None = None
     """For data of caption token ids: the text encoder (local path, storage URI or hub id) every worker encodes them
     with in the step (sdtrain.model.token_captions); None: the data holds embeddings."""
+    latent_classifier: str | None = None
+    """The module the training data names as the reader of its latents without a VAE
+    (sdtrain.sampling.latent_classifier); None: the data names none."""
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (lists, not tuples) for ``torch.load(weights_only=True)`` and JSON."""
@@ -70,10 +73,6 @@ class CheckpointMeta:
         values = {k: v for k, v in raw.items() if k in known}
         values["latent_shape"], values["caption_shape"] = tuple(raw["latent_shape"]), tuple(raw["caption_shape"])
         return cls(**values)
-
-    @property
-    def trained_on_demo(self) -> bool:
-        return bool(self.config.get("data", {}).get("demo", False))
 
     @property
     def caption_dropout_prob(self) -> float | None:

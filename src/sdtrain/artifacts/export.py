@@ -74,7 +74,7 @@ def write_export(loaded: LoadedModel, destination: str) -> str:
         "latent_shape": list(loaded.latent_shape) if loaded.latent_shape else None,
         "caption_shape": list(loaded.caption_shape) if loaded.caption_shape else None,
         "latent_scaling_factor": loaded.latent_scaling_factor,
-        "demo": loaded.trained_on_demo,
+        "latent_classifier": loaded.latent_classifier,
         "vae_source": sources.vae if sources else None,
         "text_encoder_source": sources.text_encoder if sources else None,
     }

@@ -47,7 +47,8 @@ class LoadedModel:
     caption_shape: tuple[int, ...] | None
     latent_scaling_factor: float | None
     """What decoding with a VAE divides by; None: the VAE's own scaling factor."""
-    trained_on_demo: bool
+    latent_classifier: str | None
+    """The module the training data named as the reader of its latents without a VAE, if any."""
     meta: CheckpointMeta | None
     """The full metadata when loaded from a checkpoint (an export keeps the summary above)."""
 
@@ -117,7 +118,7 @@ def _from_checkpoint(path: str, weights: Weights) -> LoadedModel:
         latent_shape=meta.latent_shape,
         caption_shape=meta.caption_shape,
         latent_scaling_factor=meta.latent_scaling_factor,
-        trained_on_demo=meta.trained_on_demo,
+        latent_classifier=meta.latent_classifier,
         meta=meta,
     )
 
@@ -146,7 +147,7 @@ def _from_export(path: str) -> LoadedModel:
         latent_shape=tuple(shape) if shape else None,
         caption_shape=tuple(caption_shape) if caption_shape else None,
         latent_scaling_factor=info.get("latent_scaling_factor"),
-        trained_on_demo=bool(info.get("demo", False)),
+        latent_classifier=info.get("latent_classifier"),
         meta=None,
     )
 

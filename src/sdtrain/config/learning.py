@@ -42,8 +42,6 @@ class DataConfig(Section):
     """Column holding the caption embeddings, L*D values a row, D = the UNet's cross_attention_dim; or the captions'
     token ids (L integers a row, e.g. preprocessing's caption_ids), which each worker encodes in the step with the
     text encoder the files name (docs/data.md, Captions as token ids)."""
-    demo: bool = False
-    """Generate the digits demo dataset into data.train / data.val (one directory each) if they are empty."""
     prefetch_batches: int = 2
     """Batches each worker fetches ahead of the one being trained on."""
     reads_per_worker: int = 2
@@ -67,7 +65,7 @@ class DataConfig(Section):
     leaves its rows out of the loss and counts them (metric skipped_samples)."""
     latent_scaling_factor: float | None = None
     """Multiply the stored latents by this, once, as training reads them: set it (0.18215 for SD's VAE) when the files
-    hold raw VAE latents; null = they are already scaled (the Anyscale notebook's files, the demo). Refused if a
+    hold raw VAE latents; null = they are already scaled (the Anyscale notebook's files). Refused if a
     file's parquet metadata says its latents are already scaled (key sdtrain.latent_scaling_factor)."""
     unconditional_caption: str = "zeros"
     """The caption embedding of the empty prompt, which caption dropout substitutes and classifier-free guidance
@@ -80,8 +78,6 @@ class DataConfig(Section):
         return Columns(self.latent_column, self.caption_column)
 
     def __post_init__(self):
-        if self.demo and (len(self.train) != 1 or len(self.val) > 1):
-            self._fail("demo", "needs data.train (and data.val, if set) to be a single directory each")
         for key in ("shuffle_chunk_rows", "shuffle_window_rows"):
             if getattr(self, key) < 1:
                 self._fail(key, f"must be >= 1, got {getattr(self, key)}")
@@ -106,7 +102,7 @@ class ModelConfig(Section):
     section: ClassVar[str] = "model"
 
     preset: Literal["tiny", "small", "sd2-base"] = "small"
-    """UNet architecture: tiny (CPU tests and demo), small (the Anyscale notebook's UNet), sd2-base (Stable Diffusion 2
+    """UNet architecture: tiny (tests, laptops), small (the Anyscale notebook's UNet), sd2-base (Stable Diffusion 2
     base)."""
     unet: dict[str, Any] = field(default_factory=dict)
     """UNet2DConditionModel keyword arguments that override the preset, e.g. model.unet.cross_attention_dim=768."""

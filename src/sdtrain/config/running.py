@@ -156,7 +156,8 @@ class SampleGridConfig(Section):
     checkpoint. No grid when neither sample_grid.captions nor data.val is set, or under train.strategy=fsdp."""
     captions: str | None = None
     """Captions of the sample grid's rows: a .npy of embeddings ((L, D) or (N, L, D)) or parquet with
-    data.caption_column; null = data.val (one row per label for the digits demo, else its first sample_grid.rows)."""
+    data.caption_column; null = data.val (one row per label when it has a label column, else its first
+    sample_grid.rows)."""
     rows: int = 4
     """Rows (captions) of the sample grid, when its captions are not one per label."""
     columns: int = 4
@@ -197,10 +198,10 @@ class EvalConfig(Section):
     text_column: str = "caption"
     """data.val's column of caption texts, for clip_score (preprocessing keeps it)."""
     class_agreement: bool = False
-    """The digits demo (data.demo): the share of sampled images that a digit classifier (an SVC fitted on the demo's
-    training digits; it reads 0.95 of the real validation digits) reads as the digit of their caption (metric
-    class_agreement, chance 0.1; data.val's label column). The demo's latents are digits themselves: no VAE. Off for
-    data that is not the demo, so a run that overrides the demo config's data need not turn it off."""
+    """The share of sampled latents that data.val's latent classifier reads as their caption's label (metric
+    class_agreement; data.val's label column): a module its files name (parquet metadata sdtrain.latent_classifier,
+    sdtrain.sampling.latent_classifier) that reads latents without a VAE. Refused before Ray for data that names
+    none."""
     vae: str | None = None
     """The VAE that decodes sampled and data.val's latents into images (a Stable Diffusion model or its vae/); null =
     the one data.val's files record (preprocessing's sdtrain.vae_source)."""
@@ -230,7 +231,7 @@ class EvalConfig(Section):
 
     @property
     def needs_vae(self) -> bool:
-        """Whether evaluations decode latents into images (every metric but the demo's class agreement)."""
+        """Whether evaluations decode latents into images (every metric but class agreement)."""
         return any(metric != "class_agreement" for metric in self.metrics)
 
     def __post_init__(self):

@@ -151,10 +151,6 @@ class Config(ConfigTree):
                     f"run.val_every_n_steps={every} does not divide "
                     f"checkpoint.every_n_steps={self.checkpoint.every_n_steps}"
                 )
-        if self.eval.class_agreement and not self.data.demo:
-            # The default config is the demo's, and a run on other data overrides data.* only: the demo's digit
-            # classifier has nothing to read there, so its metric is off rather than the run refused.
-            self.eval.class_agreement = False
         if self.eval.enabled and not self.data.val:
             raise ConfigError("eval: evaluating checkpoints needs data.val (its captions and images are the reference)")
         for key, metric in (

@@ -24,6 +24,9 @@ TEXT_ENCODER_SOURCE = "sdtrain.text_encoder_source"
 """Where the text encoder that encoded the captions came from."""
 LATENT = "sdtrain.latent"
 """Which latent of the VAE's distribution was stored: ``mean`` or ``sample`` (preprocessing's encode.latent)."""
+LATENT_CLASSIFIER = "sdtrain.latent_classifier"
+"""A module that reads the stored latents without a VAE (sdtrain.sampling.latent_classifier): their class, and a
+picture of them. The digits demo's files name theirs (sdtrain.demo.digits); preprocessing's name none."""
 TOKEN_VOCAB_SIZE = "sdtrain.token_vocab_size"
 """Beside a column of caption token ids (integers): the size of the tokenizer's vocabulary they were made with, which
 bounds every stored id. With TEXT_ENCODER_SOURCE it is what training needs to encode the ids in its step."""
@@ -51,6 +54,12 @@ def token_ids(metadata: Mapping[bytes, bytes] | None, where: str) -> TokenIds:
             "(output.captions: token_ids), or record those keys (docs/data.md)"
         )
     return TokenIds(metadata[TEXT_ENCODER_SOURCE.encode()].decode(), int(metadata[TOKEN_VOCAB_SIZE.encode()]))
+
+
+def latent_classifier(metadata: Mapping[bytes, bytes] | None) -> str | None:
+    """The module a file's schema metadata names as the reader of its latents, or None."""
+    value = (metadata or {}).get(LATENT_CLASSIFIER.encode())
+    return None if value is None else value.decode()
 
 
 def latent_scaling(metadata: Mapping[bytes, bytes] | None) -> float | None:

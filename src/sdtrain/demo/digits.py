@@ -25,6 +25,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from sdtrain.data.footer import read_schema
+from sdtrain.data.metadata import LATENT_CLASSIFIER
 from sdtrain.errors import DataError
 
 NUM_CLASSES = 10
@@ -34,7 +35,7 @@ VAL_ROWS = 197
 TRAIN_FILES = 4
 DIGIT_WEIGHT = 0.85
 """The digit's share of each caption token (the rest is the token's position, the same for every digit)."""
-LAYOUT = "2"
+LAYOUT = "3"
 """The demo files' layout (their parquet metadata sdtrain.demo_layout); files without it are an older sdtrain's."""
 LAYOUT_KEY = b"sdtrain.demo_layout"
 
@@ -188,7 +189,7 @@ def _table(ids, labels, latents, captions) -> pa.Table:
             "image_latents_256": flat(latents),
             "caption_latents": flat(captions),
         }
-    ).replace_schema_metadata({LAYOUT_KEY: LAYOUT})
+    ).replace_schema_metadata({LAYOUT_KEY: LAYOUT, LATENT_CLASSIFIER: __name__})
 
 
 def _check_layout(directory: str) -> None:
@@ -197,7 +198,7 @@ def _check_layout(directory: str) -> None:
     layout = (read_schema(str(first), "the demo's data").metadata or {}).get(LAYOUT_KEY)
     if layout != LAYOUT.encode():
         raise DataError(
-            f"data.demo: {first} holds the digits demo as another sdtrain version wrote it (layout "
+            f"the digits demo: {first} holds its data as another sdtrain version wrote it (layout "
             f"{layout.decode() if layout else 1}, this version writes {LAYOUT}); remove {directory} (make clean-runs "
             "removes the demo's data and runs) and it is written again"
         )
@@ -219,3 +220,70 @@ def _write_atomically(table: pa.Table, directory: Path, num_files: int) -> None:
 
 def _has_parquet(directory: str) -> bool:
     return any(Path(directory).glob("*.parquet")) if Path(directory).is_dir() else False
+
+
+# --- the latent classifier of the demo's files (sdtrain.sampling.latent_classifier) -----------------------------
+
+
+def check() -> None:
+    """Its classifier needs scikit-learn (the preprocess extra)."""
+    import importlib.util
+
+    if importlib.util.find_spec("sklearn") is None:
+        raise ImportError("the digits demo's classifier needs scikit-learn: pip install 'sdtrain[preprocess]'")
+
+
+def preview(latents: np.ndarray) -> np.ndarray:
+    """(N, 4, 16, 16) demo latents -> (N, 16, 16) uint8, dark ink on white: the demo's samples without a VAE."""
+    ink = np.clip(digits_from_latents(latents) / 16.0, 0, 1)
+    return (255 * (1 - ink)).astype(np.uint8)
+
+
+def report(latents: np.ndarray, labels: list, samples_per_caption: int, embeddings: np.ndarray) -> dict | None:
+    """The class agreement of samples of the grid rows ``labels`` (``samples_per_caption`` a row), with chance and the
+    classifier's agreement on real digits for scale; None unless the rows' caption ``embeddings`` (R, L, D) are the
+    demo's captions of those digits (then the labels mean digits)."""
+    if not all(isinstance(label, int) and 0 <= label < NUM_CLASSES for label in labels):
+        return None
+    expected = class_captions(embeddings.shape[-1])[labels]
+    if expected.shape != tuple(embeddings.shape) or not np.allclose(embeddings, expected, atol=1e-2):
+        return None
+    agreement = class_agreement(latents, np.repeat(labels, samples_per_caption))
+    real = round(real_digits_agreement(), 4)
+    return {
+        **agreement,
+        "chance": 1 / NUM_CLASSES,
+        "real_digits": real,
+        "summary": (
+            f"class agreement {agreement['class_agreement']:.2f}: {agreement['agreeing']} of {agreement['samples']} "
+            f"samples look like the digit they were conditioned on (an SVC of the training digits; chance "
+            f"{1 / NUM_CLASSES:.2f}, real digits {real:.2f})"
+        ),
+        "classifier": (
+            "an SVC (RBF kernel) fitted on the demo's training digits, on each sample decoded by "
+            "sdtrain.demo.digits.digits_from_latents; real_digits = its agreement on the real validation digits"
+        ),
+    }
+
+
+# --- the door: the demo's data where its config names it ------------------------------------------------------
+
+DATA_DIR = os.path.join(".sdtrain-data", "digits")
+"""Where configs/demo.yaml keeps the demo's data (train/ and val/), relative to the working directory."""
+
+
+def prepare(train: list[str], val: list[str], caption_dim: int) -> str | None:
+    """Write the demo's data if a run names the demo's own directories (configs/demo.yaml's data.train and data.val)
+    and they hold none yet; returns the directory written, else None. A run on any other data writes nothing.
+
+    Args:
+        train: data.train as the config gives it.
+        val: data.val.
+        caption_dim: the UNet's cross_attention_dim (the width of the demo's captions).
+    """
+    ours = os.path.abspath(os.path.join(DATA_DIR, "train")), os.path.abspath(os.path.join(DATA_DIR, "val"))
+    named = [os.path.abspath(spec) for spec in (*train, *val) if "://" not in spec]
+    if ours[0] not in named:
+        return None
+    val_dir = ours[1] if ours[1] in named else None
+    return ours[0] if ensure_demo_data(ours[0], val_dir, caption_dim=caption_dim) else None

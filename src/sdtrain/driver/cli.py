@@ -71,8 +71,15 @@ def _main(argv, default_config: Path, prog: str, description: str, job: Callable
 
 
 def _train(config: Config) -> list[str]:
+    from sdtrain.demo import digits
     from sdtrain.driver.run import train  # imports Ray and torch: only once the config is known good
+    from sdtrain.model.unet import unet_config
 
+    # The demo's door: its data is written where configs/demo.yaml names it, on first use.
+    caption_dim = unet_config(config.model)["cross_attention_dim"]
+    written = digits.prepare(config.data.train, config.data.val, caption_dim)
+    if written is not None:
+        log.info(f"wrote the digits demo dataset to {written}")
     summary = train(config)
     return [
         f"done: step {summary.final_step}, loss {summary.final_loss:.4f}",
@@ -278,11 +285,11 @@ def generate_main(argv=None) -> int:
     )
     parser.add_argument(
         "--preview",
-        choices=("auto", "digits", "channels"),
+        choices=("auto", "classifier", "channels"),
         default="auto",
         help=(
-            "latent preview without a VAE: digits (the demo's inverse), channels (first 3 as RGB); auto = "
-            "digits for demo runs"
+            "latent preview without a VAE: classifier (the latent classifier the model's data names, e.g. the "
+            "demo's digits), channels (first 3 as RGB); auto = classifier where there is one"
         ),
     )
     parser.add_argument("--batch-size", type=int, default=64, help="samples per UNet batch (default: %(default)s)")

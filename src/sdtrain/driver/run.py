@@ -28,10 +28,10 @@ from sdtrain.controller.failures import StopOnDeterministicErrors, failure_messa
 from sdtrain.data.dataset_index import IndexedDataset, index_dataset
 from sdtrain.data.index_format import run_index_uri, write_index
 from sdtrain.data.inspection import DatasetSpec
+from sdtrain.data.metadata import latent_classifier
 from sdtrain.data.position import DataPosition
 from sdtrain.data.read_order import SamplePlan, files_digest
 from sdtrain.data.streams import WindowReader, file_order_dataset
-from sdtrain.demo.digits import ensure_demo_data
 from sdtrain.driver.memory_fit import cluster_gpu, fit_micro_batch
 from sdtrain.driver.preflight import preflight
 from sdtrain.driver.ray_data_startup import warm_up_ray_data
@@ -103,7 +103,9 @@ class CheckedRun:
     resume_step: int = 0
     eval_vae: str | None = None
     """With eval: the VAE that decodes latents for the evaluations (eval.vae, else the one data.val records); None
-    when no metric needs images (the demo's class agreement)."""
+    when no metric needs images (class agreement reads latents without a VAE)."""
+    latent_classifier: str | None = None
+    """The module data.train's files name as the reader of their latents (sdtrain.sampling.latent_classifier)."""
 
     @property
     def finished(self) -> bool:
@@ -140,6 +142,7 @@ def check_run(config: Config) -> CheckedRun:
             write_index(run_index_uri(run_dir, key), data.index)
     val_spec = val_data.spec if val_data is not None else None
     run = CheckedRun(config, run_dir, train_spec, val_spec, plan, stored_scale, committed_run(*ray_storage(run_dir)))
+    run.latent_classifier = latent_classifier(train_data.schema_metadata)
     if config.eval.enabled:
         assert val_data is not None  # the config requires data.val with eval
         run.eval_vae = check_evaluation(config, val_data.schema_metadata, val_data.index.checked.schema.names)
@@ -149,13 +152,9 @@ def check_run(config: Config) -> CheckedRun:
 
 
 def _check_data(config: Config, run_dir: str) -> tuple[IndexedDataset, IndexedDataset | None, float | None]:
-    """data.train and data.val (the demo's written first), checked against the UNet and each other; and the
-    latent scaling factor the files record."""
+    """data.train and data.val, checked against the UNet and each other; and the latent scaling factor the files
+    record."""
     unet = unet_config(config.model)
-    if config.data.demo:
-        val_dir = config.data.val[0] if config.data.val else None
-        if ensure_demo_data(config.data.train[0], val_dir, caption_dim=unet["cross_attention_dim"]):
-            log.info(f"wrote the digits demo dataset to {config.data.train[0]}")
     # The run's dataset index (its first start reads the footers; later starts, the index and changed files).
     train_data = indexed_dataset(config, "data.train", config.data.train, unet, run_dir)
     val_data = indexed_dataset(config, "data.val", config.data.val, unet, run_dir) if config.data.val else None
@@ -223,7 +222,9 @@ def build_trainer(run: CheckedRun, launched_at: float) -> TorchTrainer:
     if run.val is not None:
         datasets["val"] = file_order_dataset(run.val, config.data, "data.val")
     text_encoder = run.train.token_ids.text_encoder if run.train.token_ids is not None else None
-    meta = checkpoint_meta(config, run.train.latent_shape, captions, run.stored_scale, text_encoder)
+    meta = checkpoint_meta(
+        config, run.train.latent_shape, captions, run.stored_scale, text_encoder, run.latent_classifier
+    )
     return TorchTrainer(
         train_loop_per_worker,
         train_loop_config={

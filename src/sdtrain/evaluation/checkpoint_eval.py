@@ -10,8 +10,8 @@ sample_grid's sampler, steps and guidance), decodes them with the data's VAE and
   measures the UNet, not the VAE). Those reference statistics are computed once per run and kept in the run
   directory; restarts reuse them;
 - ``clip_score``: the mean CLIP score of each image against its caption's text (data.val's eval.text_column);
-- ``class_agreement`` (the digits demo): the share of samples a digit classifier reads as their caption's digit
-  (:func:`sdtrain.demo.digits.class_agreement`; the demo's latents are digits, nothing is decoded).
+- ``class_agreement``: the share of samples the model's latent classifier reads as their caption's label (a module
+  the training data names: :mod:`sdtrain.sampling.latent_classifier`; nothing is decoded).
 
 Each result is written to ``<run dir>/evaluation/step_<N>.json`` (an error too), where rank 0 and the driver read it
 into metrics.csv, the trackers and the live files at the checkpoint's step (:mod:`sdtrain.train.evaluations`).
@@ -43,6 +43,7 @@ from sdtrain.evaluation.image_metrics import ClipScore, DinoFeatures, FeatureSta
 from sdtrain.evaluation.results import measured_with, write_evaluation
 from sdtrain.model.encoders import load_vae
 from sdtrain.sampling.images import decode
+from sdtrain.sampling.latent_classifier import load_latent_classifier
 from sdtrain.sampling.sampler import sample_latents
 from sdtrain.storage.filesystems import filesystem_for, write_bytes
 from sdtrain.storage.run_layout import EVALUATION_DIR
@@ -59,7 +60,7 @@ class EvalRows:
     texts: list[str] | None
     """eval.text_column's captions, when it is measured (clip_score)."""
     labels: np.ndarray | None
-    """The demo's digits (its label column), for class_agreement."""
+    """data.val's label column, for class_agreement."""
     files: list[str]
     """The files the rows came from (part of the reference statistics' key)."""
     versions: list[tuple[int, str]]
@@ -152,9 +153,8 @@ class Evaluator:
         )
         metrics: dict[str, float] = {}
         if rows.labels is not None:
-            from sdtrain.demo.digits import class_agreement
-
-            metrics["class_agreement"] = class_agreement(latents.numpy(), rows.labels)["class_agreement"]
+            reader = load_latent_classifier(loaded.latent_classifier or "", f"eval.class_agreement: {loaded.source}")
+            metrics["class_agreement"] = reader.class_agreement(latents.numpy(), rows.labels)["class_agreement"]
         images = self._decode(latents, loaded) if self.vae is not None else None
         for metric, features in self.features.items():
             assert images is not None

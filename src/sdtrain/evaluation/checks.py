@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import posixpath
 from typing import Any
@@ -10,17 +9,18 @@ from typing import Any
 import pyarrow.fs as pafs
 
 from sdtrain.config.schema import Config
-from sdtrain.data.metadata import VAE_SOURCE
-from sdtrain.errors import ConfigError
+from sdtrain.data.metadata import LATENT_CLASSIFIER, VAE_SOURCE, latent_classifier
+from sdtrain.errors import ConfigError, DataError
+from sdtrain.sampling.latent_classifier import load_latent_classifier
 from sdtrain.storage.filesystems import filesystem_for
 from sdtrain.storage.uris import is_uri
 
 
 def check_evaluation(config: Config, val_metadata: dict | Any, val_columns: list[str]) -> str | None:
     """Before Ray starts: what eval needs is there (the models' configs where they are local or in storage, the
-    Inception file, the text column for clip_score, a VAE; the label column and scikit-learn for the demo's class
-    agreement). Returns the VAE evaluations decode with: eval.vae, else the one data.val records; None when no metric
-    needs images.
+    Inception file, the text column for clip_score, a VAE; for class agreement the label column and the latent
+    classifier data.val's files name). Returns the VAE evaluations decode with: eval.vae, else the one data.val
+    records; None when no metric needs images.
 
     Args:
         val_metadata: data.val's schema metadata (from its dataset index).
@@ -29,11 +29,20 @@ def check_evaluation(config: Config, val_metadata: dict | Any, val_columns: list
     if config.eval.class_agreement:
         if "label" not in val_columns:
             raise ConfigError(
-                f"eval.class_agreement: data.val has no column 'label' of digits (the demo writes one; its columns: "
-                f"{', '.join(val_columns)})"
+                f"eval.class_agreement: data.val has no column 'label' (its columns: {', '.join(val_columns)}); "
+                "set eval.class_agreement=false for this data"
             )
-        if importlib.util.find_spec("sklearn") is None:
-            raise ConfigError("eval.class_agreement: needs scikit-learn (pip install 'sdtrain[preprocess]')")
+        name = latent_classifier(val_metadata)
+        if name is None:
+            raise ConfigError(
+                f"eval.class_agreement: data.val's files name no latent classifier (parquet metadata "
+                f"{LATENT_CLASSIFIER}: the digits demo's files name theirs); set eval.class_agreement=false for "
+                "this data"
+            )
+        try:
+            load_latent_classifier(name, f"eval.class_agreement: data.val's {LATENT_CLASSIFIER}")
+        except DataError as error:
+            raise ConfigError(str(error)) from None
     if not config.eval.needs_vae:
         return None
     recorded = (val_metadata or {}).get(VAE_SOURCE.encode())

@@ -1,5 +1,5 @@
-"""The whole sampling command: a trained model and captions in, a grid of samples out (latents,
-images when a VAE is given, else a latent preview; class agreement for the digits demo)."""
+"""The whole sampling command: a trained model and captions in, a grid of samples out (latents, images when a VAE is
+given, else a latent preview; the class agreement of labelled rows when the model's data named a latent classifier)."""
 
 from __future__ import annotations
 
@@ -11,19 +11,19 @@ from typing import Literal
 import numpy as np
 import torch
 
-from sdtrain.artifacts.loading import Weights, load_model
+from sdtrain.artifacts.loading import LoadedModel, Weights, load_model
 from sdtrain.errors import DataError
 from sdtrain.model.encoders import load_vae
-from sdtrain.sampling.captions import read_captions
-from sdtrain.sampling.demo_scoring import class_agreement_report, demo_labels
-from sdtrain.sampling.images import channels_preview, decode, decode_shape, digits_preview, grid_image
+from sdtrain.sampling.captions import Captions, read_captions
+from sdtrain.sampling.images import channels_preview, decode, decode_shape, grid_image, latent_preview
+from sdtrain.sampling.latent_classifier import load_latent_classifier
 from sdtrain.sampling.sampler import sample_latents
 
 LATENTS_FILE = "latents.npy"
 PREVIEW_FILE = "preview.png"
 GRID_FILE = "grid.png"
 INFO_FILE = "generate.json"
-DEMO_ACCURACY_FILE = "demo_accuracy.json"
+CLASS_AGREEMENT_FILE = "class_agreement.json"
 
 
 @dataclass
@@ -40,7 +40,7 @@ class GenerateRequest:
     seed: int = 0
     vae: str | None = None
     weights: Weights = "auto"
-    preview: Literal["auto", "digits", "channels"] = "auto"
+    preview: Literal["auto", "classifier", "channels"] = "auto"
     batch_size: int = 64
     prompts: list[str] = field(default_factory=list)
     """Prompts in words, encoded with request.text_encoder or the one the model's data records (instead of
@@ -56,26 +56,7 @@ def generate(request: GenerateRequest) -> list[str]:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     loaded = load_model(request.model, request.weights)
     unet = loaded.unet.to(device).eval()
-    if request.prompts:
-        from sdtrain.sampling.prompts import encode_prompt_captions, resolve_sources
-
-        sources = resolve_sources(loaded, request.text_encoder, request.vae)
-        captions = encode_prompt_captions(request.prompts, sources.text_encoder, loaded.caption_shape)
-        request.vae = sources.vae  # prompts mean pictures: decode with the VAE the data was encoded with
-    elif request.captions is not None:
-
-        def encode(ids: torch.Tensor) -> torch.Tensor:  # a column of token ids: the model's text encoder, on demand
-            from sdtrain.model.token_captions import CaptionEncoder
-            from sdtrain.sampling.prompts import resolve_sources
-
-            source = resolve_sources(loaded, request.text_encoder, request.vae).text_encoder
-            return CaptionEncoder.load(source, use_gpu=False)(ids).float()
-
-        captions = read_captions(
-            request.captions, unet.config.cross_attention_dim, request.caption_column, request.rows, encode=encode
-        )
-    else:
-        raise DataError("give --captions or --prompt/--prompts-file")
+    captions = _captions(request, loaded, unet.config.cross_attention_dim)
     latent_shape = loaded.latent_shape or (unet.config.in_channels, unet.config.sample_size, unet.config.sample_size)
     unconditional = loaded.unconditional_caption
     if unconditional is not None and tuple(unconditional.shape) != tuple(captions.embeddings.shape[1:]):
@@ -90,13 +71,11 @@ def generate(request: GenerateRequest) -> list[str]:
             "the model was trained without caption dropout (train.caption_dropout_prob: 0), so its unconditional "
             "prediction is untrained; guidance may not help (try --guidance-scale 1)"
         )
-
     k = request.samples_per_caption
-    repeated = captions.embeddings.repeat_interleave(k, dim=0)
     latents = sample_latents(
         unet,
         dict(loaded.noise_scheduler.config),
-        repeated,
+        captions.embeddings.repeat_interleave(k, dim=0),
         unconditional,
         latent_shape,
         sampler=request.sampler,
@@ -106,53 +85,104 @@ def generate(request: GenerateRequest) -> list[str]:
         batch_size=request.batch_size,
     )
     os.makedirs(request.out, exist_ok=True)
-    written = []
     grid_latents = latents.numpy().reshape(len(captions.names), k, *latent_shape)
     path = os.path.join(request.out, LATENTS_FILE)
     np.save(path, grid_latents)
-    written.append(path)
-
+    written = [path]
     if request.vae is not None:
-        vae = load_vae(request.vae, device)
-        factor = loaded.latent_scaling_factor or vae.config.scaling_factor
-        images = decode(vae, latents, factor).reshape(len(captions.names), k, *decode_shape(latents, vae))
-        image_dir = os.path.join(request.out, "images")
-        os.makedirs(image_dir, exist_ok=True)
-        from PIL import Image
-
-        for r in range(images.shape[0]):
-            for c in range(k):
-                path = os.path.join(image_dir, f"row{r:02d}_sample{c:02d}.png")
-                Image.fromarray(images[r, c]).save(path)
-                written.append(path)
-        path = os.path.join(request.out, GRID_FILE)
-        grid_image(images, captions.names).save(path)
-        written.append(path)
+        written += _write_images(request, loaded, latents, captions, device)
     else:
-        mode = request.preview
-        if mode == "auto":
-            mode = "digits" if loaded.trained_on_demo else "channels"
-        flat = latents.numpy()
-        tiles = digits_preview(flat) if mode == "digits" else channels_preview(flat)
-        tiles = tiles.reshape(len(captions.names), k, *tiles.shape[1:])
-        path = os.path.join(request.out, PREVIEW_FILE)
-        grid_image(tiles, captions.names, zoom=max(1, 64 // latent_shape[-1])).save(path)
-        written.append(path)
+        written.append(_write_preview(request, loaded, latents, captions, latent_shape))
+    written += _write_class_agreement(request, loaded, latents, captions)
+    written.append(_write_info(request, loaded, captions, list(grid_latents.shape)))
+    return written
 
-    labels = demo_labels(loaded, captions)
-    if labels is not None:
-        accuracy = class_agreement_report(latents.numpy(), labels, k)
-        path = os.path.join(request.out, DEMO_ACCURACY_FILE)
-        with open(path, "w") as f:
-            json.dump(accuracy, f, indent=2)
-        written.append(path)
-        request.results.append(
-            f"class agreement {accuracy['class_agreement']:.2f}: {accuracy['agreeing']} of "
-            f"{accuracy['samples']} samples "
-            f"look like the digit they were conditioned on (an SVC of the training digits; chance 0.10, real digits "
-            f"{accuracy['real_digits']:.2f})"
-        )
 
+def _captions(request: GenerateRequest, loaded: LoadedModel, caption_dim: int) -> Captions:
+    """The grid's rows: prompts encoded with the model's text encoder, or captions read from a file."""
+    if request.prompts:
+        from sdtrain.sampling.prompts import encode_prompt_captions, resolve_sources
+
+        sources = resolve_sources(loaded, request.text_encoder, request.vae)
+        request.vae = sources.vae  # prompts mean pictures: decode with the VAE the data was encoded with
+        return encode_prompt_captions(request.prompts, sources.text_encoder, loaded.caption_shape)
+    if request.captions is None:
+        raise DataError("give --captions or --prompt/--prompts-file")
+
+    def encode(ids: torch.Tensor) -> torch.Tensor:  # a column of token ids: the model's text encoder, on demand
+        from sdtrain.model.token_captions import CaptionEncoder
+        from sdtrain.sampling.prompts import resolve_sources
+
+        source = resolve_sources(loaded, request.text_encoder, request.vae).text_encoder
+        return CaptionEncoder.load(source, use_gpu=False)(ids).float()
+
+    return read_captions(request.captions, caption_dim, request.caption_column, request.rows, encode=encode)
+
+
+def _write_images(
+    request: GenerateRequest, loaded: LoadedModel, latents: torch.Tensor, captions: Captions, device: str
+) -> list[str]:
+    """Each sample decoded by the VAE, and the grid of them."""
+    from PIL import Image
+
+    assert request.vae is not None
+    vae = load_vae(request.vae, device)
+    factor = loaded.latent_scaling_factor or vae.config.scaling_factor
+    k = request.samples_per_caption
+    images = decode(vae, latents, factor).reshape(len(captions.names), k, *decode_shape(latents, vae))
+    image_dir = os.path.join(request.out, "images")
+    os.makedirs(image_dir, exist_ok=True)
+    written = []
+    for r in range(images.shape[0]):
+        for c in range(k):
+            path = os.path.join(image_dir, f"row{r:02d}_sample{c:02d}.png")
+            Image.fromarray(images[r, c]).save(path)
+            written.append(path)
+    path = os.path.join(request.out, GRID_FILE)
+    grid_image(images, captions.names).save(path)
+    return [*written, path]
+
+
+def _write_preview(
+    request: GenerateRequest, loaded: LoadedModel, latents: torch.Tensor, captions: Captions, latent_shape
+) -> str:
+    """The grid without a VAE: the latent classifier's pictures (auto, where the model's data named one), else three
+    channels as RGB."""
+    flat = latents.numpy()
+    if request.preview == "channels" or (request.preview == "auto" and loaded.latent_classifier is None):
+        tiles = channels_preview(flat)
+    elif loaded.latent_classifier is None:
+        raise DataError(f"--preview classifier: {request.model} names no latent classifier (its data named none)")
+    else:
+        tiles = latent_preview(flat, loaded.latent_classifier)
+    tiles = tiles.reshape(len(captions.names), request.samples_per_caption, *tiles.shape[1:])
+    path = os.path.join(request.out, PREVIEW_FILE)
+    grid_image(tiles, captions.names, zoom=max(1, 64 // latent_shape[-1])).save(path)
+    return path
+
+
+def _write_class_agreement(
+    request: GenerateRequest, loaded: LoadedModel, latents: torch.Tensor, captions: Captions
+) -> list[str]:
+    """With labelled rows and a model whose data named a latent classifier that reports: its report, one line of it
+    among the results."""
+    if captions.labels is None or loaded.latent_classifier is None:
+        return []
+    classifier = load_latent_classifier(loaded.latent_classifier, f"{request.model}'s latent classifier")
+    report = getattr(classifier, "report", None)
+    if report is None:
+        return []
+    agreement = report(latents.numpy(), list(captions.labels), request.samples_per_caption, captions.embeddings.numpy())
+    if agreement is None:
+        return []
+    path = os.path.join(request.out, CLASS_AGREEMENT_FILE)
+    with open(path, "w") as f:
+        json.dump(agreement, f, indent=2)
+    request.results.append(agreement.get("summary", f"class agreement {agreement['class_agreement']:.2f}"))
+    return [path]
+
+
+def _write_info(request: GenerateRequest, loaded: LoadedModel, captions: Captions, shape: list[int]) -> str:
     path = os.path.join(request.out, INFO_FILE)
     with open(path, "w") as f:
         json.dump(
@@ -165,16 +195,15 @@ def generate(request: GenerateRequest) -> list[str]:
                 "prompts": request.prompts,
                 "text_encoder": request.text_encoder,
                 "rows": captions.names,
-                "samples_per_caption": k,
+                "samples_per_caption": request.samples_per_caption,
                 "sampler": request.sampler,
                 "steps": request.steps,
                 "guidance_scale": request.guidance_scale,
                 "seed": request.seed,
                 "vae": request.vae,
-                "latents": f"{LATENTS_FILE}: shape {list(grid_latents.shape)} (rows, samples, C, H, W), model space",
+                "latents": f"{LATENTS_FILE}: shape {shape} (rows, samples, C, H, W), model space",
             },
             f,
             indent=2,
         )
-    written.append(path)
-    return written
+    return path

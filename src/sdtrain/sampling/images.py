@@ -1,18 +1,20 @@
-"""Latents to pictures: decoded by a VAE, or previewed without one (the demo's digits, or three
-channels as RGB), and laid out as a grid with a row per caption."""
+"""Latents to pictures: decoded by a VAE, or previewed without one (by the latent classifier the training data named,
+else three channels as RGB), and laid out as a grid with a row per caption."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
 
+from sdtrain.sampling.latent_classifier import load_latent_classifier
 
-def digits_preview(latents: np.ndarray) -> np.ndarray:
-    """(N, 4, 16, 16) demo latents -> (N, 16, 16) uint8, dark ink on white."""
-    from sdtrain.demo.digits import digits_from_latents
 
-    ink = np.clip(digits_from_latents(latents) / 16.0, 0, 1)
-    return (255 * (1 - ink)).astype(np.uint8)
+def latent_preview(latents: np.ndarray, classifier: str | None) -> np.ndarray:
+    """(N, C, H, W) latents -> pictures without a VAE: the latent classifier's preview when the training data named one
+    (sdtrain.sampling.latent_classifier), else :func:`channels_preview`."""
+    if classifier is None:
+        return channels_preview(latents)
+    return load_latent_classifier(classifier, "the model's latent classifier").preview(latents)
 
 
 def channels_preview(latents: np.ndarray) -> np.ndarray:

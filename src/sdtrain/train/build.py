@@ -90,6 +90,7 @@ def checkpoint_meta(
     caption_shape: Sequence[int],
     latent_scaling_factor: float | None = None,
     text_encoder: str | None = None,
+    latent_classifier: str | None = None,
 ) -> CheckpointMeta:
     """The metadata every checkpoint of a run of ``config`` stores.
 
@@ -98,6 +99,7 @@ def checkpoint_meta(
         caption_shape: L x D of its caption embeddings (for token ids: of the text encoder's output).
         latent_scaling_factor: the factor the stored latents already carry (parquet metadata), if known.
         text_encoder: for data of token ids, the text encoder they name (the workers encode them with it).
+        latent_classifier: the module the data names as the reader of its latents, if any.
     """
     return CheckpointMeta(
         sdtrain_version=__version__,
@@ -109,6 +111,7 @@ def checkpoint_meta(
         latent_scaling_factor=config.data.latent_scaling_factor or latent_scaling_factor,
         config=config.to_dict(),
         text_encoder=text_encoder,
+        latent_classifier=latent_classifier,
     )
 
 

@@ -19,7 +19,7 @@ from sdtrain.artifacts.run_outputs import write_whole
 from sdtrain.config.schema import Config
 from sdtrain.errors import ConfigError
 from sdtrain.sampling.captions import Captions, read_captions
-from sdtrain.sampling.images import channels_preview, digits_preview, grid_image
+from sdtrain.sampling.images import grid_image, latent_preview
 from sdtrain.sampling.sampler import sample_latents
 from sdtrain.storage.filesystems import filesystem_for
 from sdtrain.storage.run_layout import SAMPLES_DIR, sample_grid_file
@@ -37,7 +37,7 @@ class Grid:
 def grid_captions(
     config: Config, caption_dim: int, encode: Callable[[torch.Tensor], torch.Tensor] | None = None
 ) -> Captions | None:
-    """The captions of the grid's rows: sample_grid.captions, else data.val's (one row per digit for the demo);
+    """The captions of the grid's rows: sample_grid.captions, else data.val's (one row per label when it has labels);
     None when neither is set.
 
     Args:
@@ -71,7 +71,7 @@ class SampleGrids:
     ):
         """Args:
         config: the run's config.
-        meta: the run's checkpoint metadata (latent shape, scheduler, whether it trains on the demo).
+        meta: the run's checkpoint metadata (latent shape, scheduler, the latent classifier).
         captions: the grid's rows (:func:`grid_captions`).
         run_dir: run.storage_path/run.name (grids go to its samples/).
         unconditional: the empty-prompt embedding for classifier-free guidance.
@@ -112,10 +112,7 @@ class SampleGrids:
         finally:
             unet.train(was_training)
         rows = len(self.captions.names)
-        if self.meta.trained_on_demo and tuple(latents.shape[1:]) == (4, 16, 16):
-            tiles = digits_preview(latents)
-        else:
-            tiles = channels_preview(latents)
+        tiles = latent_preview(latents, self.meta.latent_classifier)
         picture = grid_image(tiles.reshape(rows, columns, *tiles.shape[1:]), self.captions.names, zoom=2)
         buffer = io.BytesIO()
         picture.save(buffer, format="PNG")
