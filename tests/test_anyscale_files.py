@@ -172,3 +172,26 @@ def test_the_check_job_checks_what_job_yaml_runs():
     assert check.compute_config == job.compute_config
     config = shlex.split(job.entrypoint)[2:]
     assert shlex.split(check.entrypoint)[2:] == config
+
+
+NCCL_ENV = {
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+    "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+    "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+    "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "/tmp/nccl_trace_rank_",
+}
+
+
+@pytest.mark.parametrize("name", ["job.yaml", "check_job.yaml", "schedule.yaml", "runtime_env/gpu.yaml"])
+def test_every_gpu_job_keeps_nccls_flight_record_of_a_hang_and_names_no_interface(name):
+    """A collective that times out aborts (Ray Train restarts the group) after writing each rank's last collectives
+    to /tmp (docs/multi-node.md#a-hang). No interface name: it differs by image and instance type, and a wrong one
+    stops every run on that node type."""
+    import yaml
+
+    if name.startswith("runtime_env/"):
+        env = yaml.safe_load((REPO / name).read_text())["env_vars"]
+    else:
+        env = _job(name).env_vars
+    assert {key: env.get(key) for key in NCCL_ENV} == NCCL_ENV
+    assert not {"NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "NCCL_DEBUG"} & set(env)
