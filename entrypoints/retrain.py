@@ -8,7 +8,9 @@ Running twice for the same date does not train twice. Without retrain.date, the 
 job keep its first attempt's date. One run at a time: a run that finds <models_root>/retrain.lock held
 exits 75 at once (busy: try later; docs/retraining.md). --rollback moves production back (default: to the latest other
 version it named and was not rolled back from) under the same lock, recorded in the pointer log, so
-no later run promotes the version rolled back from again. Every config key: --help
+no later run promotes the version rolled back from again. With tracking.mlflow_register_as (and mlflow in
+tracking.trackers), both move the MLflow model's production alias too (docs/retraining.md#in-mlflow).
+Every config key: --help
 """
 
 import argparse

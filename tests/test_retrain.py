@@ -108,6 +108,9 @@ def test_retrain_promotes_better_keeps_production_on_worse_and_is_idempotent(
     assert manifest["metrics"]["production_fd_dinov2"] is None
     assert manifest["parent"] is None and manifest["partitions"] == ["2026-11-01"] and manifest["steps"] == 12
     assert manifest["config"]["run"]["name"].startswith("retrain-2026-11-01-") and manifest["code_version"]["sdtrain"]
+    # Its run, for MLflow's side of a promotion (no MLflow run here: test_retrain_rules has a real MLflow server).
+    assert manifest["run_dir"] == str(tmp_path / "runs" / manifest["config"]["run"]["name"])
+    assert manifest["checkpoint"].startswith(manifest["run_dir"] + "/") and manifest["mlflow_run_id"] is None
 
     # A deliberately worse run (the learning rate blows the weights up): recorded, not promoted.
     worse = retrain(_config(tmp_path, root, val, "train.lr=5.0"), DAY2)

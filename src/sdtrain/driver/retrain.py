@@ -28,10 +28,12 @@ from sdtrain.artifacts.registry import ModelRegistry, PointerMoved, RegistryLock
 from sdtrain.config.schema import Config
 from sdtrain.driver.preflight import preflight
 from sdtrain.driver.retrain_gate import best_served, decide, gate_scores
+from sdtrain.driver.retrain_mlflow import publish
 from sdtrain.driver.retrain_partitions import find_partitions, new_partitions
 from sdtrain.driver.run import RunSummary, train
 from sdtrain.errors import ConfigError
 from sdtrain.logs import log
+from sdtrain.train.trackers import read_state
 
 # The ID of the Anyscale job (the same for every attempt of it), which Anyscale sets for jobs.
 JOB_ID_VAR = "ANYSCALE_PRODJOB_ID"
@@ -59,7 +61,9 @@ def retrain(config: Config, schedule_date: datetime.date | None = None) -> Retra
     owner = {"run": f"{config.run.name}-{day}", "date": day, "job": os.environ.get(JOB_ID_VAR)}
     # Taken before Ray starts: a second run fails here, in seconds, without spending a restart.
     with registry.lock(owner) as lock:
-        return _retrain_locked(config, registry, schedule_date, lock)
+        outcome = _retrain_locked(config, registry, schedule_date, lock)
+        publish(config, registry, outcome.version)  # under the lock: a rollback moves the alias after, never before
+        return outcome
 
 
 def rollback(config: Config, to: str | None = None, reason: str = "") -> tuple[str, str]:
@@ -73,7 +77,9 @@ def rollback(config: Config, to: str | None = None, reason: str = "") -> tuple[s
     owner = {"run": "rollback", "job": os.environ.get(JOB_ID_VAR)}
     with registry.lock(owner) as lock:
         lock.ensure_held()
-        return registry.rollback(to, reason=reason, by=owner)
+        moved = registry.rollback(to, reason=reason, by=owner)
+        publish(config, registry, None)
+        return moved
 
 
 def schedule_date_for(config: Config, registry: ModelRegistry) -> tuple[datetime.date, str]:
@@ -226,6 +232,9 @@ def _judged(
     return {
         "steps": summary.final_step,
         "checkpoint": summary.checkpoint_path,
+        "run_dir": summary.run_dir,
+        # Its MLflow model version (sdtrain.driver.retrain_mlflow) is the one registered from this run.
+        "mlflow_run_id": read_state(summary.run_dir)["ids"].get("mlflow"),
         "metrics": {
             **{key: _finite_or_none(value) for key, value in new_scores.items()},
             **{f"production_{key}": _finite_or_none(production_scores.get(key)) for key in new_scores},

@@ -52,20 +52,8 @@ def log_export(config: Config, run_dir: str, export_uri: str) -> None:
         export_uri: the export directory (local or s3://).
     """
     ids = read_state(run_dir)["ids"]
-    local = local_copy(export_uri) if is_uri(export_uri) else export_uri
     if "mlflow" in config.tracking.trackers and "mlflow" in ids:
-        import mlflow
-
-        client = mlflow.MlflowClient(config.tracking.mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI"))
-        client.log_artifacts(ids["mlflow"], local, artifact_path="export")
-        if config.tracking.mlflow_register_as:
-            name = config.tracking.mlflow_register_as
-            # A version of the run's export/ (diffusers files, not an MLflow "logged model" flavour).
-            if not client.search_registered_models(f"name='{name}'"):
-                client.create_registered_model(name)
-            source = f"{client.get_run(ids['mlflow']).info.artifact_uri}/export"
-            version = client.create_model_version(name, source, run_id=ids["mlflow"])
-            log.info(f"registered the export as MLflow model {name} version {version.version}")
+        attach_export_to_mlflow(config, mlflow_client(config), ids["mlflow"], export_uri)
     if "wandb" in config.tracking.trackers and "wandb" in ids:
         import wandb
 
@@ -76,9 +64,37 @@ def log_export(config: Config, run_dir: str, export_uri: str) -> None:
             dir=wandb_save_dir(run_dir),
         )
         artifact = wandb.Artifact(f"{config.run.name}-export", type="model")
-        artifact.add_dir(local)
+        artifact.add_dir(_local(export_uri))
         run.log_artifact(artifact)
         run.finish()
+
+
+def mlflow_client(config: Config):
+    """An MlflowClient of tracking.mlflow_tracking_uri, else MLFLOW_TRACKING_URI."""
+    import mlflow
+
+    return mlflow.MlflowClient(config.tracking.mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI"))
+
+
+def attach_export_to_mlflow(config: Config, client, run_id: str, export_uri: str) -> str | None:
+    """Log the export directory ``export_uri`` as the MLflow run ``run_id``'s export/ artifacts and, with
+    tracking.mlflow_register_as, register them as a new version of that model; returns the version (None: not
+    registered)."""
+    client.log_artifacts(run_id, _local(export_uri), artifact_path="export")
+    name = config.tracking.mlflow_register_as
+    if not name:
+        return None
+    # A version of the run's export/ (diffusers files, not an MLflow "logged model" flavour).
+    if not client.search_registered_models(f"name='{name}'"):
+        client.create_registered_model(name)
+    source = f"{client.get_run(run_id).info.artifact_uri}/export"
+    version = client.create_model_version(name, source, run_id=run_id).version
+    log.info(f"registered the export as MLflow model {name} version {version}")
+    return version
+
+
+def _local(export_uri: str) -> str:
+    return local_copy(export_uri) if is_uri(export_uri) else export_uri
 
 
 def log_evaluations(config: Config, run_dir: str, results: list[tuple[int, dict[str, float]]]) -> None:
@@ -91,9 +107,7 @@ def log_evaluations(config: Config, run_dir: str, results: list[tuple[int, dict[
     ids = read_state(run_dir)["ids"]
     if not results or "mlflow" not in config.tracking.trackers or "mlflow" not in ids:
         return
-    import mlflow
-
-    client = mlflow.MlflowClient(config.tracking.mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI"))
+    client = mlflow_client(config)
     for step, metrics in results:
         for key, value in metrics.items():
             client.log_metric(ids["mlflow"], key, value, step=step)
