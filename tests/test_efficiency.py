@@ -7,6 +7,7 @@ import pytest
 from conftest import tiny_config
 
 from sdtrain.artifacts.run_outputs import LossLabels
+from sdtrain.artifacts.run_totals import hours_so_far, run_totals
 from sdtrain.model.flops import unet_train_step_flops
 from sdtrain.model.hardware import (
     A10,
@@ -26,7 +27,7 @@ from sdtrain.model.hardware import (
 )
 from sdtrain.storage.run_layout import METRICS_FILE
 from sdtrain.train.build import build_training, checkpoint_meta
-from sdtrain.train.efficiency import Efficiency, cost_per_million_images, hours_so_far, run_totals
+from sdtrain.train.efficiency import Efficiency, cost_per_million_images
 from sdtrain.train.live_files import LiveOutputs
 from sdtrain.train.reporting import _progress_line
 

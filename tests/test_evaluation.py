@@ -24,19 +24,19 @@ from sdtrain.errors import ConfigError, DataError
 from sdtrain.evaluation.checkpoint_eval import Evaluator, evaluate_checkpoint, read_eval_rows
 from sdtrain.evaluation.checks import check_evaluation
 from sdtrain.evaluation.image_metrics import DinoFeatures, FeatureStats, InceptionFeatures, frechet_distance
-from sdtrain.evaluation.results import read_evaluation, write_evaluation
+from sdtrain.evaluation.results import (
+    NO_RESULT,
+    awaited_results,
+    final_results,
+    merge_results,
+    read_evaluation,
+    write_evaluation,
+)
 from sdtrain.model.encoders import encode_images, encode_prompts, load_text_encoder, load_vae
 from sdtrain.model.unet import build_unet, noise_scheduler_config, unet_config
 from sdtrain.sampling.images import decode
 from sdtrain.storage.run_layout import DATA_STATE_FILE, EVALUATION_DIR
-from sdtrain.train.evaluations import (
-    NO_RESULT,
-    CheckpointEvaluations,
-    awaited_results,
-    final_results,
-    merge_results,
-    unevaluated_score,
-)
+from sdtrain.train.evaluations import CheckpointEvaluations, unevaluated_score
 from sdtrain.train.module import DiffusionModule
 
 ROWS = 12

@@ -154,9 +154,9 @@ def test_token_id_data_trains_under_each_strategy_and_option(both, options, tmp_
 
 
 def test_a_text_encoder_of_another_width_or_vocabulary_is_refused_naming_both(both, tmp_path):
-    """The driver's data check (sdtrain.driver.dataset_spec: what every start and the retraining gate run before
-    Ray), with the text encoder's config only."""
-    from sdtrain.driver.run import dataset_spec
+    """The driver's data check (sdtrain.driver.data_check.dataset_spec: what every start and the retraining gate run
+    before Ray), with the text encoder's config only."""
+    from sdtrain.driver.data_check import dataset_spec
 
     root, model = both
 

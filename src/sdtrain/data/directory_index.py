@@ -41,14 +41,7 @@ def write_directory_index(
     base = directory.rstrip("/")
     if not is_uri(base):
         base = os.path.abspath(os.path.expanduser(base))
-    rows = np.zeros(len(listing), np.int64)
-    to_read = []
-    for i, path in enumerate(listing.paths):
-        name = path[len(base) + 1 :] if path.startswith(base + "/") else None
-        if known_rows is not None and name is not None and name in known_rows:
-            rows[i] = known_rows[name]
-        else:
-            to_read.append(i)
+    rows, to_read = _known_rows(listing, base, known_rows)
     before = _previous_directory_index(listing, base, columns) if to_read else None
     if before is not None:
         found, unknown = recorded_rows(before, listing, to_read)
@@ -84,6 +77,19 @@ def write_directory_index(
     index = DatasetIndex(listing.paths, listing.sizes, listing.versions, rows, checked, latent_shape, caption_shape)
     write_index(join_path(base, DIRECTORY_INDEX), index, base)
     return IndexStats(len(listing), len(listing) - len(to_read), len(to_read), 0, 1, None)
+
+
+def _known_rows(listing: Listing, base: str, known_rows: Mapping[str, int] | None) -> tuple[np.ndarray, list[int]]:
+    """Rows of the listed files the writer knows (by name relative to ``base``), and the positions of the others."""
+    rows = np.zeros(len(listing), np.int64)
+    to_read = []
+    for i, path in enumerate(listing.paths):
+        name = path[len(base) + 1 :] if path.startswith(base + "/") else None
+        if known_rows is not None and name is not None and name in known_rows:
+            rows[i] = known_rows[name]
+        else:
+            to_read.append(i)
+    return rows, to_read
 
 
 def _previous_directory_index(listing: Listing, base: str, columns: Columns) -> DatasetIndex | None:

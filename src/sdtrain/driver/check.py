@@ -229,8 +229,8 @@ def _run_phase(config: Config, workers: int) -> Phase:
 
 def _predicted_memory(config: Config, workers: int, on_gpu: bool) -> int:
     """The memory model's peak for one of ``workers`` ranks of ``config``, on the shapes of its data."""
+    from sdtrain.driver.data_check import dataset_spec
     from sdtrain.driver.memory_fit import predict_run_memory
-    from sdtrain.driver.run import dataset_spec
     from sdtrain.model.unet import unet_config
 
     unet = unet_config(config.model)

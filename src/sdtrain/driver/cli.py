@@ -224,10 +224,7 @@ def index_main(argv: Sequence[str] | None) -> int:
     return 0
 
 
-def generate_main(argv=None) -> int:
-    """The command line of entrypoints/generate.py; exit code 0 on success, 2 for bad input."""
-    from sdtrain.sampling.generate import GenerateRequest, generate
-    from sdtrain.sampling.sampler import SAMPLERS
+def _generate_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(
         prog="generate.py",
@@ -261,6 +258,14 @@ def generate_main(argv=None) -> int:
     parser.add_argument(
         "--rows", type=int, default=8, help="parquet rows to take when there is no label column (default: %(default)s)"
     )
+    _add_sampling_arguments(parser)
+    return parser
+
+
+def _add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
+    """How generate.py samples: the grid's shape, the sampler, guidance, seed, decoding and weights."""
+    from sdtrain.sampling.sampler import SAMPLERS
+
     parser.add_argument("--samples-per-caption", type=int, default=8, help="grid columns (default: %(default)s)")
     parser.add_argument(
         "--sampler", choices=SAMPLERS, default="ddim", help="ddim or dpm (DPM-Solver++) (default: %(default)s)"
@@ -298,6 +303,13 @@ def generate_main(argv=None) -> int:
         metavar="DIR",
         help="instead of sampling: export the model in diffusers format to DIR (local or s3://)",
     )
+
+
+def generate_main(argv=None) -> int:
+    """The command line of entrypoints/generate.py; exit code 0 on success, 2 for bad input."""
+    from sdtrain.sampling.generate import GenerateRequest, generate
+
+    parser = _generate_parser()
     args = parser.parse_args(argv)
     configure_logging()
     for name in ("rows", "samples_per_caption", "steps", "batch_size"):

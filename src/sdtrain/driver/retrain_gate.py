@@ -14,7 +14,7 @@ from sdtrain.config.running import HIGHER_IS_BETTER
 from sdtrain.config.schema import Config
 from sdtrain.data.local_read import iter_local_batches
 from sdtrain.data.parquet_files import resolve_parquet_files
-from sdtrain.driver.run import dataset_spec
+from sdtrain.driver.data_check import dataset_spec
 from sdtrain.evaluation.results import measured_with
 from sdtrain.model.token_captions import CaptionEncoder
 from sdtrain.model.validation import validation_loss

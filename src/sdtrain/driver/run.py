@@ -12,8 +12,9 @@ import dataclasses
 import math
 import posixpath
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import ray
 import ray.train
@@ -21,34 +22,32 @@ from ray.train.torch import TorchTrainer
 
 from sdtrain.artifacts.export import export_checkpoint, export_source
 from sdtrain.artifacts.run_outputs import LossLabels, read_history, write_run_outputs
+from sdtrain.artifacts.run_totals import RunTotals, run_totals
 from sdtrain.config.running import HIGHER_IS_BETTER
 from sdtrain.config.schema import Config, ScalingConfig
 from sdtrain.controller.data_hook import PlannedStreams, committed_run
-from sdtrain.controller.failures import StopOnDeterministicErrors, failure_message
-from sdtrain.data.dataset_index import IndexedDataset, index_dataset
+from sdtrain.controller.failures import StopOnDeterministicErrors
 from sdtrain.data.index_format import run_index_uri, write_index
 from sdtrain.data.inspection import DatasetSpec
 from sdtrain.data.metadata import latent_classifier
 from sdtrain.data.position import DataPosition
 from sdtrain.data.read_order import SamplePlan, files_digest
 from sdtrain.data.streams import WindowReader, file_order_dataset
+from sdtrain.driver.data_check import check_data
 from sdtrain.driver.memory_fit import cluster_gpu, fit_micro_batch
 from sdtrain.driver.preflight import preflight
 from sdtrain.driver.ray_data_startup import warm_up_ray_data
 from sdtrain.driver.trackers import check_trackers, log_evaluations, log_export, tracker_env
-from sdtrain.errors import ConfigError, DataError, TrainingFailed
+from sdtrain.errors import TrainingFailed, find_sdtrain_error
 from sdtrain.evaluation.checks import check_evaluation
+from sdtrain.evaluation.results import final_results, merge_results
 from sdtrain.logs import log
-from sdtrain.model.recipe import load_unconditional_caption, stored_latent_scaling
-from sdtrain.model.token_captions import check_text_encoder
-from sdtrain.model.unet import check_unet, unet_config
+from sdtrain.model.unet import unet_config
 from sdtrain.storage.filesystems import ray_storage, set_aside, uri_for
 from sdtrain.storage.run_layout import EXPORT_DIR
 from sdtrain.storage.s3 import resolved_s3_settings
 from sdtrain.storage.uris import absolute
 from sdtrain.train.build import checkpoint_meta, driver_precision
-from sdtrain.train.efficiency import RunTotals, run_totals
-from sdtrain.train.evaluations import final_results, merge_results
 from sdtrain.train.worker import train_loop_per_worker
 
 
@@ -127,7 +126,7 @@ def check_run(config: Config) -> CheckedRun:
         replaced = set_aside(run_dir)
         if replaced:
             log.info(f"run.start_fresh: moved the previous run to {replaced}")
-    train_data, val_data, stored_scale = _check_data(config, run_dir)
+    train_data, val_data, stored_scale = check_data(config, run_dir)
     train_spec = train_data.spec
     plan = SamplePlan(
         train_spec.rows_per_file,
@@ -149,34 +148,6 @@ def check_run(config: Config) -> CheckedRun:
     if run.committed is not None:
         _check_resume_position(run)
     return run
-
-
-def _check_data(config: Config, run_dir: str) -> tuple[IndexedDataset, IndexedDataset | None, float | None]:
-    """data.train and data.val, checked against the UNet and each other; and the latent scaling factor the files
-    record."""
-    unet = unet_config(config.model)
-    # The run's dataset index (its first start reads the footers; later starts, the index and changed files).
-    train_data = indexed_dataset(config, "data.train", config.data.train, unet, run_dir)
-    val_data = indexed_dataset(config, "data.val", config.data.val, unet, run_dir) if config.data.val else None
-    train = train_data.spec
-    _check_shapes_agree(train, val_data.spec if val_data is not None else None)
-    captions = train.embedding_shape(unet["cross_attention_dim"])
-    check_unet(config.model, train.latent_shape, captions)  # on the meta device, in a second
-    load_unconditional_caption(config.data.unconditional_caption, captions, token_ids=train.token_ids is not None)
-    stored_scale = stored_latent_scaling(
-        [(data.schema_file, data.schema_metadata) for data in (train_data, val_data) if data is not None], config.data
-    )
-    log.info(
-        f"data.train: {train.num_rows} rows in {len(train.files)} file(s), latents "
-        f"{train.latent_shape}, captions {_describe_captions(train)}; "
-        f"{train.num_rows // config.train.global_batch_size} steps per epoch"
-    )
-    if train.num_rows < config.train.global_batch_size:
-        raise DataError(
-            f"data.train: {train.num_rows} rows cannot fill one step of train.global_batch_size="
-            f"{config.train.global_batch_size} samples; add data or lower the batch size"
-        )
-    return train_data, val_data, stored_scale
 
 
 def _check_resume_position(run: CheckedRun) -> None:
@@ -310,6 +281,21 @@ def fit(trainer: TorchTrainer, run_dir: str) -> ray.train.Result:
             warm_up.join(timeout=60)  # seconds into a run it is long done; nothing of ours outlives train()
 
 
+def failure_message(error: Exception, run_dir: str) -> str:
+    filesystem, path = ray_storage(run_dir)
+    try:
+        latest = ray.train.Result.from_path(path, storage_filesystem=filesystem).checkpoint
+    except Exception:  # no checkpoint manager state yet: the run failed before its first checkpoint
+        latest = None
+    where = (
+        f"the latest checkpoint is {uri_for(latest.filesystem, latest.path)}" if latest else "no checkpoint was written"
+    )
+    rerun = "re-running the same command resumes from it" if latest else "re-running starts from scratch"
+    ours = find_sdtrain_error(error)
+    cause: Any = ours if ours is not None else error
+    return f"training failed: {cause}\n{where}; after fixing the cause, {rerun} (run directory: {run_dir})"
+
+
 def finish(config: Config, result: ray.train.Result) -> RunSummary:
     """metrics.csv, loss_curve.png, the export (unless it is already that of the final checkpoint) and the totals."""
     checkpoint = result.checkpoint
@@ -350,51 +336,6 @@ def _with_absolute_paths(config: Config) -> Config:
     )
     run = dataclasses.replace(config.run, storage_path=absolute(config.run.storage_path))
     return dataclasses.replace(config, data=data, run=run)
-
-
-def dataset_spec(config: Config, key: str, specs: list[str], unet: Mapping) -> DatasetSpec:
-    """The files ``specs`` name, read and checked against the UNet config ``unet`` (from the run's dataset
-    index where it has them; nothing is written)."""
-    run_dir = posixpath.join(config.run.storage_path, config.run.name)
-    return indexed_dataset(config, key, specs, unet, run_dir).spec
-
-
-def indexed_dataset(config: Config, key: str, specs: list[str], unet: Mapping, run_dir: str) -> IndexedDataset:
-    """The files ``specs`` name, checked against ``unet``, with the run's dataset index of them (read from
-    ``run_dir``'s, or from one beside the data, for the files whose size and version it records; the others'
-    footers read). The caller writes ``.index`` to :func:`run_index_uri` when ``.stale``. Token-id captions: their
-    text encoder checked against the UNet (its config only)."""
-    indexed = index_dataset(
-        specs,
-        key,
-        columns=config.data.columns,
-        in_channels=unet["in_channels"],
-        cross_attention_dim=unet["cross_attention_dim"],
-        index_uri=run_index_uri(run_dir, key),
-    )
-    ids = indexed.spec.token_ids
-    if ids is not None:
-        where = f"{key}: {indexed.schema_file}, column {config.data.caption_column!r}"
-        check_text_encoder(ids, where, unet["cross_attention_dim"])
-    return indexed
-
-
-def _describe_captions(spec: DatasetSpec) -> str:
-    if spec.token_ids is None:
-        return str(spec.caption_shape)
-    return f"{spec.caption_shape[0]} token ids for {spec.token_ids.text_encoder} (encoded in the step)"
-
-
-def _check_shapes_agree(train: DatasetSpec, val: DatasetSpec | None) -> None:
-    if val is None:
-        return
-    if (val.latent_shape, val.caption_shape) != (train.latent_shape, train.caption_shape) or (
-        val.token_ids and val.token_ids.text_encoder
-    ) != (train.token_ids and train.token_ids.text_encoder):
-        raise ConfigError(
-            f"data.val holds latents {val.latent_shape} and captions {_describe_captions(val)}, but data.train "
-            f"holds {train.latent_shape} and {_describe_captions(train)}; validation data must match training data"
-        )
 
 
 def _resolve_use_gpu(scaling: ScalingConfig) -> bool:

@@ -161,12 +161,20 @@ def build_training(
         caption_dtype=settings.caption_dtype,
         caption_encoder=encoder,
     )
+    trainer_kwargs = trainer_settings(config, precision, world_size, accumulation, on_ray, use_gpu)
+    return module, trainer_kwargs
+
+
+def trainer_settings(
+    config: Config, precision: str, world_size: int, accumulation: int, on_ray: bool, use_gpu: bool
+) -> dict[str, Any]:
+    """The ``pl.Trainer`` keyword arguments of a run of ``config`` (see :func:`build_training`)."""
     plugins = []
     if on_ray:
         from ray.train.lightning import RayLightningEnvironment
 
         plugins.append(RayLightningEnvironment())
-    trainer_kwargs = dict(
+    return dict(
         max_steps=config.train.max_steps,
         max_epochs=-1,
         accelerator="gpu" if use_gpu else "cpu",
@@ -185,7 +193,6 @@ def build_training(
         use_distributed_sampler=False,
         num_sanity_val_steps=0,
     )
-    return module, trainer_kwargs
 
 
 def fit_without_ray(

@@ -20,12 +20,13 @@ import lightning.pytorch as pl
 import ray.train
 import torch
 
+from sdtrain.artifacts.run_totals import hours_so_far, money
 from sdtrain.config.schema import TrainConfig
 from sdtrain.errors import NonFiniteTraining, TrainingFailed
 from sdtrain.logs import log
 from sdtrain.train.cadence import OptimizerStepCallback, ReportCadence
 from sdtrain.train.checkpointing import CheckpointWriter
-from sdtrain.train.efficiency import Efficiency, hours_so_far, money
+from sdtrain.train.efficiency import Efficiency
 from sdtrain.train.evaluations import CheckpointEvaluations, unevaluated_score
 from sdtrain.train.run_view import RunView
 from sdtrain.train.validation import Validation

@@ -169,16 +169,7 @@ def _fit(
     watchdog = run.watchdog
     enter = watchdog.enter if watchdog is not None else (lambda phase: None)
     cadence = ReportCadence(config)
-    validation = None
-    if config.data.val:
-        val_shard = ray.train.get_dataset_shard("val")
-
-        # On the CPU: validation_sums moves only the rows this rank scores to the device.
-        val_batches = HeldValBatches(
-            lambda: val_shard.iter_torch_batches(batch_size=layout.micro_batch, device="cpu"),
-            limit_bytes=int(config.data.val_memory_gb * 1e9),
-        )
-        validation = Validation(cadence, val_batches, config.train.seed, enter)
+    validation = _validation(config, layout, cadence, enter) if config.data.val else None
     checkpoints = CheckpointWriter(
         data_position=lambda step: plan.advance(start.data, layout.world_size, layout.rows_per_step, step - start.step),
         plan_fingerprint=plan.fingerprint(),
@@ -210,6 +201,17 @@ def _fit(
         # strategy (sdtrain.train.strategy.RayModelParallelStrategy), which needs nothing more from it.
         trainer = prepare_trainer(trainer)
     trainer.fit(module, train_dataloaders=train_batches, ckpt_path=start.ckpt_path, weights_only=True)
+
+
+def _validation(config: Config, layout: BatchLayout, cadence: ReportCadence, enter) -> Validation:
+    """The validation loss on data.val, read through this rank's shard of it and held in memory while it fits."""
+    val_shard = ray.train.get_dataset_shard("val")
+    # On the CPU: validation_sums moves only the rows this rank scores to the device.
+    val_batches = HeldValBatches(
+        lambda: val_shard.iter_torch_batches(batch_size=layout.micro_batch, device="cpu"),
+        limit_bytes=int(config.data.val_memory_gb * 1e9),
+    )
+    return Validation(cadence, val_batches, config.train.seed, enter)
 
 
 def _run_view(config: Config, module: Any) -> RunView:

@@ -1,0 +1,91 @@
+"""The data of a run against its model, on the driver before Ray starts: data.train and data.val listed and indexed
+(:mod:`sdtrain.data.dataset_index`), their columns and shapes checked against the UNet and each other, token ids
+against their text encoder, and the latent scaling factor the files record."""
+
+from __future__ import annotations
+
+import posixpath
+from collections.abc import Mapping
+
+from sdtrain.config.schema import Config
+from sdtrain.data.dataset_index import IndexedDataset, index_dataset
+from sdtrain.data.index_format import run_index_uri
+from sdtrain.data.inspection import DatasetSpec
+from sdtrain.errors import ConfigError, DataError
+from sdtrain.logs import log
+from sdtrain.model.recipe import load_unconditional_caption, stored_latent_scaling
+from sdtrain.model.token_captions import check_text_encoder
+from sdtrain.model.unet import check_unet, unet_config
+
+
+def check_data(config: Config, run_dir: str) -> tuple[IndexedDataset, IndexedDataset | None, float | None]:
+    """data.train and data.val, checked against the UNet and each other; and the latent scaling factor the files
+    record."""
+    unet = unet_config(config.model)
+    # The run's dataset index (its first start reads the footers; later starts, the index and changed files).
+    train_data = indexed_dataset(config, "data.train", config.data.train, unet, run_dir)
+    val_data = indexed_dataset(config, "data.val", config.data.val, unet, run_dir) if config.data.val else None
+    train = train_data.spec
+    _check_shapes_agree(train, val_data.spec if val_data is not None else None)
+    captions = train.embedding_shape(unet["cross_attention_dim"])
+    check_unet(config.model, train.latent_shape, captions)  # on the meta device, in a second
+    load_unconditional_caption(config.data.unconditional_caption, captions, token_ids=train.token_ids is not None)
+    stored_scale = stored_latent_scaling(
+        [(data.schema_file, data.schema_metadata) for data in (train_data, val_data) if data is not None], config.data
+    )
+    log.info(
+        f"data.train: {train.num_rows} rows in {len(train.files)} file(s), latents "
+        f"{train.latent_shape}, captions {_describe_captions(train)}; "
+        f"{train.num_rows // config.train.global_batch_size} steps per epoch"
+    )
+    if train.num_rows < config.train.global_batch_size:
+        raise DataError(
+            f"data.train: {train.num_rows} rows cannot fill one step of train.global_batch_size="
+            f"{config.train.global_batch_size} samples; add data or lower the batch size"
+        )
+    return train_data, val_data, stored_scale
+
+
+def dataset_spec(config: Config, key: str, specs: list[str], unet: Mapping) -> DatasetSpec:
+    """The files ``specs`` name, read and checked against the UNet config ``unet`` (from the run's dataset
+    index where it has them; nothing is written)."""
+    run_dir = posixpath.join(config.run.storage_path, config.run.name)
+    return indexed_dataset(config, key, specs, unet, run_dir).spec
+
+
+def indexed_dataset(config: Config, key: str, specs: list[str], unet: Mapping, run_dir: str) -> IndexedDataset:
+    """The files ``specs`` name, checked against ``unet``, with the run's dataset index of them (read from
+    ``run_dir``'s, or from one beside the data, for the files whose size and version it records; the others'
+    footers read). The caller writes ``.index`` to :func:`run_index_uri` when ``.stale``. Token-id captions: their
+    text encoder checked against the UNet (its config only)."""
+    indexed = index_dataset(
+        specs,
+        key,
+        columns=config.data.columns,
+        in_channels=unet["in_channels"],
+        cross_attention_dim=unet["cross_attention_dim"],
+        index_uri=run_index_uri(run_dir, key),
+    )
+    ids = indexed.spec.token_ids
+    if ids is not None:
+        where = f"{key}: {indexed.schema_file}, column {config.data.caption_column!r}"
+        check_text_encoder(ids, where, unet["cross_attention_dim"])
+    return indexed
+
+
+def _describe_captions(spec: DatasetSpec) -> str:
+    if spec.token_ids is None:
+        return str(spec.caption_shape)
+    return f"{spec.caption_shape[0]} token ids for {spec.token_ids.text_encoder} (encoded in the step)"
+
+
+def _check_shapes_agree(train: DatasetSpec, val: DatasetSpec | None) -> None:
+    if val is None:
+        return
+    if (val.latent_shape, val.caption_shape) != (train.latent_shape, train.caption_shape) or (
+        val.token_ids and val.token_ids.text_encoder
+    ) != (train.token_ids and train.token_ids.text_encoder):
+        raise ConfigError(
+            f"data.val holds latents {val.latent_shape} and captions {_describe_captions(val)}, but data.train "
+            f"holds {train.latent_shape} and {_describe_captions(train)}; validation data must match training data"
+        )
