@@ -50,15 +50,22 @@ class DataState:
 
 @dataclass(frozen=True)
 class Window:
-    """One read task: the rows of ``spans`` in the order of a seeded permutation, entries [lo, hi) of it."""
+    """One read task: the rows of ``spans`` in the order of a seeded permutation, entries [lo, hi) of it (no seed:
+    the spans' own order)."""
 
     spans: np.ndarray
     seed: tuple[int, ...]
     lo: int
     hi: int
+    bucket: int = 0
+    """The aspect-ratio bucket of its first rows (sdtrain.data.bucket_order); 0 for data of one shape."""
+    blocks: tuple[tuple[int, int], ...] = ()
+    """Bucketed data: (bucket, rows) of each block it makes, in order (one a step); empty: one block."""
 
     def order(self) -> np.ndarray:
         """Positions (into the concatenated spans) of the rows read, in read order."""
+        if not self.seed:
+            return np.arange(self.lo, self.hi)
         return np.random.default_rng(self.seed).permutation(span_rows(self.spans))[self.lo : self.hi]
 
 

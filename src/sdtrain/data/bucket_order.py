@@ -1,0 +1,332 @@
+"""The read order of data in aspect-ratio buckets: every optimizer step is one bucket's, and the sequence of steps is a
+pure function of (seed, epoch, step), whatever the world size.
+
+Each file holds its rows bucket by bucket, one *run* of consecutive rows per bucket (preprocessing sorts a shard's rows
+by bucket). A bucket's rows are cut into chunks of ``data.shuffle_chunk_rows`` consecutive rows within a run, and each
+epoch orders a bucket's chunks by a seeded bijection (:class:`sdtrain.data.chunks.EpochOrder`): that is the bucket's
+*order* for the epoch. Its rows are consumed ``global batch`` at a time: *batch* j of bucket b is positions
+[j G, (j + 1) G) of its order. An epoch holds ``S_b = floor(L_b / G)`` batches of bucket b, where ``L_b`` is its rows
+plus the rows it carried in; the ``L_b - S_b G`` rows left over (fewer than a batch) are not dropped or padded: they
+open the bucket's order of the next epoch. The epoch's steps are its ``sum S_b`` batches in a seeded order
+(:class:`sdtrain.data.chunks.ChunkShuffle` over the batches), so buckets draw steps in proportion to their rows.
+
+Step s of an epoch is batch j of bucket b whatever the world size: rank r of W reads its share, positions
+[j G + r G/W, j G + (r + 1) G/W), a run of consecutive positions (a chunk or two). A run resumed at another world size
+therefore continues with exactly the rows, buckets and order the uninterrupted run would have: only which rank reads
+which part of a step changes. The data position (:class:`sdtrain.data.read_order.DataState`) counts the steps done in
+the epoch as rows per rank at each world size the epoch ran at; nothing here holds a table of steps or rows: a rank
+plans its reads from the runs of the files and a few integers per bucket.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from sdtrain.data.chunks import Chunks, ChunkShuffle, EpochOrder
+from sdtrain.data.read_order import DataState, Window, window_sample_indices
+
+BUCKET_ORDER_VERSION = "buckets-1"
+"""The version of this order's algorithm, in the fingerprint: a checkpoint of another order resumes as a change."""
+
+
+@dataclass(frozen=True)
+class BucketStretch:
+    """One rank's steps within one epoch: steps [first, first + steps) of the epoch, at ``world_size``."""
+
+    state: DataState
+    world_size: int
+    rank: int
+    first: int
+    steps: int
+
+
+@dataclass
+class BucketPlan:
+    """The read plan of bucketed data.
+
+    Args:
+        rows_per_file: rows of each file, in file order.
+        runs: (n, 3) integers: (file, bucket, rows) of each run, in file order and within a file in row order; a file's
+            runs sum to its rows.
+        bucket_shapes: each bucket's latent shape (C, H, W), by bucket index.
+        seed: train.seed.
+        chunk_rows: data.shuffle_chunk_rows.
+        global_batch: train.global_batch_size: the rows of every step.
+        window_rows: data.shuffle_window_rows: about the rows of one read task (whole steps' shares).
+    """
+
+    rows_per_file: Sequence[int]
+    runs: np.ndarray
+    bucket_shapes: Sequence[tuple[int, int, int]]
+    seed: int
+    chunk_rows: int
+    global_batch: int
+    window_rows: int = 512
+    files_digest: str = ""
+    content_digest: str = ""
+    _orders: dict = field(init=False, repr=False, default_factory=dict)
+    _carries: dict = field(init=False, repr=False, default_factory=dict)
+
+    def __post_init__(self):
+        self.rows = np.asarray(self.rows_per_file, np.int64)
+        self.file_offsets = np.concatenate([[0], np.cumsum(self.rows)]).astype(np.int64)
+        runs = self.runs = _compact(np.asarray(self.runs).reshape(-1, 3))
+        self.run_file, self.run_bucket = runs[:, 0].astype(np.int64), runs[:, 1].astype(np.int64)
+        run_rows = runs[:, 2].astype(np.int64)
+        if len(runs) and (np.diff(self.run_file) < 0).any():
+            raise ValueError("the runs are not in file order")
+        # Runs follow each other within a file: a run starts where the file's previous one ended.
+        self.run_start = np.cumsum(run_rows) - run_rows - self.file_offsets[self.run_file]
+        sums = np.bincount(self.run_file, run_rows, minlength=len(self.rows)).astype(np.int64)
+        if not np.array_equal(sums, self.rows):
+            bad = int(np.flatnonzero(sums != self.rows)[0])
+            raise ValueError(f"file {bad}: its bucket runs hold {sums[bad]} rows, the file {self.rows[bad]}")
+        buckets = len(self.bucket_shapes)
+        if len(runs) and (self.run_bucket.min() < 0 or self.run_bucket.max() >= buckets):
+            raise ValueError(f"a run names a bucket outside the {buckets} buckets")
+        # A bucket's rows are its runs one after another (in file order): one sequence, cut into chunks that may
+        # span two runs, so only its last chunk is short and its epoch order costs a few integers.
+        by_bucket = np.argsort(self.run_bucket, kind="stable")
+        counts = np.bincount(self.run_bucket, minlength=buckets)
+        self.bucket_runs = np.split(by_bucket, np.cumsum(counts)[:-1])
+        self.bucket_ends = [np.cumsum(run_rows[r]) for r in self.bucket_runs]
+        self.bucket_rows = np.array([int(e[-1]) if len(e) else 0 for e in self.bucket_ends], np.int64)
+        self.bucket_chunks = [Chunks(np.array([n], np.int64), self.chunk_rows) for n in self.bucket_rows]
+
+    def __getstate__(self):
+        # Sent to every worker once: ~6 bytes a run (the file of each run is implied by their order); the arrays above
+        # are rebuilt from them.
+        return {
+            "rows_per_file": self.rows,
+            "runs_per_file": np.bincount(self.run_file, minlength=len(self.rows)).astype(np.int32),
+            "run_bucket": self.run_bucket.astype(np.int16),
+            "run_rows": self.runs[:, 2],
+            "bucket_shapes": self.bucket_shapes,
+            "seed": self.seed,
+            "chunk_rows": self.chunk_rows,
+            "global_batch": self.global_batch,
+            "window_rows": self.window_rows,
+            "files_digest": self.files_digest,
+            "content_digest": self.content_digest,
+        }
+
+    def __setstate__(self, state):
+        files = np.repeat(np.arange(len(state["rows_per_file"])), state.pop("runs_per_file"))
+        runs = np.stack([files, state.pop("run_bucket"), state.pop("run_rows")], axis=1)
+        type(self).__init__(self, runs=runs, **state)
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.file_offsets[-1])
+
+    def fingerprint(self) -> dict[str, Any]:
+        """What a :class:`DataState` of this plan refers to, saved beside it in every checkpoint."""
+        return {
+            "files": len(self.rows),
+            "rows": self.num_rows,
+            "files_digest": self.files_digest,
+            "rows_digest": hashlib.sha256(self.runs.astype(np.int64).tobytes()).hexdigest()[:16],
+            "content_digest": self.content_digest,
+            "seed": self.seed,
+            "chunk_rows": self.chunk_rows,
+            "global_batch": self.global_batch,
+            "buckets": [list(s) for s in self.bucket_shapes],
+            "order": BUCKET_ORDER_VERSION,
+        }
+
+    # --- epochs and steps --------------------------------------------------------------------------------------
+
+    def carried(self, epoch: int) -> np.ndarray:
+        """Rows each bucket carries into ``epoch`` (fewer than a batch each)."""
+        if epoch not in self._carries:
+            # From the latest epoch worked out before this one (a rank walks the epochs in turn), else from 0.
+            start = max((e for e in self._carries if e < epoch), default=0)
+            carry = self._carries.get(start, np.zeros(len(self.bucket_shapes), np.int64))
+            for _ in range(start, epoch):
+                carry = (carry + self.bucket_rows) % self.global_batch
+            self._carries = {e: c for e, c in self._carries.items() if e >= epoch - 1} | {epoch: carry}
+        return self._carries[epoch]
+
+    def epoch_batches(self, epoch: int) -> np.ndarray:
+        """Batches of each bucket in ``epoch``."""
+        return (self.carried(epoch) + self.bucket_rows) // self.global_batch
+
+    def steps_in_epoch(self, epoch: int) -> int:
+        return int(self.epoch_batches(epoch).sum())
+
+    def step_batches(self, epoch: int, steps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(bucket, batch index within the bucket) of each of ``steps`` of ``epoch``."""
+        batches = self.epoch_batches(epoch)
+        total = int(batches.sum())
+        offsets = np.concatenate([[0], np.cumsum(batches)]).astype(np.int64)
+        slots = ChunkShuffle(total, (self.seed, epoch, 1)).chunk_at(np.asarray(steps, np.int64))
+        bucket = np.searchsorted(offsets, slots, side="right") - 1
+        return bucket, slots - offsets[bucket]
+
+    def _bucket_order(self, epoch: int, bucket: int) -> EpochOrder:
+        key = (epoch, bucket)
+        if key not in self._orders:
+            if len(self._orders) > 64:  # a rank walks a few epochs of every bucket
+                self._orders.clear()
+            self._orders[key] = EpochOrder(self.bucket_chunks[bucket], (self.seed, epoch, 2, bucket))
+        return self._orders[key]
+
+    def order_spans(self, epoch: int, bucket: int, lo: int, hi: int) -> np.ndarray:
+        """Spans (file, first row, end row) of positions [lo, hi) of ``bucket``'s order in ``epoch``: the rows it
+        carried in first (the end of the previous epoch's order), then its own chunk order."""
+        carry = int(self.carried(epoch)[bucket])
+        parts = []
+        if lo < carry:
+            previous = int(self.epoch_batches(epoch - 1)[bucket]) * self.global_batch
+            parts.append(self.order_spans(epoch - 1, bucket, previous + lo, previous + min(hi, carry)))
+        if hi > carry:
+            own = np.array([[max(lo, carry) - carry, hi - carry]], np.int64)
+            spans, _ = self._bucket_order(epoch, bucket).spans(own)
+            parts.append(self._file_spans(bucket, spans, np.zeros(len(spans), np.int64))[0])
+        return np.concatenate(parts) if parts else np.zeros((0, 3), np.int64)
+
+    # --- the same interface as sdtrain.data.read_order.SamplePlan ----------------------------------------------
+
+    def steps_done(self, state: DataState) -> int:
+        """Steps of ``state``'s epoch done: each segment's rows per rank times its world size, over the batch."""
+        return sum(rows * world_size for world_size, rows in state.segments) // self.global_batch
+
+    def rank_stretches(
+        self, state: DataState, world_size: int, rows_per_step: int, steps: int
+    ) -> list[list[BucketStretch]]:
+        """Each rank's steps for the next ``steps`` optimizer steps, one stretch per epoch they touch."""
+        self._check_share(world_size, rows_per_step)
+        stretches: list[list[BucketStretch]] = [[] for _ in range(world_size)]
+        epoch, done = state.epoch, self.steps_done(state)
+        while steps > 0:
+            taken = min(self._steps_left(epoch, done), steps)
+            for rank in range(world_size):
+                if taken:
+                    stretches[rank].append(BucketStretch(state, world_size, rank, done, taken))
+            steps -= taken
+            epoch, done = epoch + 1, 0
+            state = DataState(epoch)
+        return stretches
+
+    def advance(self, state: DataState, world_size: int, rows_per_step: int, steps: int) -> DataState:
+        """The state after ``steps`` more optimizer steps at ``world_size`` from ``state``."""
+        self._check_share(world_size, rows_per_step)
+        epoch, done, segments = state.epoch, self.steps_done(state), state.segments
+        while True:
+            left = self._steps_left(epoch, done)
+            if steps < left:
+                if segments and segments[-1][0] == world_size:  # the same group goes on: its segment grows
+                    segments = (*segments[:-1], (world_size, segments[-1][1] + steps * rows_per_step))
+                elif steps:
+                    segments = (*segments, (world_size, steps * rows_per_step))
+                return DataState(epoch, segments)
+            steps -= left
+            epoch, done, segments = epoch + 1, 0, ()
+
+    def _steps_left(self, epoch: int, done: int) -> int:
+        left = self.steps_in_epoch(epoch) - done
+        if left <= 0 and self.bucket_rows.sum() == 0:
+            raise ValueError("the data holds no rows")
+        return max(left, 0)
+
+    def _check_share(self, world_size: int, rows_per_step: int) -> None:
+        if rows_per_step * world_size != self.global_batch:
+            raise ValueError(
+                f"{rows_per_step} rows a step on each of {world_size} ranks is not the plan's global batch "
+                f"{self.global_batch}"
+            )
+
+    def steps_per_window(self, world_size: int) -> int:
+        """Steps one read task reads its rank's shares of: about data.shuffle_window_rows rows, one block a step."""
+        return max(1, self.window_rows // (self.global_batch // world_size))
+
+    def num_windows(self, stretch: BucketStretch) -> int:
+        k = self.steps_per_window(stretch.world_size)
+        return -(-stretch.steps // k)
+
+    def window(self, stretch: BucketStretch, index: int) -> Window:
+        return self.windows(stretch, index, 1)[0]
+
+    def windows(self, stretch: BucketStretch, first: int = 0, count: int | None = None) -> list[Window]:
+        """Read tasks ``first`` to ``first + count`` of ``stretch``, computed together: each reads the rank's shares of
+        a few consecutive steps, one block a step (each of one bucket's shape)."""
+        k = self.steps_per_window(stretch.world_size)
+        count = self.num_windows(stretch) - first if count is None else count
+        begin = stretch.first + first * k
+        end = min(stretch.first + (first + count) * k, stretch.first + stretch.steps)
+        if end <= begin:
+            return []
+        spans, owner = self._share_spans(stretch.state.epoch, np.arange(begin, end), stretch.world_size, stretch.rank)
+        buckets, _ = self.step_batches(stretch.state.epoch, np.arange(begin, end))
+        share = self.global_batch // stretch.world_size
+        bounds = np.searchsorted(owner, np.arange(0, end - begin + k, k))
+        out = []
+        for i, step in enumerate(range(begin, end, k)):
+            blocks = tuple((int(b), share) for b in buckets[step - begin : step - begin + k])
+            rows = share * len(blocks)
+            out.append(Window(spans[bounds[i] : bounds[i + 1]], (), 0, rows, blocks[0][0], blocks))
+        return out
+
+    def _share_spans(self, epoch: int, steps: np.ndarray, world_size: int, rank: int) -> tuple[np.ndarray, np.ndarray]:
+        """Spans of rank ``rank``'s shares of ``steps`` (in step order), and the step (index into ``steps``) each span
+        is of: each bucket's shares mapped through its chunk order at once."""
+        buckets, batches = self.step_batches(epoch, steps)
+        share = self.global_batch // world_size
+        lo = batches * self.global_batch + rank * share
+        carry = self.carried(epoch)
+        pieces, owners = [], []
+        for bucket in np.unique(buckets).tolist():
+            mine = np.flatnonzero(buckets == bucket)
+            starts = lo[mine] - carry[bucket]
+            own = starts >= 0
+            if own.any():  # the bucket's own order: every share past its carried rows at once
+                intervals = np.stack([starts[own], starts[own] + share], axis=1)
+                spans, owner = self._bucket_order(epoch, bucket).spans(intervals)
+                spans, owner = self._file_spans(bucket, spans, owner)
+                pieces.append(spans)
+                owners.append(mine[own][owner])
+            for step in mine[~own].tolist():  # the few shares that reach into the rows carried in
+                spans = self.order_spans(epoch, bucket, int(lo[step]), int(lo[step]) + share)
+                pieces.append(spans)
+                owners.append(np.full(len(spans), step))
+        spans, owner = np.concatenate(pieces), np.concatenate(owners)
+        order = np.argsort(owner, kind="stable")  # step order; within a step, the order of its positions
+        return spans[order], owner[order]
+
+    def _file_spans(self, bucket: int, spans: np.ndarray, owner: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Spans of ``bucket``'s row sequence (column 0 unused) as spans of its files, cut where its runs meet; each
+        piece keeps its span's ``owner``."""
+        ends = self.bucket_ends[bucket]
+        lo, hi = spans[:, 1], spans[:, 2]
+        first = np.searchsorted(ends, lo, side="right")
+        last = np.searchsorted(ends, hi - 1, side="right")
+        pieces = last - first + 1
+        which = np.repeat(np.arange(len(spans)), pieces)
+        run = np.repeat(first, pieces) + np.arange(int(pieces.sum())) - np.repeat(np.cumsum(pieces) - pieces, pieces)
+        run_lo = np.concatenate([[0], ends])[run]
+        start = np.maximum(lo[which], run_lo) - run_lo
+        stop = np.minimum(hi[which], ends[run]) - run_lo
+        runs = self.bucket_runs[bucket][run]
+        base = self.run_start[runs]
+        return np.stack([self.run_file[runs], base + start, base + stop], axis=1), owner[which]
+
+    def sample_indices(self, window: Window) -> np.ndarray:
+        """The sample index of every row ``window`` reads, in read order."""
+        return window_sample_indices(window.spans, self.file_offsets)[window.order()]
+
+
+def runs_of(file_buckets: Sequence[Sequence[tuple[int, int]]]) -> np.ndarray:
+    """The runs array of files given as their (bucket, rows) pairs in row order."""
+    runs = [(f, b, n) for f, pairs in enumerate(file_buckets) for b, n in pairs]
+    return np.array(runs, np.int64).reshape(-1, 3)
+
+
+def _compact(runs: np.ndarray) -> np.ndarray:
+    """The runs as the smallest integers that hold them: what each worker receives is ~10 bytes a run."""
+    runs = np.asarray(runs)
+    return runs.astype(np.int32) if runs.size == 0 or runs.max() < 2**31 else runs

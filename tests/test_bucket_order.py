@@ -1,0 +1,116 @@
+"""The read order of bucketed data (sdtrain.data.bucket_order), pure logic: every step one bucket's, every row once an
+epoch with the remainders carried, and the same global steps whatever the world size and however often it changes."""
+
+import numpy as np
+import pytest
+
+from sdtrain.data.bucket_order import BucketPlan, runs_of
+from sdtrain.data.read_order import DataState, window_sample_indices
+
+SHAPES = [(4, 8, 8), (4, 6, 10), (4, 10, 6), (4, 4, 16)]
+
+
+def _plan(seed=0, global_batch=12, chunk_rows=5, window_rows=20):
+    # Files of several buckets each, sorted by bucket; one bucket (3) too small for a batch in one epoch.
+    files = [[(0, 30), (1, 11)], [(0, 7), (2, 25), (3, 5)], [(1, 40)], [(0, 19), (2, 3)]]
+    rows = [sum(n for _, n in f) for f in files]
+    return BucketPlan(rows, runs_of(files), SHAPES, seed, chunk_rows, global_batch, window_rows)
+
+
+def _bucket_of_rows(plan):
+    """The bucket of every row, by its sample index."""
+    bucket = np.full(plan.num_rows, -1)
+    for f, b, n in plan.runs:
+        at = plan.file_offsets[f] + int((bucket[plan.file_offsets[f] : plan.file_offsets[f + 1]] >= 0).sum())
+        bucket[at : at + n] = b
+    return bucket
+
+
+def _blocks(plan, window):
+    """A read task's rows as the blocks it makes, one a step."""
+    indices = plan.sample_indices(window)
+    assert len(indices) == sum(rows for _, rows in window.blocks)
+    return np.split(indices, np.cumsum([rows for _, rows in window.blocks])[:-1])
+
+
+def _read(plan, state, world_size, steps):
+    """(the global batch of each of ``steps`` steps: the ranks' shares in rank order; the state after them)."""
+    share = plan.global_batch // world_size
+    per_rank = [
+        [block for stretch in stretches for w in plan.windows(stretch) for block in _blocks(plan, w)]
+        for stretches in plan.rank_stretches(state, world_size, share, steps)
+    ]
+    batches = [np.concatenate([per_rank[r][s] for r in range(world_size)]) for s in range(steps)]
+    return batches, plan.advance(state, world_size, share, steps)
+
+
+def test_every_step_is_one_buckets_and_every_row_is_read_once_an_epoch_with_the_rest_carried():
+    plan = _plan()
+    bucket = _bucket_of_rows(plan)
+    state, seen = DataState(), []
+    for epoch in range(3):
+        assert state == DataState(epoch)
+        steps = plan.steps_in_epoch(epoch)
+        batches, state = _read(plan, state, 3, steps)
+        assert state == DataState(epoch + 1)  # the epoch's steps, exactly
+        for batch in batches:
+            assert len(batch) == plan.global_batch and len(set(bucket[batch])) == 1  # one bucket a step
+        counts = np.bincount(bucket[np.concatenate(batches)], minlength=len(SHAPES)) // plan.global_batch
+        assert counts.tolist() == plan.epoch_batches(epoch).tolist()  # steps in proportion to each bucket's rows
+        seen.append(np.concatenate(batches))
+    # Over three epochs every row is read three times, but for the rows carried into the fourth (fewer than a
+    # batch of each bucket): nothing dropped, nothing padded, nothing read twice within its turn.
+    reads = np.bincount(np.concatenate(seen), minlength=plan.num_rows)
+    assert set(reads.tolist()) <= {2, 3}
+    carried = np.bincount(bucket[reads == 2], minlength=len(SHAPES))
+    assert carried.tolist() == plan.carried(3).tolist()
+    # The small bucket (5 rows) fills a batch only once three epochs have carried its rows.
+    assert plan.epoch_batches(0)[3] == 0 and plan.epoch_batches(2)[3] == 1
+
+
+@pytest.mark.parametrize("sizes", [[(2, 4), (3, 5), (6, 2)], [(4, 7), (1, 30)], [(3, 3), (2, 2), (6, 4), (1, 9)]])
+def test_the_global_steps_are_the_same_whatever_the_world_sizes_and_restarts(sizes):
+    plan = _plan(seed=3)
+    total = sum(steps for _, steps in sizes)
+    reference, _ = _read(plan, DataState(), 1, total)
+    got, state = [], DataState()
+    for world_size, steps in sizes:  # a run resized (and restarted) several times, across epochs
+        batches, state = _read(plan, state, world_size, steps)
+        got += batches
+    assert len(got) == total
+    for want, have in zip(reference, got, strict=True):
+        np.testing.assert_array_equal(want, have)  # the same rows in the same order, at every step
+
+
+def test_a_ranks_share_of_a_step_is_a_few_runs_of_consecutive_rows_and_tasks_group_steps():
+    plan = _plan(chunk_rows=6, global_batch=12, window_rows=6)  # a read task a step
+    (stretch,), *_ = plan.rank_stretches(DataState(), 2, 6, 5)
+    assert plan.num_windows(stretch) == 5
+    for window in plan.windows(stretch):
+        # A chunk or two, each cut where the bucket's runs (in different files) meet.
+        assert len(window.spans) <= 4 and window.blocks == ((window.bucket, 6),)
+        assert len(window_sample_indices(window.spans, plan.file_offsets)) == 6
+    grouped = _plan(chunk_rows=6, global_batch=12, window_rows=24)  # four steps' shares a task
+    (stretch,), *_ = grouped.rank_stretches(DataState(), 2, 6, 9)
+    assert [len(w.blocks) for w in grouped.windows(stretch)] == [4, 4, 1]
+
+
+def test_the_plan_refuses_shares_that_do_not_make_its_batch_and_runs_that_do_not_make_their_files():
+    plan = _plan()
+    with pytest.raises(ValueError, match="not the plan's global batch 12"):
+        plan.rank_stretches(DataState(), 5, 2, 1)
+    with pytest.raises(ValueError, match="file 1: its bucket runs hold 36 rows, the file 37"):
+        BucketPlan([41, 37], runs_of([[(0, 30), (1, 11)], [(0, 36)]]), SHAPES, 0, 5, 12)
+
+
+def test_the_plan_pickles_small_and_reads_the_same_after():
+    import pickle
+
+    plan = _plan(seed=9)
+    again = pickle.loads(pickle.dumps(plan))
+    assert again.fingerprint() == plan.fingerprint()
+    a, _ = _read(plan, DataState(), 2, 9)
+    b, _ = _read(again, DataState(), 2, 9)
+    assert all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
+    assert plan.fingerprint()["order"] == "buckets-1" and plan.fingerprint()["buckets"][1] == [4, 6, 10]
+    assert _plan(seed=10).fingerprint() != plan.fingerprint()
