@@ -169,7 +169,7 @@ def _run(function):
 def test_sdtrain_ddp_keeps_each_ranks_statistics_where_torchs_default_overwrites_them_with_rank_0s():
     strategy = build_strategy(TrainConfig(), 2, on_ray=False)
     assert strategy._ddp_kwargs == {**DDP_KWARGS, "bucket_cap_mb": 25}  # what Lightning hands DDP
-    assert DDP_KWARGS["broadcast_buffers"] is False and DDP_KWARGS["gradient_as_bucket_view"] is True
+    assert DDP_KWARGS["forward_sync_buffers"] is False and DDP_KWARGS["gradient_as_bucket_view"] is True
     # The same settings on Ray Train's strategy.
     from ray.train.lightning import RayDDPStrategy
 

@@ -21,6 +21,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from PIL import Image
+from support.deprecations import deprecations_are_errors
 from support.tiny_models import write_tiny_sd_model
 
 from sdtrain.config.learning import Columns
@@ -572,10 +573,10 @@ def _written(output: Path) -> dict[str, int]:
 
 
 @pytest.mark.slow
-def test_parquet_input_interrupted_and_resumed(tmp_path, tiny_model, ray_cluster):
+def test_parquet_input_interrupted_and_resumed(tmp_path, tiny_model, ray_cluster, capfd):
     from sdtrain.data.dataset_index import index_dataset
     from sdtrain.data.inspection import inspect_dataset
-    from sdtrain.preprocess.job import run_preprocess
+    from sdtrain.preprocess.job import _pipeline, run_preprocess
     from sdtrain.preprocess.sources import list_shards
 
     rows = write_parquet_input(tmp_path / "input", files=3)
@@ -584,8 +585,14 @@ def test_parquet_input_interrupted_and_resumed(tmp_path, tiny_model, ray_cluster
     assert len(shards) == 6  # 3 files of 6 rows, in shards of 3 rows
     output = tmp_path / "latents"
 
-    first = run_preprocess(config, max_shards=2)  # the job stopped after two shards
+    with deprecations_are_errors():  # the job's calls into Ray Data and the encoders: none deprecated
+        first = run_preprocess(config, max_shards=2)  # the job stopped after two shards
     assert len(first.shards_written) == 2 and first.shards_done_before == 0
+    # The CPU stage runs as tasks of its own, beside the encoders, not fused into their actors: Ray Data's plan.
+    capfd.readouterr()
+    _pipeline(config, shards).explain()
+    plan = capfd.readouterr().out.split("Physical Plan (Optimized)")[1]
+    assert "ActorPoolMapOperator[MapBatches(Encoder)]\n+- TaskPoolMapOperator[FlatMap(_Prepare)]" in plan, plan
     before = _written(output)
     assert len(before) == 2
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 import os
 import posixpath
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, Literal
 
 import numpy as np
@@ -62,8 +64,26 @@ def to_unit_range(pixels: np.ndarray) -> np.ndarray:
     return pixels.transpose(0, 3, 1, 2).astype(np.float32) / 127.5 - 1.0
 
 
+@contextmanager
+def _without_progress_bars() -> Iterator[None]:
+    """transformers' and diffusers' progress bars ("Loading weights") off while sdtrain loads a model: each encoder
+    actor of a job drew one into the log. Turned back on after, for a caller that shows them (a notebook)."""
+    from diffusers.utils import logging as diffusers_logging
+    from transformers.utils import logging as transformers_logging
+
+    shown = [lib for lib in (transformers_logging, diffusers_logging) if lib.is_progress_bar_enabled()]
+    for lib in shown:
+        lib.disable_progress_bar()
+    try:
+        yield
+    finally:
+        for lib in shown:
+            lib.enable_progress_bar()
+
+
 def load_vae(source: str, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Any:
-    """The AutoencoderKL of a Stable Diffusion model: the only way sdtrain loads one.
+    """The AutoencoderKL of a Stable Diffusion model: the only way sdtrain loads one. Loaded in ``dtype`` (a cast
+    after loading would not keep the modules diffusers keeps in float32, and it says so).
 
     Args:
         source: a model holding a vae/ subfolder (a local directory, a storage URI or a hub id), or a local
@@ -71,12 +91,16 @@ def load_vae(source: str, device: str = "cpu", dtype: torch.dtype = torch.float3
     """
     from diffusers import AutoencoderKL
 
+    subfolder: str | None = "vae"
     if is_uri(source):
-        return AutoencoderKL.from_pretrained(local_model(source, "vae"), subfolder="vae").to(device, dtype).eval()
-    root = os.path.expanduser(source)
-    if os.path.isdir(root) and not os.path.isdir(os.path.join(root, "vae")):
-        return AutoencoderKL.from_pretrained(root).to(device, dtype).eval()
-    return AutoencoderKL.from_pretrained(root, subfolder="vae").to(device, dtype).eval()  # a hub id needs network
+        path = local_model(source, "vae")
+    else:
+        path = os.path.expanduser(source)
+        vae_itself = os.path.isdir(path) and not os.path.isdir(os.path.join(path, "vae"))
+        subfolder = None if vae_itself else "vae"  # else a model directory, or a hub id (needs network)
+    with _without_progress_bars():
+        vae = AutoencoderKL.from_pretrained(path, subfolder=subfolder, torch_dtype=dtype)
+    return vae.to(device).eval()
 
 
 def load_tokenizer(source: str) -> Any:
@@ -87,12 +111,13 @@ def load_tokenizer(source: str) -> Any:
 
 
 def load_text_encoder(source: str, device: str = "cpu", dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
-    """(tokenizer, text encoder) from ``source``'s tokenizer/ and text_encoder/ subfolders."""
+    """(tokenizer, text encoder) from ``source``'s tokenizer/ and text_encoder/ subfolders, loaded in ``dtype``."""
     from transformers import CLIPTextModel
 
     local = local_model(source, "tokenizer", "text_encoder")
-    text_encoder: Any = CLIPTextModel.from_pretrained(local, subfolder="text_encoder")
-    return load_tokenizer(local), text_encoder.to(device, dtype).eval()
+    with _without_progress_bars():
+        text_encoder: Any = CLIPTextModel.from_pretrained(local, subfolder="text_encoder", dtype=dtype)
+    return load_tokenizer(local), text_encoder.to(device).eval()
 
 
 def tokenize(tokenizer: Any, prompts: list[str]) -> Any:

@@ -54,9 +54,6 @@ from sdtrain.storage.run_layout import UNCONDITIONAL_FILE, UNCONDITIONAL_IDS_FIL
 from sdtrain.storage.s3 import S3Settings, apply_s3_settings, configure_s3, resolved_s3_settings
 from sdtrain.storage.uris import absolute, is_uri
 
-# Rows per CPU-stage batch: a few MB of pixels at 512 px.
-_PREPARE_ROWS = 16
-
 
 @dataclass
 class PreprocessSummary:
@@ -214,71 +211,11 @@ def _exists(uri: str) -> bool:
 def _run_pipeline(
     config: PreprocessConfig, pending: list[Shard], scaling_factor: float, vocab_size: int, summary: PreprocessSummary
 ):
-    import ray
-    import ray.data
-
-    from sdtrain.preprocess.encode_stage import Encoder
-
-    gpus = ray.cluster_resources().get("GPU", 0)
-    num_gpus = (1 if gpus else 0) if config.encode.num_gpus == "auto" else config.encode.num_gpus
-    metadata = {
-        LATENT_SCALING_FACTOR: repr(scaling_factor),
-        RESOLUTION: str(config.image.resolution),
-        VAE_SOURCE: config.encode.model,
-        TEXT_ENCODER_SOURCE: config.encode.model,
-        LATENT: config.encode.latent,
-    }
-    columns = {"latents": config.output.image_column}
-    if config.output.captions != "token_ids":
-        columns["embeddings"] = config.output.caption_column
-    if config.output.captions != "embeddings":
-        columns["token_ids"] = config.output.token_id_column
-        metadata[TOKEN_VOCAB_SIZE] = str(vocab_size)
-    # A cluster started apart from this driver sees neither storage.endpoint_url nor the driver's
-    # AWS_ENDPOINT_URL: the read tasks and the encoders (a model on s3://) are handed them.
-    s3 = resolved_s3_settings()
-    prepare = _Prepare(pending, config.input, config.image, s3)
-    dataset: ray.data.Dataset = ray.data.from_items(
-        [{"shard": i} for i in range(len(pending))], override_num_blocks=len(pending)
-    )
-    # A ray_remote_args_fn keeps Ray Data from fusing this stage into the encoder's actors (it fuses a task
-    # map into a following actor map with the same resources): the CPU stage then runs as tasks on every
-    # free CPU, in parallel with the encoders, instead of inside them.
-    dataset = dataset.map_batches(prepare, batch_size=1, batch_format="numpy", ray_remote_args_fn=_one_cpu)
-    dataset = dataset.map_batches(
-        Encoder,
-        fn_constructor_kwargs=dict(
-            model=config.encode.model,
-            latent=config.encode.latent,
-            seed=config.encode.seed,
-            dtype=config.encode.dtype,
-            resolution=config.image.resolution,
-            s3=s3,
-            captions=config.output.captions,
-        ),
-        batch_size=config.encode.batch_size,
-        batch_format="numpy",
-        concurrency=config.encode.concurrency,
-        num_gpus=num_gpus,
-    )
+    """Runs Ray Data's pipeline over the pending shards, writing each shard's file once its last row is in."""
+    columns, metadata = _output_columns(config, scaling_factor, vocab_size)
     gathering: dict[str, dict[str, Any]] = {s.name: {"rows": [], "stats": None} for s in pending}
-    for batch in dataset.iter_batches(batch_size=None, batch_format="numpy"):
-        touched = set()
-        for i in range(len(batch["valid"])):
-            name = str(batch["shard"][i])
-            touched.add(name)
-            if batch["valid"][i]:
-                gathering[name]["rows"].append(
-                    {
-                        "index": int(batch["index"][i]),
-                        "key": str(batch["key"][i]),
-                        "caption": str(batch["caption_text"][i]),
-                        **{value: batch[value][i] for value in columns},
-                    }
-                )
-            else:
-                gathering[name]["stats"] = json.loads(str(batch["stats"][i]))
-        for name in touched:
+    for batch in _pipeline(config, pending).iter_batches(batch_size=None, batch_format="numpy"):
+        for name in _gather(batch, gathering, columns):
             entry = gathering[name]
             stats = entry["stats"]
             if stats is None or len(entry["rows"]) < stats["rows_written"]:
@@ -293,23 +230,94 @@ def _run_pipeline(
             summary.shards_written.append(name)
 
 
-def _one_cpu() -> dict[str, Any]:
-    return {"num_cpus": 1}
+def _output_columns(
+    config: PreprocessConfig, scaling_factor: float, vocab_size: int
+) -> tuple[dict[str, str], dict[str, str]]:
+    """The encoders' output columns with the names the shards store them under, and the shards' schema metadata."""
+    metadata = {
+        LATENT_SCALING_FACTOR: repr(scaling_factor),
+        RESOLUTION: str(config.image.resolution),
+        VAE_SOURCE: config.encode.model,
+        TEXT_ENCODER_SOURCE: config.encode.model,
+        LATENT: config.encode.latent,
+    }
+    columns = {"latents": config.output.image_column}
+    if config.output.captions != "token_ids":
+        columns["embeddings"] = config.output.caption_column
+    if config.output.captions != "embeddings":
+        columns["token_ids"] = config.output.token_id_column
+        metadata[TOKEN_VOCAB_SIZE] = str(vocab_size)
+    return columns, metadata
+
+
+def _pipeline(config: PreprocessConfig, pending: list[Shard]) -> Any:
+    """Ray Data's plan: a row per pending shard, the CPU stage's rows of each, the encoders' batches."""
+    import ray
+    import ray.data
+
+    from sdtrain.preprocess.encode_stage import Encoder
+
+    gpus = ray.cluster_resources().get("GPU", 0)
+    num_gpus = (1 if gpus else 0) if config.encode.num_gpus == "auto" else config.encode.num_gpus
+    # A cluster started apart from this driver sees neither storage.endpoint_url nor the driver's
+    # AWS_ENDPOINT_URL: the read tasks and the encoders (a model on s3://) are handed them.
+    s3 = resolved_s3_settings()
+    shards = ray.data.from_items([{"shard": i} for i in range(len(pending))], override_num_blocks=len(pending))
+    # flat_map: a shard in, its rows out. Ray Data fuses a task stage into the actor stage after it when both ask
+    # for the same resources (encoders without a GPU), but not a stage that changes the number of rows ahead of a
+    # batched one: the CPU stage runs as tasks on every free CPU, beside the encoders, instead of inside them.
+    rows = shards.flat_map(_Prepare(pending, config.input, config.image, s3), num_cpus=1)
+    return rows.map_batches(
+        Encoder,
+        compute=ray.data.ActorPoolStrategy(size=config.encode.concurrency),
+        fn_constructor_kwargs=dict(
+            model=config.encode.model,
+            latent=config.encode.latent,
+            seed=config.encode.seed,
+            dtype=config.encode.dtype,
+            resolution=config.image.resolution,
+            s3=s3,
+            captions=config.output.captions,
+        ),
+        batch_size=config.encode.batch_size,
+        batch_format="numpy",
+        num_gpus=num_gpus,
+    )
+
+
+def _gather(batch: dict[str, np.ndarray], gathering: dict[str, dict[str, Any]], columns: dict[str, str]) -> set[str]:
+    """Adds an encoded batch's rows, and the counts of a shard whose rows have all been sent, to their shards in
+    ``gathering``; returns the shards it touched."""
+    touched = set()
+    for i in range(len(batch["valid"])):
+        name = str(batch["shard"][i])
+        touched.add(name)
+        if batch["valid"][i]:
+            gathering[name]["rows"].append(
+                {
+                    "index": int(batch["index"][i]),
+                    "key": str(batch["key"][i]),
+                    "caption": str(batch["caption_text"][i]),
+                    **{value: batch[value][i] for value in columns},
+                }
+            )
+        else:
+            gathering[name]["stats"] = json.loads(str(batch["stats"][i]))
+    return touched
 
 
 class _Prepare:
-    """The CPU stage as a generator over one shard at a time: batches of prepared rows, then one row (valid
-    false) with the shard's counts, so the driver knows when it has all of the shard."""
+    """The CPU stage: a shard's prepared rows, then one row (valid false) with the shard's counts, so the driver
+    knows when it has all of the shard."""
 
     def __init__(self, shards: list[Shard], input_config: InputConfig, image_config: ImageConfig, s3: S3Settings):
         self.shards, self.input, self.image, self.s3 = shards, input_config, image_config, s3
 
-    def __call__(self, batch: dict[str, np.ndarray]) -> Iterator[dict[str, np.ndarray]]:
+    def __call__(self, row: dict[str, Any]) -> Iterator[dict[str, Any]]:
         apply_s3_settings(self.s3)
-        for index in batch["shard"]:
-            yield from self._shard(self.shards[int(index)])
+        yield from self._shard(self.shards[int(row["shard"])])
 
-    def _shard(self, shard: Shard) -> Iterator[dict[str, np.ndarray]]:
+    def _shard(self, shard: Shard) -> Iterator[dict[str, Any]]:
         stats: dict[str, Any] = {
             "shard": shard.name,
             "source": shard.source,
@@ -318,7 +326,6 @@ class _Prepare:
             "rows_written": 0,
         }
         skipped: dict[str, int] = {}
-        pending: list[tuple[int, str, np.ndarray, str]] = []
         try:
             for row in read_shard(shard, self.input):
                 number = stats["inputs_read"]
@@ -335,36 +342,24 @@ class _Prepare:
                     skipped[reason] = skipped.get(reason, 0) + 1
                     continue
                 assert pixels is not None and caption is not None
-                pending.append((number, row.key, pixels, caption))
                 stats["rows_written"] += 1
-                if len(pending) == _PREPARE_ROWS:
-                    yield self._batch(shard, pending)
-                    pending = []
+                yield _row(shard, number, row.key, pixels, caption, True, "")
         except Exception as e:  # an unreadable file (truncated tar, vanished object): the shard fails, not the job
             stats["error"] = f"{type(e).__name__}: {e}"
-        if pending:
-            yield self._batch(shard, pending)
         stats["skipped"] = dict(sorted(skipped.items()))
         resolution = self.image.resolution
-        yield {
-            "shard": np.array([shard.name]),
-            "index": np.array([-1]),
-            "key": np.array([""]),
-            "pixels": np.zeros((1, resolution, resolution, 3), np.uint8),
-            "caption": np.array([""]),
-            "caption_text": np.array([""]),
-            "valid": np.array([False]),
-            "stats": np.array([json.dumps(stats)]),
-        }
+        empty = np.zeros((resolution, resolution, 3), np.uint8)  # every row's pixels have one shape
+        yield _row(shard, -1, "", empty, "", False, json.dumps(stats))
 
-    def _batch(self, shard: Shard, rows: list[tuple[int, str, np.ndarray, str]]) -> dict[str, np.ndarray]:
-        return {
-            "shard": np.array([shard.name] * len(rows)),
-            "index": np.array([r[0] for r in rows]),
-            "key": np.array([r[1] for r in rows]),
-            "pixels": np.stack([r[2] for r in rows]),
-            "caption": np.array([r[3] for r in rows]),
-            "caption_text": np.array([r[3] for r in rows]),
-            "valid": np.ones(len(rows), dtype=bool),
-            "stats": np.array([""] * len(rows)),
-        }
+
+def _row(shard: Shard, index: int, key: str, pixels: Any, caption: str, valid: bool, stats: str) -> dict[str, Any]:
+    return {
+        "shard": shard.name,
+        "index": index,
+        "key": key,
+        "pixels": pixels,
+        "caption": caption,
+        "caption_text": caption,
+        "valid": valid,
+        "stats": stats,
+    }

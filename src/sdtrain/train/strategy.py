@@ -27,8 +27,11 @@ from sdtrain.private import torch as torch_private
 DDP_KWARGS: dict[str, Any] = {
     # The module's buffers are per-rank statistics (loss sums, skipped samples), all-reduced where they are
     # reported: torch's default broadcasts rank 0's over every rank's before each forward (the reported loss
-    # was rank 0's, skipped_samples world size x rank 0's), and pays a broadcast a step for it.
-    "broadcast_buffers": False,
+    # was rank 0's, skipped_samples world size x rank 0's), and pays a broadcast a step for it. Named so, not
+    # broadcast_buffers=False (deprecated in torch 2.13, which every worker then warned of): this one still
+    # broadcasts the buffers once when DDP wraps the module, which changes nothing here, as every statistic is
+    # non-persistent and still zero on every rank then (a restore never loads them).
+    "forward_sync_buffers": False,
     # Gradients are views into DDP's all-reduce buckets: no copy in and out of the buckets each step, and
     # one gradient-sized buffer less.
     "gradient_as_bucket_view": True,
