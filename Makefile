@@ -1,6 +1,8 @@
 # Two commands, both safe to repeat: `make demo` and `make test`.
-# The first run creates .venv and installs; later runs reuse it (the stamp file is newer
-# than pyproject.toml), so nothing is reinstalled unless the dependencies change.
+# The first run creates .venv and installs; later runs reuse it (the stamp file is newer than
+# pyproject.toml and the lock), so nothing is reinstalled unless the dependencies change.
+# requirements/dev.lock pins every package at one version; `python -m tools.lock` writes it
+# from pyproject.toml's pins (and the GPU image's and runtime env's installs from it).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -10,12 +12,13 @@ STAMP := $(VENV)/.sdtrain-installed
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml requirements/dev.lock
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	# torch first and pinned: this takes the CPU build from the local wheel store, where
-	# an unpinned torch (or one pulled in by another package) would be a multi-GB CUDA build.
-	$(PY) -m pip install --quiet --disable-pip-version-check torch==2.13.0
-	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[test,trackers,preprocess]'
+	# torch first, at the lock's version: this takes the CPU build from the local wheel store,
+	# where an unpinned torch (or one pulled in by another package) would be a multi-GB CUDA build.
+	$(PY) -m pip install --quiet --disable-pip-version-check $$(grep '^torch==' requirements/dev.lock)
+	# Then every other package at the lock's version, and this package with its extras on top.
+	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements/dev.lock -e '.[test,trackers,preprocess]'
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -1,10 +1,9 @@
-"""job.yaml, schedule.yaml and the Containerfile they build their image from, validated offline (the job
-files by the Anyscale SDK's own config models)."""
+"""job.yaml, schedule.yaml, check_job.yaml and preprocess_job.yaml, validated offline by the Anyscale SDK's own
+config models (the Containerfile they build their image from: test_installs.py)."""
 
 import shlex
 
 import pytest
-import tomllib
 from anyscale.job.models import JobConfig
 from anyscale.schedule.models import ScheduleConfig
 from conftest import REPO
@@ -18,14 +17,6 @@ def _job(name):
     if name in ("job.yaml", "check_job.yaml"):
         return JobConfig.from_yaml(str(REPO / name))
     return ScheduleConfig.from_yaml(str(REPO / name)).job_config
-
-
-def _pins():
-    """What a node installs: pyproject.toml's dependencies, its trackers extra (tracking.trackers) and its preprocess
-    extra (the preprocessing job; a run on its latents exports a pipeline with its text encoder)."""
-    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
-    extras = project["optional-dependencies"]
-    return {d.split("==")[0]: d for d in project["dependencies"] + extras["trackers"] + extras["preprocess"]}
 
 
 @pytest.mark.parametrize(
@@ -48,7 +39,7 @@ def test_job_files_are_valid_and_consistent_with_their_config(name, entrypoint):
     config = load_config(REPO / config_path, overrides)
     assert "$" not in config.run.name
 
-    # The image is built from the Containerfile (checked below): it has the dependencies, so a node
+    # The image is built from the Containerfile (test_installs.py): it has the dependencies, so a node
     # starting mid-run (a spot replacement) installs nothing before it trains.
     assert job.containerfile == "Containerfile" and job.image_uri is None
     assert job.requirements is None
@@ -67,59 +58,6 @@ def test_job_files_are_valid_and_consistent_with_their_config(name, entrypoint):
         config.scaling.min_workers,
         config.scaling.max_workers,
     )
-
-
-def _assert_pyproject_pins(requirements, image_uri):
-    pins = _pins()
-    ray = pins.pop("ray[default,train,data]")
-    assert sorted(requirements) == sorted(pins.values())
-    assert image_uri.split(":")[1].startswith(ray.split("==")[1] + "-")  # the image's Ray is the pinned one
-
-
-def test_the_gpu_runtime_env_installs_pyprojects_pins():
-    import yaml
-
-    env = yaml.safe_load((REPO / "runtime_env" / "gpu.yaml").read_text())
-    _assert_pyproject_pins(env["pip"], "rayproject/ray:2.60.0-py311-gpu")
-    assert env["py_modules"] == ["src/sdtrain"]
-
-
-def _containerfile():
-    """(instruction, arguments) pairs, continuation lines joined, comments dropped."""
-    text = (REPO / "Containerfile").read_text().replace("\\\n", " ")
-    lines = [line.strip() for line in text.splitlines()]
-    return [tuple(line.split(None, 1)) for line in lines if line and not line.startswith("#")]
-
-
-def _pip_installs(instructions):
-    """(index URL or None, sorted requirements) of each RUN pip install."""
-    installs = []
-    for op, arguments in instructions:
-        argv = shlex.split(arguments)
-        if op != "RUN" or argv[:2] != ["pip", "install"]:
-            continue
-        index = argv[argv.index("--index-url") + 1] if "--index-url" in argv else None
-        requirements = [a for a in argv[2:] if not a.startswith("-") and a != index]
-        installs.append((index, sorted(requirements)))
-    return installs
-
-
-def test_the_containerfile_has_pyprojects_pins():
-    instructions = _containerfile()
-    (base,) = [arguments for op, arguments in instructions if op == "FROM"]
-    pins = _pins()
-    ray = pins.pop("ray[default,train,data]").split("==")[1]
-    image, tag = base.split(":")
-    assert image == "anyscale/ray" and tag.startswith(f"{ray}-")  # Anyscale's image of the pinned Ray
-    cuda = tag.split("-")[-1]
-    assert cuda.startswith("cu")
-    installs = _pip_installs(instructions)
-    # torch: the CUDA build for the image's CUDA, from PyTorch's index, pinned as in pyproject.toml
-    assert installs[0] == (f"https://download.pytorch.org/whl/{cuda}", [pins["torch"]])
-    # then every other pin, torch again so that nothing replaces that build
-    assert installs[1:] == [(None, sorted(pins.values()))]
-    # Anyscale builds the image from the file's text alone: there is no build context to copy from.
-    assert not any(op in ("COPY", "ADD") for op, _ in instructions)
 
 
 def test_a_job_names_its_code_at_submission():
@@ -150,20 +88,12 @@ def test_the_preprocessing_job_is_valid_and_consistent_with_its_config():
     assert {".git", ".venv", "runs", ".sdtrain-data", ".pytest_cache", ".mypy_cache", ".ruff_cache"} <= set(
         job.excludes
     )
-    # The image (checked above against pyproject.toml) has the preprocess extra: a node installs nothing at start.
+    # The image (test_installs.py) has the preprocess extra: a node installs nothing at start.
     assert job.requirements is None
     assert job.max_retries >= 1
     assert (REPO / "preprocess_job.yaml").read_text().splitlines()[0] == (
         f"# anyscale job submit -f preprocess_job.yaml --env {COMMIT_ENV}=$(git rev-parse HEAD)"
     )
-
-
-def test_the_dev_setup_installs_the_extras_the_images_have():
-    """make setup (and so CI on a fresh clone) installs what the image and the GPU runtime env install."""
-    import re
-
-    (extras,) = re.findall(r"-e '\.\[([^\]]+)\]'", (REPO / "Makefile").read_text())
-    assert {"trackers", "preprocess", "test"} <= set(extras.split(","))
 
 
 def test_the_check_job_checks_what_job_yaml_runs():
