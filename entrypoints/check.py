@@ -1,7 +1,9 @@
 """Check a training config on the cluster it will run on, in a few minutes, before the real run: it trains on one
-GPU, then on all the config's workers (compiled), and prints images/s per GPU, MFU, the share lost to
-communication, data wait, checkpoint stall, peak memory and the projected time and cost of the configured run.
-Exit code 1 if a phase failed.
+GPU, then on all the config's workers, as configured (compiled if train.compile is on), and prints images/s per GPU,
+MFU, the share lost to communication (net of data wait), data wait, checkpoint stall, peak allocated and reserved
+memory beside the memory model's prediction and the GPU's capacity, and the projected time and cost of the
+configured run (run.gpu_hour_cost); the table is also recorded as JSON under <run.storage_path>/checks/.
+--compare-compile adds a one-GPU phase with train.compile the other way. Exit code 1 if a phase failed.
 
     ray job submit --working-dir . --runtime-env runtime_env/gpu.yaml -- \\
         python entrypoints/check.py --config configs/small.yaml

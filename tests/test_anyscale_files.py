@@ -53,6 +53,12 @@ def test_job_files_are_valid_and_consistent_with_their_config(name, entrypoint):
     )
     (gpu_group,) = job.compute_config.worker_nodes
     assert config.scaling.use_gpu is True
+    # The driver and Ray Data on a head node without a GPU (the driver decides the precision from the workers' GPU
+    # model: sdtrain.train.build.driver_precision).
+    assert job.compute_config.head_node.instance_type.startswith("m5.")
+    assert job.compute_config.head_node.instance_type not in NODE_TYPES
+    if name != "schedule.yaml":  # the cost is printed by the check and in the run's totals
+        assert config.run.gpu_hour_cost is not None and config.run.gpu_hour_cost > 0
     gpus = NODE_TYPES[gpu_group.instance_type].gpus  # a worker per GPU
     assert (gpu_group.min_nodes * gpus, gpu_group.max_nodes * gpus) == (
         config.scaling.min_workers,
@@ -125,3 +131,22 @@ def test_every_gpu_job_keeps_nccls_flight_record_of_a_hang_and_names_no_interfac
         env = _job(name).env_vars
     assert {key: env.get(key) for key in NCCL_ENV} == NCCL_ENV
     assert not {"NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "NCCL_DEBUG"} & set(env)
+
+
+@pytest.mark.parametrize("name", ["job.yaml", "schedule.yaml"])
+def test_the_shipped_micro_batch_fits_the_nodes_gpu_at_every_world_size(name):
+    """The memory model's peak of a rank at each world size of the job (DDP: the same at every size), with its 1 GiB
+    for the CUDA runtime, within the share of the GPU that train.micro_batch_size=auto would fill."""
+    from sdtrain.driver.memory_fit import AUTO_FILL, fit_micro_batch, predict_run_memory
+
+    job = _job(name)
+    argv = shlex.split(job.entrypoint)
+    overrides = [arg for arg in argv[argv.index("--config") + 2 :] if "$" not in arg]
+    config = load_config(REPO / argv[argv.index("--config") + 1], ["data.train=/unused", *overrides])
+    node = NODE_TYPES[job.compute_config.worker_nodes[0].instance_type]
+    side = int(config.data.latent_column.rsplit("_", 1)[-1]) // 8
+    shapes = ((4, side, side), (77, 1024))
+    assert fit_micro_batch(config, node.gpu.accelerator_type, *shapes, "bf16-mixed") == (config, None)
+    for world in range(config.scaling.min_workers, config.scaling.max_workers + 1):
+        memory = predict_run_memory(config, *shapes, world, "bf16-mixed")
+        assert memory.with_runtime_margin <= AUTO_FILL * node.gpu_memory_gib * 2**30, (name, world, memory)

@@ -1,13 +1,15 @@
 """The check job users run first (entrypoints/check.py), end to end on CPU workers of a real Ray cluster: a phase on
 one worker and one on two, and the table they print."""
 
+import dataclasses
+import json
 import re
 
 import pytest
 from conftest import committed_checkpoints, write_latents
 
 from sdtrain.config.loader import load_config
-from sdtrain.driver.check import CheckReport, phase_config
+from sdtrain.driver.check import CheckReport, Phase, communication_share, phase_config
 from sdtrain.driver.cli import check_main
 
 
@@ -15,9 +17,8 @@ def _args(tmp_path, *extra):
     return [
         "--steps",
         "8",
-        # Compiling takes two phases 2-4 minutes on 2 cores; the compiled step is test_options' (the same
-        # build_training), and --eager leaves the rest of the check's path as it is.
-        "--eager",
+        # Trained as configured: eager here (compiling takes each phase 2-4 minutes on 2 cores; the compiled step of
+        # the shipped options is test_options', through the same build_training).
         f"data.train={tmp_path}/train",
         "model.preset=tiny",
         "train.global_batch_size=8",
@@ -58,28 +59,71 @@ def test_the_checks_phases_run_without_evaluation_and_its_table_says_so(tmp_path
     assert not any(line.startswith("evaluation") for line in plain)
 
 
+def test_the_phases_train_as_configured_and_the_table_nets_out_data_wait_and_prices_the_run():
+    """Compiled if the config compiles (both phases: today's run), the compile comparison's phase the other way;
+    the communication share from images/s net of data wait; the cost from run.gpu_hour_cost, or how to get one;
+    the peak allocated and reserved memory beside the prediction and the GPU's capacity."""
+    compiled = ["data.train=/d", "train.compile=true", "scaling.num_workers=[2,4]", "train.global_batch_size=24"]
+    for workers in (1, 4):
+        assert phase_config(None, compiled, workers).train.compile is True
+    flipped = phase_config(None, compiled, 1, compile_unet=False, stamp="T")
+    assert flipped.train.compile is False and flipped.run.name.endswith("-check-T-1w-eager")
+    assert phase_config(None, ["data.train=/d"], 1).train.compile is False
+    # One GPU at 100 images/s waiting 20% of the time for data, four at 90 waiting 28%: 125 against 125 while
+    # training, no communication lost (1 - 90 / 100 = 10% counted their data wait as communication).
+    one = Phase("1 GPU", 1, "ddp", True, images_per_s_per_gpu=100.0, data_wait=0.2, steps_per_s=1.0)
+    four = Phase("4 GPUs", 4, "ddp", True, images_per_s_per_gpu=90.0, data_wait=0.28, steps_per_s=0.5)
+    assert communication_share(one, four) == pytest.approx(0.0, abs=1e-12)
+    slower = dataclasses.replace(four, images_per_s_per_gpu=100.0, data_wait=0.0)
+    assert communication_share(one, slower) == pytest.approx(0.2)
+    eager = Phase(
+        "1 GPU, compile flipped", 1, "ddp", False, images_per_s_per_gpu=80.0, data_wait=0.0,
+        peak_memory_gb=17.9, peak_reserved_gb=19.4, memory_capacity_gb=23.8, predicted_memory_gb=19.8,
+    )  # fmt: skip
+    config = load_config(None, compiled)
+    table = CheckReport(config, [one, four, eager], 0.0, 2.5, None).table()
+    assert "compile: 100.0 images/s per GPU compiled, 80.0 eager (+25%) on one GPU" in table, table
+    assert any(
+        line.endswith("(no cost: set run.gpu_hour_cost, a worker's price an hour, as check_job.yaml does)")
+        for line in table
+    ), table
+    assert any(
+        line.startswith("1 GPU, compile flipped") and line.endswith("17.90/19.40 (19.80) of 23.8") for line in table
+    ), table
+    priced = load_config(None, [*compiled, "run.gpu_hour_cost=2.54"])
+    (projection,) = [line for line in CheckReport(priced, [one, four], 0.0, 2.5, 25.4).table() if "projected" in line]
+    assert projection == "projected: 550000 steps in 2h30m on 4 workers, 25 at run.gpu_hour_cost=2.54", projection
+
+
 @pytest.mark.slow  # two short Ray Train runs
 @pytest.mark.timeout(400)
 def test_the_check_trains_on_one_worker_then_all_and_reports_what_it_measured(ray_cluster, tmp_path, capsys):
     write_latents(tmp_path / "train/a.parquet", rows=64, seed=1)
     assert check_main(_args(tmp_path), default_config=None) == 0
     out = capsys.readouterr().out
-    lines = [line.removeprefix("[sdtrain check] ") for line in out.splitlines() if line.startswith("[sdtrain check]")]
-    header, one, two, communication, projected = lines
+    lines = [line.split("[sdtrain] check: ", 1)[1] for line in out.splitlines() if "[sdtrain] check: " in line]
+    header, one, two, communication, projected, recorded = lines
     assert header.split()[:3] == ["phase", "options", "result"]
-    # Each phase: trained, with its micro-batch (auto: null's on CPU workers); images/s per GPU, no MFU on CPU, data
-    # wait, checkpoint stall, no measured peak memory on CPU beside the memory model's prediction.
+    # Each phase: trained as configured (eager), with its micro-batch (auto: null's on CPU workers); images/s per GPU,
+    # no MFU on CPU, data wait, checkpoint stall, no measured peak memory on CPU beside the memory model's prediction.
     for row, name in ((one, "1 GPU"), (two, "2 GPUs")):
-        assert row.startswith(name) and "compile" not in row and "micro-batch 4" in row and " trained " in row, row
-        figures = re.fullmatch(r".* trained +(\d+\.\d) +- +(\d+\.\d)% +(\d+\.\d) s +- \((\d+\.\d\d)\)", row)
-        assert figures and float(figures[1]) > 0 and float(figures[4]) > 0, row
-    assert re.fullmatch(r"communication: \d+\.\d% of the full run's step", communication), communication
+        assert row.startswith(name) and ", eager, micro-batch 4" in row and " trained " in row, row
+        figures = re.fullmatch(r".* trained +(\d+\.\d) +- +(\d+\.\d)% +(\d+\.\d) s +-/- \((\d+\.\d\d)\) of -", row)
+        assert figures and float(figures[1]) > 0 and float(figures[4]) > 1, row  # 1 GiB for the CUDA runtime
+    assert re.fullmatch(r"communication: \d+\.\d% of the full run's step \(.*net of data wait\)", communication)
     hours = re.fullmatch(
-        r"projected: 100000 steps in (\d+)h(\d\d)m on 2 workers, ([\d,]+) at run.gpu_hour_cost", projected
+        r"projected: 100000 steps in (\d+)h(\d\d)m on 2 workers, ([\d,]+) at run.gpu_hour_cost=2.5", projected
     )
     assert hours, projected
+    # The table, recorded beside the phases as JSON: what was printed, and the figures as data.
+    (record,) = (tmp_path / "runs/checks").glob("mine-check-*.json")
+    assert recorded == f"recorded: {record}"
+    saved = json.loads(record.read_text())
+    assert saved["table"] == lines[:-1] and [phase["workers"] for phase in saved["phases"]] == [1, 2]
+    assert saved["phases"][0]["images_per_s_per_gpu"] > 0 and saved["phases"][0]["compiled"] is False
+    assert saved["gpu_hour_cost"] == 2.5 and saved["projected_cost"] > 0
     # Each phase is its own run beside the configured one's, checkpointed halfway and at the end, not exported.
-    runs = sorted(p.name for p in (tmp_path / "runs/checks").iterdir())
+    runs = sorted(p.name for p in (tmp_path / "runs/checks").iterdir() if p.is_dir())
     assert [re.sub(r"check-\d{8}T\d{6}", "check-T", name) for name in runs] == ["mine-check-T-1w", "mine-check-T-2w"]
     for name in runs:
         assert committed_checkpoints(tmp_path / "runs/checks" / name) == [
@@ -95,6 +139,6 @@ def test_a_phase_that_fails_is_reported_and_the_check_exits_1(ray_cluster, tmp_p
     write_latents(tmp_path / "train/a.parquet", rows=64, caption_shape=(77, 16), seed=1)  # the tiny UNet wants 32
     assert check_main(_args(tmp_path), default_config=None) == 1
     out = capsys.readouterr().out
-    assert re.search(r"^\[sdtrain check\] 1 GPU +.* failed ", out, re.M), out
-    assert re.search(r"^\[sdtrain check\] 1 GPU failed: DataError: .*a\.parquet", out, re.M), out
+    assert re.search(r"\[sdtrain\] check: 1 GPU +.* failed ", out), out
+    assert re.search(r"\[sdtrain\] check: 1 GPU failed: DataError: .*a\.parquet", out), out
     assert "projected" not in out

@@ -5,15 +5,20 @@ fragmentation: ../shared/GPU.md) is measured here.
 
     python entrypoints/check.py --config configs/small.yaml            # on the cluster (check_job.yaml)
 
-Each phase is its own short run under ``<run.storage_path>/checks/``, compiled (train.compile: the fast path) unless
-``--eager``, with a checkpoint halfway (its stall is measured) and no export, trackers or evaluation (Ray Train would
-wait for the final checkpoint's evaluation: up to twice eval.timeout_s). The one-GPU phase trains
-the per-GPU batch of the full run (train.global_batch_size / the most workers), so its images/s per GPU against the
-full run's is the share of a step the full run loses to communication. Exit 1 if any phase failed.
+Each phase is its own short run under ``<run.storage_path>/checks/``, trained as configured (compiled if
+train.compile is on: what the real run will do), with a checkpoint halfway (its stall is measured) and no export,
+trackers or evaluation (Ray Train would wait for the final checkpoint's evaluation: up to twice eval.timeout_s). The
+one-GPU phase trains the per-GPU batch of the full run (train.global_batch_size / the most workers), so its images/s
+per GPU against the full run's, each net of the time it waited for data, is the share of a step the full run loses to
+communication (and to stragglers). ``--compare-compile`` adds a one-GPU phase with train.compile the other way. The
+table is printed and recorded as JSON beside the phases (``<run.storage_path>/checks/<run>-check-<time>.json``).
+Exit 1 if any phase failed.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 import time
 from collections.abc import Sequence
@@ -33,6 +38,7 @@ class Phase:
         name: what the phase runs ("1 GPU", "4 GPUs").
         workers: its world size.
         options: the GPU options it trained with.
+        compiled: it trained with train.compile.
         error: why it failed; None if it trained.
         images_per_s_per_gpu: the last report window's images/s of one worker (after the first window, which holds
             compilation).
@@ -40,33 +46,49 @@ class Phase:
         data_wait: the share of that window the slowest rank waited for data.
         checkpoint_stall_s: seconds the training loop waited on the checkpoint.
         peak_memory_gb: the largest rank's peak allocated GPU memory (GPU workers only).
-        predicted_memory_gb: the memory model's peak for a rank of this phase (sdtrain.model.memory).
+        peak_reserved_gb: the largest rank's peak memory reserved by torch's caching allocator (allocated and
+            cached, fragmentation included: what the GPU must hold).
+        memory_capacity_gb: the GPU's memory as torch sees it (less than the datasheet's).
+        predicted_memory_gb: the memory model's peak for a rank of this phase, with its allowance for the CUDA
+            runtime (sdtrain.model.memory; an eager step's: compiled ones usually hold less).
         steps_per_s: optimizer steps per second in that window.
     """
 
     name: str
     workers: int
     options: str
+    compiled: bool = False
     error: str | None = None
     images_per_s_per_gpu: float | None = None
     mfu: float | None = None
     data_wait: float | None = None
     checkpoint_stall_s: float | None = None
     peak_memory_gb: float | None = None
+    peak_reserved_gb: float | None = None
+    memory_capacity_gb: float | None = None
     predicted_memory_gb: float | None = None
     steps_per_s: float | None = None
+
+    @property
+    def training_images_per_s_per_gpu(self) -> float | None:
+        """Images/s per GPU while not waiting for data."""
+        if self.images_per_s_per_gpu is None or self.data_wait is None or self.data_wait >= 1:
+            return None
+        return self.images_per_s_per_gpu / (1 - self.data_wait)
 
 
 @dataclass(frozen=True)
 class CheckReport:
-    """The check's phases and the projection of the configured run from the last of them.
+    """The check's phases and the projection of the configured run from the full one.
 
     Args:
         config: the configured run.
-        phases: the phases, one GPU first.
-        communication_share: 1 - the full run's images/s per GPU over the one-GPU phase's (None if either failed).
+        phases: one GPU, then all of them, then (``--compare-compile``) one GPU with train.compile the other way.
+        communication_share: 1 - the full run's images/s per GPU over the one-GPU phase's, each net of its data wait
+            (None if either failed).
         projected_hours: train.max_steps at the full run's step rate.
         projected_cost: those hours on every worker at run.gpu_hour_cost (None without a price).
+        record: where the report was recorded as JSON (None: not recorded).
     """
 
     config: Config
@@ -74,6 +96,7 @@ class CheckReport:
     communication_share: float | None
     projected_hours: float | None
     projected_cost: float | None
+    record: str | None = None
 
     @property
     def failed(self) -> bool:
@@ -82,15 +105,19 @@ class CheckReport:
     def table(self) -> list[str]:
         """The report, as lines to print."""
         lines = [
-            f"{'phase':10} {'options':34} {'result':8} {'img/s/GPU':>9} {'MFU':>6} {'data wait':>9} "
-            f"{'ckpt stall':>10} {'peak GB (predicted)':>19}",
+            f"{'phase':17} {'options':44} {'result':8} {'img/s/GPU':>9} {'MFU':>6} {'data wait':>9} "
+            f"{'ckpt stall':>10} {'peak GB alloc/reserved (predicted) of GPU':>43}",
         ]
         for phase in self.phases:
+            memory = (
+                f"{_figure(phase.peak_memory_gb, '.2f')}/{_figure(phase.peak_reserved_gb, '.2f')} "
+                f"({_figure(phase.predicted_memory_gb, '.2f')}) of {_figure(phase.memory_capacity_gb, '.1f')}"
+            )
             lines.append(
-                f"{phase.name:10} {phase.options:34} {'failed' if phase.error else 'trained':8} "
+                f"{phase.name:17} {phase.options:44} {'failed' if phase.error else 'trained':8} "
                 f"{_figure(phase.images_per_s_per_gpu, '.1f'):>9} {_figure(phase.mfu, '.1%'):>6} "
                 f"{_figure(phase.data_wait, '.1%'):>9} {_figure(phase.checkpoint_stall_s, '.1f', ' s'):>10} "
-                f"{_figure(phase.peak_memory_gb, '.2f'):>10} ({_figure(phase.predicted_memory_gb, '.2f')})"
+                f"{memory:>43}"
             )
         lines += [f"{phase.name} failed: {phase.error}" for phase in self.phases if phase.error]
         if self.config.eval.enabled:
@@ -98,47 +125,106 @@ class CheckReport:
                 f"evaluation: off in the check's phases (the run evaluates {', '.join(self.config.eval.metrics)}), "
                 "whose ends would wait for their final checkpoint's evaluation"
             )
-        lines.append(f"communication: {_figure(self.communication_share, '.1%')} of the full run's step")
-        if self.projected_hours is not None:
-            steps = self.config.train.max_steps
-            cost = f", {self.projected_cost:,.0f} at run.gpu_hour_cost" if self.projected_cost is not None else ""
-            lines.append(
-                f"projected: {steps} steps in {format_duration(self.projected_hours * 3600)} on "
-                f"{self.config.scaling.max_workers} workers{cost}"
-            )
+        lines.append(
+            f"communication: {_figure(self.communication_share, '.1%')} of the full run's step "
+            "(images/s per GPU against one GPU's, net of data wait)"
+        )
+        lines += self._compile_line() + self._projection()
+        if self.record is not None:
+            lines.append(f"recorded: {self.record}")
         return lines
+
+    def _compile_line(self) -> list[str]:
+        if len(self.phases) < 3:
+            return []
+        one, other = self.phases[0], self.phases[2]
+        if not (one.images_per_s_per_gpu and other.images_per_s_per_gpu):
+            return []
+        compiled, eager = (one, other) if one.compiled else (other, one)
+        assert compiled.images_per_s_per_gpu and eager.images_per_s_per_gpu  # both measured (above)
+        return [
+            f"compile: {compiled.images_per_s_per_gpu:.1f} images/s per GPU compiled, {eager.images_per_s_per_gpu:.1f} "
+            f"eager ({compiled.images_per_s_per_gpu / eager.images_per_s_per_gpu - 1:+.0%}) on one GPU"
+        ]
+
+    def _projection(self) -> list[str]:
+        if self.projected_hours is None:
+            return []
+        steps, workers = self.config.train.max_steps, self.config.scaling.max_workers
+        line = f"projected: {steps} steps in {format_duration(self.projected_hours * 3600)} on {workers} workers"
+        if self.projected_cost is None:
+            return [line + " (no cost: set run.gpu_hour_cost, a worker's price an hour, as check_job.yaml does)"]
+        return [line + f", {self.projected_cost:,.0f} at run.gpu_hour_cost={self.config.run.gpu_hour_cost:g}"]
+
+    def to_json(self) -> dict:
+        """What :meth:`table` shows, as data (the JSON record)."""
+        return {
+            "run": self.config.run.name,
+            "max_workers": self.config.scaling.max_workers,
+            "phases": [dataclasses.asdict(phase) for phase in self.phases],
+            "communication_share": self.communication_share,
+            "projected_hours": self.projected_hours,
+            "projected_cost": self.projected_cost,
+            "gpu_hour_cost": self.config.run.gpu_hour_cost,
+            "table": dataclasses.replace(self, record=None).table(),
+        }
 
 
 def _figure(value: float | None, spec: str, unit: str = "") -> str:
     return "-" if value is None or not math.isfinite(value) else f"{value:{spec}}{unit}"
 
 
-def check(config_file: str | None, overrides: Sequence[str], steps: int = 40, compile_unet: bool = True) -> CheckReport:
-    """Run the check of a config: ``steps`` optimizer steps on one worker, then on its most workers.
+def check(
+    config_file: str | None, overrides: Sequence[str], steps: int = 40, compare_compile: bool = False
+) -> CheckReport:
+    """Run the check of a config: ``steps`` optimizer steps on one worker, then on its most workers, each as
+    configured; record the report beside the phases.
 
     Args:
         config_file: the run's YAML config, as ``train.py --config`` takes it.
         overrides: its ``key.sub=value`` overrides.
         steps: optimizer steps a phase trains (its first report window, which holds compilation, is not measured).
-        compile_unet: train with train.compile=true (the fast path), else as configured.
+        compare_compile: then one more worker-phase with train.compile the other way.
     """
     config = load_config(config_file, overrides)
     most = config.scaling.max_workers
     stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
-    phases = []
-    for workers in sorted({1, most}):
-        phase = phase_config(config_file, overrides, workers, steps, compile_unet, stamp)
-        phases.append(_run_phase(phase, workers))
-    one, full = phases[0], phases[-1]
-    share = None
-    if len(phases) > 1 and one.images_per_s_per_gpu and full.images_per_s_per_gpu:
-        share = max(0.0, 1 - full.images_per_s_per_gpu / one.images_per_s_per_gpu)
+    runs: list[tuple[int, bool | None]] = [(workers, None) for workers in sorted({1, most})]
+    if compare_compile:
+        runs.append((1, not config.train.compile))
+    phases = [
+        _run_phase(phase_config(config_file, overrides, workers, steps, stamp, compile_unet), workers, compile_unet)
+        for workers, compile_unet in runs
+    ]
+    one, full = phases[0], phases[len({1, most}) - 1]
+    share = communication_share(one, full) if most > 1 else None
     hours = cost = None
     if full.steps_per_s:
         hours = config.train.max_steps / full.steps_per_s / 3600
         if config.run.gpu_hour_cost is not None:
             cost = hours * most * config.run.gpu_hour_cost
-    return CheckReport(config, phases, share, hours, cost)
+    report = CheckReport(config, phases, share, hours, cost)
+    return record_report(report, stamp)
+
+
+def communication_share(one: Phase, full: Phase) -> float | None:
+    """The share of the full run's step lost beside one GPU's, from their images/s per GPU each net of its data wait
+    (so that a difference in reading is not counted as communication); None if either was not measured."""
+    alone, together = one.training_images_per_s_per_gpu, full.training_images_per_s_per_gpu
+    if not alone or together is None:
+        return None
+    return max(0.0, 1 - together / alone)
+
+
+def record_report(report: CheckReport, stamp: str) -> CheckReport:
+    """``report`` recorded as ``<run.storage_path>/checks/<run.name>-check-<stamp>.json`` (local or object storage)."""
+    from sdtrain.storage.filesystems import write_bytes
+
+    config = report.config
+    uri = f"{config.run.storage_path.rstrip('/')}/checks/{config.run.name}-check-{stamp}.json"
+    recorded = dataclasses.replace(report, record=uri)
+    write_bytes(uri, (json.dumps(recorded.to_json(), indent=2) + "\n").encode())
+    return recorded
 
 
 def phase_config(
@@ -146,18 +232,20 @@ def phase_config(
     overrides: Sequence[str],
     workers: int,
     steps: int = 40,
-    compile_unet: bool = True,
     stamp: str = "T",
+    compile_unet: bool | None = None,
 ) -> Config:
     """The config of the check's phase on ``workers`` workers: ``steps`` steps of the configured run's per-GPU work,
-    as its own run under ``<run.storage_path>/checks/``, checkpointed halfway, without export or trackers."""
+    as its own run under ``<run.storage_path>/checks/``, checkpointed halfway, without export or trackers; compiled as
+    configured, or as ``compile_unet`` says."""
     config = load_config(config_file, overrides)
     most = config.scaling.max_workers
     # The one-GPU phase trains one GPU's share of the full run's batch: the same work per GPU and step.
     batch = config.train.global_batch_size * workers // most
+    variant = "" if compile_unet is None else ("-compiled" if compile_unet else "-eager")
     phase_overrides = [
         *overrides,
-        f"run.name={config.run.name}-check-{stamp}-{workers}w",
+        f"run.name={config.run.name}-check-{stamp}-{workers}w{variant}",
         f"run.storage_path={config.run.storage_path.rstrip('/')}/checks",
         f"run.log_every_n_steps={max(1, steps // 4)}",
         f"train.max_steps={steps}",
@@ -167,7 +255,7 @@ def phase_config(
         "checkpoint.num_to_keep=null",
         "export.enabled=false",
         "tracking.trackers=[]",
-        *(["train.compile=true"] if compile_unet else []),
+        *([] if compile_unet is None else [f"train.compile={str(compile_unet).lower()}"]),
         *_without_evaluation(config),
     ]
     return load_config(config_file, phase_overrides)
@@ -188,7 +276,7 @@ def _without_evaluation(config: Config) -> list[str]:
     return off
 
 
-def _run_phase(config: Config, workers: int) -> Phase:
+def _run_phase(config: Config, workers: int, compile_unet: bool | None) -> Phase:
     import ray.train
 
     from sdtrain.artifacts.run_outputs import read_history
@@ -199,17 +287,18 @@ def _run_phase(config: Config, workers: int) -> Phase:
         [
             train_options.strategy,
             train_options.precision,
-            *(["compile"] if train_options.compile else []),
+            "compiled" if train_options.compile else "eager",
             *(["channels_last"] if train_options.channels_last else []),
             *(["checkpointing"] if train_options.gradient_checkpointing else []),
             f"micro-batch {config.batch_layout(workers).micro_batch}",
         ]
     )
-    label = "1 GPU" if workers == 1 else f"{workers} GPUs"
+    label = ("1 GPU" if workers == 1 else f"{workers} GPUs") + ("" if compile_unet is None else ", compile flipped")
+    compiled = train_options.compile
     try:
         summary = train(config)
     except Exception as error:  # a phase's failure is the check's finding, not its end
-        return Phase(label, workers, options, error=f"{type(error).__name__}: {error}".splitlines()[0])
+        return Phase(label, workers, options, compiled, error=f"{type(error).__name__}: {error}".splitlines()[0])
     rows = read_history(ray.train.Checkpoint(summary.checkpoint_path))
     last = rows[-1]
     on_gpu = "peak_memory_gb" in last  # reported by GPU workers only
@@ -217,18 +306,22 @@ def _run_phase(config: Config, workers: int) -> Phase:
         label,
         workers,
         options,
+        compiled,
         images_per_s_per_gpu=last["samples_per_s"] / workers,
         mfu=last.get("mfu"),
         data_wait=last["data_wait_fraction"],
         checkpoint_stall_s=max(row["checkpoint_stall_s"] for row in rows),
         peak_memory_gb=last.get("peak_memory_gb"),
+        peak_reserved_gb=last.get("peak_reserved_gb"),
+        memory_capacity_gb=last.get("memory_capacity_gb"),
         predicted_memory_gb=_predicted_memory(config, workers, on_gpu) / 1e9,
         steps_per_s=last["steps_per_s"],
     )
 
 
 def _predicted_memory(config: Config, workers: int, on_gpu: bool) -> int:
-    """The memory model's peak for one of ``workers`` ranks of ``config``, on the shapes of its data."""
+    """The memory model's peak for one of ``workers`` ranks of ``config``, on the shapes of its data, with the
+    model's allowance for the CUDA runtime (what a GPU must hold: beside the reserved peak)."""
     from sdtrain.driver.data_check import dataset_spec
     from sdtrain.driver.memory_fit import predict_run_memory
     from sdtrain.model.unet import unet_config
@@ -239,4 +332,4 @@ def _predicted_memory(config: Config, workers: int, on_gpu: bool) -> int:
     if precision == "auto":
         precision = "bf16-mixed" if on_gpu else "32-true"
     caption_shape = spec.embedding_shape(unet["cross_attention_dim"])
-    return predict_run_memory(config, spec.latent_shape, caption_shape, workers, precision).total_peak
+    return predict_run_memory(config, spec.latent_shape, caption_shape, workers, precision).with_runtime_margin

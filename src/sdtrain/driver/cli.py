@@ -112,7 +112,9 @@ def check_main(argv: Sequence[str] | None, default_config: Path | None) -> int:
         "--config", default=default_config and str(default_config), help="YAML config file (default: %(default)s)"
     )
     parser.add_argument("--steps", type=int, default=40, help="optimizer steps of each phase (default: %(default)s)")
-    parser.add_argument("--eager", action="store_true", help="train as configured, not compiled")
+    parser.add_argument(
+        "--compare-compile", action="store_true", help="add a one-GPU phase with train.compile the other way"
+    )
     parser.add_argument("overrides", nargs="*", metavar="key.sub=value", help="override a config key")
     args = parser.parse_args(argv)
     configure_logging()
@@ -122,7 +124,7 @@ def check_main(argv: Sequence[str] | None, default_config: Path | None) -> int:
     try:
         from sdtrain.driver.check import check
 
-        report = check(args.config, args.overrides, steps=args.steps, compile_unet=not args.eager)
+        report = check(args.config, args.overrides, steps=args.steps, compare_compile=args.compare_compile)
     except SdtrainError as e:
         print(f"error: {e}", file=sys.stderr)
         return exit_code(e)

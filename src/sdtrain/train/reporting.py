@@ -201,11 +201,20 @@ class StepReporter(OptimizerStepCallback):
     @staticmethod
     def _peak_memory(trainer: pl.Trainer, pl_module) -> dict[str, float]:
         """``peak_memory_gb``: the largest rank's peak of allocated GPU memory since it started (what the memory model
-        predicts: sdtrain.model.memory); nothing on CPU workers, which have no allocator statistics."""
+        predicts: sdtrain.model.memory); ``peak_reserved_gb``: its peak held by the caching allocator (fragmentation
+        included); ``memory_capacity_gb``: the GPU's memory as torch sees it. Nothing on CPU workers, which have no
+        allocator statistics."""
         if pl_module.device.type != "cuda":
             return {}
-        peak = torch.tensor(float(torch.cuda.max_memory_allocated(pl_module.device)), device=pl_module.device)
-        return {"peak_memory_gb": float(trainer.strategy.reduce(peak, reduce_op="max")) / 1e9}
+        device = pl_module.device
+        figures = [
+            torch.cuda.max_memory_allocated(device),
+            torch.cuda.max_memory_reserved(device),
+            torch.cuda.get_device_properties(device).total_memory,
+        ]
+        peak = trainer.strategy.reduce(torch.tensor(figures, dtype=torch.float64, device=device), reduce_op="max")
+        names = ("peak_memory_gb", "peak_reserved_gb", "memory_capacity_gb")
+        return {name: float(value) / 1e9 for name, value in zip(names, peak, strict=True)}
 
 
 def check_skipped_steps(
