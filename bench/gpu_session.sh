@@ -1,6 +1,13 @@
 #!/usr/bin/env bash
-# The GPU checks of docs/gpu.md, as commands for the device tool's `run` (one phase per call,
-# each well inside its 10-minute limit), so any session lent a GPU repeats them the same way.
+# The GPU measurements of docs/gpu.md as ONE prepared run for the device tool's `run`, within 8 minutes on a bare
+# H100 or H200 (no network, no Ray; torch, lightning and transformers are there, diffusers is carried):
+#   1. the GPU test tier (pytest -m gpu: every option trained on CUDA), at most 150 s;
+#   2. bench/gpu_throughput.py: small and sd2-base at 256 and 512 px, eager then compiled, at the shipped
+#      micro-batches (96 and 64; halved where the memory model says they do not fit), images/s, MFU, peak allocated
+#      and reserved memory beside the memory model's peak and the per-op model's images/s (predictions, labelled);
+#      it starts no measurement that would not end in the budget, and says which it skipped;
+#   3. the check job's one-GPU phase on configs/small.yaml without Ray: one worker's share of the config as
+#      configured (compiled, micro-batch 96 accumulated 3 times: bench/gpu_throughput.py --config), 90 s kept for it.
 #
 # Here, once per session (the lent machine has no diffusers and no network):
 #   echo /.whl/ >> .git/info/exclude
@@ -8,22 +15,50 @@
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
 #     -d .whl diffusers==0.42.1 importlib-metadata
 # (diffusers 0.42.1 needs huggingface-hub >= 1.32: gpu.txt shows the machine's; carry a newer one if it is older)
-# Then, with the device tool (carry: [".whl"]), in this order:
-#   bash bench/gpu_session.sh tests         # pytest -m gpu: every option trained on CUDA
-#   bash bench/gpu_session.sh 256           # bench/gpu_throughput.py at 256 px, every preset and variant
-#   bash bench/gpu_session.sh 512           # the same at 512 px
-# Logs land in $OUT; record the figures in bench/results/<date>-<gpu>.md with the versions printed.
+# Then ONE call of the device tool:  run  command="bash bench/gpu_session.sh"  carry=[".whl"]  timeout_s=540
+# Logs and JSON land in $OUT (7 files); record the figures in bench/results/<date>-<gpu>.md with the versions
+# printed, and recalibrate the per-op model from them (tools/performance_model.py, MEASURED_EFFICIENCIES).
+#
+#   bash bench/gpu_session.sh --smoke    # here, on CPU: every step above on the tiny UNet (the dry run CI's smoke
+#                                        # tests cover piecewise), so a session with a GPU runs it once
 set -uo pipefail
-phase=${1:?usage: bench/gpu_session.sh tests|256|512}
+smoke=0
+[[ "${1:-}" == "--smoke" ]] && smoke=1
 out=${OUT:-/tmp/gpu-session}
+budget=${GPU_SESSION_BUDGET_S:-470}  # seconds, of the run's 480: the tool's 8-minute slot
 mkdir -p "$out"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:src PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >"$out/gpu.txt" 2>&1
-python3 -c "import torch; print('torch', torch.__version__, 'CUDA', torch.version.cuda)" >>"$out/gpu.txt"
-python3 -m pip show huggingface-hub transformers lightning 2>/dev/null | grep -E "^(Name|Version)" >>"$out/gpu.txt"
-case "$phase" in
-  tests) python3 -m pytest -m gpu tests/test_gpu.py -p no:cacheprovider 2>&1 | tee "$out/pytest-gpu.log" ;;
-  256|512) python3 bench/gpu_throughput.py --resolutions "$phase" 2>&1 | tee "$out/gpu_throughput-$phase.log" ;;
-  *) echo "unknown phase $phase: tests, 256 or 512" >&2; exit 2 ;;
-esac
+left() { echo $((budget - SECONDS)); }
+if ((smoke)); then
+  python=${PYTHON:-.venv/bin/python}
+  export PYTHONPATH=src PYTHONUNBUFFERED=1
+else
+  python=python3
+  timeout 60 "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:src PYTHONUNBUFFERED=1
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >"$out/gpu.txt" 2>&1
+fi
+"$python" -c "import torch; print('torch', torch.__version__, 'CUDA', torch.version.cuda)" >>"$out/gpu.txt" 2>&1
+"$python" -m pip show diffusers huggingface-hub transformers lightning 2>/dev/null | grep -E "^(Name|Version)" \
+  >>"$out/gpu.txt"
+
+echo "== 1. GPU tests ($(left) s left)"
+timeout 150 "$python" -m pytest -m gpu tests/test_gpu.py -x -q -p no:cacheprovider --timeout 120 2>&1 |
+  tee "$out/pytest-gpu.log" | tail -n 25
+
+echo "== 2. throughput ($(left) s left)"
+grid=(--json "$out/throughput.json" --deadline $(($(left) - 90)))
+((smoke)) && grid=(--smoke --json "$out/throughput.json")
+timeout $(($(left) - 80)) "$python" bench/gpu_throughput.py "${grid[@]}" 2>&1 | tee "$out/throughput.log" |
+  grep -v -e Warning -e warn
+
+echo "== 3. the check job's one-GPU phase on configs/small.yaml ($(left) s left)"
+phase=(--config configs/small.yaml --json "$out/check_phase.json")
+((smoke)) && phase+=(--smoke)
+timeout $(($(left) > 10 ? $(left) : 10)) "$python" bench/gpu_throughput.py "${phase[@]}" 2>&1 |
+  tee "$out/check_phase.log" | grep -v -e Warning -e warn
+
+grep -h -e "^RATIO" -e "^# .*predicted" -e "skipped" "$out/throughput.log" "$out/check_phase.log" \
+  >"$out/summary.txt"
+tail -n 3 "$out/pytest-gpu.log" >>"$out/summary.txt"
+echo "== done in ${SECONDS} s; $out: $(ls "$out" | tr '\n' ' ')"

@@ -11,14 +11,15 @@ import torch
 
 class StepTimer(pl.Callback):
     """Wall time of each optimizer step after the first ``warmup`` (compilation, autotuning), and
-    the GPU's peak memory: what bench/gpu_throughput.py reports. Synchronizes the device at the
-    clock's start and end only."""
+    the GPU's peak allocated and reserved memory after them: what bench/gpu_throughput.py reports.
+    Synchronizes the device at the clock's start and end only."""
 
     def __init__(self, warmup: int):
         self.warmup = warmup
         self.seconds = float("nan")
         self.timed_steps = 0
         self.peak_memory = 0
+        self.peak_reserved = 0
         self._start: float | None = None
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
@@ -35,6 +36,7 @@ class StepTimer(pl.Callback):
             self.timed_steps = trainer.global_step - self.warmup
         if pl_module.device.type == "cuda":
             self.peak_memory = torch.cuda.max_memory_allocated(pl_module.device)
+            self.peak_reserved = torch.cuda.max_memory_reserved(pl_module.device)
 
 
 def _synchronize(device: torch.device) -> None:

@@ -90,8 +90,8 @@ def test_scheduler_spin_smoke():
 def test_gpu_throughput_smoke():
     """On CPU with the tiny UNet: the Ray worker's module and Trainer (sdtrain.train.build), the FLOP
     count and the MFU arithmetic run, and Ray is never imported (a lent GPU machine has none); then what
-    configs/small.yaml's workers run (its options and 3 accumulated micro-batches at 4 workers; the smoke's
-    micro-batch of 4 for its 32), with the memory model's prediction."""
+    configs/small.yaml's workers run (its options, eager on CPU, and 3 accumulated micro-batches at 4 workers; the
+    smoke's micro-batch of 4 for its 96), with the memory model's and the per-op model's predictions."""
     code = (
         "import runpy, sys; sys.argv = ['bench/gpu_throughput.py', '--smoke']; "
         "runpy.run_path('bench/gpu_throughput.py', run_name='__main__'); "
@@ -107,6 +107,7 @@ def test_gpu_throughput_smoke():
     assert re.search(r"^tiny\s+128 config\s+4\s+[0-9.]+", out, re.M), out
     assert ratios["MFU tiny 128px config"] > 0, out
     assert re.search(r"^# tiny 128px config: predicted peak [0-9.]+ GiB$", out, re.M), out
+    assert re.search(r"^# tiny 128px config: predicted [0-9.]+ img/s on a H100 SXM \(per-op model", out, re.M), out
 
 
 def test_fsdp_memory_smoke():

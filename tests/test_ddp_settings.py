@@ -7,7 +7,10 @@
   gradient accumulation reduce-scatters once per optimizer step, not per micro-batch, to the weights DDP reaches.
 
 Collectives are counted as the c10d ops they dispatch (a TorchDispatchMode sees DDP's and FSDP2's, also from the
-backward pass), with their tensors' dtype and bytes: what goes on the wire.
+backward pass), with their tensors' dtype and bytes: what goes on the wire; and where the step was (micro-batch,
+forward or backward), which holds tools/performance_model.py's communication model to what the ranks did: DDP
+all-reduces only in the last micro-batch's backward, one bucket in the first step and the model's buckets after
+(cut at the cap's float32 bytes, sent at their wire size), FSDP2 gathers in every micro-batch.
 """
 
 import gc
@@ -57,12 +60,15 @@ def _counters(rank: int) -> dict[str, list[float]]:
 
 
 class _Collectives(TorchDispatchMode):
-    """The c10d collectives dispatched while active: calls and bytes of their first tensor, by (op, dtype)."""
+    """The c10d collectives dispatched while active: calls and bytes of their first tensor, by (op, dtype); and each
+    one in order with where the step was (``where``: micro-batch and pass, set by :class:`_Where`)."""
 
     def __init__(self):
         super().__init__()
         self.calls: Counter = Counter()
         self.bytes: Counter = Counter()
+        self.where = (-1, "setup")
+        self.events: list[tuple[int, str, str, int]] = []  # (micro-batch, pass, op, bytes)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = str(func)
@@ -73,7 +79,25 @@ class _Collectives(TorchDispatchMode):
             key = (name.removeprefix("c10d.").removesuffix(".default").strip("_"), str(tensor.dtype).split(".")[1])
             self.calls[key] += 1
             self.bytes[key] += tensor.nbytes
+            self.events.append((*self.where, key[0], tensor.nbytes))
         return func(*args, **(kwargs or {}))
+
+
+class _Where(pl.Callback):
+    """Tells the counter which micro-batch and pass the step is in: forward (from the batch's start), backward (from
+    Lightning's on_before_backward), after (clipping, the optimizer step)."""
+
+    def __init__(self, collectives: _Collectives):
+        self.collectives = collectives
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        self.collectives.where = (batch_idx, "forward")
+
+    def on_before_backward(self, trainer, module, loss):
+        self.collectives.where = (self.collectives.where[0], "backward")
+
+    def on_after_backward(self, trainer, module):
+        self.collectives.where = (self.collectives.where[0], "after")
 
 
 class _Losses(pl.Callback):
@@ -86,18 +110,19 @@ class _Losses(pl.Callback):
         self.losses.append(float(outputs["loss"]))
 
 
-def _fit(*options: str) -> dict:
-    """The module and Trainer a worker builds, 2 ranks, accumulation 2, 2 optimizer steps (4 micro-batches of 2),
+def _fit(*options: str, steps: int = 2) -> dict:
+    """The module and Trainer a worker builds, 2 ranks, accumulation 2, ``steps`` optimizer steps (micro-batches of 2),
     trained on this rank with the collectives counted."""
-    cfg = tiny_config(*FIT, "train.global_batch_size=8", *options, steps=2)
+    cfg = tiny_config(*FIT, "train.global_batch_size=8", *options, steps=steps)
     meta = checkpoint_meta(cfg, LATENTS, CAPTIONS)
     module, trainer_kwargs = build_training(cfg, meta, use_gpu=False, world_size=2, accumulation=2)
     trainer_kwargs["devices"] = 2  # one process per rank, started by the test (Lightning reads LOCAL_RANK)
     initial = module.unet.conv_in.weight.detach().clone()
     losses = _Losses()
-    trainer = pl.Trainer(callbacks=[losses], **trainer_kwargs)
-    with _Collectives() as collectives:
-        trainer.fit(module, torch.utils.data.DataLoader(batches(4), batch_size=None))
+    collectives = _Collectives()
+    trainer = pl.Trainer(callbacks=[losses, _Where(collectives)], **trainer_kwargs)
+    with collectives:
+        trainer.fit(module, torch.utils.data.DataLoader(batches(2 * steps), batch_size=None))
     weight = module.unet.conv_in.weight.detach()
     weight = weight.full_tensor() if isinstance(weight, DTensor) else weight.clone()
     weights = [torch.zeros_like(weight) for _ in range(2)]
@@ -111,7 +136,9 @@ def _fit(*options: str) -> dict:
         ranks_equal=torch.equal(weights[0], weights[1]),
         calls=collectives.calls,
         bytes=collectives.bytes,
+        events=collectives.events,
         params=sum(p.numel() for p in module.unet.parameters()),
+        numels=[p.numel() for p in module.unet.parameters()],
         units=sum(isinstance(m, FSDPModule) for m in module.unet.modules()),
         strategy=trainer.strategy,
     )
@@ -120,7 +147,8 @@ def _fit(*options: str) -> dict:
 def _fits(rank: int) -> dict[str, dict]:
     out = {
         "ddp": _fit(),
-        "ddp_bf16": _fit("train.gradient_compression=bf16"),
+        # 1 MiB buckets: the tiny UNet's 3 MiB of float32 gradients fill three.
+        "ddp_bf16": _fit("train.gradient_compression=bf16", "train.ddp_bucket_mb=1"),
         "fsdp": _fit("train.strategy=fsdp"),
         "fsdp_bf16_mixed": _fit("train.strategy=fsdp", "train.precision=bf16-mixed"),
         "fsdp_bf16_reduce": _fit(
@@ -198,7 +226,9 @@ def test_bf16_compression_halves_the_bytes_and_fsdp2_reduce_scatters_once_per_st
     assert ddp["bytes"][("allreduce", "float32")] == 2 * 4 * params
     assert ddp_bf16["bytes"][("allreduce", "bfloat16")] == 2 * 2 * params
     assert ddp_bf16["bytes"][("allreduce", "float32")] == 0
-    assert ddp_bf16["calls"][("allreduce", "bfloat16")] == ddp["calls"][("allreduce", "float32")]
+    # One bucket a step in float32 (25 MiB hold the tiny UNet); in bf16 with 1 MiB buckets, one in the first step
+    # (DDP has not seen the order yet) and three in the second (below).
+    assert ddp["calls"][("allreduce", "float32")] == 2 and ddp_bf16["calls"][("allreduce", "bfloat16")] == 1 + 3
     # bf16 sums round: the update differs from the float32 run's by a few percent, not more, and not zero.
     update = abs(ddp["weight"] - ddp["initial"]).mean()
     assert 0 < abs(ddp_bf16["weight"] - ddp["weight"]).mean() < 0.05 * update
@@ -222,3 +252,52 @@ def test_bf16_compression_halves_the_bytes_and_fsdp2_reduce_scatters_once_per_st
     # takes: same weights, within float32 summation order.
     torch.testing.assert_close(runs["fsdp"]["weight"], ddp["weight"], rtol=1e-4, atol=1e-6)
     assert not (runs["fsdp_bf16_mixed"]["weight"] == runs["fsdp"]["weight"]).all()
+    _the_communication_model_is_what_the_ranks_did(runs)
+
+
+def _gradient_collectives(run: dict, op: str) -> dict[tuple[int, str], list[int]]:
+    """Bytes of each ``op`` call by (micro-batch, pass), leaving out scalars (the sharded norm, Lightning's flags)."""
+    out: dict[tuple[int, str], list[int]] = {}
+    for batch, where, name, nbytes in run["events"]:
+        if name == op and nbytes > 64:
+            out.setdefault((batch, where), []).append(nbytes)
+    return out
+
+
+def _the_communication_model_is_what_the_ranks_did(runs: dict) -> None:
+    """tools/performance_model.py against the collectives the two ranks dispatched (2 optimizer steps of 2
+    micro-batches): which micro-batches communicate, in which pass, how many calls and bytes."""
+    from sdtrain.config.schema import ModelConfig
+    from sdtrain.model.op_costs import count_step_ops
+    from sdtrain.model.unet import unet_config
+    from tools.communication_model import ddp_buckets, fsdp_collectives
+
+    # The order gradients become ready in the backward pass, from the fake-tensor trace (32-true, as these ranks).
+    traced = count_step_ops(unet_config(ModelConfig(preset="tiny")), LATENTS, CAPTIONS, 2, precision="32-true")
+    ready = [index for index, _ in traced.gradients_ready]
+    for name, cap, compression in (("ddp", 25, "none"), ("ddp_bf16", 1, "bf16")):
+        run = runs[name]
+        reduced = _gradient_collectives(run, "allreduce")
+        # Only in the backward pass of each step's last micro-batch (the first runs under no_sync).
+        assert set(reduced) == {(1, "backward"), (3, "backward")}, (name, sorted(reduced))
+        # The first step sends one bucket of everything (DDP has not seen the order yet); then the model's buckets,
+        # cut at the cap's float32 bytes and sent at their wire size.
+        assert reduced[1, "backward"] == [run["params"] * (2 if compression == "bf16" else 4)], name
+        predicted = [size for size, _ in ddp_buckets(run["numels"], ready, cap, compression)]
+        assert reduced[3, "backward"] == predicted, (name, reduced[3, "backward"], predicted)
+    assert len(predicted) == 3 and max(predicted) <= 2**20 // 2 + max(runs["ddp_bf16"]["numels"]) * 2
+    for name in ("fsdp", "fsdp_bf16_mixed"):
+        run = runs[name]
+        gathers, scatters = (
+            _gradient_collectives(run, "allgather_base"),
+            _gradient_collectives(run, "reduce_scatter_base"),
+        )
+        units = run["units"] - 1  # the root is a unit too
+        for batch in range(4):
+            expected = fsdp_collectives(units, accumulation=2)[batch % 2]
+            found = {
+                "forward gathers": len(gathers.get((batch, "forward"), [])),
+                "backward gathers": len(gathers.get((batch, "backward"), [])),
+                "reduce-scatters": len(scatters.get((batch, "backward"), [])),
+            }
+            assert found == expected, (name, batch, found, expected)

@@ -291,32 +291,61 @@ def test_a_checkpoint_written_under_bf16_resumes_to_the_uninterrupted_weights(tm
     assert all(type(v) is torch.Tensor for v in saved["state_dict"].values())  # full tensors: DDP's format
 
 
-@pytest.mark.parametrize("name", ["small.yaml", "sd2-base.yaml", "retrain.yaml"])
-def test_the_shipped_gpu_configs_train_as_auto_resolves_on_a_gpu(name):
-    """The issue's crash: precision auto is bf16-mixed on every GPU, with the default clipping and the
-    fused AdamW. Each shipped GPU config's training settings, tiny UNet, on CPU."""
-    from conftest import REPO
+SHIPPED_GPU_CONFIGS = ("small.yaml", "sd2-base.yaml", "retrain.yaml")
+GPU_OPTIONS = (
+    "precision",
+    "compile",
+    "strategy",
+    "channels_last",
+    "gradient_checkpointing",
+    "attention",
+    "grad_clip_norm",
+    "ema_decay",
+    "fsdp_param_dtype",
+    "snr_gamma",
+    "noise_offset",
+    "caption_dropout_prob",
+)
 
-    shipped = load_config(REPO / "configs" / name, ["model.preset=tiny", "model.pretrained=null"])
-    cfg = load_config(
-        REPO / "configs" / name,
-        [
-            "model.preset=tiny",
-            "model.pretrained=null",
-            "data.train=/unused",
-            "retrain.data_root=null",
-            "retrain.models_root=null",
-            "train.max_steps=3",
-            "train.global_batch_size=2",
-            "train.micro_batch_size=null",
-            "scaling.num_workers=1",
-            "scaling.use_gpu=false",
-            "train.precision=bf16-mixed",
-        ],
-    )
-    assert shipped.train.precision == "auto" and shipped.train.grad_clip_norm > 0
-    module, trainer, steps = fit(cfg, batches(3))
-    assert trainer.global_step == 3 and trainer.precision == "bf16-mixed"
+
+@pytest.mark.slow  # inductor's CPU backend compiles the tiny UNet's step: ~2 minutes on 2 cores
+@pytest.mark.timeout(900)
+def test_the_shipped_gpu_configs_options_train_compiled_once_without_a_graph_break(tmp_path):
+    """What a GPU worker of each shipped config runs, but the tiny UNet on CPU: its train options as they are (compile
+    on, the clipping folded into the fused AdamW, ...), precision auto as a GPU with bf16 resolves it, micro-batches
+    accumulated as on its nodes (train.gradient_compression, DDP's hook between ranks, is test_ddp_settings'). The
+    three configs share one set of options, so one compiled fit covers them;
+    dynamo's counters: no graph break, nothing compiled after the first step (accumulation, the optimizer step and
+    the clipping do not recompile)."""
+    from conftest import REPO
+    from torch._dynamo.utils import counters
+
+    shipped = [
+        load_config(
+            REPO / "configs" / name, ["data.train=/unused", "retrain.data_root=null", "retrain.models_root=null"]
+        )
+        for name in SHIPPED_GPU_CONFIGS
+    ]
+    options = {tuple(getattr(config.train, key) for key in GPU_OPTIONS) for config in shipped}
+    assert len(options) == 1, options  # one compiled fit covers every shipped config
+    train = shipped[0].train
+    assert train.compile and train.precision == "auto" and train.grad_clip_norm > 0
+    assert all(config.scaling.use_gpu is True for config in shipped)
+    (values,) = options
+    overrides = [
+        f"train.{key}={'null' if value is None else value}" for key, value in zip(GPU_OPTIONS, values, strict=True)
+    ]
+    overrides[0] = "train.precision=bf16-mixed"  # auto on a GPU with bf16 (sdtrain.train.build.resolve_precision)
+    accumulation = shipped[0].batch_layout(shipped[0].scaling.max_workers).accumulation
+    cfg = tiny_config(*FIT, *overrides, f"train.global_batch_size={2 * accumulation}", "train.micro_batch_size=2")
+    counters.clear()
+    graphs = Graphs(batches(1), validate_every=3)
+    module, trainer, steps = fit(cfg, batches(3 * accumulation), callbacks=[graphs], default_root_dir=str(tmp_path))
+    assert trainer.global_step == 3 and trainer.precision == "bf16-mixed" and accumulation > 1
+    assert module.unet._compiled_call_impl is not None  # nn.Module.compile: the whole UNet
+    compiled, breaks = graphs.after[1]
+    assert compiled >= 1 and breaks == 0, "\n".join(counters["graph_break"])
+    assert graphs.after[3] == (compiled, 0), graphs.after
     assert all(0 < s["loss"] < 10 for s in steps) and not torch.equal(steps[0]["weight"], steps[-1]["weight"])
 
 

@@ -1,11 +1,11 @@
-"""The one table of the hardware sdtrain knows: each GPU's dense peak FLOP/s and memory, and the cloud node types'
-GPUs and links. MFU (sdtrain.train.efficiency), the micro-batch fit before workers start (train.micro_batch_size)
-and the performance model of docs/performance.md all read it; a GPU missing here has no MFU and no memory check,
-never a guessed one.
+"""The one table of the hardware sdtrain knows: each GPU's dense peak FLOP/s, memory and memory bandwidth, and the
+cloud node types' GPUs and links. MFU (sdtrain.train.efficiency), the micro-batch fit before workers start
+(train.micro_batch_size) and the performance model of docs/performance.md all read it; a GPU missing here has no MFU
+and no memory check, never a guessed one.
 
 Peaks are dense (no 2:4 structured sparsity), from each vendor's datasheet: datasheets print tensor-core peaks with
 sparsity (marked *), often beside the dense figure; the dense one, half the sparse, is the one training reaches.
-Each entry cites its datasheet and the figures as printed (TFLOP/s).
+Each entry cites its datasheet and the figures as printed (TFLOP/s; memory bandwidth in GB/s or TB/s).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ class Gpu:
         fp16: float16 tensor-core peak FLOP/s (FP32 accumulate).
         tf32: TF32 tensor-core peak (float32 matmuls and convolutions with TF32 allowed); None where it has none.
         fp32: float32 peak without tensor cores.
+        bandwidth: memory bandwidth, GB/s, of each size in ``memory_gib`` (the datasheet's; None where unrecorded).
     """
 
     name: str
@@ -39,6 +40,13 @@ class Gpu:
     fp16: float | None
     tf32: float | None
     fp32: float | None
+    bandwidth: tuple[float, ...] | None = None
+
+    def bandwidth_bytes(self, memory_gib: float) -> float:
+        """Bytes/s of the variant with ``memory_gib``; a ValueError where the table records none."""
+        if self.bandwidth is None or memory_gib not in self.memory_gib:
+            raise ValueError(f"the hardware table records no memory bandwidth of a {memory_gib:g} GiB {self.name}")
+        return self.bandwidth[self.memory_gib.index(memory_gib)] * 1e9
 
     @property
     def bf16_peak(self) -> float:
@@ -50,34 +58,88 @@ class Gpu:
 
 
 # NVIDIA A10G for AWS (d1.awsstatic.com/product-marketing/ec2/NVIDIA_AWS_A10G_DataSheet_FINAL_02_17_2022.pdf):
-# FP32 35; TF32 35 | 70*; BF16 70 | 140*; FP16 70 | 140*. Not the A10's figures: its tensor cores are clocked lower.
-A10G = Gpu("A10G", "A10G", (24,), bf16=70 * TERA, fp16=70 * TERA, tf32=35 * TERA, fp32=35 * TERA)
-# NVIDIA A10 datasheet: FP32 31.2; TF32 62.5 | 125*; BF16 125 | 250*; FP16 125 | 250*.
-A10 = Gpu("A10", "A10", (24,), bf16=125 * TERA, fp16=125 * TERA, tf32=62.5 * TERA, fp32=31.2 * TERA)
-# NVIDIA L4 datasheet: FP32 30.3; TF32 120*; BF16 242*; FP16 242* (dense: half).
-L4 = Gpu("L4", "L4", (24,), bf16=121 * TERA, fp16=121 * TERA, tf32=60 * TERA, fp32=30.3 * TERA)
-# NVIDIA L40S datasheet: FP32 91.6; TF32 183 | 366*; BF16 362.05 | 733*; FP16 362.05 | 733*.
-L40S = Gpu("L40S", "L40S", (48,), bf16=362.05 * TERA, fp16=362.05 * TERA, tf32=183 * TERA, fp32=91.6 * TERA)
+# FP32 35; TF32 35 | 70*; BF16 70 | 140*; FP16 70 | 140*; 24 GB GDDR6, 600 GB/s. Not the A10's figures: its tensor
+# cores are clocked lower.
+A10G = Gpu("A10G", "A10G", (24,), bf16=70 * TERA, fp16=70 * TERA, tf32=35 * TERA, fp32=35 * TERA, bandwidth=(600,))
+# NVIDIA A10 datasheet: FP32 31.2; TF32 62.5 | 125*; BF16 125 | 250*; FP16 125 | 250*; 600 GB/s.
+A10 = Gpu("A10", "A10", (24,), bf16=125 * TERA, fp16=125 * TERA, tf32=62.5 * TERA, fp32=31.2 * TERA, bandwidth=(600,))
+# NVIDIA L4 datasheet: FP32 30.3; TF32 120*; BF16 242*; FP16 242* (dense: half); 300 GB/s.
+L4 = Gpu("L4", "L4", (24,), bf16=121 * TERA, fp16=121 * TERA, tf32=60 * TERA, fp32=30.3 * TERA, bandwidth=(300,))
+# NVIDIA L40S datasheet: FP32 91.6; TF32 183 | 366*; BF16 362.05 | 733*; FP16 362.05 | 733*; 864 GB/s.
+L40S = Gpu(
+    "L40S", "L40S", (48,), bf16=362.05 * TERA, fp16=362.05 * TERA, tf32=183 * TERA, fp32=91.6 * TERA, bandwidth=(864,)
+)
 # NVIDIA A100 datasheet (the same figures for 40GB and 80GB, PCIe and SXM; they differ in power, 250-300 W against
-# 400 W, so a PCIe card sustains less of the peak): FP32 19.5; TF32 156 | 312*; BF16 312 | 624*; FP16 312 | 624*.
-A100 = Gpu("A100", "A100", (40, 80), bf16=312 * TERA, fp16=312 * TERA, tf32=156 * TERA, fp32=19.5 * TERA)
-# NVIDIA H100 datasheet, H100 SXM column: 80 GB; FP32 67; TF32 989*; BF16 1,979*; FP16 1,979*.
-H100_SXM = Gpu("H100 SXM", "H100", (80,), bf16=989.5 * TERA, fp16=989.5 * TERA, tf32=494.5 * TERA, fp32=67 * TERA)
-# The same datasheet, H100 NVL column: 94 GB; FP32 60; TF32 835*; BF16 1,671*; FP16 1,671*.
-H100_NVL = Gpu("H100 NVL", "H100", (94,), bf16=835.5 * TERA, fp16=835.5 * TERA, tf32=417.5 * TERA, fp32=60 * TERA)
-# NVIDIA H100 datasheet (2022 edition), H100 PCIe column: 80 GB; FP32 51; TF32 756*; BF16 1,513*; FP16 1,513*.
-H100_PCIE = Gpu("H100 PCIe", "H100", (80,), bf16=756.5 * TERA, fp16=756.5 * TERA, tf32=378 * TERA, fp32=51 * TERA)
-# NVIDIA H200 datasheet, H200 SXM column: 141 GB; FP32 67; TF32 989*; BF16 1,979*; FP16 1,979* (the H100 SXM's).
-H200_SXM = Gpu("H200 SXM", "H200", (141,), bf16=989.5 * TERA, fp16=989.5 * TERA, tf32=494.5 * TERA, fp32=67 * TERA)
-# The same datasheet, H200 NVL column: 141 GB; FP32 60; TF32 835*; BF16 1,671*; FP16 1,671*.
-H200_NVL = Gpu("H200 NVL", "H200", (141,), bf16=835.5 * TERA, fp16=835.5 * TERA, tf32=417.5 * TERA, fp32=60 * TERA)
+# 400 W, so a PCIe card sustains less of the peak): FP32 19.5; TF32 156 | 312*; BF16 312 | 624*; FP16 312 | 624*;
+# 40GB 1,555 GB/s (PCIe and SXM); 80GB 1,935 GB/s PCIe, 2,039 GB/s SXM (the PCIe figure here: the lower).
+A100 = Gpu(
+    "A100",
+    "A100",
+    (40, 80),
+    bf16=312 * TERA,
+    fp16=312 * TERA,
+    tf32=156 * TERA,
+    fp32=19.5 * TERA,
+    bandwidth=(1555, 1935),
+)
+# NVIDIA H100 datasheet, H100 SXM column: 80 GB; FP32 67; TF32 989*; BF16 1,979*; FP16 1,979*; 3.35 TB/s.
+H100_SXM = Gpu(
+    "H100 SXM",
+    "H100",
+    (80,),
+    bf16=989.5 * TERA,
+    fp16=989.5 * TERA,
+    tf32=494.5 * TERA,
+    fp32=67 * TERA,
+    bandwidth=(3350,),
+)
+# The same datasheet, H100 NVL column: 94 GB; FP32 60; TF32 835*; BF16 1,671*; FP16 1,671*; 3.9 TB/s.
+H100_NVL = Gpu(
+    "H100 NVL",
+    "H100",
+    (94,),
+    bf16=835.5 * TERA,
+    fp16=835.5 * TERA,
+    tf32=417.5 * TERA,
+    fp32=60 * TERA,
+    bandwidth=(3900,),
+)
+# NVIDIA H100 datasheet (2022 edition), H100 PCIe column: 80 GB; FP32 51; TF32 756*; BF16 1,513*; FP16 1,513*;
+# 2 TB/s.
+H100_PCIE = Gpu(
+    "H100 PCIe", "H100", (80,), bf16=756.5 * TERA, fp16=756.5 * TERA, tf32=378 * TERA, fp32=51 * TERA, bandwidth=(2000,)
+)
+# NVIDIA H200 datasheet, H200 SXM column: 141 GB; FP32 67; TF32 989*; BF16 1,979*; FP16 1,979* (the H100 SXM's);
+# 4.8 TB/s.
+H200_SXM = Gpu(
+    "H200 SXM",
+    "H200",
+    (141,),
+    bf16=989.5 * TERA,
+    fp16=989.5 * TERA,
+    tf32=494.5 * TERA,
+    fp32=67 * TERA,
+    bandwidth=(4800,),
+)
+# The same datasheet, H200 NVL column: 141 GB; FP32 60; TF32 835*; BF16 1,671*; FP16 1,671*; 4.8 TB/s.
+H200_NVL = Gpu(
+    "H200 NVL",
+    "H200",
+    (141,),
+    bf16=835.5 * TERA,
+    fp16=835.5 * TERA,
+    tf32=417.5 * TERA,
+    fp32=60 * TERA,
+    bandwidth=(4800,),
+)
 # NVIDIA Blackwell datasheet (GB200 NVL72 / HGX B200), HGX B200 per GPU at up to 1,000 W: 180 GB; FP32 75; TF32
 # 2.2 PF*; FP16/BF16 4.5 PF*. (A B200 in a GB200 runs at up to 1,200 W and is faster: not in this table.)
+# Memory bandwidth: not recorded (the datasheet prints the 8-GPU board's total).
 B200 = Gpu("B200", "B200", (180,), bf16=2250 * TERA, fp16=2250 * TERA, tf32=1100 * TERA, fp32=75 * TERA)
 # Inference GPUs a training cluster may still hold: their memory only (the micro-batch fit), no peaks recorded, so
-# no MFU. NVIDIA T4 datasheet: 16 GB. NVIDIA V100 datasheet: 16 or 32 GB.
-T4 = Gpu("T4", "T4", (16,), bf16=None, fp16=None, tf32=None, fp32=None)
-V100 = Gpu("V100", "V100", (16, 32), bf16=None, fp16=None, tf32=None, fp32=None)
+# no MFU. NVIDIA T4 datasheet: 16 GB, 320+ GB/s. NVIDIA V100 datasheet: 16 or 32 GB, 900 GB/s.
+T4 = Gpu("T4", "T4", (16,), bf16=None, fp16=None, tf32=None, fp32=None, bandwidth=(320,))
+V100 = Gpu("V100", "V100", (16, 32), bf16=None, fp16=None, tf32=None, fp32=None, bandwidth=(900, 900))
 
 GPUS = (A10G, A10, L4, L40S, A100, H100_SXM, H100_NVL, H100_PCIE, H200_SXM, H200_NVL, B200, T4, V100)
 

@@ -21,6 +21,7 @@ NAMES = {
     ("torch.distributed._tools.mem_tracker", "_MemRefType"): "the kinds of memory MemTracker counts",
     ("torch.utils._pytree", "tree_map_only"): "casting a call's tensor arguments in the memory model's autocast rules",
     ("torch._dynamo", "config"): "raising dynamo's recompile limit for FSDP's compiled units",
+    ("torch.utils._python_dispatch", "TorchDispatchMode"): "the per-op model's record of a step's ops and tensors",
     ("torch", "_foreach_norm"): "gradient norms in one kernel per dtype (clipping, the non-finite check)",
     ("torch", "_foreach_mul_"): "scaling every gradient by the clipping factor in one kernel",
     ("torch", "_foreach_lerp_"): "the EMA update in one kernel",
@@ -56,6 +57,11 @@ def transient_memory_tracker() -> type:
                 self.transient_peak = max(self.transient_peak, sum(snapshot[kind] for kind in transient))
 
     return TransientTracker
+
+
+def dispatch_mode() -> type:
+    """torch's TorchDispatchMode: a context that sees every aten op with its tensors (sdtrain.model.op_costs)."""
+    return _get("torch.utils._python_dispatch", "TorchDispatchMode")
 
 
 def tree_map_only(kind: type, fn: Any, tree: Any) -> Any:
