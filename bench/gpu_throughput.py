@@ -40,7 +40,7 @@ import benchlib  # noqa: E402
 
 MOSAIC_IMG_PER_S_PER_A100_256 = 1100 / 8  # ~137: MosaicML's SD2 UNet on precomputed 256 px latents
 SHIPPED_MICRO_BATCH = {"tiny": 4, "small": 96, "sd2-base": 64}  # configs/small.yaml, configs/sd2-base.yaml
-VARIANTS = ("eager", "compile")
+VARIANTS = ("eager", "compile")  # and, asked for by name, "channels_last" and "compile+channels_last"
 # Seconds a measurement is expected to take on an H100, compilation included (for --deadline).
 EXPECTED_S = {("eager", "small"): 25, ("eager", "sd2-base"): 35, ("compile", "small"): 80, ("compile", "sd2-base"): 120}
 
@@ -118,7 +118,9 @@ def _arguments() -> argparse.Namespace:
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny UNet at 128 px, 3 steps: checks that it runs")
     parser.add_argument("--presets", default="small,sd2-base")
     parser.add_argument("--resolutions", default="256,512", help="image sizes in px (latents are 1/8 of it)")
-    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"any of {', '.join(VARIANTS)}")
+    parser.add_argument(
+        "--variants", default=",".join(VARIANTS), help="eager, compile, channels_last, compile+channels_last"
+    )
     parser.add_argument("--batch-size", type=int, help="per GPU (default: the shipped micro-batch, if it fits)")
     parser.add_argument("--config", help="a training config: run what its workers run (see above)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps")
@@ -212,6 +214,7 @@ def measure(preset, px, variant, batch, steps, warmup, use_gpu, worker=None) -> 
             "train.precision=bf16-mixed",
             "train.warmup_steps=0",
             f"train.compile={'compile' in variant}",
+            f"train.channels_last={'channels_last' in variant}",
             f"scaling.use_gpu={use_gpu}",
             *(worker.overrides if worker else []),  # the config's options and batch, over the variant's
         ],
@@ -223,8 +226,11 @@ def measure(preset, px, variant, batch, steps, warmup, use_gpu, worker=None) -> 
     meta = checkpoint_meta(config, latent_shape, caption_shape)
     # On the host, float16, as the worker's stream hands them over: fit_without_ray pins them and Lightning
     # copies them to the GPU non_blocking each step.
+    latents = torch.randn(batch, *latent_shape, dtype=torch.float16)
+    if "channels_last" in variant:
+        latents = latents.contiguous(memory_format=torch.channels_last)
     batch_data = {
-        "latents": torch.randn(batch, *latent_shape, dtype=torch.float16),
+        "latents": latents,
         "captions": torch.randn(batch, *caption_shape, dtype=torch.float16),
     }
     timer = StepTimer(warmup)
@@ -248,7 +254,7 @@ def _predict(rows: list[Row], gpu, memory_gib: float, worker: WorkerShare | None
     memory = min(gpu.memory_gib, key=lambda size: abs(size - memory_gib))
     for row in rows:
         ops = model.step_ops(row.preset, row.px, row.batch)
-        compiled = row.variant == "compile" or (row.variant == "config" and "train.compile=True" in worker.overrides)
+        compiled = "compile" in row.variant or (row.variant == "config" and "train.compile=True" in worker.overrides)
         one = model.micro_batch(ops, gpu, memory, model.efficiency(gpu), compiled)
         accumulation = worker.accumulation if worker else 1
         optimizer = model.optimizer_seconds(model.ops_parameters(row.preset), gpu, memory, 1, accumulation)
