@@ -75,7 +75,7 @@ def main() -> None:
 
     for resolution in args.resolutions:
         started = time.perf_counter()
-        pixels = np.stack([prepare_image(data, resolution, "upscale")[0] for data in images])
+        pixels = np.stack([prepare_image(data, [(resolution, resolution)], "upscale")[0] for data in images])
         cpu_rate = len(images) / (time.perf_counter() - started)  # one process: per core
         timings = []
         for b in range(args.batches + 1):  # the first batch warms up (kernels, allocator)

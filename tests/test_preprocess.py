@@ -36,6 +36,7 @@ from sdtrain.model.encoders import (
     local_model,
     to_unit_range,
 )
+from sdtrain.preprocess.buckets import Placement
 from sdtrain.preprocess.config import PreprocessConfig
 from sdtrain.preprocess.images import NO_CAPTION, NO_IMAGE, TOO_SMALL, UNDECODABLE, prepare_image
 
@@ -128,27 +129,32 @@ def config_for(tmp_path: Path, model: str, *overrides: str, fmt: str = "parquet"
     )
 
 
+SQUARE = [(RESOLUTION, RESOLUTION)]  # image.buckets: square
+
+
 # --- the CPU stage, without Ray ---
 
 
 def test_prepare_image_converts_every_mode_and_skips_bad_input():
     for data, caption, reason in odd_rows():
-        pixels, why = prepare_image(data, RESOLUTION, "skip")
+        pixels, why = prepare_image(data, SQUARE, "skip")
         if reason in (None, NO_CAPTION):
-            assert why is None, caption
+            assert isinstance(why, Placement) and why.bucket == 0, caption
             assert pixels is not None and pixels.shape == (RESOLUTION, RESOLUTION, 3) and pixels.dtype == np.uint8
         else:
             assert (pixels, why) == (None, reason), caption
     tiny = odd_rows()[7][0]
-    pixels, why = prepare_image(tiny, RESOLUTION, "upscale")
-    assert why is None and pixels is not None and pixels.shape == (RESOLUTION, RESOLUTION, 3)
+    pixels, why = prepare_image(tiny, SQUARE, "upscale")
+    assert isinstance(why, Placement) and why.upscaled and pixels is not None
+    assert pixels.shape == (RESOLUTION, RESOLUTION, 3)
 
 
 def test_alpha_is_composited_on_white_and_the_center_is_cropped():
     image = Image.new("RGBA", (60, 40), (255, 0, 0, 0))  # fully transparent red
     image.paste((0, 0, 255, 255), (20, 0, 40, 40))  # an opaque blue band in the middle third
-    pixels, why = prepare_image(_encoded(image, "PNG"), 40, "skip")
-    assert why is None and pixels is not None
+    pixels, why = prepare_image(_encoded(image, "PNG"), [(40, 40)], "skip")
+    assert isinstance(why, Placement) and why.crop_top_left == (0, 10) and why.original_size == (40, 60)
+    assert pixels is not None
     assert pixels.shape == (40, 40, 3)
     assert tuple(pixels[20, 2]) == (255, 255, 255)  # transparent -> white, not black or red
     assert tuple(pixels[20, 20]) == (0, 0, 255)  # the crop is centered on the blue band
@@ -212,7 +218,7 @@ def test_encoders_match_the_diffusers_pipeline(tiny_model):
     theirs, _ = pipeline.encode_prompt(["a red fox", ""], "cpu", 1, False)
     torch.testing.assert_close(ours, theirs)
 
-    pixels = np.stack([prepare_image(data, RESOLUTION, "skip")[0] for data, _ in photographs()[:2]])
+    pixels = np.stack([prepare_image(data, SQUARE, "skip")[0] for data, _ in photographs()[:2]])
     latents = encode_images(vae, pixels, "mean")
     expected = vae.encode(torch.from_numpy(to_unit_range(pixels))).latent_dist.mean * vae.config.scaling_factor
     torch.testing.assert_close(latents, expected)

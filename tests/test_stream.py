@@ -203,7 +203,8 @@ def test_a_token_id_past_the_vocabulary_read_by_a_ray_data_task_stops_the_run_na
     import pyarrow.parquet as pq
     from conftest import column
 
-    from sdtrain.controller.failures import StopOnDeterministicErrors, failure_message
+    from sdtrain.controller.failures import StopOnDeterministicErrors
+    from sdtrain.driver.run import failure_message
     from sdtrain.data.metadata import TEXT_ENCODER_SOURCE, TOKEN_VOCAB_SIZE
     from sdtrain.errors import DataError
 

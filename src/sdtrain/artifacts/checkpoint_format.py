@@ -52,6 +52,9 @@ class CheckpointMeta:
     latent_classifier: str | None = None
     """The module the training data names as the reader of its latents without a VAE
     (sdtrain.sampling.latent_classifier); None: the data names none."""
+    bucket_shapes: list[list[int]] | None = None
+    """Aspect-ratio buckets: the latent shape (C, H, W) of each bucket the model trained on (``latent_shape`` is the
+    one most rows had); None: every row had ``latent_shape``."""
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (lists, not tuples) for ``torch.load(weights_only=True)`` and JSON."""

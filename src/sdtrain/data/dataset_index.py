@@ -12,13 +12,14 @@ them with rows) or that has no index of its own yet.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from sdtrain.config.learning import Columns
-from sdtrain.data.index_format import DatasetIndex, SealedDirectory, read_index, recorded_rows
+from sdtrain.data.index_format import DatasetIndex, SealedDirectory, pack_runs, read_index, recorded_rows, runs_array
 from sdtrain.data.index_sealing import files_of, sealed_directories, unchanged_directories
 from sdtrain.data.inspection import (
     CheckedSchema,
@@ -133,15 +134,18 @@ def index_dataset(
     :func:`sdtrain.data.index_format.write_index` the result's ``index`` to ``index_uri`` when ``stale``."""
     listed = _list(specs, key, read_index(index_uri) if index_uri else None, columns, page_size)
     listing, own = listed.listing, listed.own
-    rows, to_read = _rows_of_unchanged_directories(listed)
+    rows, runs, to_read = _rows_of_unchanged_directories(listed)
     # The run's own index first (one GET); an index beside the data only for what it leaves unknown.
-    to_read, reference = _rows_from_indexes(_candidates(listed), listing, rows, to_read, key, columns)
+    to_read, reference = _rows_from_indexes(_candidates(listed), listing, rows, runs, to_read, key, columns)
     read_files = [listing.paths[i] for i in to_read]
+    read_runs: dict[int, list[tuple[int, int]]] = {}
     read_rows, checked = read_footers_with_progress(
-        read_files, key, columns, reference.checked if reference is not None else None
+        read_files, key, columns, reference.checked if reference is not None else None, read_runs
     )
     assert checked is not None  # a listing is never empty: list_dataset raises
     rows[to_read] = read_rows
+    for k, file_runs in read_runs.items():
+        runs[to_read[k]] = pack_runs(file_runs)
     if int(rows.sum()) == 0:
         raise DataError(f"{key}: the {len(listing)} parquet file(s) hold no rows (first: {listing.paths[0]})")
 
@@ -150,7 +154,7 @@ def index_dataset(
     row_file = next((f for f, r in zip(read_files, read_rows, strict=True) if r), None)
     if not read_files and own is None:
         row_file = listing.paths[int(np.flatnonzero(rows)[0])]
-    row = first_row(row_file, key, columns.names()) if row_file is not None else None
+    row = first_row(row_file, key, checked.row_columns()) if row_file is not None else None
     recorded = (reference.latent_shape, reference.caption_shape) if reference is not None else None
     latent_shape, caption_shape = check_shapes(
         key, checked, in_channels, cross_attention_dim, row, row_file or checked.file, recorded
@@ -159,9 +163,11 @@ def index_dataset(
     sealed = sealed_directories(specs, listed.parts, listed.placed, listing, listed.unchanged, listed.directory_index)
     as_before = listed.as_before()
     digest = own.content_digest if as_before and own is not None and own.content_digest else listing.content_digest()
+    bucketed = _bucketed(key, checked, listing, runs)
     index = DatasetIndex(
         listing.paths, listing.sizes, listing.versions, rows, checked, latent_shape, caption_shape, sealed, digest
     )
+    index.runs = [r for r in runs if r is not None] if bucketed is not None else None
     stats = IndexStats(
         files=len(listing),
         from_index=len(listing) - len(to_read),
@@ -175,7 +181,31 @@ def index_dataset(
     spec = DatasetSpec(
         tuple(listing.paths), tuple(rows.tolist()), latent_shape, caption_shape, digest, checked.token_ids(key)
     )
+    if bucketed is not None:
+        spec = bucketed_spec(spec, checked, bucketed)
     return IndexedDataset(spec, stats, index, _stale(own, index, stats))
+
+
+def _bucketed(key: str, checked: CheckedSchema, listing: Listing, runs: list[bytes | None]) -> np.ndarray | None:
+    """The runs of bucketed data (None for data of one shape); a DataError for a file whose runs no index or footer
+    said (an index written before the data was bucketed: rewrite it)."""
+    if checked.buckets is None:
+        return None
+    missing = next((i for i, r in enumerate(runs) if r is None), None)
+    if missing is not None:
+        raise DataError(
+            f"{key}: {listing.paths[missing]} holds bucketed latents, but the index its rows came from records no "
+            "bucket runs: run `python entrypoints/index.py` on its directory (or remove the run's dataset_index/)"
+        )
+    return runs_array([r for r in runs if r is not None])
+
+
+def bucketed_spec(spec: DatasetSpec, checked: CheckedSchema, runs: np.ndarray) -> DatasetSpec:
+    """``spec`` with its buckets and runs; its latent shape the bucket most rows are in."""
+    buckets = checked.buckets
+    assert buckets is not None
+    rows = np.bincount(runs[:, 1], runs[:, 2], minlength=len(buckets))
+    return dataclasses.replace(spec, latent_shape=buckets[int(np.argmax(rows))], bucket_shapes=buckets, runs=runs)
 
 
 def _list(specs: Sequence[str], key: str, own: DatasetIndex | None, columns: Columns, page_size: int) -> _Listed:
@@ -198,18 +228,22 @@ def _list(specs: Sequence[str], key: str, own: DatasetIndex | None, columns: Col
     return _Listed(specs, own, unchanged, parts, placed, listing, {})
 
 
-def _rows_of_unchanged_directories(listed: _Listed) -> tuple[np.ndarray, list[int]]:
-    """Rows of every file, those of unchanged directories copied from the run's index (one stretch each, not matched
-    file by file); and the positions whose rows are still unknown."""
+def _rows_of_unchanged_directories(listed: _Listed) -> tuple[np.ndarray, list[bytes | None], list[int]]:
+    """Rows (and bucket runs) of every file, those of unchanged directories copied from the run's index (one stretch
+    each, not matched file by file); and the positions whose rows are still unknown."""
     rows = np.zeros(len(listed.listing), np.int64)
+    runs: list[bytes | None] = [None] * len(listed.listing)
     unknown = np.ones(len(listed.listing), bool)
     for spec, part, (start, count) in zip(listed.specs, listed.parts, listed.placed, strict=True):
         if spec in listed.unchanged and count == len(part):
-            assert listed.own is not None
+            own = listed.own
+            assert own is not None
             first = listed.unchanged[spec].start
-            rows[start : start + count] = listed.own.rows[first : first + count]
+            rows[start : start + count] = own.rows[first : first + count]
+            if own.runs is not None:
+                runs[start : start + count] = own.runs[first : first + count]
             unknown[start : start + count] = False
-    return rows, np.flatnonzero(unknown).tolist()
+    return rows, runs, np.flatnonzero(unknown).tolist()
 
 
 def _stale(own: DatasetIndex | None, index: DatasetIndex, stats: IndexStats) -> bool:
@@ -247,20 +281,25 @@ def _report(key: str, listed: _Listed, stats: IndexStats) -> None:
 
 
 def read_footers_with_progress(
-    files: list[str], key: str, columns: Columns, reference: CheckedSchema | None
+    files: list[str],
+    key: str,
+    columns: Columns,
+    reference: CheckedSchema | None,
+    runs: dict[int, list[tuple[int, int]]] | None = None,
 ) -> tuple[list[int], CheckedSchema | None]:
     """:func:`sdtrain.data.inspection.read_footers`, with a progress line for 1000 files or more."""
 
     def progress(done: int, total: int) -> None:
         log.info(f"{key}: read {done}/{total} footers")
 
-    return read_footers(files, key, columns, reference, progress if len(files) >= 1000 else None)
+    return read_footers(files, key, columns, reference, progress if len(files) >= 1000 else None, runs)
 
 
 def _rows_from_indexes(
     candidates: Iterator[DatasetIndex],
     listing: Listing,
     rows: np.ndarray,
+    runs: list[bytes | None],
     to_read: list[int],
     key: str,
     columns: Columns,
@@ -280,8 +319,10 @@ def _rows_from_indexes(
         found, to_read = recorded_rows(index, listing, to_read)
         if found and index is not reference:
             check_same_layouts(key, index.checked.file, index.checked.schema, reference.checked)
-        for i, num_rows in found:
+        for i, num_rows, j in found:
             rows[i] = num_rows
+            if index.runs is not None:
+                runs[i] = index.runs[j]
         if not to_read:  # the next index beside the data is not read
             break
     return to_read, reference

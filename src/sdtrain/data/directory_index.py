@@ -13,7 +13,7 @@ import pyarrow as pa
 
 from sdtrain.config.learning import Columns
 from sdtrain.data.dataset_index import IndexStats, read_footers_with_progress
-from sdtrain.data.index_format import DatasetIndex, join_path, read_index, recorded_rows, write_index
+from sdtrain.data.index_format import DatasetIndex, join_path, pack_runs, read_index, recorded_rows, write_index
 from sdtrain.data.inspection import first_row, read_footers
 from sdtrain.data.listing import DIRECTORY_INDEX, Listing, list_dataset
 from sdtrain.errors import DataError
@@ -33,7 +33,8 @@ def write_directory_index(
     already there where their size and version are unchanged, else from their footers. The schema is the footer
     of ``sample`` (a name relative to the directory: a file the writer just wrote) or else of the first file; the
     values per row, the first row of that file or else of the first with rows. None if the directory holds no
-    parquet file with rows. ``key``: the name errors give the directory."""
+    parquet file with rows. ``key``: the name errors give the directory. Bucketed data (aspect-ratio buckets) records
+    each file's runs too, from the index already there or from its footer: give it no ``known_rows``."""
     try:
         listing = list_dataset([directory], key)
     except DataError:
@@ -42,11 +43,14 @@ def write_directory_index(
     if not is_uri(base):
         base = os.path.abspath(os.path.expanduser(base))
     rows, to_read = _known_rows(listing, base, known_rows)
+    runs: list[bytes | None] = [None] * len(listing)
     before = _previous_directory_index(listing, base, columns) if to_read else None
     if before is not None:
         found, unknown = recorded_rows(before, listing, to_read)
-        for i, num_rows in found:
+        for i, num_rows, j in found:
             rows[i] = num_rows
+            if before.runs is not None:
+                runs[i] = before.runs[j]
         if len(unknown) == len(to_read):
             before = None  # nothing of it still stands: its schema is no reference for the new files either
         elif not unknown and _same_files(before, listing):
@@ -55,11 +59,14 @@ def write_directory_index(
         to_read = unknown
 
     read_files = [listing.paths[i] for i in to_read]
+    read_runs: dict[int, list[tuple[int, int]]] = {}
     read_rows, checked = read_footers_with_progress(
-        read_files, key, columns, before.checked if before is not None else None
+        read_files, key, columns, before.checked if before is not None else None, read_runs
     )
     for i, num_rows in zip(to_read, read_rows, strict=True):
         rows[i] = num_rows
+    for k, file_runs in read_runs.items():
+        runs[to_read[k]] = pack_runs(file_runs)
     sample_path = join_path(base, sample) if sample is not None else None
     position = {path: i for i, path in enumerate(listing.paths)}.get(sample_path or "")
     if checked is None:  # every file's rows were known: one footer for the schema
@@ -70,11 +77,18 @@ def write_directory_index(
     if len(with_rows) == 0:
         return None
     file = listing.paths[position if position is not None and rows[position] else int(with_rows[0])]
-    row = first_row(file, key, columns.names())
+    row = first_row(file, key, checked.row_columns())
     image_layout, caption_layout = checked.layouts(key)
     latent_shape = image_layout.shape or (_values(row, columns.latent, key),)
     caption_shape = caption_layout.shape or (_values(row, columns.caption, key),)
     index = DatasetIndex(listing.paths, listing.sizes, listing.versions, rows, checked, latent_shape, caption_shape)
+    if checked.buckets is not None:
+        missing = [listing.paths[i] for i, r in enumerate(runs) if r is None]
+        if missing:
+            raise DataError(
+                f"{key}: the bucket runs of {missing[0]} are not known: index bucketed data without known_rows"
+            )
+        index.runs = [r for r in runs if r is not None]
     write_index(join_path(base, DIRECTORY_INDEX), index, base)
     return IndexStats(len(listing), len(listing) - len(to_read), len(to_read), 0, 1, None)
 

@@ -70,6 +70,8 @@ class DatasetIndex:
     content_digest: str = ""
     """A run's index only: the listing's content digest (:func:`sdtrain.data.listing.content_digest`), so a restart
     that lists nothing need not hash every file again."""
+    runs: list[bytes] | None = None
+    """Bucketed data only: each file's runs, (bucket, rows) int32 pairs in row order (:func:`pack_runs`)."""
 
     def table(self, relative_to: str | None = None) -> pa.Table:
         paths = self.paths
@@ -87,8 +89,9 @@ class DatasetIndex:
             "sealed": [asdict(s) for s in self.sealed],
             "content_digest": self.content_digest,
         }
+        fields = [("path", pa.string()), ("size", pa.int64()), ("version", pa.string()), ("rows", pa.int64())]
         schema = pa.schema(
-            [("path", pa.string()), ("size", pa.int64()), ("version", pa.string()), ("rows", pa.int64())],
+            fields + ([("bucket_runs", pa.binary())] if self.runs is not None else []),
             metadata={
                 _META: json.dumps(meta).encode(),
                 _SCHEMA: base64.b64encode(self.checked.schema.serialize().to_pybytes()),
@@ -100,6 +103,7 @@ class DatasetIndex:
                 pa.array(np.asarray(self.sizes, np.int64)),
                 pa.array(self.versions, pa.string()),
                 pa.array(np.asarray(self.rows, np.int64)),
+                *([pa.array(self.runs, pa.binary())] if self.runs is not None else []),
             ],
             schema=schema,
         )
@@ -167,6 +171,7 @@ def _parsed_index(table: pa.Table, meta: dict, schema: bytes, uri: str, base: st
         caption_shape=_shape(meta, "caption_shape"),
         sealed=() if relative else tuple(_sealed_directory(entry) for entry in sealed),
         content_digest="" if relative else _typed(meta, "content_digest", str, ""),
+        runs=table.column("bucket_runs").to_pylist() if "bucket_runs" in table.column_names else None,
     )
 
 
@@ -217,16 +222,30 @@ def join_path(root: str, *parts: str) -> str:
 
 def recorded_rows(
     index: DatasetIndex, listing: Listing, positions: Iterable[int]
-) -> tuple[list[tuple[int, int]], list[int]]:
-    """For ``positions`` of ``listing``: (position, rows) of the files ``index`` records at the size and version
-    listed, and the positions it does not (new or rewritten files)."""
+) -> tuple[list[tuple[int, int, int]], list[int]]:
+    """For ``positions`` of ``listing``: (position, rows, position in ``index``) of the files ``index`` records at the
+    size and version listed, and the positions it does not (new or rewritten files)."""
     entries = zip(index.paths, index.sizes, index.versions, index.rows, strict=True)
-    known = {path: (int(size), version, int(n)) for path, size, version, n in entries}
+    known = {path: (int(size), version, int(n), j) for j, (path, size, version, n) in enumerate(entries)}
     found, unknown = [], []
     for i in positions:
         entry = known.get(listing.paths[i])
         if entry is not None and entry[0] == listing.sizes[i] and entry[1] == listing.versions[i]:
-            found.append((i, entry[2]))
+            found.append((i, entry[2], entry[3]))
         else:
             unknown.append(i)
     return found, unknown
+
+
+def pack_runs(runs: list[tuple[int, int]]) -> bytes:
+    """A file's runs as the index stores them: int32 (bucket, rows) pairs."""
+    return np.asarray(runs, np.int32).reshape(-1, 2).tobytes()
+
+
+def runs_array(per_file: Sequence[bytes]) -> np.ndarray:
+    """The (file, bucket, rows) runs of files whose packed runs are ``per_file`` (:class:`sdtrain.data.bucket_order.
+    BucketPlan`'s input)."""
+    pairs = [np.frombuffer(b, np.int32).reshape(-1, 2) for b in per_file]
+    files = np.repeat(np.arange(len(pairs)), [len(p) for p in pairs])
+    stacked = np.concatenate(pairs) if pairs else np.zeros((0, 2), np.int32)
+    return np.column_stack([files, stacked]).astype(np.int64)

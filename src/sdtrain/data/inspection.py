@@ -11,7 +11,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow as pa
@@ -25,10 +25,13 @@ from sdtrain.config.learning import Columns
 from sdtrain.data.decode import ColumnLayout, column_layout, to_array
 from sdtrain.data.footer import read_footer
 from sdtrain.data.metadata import (
+    BUCKET_SHAPES,
     LATENT_SCALING_FACTOR,
     TEXT_ENCODER_SOURCE,
     TOKEN_VOCAB_SIZE,
     TokenIds,
+    bucket_runs,
+    bucket_shapes,
     describe_scaling,
     latent_scaling,
     token_ids,
@@ -53,10 +56,22 @@ class DatasetSpec:
     rewritten in place changes it (sdtrain.data.dataset_index). Empty where sizes and versions are unknown."""
     token_ids: TokenIds | None = None
     """The caption column holds token ids, encoded in the training step by this text encoder; None: embeddings."""
+    bucket_shapes: tuple[tuple[int, int, int], ...] | None = None
+    """Aspect-ratio buckets: each bucket's latent shape (``latent_shape`` is then the one most rows have); None: every
+    row has ``latent_shape``."""
+    runs: np.ndarray | None = field(default=None, compare=False)
+    """Bucketed data: (file, bucket, rows) of each file's runs, in file and row order (sdtrain.data.bucket_order)."""
 
     @property
     def num_rows(self) -> int:
         return sum(self.rows_per_file)
+
+    @property
+    def largest_latent_shape(self) -> tuple[int, int, int]:
+        """The latent shape of the most pixels: what a step's memory is sized for."""
+        if self.bucket_shapes is None:
+            return self.latent_shape
+        return max(self.bucket_shapes, key=lambda shape: shape[1] * shape[2])
 
     def embedding_shape(self, cross_attention_dim: int) -> tuple[int, int]:
         """L x D of the captions the UNet sees: as stored, or the text encoder's output for token ids (whose width
@@ -76,6 +91,15 @@ class CheckedSchema:
 
     def layouts(self, key: str) -> tuple[ColumnLayout, ColumnLayout]:
         return column_layouts(key, self.file, self.schema, self.columns)
+
+    def row_columns(self) -> list[str]:
+        """The columns a first row is read with: the latents and captions, and a bucketed file's bucket."""
+        return [*self.columns.names(), *(["bucket"] if self.buckets is not None else [])]
+
+    @property
+    def buckets(self) -> tuple[tuple[int, int, int], ...] | None:
+        """The latent shapes of the file's aspect-ratio buckets (its metadata), or None: one shape."""
+        return bucket_shapes(self.schema.metadata, self.file)
 
     def token_ids(self, key: str) -> TokenIds | None:
         """What the caption column's token ids are for (its file's metadata); None for embeddings."""
@@ -97,7 +121,7 @@ def inspect_dataset(
     if sum(rows) == 0:
         raise DataError(f"{key}: the {len(files)} parquet file(s) hold no rows (first: {files[0]})")
     file = files[next(i for i, n in enumerate(rows) if n)]
-    row = first_row(file, key, columns.names())
+    row = first_row(file, key, checked.row_columns())
     latent_shape, caption_shape = check_shapes(key, checked, in_channels, cross_attention_dim, row, file)
     return DatasetSpec(tuple(files), tuple(rows), latent_shape, caption_shape, token_ids=checked.token_ids(key))
 
@@ -142,6 +166,12 @@ def check_same_layouts(key: str, file: str, schema: pa.Schema, reference: Checke
                 f"{key}: {file} holds token ids for the text encoder {encoder!r} but {reference.file} for "
                 f"{first_encoder!r} ({TEXT_ENCODER_SOURCE}); every file of a dataset must hold ids of one tokenizer"
             )
+    where = f"{key}: {file}"
+    if bucket_shapes(schema.metadata, where) != reference.buckets:
+        raise DataError(
+            f"{key}: {file} holds latents in the buckets {bucket_shapes(schema.metadata, where)} but {reference.file} "
+            f"in {reference.buckets} ({BUCKET_SHAPES}); every file of a dataset must share one set of buckets"
+        )
     scale, first_scale = latent_scaling(schema.metadata), latent_scaling(reference.schema.metadata)
     if scale != first_scale:
         # Training scales every row alike: a mixed dataset would train half its rows at the wrong scale.
@@ -158,10 +188,12 @@ def read_footers(
     columns: Columns,
     reference: CheckedSchema | None = None,
     progress: Callable[[int, int], None] | None = None,
+    runs: dict[int, list[tuple[int, int]]] | None = None,
 ) -> tuple[list[int], CheckedSchema | None]:
     """The rows of each of ``files`` from its footer, each footer's columns checked against ``reference`` (without
     one, the first file's). At most FOOTER_READS requests in flight, one schema held at a time; ``progress(done,
-    total)`` is called every 10 s and at every tenth of the files.
+    total)`` is called every 10 s and at every tenth of the files. ``runs``: for bucketed data, filled with each
+    file's runs by its position in ``files``.
 
     Returns the rows per file and the reference (None only when ``files`` is empty).
     """
@@ -175,11 +207,16 @@ def read_footers(
         reference = CheckedSchema(files[0], schema, columns)
         reference.layouts(key)  # the first file's own errors: a missing column, an unreadable type
         start = 1
+        if runs is not None and reference.buckets is not None:
+            runs[0] = bucket_runs(schema.metadata, f"{key}: {files[0]}", rows[0], len(reference.buckets))
     checked = reference
+    buckets = checked.buckets
 
     def read(index: int) -> tuple[int, int]:
         schema, num_rows = read_footer(files[index], key, sources)
         check_same_layouts(key, files[index], schema, checked)
+        if runs is not None and buckets is not None:
+            runs[index] = bucket_runs(schema.metadata, f"{key}: {files[index]}", num_rows, len(buckets))
         return index, num_rows
 
     done = start
@@ -255,6 +292,8 @@ def check_shapes(
     image_layout, caption_layout = checked.layouts(key)
     image, caption = checked.columns.latent, checked.columns.caption
     file = row_file if recorded is None else checked.file
+    if checked.buckets is not None:
+        return _bucketed_shapes(key, checked, in_channels, cross_attention_dim, row, row_file, recorded)
     latent_shape = _latent_shape(key, file, image, image_layout, row, in_channels, recorded and recorded[0])
     caption_shape = _caption_shape(
         key, file, caption, caption_layout, row, cross_attention_dim, recorded and recorded[1]
@@ -276,6 +315,40 @@ def check_shapes(
                 f"{values.max()}, outside the vocabulary of {ids.vocab_size} the file records ({TOKEN_VOCAB_SIZE})"
             )
     return latent_shape, caption_shape
+
+
+def _bucketed_shapes(
+    key: str,
+    checked: CheckedSchema,
+    in_channels: int,
+    cross_attention_dim: int,
+    row: pa.Table | None,
+    row_file: str,
+    recorded: tuple[tuple[int, ...], tuple[int, ...]] | None,
+) -> tuple[tuple[int, int, int], tuple[int, ...]]:
+    """Bucketed data: every bucket's latents have the UNet's channels; ``row`` (with its ``bucket`` column) holds its
+    bucket's values, finite. The latent shape returned is the first bucket's (the caller picks the most common)."""
+    buckets = checked.buckets
+    assert buckets is not None
+    image, caption = checked.columns.latent, checked.columns.caption
+    wrong = [shape for shape in buckets if shape[0] != in_channels]
+    if wrong:
+        raise DataError(
+            f"{key}: {checked.file}: buckets of latent shapes {wrong} ({BUCKET_SHAPES}); every bucket needs C = the "
+            f"UNet's in_channels = {in_channels}"
+        )
+    _, caption_layout = checked.layouts(key)
+    caption_shape = _caption_shape(
+        key, checked.file, caption, caption_layout, row, cross_attention_dim, recorded and recorded[1]
+    )
+    if row is not None:
+        if "bucket" not in row.column_names:
+            raise DataError(f"{key}: {row_file}: a bucketed file ({BUCKET_SHAPES}) has no column 'bucket'")
+        bucket = int(row.column("bucket")[0].as_py())
+        values = to_array(row.column(image), buckets[bucket], image)
+        if not np.isfinite(values).all():
+            raise DataError(f"{key}: {row_file}, column {image!r}: the first row holds NaN or infinite values")
+    return buckets[0], caption_shape
 
 
 def _values_per_row(where: str, layout: ColumnLayout, row: pa.Table | None, column: str, recorded) -> int:

@@ -7,6 +7,7 @@ dataset was made with from them (encoder_sources).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -27,6 +28,11 @@ LATENT = "sdtrain.latent"
 LATENT_CLASSIFIER = "sdtrain.latent_classifier"
 """A module that reads the stored latents without a VAE (sdtrain.sampling.latent_classifier): their class, and a
 picture of them. The digits demo's files name theirs (sdtrain.demo.digits); preprocessing's name none."""
+BUCKET_SHAPES = "sdtrain.bucket_shapes"
+"""Aspect-ratio buckets (preprocessing's image.buckets: aspect): the latent shape [C, H, W] of each bucket, by bucket
+index, as JSON. The latent column then holds C*H*W values a row for the row's bucket."""
+BUCKET_RUNS = "sdtrain.bucket_runs"
+"""Beside BUCKET_SHAPES, in each file: its rows bucket by bucket, as JSON [[bucket, rows], ...] in row order."""
 TOKEN_VOCAB_SIZE = "sdtrain.token_vocab_size"
 """Beside a column of caption token ids (integers): the size of the tokenizer's vocabulary they were made with, which
 bounds every stored id. With TEXT_ENCODER_SOURCE it is what training needs to encode the ids in its step."""
@@ -60,6 +66,38 @@ def latent_classifier(metadata: Mapping[bytes, bytes] | None) -> str | None:
     """The module a file's schema metadata names as the reader of its latents, or None."""
     value = (metadata or {}).get(LATENT_CLASSIFIER.encode())
     return None if value is None else value.decode()
+
+
+def bucket_shapes(metadata: Mapping[bytes, bytes] | None, where: str) -> tuple[tuple[int, int, int], ...] | None:
+    """The latent shapes of a bucketed file's buckets, or None for a file of one shape."""
+    value = (metadata or {}).get(BUCKET_SHAPES.encode())
+    if value is None:
+        return None
+    try:
+        listed = [[int(d) for d in shape] for shape in json.loads(value)]
+    except (ValueError, TypeError) as error:
+        raise DataError(f"{where}: {BUCKET_SHAPES} is not a list of [C, H, W]: {error}") from None
+    if not listed or any(len(shape) != 3 or min(shape) < 1 for shape in listed):
+        raise DataError(f"{where}: {BUCKET_SHAPES} must list [C, H, W] latent shapes, got {value.decode()}")
+    return tuple((c, h, w) for c, h, w in listed)
+
+
+def bucket_runs(metadata: Mapping[bytes, bytes] | None, where: str, rows: int, buckets: int) -> list[tuple[int, int]]:
+    """A bucketed file's runs: (bucket, rows) in row order, checked to hold its ``rows`` rows in ``buckets`` buckets."""
+    value = (metadata or {}).get(BUCKET_RUNS.encode())
+    if value is None:
+        raise DataError(
+            f"{where}: a bucketed file ({BUCKET_SHAPES}) without {BUCKET_RUNS}: its rows' buckets are unknown"
+        )
+    try:
+        runs = [(int(b), int(n)) for b, n in json.loads(value)]
+    except (ValueError, TypeError) as error:
+        raise DataError(f"{where}: {BUCKET_RUNS} is not a list of [bucket, rows]: {error}") from None
+    if sum(n for _, n in runs) != rows or any(not 0 <= b < buckets or n < 0 for b, n in runs):
+        raise DataError(
+            f"{where}: {BUCKET_RUNS} {value.decode()} does not cover the file's {rows} rows in its {buckets} buckets"
+        )
+    return runs
 
 
 def latent_scaling(metadata: Mapping[bytes, bytes] | None) -> float | None:

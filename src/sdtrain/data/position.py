@@ -14,7 +14,7 @@ from typing import Any
 
 import pyarrow.fs as pafs
 
-from sdtrain.data.read_order import DataState, SamplePlan
+from sdtrain.data.read_order import DataState, ReadPlan
 from sdtrain.errors import DataError
 from sdtrain.storage.run_layout import DATA_STATE_FILE
 
@@ -46,7 +46,7 @@ class DataPosition:
         with open(os.path.join(checkpoint_dir, DATA_STATE_FILE), "w") as f:
             json.dump(self.to_dict(), f)
 
-    def resume(self, plan: SamplePlan, on_change: str, where: str) -> tuple[int, DataState]:
+    def resume(self, plan: ReadPlan, on_change: str, where: str) -> tuple[int, DataState]:
         """(step, data state) to resume from on ``plan`` (the data and settings as they are now).
 
         Args:

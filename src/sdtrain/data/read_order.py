@@ -21,7 +21,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -82,6 +82,30 @@ class Stretch:
 
     def num_windows(self, window_rows: int) -> int:
         return (self.skip + self.rows - 1) // window_rows - self.skip // window_rows + 1
+
+
+class ReadPlan(Protocol):
+    """What the streams, the data hook and the workers ask of a read plan: :class:`SamplePlan` for data of one shape,
+    :class:`sdtrain.data.bucket_order.BucketPlan` for aspect-ratio buckets."""
+
+    file_offsets: np.ndarray
+
+    @property
+    def num_rows(self) -> int: ...
+
+    def fingerprint(self) -> dict[str, Any]: ...
+
+    def rank_stretches(self, state: DataState, world_size: int, rows_per_step: int, steps: int) -> list[list[Any]]: ...
+
+    def advance(self, state: DataState, world_size: int, rows_per_step: int, steps: int) -> DataState: ...
+
+    def num_windows(self, stretch: Any) -> int: ...
+
+    def window(self, stretch: Any, index: int) -> Window: ...
+
+    def windows(self, stretch: Any, first: int = 0, count: int | None = None) -> list[Window]: ...
+
+    def sample_indices(self, window: Window) -> np.ndarray: ...
 
 
 @dataclass
@@ -191,6 +215,10 @@ class SamplePlan:
             yield before, skip, taken, available
             steps -= taken
             state = DataState(state.epoch + 1)
+
+    def num_windows(self, stretch: Stretch) -> int:
+        """Read tasks of ``stretch``: one a window of data.shuffle_window_rows rows."""
+        return stretch.num_windows(self.window_rows)
 
     def window(self, stretch: Stretch, index: int) -> Window:
         """Read task ``index`` of ``stretch``."""

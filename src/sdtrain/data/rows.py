@@ -53,6 +53,8 @@ class RowReader:
             its first dimension whatever is given.
         vocab_size: token ids must be below it (the file's recorded vocabulary); None: not checked.
         extra: other columns read as they are (a label, a caption's text).
+        bucket_shapes: aspect-ratio buckets: each bucket's latent shape; a batch then holds one bucket's rows (the
+            file's ``bucket`` column says which), at its shape.
     """
 
     columns: Columns
@@ -60,12 +62,13 @@ class RowReader:
     caption_shape: tuple[int, ...]
     vocab_size: int | None = None
     extra: tuple[str, ...] = ()
+    bucket_shapes: tuple[tuple[int, int, int], ...] | None = None
 
     @classmethod
     def of(cls, spec: DatasetSpec, columns: Columns, extra: Sequence[str] = ()) -> RowReader:
         """The reader of a checked dataset's rows."""
         vocab = spec.token_ids.vocab_size if spec.token_ids is not None else None
-        return cls(columns, spec.latent_shape, spec.caption_shape, vocab, tuple(extra))
+        return cls(columns, spec.latent_shape, spec.caption_shape, vocab, tuple(extra), spec.bucket_shapes)
 
     def batches(
         self, files: Sequence[str], key: str, batch_size: int | None = None, limit: int | None = None
@@ -110,14 +113,26 @@ class RowReader:
         self, parquet: pq.ParquetFile, file: str, key: str, batch_size: int | None, limit: int | None
     ) -> Iterator[RowBatch]:
         names = ([self.columns.latent] if self.latent_shape is not None else []) + [self.columns.caption]
-        names += [c for c in self.extra if c not in names]
+        names += [c for c in (*self.extra, *(["bucket"] if self.bucket_shapes else [])) if c not in names]
         missing = [c for c in names if c not in parquet.schema_arrow.names]
         if missing:
             raise DataError(f"has no column {missing[0]!r}; its columns are {', '.join(parquet.schema_arrow.names)}")
         first = 0
         for table in _tables(parquet, names, batch_size, limit):
-            yield self._decode(table, file, first)
+            for offset, part in self._one_shape(table):
+                yield self._decode(part, file, first + offset)
             first += table.num_rows
+
+    def _one_shape(self, table: pa.Table) -> Iterator[tuple[int, pa.Table]]:
+        """The parts of ``table`` of one latent shape, with their first row in it: the whole table, or each run of
+        one bucket."""
+        if not self.bucket_shapes:
+            yield 0, table
+            return
+        bucket = table.column("bucket").to_numpy()
+        breaks = np.flatnonzero(np.diff(bucket)) + 1
+        for start, stop in zip(np.concatenate([[0], breaks]), np.concatenate([breaks, [len(bucket)]]), strict=True):
+            yield int(start), table.slice(int(start), int(stop - start))
 
     def _decode(self, table: pa.Table, file: str, first: int) -> RowBatch:
         caption = table.column(self.columns.caption)
@@ -127,7 +142,10 @@ class RowReader:
         captions = to_array(caption, shape, self.columns.caption, self.vocab_size if ids else None, first)
         latents = None
         if self.latent_shape is not None:
-            latents = to_array(table.column(self.columns.latent), self.latent_shape, self.columns.latent)
+            shape = self.latent_shape
+            if self.bucket_shapes:  # one bucket's rows (_one_shape)
+                shape = self.bucket_shapes[int(table.column("bucket")[0].as_py())]
+            latents = to_array(table.column(self.columns.latent), shape, self.columns.latent)
         return RowBatch(file, first, latents, captions, {c: table.column(c) for c in self.extra})
 
 

@@ -25,7 +25,7 @@ from sdtrain.config.schema import DataConfig
 from sdtrain.data.decode import TokenIdOutOfRange, to_array
 from sdtrain.data.inspection import DatasetSpec
 from sdtrain.data.pacing import paced
-from sdtrain.data.read_order import FILE, SamplePlan, Stretch, Window, window_sample_indices
+from sdtrain.data.read_order import FILE, ReadPlan, Window, slice_rows, window_sample_indices
 from sdtrain.data.rows import RowReader, raise_if_transient
 from sdtrain.errors import DataError
 from sdtrain.logs import log
@@ -47,6 +47,8 @@ class ReadSettings:
     latent_shape: tuple[int, ...]
     caption_shape: tuple[int, ...]
     vocab_size: int | None = None
+    bucket_shapes: tuple[tuple[int, int, int], ...] | None = None
+    """Aspect-ratio buckets: each bucket's latent shape (a read task's blocks each hold one bucket's rows)."""
     """The caption column holds int32 token ids, each checked to be below this as it is read (the vocabulary the
     files record); None: float embeddings."""
 
@@ -101,7 +103,27 @@ class WindowRead:
     __name__ = "read_window"  # Ray Data names a read task by its function's name
 
     def __call__(self) -> list[pa.Table]:
-        return [self.read()]
+        return self.read_blocks() if self.window.blocks else [self.read()]
+
+    def read_blocks(self) -> list[pa.Table]:
+        """Bucketed data: a block a step, each of its bucket's latent shape, the rows in the spans' order."""
+        window, settings = self.window, self.settings
+        assert settings.bucket_shapes is not None
+        files: dict[int, pq.ParquetFile] = {}
+        row_groups: dict[tuple[int, int], pa.Table] = {}
+        indices = window_sample_indices(window.spans, self.first_index)
+        tables, first = [], 0
+        for bucket, rows in window.blocks:
+            shape = settings.bucket_shapes[bucket]
+            pieces = [
+                piece
+                for file_index, start, stop in slice_rows(window.spans, first, first + rows)
+                for piece in self._read_span(files, row_groups, int(file_index), int(start), int(stop), shape)
+            ]
+            latents, captions, valid = (np.concatenate(part) for part in zip(*pieces, strict=True))
+            tables.append(_block(latents, captions, indices[first : first + rows], valid))
+            first += rows
+        return tables
 
     def read(self) -> pa.Table:
         window, settings = self.window, self.settings
@@ -132,19 +154,14 @@ class WindowRead:
             if not taken.all():
                 rows, piece = rows[taken], [part[taken] for part in piece]
             latents[rows], captions[rows], valid[rows] = piece
-        return pa.table(
-            {
-                "latents": ArrowTensorArray.from_numpy(latents),
-                "captions": ArrowTensorArray.from_numpy(captions),
-                "sample_index": window_sample_indices(window.spans, self.first_index)[order],
-                "valid": valid,
-            }
-        )
+        return _block(latents, captions, window_sample_indices(window.spans, self.first_index)[order], valid)
 
-    def _read_span(self, files, row_groups, file_index: int, start: int, stop: int):
+    def _read_span(self, files, row_groups, file_index: int, start: int, stop: int, latent_shape=None):
         """(latents, captions, valid) for rows [start, stop) of a file, one piece per row group, so an
-        unreadable row group costs only its own rows under data.on_read_error=skip."""
+        unreadable row group costs only its own rows under data.on_read_error=skip. ``latent_shape``: a bucket's,
+        else the data's one."""
         settings = self.settings
+        latent_shape = latent_shape or settings.latent_shape
         file, fs, path = self.sources[file_index]
         try:
             if file_index not in files:
@@ -152,7 +169,7 @@ class WindowRead:
             meta = files[file_index].metadata
         except (OSError, pa.ArrowException) as error:
             raise_if_transient(error, file)
-            return [self._unreadable(file, start, stop, error)]
+            return [self._unreadable(file, start, stop, error, latent_shape)]
         offsets = np.cumsum([0] + [meta.row_group(i).num_rows for i in range(meta.num_row_groups)])
         first = int(np.searchsorted(offsets, start, side="right")) - 1
         last = int(np.searchsorted(offsets, stop, side="left"))
@@ -166,7 +183,7 @@ class WindowRead:
                 table = row_groups[file_index, group].slice(lo - int(offsets[group]), hi - lo)
                 pieces.append(
                     (
-                        to_array(table.column(settings.columns.latent), settings.latent_shape, settings.columns.latent),
+                        to_array(table.column(settings.columns.latent), latent_shape, settings.columns.latent),
                         to_array(
                             table.column(settings.columns.caption),
                             settings.caption_shape,
@@ -181,10 +198,10 @@ class WindowRead:
                 raise DataError(f"data.train: {file}: {error}") from None
             except (OSError, pa.ArrowException, DataError) as error:
                 raise_if_transient(error, file)
-                pieces.append(self._unreadable(file, lo, hi, error))
+                pieces.append(self._unreadable(file, lo, hi, error, latent_shape))
         return pieces
 
-    def _unreadable(self, file: str, start: int, stop: int, error: Exception):
+    def _unreadable(self, file: str, start: int, stop: int, error: Exception, latent_shape: tuple[int, ...]):
         reason = " ".join(str(error).split())  # pyarrow's messages span lines
         if self.settings.on_read_error == "fail":
             raise DataError(
@@ -194,7 +211,7 @@ class WindowRead:
             ) from None
         log.warning("skipping rows %d-%d of %s: %s", start, stop - 1, file, reason)
         return (
-            np.zeros((stop - start, *self.settings.latent_shape), np.float16),
+            np.zeros((stop - start, *latent_shape), np.float16),
             # Token ids: 0 is an id like any other, and these rows carry valid=False: the loss leaves them out.
             np.zeros(
                 (stop - start, *self.settings.caption_shape),
@@ -204,11 +221,23 @@ class WindowRead:
         )
 
 
+def _block(latents: np.ndarray, captions: np.ndarray, sample_index: np.ndarray, valid: np.ndarray) -> pa.Table:
+    """One block of a training stream: rows of one latent shape."""
+    return pa.table(
+        {
+            "latents": ArrowTensorArray.from_numpy(latents),
+            "captions": ArrowTensorArray.from_numpy(captions),
+            "sample_index": sample_index,
+            "valid": valid,
+        }
+    )
+
+
 class WindowReader:
     """The training data as the ranks read it: the read plan, the files and the read settings. Made on the
     driver and sent once to each rank, which turns its windows into :class:`WindowRead` tasks."""
 
-    def __init__(self, spec: DatasetSpec, data: DataConfig, plan: SamplePlan):
+    def __init__(self, spec: DatasetSpec, data: DataConfig, plan: ReadPlan):
         self.plan = plan
         self.reads_per_worker = data.reads_per_worker
         self.files = FileTable(spec.files)
@@ -218,6 +247,7 @@ class WindowReader:
             spec.latent_shape,
             spec.caption_shape,
             spec.token_ids.vocab_size if spec.token_ids is not None else None,
+            spec.bucket_shapes,
         )
 
     def task(self, window: Window) -> WindowRead:
@@ -233,16 +263,21 @@ class WindowReader:
         )
 
     def read(self, window: Window) -> pa.Table:
+        """``window``'s rows, read here (data of one shape)."""
         return self.task(window).read()
+
+    def read_blocks(self, window: Window) -> list[pa.Table]:
+        """The blocks of ``window``'s read task, read here."""
+        return self.task(window)()
 
 
 class RankWindows(Datasource):
     """One rank's windows as a Ray Data source: a read task per window, in order."""
 
-    def __init__(self, reader: WindowReader, stretches: list[Stretch]):
+    def __init__(self, reader: WindowReader, stretches: Sequence[Any]):
         self.reader = reader
         self.stretches = stretches
-        self.count = sum(stretch.num_windows(reader.plan.window_rows) for stretch in stretches)
+        self.count = sum(reader.plan.num_windows(stretch) for stretch in stretches)
 
     def estimate_inmemory_data_size(self) -> int | None:
         return None
@@ -268,7 +303,7 @@ def _counted_only() -> list[pa.Table]:
 _COUNTED_ONLY = ReadTask(_counted_only, BlockMetadata(None, None, None, None))
 
 
-def rank_dataset(reader: WindowReader, stretches: list[Stretch], node_id: str | None) -> ray.data.Dataset:
+def rank_dataset(reader: WindowReader, stretches: Sequence[Any], node_id: str | None) -> ray.data.Dataset:
     """One rank's training stream: its windows in order, each read by one Ray Data task on ``node_id``
     (the rank's node; None: anywhere)."""
     source = RankWindows(reader, stretches)

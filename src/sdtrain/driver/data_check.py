@@ -8,9 +8,11 @@ import posixpath
 from collections.abc import Mapping
 
 from sdtrain.config.schema import Config
+from sdtrain.data.bucket_order import BucketPlan
 from sdtrain.data.dataset_index import IndexedDataset, index_dataset
 from sdtrain.data.index_format import run_index_uri
 from sdtrain.data.inspection import DatasetSpec
+from sdtrain.data.read_order import ReadPlan, SamplePlan, files_digest
 from sdtrain.errors import ConfigError, DataError
 from sdtrain.logs import log
 from sdtrain.model.recipe import load_unconditional_caption, stored_latent_scaling
@@ -29,6 +31,7 @@ def check_data(config: Config, run_dir: str) -> tuple[IndexedDataset, IndexedDat
     _check_shapes_agree(train, val_data.spec if val_data is not None else None)
     captions = train.embedding_shape(unet["cross_attention_dim"])
     check_unet(config.model, train.latent_shape, captions)  # on the meta device, in a second
+    check_buckets(config, train, train_data.schema_file)
     load_unconditional_caption(config.data.unconditional_caption, captions, token_ids=train.token_ids is not None)
     stored_scale = stored_latent_scaling(
         [(data.schema_file, data.schema_metadata) for data in (train_data, val_data) if data is not None], config.data
@@ -89,3 +92,45 @@ def _check_shapes_agree(train: DatasetSpec, val: DatasetSpec | None) -> None:
             f"data.val holds latents {val.latent_shape} and captions {_describe_captions(val)}, but data.train "
             f"holds {train.latent_shape} and {_describe_captions(train)}; validation data must match training data"
         )
+
+
+def check_buckets(config: Config, spec: DatasetSpec, file: str) -> None:
+    """Every aspect-ratio bucket's latent sides are multiples of what the UNet downsamples them by (else its skip
+    connections would not line up), naming the file and the bucket."""
+    if spec.bucket_shapes is None:
+        return
+    factor = 2 ** (len(unet_config(config.model)["block_out_channels"]) - 1)
+    for index, (_, height, width) in enumerate(spec.bucket_shapes):
+        if height % factor or width % factor:
+            raise DataError(
+                f"data.train: {file}: bucket {index} holds latents of {height} x {width}, which the UNet cannot take: "
+                f"it halves them {factor.bit_length() - 1} times, so each side must be a multiple of {factor}. "
+                "Preprocess with an image.bucket_step that makes them so (the VAE's downsampling times this)"
+            )
+
+
+def read_plan(spec: DatasetSpec, config: Config) -> ReadPlan:
+    """The order data.train is read in: by aspect-ratio bucket where its files are bucketed
+    (:mod:`sdtrain.data.bucket_order`), else the one-shape plan (:mod:`sdtrain.data.read_order`)."""
+    data = config.data
+    if spec.bucket_shapes is not None:
+        assert spec.runs is not None
+        return BucketPlan(
+            spec.rows_per_file,
+            spec.runs,
+            spec.bucket_shapes,
+            config.train.seed,
+            data.shuffle_chunk_rows,
+            config.train.global_batch_size,
+            data.shuffle_window_rows,
+            files_digest(spec.files),
+            spec.content_digest,
+        )
+    return SamplePlan(
+        spec.rows_per_file,
+        config.train.seed,
+        data.shuffle_chunk_rows,
+        data.shuffle_window_rows,
+        files_digest(spec.files),
+        spec.content_digest,
+    )

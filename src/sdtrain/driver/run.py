@@ -31,9 +31,9 @@ from sdtrain.data.index_format import run_index_uri, write_index
 from sdtrain.data.inspection import DatasetSpec
 from sdtrain.data.metadata import latent_classifier
 from sdtrain.data.position import DataPosition
-from sdtrain.data.read_order import SamplePlan, files_digest
+from sdtrain.data.read_order import ReadPlan
 from sdtrain.data.streams import WindowReader, file_order_dataset
-from sdtrain.driver.data_check import check_data
+from sdtrain.driver.data_check import check_data, read_plan
 from sdtrain.driver.memory_fit import cluster_gpu, fit_micro_batch
 from sdtrain.driver.preflight import preflight
 from sdtrain.driver.ray_data_startup import warm_up_ray_data
@@ -94,7 +94,7 @@ class CheckedRun:
     run_dir: str
     train: DatasetSpec
     val: DatasetSpec | None
-    plan: SamplePlan
+    plan: ReadPlan
     stored_scale: float | None
     """The latent scaling factor the files record (parquet metadata), if any."""
     committed: ray.train.Result | None
@@ -128,14 +128,7 @@ def check_run(config: Config) -> CheckedRun:
             log.info(f"run.start_fresh: moved the previous run to {replaced}")
     train_data, val_data, stored_scale = check_data(config, run_dir)
     train_spec = train_data.spec
-    plan = SamplePlan(
-        train_spec.rows_per_file,
-        config.train.seed,
-        config.data.shuffle_chunk_rows,
-        config.data.shuffle_window_rows,
-        files_digest(train_spec.files),
-        train_spec.content_digest,
-    )
+    plan = read_plan(train_spec, config)
     for key, data in (("data.train", train_data), ("data.val", val_data)):
         if data is not None and data.stale:
             write_index(run_index_uri(run_dir, key), data.index)
@@ -182,7 +175,8 @@ def build_trainer(run: CheckedRun, launched_at: float) -> TorchTrainer:
     # The workers' precision from the cluster's GPU model (this machine may have none); 16-mixed where
     # scaling.use_gpu=auto found no GPU fails here.
     precision = driver_precision(config.train, use_gpu, gpu)
-    config, decided = fit_micro_batch(config, gpu, run.train.latent_shape, captions, precision)
+    # The largest bucket's steps are the ones that must fit.
+    config, decided = fit_micro_batch(config, gpu, run.train.largest_latent_shape, captions, precision)
     if decided is not None:
         log.info(f"{decided}")
     # PlannedStreams replaces "train" by each rank's planned stream; Ray Train needs the name.
@@ -194,7 +188,13 @@ def build_trainer(run: CheckedRun, launched_at: float) -> TorchTrainer:
         datasets["val"] = file_order_dataset(run.val, config.data, "data.val")
     text_encoder = run.train.token_ids.text_encoder if run.train.token_ids is not None else None
     meta = checkpoint_meta(
-        config, run.train.latent_shape, captions, run.stored_scale, text_encoder, run.latent_classifier
+        config,
+        run.train.latent_shape,
+        captions,
+        run.stored_scale,
+        text_encoder,
+        run.latent_classifier,
+        run.train.bucket_shapes,
     )
     return TorchTrainer(
         train_loop_per_worker,

@@ -10,6 +10,7 @@ from sdtrain.config.coercion import ConfigTree, Section
 from sdtrain.config.schema import StorageConfig
 from sdtrain.config.secrets import refuse_userinfo
 from sdtrain.errors import ConfigError
+from sdtrain.preprocess.buckets import aspect_buckets
 
 
 @dataclass
@@ -60,13 +61,39 @@ class ImageConfig(Section):
     section: ClassVar[str] = "image"
 
     resolution: int = 256
-    """Output image side in pixels (a multiple of 8): the short side is resized to it, then the center is cropped."""
+    """Output image side in pixels (a multiple of 8), or with aspect buckets the side of the square of the buckets'
+    area."""
+    buckets: Literal["square", "aspect"] = "square"
+    """square: every image is resized (short side to image.resolution) and center-cropped to one square. aspect:
+    aspect-ratio buckets of about image.resolution² pixels each (sides multiples of image.bucket_step, ratios up to
+    image.max_aspect): each image goes to the one nearest its aspect ratio, resized to cover it and center-cropped
+    to it; its row records its bucket, its original size and the crop's top-left corner (docs/preprocessing.md)."""
+    bucket_step: int = 64
+    """aspect: every bucket side is a multiple of this many pixels (a multiple of 8: the VAE's and the UNet's
+    downsampling must divide the latents' sides; smaller for tiny test models)."""
+    max_aspect: float = 2.0
+    """aspect: the widest and the tallest bucket's ratio; an image beyond it is cropped to that bucket."""
     small_images: Literal["skip", "upscale"] = "skip"
-    """An image whose short side is below image.resolution: skip it (counted in the manifest) or upscale it."""
+    """An image smaller than its bucket (the square: its short side below image.resolution): skip it (counted in the
+    manifest) or upscale it."""
 
     def __post_init__(self):
         if self.resolution < 8 or self.resolution % 8:
             self._fail("resolution", f"must be a positive multiple of 8, got {self.resolution}")
+        if self.bucket_step < 8 or self.bucket_step % 8:
+            self._fail("bucket_step", f"must be a positive multiple of 8, got {self.bucket_step}")
+        if self.buckets == "aspect" and self.resolution % self.bucket_step:
+            self._fail(
+                "resolution", f"must be a multiple of image.bucket_step={self.bucket_step}, got {self.resolution}"
+            )
+        if not 1.0 <= self.max_aspect <= 8.0:
+            self._fail("max_aspect", f"must be in [1, 8], got {self.max_aspect}")
+
+    def shapes(self) -> list[tuple[int, int]]:
+        """The (height, width) buckets images go to, in pixels."""
+        if self.buckets == "square":
+            return [(self.resolution, self.resolution)]
+        return aspect_buckets(self.resolution, self.bucket_step, self.max_aspect)
 
 
 @dataclass

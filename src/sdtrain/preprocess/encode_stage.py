@@ -72,18 +72,43 @@ class Encoder:
         keep = np.flatnonzero(valid)
         latents = embeddings = ids = None
         if len(keep):
-            seeds = [row_seed(self.seed, str(batch["key"][i])) for i in keep] if self.latent == "sample" else None
-            latents = encode_images(self.vae, pixels[keep], self.latent, seeds).flatten(1).numpy()
             prompts = [str(captions[i]) for i in keep]
             if self.text_encoder is not None:
                 embeddings = encode_prompts(self.tokenizer, self.text_encoder, prompts).flatten(1).numpy()
             ids = tokenize(self.tokenizer, prompts).input_ids.numpy()
-        batch["latents"] = _scatter(latents, keep, n, self.latent_width, np.float16)
+        if isinstance(pixels, np.ndarray) and pixels.dtype != object:  # one shape: one pass of the VAE
+            if len(keep):
+                latents = self._latents(pixels[keep], keep, batch)
+            batch["latents"] = _scatter(latents, keep, n, self.latent_width, np.float16)
+        else:  # aspect-ratio buckets: Ray Data hands a batch of several shapes as an array of arrays
+            batch["latents"] = self._bucketed_latents(pixels, keep, batch, n)
         if self.captions != "token_ids":
             batch["embeddings"] = _scatter(embeddings, keep, n, self.embedding_width, np.float16)
         if self.captions != "embeddings":
             batch["token_ids"] = _scatter(ids, keep, n, self.ids_width, np.int32)
         return batch
+
+    def _latents(self, pixels: np.ndarray, rows: np.ndarray, batch: dict[str, np.ndarray]) -> np.ndarray:
+        """Flat latents of ``pixels`` (N, H, W, 3), the batch's ``rows``."""
+        seeds = [row_seed(self.seed, str(batch["key"][i])) for i in rows] if self.latent == "sample" else None
+        return encode_images(self.vae, pixels, self.latent, seeds).flatten(1).numpy()
+
+    def _bucketed_latents(
+        self, pixels: np.ndarray, keep: np.ndarray, batch: dict[str, np.ndarray], n: int
+    ) -> np.ndarray:
+        """Each row's flat latents, of its own bucket's size, as an array of arrays: the rows of each shape through
+        the VAE together."""
+        out = np.empty(n, dtype=object)
+        for i in range(n):
+            out[i] = np.zeros(0, np.float16)  # rows that carry only a shard's counts
+        shapes: dict[tuple[int, ...], list[int]] = {}
+        for i in keep.tolist():
+            shapes.setdefault(tuple(np.asarray(pixels[i]).shape), []).append(i)
+        for rows in shapes.values():
+            stacked = np.stack([np.asarray(pixels[i]) for i in rows])
+            for i, latent in zip(rows, self._latents(stacked, np.asarray(rows), batch), strict=True):
+                out[i] = latent.astype(np.float16)
+        return out
 
 
 def _scatter(values: np.ndarray | None, rows: np.ndarray, n: int, width: int, dtype: type) -> np.ndarray:

@@ -1,5 +1,6 @@
-"""The CPU stage: encoded image bytes to a square RGB array of the output resolution, or the reason
-the image is skipped. Never raises on bad input: every failure becomes a counted skip reason."""
+"""The CPU stage: encoded image bytes to an RGB array of its bucket's shape (sdtrain.preprocess.buckets: a square of
+the output resolution, or the aspect-ratio bucket nearest the image's), with where it went, or the reason the image
+is skipped. Never raises on bad input: every failure becomes a counted skip reason."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import warnings
 from typing import Literal
 
 import numpy as np
+
+from sdtrain.preprocess.buckets import Placement, place
 
 # Skip reasons, as counted in the manifest.
 UNDECODABLE = "undecodable_image"
@@ -18,14 +21,15 @@ NO_IMAGE = "missing_image"
 
 
 def prepare_image(
-    data: bytes | None, resolution: int, small_images: Literal["skip", "upscale"]
-) -> tuple[np.ndarray | None, str | None]:
-    """(H x W x 3 uint8 array of side ``resolution``, None) or (None, skip reason).
+    data: bytes | None, buckets: list[tuple[int, int]], small_images: Literal["skip", "upscale"]
+) -> tuple[np.ndarray | None, Placement | str]:
+    """(H x W x 3 uint8 array of its bucket's shape, where it went) or (None, skip reason).
 
     Args:
         data: the encoded image file (JPEG, PNG, WebP, ...).
-        resolution: the output side; the short side is resized to it and the center cropped.
-        small_images: what to do when the short side is below ``resolution``.
+        buckets: the (height, width) shapes an image may become (one square for image.buckets: square); the image
+            goes to the one of its aspect ratio, resized to cover it and center-cropped.
+        small_images: what to do when covering its bucket takes enlarging the image.
     """
     from PIL import Image, ImageOps
 
@@ -41,9 +45,10 @@ def prepare_image(
         return None, UNDECODABLE
     if image.width == 0 or image.height == 0:
         return None, EMPTY_IMAGE
-    if min(image.size) < resolution and small_images == "skip":
+    placement, resized = place(image.height, image.width, buckets)
+    if placement.upscaled and small_images == "skip":
         return None, TOO_SMALL
-    return center_crop(to_rgb(image), resolution), None
+    return crop(to_rgb(image), resized, buckets[placement.bucket], placement.crop_top_left), placement
 
 
 def to_rgb(image):
@@ -64,15 +69,13 @@ def to_rgb(image):
     return image.convert("RGB")
 
 
-def center_crop(image, resolution: int) -> np.ndarray:
-    """Resize the short side to ``resolution`` (bicubic, antialiased) and crop the center square."""
+def crop(image, resized: tuple[int, int], bucket: tuple[int, int], top_left: tuple[int, int]) -> np.ndarray:
+    """Resize to ``resized`` (height, width; bicubic, antialiased) and crop ``bucket`` at ``top_left``."""
     from PIL import Image
 
-    scale = resolution / min(image.size)
-    size = (max(resolution, round(image.width * scale)), max(resolution, round(image.height * scale)))
-    image = image.resize(size, Image.Resampling.BICUBIC, reducing_gap=None)
-    left, top = (size[0] - resolution) // 2, (size[1] - resolution) // 2
-    return np.asarray(image.crop((left, top, left + resolution, top + resolution)), dtype=np.uint8)
+    image = image.resize((resized[1], resized[0]), Image.Resampling.BICUBIC, reducing_gap=None)
+    top, left = top_left
+    return np.asarray(image.crop((left, top, left + bucket[1], top + bucket[0])), dtype=np.uint8)
 
 
 def clean_caption(caption: object) -> str | None:

@@ -26,6 +26,7 @@ from sdtrain.config.learning import Columns
 from sdtrain.data.directory_index import write_directory_index
 from sdtrain.data.listing import DIRECTORY_INDEX
 from sdtrain.data.metadata import (
+    BUCKET_SHAPES,
     LATENT,
     LATENT_SCALING_FACTOR,
     RESOLUTION,
@@ -35,10 +36,12 @@ from sdtrain.data.metadata import (
 )
 from sdtrain.errors import DataError
 from sdtrain.logs import log
+from sdtrain.preprocess.buckets import Placement
 from sdtrain.preprocess.config import ImageConfig, InputConfig, PreprocessConfig
 from sdtrain.preprocess.images import NO_CAPTION, clean_caption, prepare_image
 from sdtrain.preprocess.outputs import (
     MANIFEST_FILE,
+    PLACEMENT_COLUMNS,
     RESUME_KEYS,
     check_settings,
     join,
@@ -85,12 +88,13 @@ def run_preprocess(config: PreprocessConfig, max_shards: int | None = None) -> P
     check_settings(config.output.path, {k: settings[k.split(".")[0]][k.split(".")[1]] for k in RESUME_KEYS})
     check_sources(config.output.path, shards, done)
     settle_shards(config.output.path, done, shard_prefix(config.input))
-    scaling_factor = _scaling_factor(config.encode.model)
+    scaling_factor, latent_channels, downsampling = _vae_geometry(config.encode.model)
     vocab_size = _write_unconditional(config)
     if pending:
         if not ray.is_initialized():
             ray.init()  # a submitted job's cluster, RAY_ADDRESS, the one `ray start` runs here, else a new one
-        _run_pipeline(config, pending, scaling_factor, vocab_size, summary)
+        latent_shapes = [[latent_channels, h // downsampling, w // downsampling] for h, w in config.image.shapes()]
+        _run_pipeline(config, pending, scaling_factor, vocab_size, latent_shapes, summary)
     stats = read_shard_stats(config.output.path)
     summary.manifest = {
         **summarize(stats),
@@ -118,7 +122,8 @@ def run_preprocess(config: PreprocessConfig, max_shards: int | None = None) -> P
                     if config.output.captions == "token_ids"
                     else config.output.caption_column,
                 ),
-                rows,
+                # Bucketed output: its files' runs from their footers (or the index already there), not the records.
+                rows if config.image.buckets == "square" else None,
                 written[0] if written else None,
             )
         except DataError as e:  # the shards are done whatever the index: training reads their footers instead
@@ -170,13 +175,15 @@ def with_absolute_paths(config: PreprocessConfig) -> PreprocessConfig:
     )
 
 
-def _scaling_factor(model: str) -> float:
+def _vae_geometry(model: str) -> tuple[float, int, int]:
+    """The VAE's scaling factor, latent channels and downsampling (pixels to a latent's side), from its config."""
     from diffusers import AutoencoderKL
 
     from sdtrain.model.encoders import local_model
 
     config = AutoencoderKL.load_config(local_model(model, "vae"), subfolder="vae")
-    return float(config.get("scaling_factor", 0.18215))
+    downsampling = 2 ** (len(config.get("block_out_channels", [0] * 4)) - 1)
+    return float(config.get("scaling_factor", 0.18215)), int(config.get("latent_channels", 4)), downsampling
 
 
 def _write_unconditional(config: PreprocessConfig) -> int:
@@ -209,10 +216,17 @@ def _exists(uri: str) -> bool:
 
 
 def _run_pipeline(
-    config: PreprocessConfig, pending: list[Shard], scaling_factor: float, vocab_size: int, summary: PreprocessSummary
+    config: PreprocessConfig,
+    pending: list[Shard],
+    scaling_factor: float,
+    vocab_size: int,
+    latent_shapes: list[list[int]],
+    summary: PreprocessSummary,
 ):
     """Runs Ray Data's pipeline over the pending shards, writing each shard's file once its last row is in."""
     columns, metadata = _output_columns(config, scaling_factor, vocab_size)
+    if config.image.buckets == "aspect":
+        metadata[BUCKET_SHAPES] = json.dumps(latent_shapes)
     gathering: dict[str, dict[str, Any]] = {s.name: {"rows": [], "stats": None} for s in pending}
     for batch in _pipeline(config, pending).iter_batches(batch_size=None, batch_format="numpy"):
         for name in _gather(batch, gathering, columns):
@@ -299,6 +313,7 @@ def _gather(batch: dict[str, np.ndarray], gathering: dict[str, dict[str, Any]], 
                     "key": str(batch["key"][i]),
                     "caption": str(batch["caption_text"][i]),
                     **{value: batch[value][i] for value in columns},
+                    **{name: int(batch[name][i]) for name in PLACEMENT_COLUMNS},
                 }
             )
         else:
@@ -312,6 +327,7 @@ class _Prepare:
 
     def __init__(self, shards: list[Shard], input_config: InputConfig, image_config: ImageConfig, s3: S3Settings):
         self.shards, self.input, self.image, self.s3 = shards, input_config, image_config, s3
+        self.buckets = image_config.shapes()
 
     def __call__(self, row: dict[str, Any]) -> Iterator[dict[str, Any]]:
         apply_s3_settings(self.s3)
@@ -331,28 +347,29 @@ class _Prepare:
                 number = stats["inputs_read"]
                 stats["inputs_read"] += 1
                 caption = clean_caption(row.caption)
-                pixels, reason = (
-                    (None, row.skip)
-                    if row.skip
-                    else prepare_image(row.image, self.image.resolution, self.image.small_images)
+                pixels, placed = (
+                    (None, row.skip) if row.skip else prepare_image(row.image, self.buckets, self.image.small_images)
                 )
-                if reason is None and caption is None:
-                    reason = NO_CAPTION
+                reason = placed if isinstance(placed, str) else (NO_CAPTION if caption is None else None)
                 if reason is not None:
                     skipped[reason] = skipped.get(reason, 0) + 1
                     continue
-                assert pixels is not None and caption is not None
+                assert pixels is not None and caption is not None and isinstance(placed, Placement)
                 stats["rows_written"] += 1
-                yield _row(shard, number, row.key, pixels, caption, True, "")
+                yield _row(shard, number, row.key, pixels, caption, placed, "")
         except Exception as e:  # an unreadable file (truncated tar, vanished object): the shard fails, not the job
             stats["error"] = f"{type(e).__name__}: {e}"
         stats["skipped"] = dict(sorted(skipped.items()))
-        resolution = self.image.resolution
-        empty = np.zeros((resolution, resolution, 3), np.uint8)  # every row's pixels have one shape
-        yield _row(shard, -1, "", empty, "", False, json.dumps(stats))
+        height, width = self.buckets[0]
+        empty = np.zeros((height, width, 3), np.uint8)
+        yield _row(shard, -1, "", empty, "", None, json.dumps(stats))
 
 
-def _row(shard: Shard, index: int, key: str, pixels: Any, caption: str, valid: bool, stats: str) -> dict[str, Any]:
+def _row(
+    shard: Shard, index: int, key: str, pixels: Any, caption: str, placed: Placement | None, stats: str
+) -> dict[str, Any]:
+    """A prepared row (``placed``: where its image went), or with none the shard's counts (``stats``)."""
+    placed = placed or Placement(0, (0, 0), (0, 0), False)
     return {
         "shard": shard.name,
         "index": index,
@@ -360,6 +377,11 @@ def _row(shard: Shard, index: int, key: str, pixels: Any, caption: str, valid: b
         "pixels": pixels,
         "caption": caption,
         "caption_text": caption,
-        "valid": valid,
+        "valid": bool(not stats),
         "stats": stats,
+        "bucket": placed.bucket,
+        "original_height": placed.original_size[0],
+        "original_width": placed.original_size[1],
+        "crop_top": placed.crop_top_left[0],
+        "crop_left": placed.crop_top_left[1],
     }

@@ -36,6 +36,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+from sdtrain.data.metadata import BUCKET_RUNS, BUCKET_SHAPES
 from sdtrain.errors import ConfigError
 from sdtrain.storage.filesystems import delete_file, filesystem_for, move_file, write_bytes
 from sdtrain.storage.uris import is_uri
@@ -61,6 +62,9 @@ RESUME_KEYS = (
     "output.caption_column",
     "output.captions",
     "output.token_id_column",
+    "image.buckets",
+    "image.bucket_step",
+    "image.max_aspect",
 )
 
 
@@ -93,27 +97,41 @@ def check_settings(output: str, settings: dict[str, Any]) -> None:
 
 def shard_table(rows: list[dict[str, Any]], columns: dict[str, str], metadata: dict[str, str]) -> pa.Table:
     """The rows of one shard as a table: flat lists (the layout training reads without conversion), float16 for
-    latents and embeddings, int32 for token ids.
+    latents and embeddings, int32 for token ids; each row's bucket, original size and crop. Bucketed output
+    (metadata BUCKET_SHAPES) has its rows sorted by bucket, one run each, and names its runs (BUCKET_RUNS).
 
     Args:
         columns: each row's value to store (latents, embeddings, token_ids) and the column it goes to.
     """
+    metadata = dict(metadata)
+    if BUCKET_SHAPES in metadata:  # stable: within a bucket, the input's order
+        rows = sorted(rows, key=lambda r: int(r["bucket"]))
+        counts = np.bincount([int(r["bucket"]) for r in rows], minlength=len(json.loads(metadata[BUCKET_SHAPES])))
+        metadata[BUCKET_RUNS] = json.dumps([[b, int(n)] for b, n in enumerate(counts) if n])
     types = {"latents": pa.float16(), "embeddings": pa.float16(), "token_ids": pa.int32()}
     fields, arrays = [], []
     for value, column in columns.items():
-        dtype = types[value].to_pandas_dtype()
-        stacked = np.stack([r[value] for r in rows]).astype(dtype) if rows else np.zeros((0, 0), dtype)
         fields.append((column, pa.list_(types[value])))
-        arrays.append(_flat_lists(stacked, types[value]))
+        arrays.append(_flat_lists([np.asarray(r[value]).reshape(-1) for r in rows], types[value]))
+    for name in PLACEMENT_COLUMNS:  # rows made outside the pipeline (tests, benchmarks) may not say: one square
+        fields.append((name, pa.int32()))
+        arrays.append(pa.array([int(r.get(name, 0)) for r in rows], pa.int32()))
     fields += [("caption", pa.string()), ("key", pa.string())]
     arrays += [pa.array([r["caption"] for r in rows], pa.string()), pa.array([r["key"] for r in rows], pa.string())]
     return pa.table(arrays, schema=pa.schema(fields, metadata=metadata))
 
 
-def _flat_lists(values: np.ndarray, value_type: pa.DataType) -> pa.Array:
-    width = values.shape[1] if values.ndim == 2 else 0
-    offsets = np.arange(len(values) + 1, dtype=np.int32) * width
-    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values.reshape(-1), value_type))
+PLACEMENT_COLUMNS = ("bucket", "original_height", "original_width", "crop_top", "crop_left")
+"""Where each image went (sdtrain.preprocess.buckets.Placement): its bucket, its size before resizing, the top-left
+corner of its crop in the resized image (what SDXL's micro-conditioning reads)."""
+
+
+def _flat_lists(values: list[np.ndarray], value_type: pa.DataType) -> pa.Array:
+    """One list a row, of each row's own length (a bucket's latents are of its shape)."""
+    lengths = np.array([len(v) for v in values], np.int64)
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    flat = np.concatenate(values).astype(value_type.to_pandas_dtype()) if values else np.zeros(0)
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat, value_type))
 
 
 def parquet_bytes(table: pa.Table, row_group_rows: int) -> bytes:

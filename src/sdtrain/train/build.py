@@ -91,6 +91,7 @@ def checkpoint_meta(
     latent_scaling_factor: float | None = None,
     text_encoder: str | None = None,
     latent_classifier: str | None = None,
+    bucket_shapes: Sequence[Sequence[int]] | None = None,
 ) -> CheckpointMeta:
     """The metadata every checkpoint of a run of ``config`` stores.
 
@@ -100,6 +101,7 @@ def checkpoint_meta(
         latent_scaling_factor: the factor the stored latents already carry (parquet metadata), if known.
         text_encoder: for data of token ids, the text encoder they name (the workers encode them with it).
         latent_classifier: the module the data names as the reader of its latents, if any.
+        bucket_shapes: aspect-ratio buckets: each bucket's latent shape.
     """
     return CheckpointMeta(
         sdtrain_version=__version__,
@@ -112,6 +114,7 @@ def checkpoint_meta(
         config=config.to_dict(),
         text_encoder=text_encoder,
         latent_classifier=latent_classifier,
+        bucket_shapes=[list(shape) for shape in bucket_shapes] if bucket_shapes else None,
     )
 
 

@@ -155,10 +155,11 @@ def apply_options(module, train: TrainConfig, mesh: torch.distributed.device_mes
             # The EMA only validates and samples: gathered in float32, so validation does not depend on the policy.
             shard_unet(ema, mesh)
     if train.compile:
-        compile_unet(module.unet, sharded=mesh is not None)
+        buckets = module.checkpoint_meta.bucket_shapes
+        compile_unet(module.unet, sharded=mesh is not None, shapes=len(buckets) if buckets else 1)
 
 
-def compile_unet(unet: torch.nn.Module, sharded: bool) -> None:
+def compile_unet(unet: torch.nn.Module, sharded: bool, shapes: int = 1) -> None:
     """torch.compile with ``fullgraph=True`` (a graph break is an error, not a silent slow path), in place, so
     parameter names, and so checkpoints, stay those of the UNet.
 
@@ -168,17 +169,23 @@ def compile_unet(unet: torch.nn.Module, sharded: bool) -> None:
     break its graph at every unit; compiling the forward leaves the hooks outside the graphs. The root unit's own
     few layers (conv in and out, the timestep embedding, the down- and upsamplers) run eager.
 
+    Aspect-ratio buckets (``shapes`` latent shapes) compile one graph per shape, static: dynamo's cache keeps an entry
+    per code object and input shape, so its limit is raised to hold them all (past it, dynamo would run eager).
+
     Args:
         unet: the UNet, sharded (:func:`shard_unet`) when ``sharded``.
         sharded: under FSDP.
+        shapes: the latent shapes the run trains on (its buckets).
     """
     if not sharded:
-        unet.compile(fullgraph=True)
+        if shapes > 1:
+            torch_private.raise_recompile_limit(shapes + 8)
+        unet.compile(fullgraph=True, dynamic=False if shapes > 1 else None)
         return
     units = fsdp_units(unet)
     # The units of one class share their forward's code, and dynamo's cache is per code object: one entry per
     # distinct input shape (static shapes: dynamic ones make inductor's CPU backend fail on the symbolic sizes).
-    torch_private.raise_recompile_limit(len(units) + 8)
+    torch_private.raise_recompile_limit(len(units) * shapes + 8)
     for block in units:
         # An instance attribute: nn.Module.__call__ runs the FSDP hooks, then this compiled forward.
         block.forward = torch.compile(block.forward, fullgraph=True, dynamic=False)

@@ -8,6 +8,7 @@ import logging
 import os
 import posixpath
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,7 +21,7 @@ from ray.train.lightning import RayDDPStrategy, prepare_trainer
 
 from sdtrain.config.schema import BatchLayout, Config
 from sdtrain.data.position import DataPosition
-from sdtrain.data.read_order import DataState, SamplePlan
+from sdtrain.data.read_order import DataState, ReadPlan
 from sdtrain.model.recipe import load_unconditional_caption
 from sdtrain.private import ray as ray_private
 from sdtrain.storage.run_layout import CHECKPOINT_FILE, HISTORY_FILE
@@ -53,7 +54,7 @@ class StartPoint:
     """The restored checkpoint file, for Lightning to resume from; None for a fresh run."""
 
     @classmethod
-    def from_directory(cls, directory: str, plan: SamplePlan, on_change: str) -> StartPoint:
+    def from_directory(cls, directory: str, plan: ReadPlan, on_change: str) -> StartPoint:
         """The restored checkpoint in ``directory``, its data position checked against ``plan``."""
         with open(os.path.join(directory, HISTORY_FILE)) as f:
             history = json.load(f)
@@ -67,7 +68,7 @@ class WorkerRun:
     """What a worker needs besides the module and its data stream to fit."""
 
     config: Config
-    plan: SamplePlan
+    plan: ReadPlan
     layout: BatchLayout
     start: StartPoint
     launched_at: float
@@ -130,7 +131,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         restored_directory(checkpoint, scratch) if checkpoint is not None else contextlib.nullcontext((None, False))
     )
     with restored as (directory, is_copy):
-        plan: SamplePlan = loop_config["plan"]
+        plan: ReadPlan = loop_config["plan"]
         start = (
             StartPoint()
             if directory is None
@@ -169,7 +170,8 @@ def _fit(
     watchdog = run.watchdog
     enter = watchdog.enter if watchdog is not None else (lambda phase: None)
     cadence = ReportCadence(config)
-    validation = _validation(config, layout, cadence, enter) if config.data.val else None
+    bucketed = bool(_buckets(module))
+    validation = _validation(config, layout, cadence, enter, bucketed) if config.data.val else None
     checkpoints = CheckpointWriter(
         data_position=lambda step: plan.advance(start.data, layout.world_size, layout.rows_per_step, step - start.step),
         plan_fingerprint=plan.fingerprint(),
@@ -203,14 +205,27 @@ def _fit(
     trainer.fit(module, train_dataloaders=train_batches, ckpt_path=start.ckpt_path, weights_only=True)
 
 
-def _validation(config: Config, layout: BatchLayout, cadence: ReportCadence, enter) -> Validation:
+def _buckets(module: Any) -> list | None:
+    """The bucket shapes the run trains on (the DiffusionModule's checkpoint metadata), None for one shape."""
+    return module.checkpoint_meta.bucket_shapes
+
+
+def _validation(config: Config, layout: BatchLayout, cadence: ReportCadence, enter, bucketed: bool) -> Validation:
     """The validation loss on data.val, read through this rank's shard of it and held in memory while it fits."""
     val_shard = ray.train.get_dataset_shard("val")
-    # On the CPU: validation_sums moves only the rows this rank scores to the device.
-    val_batches = HeldValBatches(
-        lambda: val_shard.iter_torch_batches(batch_size=layout.micro_batch, device="cpu"),
-        limit_bytes=int(config.data.val_memory_gb * 1e9),
-    )
+    micro = layout.micro_batch
+
+    def read() -> Iterator[dict[str, torch.Tensor]]:
+        # On the CPU: validation_sums moves only the rows this rank scores to the device. Bucketed data comes a block
+        # of one bucket at a time, split here: Ray Data's batching would join the end of one bucket to the next.
+        if not bucketed:
+            yield from val_shard.iter_torch_batches(batch_size=micro, device="cpu")
+            return
+        for block in val_shard.iter_torch_batches(batch_size=None, device="cpu"):
+            for start in range(0, len(block["latents"]), micro):
+                yield {name: values[start : start + micro] for name, values in block.items()}
+
+    val_batches = HeldValBatches(read, limit_bytes=int(config.data.val_memory_gb * 1e9))
     return Validation(cadence, val_batches, config.train.seed, enter)
 
 

@@ -1,0 +1,185 @@
+"""Aspect-ratio buckets end to end: the buckets and where an image goes (pure), bucketed files as preprocessing writes
+them checked, indexed and read back one bucket a block, a real Ray run stopped mid-epoch and resumed on another number
+of workers reading exactly the global steps the plan names, and a compiled UNet over three buckets."""
+
+import json
+
+import numpy as np
+import pytest
+from conftest import tiny_config
+
+from sdtrain.config.learning import Columns
+from sdtrain.data.bucket_order import BucketPlan
+from sdtrain.data.dataset_index import index_dataset
+from sdtrain.data.index_format import read_index, run_index_uri
+from sdtrain.data.metadata import BUCKET_SHAPES
+from sdtrain.data.read_order import DataState
+from sdtrain.data.rows import RowReader
+from sdtrain.errors import DataError
+from sdtrain.preprocess.buckets import aspect_buckets, place
+from sdtrain.preprocess.outputs import parquet_bytes, shard_table
+
+COLUMNS = Columns("image_latents_256", "caption_latents")
+SHAPES = [[4, 16, 16], [4, 12, 20], [4, 20, 12]]  # the tiny UNet halves a side once: every side even
+
+
+def test_buckets_are_about_the_area_in_multiples_of_the_step_and_an_image_goes_to_its_ratio():
+    for resolution, step in ((1024, 64), (512, 64), (256, 32), (32, 8)):
+        buckets = aspect_buckets(resolution, step, 2.0)
+        assert (resolution, resolution) in buckets and len(buckets) >= 3
+        assert all(h % step == 0 and w % step == 0 for h, w in buckets)
+        assert all(0.9 * resolution**2 <= h * w <= resolution**2 for h, w in buckets)
+        assert all(max(h, w) / min(h, w) <= 2.0 for h, w in buckets)
+        assert sorted(buckets) == sorted((w, h) for h, w in buckets)  # every bucket's transpose too
+    buckets = aspect_buckets(1024, 64, 2.0)
+    assert len(buckets) == 11 and buckets[0] == (1408, 704) and buckets[-1] == (704, 1408)
+    tall, resized = place(3000, 1000, buckets)  # 3:1, past max_aspect: the tallest bucket, cropped to it
+    assert tall.bucket == 0 and resized == (2112, 704) and tall.crop_top_left == (352, 0) and not tall.upscaled
+    square, _ = place(800, 800, buckets)
+    assert buckets[square.bucket] == (1024, 1024) and square.upscaled and square.original_size == (800, 800)
+    wide, _ = place(900, 1600, buckets)  # 16:9: the bucket nearest in log ratio
+    assert buckets[wide.bucket] == (768, 1344)
+
+
+def _bucketed(directory, files=((0, 14), (1, 9), (2, 7)), seed=0):
+    """Parquet files as preprocessing writes bucketed output (its shard_table): rows sorted by bucket, each bucket's
+    latents of its shape, the buckets and each file's runs in the schema metadata. ``files``: a file's rows by
+    bucket, the n-th file's buckets rotated by n."""
+    rng = np.random.default_rng(seed)
+    directory.mkdir(parents=True, exist_ok=True)
+    metadata = {BUCKET_SHAPES: json.dumps(SHAPES), "sdtrain.latent_scaling_factor": "1.0"}
+    for n in range(3):
+        rows = []
+        for bucket, count in files[n:] + files[:n]:
+            for _ in range(count):
+                latents = rng.standard_normal(SHAPES[bucket]).astype(np.float16)
+                rows.append({"latents": latents, "embeddings": rng.standard_normal((8, 32)), "bucket": bucket})
+        for i, row in enumerate(rows):
+            row |= {"caption": f"row {i}", "key": f"{n}-{i}"}
+        rng.shuffle(rows)  # the writer sorts them by bucket
+        table = shard_table(rows, {"latents": COLUMNS.latent, "embeddings": COLUMNS.caption}, metadata)
+        (directory / f"part-{n}.parquet").write_bytes(parquet_bytes(table, 8))
+
+
+def test_bucketed_files_are_checked_indexed_and_read_back_a_bucket_at_a_time(tmp_path):
+    _bucketed(tmp_path / "data")
+    run_index = run_index_uri(str(tmp_path / "run"), "data.train")
+    first = index_dataset([str(tmp_path / "data")], "data.train", COLUMNS, 4, 32, run_index)
+    spec = first.spec
+    assert spec.bucket_shapes == tuple(tuple(s) for s in SHAPES) and spec.num_rows == 90
+    assert spec.latent_shape == (4, 16, 16) and spec.largest_latent_shape == (4, 16, 16)
+    by_bucket = np.bincount(spec.runs[:, 1], spec.runs[:, 2])
+    assert by_bucket.tolist() == [42, 27, 21] and len(spec.runs) == 9  # a run a bucket a file
+    # The run's index records the runs: a restart reads no footer and has them all.
+    from sdtrain.data.index_format import write_index
+
+    write_index(run_index, first.index)
+    again = index_dataset([str(tmp_path / "data")], "data.train", COLUMNS, 4, 32, run_index)
+    assert again.stats.footers_read == 0 and np.array_equal(again.spec.runs, spec.runs)
+    assert read_index(run_index).runs is not None
+    # Read in file order, a batch is one bucket's rows at its shape, whatever the batch size asked.
+    reader = RowReader.of(spec, COLUMNS)
+    shapes = [batch.latents.shape[1:] for batch in reader.batches(spec.files, "data.val", batch_size=8)]
+    assert set(shapes) == {tuple(s) for s in SHAPES} and sum(1 for _ in shapes) >= 9
+
+
+def test_a_bucket_the_unet_cannot_take_is_refused_before_ray_naming_the_file_and_bucket(tmp_path):
+    from sdtrain.driver.data_check import check_data
+
+    _bucketed(tmp_path / "data")
+    config = tiny_config(f"data.train={tmp_path}/data", tmp_path=tmp_path, batch=8)
+    assert check_data(config, str(tmp_path / "run"))[0].spec.bucket_shapes is not None
+    odd = tmp_path / "odd"
+    SHAPES.append([4, 15, 16])
+    try:
+        _bucketed(odd, files=((0, 14), (1, 9), (3, 7)))
+    finally:
+        SHAPES.pop()
+    config = tiny_config(f"data.train={odd}", tmp_path=tmp_path, batch=8, name="odd")
+    with pytest.raises(DataError, match=r"data.train: .*part-0.parquet: bucket 3 holds latents of 15 x 16, which"):
+        check_data(config, str(tmp_path / "run-odd"))
+
+
+def _plan(spec, global_batch=8):
+    return BucketPlan(spec.rows_per_file, spec.runs, spec.bucket_shapes, 0, 5, global_batch, 12)
+
+
+@pytest.mark.slow  # two Ray Train runs
+@pytest.mark.timeout(900)
+def test_a_bucketed_run_resumed_on_another_number_of_workers_reads_the_uninterrupted_runs_steps(ray_cluster, tmp_path):
+    """90 rows in three buckets, 8 a step: an epoch is 5 + 3 + 2 = 10 steps, the buckets' remainders carried into
+    the next. Stopped at step 5 on 2 workers (micro-batches of 2, accumulating 2), resumed to 13 on 1 (accumulating
+    4): every step's rows are the ones the plan names for an uninterrupted run, each step one bucket's."""
+    from conftest import rows_by_step
+    from test_train_ray import _checkpoints
+
+    from sdtrain.driver.run import train
+    from sdtrain.storage.run_layout import SAMPLES_FILE
+
+    _bucketed(tmp_path / "train")
+
+    def config(steps, workers):
+        return tiny_config(
+            f"data.train={tmp_path}/train",
+            "train.micro_batch_size=2",
+            "data.shuffle_chunk_rows=5",
+            "data.shuffle_window_rows=12",
+            "checkpoint.every_n_steps=5",
+            "run.log_every_n_steps=5",
+            "checkpoint.num_to_keep=null",
+            "checkpoint.record_rows=true",
+            tmp_path=tmp_path,
+            name="buckets",
+            steps=steps,
+            batch=8,
+            workers=workers,
+        )
+
+    train(config(5, 2))
+    summary = train(config(13, 1))
+    assert summary.final_step == 13
+    run_dir = tmp_path / "runs" / "buckets"
+    recorded = [np.load(run_dir / name / SAMPLES_FILE) for name in _checkpoints(run_dir)]
+    steps = rows_by_step(recorded, global_batch=8)
+    spec = index_dataset([str(tmp_path / "train")], "data.train", COLUMNS, 4, 32).spec
+    plan = _plan(spec)
+    assert plan.steps_in_epoch(0) == 10
+    expected = []
+    for stretch in plan.rank_stretches(DataState(), 1, 8, 13)[0]:
+        expected += [plan.sample_indices(w) for w in plan.windows(stretch)]
+    expected = [block for w in expected for block in np.split(w, len(w) // 8)]
+    assert len(steps) == 13
+    for got, want in zip(steps, expected, strict=True):
+        np.testing.assert_array_equal(got, want)
+    bucket_of = np.repeat(spec.runs[:, 1], spec.runs[:, 2])  # rows of each file are its runs in order
+    assert all(len(set(bucket_of[step])) == 1 for step in steps)  # one bucket a step, so a micro-batch
+
+
+@pytest.mark.slow  # inductor's CPU backend compiles the tiny UNet's step once a bucket
+@pytest.mark.timeout(900)
+def test_a_compiled_unet_compiles_one_graph_a_bucket_and_nothing_after(tmp_path):
+    """Three buckets, six steps (each bucket twice): dynamo compiles one static graph per bucket shape in the first
+    three steps, breaks none, and compiles nothing after; the limit is raised to hold them (sdtrain.train.strategy)."""
+    import torch
+    from support.training import FIT
+    from test_options import Graphs
+    from torch._dynamo.utils import counters
+
+    from sdtrain.train.build import checkpoint_meta, fit_without_ray
+
+    cfg = tiny_config(*FIT, "train.compile=true", "train.max_steps=6")
+    meta = checkpoint_meta(cfg, SHAPES[0], (8, 32), bucket_shapes=SHAPES)
+    g = torch.Generator().manual_seed(0)
+    batches = [
+        {"latents": torch.randn(2, *SHAPES[i % 3], generator=g), "captions": torch.randn(2, 8, 32, generator=g)}
+        for i in range(6)
+    ]
+    counters.clear()
+    graphs = Graphs(batches[:1], validate_every=100)
+    module, trainer = fit_without_ray(
+        cfg, batches, meta, use_gpu=False, callbacks=[graphs], default_root_dir=str(tmp_path)
+    )
+    assert trainer.global_step == 6 and module.unet._compiled_call_impl is not None
+    assert [graphs.after[step][1] for step in range(1, 7)] == [0] * 6, "\n".join(counters["graph_break"])
+    compiled = [graphs.after[step][0] for step in range(1, 7)]
+    assert compiled[0] >= 1 and compiled[2] == 3 * compiled[0] and compiled[5] == compiled[2], compiled
