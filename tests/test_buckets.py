@@ -183,3 +183,81 @@ def test_a_compiled_unet_compiles_one_graph_a_bucket_and_nothing_after(tmp_path)
     assert [graphs.after[step][1] for step in range(1, 7)] == [0] * 6, "\n".join(counters["graph_break"])
     compiled = [graphs.after[step][0] for step in range(1, 7)]
     assert compiled[0] >= 1 and compiled[2] == 3 * compiled[0] and compiled[5] == compiled[2], compiled
+
+
+@pytest.mark.slow  # the preprocessing job on Ray Data
+@pytest.mark.timeout(600)
+def test_photographs_of_every_aspect_ratio_are_preprocessed_into_their_buckets_and_read_back(tmp_path, ray_cluster):
+    """scikit-learn's photographs cut to portrait, landscape and square, preprocessed with image.buckets: aspect
+    (32 px of area, sides multiples of 8: the tiny VAE halves them): each lands in the bucket of its ratio, with its
+    original size and crop; the files are sorted by bucket and name their runs; training's index and reader see the
+    buckets."""
+    import io
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from PIL import Image
+    from sklearn.datasets import load_sample_images
+    from support.tiny_models import write_tiny_sd_model
+
+    from sdtrain.config.loader import load_config
+    from sdtrain.data.metadata import BUCKET_RUNS
+    from sdtrain.preprocess.config import PreprocessConfig
+    from sdtrain.preprocess.job import run_preprocess
+
+    model = str(tmp_path / "model")
+    write_tiny_sd_model(model)
+    crops, captions, wanted = [], [], []
+    for name, image in zip(("china", "flower"), load_sample_images().images, strict=True):
+        height, width = image.shape[:2]  # 427 x 640
+        cuts = {"tall": (height, height // 2), "wide": (height // 2, width), "square": (300, 300)}
+        for shape, (h, w) in cuts.items():
+            buffer = io.BytesIO()
+            Image.fromarray(image[:h, :w]).save(buffer, "JPEG", quality=90)
+            crops.append(buffer.getvalue())
+            captions.append(f"a {shape} photograph of a {name}")
+            wanted.append((h, w))
+    (tmp_path / "input").mkdir()
+    pq.write_table(pa.table({"jpg": pa.array(crops, pa.binary()), "caption": captions}), tmp_path / "input/p.parquet")
+    config = load_config(
+        None,
+        [
+            f"input.paths={tmp_path}/input",
+            f"encode.model={model}",
+            f"output.path={tmp_path}/latents",
+            "image.resolution=32",
+            "image.buckets=aspect",
+            "image.bucket_step=8",
+            "input.rows_per_shard=4",
+            "encode.batch_size=4",
+        ],
+        PreprocessConfig,
+    )
+    buckets = config.image.shapes()
+    assert buckets == [(40, 24), (32, 32), (24, 40)]
+    summary = run_preprocess(config)
+    assert summary.manifest["rows_written"] == 6 and not summary.shards_failed
+    files = sorted(str(p) for p in (tmp_path / "latents").glob("[!_]*.parquet"))  # not the index beside them
+    table = pa.concat_tables(pq.read_table(f) for f in files)
+    by_caption = {row["caption"]: row for row in table.to_pylist()}
+    for caption, (h, w) in zip(captions, wanted, strict=True):
+        row = by_caption[caption]
+        placed, _ = place(h, w, buckets)
+        assert (row["bucket"], row["original_height"], row["original_width"]) == (placed.bucket, h, w), caption
+        assert (row["crop_top"], row["crop_left"]) == placed.crop_top_left
+        bucket_h, bucket_w = buckets[row["bucket"]]
+        assert len(row["image_latents_256"]) == 4 * (bucket_h // 2) * (bucket_w // 2)  # its bucket's latents
+    assert {row["bucket"] for row in by_caption.values()} == {0, 1, 2}  # tall, square and wide all present
+    for file in files:
+        parquet = pq.ParquetFile(file)
+        metadata = parquet.schema_arrow.metadata
+        assert json.loads(metadata[BUCKET_SHAPES.encode()]) == [[4, 20, 12], [4, 16, 16], [4, 12, 20]]
+        order = parquet.read(columns=["bucket"]).column("bucket").to_pylist()
+        assert order == sorted(order)  # sorted by bucket: one run each
+        runs = json.loads(metadata[BUCKET_RUNS.encode()])
+        assert [b for b, _ in runs] == sorted(set(order)) and sum(n for _, n in runs) == len(order)
+    indexed = index_dataset([str(tmp_path / "latents")], "data.train", COLUMNS, 4, 32)
+    assert indexed.stats.footers_read == 0  # the job's index records the runs too
+    assert indexed.spec.bucket_shapes == ((4, 20, 12), (4, 16, 16), (4, 12, 20))
+    shapes = {b.latents.shape[1:] for b in RowReader.of(indexed.spec, COLUMNS).batches(indexed.spec.files, "x")}
+    assert shapes == {(4, 20, 12), (4, 16, 16), (4, 12, 20)}
