@@ -76,7 +76,7 @@ def linear_memory(preset: str, resolution: int, gradient_checkpointing: bool) ->
 
 def memory_section() -> list[str]:
     lines = [
-        "## Memory of a rank",
+        "## Memory of a rank (predicted)",
         "",
         "Predicted peak GiB of one rank's training step (sdtrain.model.memory: weights, gradients and AdamW state",
         "counted, activations traced from the real UNet under CUDA autocast's rules), bf16-mixed, DDP, no EMA (EMA",

@@ -167,7 +167,7 @@ def _model_section() -> list[str]:
         "recalibrates it (`bench/gpu_session.sh`).",
         "",
         "| preset | px | parameters | GFLOP per image (3x forward) | counted TFLOP per image | GB moved per image,"
-        " eager | compiled | H100 eager time: matmul | conv | attention | memory-bound |",
+        " eager | compiled | predicted H100 eager time: matmul | conv | attention | memory-bound |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for preset in PRESETS:
@@ -210,7 +210,7 @@ def _time_shares(ops) -> dict[str, float]:
 
 def _throughput_section() -> list[str]:
     lines = [
-        "## Images/s per GPU",
+        "## Images/s per GPU (predicted)",
         "",
         "Predicted images/s of one GPU training one micro-batch an optimizer step (no communication: the jobs'",
         "below), eager and compiled, with MFU (model FLOPs by the 3x rule over the dense bf16 peak) on the H100.",
@@ -250,7 +250,7 @@ def _throughput_section() -> list[str]:
 def _jobs_section(repo: Path) -> list[str]:
     jobs = {name: read_job(str(repo / name)) for name in JOB_FILES}
     lines = [
-        "## The shipped jobs: communication against compute",
+        "## The shipped jobs: communication against compute (predicted)",
         "",
         f"Predicted by the per-op model, NCCL reaching {LINK_EFFICIENCY:.0%} of each link's rate. DDP all-reduces in",
         "the backward pass of an optimizer step's **last** micro-batch only (the others run under `no_sync`), a",
@@ -275,7 +275,7 @@ def _jobs_section(repo: Path) -> list[str]:
         f"{SD2_CONFIG} has no job file: its rows are one node of 8 GPUs, what its 8 workers are sized for.",
         "Eager is one key away: `train.compile=false` on the command line.",
         "",
-        "### Choosing job.yaml's batch",
+        "### Choosing job.yaml's batch (predicted)",
         "",
         "The micro-batch sets the window: on 25 Gbit/s nodes the all-reduce of 446 MB (bf16) takes 0.2-0.3 s, and",
         "one micro-batch of 32 has ~0.13 s of backward pass to hide it in. Compiled, on job.yaml's nodes, global",
