@@ -8,10 +8,14 @@ import json
 import os
 import platform
 import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+# tests/support: the fixtures benchmarks share with the tests (tiny models, a dataset checked from its footers).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 import numpy as np
 import psutil
@@ -102,8 +106,9 @@ def sdtrain_batches(
     pace for Ray Data's scheduling loop (sdtrain.data.pacing), for comparison.
 
     Returns (iterator of {"latents", "captions", ...} CPU tensor batches, the DataIterator for its stats)."""
+    from support.datasets import inspect_dataset
+
     from sdtrain.config.schema import DataConfig
-    from sdtrain.data.inspection import inspect_dataset
     from sdtrain.data.read_order import DataState, SamplePlan
     from sdtrain.data.streams import WindowReader, rank_dataset
 

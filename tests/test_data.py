@@ -5,10 +5,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from conftest import ENCODINGS, column, write_latents
+from support.datasets import inspect_dataset
 
 from sdtrain.config.learning import Columns
 from sdtrain.data.decode import to_array
-from sdtrain.data.inspection import inspect_dataset
 from sdtrain.data.metadata import LATENT_SCALING_FACTOR
 from sdtrain.data.parquet_files import resolve_parquet_files
 from sdtrain.data.rows import RowReader
@@ -250,8 +250,9 @@ def test_start_fresh_sets_the_old_run_aside_without_deleting_it(tmp_path):
 def test_a_window_reads_the_planned_rows_in_the_planned_order(tmp_path, done_steps, steps):
     """The read task (no Ray): rows come from the right files and row groups, in the plan's order,
     also for windows a resume or the last step cuts (10 rows a step, 12 a window)."""
+    from support.datasets import inspect_dataset
+
     from sdtrain.config.schema import DataConfig
-    from sdtrain.data.inspection import inspect_dataset
     from sdtrain.data.read_order import DataState, SamplePlan
     from sdtrain.data.streams import WindowReader
 

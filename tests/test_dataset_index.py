@@ -9,13 +9,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from conftest import write_latents
+from support.datasets import inspect_dataset
 
 from sdtrain.config.learning import Columns
 from sdtrain.config.schema import DataConfig
 from sdtrain.data.dataset_index import index_dataset
 from sdtrain.data.directory_index import write_directory_index
 from sdtrain.data.index_format import read_index, run_index_uri, write_index
-from sdtrain.data.inspection import inspect_dataset
 from sdtrain.data.listing import DIRECTORY_INDEX, list_dataset
 from sdtrain.data.metadata import LATENT_SCALING_FACTOR
 from sdtrain.errors import ConfigError, DataError

@@ -16,12 +16,12 @@ import torch
 from conftest import REPO
 from diffusers import AutoencoderKL, DDIMScheduler, DDPMScheduler, StableDiffusionPipeline, UNet2DConditionModel
 from PIL import Image
+from support.datasets import inspect_dataset
 
 from sdtrain.artifacts.checkpoint_format import CheckpointMeta
 from sdtrain.artifacts.export import export_checkpoint
 from sdtrain.artifacts.loading import load_model
 from sdtrain.config.schema import DataConfig, ModelConfig, TrainConfig
-from sdtrain.data.inspection import inspect_dataset
 from sdtrain.data.local_read import iter_local_batches
 from sdtrain.data.parquet_files import resolve_parquet_files
 from sdtrain.demo.digits import digits_from_latents, ensure_demo_data, load_digits, pseudo_latents

@@ -580,8 +580,9 @@ def _written(output: Path) -> dict[str, int]:
 
 @pytest.mark.slow
 def test_parquet_input_interrupted_and_resumed(tmp_path, tiny_model, ray_cluster, capfd):
+    from support.datasets import inspect_dataset
+
     from sdtrain.data.dataset_index import index_dataset
-    from sdtrain.data.inspection import inspect_dataset
     from sdtrain.preprocess.job import _pipeline, run_preprocess
     from sdtrain.preprocess.sources import list_shards
 
@@ -806,10 +807,10 @@ def test_inputs_model_and_output_on_s3_resumed_and_trained_on(tmp_path, tiny_mod
     Interrupted and re-run, no shard is written twice; training reads the latents and the captions' token ids from
     the bucket, and its worker encodes them with the text encoder it fetches from there."""
     import boto3
+    from support.datasets import inspect_dataset
 
     from sdtrain.artifacts.loading import load_model
     from sdtrain.config.loader import load_config
-    from sdtrain.data.inspection import inspect_dataset
     from sdtrain.data.parquet_files import resolve_parquet_files
     from sdtrain.driver.run import train
     from sdtrain.preprocess.job import run_preprocess

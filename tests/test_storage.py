@@ -16,9 +16,9 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 from conftest import REPO, tiny_config, write_latents
+from support.datasets import inspect_dataset
 
 from sdtrain.config.learning import Columns
-from sdtrain.data.inspection import inspect_dataset
 from sdtrain.data.parquet_files import resolve_parquet_files
 from sdtrain.driver.preflight import check_s3, preflight
 from sdtrain.errors import ConfigError, DataError

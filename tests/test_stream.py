@@ -14,10 +14,10 @@ import torch
 from conftest import corrupt_row_group, write_latents
 from ray.data import ExecutionResources
 from ray.data._internal.execution.execution_callback import ExecutionCallback
+from support.datasets import inspect_dataset
 
 from sdtrain.config.learning import Columns
 from sdtrain.config.schema import DataConfig
-from sdtrain.data.inspection import inspect_dataset
 from sdtrain.data.pacing import ROUND_S, PacedScheduling
 from sdtrain.data.read_order import DataState, SamplePlan
 from sdtrain.data.streams import WindowReader, file_order_dataset, rank_dataset
@@ -204,8 +204,8 @@ def test_a_token_id_past_the_vocabulary_read_by_a_ray_data_task_stops_the_run_na
     from conftest import column
 
     from sdtrain.controller.failures import StopOnDeterministicErrors
-    from sdtrain.driver.run import failure_message
     from sdtrain.data.metadata import TEXT_ENCODER_SOURCE, TOKEN_VOCAB_SIZE
+    from sdtrain.driver.run import failure_message
     from sdtrain.errors import DataError
 
     ids = np.random.default_rng(0).integers(0, 1000, (16, 77)).astype(np.int32)

@@ -11,13 +11,13 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from conftest import tiny_config
+from support.datasets import inspect_dataset
 from support.tiny_models import write_tiny_sd_model
 from support.training import FIT, Watch
 from torch.distributed.tensor import DTensor
 
 from sdtrain.artifacts.checkpoint_format import CHECKPOINT_META_KEY
 from sdtrain.config.learning import Columns
-from sdtrain.data.inspection import inspect_dataset
 from sdtrain.data.local_read import iter_local_batches
 from sdtrain.data.metadata import LATENT_SCALING_FACTOR, TEXT_ENCODER_SOURCE, TOKEN_VOCAB_SIZE, VAE_SOURCE
 from sdtrain.errors import DataError

@@ -25,7 +25,6 @@ from sdtrain.data.inspection import (
     CheckedSchema,
     DatasetSpec,
     check_same_layouts,
-    check_shapes,
     first_row,
     read_footers,
 )
@@ -38,6 +37,7 @@ from sdtrain.data.listing import (
     names_directory,
     strictly_increasing,
 )
+from sdtrain.data.shapes import check_shapes
 from sdtrain.errors import DataError
 from sdtrain.logs import log
 
