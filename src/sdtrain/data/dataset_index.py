@@ -138,14 +138,7 @@ def index_dataset(
     # The run's own index first (one GET); an index beside the data only for what it leaves unknown.
     to_read, reference = _rows_from_indexes(_candidates(listed), listing, rows, runs, to_read, key, columns)
     read_files = [listing.paths[i] for i in to_read]
-    read_runs: dict[int, list[tuple[int, int]]] = {}
-    read_rows, checked = read_footers_with_progress(
-        read_files, key, columns, reference.checked if reference is not None else None, read_runs
-    )
-    assert checked is not None  # a listing is never empty: list_dataset raises
-    rows[to_read] = read_rows
-    for k, file_runs in read_runs.items():
-        runs[to_read[k]] = pack_runs(file_runs)
+    read_rows, checked = _footers(read_files, to_read, key, columns, reference, rows, runs)
     if int(rows.sum()) == 0:
         raise DataError(f"{key}: the {len(listing)} parquet file(s) hold no rows (first: {listing.paths[0]})")
 
@@ -184,6 +177,28 @@ def index_dataset(
     if bucketed is not None:
         spec = bucketed_spec(spec, checked, bucketed)
     return IndexedDataset(spec, stats, index, _stale(own, index, stats))
+
+
+def _footers(
+    files: list[str],
+    positions: list[int],
+    key: str,
+    columns: Columns,
+    reference: DatasetIndex | None,
+    rows: np.ndarray,
+    runs: list[bytes | None],
+) -> tuple[list[int], CheckedSchema]:
+    """The footers of ``files`` (``positions`` of the listing) read into ``rows`` and ``runs``, checked against the
+    reference index's schema (else the first's); returns their rows and the schema the data was checked with."""
+    read_runs: dict[int, list[tuple[int, int]]] = {}
+    read_rows, checked = read_footers_with_progress(
+        files, key, columns, reference.checked if reference is not None else None, read_runs
+    )
+    assert checked is not None  # a listing is never empty: list_dataset raises
+    rows[positions] = read_rows
+    for k, file_runs in read_runs.items():
+        runs[positions[k]] = pack_runs(file_runs)
+    return read_rows, checked
 
 
 def _bucketed(key: str, checked: CheckedSchema, listing: Listing, runs: list[bytes | None]) -> np.ndarray | None:

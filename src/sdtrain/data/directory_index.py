@@ -14,7 +14,7 @@ import pyarrow as pa
 from sdtrain.config.learning import Columns
 from sdtrain.data.dataset_index import IndexStats, read_footers_with_progress
 from sdtrain.data.index_format import DatasetIndex, join_path, pack_runs, read_index, recorded_rows, write_index
-from sdtrain.data.inspection import first_row, read_footers
+from sdtrain.data.inspection import CheckedSchema, first_row, read_footers
 from sdtrain.data.listing import DIRECTORY_INDEX, Listing, list_dataset
 from sdtrain.errors import DataError
 from sdtrain.storage.uris import is_uri
@@ -46,11 +46,7 @@ def write_directory_index(
     runs: list[bytes | None] = [None] * len(listing)
     before = _previous_directory_index(listing, base, columns) if to_read else None
     if before is not None:
-        found, unknown = recorded_rows(before, listing, to_read)
-        for i, num_rows, j in found:
-            rows[i] = num_rows
-            if before.runs is not None:
-                runs[i] = before.runs[j]
+        unknown = _rows_of(before, listing, to_read, rows, runs)
         if len(unknown) == len(to_read):
             before = None  # nothing of it still stands: its schema is no reference for the new files either
         elif not unknown and _same_files(before, listing):
@@ -68,29 +64,56 @@ def write_directory_index(
     for k, file_runs in read_runs.items():
         runs[to_read[k]] = pack_runs(file_runs)
     sample_path = join_path(base, sample) if sample is not None else None
-    position = {path: i for i, path in enumerate(listing.paths)}.get(sample_path or "")
+    index = _new_index(
+        listing, rows, checked, columns, key, {p: i for i, p in enumerate(listing.paths)}.get(sample_path or "")
+    )
+    if index is None:
+        return None
+    index.runs = _known_runs(key, index.checked, listing, runs)
+    write_index(join_path(base, DIRECTORY_INDEX), index, base)
+    return IndexStats(len(listing), len(listing) - len(to_read), len(to_read), 0, 1, None)
+
+
+def _new_index(
+    listing: Listing, rows: np.ndarray, checked: CheckedSchema | None, columns: Columns, key: str, sample: int | None
+) -> DatasetIndex | None:
+    """The index of ``listing`` with ``rows``: the schema ``checked`` (None: read from ``sample``'s footer, or else
+    the first file's), the values per row from ``sample``'s first row, or else the first file with rows'."""
     if checked is None:  # every file's rows were known: one footer for the schema
-        first = position if position is not None else 0
+        first = sample if sample is not None else 0
         _, checked = read_footers(listing.paths[first : first + 1], key, columns)
         assert checked is not None
     with_rows = np.flatnonzero(rows)
     if len(with_rows) == 0:
         return None
-    file = listing.paths[position if position is not None and rows[position] else int(with_rows[0])]
+    file = listing.paths[sample if sample is not None and rows[sample] else int(with_rows[0])]
     row = first_row(file, key, checked.row_columns())
     image_layout, caption_layout = checked.layouts(key)
     latent_shape = image_layout.shape or (_values(row, columns.latent, key),)
     caption_shape = caption_layout.shape or (_values(row, columns.caption, key),)
-    index = DatasetIndex(listing.paths, listing.sizes, listing.versions, rows, checked, latent_shape, caption_shape)
-    if checked.buckets is not None:
-        missing = [listing.paths[i] for i, r in enumerate(runs) if r is None]
-        if missing:
-            raise DataError(
-                f"{key}: the bucket runs of {missing[0]} are not known: index bucketed data without known_rows"
-            )
-        index.runs = [r for r in runs if r is not None]
-    write_index(join_path(base, DIRECTORY_INDEX), index, base)
-    return IndexStats(len(listing), len(listing) - len(to_read), len(to_read), 0, 1, None)
+    return DatasetIndex(listing.paths, listing.sizes, listing.versions, rows, checked, latent_shape, caption_shape)
+
+
+def _rows_of(
+    index: DatasetIndex, listing: Listing, positions: list[int], rows: np.ndarray, runs: list[bytes | None]
+) -> list[int]:
+    """Rows (and runs) of the files at ``positions`` that ``index`` records as they are listed; the others."""
+    found, unknown = recorded_rows(index, listing, positions)
+    for i, num_rows, j in found:
+        rows[i] = num_rows
+        if index.runs is not None:
+            runs[i] = index.runs[j]
+    return unknown
+
+
+def _known_runs(key: str, checked, listing: Listing, runs: list[bytes | None]) -> list[bytes] | None:
+    """Bucketed data: every file's runs (from the index already there or its footer); None for one shape."""
+    if checked.buckets is None:
+        return None
+    missing = [listing.paths[i] for i, r in enumerate(runs) if r is None]
+    if missing:
+        raise DataError(f"{key}: the bucket runs of {missing[0]} are not known: index bucketed data without known_rows")
+    return [r for r in runs if r is not None]
 
 
 def _known_rows(listing: Listing, base: str, known_rows: Mapping[str, int] | None) -> tuple[np.ndarray, list[int]]:

@@ -8,7 +8,7 @@ A run's later starts take the footers from the dataset index instead (sdtrain.da
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
@@ -199,33 +199,45 @@ def read_footers(
             runs[index] = bucket_runs(schema.metadata, f"{key}: {files[index]}", num_rows, len(buckets))
         return index, num_rows
 
-    done = start
-    last_report, next_tenth = time.monotonic(), len(files) // 10
-    with ThreadPoolExecutor(max_workers=FOOTER_READS) as pool:
-        pending: set[Future] = set()
-        next_index = start
-        while next_index < len(files) or pending:
-            while next_index < len(files) and len(pending) < 2 * FOOTER_READS:
-                pending.add(pool.submit(read, next_index))
-                next_index += 1
-            finished, pending = wait(pending, return_when=FIRST_COMPLETED)
-            for future in finished:
-                try:
-                    index, num_rows = future.result()
-                except BaseException:
-                    for other in pending:
-                        other.cancel()
-                    raise
-                rows[index] = num_rows
-                done += 1
-            if progress is not None and (time.monotonic() - last_report >= _PROGRESS_S or done >= next_tenth):
-                progress(done, len(files))  # every 10 s, and every tenth of the files
-                last_report = time.monotonic()
-                next_tenth = (done * 10 // len(files) + 1) * len(files) // 10
+    for index, num_rows in _concurrently(read, range(start, len(files)), len(files), progress):
+        rows[index] = num_rows
     return rows, reference
 
 
 _PROGRESS_S = 10.0
+
+
+def _concurrently(
+    read: Callable[[int], tuple[int, int]], indices: range, total: int, progress: Callable[[int, int], None] | None
+) -> Iterator[tuple[int, int]]:
+    """``read(i)`` for each of ``indices``, FOOTER_READS at a time, as they finish; ``progress(done, total)`` every
+    10 s and at every tenth of ``total``. The first failure cancels the rest and is raised."""
+    done = total - len(indices)
+    last_report, next_tenth = time.monotonic(), total // 10
+    with ThreadPoolExecutor(max_workers=FOOTER_READS) as pool:
+        pending: set[Future] = set()
+        upcoming = iter(indices)
+        exhausted = False
+        while not exhausted or pending:
+            while not exhausted and len(pending) < 2 * FOOTER_READS:
+                index = next(upcoming, None)
+                if index is None:
+                    exhausted = True
+                else:
+                    pending.add(pool.submit(read, index))
+            finished, pending = wait(pending, return_when=FIRST_COMPLETED)
+            for future in finished:
+                try:
+                    yield future.result()
+                except BaseException:
+                    for other in pending:
+                        other.cancel()
+                    raise
+                done += 1
+            if progress is not None and (time.monotonic() - last_report >= _PROGRESS_S or done >= next_tenth):
+                progress(done, total)  # every 10 s, and every tenth of the files
+                last_report = time.monotonic()
+                next_tenth = (done * 10 // total + 1) * total // 10
 
 
 class _Sources:

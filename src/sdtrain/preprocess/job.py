@@ -106,30 +106,35 @@ def run_preprocess(config: PreprocessConfig, max_shards: int | None = None) -> P
         "config": config.to_dict(),
     }
     write_bytes(join(config.output.path, MANIFEST_FILE), json.dumps(summary.manifest, indent=2).encode())
-    # The dataset index beside the shards (rows from the shards' records, sizes and versions from one listing):
-    # training on this output reads no footer (sdtrain.data.dataset_index). A run that wrote nothing keeps it.
+    # A run that wrote nothing keeps the index already there.
     if summary.shards_written or not _exists(join(config.output.path, DIRECTORY_INDEX)):
-        rows = {f"{shard['shard']}.parquet": int(shard["rows_written"]) for shard in stats if shard.get("rows_written")}
-        written = [f"{name}.parquet" for name in summary.shards_written if f"{name}.parquet" in rows]
-        try:  # its schema and values per row from a shard this run wrote, where it wrote one with rows
-            write_directory_index(
-                config.output.path,
-                # One index, of one caption column: the ids where they are the only captions, else the embeddings
-                # (training on the ids of output.captions=both reads their footers at its first start).
-                Columns(
-                    config.output.image_column,
-                    config.output.token_id_column
-                    if config.output.captions == "token_ids"
-                    else config.output.caption_column,
-                ),
-                # Bucketed output: its files' runs from their footers (or the index already there), not the records.
-                rows if config.image.buckets == "square" else None,
-                written[0] if written else None,
-            )
-        except DataError as e:  # the shards are done whatever the index: training reads their footers instead
-            log.info(f"no dataset index written beside the shards: {e}")
+        _write_index(config, stats, summary.shards_written)
     summary.seconds = time.perf_counter() - started
     return summary
+
+
+def _write_index(config: PreprocessConfig, stats: list[dict[str, Any]], shards_written: list[str]) -> None:
+    """The dataset index beside the shards (rows from the shards' records, sizes and versions from one listing):
+    training on this output reads no footer (sdtrain.data.dataset_index)."""
+    rows = {f"{shard['shard']}.parquet": int(shard["rows_written"]) for shard in stats if shard.get("rows_written")}
+    written = [f"{name}.parquet" for name in shards_written if f"{name}.parquet" in rows]
+    try:  # its schema and values per row from a shard this run wrote, where it wrote one with rows
+        write_directory_index(
+            config.output.path,
+            # One index, of one caption column: the ids where they are the only captions, else the embeddings
+            # (training on the ids of output.captions=both reads their footers at its first start).
+            Columns(
+                config.output.image_column,
+                config.output.token_id_column
+                if config.output.captions == "token_ids"
+                else config.output.caption_column,
+            ),
+            # Bucketed output: its files' runs from their footers (or the index already there), not the records.
+            rows if config.image.buckets == "square" else None,
+            written[0] if written else None,
+        )
+    except DataError as e:  # the shards are done whatever the index: training reads their footers instead
+        log.info(f"no dataset index written beside the shards: {e}")
 
 
 def check_sources(output: str, shards: list[Shard], done: dict[str, dict[str, Any]]) -> None:
