@@ -177,35 +177,92 @@ def record_step(parameters: list[torch.Tensor], loss: Callable[[], torch.Tensor]
         loss: the forward pass, returning a scalar.
         micro_batch: the samples it covers.
     """
-    recorder = _recorder()
+    trace = _Trace()
     ready: list[tuple[int, int]] = []
     for index, param in enumerate(parameters):
-        param.register_post_accumulate_grad_hook(lambda _, index=index: ready.append((index, len(recorder.ops))))
-    with recorder:
+        param.register_post_accumulate_grad_hook(lambda _, index=index: ready.append((index, len(trace.ops))))
+    with _recorder(trace):
         value = loss()
-        recorder.phase = 1
+        trace.phase = 1
         value.backward()
-    return StepOps(micro_batch, tuple(recorder.ops), recorder.fused_memory_bytes(), tuple(ready))
+    return StepOps(micro_batch, tuple(trace.ops), trace.fused_memory_bytes(), tuple(ready))
 
 
-def _recorder() -> Any:
-    """A dispatch mode recording each op's cost and which tensors it reads and writes (a class made on demand: its
-    base is torch's private TorchDispatchMode)."""
+class _Trace:
+    """Each op's cost and which tensors it reads and writes, in the order they ran."""
+
+    def __init__(self) -> None:
+        self.phase = 0  # 0: forward, 1: backward
+        self.ops: list[OpCost] = []
+        self.phases: list[int] = []
+        self.reads: list[list[int]] = []
+        self.writes: list[list[int]] = []
+        self.tensors: list[_Tensor] = []
+        # id of a live tensor -> its entry in tensors (a view's: its base's). Only live ones: an id is reused
+        # once its tensor dies, and holding them would change the step (autograd steals a gradient only
+        # when nothing else holds it).
+        self.keys: dict[int, int] = {}
+
+    def view(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor]) -> None:
+        for tensor in outputs:  # a view's bytes are its base's
+            if id(tensor) not in self.keys:
+                self._track(tensor, self._key(inputs[0]) if inputs else None)
+
+    def record(self, func: Any, args: Any, kwargs: Any, out: Any, inputs: list, outputs: list) -> None:
+        index = len(self.ops)
+        name = str(func.overloadpacket)
+        formula = _FORMULAS.get(func.overloadpacket)
+        flops = int(formula(*args, **kwargs, out_val=out)) if formula is not None else 0
+        read = {id(t): t for t in inputs}
+        written = {id(t): t for t in outputs}
+        nbytes = sum(_nbytes(t) for t in read.values()) + sum(_nbytes(t) for t in written.values())
+        self.ops.append(OpCost(name, _kind(name), flops, nbytes, bool(self.phase)))
+        self.phases.append(self.phase)
+        self.reads.append([self._key(t) for t in read.values()])
+        for key in self.reads[-1]:
+            self.tensors[key].consumers.append(index)
+        # An op's output is a new tensor, unless it writes in place (add_, copy_): then the same one.
+        self.writes.append([self.keys[id(t)] if id(t) in read else self._track(t, None) for t in written.values()])
+        for key in self.writes[-1]:
+            self.tensors[key].producer = index
+
+    def fused_memory_bytes(self) -> tuple[int, int]:
+        """The module docstring's compiled bytes, forward and backward: each tensor crossing into or out of fused
+        code, once."""
+        crossing: set[tuple[int, int, str]] = set()
+        for index, op in enumerate(self.ops):
+            if op.kind != "memory":
+                continue
+            phase = self.phases[index]
+            for key in self.reads[index]:
+                producer = self.tensors[key].producer
+                if producer is None or self.ops[producer].kind != "memory" or self.phases[producer] != phase:
+                    crossing.add((key, phase, "read"))
+            for key in self.writes[index]:
+                later = [c for c in self.tensors[key].consumers if c > index]
+                if not later or any(self.ops[c].kind != "memory" or self.phases[c] != phase for c in later):
+                    crossing.add((key, phase, "write"))
+        forward, backward = (sum(self.tensors[k].nbytes for k, p, _ in crossing if p == phase) for phase in (0, 1))
+        return forward, backward
+
+    def _track(self, tensor: torch.Tensor, key: int | None) -> int:
+        if key is None:
+            key = len(self.tensors)
+            self.tensors.append(_Tensor(tensor.untyped_storage().nbytes()))
+        self.keys[id(tensor)] = key
+        weakref.finalize(tensor, self.keys.pop, id(tensor), None)
+        return key
+
+    def _key(self, tensor: torch.Tensor) -> int:
+        key = self.keys.get(id(tensor))
+        return self._track(tensor, None) if key is None else key
+
+
+def _recorder(trace: _Trace) -> Any:
+    """A dispatch mode recording each op into ``trace`` (a class made on demand: its base is torch's private
+    TorchDispatchMode)."""
 
     class Recorder(torch_private.dispatch_mode()):  # type: ignore[misc]
-        def __init__(self) -> None:
-            super().__init__()
-            self.phase = 0
-            self.ops: list[OpCost] = []
-            self.phases: list[int] = []
-            self.reads: list[list[int]] = []
-            self.writes: list[list[int]] = []
-            self.tensors: list[_Tensor] = []
-            # id of a live tensor -> its entry in tensors (a view's: its base's). Only live ones: an id is reused
-            # once its tensor dies, and holding them would change the step (autograd steals a gradient only
-            # when nothing else holds it).
-            self.keys: dict[int, int] = {}
-
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
             out = func(*args, **kwargs)
@@ -213,60 +270,10 @@ def _recorder() -> Any:
             inputs = list(_tensors((args, kwargs)))
             outputs = list(_tensors(out))
             if not name.startswith("aten.") or name in _NO_DATA or func.is_view:
-                for tensor in outputs:  # a view's bytes are its base's
-                    if id(tensor) not in self.keys:
-                        self._track(tensor, self._key(inputs[0]) if inputs else None)
-                return out
-            self._record(func, name, args, kwargs, out, inputs, outputs)
+                trace.view(outputs, inputs)
+            else:
+                trace.record(func, args, kwargs, out, inputs, outputs)
             return out
-
-        def _track(self, tensor: torch.Tensor, key: int | None) -> int:
-            if key is None:
-                key = len(self.tensors)
-                self.tensors.append(_Tensor(tensor.untyped_storage().nbytes()))
-            self.keys[id(tensor)] = key
-            weakref.finalize(tensor, self.keys.pop, id(tensor), None)
-            return key
-
-        def _key(self, tensor: torch.Tensor) -> int:
-            key = self.keys.get(id(tensor))
-            return self._track(tensor, None) if key is None else key
-
-        def _record(self, func, name, args, kwargs, out, inputs, outputs) -> None:
-            index = len(self.ops)
-            formula = _FORMULAS.get(func.overloadpacket)
-            flops = int(formula(*args, **kwargs, out_val=out)) if formula is not None else 0
-            read = {id(t): t for t in inputs}
-            written = {id(t): t for t in outputs}
-            nbytes = sum(_nbytes(t) for t in read.values()) + sum(_nbytes(t) for t in written.values())
-            self.ops.append(OpCost(name, _kind(name), flops, nbytes, bool(self.phase)))
-            self.phases.append(self.phase)
-            self.reads.append([self._key(t) for t in read.values()])
-            for key in self.reads[-1]:
-                self.tensors[key].consumers.append(index)
-            # An op's output is a new tensor, unless it writes in place (add_, copy_): then the same one.
-            self.writes.append([self.keys[id(t)] if id(t) in read else self._track(t, None) for t in written.values()])
-            for key in self.writes[-1]:
-                self.tensors[key].producer = index
-
-        def fused_memory_bytes(self) -> tuple[int, int]:
-            """The module docstring's compiled bytes, forward and backward: each tensor crossing into or out of fused
-            code, once."""
-            crossing: set[tuple[int, int, str]] = set()
-            for index, op in enumerate(self.ops):
-                if op.kind != "memory":
-                    continue
-                phase = self.phases[index]
-                for key in self.reads[index]:
-                    producer = self.tensors[key].producer
-                    if producer is None or self.ops[producer].kind != "memory" or self.phases[producer] != phase:
-                        crossing.add((key, phase, "read"))
-                for key in self.writes[index]:
-                    later = [c for c in self.tensors[key].consumers if c > index]
-                    if not later or any(self.ops[c].kind != "memory" or self.phases[c] != phase for c in later):
-                        crossing.add((key, phase, "write"))
-            forward, backward = (sum(self.tensors[k].nbytes for k, p, _ in crossing if p == phase) for phase in (0, 1))
-            return forward, backward
 
     return Recorder()
 
