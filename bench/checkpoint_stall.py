@@ -1,6 +1,6 @@
 """Checkpoint stall benchmark (issue #5): how long training waits per checkpoint written to a bucket.
 
-Runs the package's ``sdtrain.driver.train(config)`` twice on one local Ray cluster, with
+Runs the package's ``sdtrain.driver.run.train(config)`` twice on one local Ray cluster, with
 ``run.storage_path`` in a bucket of a real S3-protocol server (moto's server mode, in its own
 process on loopback): once with ``checkpoint.upload: async`` (the default: Ray Train uploads
 in the background) and once with ``sync``. The figure is the job's own metric

@@ -112,6 +112,9 @@ def rank_start(sent: bytes, stretches) -> tuple[float, list]:
 
 
 def main() -> None:
+    from sdtrain.logs import configure_logging
+
+    configure_logging()  # the index's own lines (files from the index, footers read), as a command line prints them
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="1M and 10M rows, 20 and 100 files: checks that it runs")
     parser.add_argument("--steps", type=int, default=20_000, help="steps a rank plans its read tasks for")

@@ -1,6 +1,6 @@
 """What checkpoint evaluation (eval) costs the training ranks (issue #28): the same run with eval off and on.
 
-Runs ``sdtrain.driver.train(config)`` on one local Ray cluster of 2 CPUs, twice per repeat, interleaved: a tiny UNet
+Runs ``sdtrain.driver.run.train(config)`` on one local Ray cluster of 2 CPUs, twice per repeat, interleaved: a tiny UNet
 on 1 worker of 1 CPU, a checkpoint every ``--every`` steps; with eval on, each checkpoint is evaluated (tiny DINOv2
 and VAE built from configs, ``eval.num_samples`` images sampled) in Ray Train's validation task on the other CPU
 (``eval.num_cpus=1``: its own resources, as a GPU of its own on a cluster). The figure is the training loop's own

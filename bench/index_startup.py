@@ -303,6 +303,9 @@ def ratio_lines(results: list[dict]) -> list[str]:
 
 
 def main() -> None:
+    from sdtrain.logs import configure_logging
+
+    configure_logging()  # the index's own lines (files from the index, footers read), as a command line prints them
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="20 and 100 files: checks that it runs")
     args = parser.parse_args()

@@ -1,6 +1,6 @@
 """Stack-overhead benchmark (issue #7, part 3).
 
-Full path: sdtrain's real ``sdtrain.driver.train(config)`` (Ray start, data checks, Ray Data,
+Full path: sdtrain's real ``sdtrain.driver.run.train(config)`` (Ray start, data checks, Ray Data,
 Ray Train's TorchTrainer with one CPU worker, Lightning, the package's module and callbacks)
 on parquet latents. Baseline: a bare PyTorch loop with the same UNet (``sdtrain.model.unet.build_unet``),
 batch size, noise schedule, loss, AdamW and gradient clipping on in-memory tensors, in a process
@@ -199,7 +199,7 @@ def full_path(args) -> None:
     )
     assert unet_config(config.model)["cross_attention_dim"] == caption_dim
     launched = time.time()
-    summary = sdtrain.driver.train(config)
+    summary = sdtrain.driver.run.train(config)
     total = time.time() - launched
 
     with open(os.path.join(summary.run_dir, "metrics.csv")) as f:
