@@ -54,6 +54,14 @@ def mlflow_server(directory: Path) -> Iterator[str]:
                     ) from None
                 time.sleep(0.5)  # polling a server coming up, not dodging a race
         yield uri
+    except BaseException:
+        # A failure against the server shows the server's side (a crash's traceback, its exit code) in the report:
+        # the test's tmp_path, where the log lies, is not kept on a CI machine.
+        state = "running" if process.poll() is None else f"exited with code {process.returncode}"
+        log.flush()
+        tail = (directory / "mlflow-server.log").read_text(errors="replace")[-3000:]
+        print(f"mlflow server at {uri} ({state}); the end of its log:\n{tail}")
+        raise
     finally:
         os.killpg(process.pid, signal.SIGTERM)
         process.wait(timeout=30)
