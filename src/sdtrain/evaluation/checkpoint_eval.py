@@ -20,6 +20,7 @@ The retraining gate scores both of its models with the same :class:`Evaluator`.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import posixpath
@@ -34,7 +35,9 @@ import torch
 
 from sdtrain.artifacts.loading import LoadedModel, load_model
 from sdtrain.config.schema import Config
+from sdtrain.data.footer import read_schema
 from sdtrain.data.listing import list_dataset
+from sdtrain.data.metadata import bucket_shapes
 from sdtrain.data.position import DataPosition
 from sdtrain.data.rows import RowReader
 from sdtrain.errors import DataError
@@ -50,11 +53,24 @@ from sdtrain.storage.run_layout import EVALUATION_DIR
 
 
 @dataclass
+class ShapeGroup:
+    """The rows of data.val's first eval.num_samples of one latent shape (an aspect-ratio bucket)."""
+
+    shape: tuple[int, int, int]
+    """(C, H, W) of their latents: what they are sampled at."""
+    rows: np.ndarray
+    """Their positions among the rows (EvalRows.captions, .texts, .labels), ascending."""
+    latents: np.ndarray
+    """(n, C, H, W) as stored."""
+
+
+@dataclass
 class EvalRows:
     """The first eval.num_samples rows of data.val: what every evaluation of a run samples and compares against."""
 
-    latents: np.ndarray
-    """(N, C, H, W) as stored."""
+    groups: list[ShapeGroup]
+    """The rows by latent shape: one group for data of one shape; a bucket each for aspect-ratio buckets (each sample
+    is generated at its row's bucket and compared with the images of the same rows)."""
     captions: np.ndarray
     """(N, L, D) embeddings, or (N, L) token ids."""
     texts: list[str] | None
@@ -66,38 +82,54 @@ class EvalRows:
     versions: list[tuple[int, str]]
     """Their (size, version) as listed (the S3 ETag, or the local mtime in ns): a file rewritten in place changes it."""
 
+    def __len__(self) -> int:
+        return len(self.captions)
+
 
 def read_eval_rows(config: Config, latent_shape: tuple[int, ...], caption_shape: tuple[int, ...]) -> EvalRows:
     """The first eval.num_samples rows of data.val in file order (fewer if it holds fewer): their columns only, and
-    no more of a file than they need.
+    no more of a file than they need. Bucketed files are read at each row's bucket (the buckets their footer names).
 
     Args:
-        latent_shape: (C, H, W) of a row's latents.
+        latent_shape: (C, H, W) of a row's latents (of data of one shape).
         caption_shape: (L, D) of a caption embedding; a column of token ids holds (L,) a row.
     """
     extra = ([config.eval.text_column] if config.eval.clip is not None else []) + (
         ["label"] if config.eval.class_agreement else []
     )
-    reader = RowReader(config.data.columns, tuple(latent_shape), tuple(caption_shape), extra=tuple(extra))
     listing = list_dataset(list(config.data.val), "data.val")
+    buckets = bucket_shapes(read_schema(listing.paths[0], "data.val").metadata, listing.paths[0])
+    reader = RowReader(config.data.columns, tuple(latent_shape), tuple(caption_shape), extra=tuple(extra))
+    reader = dataclasses.replace(reader, bucket_shapes=buckets)
     # Batch by batch, only as many rows as are wanted: a data.val file may hold gigabytes of caption embeddings.
     batches = list(reader.batches(listing.paths, "eval: data.val", batch_size=1024, limit=config.eval.num_samples))
     read = {batch.file for batch in batches}
     used = [i for i, file in enumerate(listing.paths) if file in read]
-    files = [listing.paths[i] for i in used]
-    versions = [(listing.sizes[i], listing.versions[i]) for i in used]
 
     def extra_column(name: str) -> pa.ChunkedArray:
         return pa.chunked_array([chunk for batch in batches for chunk in batch.extra[name].chunks])
 
     return EvalRows(
-        latents=np.concatenate([batch.latents for batch in batches if batch.latents is not None]),
+        groups=_by_shape([batch.latents for batch in batches if batch.latents is not None]),
         captions=np.concatenate([batch.captions for batch in batches]),
         texts=[str(t) for t in extra_column(config.eval.text_column).to_pylist()] if config.eval.clip else None,
         labels=extra_column("label").to_numpy() if config.eval.class_agreement else None,
-        files=files,
-        versions=versions,
+        files=[listing.paths[i] for i in used],
+        versions=[(listing.sizes[i], listing.versions[i]) for i in used],
     )
+
+
+def _by_shape(latents: list[np.ndarray]) -> list[ShapeGroup]:
+    """Batches of rows in order, each of one shape, as groups of one shape in the order their shapes first came."""
+    positions: dict[tuple[int, int, int], list[np.ndarray]] = {}
+    parts: dict[tuple[int, int, int], list[np.ndarray]] = {}
+    first = 0
+    for batch in latents:
+        shape = (int(batch.shape[1]), int(batch.shape[2]), int(batch.shape[3]))
+        positions.setdefault(shape, []).append(np.arange(first, first + len(batch)))
+        parts.setdefault(shape, []).append(batch)
+        first += len(batch)
+    return [ShapeGroup(shape, np.concatenate(positions[shape]), np.concatenate(parts[shape])) for shape in parts]
 
 
 class Evaluator:
@@ -138,35 +170,52 @@ class Evaluator:
         if captions.dtype == torch.int32:
             captions = self._encode(loaded, captions)
         unet = loaded.unet.to(self.device)
+        generated = {metric: FeatureStats(features.dim) for metric, features in self.features.items()}
+        scores: list[np.ndarray] = []
+        agreeing = 0
+        for group in rows.groups:  # each at its own shape: one group, or a bucket each
+            latents = self._sample(unet, loaded, captions[torch.from_numpy(group.rows)], group.shape)
+            if rows.labels is not None:
+                reader = load_latent_classifier(
+                    loaded.latent_classifier or "", f"eval.class_agreement: {loaded.source}"
+                )
+                agreeing += int(reader.class_agreement(latents.numpy(), rows.labels[group.rows])["agreeing"])
+            images = self._decode(latents, loaded) if self.vae is not None else None
+            for metric, features in self.features.items():
+                assert images is not None
+                generated[metric].add(features(images, self.config.eval.batch_size))
+            if self.clip is not None:
+                assert rows.texts is not None and images is not None
+                texts = [rows.texts[i] for i in group.rows]
+                scores.append(np.asarray(self.clip(images, texts, self.config.eval.batch_size)))
+        metrics: dict[str, float] = {}
+        if rows.labels is not None:
+            metrics["class_agreement"] = agreeing / len(rows)
+        for metric in self.features:
+            metrics[metric] = frechet_distance(generated[metric], self._reference(metric, loaded))
+        if self.clip is not None:
+            metrics["clip_score"] = float(np.mean(np.concatenate(scores)))
+        metrics["eval_samples"] = float(len(rows))
+        metrics["eval_s"] = time.perf_counter() - started
+        return metrics
+
+    def _sample(
+        self, unet: Any, loaded: LoadedModel, captions: torch.Tensor, shape: tuple[int, int, int]
+    ) -> torch.Tensor:
+        """Latents of ``captions`` at ``shape``: sample_grid's sampler, steps and guidance, the run's seed."""
         grid = self.config.sample_grid
-        latents = sample_latents(
+        return sample_latents(
             unet,
             loaded.noise_scheduler.config,
             captions.float(),
             loaded.unconditional_caption,
-            tuple(loaded.latent_shape),
+            shape,
             sampler=grid.sampler,
             steps=grid.steps,
             guidance_scale=grid.guidance_scale,
             seed=self.config.train.seed,
             batch_size=self.config.eval.batch_size,
         )
-        metrics: dict[str, float] = {}
-        if rows.labels is not None:
-            reader = load_latent_classifier(loaded.latent_classifier or "", f"eval.class_agreement: {loaded.source}")
-            metrics["class_agreement"] = reader.class_agreement(latents.numpy(), rows.labels)["class_agreement"]
-        images = self._decode(latents, loaded) if self.vae is not None else None
-        for metric, features in self.features.items():
-            assert images is not None
-            generated = FeatureStats(features.dim)
-            generated.add(features(images, self.config.eval.batch_size))
-            metrics[metric] = frechet_distance(generated, self._reference(metric, loaded))
-        if self.clip is not None:
-            assert rows.texts is not None and images is not None
-            metrics["clip_score"] = float(np.mean(self.clip(images, rows.texts, self.config.eval.batch_size)))
-        metrics["eval_samples"] = float(len(latents))
-        metrics["eval_s"] = time.perf_counter() - started
-        return metrics
 
     def _rows(self, loaded: LoadedModel) -> EvalRows:
         if self.rows is None:
@@ -204,10 +253,11 @@ class Evaluator:
                 with fs.open_input_stream(path) as f:
                     self.references[metric] = FeatureStats.from_bytes(f.read())
                 return self.references[metric]
-        stored = torch.from_numpy(self.rows.latents.astype(np.float32))
-        images = self._decode(stored * (self.config.data.latent_scaling_factor or 1.0), loaded)
         reference = FeatureStats(features.dim)
-        reference.add(features(images, self.config.eval.batch_size))
+        for group in self.rows.groups:
+            stored = torch.from_numpy(group.latents.astype(np.float32))
+            images = self._decode(stored * (self.config.data.latent_scaling_factor or 1.0), loaded)
+            reference.add(features(images, self.config.eval.batch_size))
         if uri is not None:
             write_bytes(uri, reference.to_bytes())
         self.references[metric] = reference
@@ -218,7 +268,7 @@ class Evaluator:
         how many), the VAE, and the settings any value of the metric depends on (the column, the feature model, the
         latents' scaling: :func:`sdtrain.evaluation.results.measured_with`)."""
         assert self.rows is not None
-        rows = [self.rows.files, self.rows.versions, len(self.rows.latents)]
+        rows = [self.rows.files, self.rows.versions, len(self.rows)]
         what = [*rows, self.vae_source, measured_with(self.config, metric)]
         return hashlib.sha256(json.dumps(what).encode()).hexdigest()[:12]
 
