@@ -294,6 +294,45 @@ def test_generate_rejects_bad_input_in_one_line(trained, tmp_path):
     assert result.returncode == 2 and "does not exist" in result.stderr
 
 
+def test_generate_samples_at_the_pixels_asked_and_notes_a_size_the_model_never_trained_at(trained, tmp_path):
+    """A model trained on aspect-ratio buckets (its export names them): --height/--width in pixels through the VAE's
+    downsampling, sampled and decoded at that size; a note where it is none of the buckets; a size the UNet cannot
+    take refused naming the flag, the value and the multiple."""
+    from sdtrain.artifacts.export import write_export
+    from sdtrain.errors import DataError
+    from sdtrain.sampling.generate import GenerateRequest, generate
+
+    loaded = load_model(trained["checkpoint"])
+    loaded.bucket_shapes = ((4, 16, 16), (4, 16, 24))
+    write_export(loaded, str(tmp_path / "export"))
+    assert load_model(str(tmp_path / "export")).bucket_shapes == loaded.bucket_shapes
+    _tiny_vae(tmp_path / "vae")
+    np.save(tmp_path / "two.npy", np.random.default_rng(0).standard_normal((2, 77, 32)).astype(np.float32))
+
+    def request(name, **size):
+        return GenerateRequest(
+            str(tmp_path / "export"),
+            captions=str(tmp_path / "two.npy"),
+            out=str(tmp_path / name),
+            samples_per_caption=1,
+            steps=2,
+            vae=str(tmp_path / "vae"),
+            **size,
+        )
+
+    wide = request("wide", height=32, width=48)
+    generate(wide)
+    assert np.load(tmp_path / "wide" / "latents.npy").shape == (2, 1, 4, 16, 24) and wide.notes == []
+    with Image.open(tmp_path / "wide" / "images" / "row00_sample00.png") as image:
+        assert image.size == (48, 32)  # width x height
+    square = request("square", height=48)  # the width: the model's own (32 px)
+    generate(square)
+    assert np.load(tmp_path / "square" / "latents.npy").shape == (2, 1, 4, 24, 16)
+    assert square.notes == ["48x32 px is no shape the model trained at (32x32, 32x48): expect it to do worse there"]
+    with pytest.raises(DataError, match=r"--width 42: must be a positive multiple of 4 \(the VAE's downsampling 2 x"):
+        generate(request("odd", width=42))
+
+
 def _grid_png(colour: str) -> bytes:
     buffer = io.BytesIO()
     Image.new("RGB", (20, 10), colour).save(buffer, format="PNG")

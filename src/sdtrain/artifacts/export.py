@@ -72,6 +72,7 @@ def write_export(loaded: LoadedModel, destination: str) -> str:
         "weights": loaded.weights,
         "prediction_type": loaded.noise_scheduler.config.prediction_type,
         "latent_shape": list(loaded.latent_shape) if loaded.latent_shape else None,
+        "bucket_shapes": [list(b) for b in loaded.bucket_shapes] if loaded.bucket_shapes else None,
         "caption_shape": list(loaded.caption_shape) if loaded.caption_shape else None,
         "latent_scaling_factor": loaded.latent_scaling_factor,
         "latent_classifier": loaded.latent_classifier,
@@ -258,6 +259,11 @@ def _write_model_card(loaded: LoadedModel, sources: EncoderSources, path: str, g
         f"- Data: {', '.join(config.get('data', {}).get('train', [])) or 'not recorded'}",
         f"- Latents {list(loaded.latent_shape or [])}, captions {list(loaded.caption_shape or [])}, "
         f"latent scaling factor {loaded.latent_scaling_factor}",
+        *(
+            [f"- Aspect-ratio buckets (latents): {', '.join('x'.join(map(str, b[1:])) for b in loaded.bucket_shapes)}"]
+            if loaded.bucket_shapes
+            else []
+        ),
         f"- Prediction type: {loaded.noise_scheduler.config.prediction_type}; recipe: {recipe or 'not recorded'}",
         f"- Final losses: {_final_losses(loaded.source) or 'not recorded'}",
         f"- Source checkpoint: `{loaded.source}`",

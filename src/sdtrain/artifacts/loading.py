@@ -44,6 +44,7 @@ class LoadedModel:
     """Which weights of the run these are; None for a registry version (not recorded)."""
     global_step: int | None
     latent_shape: tuple[int, ...] | None
+    """(C, H, W) the model was trained at: the data's one shape, or the aspect-ratio bucket most rows had."""
     caption_shape: tuple[int, ...] | None
     latent_scaling_factor: float | None
     """What decoding with a VAE divides by; None: the VAE's own scaling factor."""
@@ -51,6 +52,8 @@ class LoadedModel:
     """The module the training data named as the reader of its latents without a VAE, if any."""
     meta: CheckpointMeta | None
     """The full metadata when loaded from a checkpoint (an export keeps the summary above)."""
+    bucket_shapes: tuple[tuple[int, ...], ...] | None = None
+    """The latent shape of each aspect-ratio bucket the model trained on; None: one shape (latent_shape)."""
 
     @property
     def caption_dropout_prob(self) -> float | None:
@@ -120,6 +123,7 @@ def _from_checkpoint(path: str, weights: Weights) -> LoadedModel:
         latent_scaling_factor=meta.latent_scaling_factor,
         latent_classifier=meta.latent_classifier,
         meta=meta,
+        bucket_shapes=tuple(tuple(b) for b in meta.bucket_shapes) if meta.bucket_shapes else None,
     )
 
 
@@ -149,6 +153,7 @@ def _from_export(path: str) -> LoadedModel:
         latent_scaling_factor=info.get("latent_scaling_factor"),
         latent_classifier=info.get("latent_classifier"),
         meta=None,
+        bucket_shapes=tuple(tuple(b) for b in info["bucket_shapes"]) if info.get("bucket_shapes") else None,
     )
 
 

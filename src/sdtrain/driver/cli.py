@@ -301,6 +301,12 @@ def _add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--batch-size", type=int, default=64, help="samples per UNet batch (default: %(default)s)")
     parser.add_argument(
+        "--height",
+        type=int,
+        help="pixels (default: what the model trained at: its data's size, or the aspect-ratio bucket most rows had)",
+    )
+    parser.add_argument("--width", type=int, help="pixels (default: as --height)")
+    parser.add_argument(
         "--export-to",
         metavar="DIR",
         help="instead of sampling: export the model in diffusers format to DIR (local or s3://)",
@@ -352,6 +358,8 @@ def generate_main(argv=None) -> int:
             weights=args.weights,
             preview=args.preview,
             batch_size=args.batch_size,
+            height=args.height,
+            width=args.width,
         )
         written = generate(request)
     except (SdtrainError, ValueError) as e:

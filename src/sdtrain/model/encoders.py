@@ -91,16 +91,28 @@ def load_vae(source: str, device: str = "cpu", dtype: torch.dtype = torch.float3
     """
     from diffusers import AutoencoderKL
 
-    subfolder: str | None = "vae"
-    if is_uri(source):
-        path = local_model(source, "vae")
-    else:
-        path = os.path.expanduser(source)
-        vae_itself = os.path.isdir(path) and not os.path.isdir(os.path.join(path, "vae"))
-        subfolder = None if vae_itself else "vae"  # else a model directory, or a hub id (needs network)
+    path, subfolder = _vae_location(source)
     with _without_progress_bars():
         vae = AutoencoderKL.from_pretrained(path, subfolder=subfolder, torch_dtype=dtype)
     return vae.to(device).eval()
+
+
+def vae_downsampling(source: str) -> int:
+    """Pixels to a latent's side of the VAE at ``source`` (see :func:`load_vae`), from its config alone."""
+    from diffusers import AutoencoderKL
+
+    path, subfolder = _vae_location(source)
+    config = AutoencoderKL.load_config(path, subfolder=subfolder)
+    return 2 ** (len(config["block_out_channels"]) - 1)
+
+
+def _vae_location(source: str) -> tuple[str, str | None]:
+    """The directory (or hub id) and subfolder diffusers loads the VAE of ``source`` from."""
+    if is_uri(source):
+        return local_model(source, "vae"), "vae"
+    path = os.path.expanduser(source)
+    vae_itself = os.path.isdir(path) and not os.path.isdir(os.path.join(path, "vae"))
+    return path, None if vae_itself else "vae"  # else a model directory, or a hub id (needs network)
 
 
 def load_tokenizer(source: str) -> Any:

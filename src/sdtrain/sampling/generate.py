@@ -6,14 +6,15 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
 
+from sdtrain.artifacts.export import model_sources
 from sdtrain.artifacts.loading import LoadedModel, Weights, load_model
 from sdtrain.errors import DataError
-from sdtrain.model.encoders import load_vae
+from sdtrain.model.encoders import load_vae, vae_downsampling
 from sdtrain.sampling.captions import Captions, read_captions
 from sdtrain.sampling.images import channels_preview, decode, decode_shape, grid_image, latent_preview
 from sdtrain.sampling.latent_classifier import load_latent_classifier
@@ -42,6 +43,10 @@ class GenerateRequest:
     weights: Weights = "auto"
     preview: Literal["auto", "classifier", "channels"] = "auto"
     batch_size: int = 64
+    height: int | None = None
+    """Pixels; None: what the model trained at (the data's one shape, or the aspect-ratio bucket most rows had)."""
+    width: int | None = None
+    """Pixels; None: as height."""
     prompts: list[str] = field(default_factory=list)
     """Prompts in words, encoded with request.text_encoder or the one the model's data records (instead of
     captions)."""
@@ -57,7 +62,7 @@ def generate(request: GenerateRequest) -> list[str]:
     loaded = load_model(request.model, request.weights)
     unet = loaded.unet.to(device).eval()
     captions = _captions(request, loaded, unet.config.cross_attention_dim)
-    latent_shape = loaded.latent_shape or (unet.config.in_channels, unet.config.sample_size, unet.config.sample_size)
+    latent_shape = _latent_shape(request, loaded, unet.config)
     unconditional = loaded.unconditional_caption
     if unconditional is not None and tuple(unconditional.shape) != tuple(captions.embeddings.shape[1:]):
         raise DataError(
@@ -96,6 +101,41 @@ def generate(request: GenerateRequest) -> list[str]:
     written += _write_class_agreement(request, loaded, latents, captions)
     written.append(_write_info(request, loaded, captions, list(grid_latents.shape)))
     return written
+
+
+def _latent_shape(request: GenerateRequest, loaded: LoadedModel, unet_config: Any) -> tuple[int, int, int]:
+    """(C, H, W) to sample at: the model's own (its data's shape, or the bucket most rows had), or request.height and
+    request.width in pixels, through the VAE's downsampling; a note when that is no shape the model trained at."""
+    channels, height, width = loaded.latent_shape or (
+        unet_config.in_channels,
+        unet_config.sample_size,
+        unet_config.sample_size,
+    )
+    if request.height is None and request.width is None:
+        return channels, height, width
+    vae = request.vae or (sources.vae if (sources := model_sources(loaded)) else None)
+    if vae is None:
+        raise DataError(
+            f"--height/--width are pixels, and {loaded.source} records no VAE to say how many make a latent: give --vae"
+        )
+    factor = vae_downsampling(vae)
+    multiple = factor * 2 ** (len(unet_config.block_out_channels) - 1)
+    pixels = {"height": request.height or height * factor, "width": request.width or width * factor}
+    for name, value in pixels.items():
+        if value < multiple or value % multiple:
+            raise DataError(
+                f"--{name} {value}: must be a positive multiple of {multiple} (the VAE's downsampling {factor} x the "
+                f"UNet's {multiple // factor})"
+            )
+    shape = (channels, pixels["height"] // factor, pixels["width"] // factor)
+    trained = loaded.bucket_shapes or ((channels, height, width),)
+    if shape not in {tuple(b) for b in trained}:
+        sizes = ", ".join(f"{b[1] * factor}x{b[2] * factor}" for b in trained)
+        request.notes.append(
+            f"{pixels['height']}x{pixels['width']} px is no shape the model trained at ({sizes}): expect it to do "
+            "worse there"
+        )
+    return shape
 
 
 def _captions(request: GenerateRequest, loaded: LoadedModel, caption_dim: int) -> Captions:
