@@ -106,6 +106,42 @@ def test_on_cpu_the_flops_are_counted_and_no_mfu_is_made_up():
     assert Efficiency.of_run(module, "32-true", gpu_hour_cost=None).window(10.0, 2) == {}
 
 
+def test_a_bucketed_run_counts_each_buckets_flops_and_its_mfu_weighs_the_windows_buckets(caplog):
+    """Aspect-ratio buckets: the module counts each window's samples by latent shape in a real Lightning fit, and MFU
+    divides the FLOPs of each bucket's images (counted the first time a bucket is seen) by the peak."""
+    import dataclasses
+
+    import lightning.pytorch as pl
+    import torch
+
+    from sdtrain.model.flops import mfu
+
+    cfg = tiny_config("data.train=/unused", batch=4)
+    buckets = [(4, 16, 16), (4, 16, 24)]
+    meta = checkpoint_meta(cfg, (4, 16, 16), (77, 32), bucket_shapes=buckets)
+    module, kwargs = build_training(cfg, meta, use_gpu=False)
+    batches = [{"latents": torch.randn(4, *shape), "captions": torch.randn(4, 77, 32)} for shape in buckets * 2]
+    trainer = pl.Trainer(
+        max_steps=3, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False
+    )
+    trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(batches, batch_size=None))
+    shapes = module.take_window_shapes()
+    assert shapes == {(4, 16, 16): 8, (4, 16, 24): 4} and module.take_window_shapes() == {}
+
+    on_cpu = Efficiency.of_run(module, kwargs["precision"], gpu_hour_cost=None)
+    assert on_cpu.count is not None and on_cpu.window(64.0, 2, shapes) == {}  # a CPU has no peak: no MFU
+    gpu = dataclasses.replace(on_cpu, peak_flops=A100.bf16)
+    square, wide = (unet_train_step_flops(meta.unet_config, shape, (77, 32)) for shape in buckets)
+    assert wide > square > 0
+    with caplog.at_level("INFO", logger="sdtrain"):
+        figures = gpu.window(2000.0, 8, shapes)
+    assert figures["mfu"] == pytest.approx(mfu(2000.0 / 8, (8 * square + 4 * wide) / 12, A100.bf16))
+    assert f"bucket 4x16x24: {wide / 1e9:.3f} GFLOP per image" in caplog.text
+    # Data of one shape: every image at flops_per_image, whatever the window.
+    single = Efficiency(square, A100.bf16, None, True)
+    assert single.window(2000.0, 8, shapes)["mfu"] == pytest.approx(mfu(250.0, square, A100.bf16))
+
+
 def _metrics(**extra):
     base = {"step": 10, "loss": 0.5, "skipped_steps": 0, "skipped_samples": 0, "lr": 1e-4, "steps_per_s": 2.0}
     return {**base, "samples_per_s": 64.0, "data_wait_fraction": 0.01, **extra}

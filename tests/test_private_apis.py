@@ -30,6 +30,8 @@ def test_the_adapters_return_what_their_callers_use():
     assert ray_private.range_datasource(3).estimate_inmemory_data_size() is not None
     tracker = torch_private.transient_memory_tracker()()
     assert tracker.transient_peak == 0
+    graphs, breaks = torch_private.compiled_graphs()
+    assert graphs >= 0 and breaks >= 0
     assert hasattr(wandb_private.run_file_record(), "ParseFromString")
 
 

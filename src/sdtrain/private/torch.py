@@ -20,7 +20,8 @@ NAMES = {
     ("torch.distributed._tools.mem_tracker", "MemTracker"): "the memory model's count of a step's tensors",
     ("torch.distributed._tools.mem_tracker", "_MemRefType"): "the kinds of memory MemTracker counts",
     ("torch.utils._pytree", "tree_map_only"): "casting a call's tensor arguments in the memory model's autocast rules",
-    ("torch._dynamo", "config"): "raising dynamo's recompile limit for FSDP's compiled units",
+    ("torch._dynamo", "config"): "raising dynamo's recompile limit for FSDP's compiled units and for buckets",
+    ("torch._dynamo.utils", "counters"): "the graphs a compiled run compiled and broke, for its log",
     ("torch.utils._python_dispatch", "TorchDispatchMode"): "the per-op model's record of a step's ops and tensors",
     ("torch", "_foreach_norm"): "gradient norms in one kernel per dtype (clipping, the non-finite check)",
     ("torch", "_foreach_mul_"): "scaling every gradient by the clipping factor in one kernel",
@@ -73,3 +74,9 @@ def raise_recompile_limit(at_least: int) -> None:
     """Let dynamo cache at least ``at_least`` graphs per code object before it falls back to eager."""
     config = _get("torch._dynamo", "config")
     config.recompile_limit = max(config.recompile_limit, at_least)
+
+
+def compiled_graphs() -> tuple[int, int]:
+    """(graphs dynamo compiled, graph breaks) in this process so far, from its counters."""
+    counters = _get("torch._dynamo.utils", "counters")
+    return int(counters["stats"]["unique_graphs"]), int(sum(counters["graph_break"].values()))

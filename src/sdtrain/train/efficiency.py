@@ -12,7 +12,8 @@ shown on CPU workers too when the user priced them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -46,38 +47,64 @@ class Efficiency:
     """What rank 0 turns each report's throughput into MFU and cost with, worked out once when training starts.
 
     Args:
-        flops_per_image: model FLOPs of one image's training step, forward and backward (None: not counted).
+        flops_per_image: model FLOPs of one image's training step, forward and backward, at the data's latent shape
+            (aspect-ratio buckets: the bucket most rows had); None: not counted.
         peak_flops: the device's dense peak FLOP/s at the run's precision (None: no MFU: a CPU, an unknown GPU).
         gpu_hour_cost: run.gpu_hour_cost (None: no cost).
         on_gpu: the workers train on GPUs (hours are GPU-hours, else worker-hours).
+        count: aspect-ratio buckets: the FLOPs of one image's step at a latent shape, counted the first time a bucket
+            is trained on; None: every image costs flops_per_image.
     """
 
     flops_per_image: float | None
     peak_flops: float | None
     gpu_hour_cost: float | None
     on_gpu: bool
+    count: Callable[[tuple[int, ...]], float] | None = None
+    by_shape: dict[tuple[int, ...], float | None] = field(default_factory=dict, compare=False)
+    """The buckets' FLOPs per image counted so far (None: the count failed)."""
 
     @property
     def hours_key(self) -> str:
         """The metric of the run's cumulative hours: gpu_hours, or worker_hours on CPU workers."""
         return "gpu_hours" if self.on_gpu else "worker_hours"
 
-    def window(self, samples_per_s: float, workers: int) -> dict[str, float]:
+    def window(
+        self, samples_per_s: float, workers: int, shapes: Mapping[tuple[int, ...], int] | None = None
+    ) -> dict[str, float]:
         """``mfu`` and ``cost_per_million_images`` for a report window that trained ``samples_per_s`` images per
         second on ``workers`` workers; each left out where it has no basis.
 
         Args:
             samples_per_s: images per second of all workers together over the window.
             workers: workers (one GPU each) in the group.
+            shapes: the window's samples by latent shape (a rank's: every step is one bucket on all ranks).
         """
         figures: dict[str, float] = {}
         if not samples_per_s > 0:  # a window without a step: no rate to judge
             return figures
-        if self.flops_per_image is not None and self.peak_flops is not None:
-            figures["mfu"] = mfu(samples_per_s / workers, self.flops_per_image, self.peak_flops)
+        flops = self.flops_per_image if self.count is None or not shapes else self._mean_flops(shapes)
+        if flops is not None and self.peak_flops is not None:
+            figures["mfu"] = mfu(samples_per_s / workers, flops, self.peak_flops)
         if self.gpu_hour_cost is not None:
             figures["cost_per_million_images"] = cost_per_million_images(samples_per_s, workers, self.gpu_hour_cost)
         return figures
+
+    def _mean_flops(self, shapes: Mapping[tuple[int, ...], int]) -> float | None:
+        """The mean FLOPs per image of a window's samples, each at its bucket's FLOPs; None if a count failed."""
+        assert self.count is not None
+        for shape in shapes:
+            if shape not in self.by_shape:
+                try:
+                    flops = self.by_shape[shape] = self.count(shape)
+                    log.info("bucket %s: %.3f GFLOP per image (forward and backward)", _shape(shape), flops / 1e9)
+                except Exception as error:  # MFU is a view of the run: a count that fails must not stop training
+                    log.warning("no MFU for bucket %s: could not count its FLOPs: %s", shape, error)
+                    self.by_shape[shape] = None
+        counted = [(self.by_shape[shape], n) for shape, n in shapes.items()]
+        if any(flops is None for flops, _ in counted):
+            return None
+        return sum(flops * n for flops, n in counted if flops is not None) / sum(shapes.values())
 
     @classmethod
     def of_run(cls, module: Any, precision: str, gpu_hour_cost: float | None) -> Efficiency:
@@ -90,12 +117,17 @@ class Efficiency:
             gpu_hour_cost: run.gpu_hour_cost.
         """
         meta = module.checkpoint_meta
+        encoder = module.caption_encoder.text_encoder.config if module.caption_encoder is not None else None
+
+        def count(latent_shape: tuple[int, ...]) -> float:
+            channels, height, width = latent_shape
+            counted = unet_train_step_flops(meta.unet_config, (channels, height, width), tuple(meta.caption_shape))
+            if encoder is not None:  # token-id captions: the text encoder's forward is model work too
+                counted += text_encoder_forward_flops(encoder, int(meta.caption_shape[0]))
+            return float(counted)
+
         try:
-            counted = unet_train_step_flops(meta.unet_config, tuple(meta.latent_shape), tuple(meta.caption_shape))
-            if module.caption_encoder is not None:  # token-id captions: the text encoder's forward is model work too
-                config = module.caption_encoder.text_encoder.config
-                counted += text_encoder_forward_flops(config, int(meta.caption_shape[0]))
-            flops: float | None = float(counted)
+            flops: float | None = count(tuple(meta.latent_shape))
         except Exception as error:  # MFU is a view of the run: a count that fails must not stop training
             log.warning("no MFU: could not count the model's FLOPs on the meta device: %s", error)
             flops = None
@@ -119,4 +151,8 @@ class Efficiency:
                 )
         elif flops is not None:
             log.info("%.3f GFLOP per image (forward and backward); no MFU on CPU workers", flops / 1e9)
-        return cls(flops, peak, gpu_hour_cost, on_gpu)
+        return cls(flops, peak, gpu_hour_cost, on_gpu, count if meta.bucket_shapes else None)
+
+
+def _shape(shape: tuple[int, ...]) -> str:
+    return "x".join(map(str, shape))

@@ -4,6 +4,7 @@ an optional EMA of its weights (sdtrain.model.ema)."""
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable
 from typing import Any
 
@@ -66,6 +67,8 @@ class DiffusionModule(pl.LightningModule):
         self.caption_encoder = caption_encoder
         self.accumulation = accumulation
         self.sample_record: list[torch.Tensor] | None = [] if record_samples else None
+        self.window_shapes: Counter[tuple[int, ...]] = Counter()
+        """This rank's samples by latent shape since the last report (aspect-ratio buckets: MFU at each's FLOPs)."""
         self._micro_batch = 0
         self.unet = unet
         self.noise_scheduler = build_noise_scheduler(noise_scheduler_config)
@@ -139,6 +142,7 @@ class DiffusionModule(pl.LightningModule):
         if self.latent_scale != 1.0:
             latents = latents * self.latent_scale
         captions = self.embed_captions(batch["captions"])
+        self.window_shapes[tuple(latents.shape[1:])] += latents.shape[0]
         generator = self._step_generator(latents.device, self._micro_batch)
         self._micro_batch = (self._micro_batch + 1) % self.accumulation
         noise, timesteps = self._draw_noise_and_timesteps(latents, generator)
@@ -287,6 +291,11 @@ class DiffusionModule(pl.LightningModule):
             buffer.zero_()
         self.longest_bad_streak.copy_(self.bad_streak)
         return stats
+
+    def take_window_shapes(self) -> Counter[tuple[int, ...]]:
+        """This rank's samples by latent shape since the last call, and reset them."""
+        shapes, self.window_shapes = self.window_shapes, Counter()
+        return shapes
 
     def take_sample_record(self) -> torch.Tensor:
         """Sample indices trained on since the last call, in order, and reset the record."""

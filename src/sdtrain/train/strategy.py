@@ -22,6 +22,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from sdtrain.config.schema import TrainConfig
+from sdtrain.logs import log
 from sdtrain.private import torch as torch_private
 
 DDP_KWARGS: dict[str, Any] = {
@@ -157,6 +158,11 @@ def apply_options(module, train: TrainConfig, mesh: torch.distributed.device_mes
     if train.compile:
         buckets = module.checkpoint_meta.bucket_shapes
         compile_unet(module.unet, sharded=mesh is not None, shapes=len(buckets) if buckets else 1)
+        if buckets and module.trainer.is_global_zero:
+            log.info(
+                f"train.compile: {len(buckets)} bucket shapes, one static graph each (forward and backward), "
+                "compiled the first time each is trained on"
+            )
 
 
 def compile_unet(unet: torch.nn.Module, sharded: bool, shapes: int = 1) -> None:
@@ -189,6 +195,17 @@ def compile_unet(unet: torch.nn.Module, sharded: bool, shapes: int = 1) -> None:
     for block in units:
         # An instance attribute: nn.Module.__call__ runs the FSDP hooks, then this compiled forward.
         block.forward = torch.compile(block.forward, fullgraph=True, dynamic=False)
+
+
+class CompiledGraphs(pl.Callback):
+    """With train.compile: rank 0 logs at the end of training how many graphs dynamo compiled and how many breaks it
+    made. One graph per bucket shape (forward and backward, per FSDP unit under FSDP) is the design; more than that
+    is a recompile storm, and a break cannot happen under fullgraph=True."""
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.is_global_zero:
+            graphs, breaks = torch_private.compiled_graphs()
+            log.info(f"train.compile: rank 0 compiled {graphs} graphs in all, with {breaks} graph breaks")
 
 
 def fsdp_units(unet: torch.nn.Module) -> list[torch.nn.Module]:

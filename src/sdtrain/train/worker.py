@@ -35,6 +35,7 @@ from sdtrain.train.preemption import PreemptionCheck
 from sdtrain.train.reporting import StepReporter, log
 from sdtrain.train.run_view import RunView
 from sdtrain.train.sample_grids import SampleGrids, grid_captions
+from sdtrain.train.strategy import CompiledGraphs
 from sdtrain.train.trackers import apply_tracker_env
 from sdtrain.train.train_stream import TrainStream
 from sdtrain.train.validation import HeldValBatches, Validation
@@ -197,6 +198,8 @@ def _fit(
     callbacks.append(reporter)
     if run.restore_copy is not None:
         callbacks.append(DropRestoreCopy(run.restore_copy))
+    if config.train.compile:
+        callbacks.append(CompiledGraphs())
     trainer = pl.Trainer(callbacks=callbacks, **trainer_kwargs)
     if isinstance(trainer.strategy, RayDDPStrategy):
         # Ray's check that the strategy and cluster environment are its own; it knows no FSDP2
