@@ -166,8 +166,18 @@ def _fit(
     )
     train_batches.expected_first = plan.sample_indices(plan.window(stretches[rank][0], 0))[: layout.micro_batch]
 
-    # One callback a job, on one schedule: the watchdog first (its step marks precede the others' phases), then
-    # the preemption check (it may make this step a checkpoint step), the validation, the report.
+    trainer = pl.Trainer(callbacks=_callbacks(run, module, rank, train_batches), **trainer_kwargs)
+    if isinstance(trainer.strategy, RayDDPStrategy):
+        # Ray's check that the strategy and cluster environment are its own; it knows no FSDP2
+        # strategy (sdtrain.train.strategy.RayModelParallelStrategy), which needs nothing more from it.
+        trainer = prepare_trainer(trainer)
+    trainer.fit(module, train_dataloaders=train_batches, ckpt_path=start.ckpt_path, weights_only=True)
+
+
+def _callbacks(run: WorkerRun, module: pl.LightningModule, rank: int, train_batches: TrainStream) -> list[pl.Callback]:
+    """One callback a job, on one schedule: the watchdog first (its step marks precede the others' phases), then
+    the preemption check (it may make this step a checkpoint step), the validation, the report."""
+    config, plan, layout, start = run.config, run.plan, run.layout, run.start
     watchdog = run.watchdog
     enter = watchdog.enter if watchdog is not None else (lambda phase: None)
     cadence = ReportCadence(config)
@@ -200,12 +210,7 @@ def _fit(
         callbacks.append(DropRestoreCopy(run.restore_copy))
     if config.train.compile:
         callbacks.append(CompiledGraphs())
-    trainer = pl.Trainer(callbacks=callbacks, **trainer_kwargs)
-    if isinstance(trainer.strategy, RayDDPStrategy):
-        # Ray's check that the strategy and cluster environment are its own; it knows no FSDP2
-        # strategy (sdtrain.train.strategy.RayModelParallelStrategy), which needs nothing more from it.
-        trainer = prepare_trainer(trainer)
-    trainer.fit(module, train_dataloaders=train_batches, ckpt_path=start.ckpt_path, weights_only=True)
+    return callbacks
 
 
 def _buckets(module: Any) -> list | None:
