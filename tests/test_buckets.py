@@ -153,6 +153,12 @@ def test_a_bucketed_run_resumed_on_another_number_of_workers_reads_the_uninterru
         np.testing.assert_array_equal(got, want)
     bucket_of = np.repeat(spec.runs[:, 1], spec.runs[:, 2])  # rows of each file are its runs in order
     assert all(len(set(bucket_of[step])) == 1 for step in steps)  # one bucket a step, so a micro-batch
+    # The first epoch, across the resize: 80 of the 90 rows, none twice, none padded; each bucket's remainder (42 =
+    # 5 x 8 + 2, 27 = 3 x 8 + 3, 21 = 2 x 8 + 5) is what it left for the next epoch.
+    first_epoch = np.concatenate(steps[:10])
+    assert len(np.unique(first_epoch)) == 80 and (first_epoch < 90).all()
+    left = np.setdiff1d(np.arange(90), first_epoch)
+    assert np.bincount(bucket_of[left], minlength=3).tolist() == [2, 3, 5]
 
 
 @pytest.mark.slow  # inductor's CPU backend compiles the tiny UNet's step once a bucket
