@@ -20,7 +20,7 @@ def _plan(seed=0, global_batch=12, chunk_rows=5, window_rows=20):
 def _bucket_of_rows(plan):
     """The bucket of every row, by its sample index."""
     bucket = np.full(plan.num_rows, -1)
-    for f, b, n in plan.runs:
+    for f, b, n in plan.run_table():
         at = plan.file_offsets[f] + int((bucket[plan.file_offsets[f] : plan.file_offsets[f + 1]] >= 0).sum())
         bucket[at : at + n] = b
     return bucket
