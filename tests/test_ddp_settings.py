@@ -19,6 +19,7 @@ import tempfile
 from collections import Counter
 
 import lightning.pytorch as pl
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -301,3 +302,66 @@ def _the_communication_model_is_what_the_ranks_did(runs: dict) -> None:
                 "reduce-scatters": len(scatters.get((batch, "backward"), [])),
             }
             assert found == expected, (name, batch, found, expected)
+
+
+def _fsdp_grid(directory: str, rank: int) -> dict:
+    """A 2-rank FSDP fit with an EMA, then the sample grid as a worker draws it (sdtrain.train.worker.sample_grids:
+    every rank takes part in each sharded forward pass, rank 0 writes), beside the same grid sampled alone from the
+    EMA's gathered weights."""
+    from sdtrain.model.unet import build_unet
+    from sdtrain.sampling.captions import Captions
+    from sdtrain.sampling.sampler import sample_latents
+    from sdtrain.train.sample_grids import SampleGrids
+    from sdtrain.train.worker import sample_grids
+
+    grid = ("sample_grid.prompts=[a, b]", "sample_grid.columns=2", "sample_grid.steps=2")
+    ema = ("train.ema_decay=0.5", "train.ema_start_step=0")
+    storage = (f"run.storage_path={directory}", "run.name=fsdp")
+    cfg = tiny_config(*FIT, "train.global_batch_size=8", "train.strategy=fsdp", *ema, *grid, *storage, steps=2)
+    meta = checkpoint_meta(cfg, LATENTS, CAPTIONS)
+    module, trainer_kwargs = build_training(cfg, meta, use_gpu=False, world_size=2, accumulation=2)
+    trainer_kwargs["devices"] = 2
+    trainer = pl.Trainer(**trainer_kwargs)
+    trainer.fit(module, torch.utils.data.DataLoader(batches(4), batch_size=None))
+    prompts = Captions(torch.randn(2, *CAPTIONS, generator=torch.Generator().manual_seed(1)), ["a", "b"])
+    grids = sample_grids(cfg, module, rank, prompts)
+    assert grids is not None  # every rank draws
+    drawn = grids.sample(module.eval_unet, 2)
+    kinds = [None, None]
+    dist.all_gather_object(kinds, type(drawn).__name__)
+    sharded = DTensor in {type(p) for p in module.eval_unet.parameters()}
+    full = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in module.eval_unet.state_dict().items()}
+    alone = build_unet(cfg.model)
+    alone.load_state_dict(full)
+    captions = prompts.embeddings.repeat_interleave(2, dim=0)
+    settings = dict(sampler="ddim", steps=2, guidance_scale=3.0, seed=cfg.train.seed)
+    unconditional = module.unconditional_caption.detach().cpu()
+    scheduler = meta.noise_scheduler_config
+    by_ranks = sample_latents(module.eval_unet, scheduler, captions, unconditional, LATENTS, **settings)
+    if rank != 0:
+        return {}
+    by_one = sample_latents(alone, scheduler, captions, unconditional, LATENTS, **settings)
+    reference = SampleGrids(cfg, meta, prompts, f"{directory}/alone", unconditional).sample(alone, 2)
+    assert drawn is not None and reference is not None
+    return dict(
+        kinds=kinds,
+        sharded=sharded,
+        written=sorted(os.listdir(f"{directory}/fsdp/samples")),
+        image=drawn.image,
+        reference=reference.image,
+        latent_gap=float((by_ranks - by_one).abs().max()),
+    )
+
+
+@pytest.mark.slow  # two spawned processes
+def test_a_sample_grid_under_fsdp_is_drawn_by_every_rank_and_written_by_rank_0():
+    """Each rank holds a shard of the EMA: every rank samples the grid in step (each forward pass gathers the weights
+    from all), rank 0 alone writes it, and it is the grid the gathered EMA gives in one process."""
+    import functools
+
+    with tempfile.TemporaryDirectory(prefix="sdtrain-fsdp-grid-") as directory:
+        result = _run(functools.partial(_fsdp_grid, directory))
+    assert result["sharded"] and result["kinds"] == ["Grid", "NoneType"]
+    assert result["written"] == ["step_2.png"]
+    assert result["latent_gap"] < 1e-4
+    assert np.abs(result["image"].astype(int) - result["reference"].astype(int)).max() <= 1

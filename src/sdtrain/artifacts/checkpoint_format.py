@@ -55,6 +55,11 @@ class CheckpointMeta:
     bucket_shapes: list[list[int]] | None = None
     """Aspect-ratio buckets: the latent shape (C, H, W) of each bucket the model trained on (``latent_shape`` is the
     one most rows had); None: every row had ``latent_shape``."""
+    grid_prompts: list[str] | None = None
+    """sample_grid.prompts as the driver read them (a file's lines): the rows of the run's sample grids, and what
+    generate.py samples from the run when given no captions; None: the run had none."""
+    grid_text_encoder: str | None = None
+    """The text encoder (local path, storage URI or hub id) that encoded ``grid_prompts``."""
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (lists, not tuples) for ``torch.load(weights_only=True)`` and JSON."""

@@ -151,9 +151,16 @@ class SampleGridConfig(Section):
     section: ClassVar[str] = "sample_grid"
 
     every_n_steps: int | None = None
-    """Rank 0 samples a fixed grid (sample_grid.captions, fixed seed, the EMA weights) every this many steps and at
-    the end, saved as samples/step_<N>.png in the run directory and sent to tracking.trackers; null = with each
-    checkpoint. No grid when neither sample_grid.captions nor data.val is set, or under train.strategy=fsdp."""
+    """Rank 0 samples a fixed grid (sample_grid.prompts or .captions, fixed seed, the EMA weights) every this many
+    steps and at the end, saved as samples/step_<N>.png in the run directory and sent to tracking.trackers; null =
+    with each checkpoint. Under train.strategy=fsdp every rank takes part (each holds a shard of the weights). No grid
+    when none of sample_grid.prompts, sample_grid.captions and data.val is set."""
+    prompts: str | list[str] | None = None
+    """Prompts in words for the sample grid's rows, a row each, labelled with its text: a list, or the path or s3://
+    URI of a text file of one prompt a line (blank lines and # comments left out). Encoded once, on the driver before
+    Ray starts, by the run's text encoder: the one its token-id captions name, else the one data.train's files record
+    (sdtrain.text_encoder_source, which entrypoints/preprocess.py writes), else model.pretrained's text_encoder/.
+    generate.py samples a run's prompts when given no captions. null = sample_grid.captions."""
     captions: str | None = None
     """Captions of the sample grid's rows: a .npy of embeddings ((L, D) or (N, L, D)) or parquet with
     data.caption_column; null = data.val (one row per label when it has a label column, else its first
@@ -172,6 +179,11 @@ class SampleGridConfig(Section):
     def __post_init__(self):
         if self.every_n_steps is not None and self.every_n_steps < 1:
             self._fail("every_n_steps", f"must be >= 1 or null, got {self.every_n_steps}")
+        if self.prompts is not None and self.captions is not None:
+            self._fail("prompts", "and sample_grid.captions both name the grid's rows; set one of them")
+        named = [self.prompts] if isinstance(self.prompts, str) else self.prompts
+        if named is not None and not (named and all(p.strip() for p in named)):
+            self._fail("prompts", f"must name prompts (a list of them, or a file of one a line), got {self.prompts!r}")
         for key in ("rows", "columns", "steps"):
             if getattr(self, key) < 1:
                 self._fail(key, f"must be >= 1, got {getattr(self, key)}")

@@ -198,6 +198,9 @@ class Config(ConfigTree):
         named += [("eval.dinov2", self.eval.dinov2), ("eval.inception", self.eval.inception)]
         named += [("eval.clip", self.eval.clip), ("eval.vae", self.eval.vae)]
         named += [("retrain.data_root", self.retrain.data_root), ("retrain.models_root", self.retrain.models_root)]
+        named.append(("sample_grid.captions", self.sample_grid.captions))
+        if isinstance(self.sample_grid.prompts, str):  # a file of them
+            named.append(("sample_grid.prompts", self.sample_grid.prompts))
         return [(key, path) for key, path in named if path is not None]
 
 

@@ -240,7 +240,8 @@ def _generate_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--captions",
         help="caption embeddings: a .npy file ((L, D) or (N, L, D)) or parquet (file, directory or glob); "
-        "parquet with a label column gives one row per label",
+        "parquet with a label column gives one row per label. Given neither captions nor prompts, a run or checkpoint "
+        "samples the prompts of its sample grids (sample_grid.prompts)",
     )
     parser.add_argument(
         "--prompt",
@@ -337,8 +338,6 @@ def generate_main(argv=None) -> int:
             from sdtrain.sampling.prompts import read_prompts_file
 
             prompts += read_prompts_file(args.prompts_file)
-        if not args.captions and not prompts:
-            parser.error("--captions or --prompt/--prompts-file is required to sample")
         if args.captions and prompts:
             parser.error("give --captions or prompts, not both")
         request = GenerateRequest(

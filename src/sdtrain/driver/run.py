@@ -20,6 +20,7 @@ import ray
 import ray.train
 from ray.train.torch import TorchTrainer
 
+from sdtrain.artifacts.checkpoint_format import CheckpointMeta
 from sdtrain.artifacts.export import export_checkpoint, export_source
 from sdtrain.artifacts.run_outputs import LossLabels, read_history, write_run_outputs
 from sdtrain.artifacts.run_totals import RunTotals, run_totals
@@ -43,6 +44,7 @@ from sdtrain.evaluation.checks import check_evaluation
 from sdtrain.evaluation.results import final_results, merge_results
 from sdtrain.logs import log
 from sdtrain.model.unet import unet_config
+from sdtrain.sampling.prompts import GridPrompts, grid_prompts
 from sdtrain.storage.filesystems import ray_storage, set_aside, uri_for
 from sdtrain.storage.run_layout import EXPORT_DIR
 from sdtrain.storage.s3 import resolved_s3_settings
@@ -105,6 +107,8 @@ class CheckedRun:
     when no metric needs images (class agreement reads latents without a VAE)."""
     latent_classifier: str | None = None
     """The module data.train's files name as the reader of their latents (sdtrain.sampling.latent_classifier)."""
+    grid_prompts: GridPrompts | None = None
+    """sample_grid.prompts, encoded once here: the workers draw them at every sample grid."""
 
     @property
     def finished(self) -> bool:
@@ -135,6 +139,8 @@ def check_run(config: Config) -> CheckedRun:
     val_spec = val_data.spec if val_data is not None else None
     run = CheckedRun(config, run_dir, train_spec, val_spec, plan, stored_scale, committed_run(*ray_storage(run_dir)))
     run.latent_classifier = latent_classifier(train_data.schema_metadata)
+    captions = train_spec.embedding_shape(unet_config(config.model)["cross_attention_dim"])
+    run.grid_prompts = grid_prompts(config, train_data.schema_metadata, train_spec.token_ids, captions)
     if config.eval.enabled:
         assert val_data is not None  # the config requires data.val with eval
         run.eval_vae = check_evaluation(config, val_data.schema_metadata, val_data.index.checked.schema.names)
@@ -186,26 +192,17 @@ def build_trainer(run: CheckedRun, launched_at: float) -> TorchTrainer:
     }
     if run.val is not None:
         datasets["val"] = file_order_dataset(run.val, config.data, "data.val")
-    text_encoder = run.train.token_ids.text_encoder if run.train.token_ids is not None else None
-    meta = checkpoint_meta(
-        config,
-        run.train.latent_shape,
-        captions,
-        run.stored_scale,
-        text_encoder,
-        run.latent_classifier,
-        run.train.bucket_shapes,
-    )
     return TorchTrainer(
         train_loop_per_worker,
         train_loop_config={
             "config": config.to_dict(),
             "use_gpu": use_gpu,
-            "checkpoint_meta": meta,
+            "checkpoint_meta": _run_meta(run, config, captions),
             "plan": run.plan,
             "s3": resolved_s3_settings(),
             "launched_at": launched_at,
             "tracker_env": tracker_env(),
+            "grid_prompts": run.grid_prompts.captions() if run.grid_prompts is not None else None,
         },
         scaling_config=ray.train.ScalingConfig(  # type: ignore[call-arg]  # v2 ScalingConfig: see RunConfig below
             num_workers=_ray_num_workers(config.scaling),
@@ -218,6 +215,26 @@ def build_trainer(run: CheckedRun, launched_at: float) -> TorchTrainer:
         dataset_config=PlannedStreams(WindowReader(run.train, config.data, run.plan), run.run_dir, config),
         # With eval, Ray Train evaluates the checkpoints rank 0 asks for, once committed, in a task of their own.
         validation_config=_validation_config(config, run.run_dir, run.eval_vae) if config.eval.enabled else None,
+    )
+
+
+def _run_meta(run: CheckedRun, config: Config, captions: tuple[int, int]) -> CheckpointMeta:
+    """What every checkpoint of the run stores besides the weights (sdtrain.train.build.checkpoint_meta), with the
+    prompts of its sample grids: generate.py's default for the run."""
+    text_encoder = run.train.token_ids.text_encoder if run.train.token_ids is not None else None
+    meta = checkpoint_meta(
+        config,
+        run.train.latent_shape,
+        captions,
+        run.stored_scale,
+        text_encoder,
+        run.latent_classifier,
+        run.train.bucket_shapes,
+    )
+    if run.grid_prompts is None:
+        return meta
+    return dataclasses.replace(
+        meta, grid_prompts=run.grid_prompts.prompts, grid_text_encoder=run.grid_prompts.text_encoder
     )
 
 

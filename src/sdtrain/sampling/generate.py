@@ -14,6 +14,7 @@ import torch
 from sdtrain.artifacts.export import model_sources
 from sdtrain.artifacts.loading import LoadedModel, Weights, load_model
 from sdtrain.errors import DataError
+from sdtrain.logs import log
 from sdtrain.model.encoders import load_vae, vae_downsampling
 from sdtrain.sampling.captions import Captions, read_captions
 from sdtrain.sampling.images import channels_preview, decode, decode_shape, grid_image, latent_preview
@@ -139,15 +140,22 @@ def _latent_shape(request: GenerateRequest, loaded: LoadedModel, unet_config: An
 
 
 def _captions(request: GenerateRequest, loaded: LoadedModel, caption_dim: int) -> Captions:
-    """The grid's rows: prompts encoded with the model's text encoder, or captions read from a file."""
+    """The grid's rows: prompts encoded with the model's text encoder, or captions read from a file; given neither,
+    the prompts of the run's sample grids (sample_grid.prompts) with the text encoder that encoded them."""
+    if not request.prompts and request.captions is None:
+        meta = loaded.meta
+        if meta is None or not meta.grid_prompts:
+            raise DataError(f"give --captions or --prompt/--prompts-file ({request.model} has no sample_grid.prompts)")
+        log.info(f"no --captions or --prompt: sampling the run's sample_grid.prompts ({len(meta.grid_prompts)})")
+        request.prompts = list(meta.grid_prompts)
+        request.text_encoder = request.text_encoder or meta.grid_text_encoder
     if request.prompts:
         from sdtrain.sampling.prompts import encode_prompt_captions, resolve_sources
 
         sources = resolve_sources(loaded, request.text_encoder, request.vae)
         request.vae = sources.vae  # prompts mean pictures: decode with the VAE the data was encoded with
         return encode_prompt_captions(request.prompts, sources.text_encoder, loaded.caption_shape)
-    if request.captions is None:
-        raise DataError("give --captions or --prompt/--prompts-file")
+    assert request.captions is not None
 
     def encode(ids: torch.Tensor) -> torch.Tensor:  # a column of token ids: the model's text encoder, on demand
         from sdtrain.model.token_captions import CaptionEncoder

@@ -3,6 +3,8 @@ else three channels as RGB), and laid out as a grid with a row per caption."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
@@ -24,17 +26,24 @@ def channels_preview(latents: np.ndarray) -> np.ndarray:
     return (255 * np.clip((rgb + 3) / 6, 0, 1)).transpose(0, 2, 3, 1).astype(np.uint8)
 
 
+LABEL_CHARS = 40
+"""A grid row's label, its caption's name or prompt, is cut to this many characters."""
+
+
 def grid_image(tiles: np.ndarray, names: list[str], zoom: int = 1):
-    """(R, K, H, W[, 3]) uint8 tiles -> one PIL image, a row per caption with its name on the left."""
+    """(R, K, H, W[, 3]) uint8 tiles -> one PIL image, a row per caption with its name (a prompt's text) on the left,
+    in a margin as wide as the longest."""
     from PIL import Image, ImageDraw
 
     rows, cols, h, w = tiles.shape[:4]
     h, w = h * zoom, w * zoom
-    pad, margin = 2, 60
+    labels = [name if len(name) <= LABEL_CHARS else name[: LABEL_CHARS - 3] + "..." for name in names]
+    measure = ImageDraw.Draw(Image.new("RGB", (1, 1)))
+    pad, margin = 2, max(60, 8 + math.ceil(max((measure.textlength(label) for label in labels), default=0)))
     canvas = Image.new("RGB", (margin + cols * (w + pad) + pad, rows * (h + pad) + pad), "white")
     draw = ImageDraw.Draw(canvas)
     for r in range(rows):
-        draw.text((4, pad + r * (h + pad) + h // 2 - 5), names[r][:9], fill="black")
+        draw.text((4, pad + r * (h + pad) + h // 2 - 5), labels[r], fill="black")
         for k in range(cols):
             tile = Image.fromarray(tiles[r, k]).convert("RGB").resize((w, h), Image.Resampling.NEAREST)
             canvas.paste(tile, (margin + pad + k * (w + pad), pad + r * (h + pad)))

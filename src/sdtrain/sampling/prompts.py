@@ -3,22 +3,132 @@
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import pyarrow.fs as pafs
+import torch
+
 from sdtrain.artifacts.export import model_sources
 from sdtrain.artifacts.loading import LoadedModel
-from sdtrain.data.metadata import EncoderSources
-from sdtrain.errors import DataError
+from sdtrain.config.schema import Config
+from sdtrain.data.metadata import TEXT_ENCODER_SOURCE, EncoderSources, TokenIds
+from sdtrain.errors import ConfigError, DataError
 from sdtrain.sampling.captions import Captions
+from sdtrain.storage.filesystems import filesystem_for
+from sdtrain.storage.uris import is_uri
+
+KEY = "sample_grid.prompts"
 
 
-def read_prompts_file(path: str) -> list[str]:
-    """One prompt a line; blank lines and lines starting with # are left out."""
+def read_prompts_file(path: str, key: str = "--prompts-file") -> list[str]:
+    """One prompt a line; blank lines and lines starting with # are left out. ``key``: the flag or config key that
+    named the file, for the errors."""
     from sdtrain.storage.filesystems import read_text
 
-    text = read_text(path, "--prompts-file")
+    text = read_text(path, key)
     prompts = [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
     if not prompts:
-        raise DataError(f"--prompts-file: {path} holds no prompts (one a line)")
+        raise DataError(f"{key}: {path} holds no prompts (one a line)")
     return prompts
+
+
+@dataclass(frozen=True)
+class GridPrompts:
+    """sample_grid.prompts, read and encoded once on the driver: the rows of each of the run's sample grids."""
+
+    prompts: list[str]
+    text_encoder: str
+    """Where the text encoder that encoded them came from."""
+    embeddings: torch.Tensor
+    """(N, L, D) float32, a row per prompt."""
+
+    def captions(self) -> Captions:
+        return Captions(self.embeddings, list(self.prompts))
+
+
+def grid_prompts(
+    config: Config, metadata: Mapping[bytes, bytes] | None, token_ids: TokenIds | None, caption_shape: tuple[int, ...]
+) -> GridPrompts | None:
+    """sample_grid.prompts encoded by the run's text encoder (:func:`grid_text_encoder`); None when it is not set.
+    Refuses, naming the key, a file that is missing or empty, a run with no known text encoder, and an encoder whose
+    output is not the run's caption shape (L, D), D being the UNet's cross_attention_dim.
+
+    Args:
+        metadata: data.train's parquet schema metadata.
+        token_ids: what data.train's token-id captions say of their encoder; None for embeddings.
+        caption_shape: (L, D) of the captions the UNet trains on.
+    """
+    from sdtrain.model.encoders import encode_prompts, load_text_encoder
+    from sdtrain.model.token_captions import text_encoder_config
+
+    setting = config.sample_grid.prompts
+    if setting is None:
+        return None
+    prompts = _prompt_list(setting)
+    source = grid_text_encoder(config, metadata, token_ids)
+    try:
+        width = text_encoder_config(source).hidden_size
+    except DataError as error:
+        raise ConfigError(f"{KEY}: {error}") from None
+    if width != caption_shape[-1]:
+        raise ConfigError(
+            f"{KEY}: the run's text encoder {source} encodes prompts {width} wide, but the UNet's cross_attention_dim "
+            f"is {caption_shape[-1]}: prompts need the encoder the captions were made with"
+        )
+    tokenizer, model = load_text_encoder(source)
+    embeddings = encode_prompts(tokenizer, model, prompts)
+    if tuple(embeddings.shape[1:]) != tuple(caption_shape):
+        raise ConfigError(
+            f"{KEY}: {source} encodes a prompt as {tuple(embeddings.shape[1:])} (tokens, width), but data.train's "
+            f"captions are {tuple(caption_shape)}: prompts need the tokenizer the captions were made with"
+        )
+    return GridPrompts(prompts, source, embeddings)
+
+
+def _prompt_list(setting: str | list[str]) -> list[str]:
+    """The prompts a list holds, or the lines of the file a string names."""
+    if isinstance(setting, list):
+        return [prompt.strip() for prompt in setting]
+    fs, path = filesystem_for(setting)
+    if fs.get_file_info(path).type != pafs.FileType.File:
+        raise ConfigError(
+            f"{KEY}: no file {setting}. A string names a text file of prompts, one a line; prompts in words are a "
+            f"list: {KEY}=['a red fox', 'a lighthouse at dusk']"
+        )
+    return read_prompts_file(setting, KEY)
+
+
+def grid_text_encoder(config: Config, metadata: Mapping[bytes, bytes] | None, token_ids: TokenIds | None) -> str:
+    """The text encoder the run's prompts are encoded with: the one its token-id captions name (training encodes them
+    with it), else the one data.train's files record (the captions were made with it), else model.pretrained's."""
+    if token_ids is not None:
+        return token_ids.text_encoder
+    recorded = (metadata or {}).get(TEXT_ENCODER_SOURCE.encode())
+    if recorded:
+        return recorded.decode()
+    pretrained = config.model.pretrained
+    if pretrained is not None and _holds_text_encoder(pretrained):
+        return pretrained
+    raise ConfigError(
+        f"{KEY}: no text encoder is known to encode the prompts with: data.train's captions are embeddings whose "
+        f"files record no {TEXT_ENCODER_SOURCE} (entrypoints/preprocess.py writes it), and model.pretrained "
+        f"({pretrained or 'not set'}) holds no text_encoder/. Name the Stable Diffusion model (tokenizer/ and "
+        f"text_encoder/) the captions were encoded with: in data.train's parquet metadata ({TEXT_ENCODER_SOURCE}, "
+        "as preprocessing records it), or as model.pretrained when training starts from it; or give the grid "
+        "embeddings instead (sample_grid.captions)"
+    )
+
+
+def _holds_text_encoder(source: str) -> bool:
+    """Whether a model directory or URI holds text_encoder/config.json; a hub id is taken at its word (it is read
+    from the hub, and fails there naming itself, when it does not)."""
+    local = os.path.expanduser(source)
+    if not is_uri(source) and not os.path.exists(local):
+        return True  # a hub id
+    fs, path = filesystem_for(source if is_uri(source) else local)
+    return fs.get_file_info(f"{path.rstrip('/')}/text_encoder/config.json").type == pafs.FileType.File
 
 
 def resolve_sources(loaded: LoadedModel, text_encoder: str | None, vae: str | None) -> EncoderSources:

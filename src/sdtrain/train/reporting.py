@@ -29,6 +29,7 @@ from sdtrain.train.checkpointing import CheckpointWriter
 from sdtrain.train.efficiency import Efficiency
 from sdtrain.train.evaluations import CheckpointEvaluations, unevaluated_score
 from sdtrain.train.run_view import RunView
+from sdtrain.train.sample_grids import SampleGrids
 from sdtrain.train.validation import Validation
 from sdtrain.train.watchdog import Phase
 
@@ -48,6 +49,8 @@ class StepReporter(OptimizerStepCallback):
         view: rank 0's live files, trackers and Ray gauges (None on other ranks).
         evaluations: rank 0's checkpoint evaluations (None on other ranks, and without eval).
         enter: told the phase (the stall watchdog's), or a no-op.
+        grids: the sample grids this rank draws: rank 0's, and under FSDP every rank's (each holds a shard of the
+            weights); None: none here.
     """
 
     def __init__(
@@ -62,6 +65,7 @@ class StepReporter(OptimizerStepCallback):
         view: RunView | None = None,
         enter: Callable[[str], None] = lambda phase: None,
         evaluations: CheckpointEvaluations | None = None,
+        grids: SampleGrids | None = None,
     ):
         self.cadence = cadence
         self.train = train
@@ -75,6 +79,7 @@ class StepReporter(OptimizerStepCallback):
         self.view = view
         self.enter = enter
         self.evaluations = evaluations
+        self.grids = grids
         # What Ray Train ranks a checkpoint by until its evaluation reports the metric (checkpoint.score_attribute).
         self._unevaluated = unevaluated_score(view.config.checkpoint.score_attribute) if view is not None else {}
         self.slowest_steps_per_s = 0.0
@@ -141,12 +146,16 @@ class StepReporter(OptimizerStepCallback):
             if evaluate:
                 metrics["evaluation_asked"] = 1.0
             metrics["evaluations_skipped"] = float(self.evaluations.skipped)
+        grid = None
+        if self.grids is not None and self.grids.due(step, self.train.max_steps):
+            self.enter(Phase.SAMPLE_GRID)
+            grid = self.grids.sample(pl_module.eval_unet, step)  # None on the ranks that only take part
         if trainer.is_global_zero:
             log.info(_progress_line(metrics, self.train.max_steps))
             self.history.append(metrics)
             if self.view is not None:
                 self.enter(Phase.SAMPLE_GRID)
-                self.view.reported(metrics, self.history, pl_module, with_checkpoint)
+                self.view.reported(metrics, self.history, grid, with_checkpoint)
         self.enter(Phase.CHECKPOINT if with_checkpoint else Phase.REPORT)
         if with_checkpoint:
             self._checkpoint_stall = self.checkpoints.report(

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any
 
 import numpy as np
 
@@ -14,7 +13,7 @@ from sdtrain.artifacts.run_outputs import LossLabels
 from sdtrain.config.schema import Config
 from sdtrain.logs import log
 from sdtrain.train.live_files import LiveOutputs
-from sdtrain.train.sample_grids import SampleGrids
+from sdtrain.train.sample_grids import Grid
 from sdtrain.train.trackers import Trackers
 
 # metric -> (gauge name, description): what a dashboard needs to tell a healthy run from a stalled one.
@@ -63,21 +62,15 @@ class RunView:
         self,
         config: Config,
         run_dir: str,
-        grids: SampleGrids | None = None,
-        max_steps: int = 0,
         ray_metrics: bool = True,
     ):
         """Args:
         config: the run's config.
         run_dir: run.storage_path/run.name, local or s3://.
-        grids: the sample grids to draw (None: none).
-        max_steps: train.max_steps (a grid is drawn at the last step).
         ray_metrics: export Ray gauges (only inside a Ray worker).
         """
         self.config = config
         self.run_dir = run_dir
-        self.grids = grids
-        self.max_steps = max_steps
         self.live = LiveOutputs(run_dir, LossLabels(config.model.prediction_type, config.train.snr_gamma))
         self.trackers: Trackers | None = None  # opened by started(), which knows where the run resumes
         self.gauges = RayGauges(config.run.name) if ray_metrics else None
@@ -90,13 +83,12 @@ class RunView:
             self.trackers = Trackers(self.config, self.run_dir, history)
 
     def reported(
-        self, metrics: dict[str, float], history: list[dict[str, float]], module: Any, checkpoint: bool = False
+        self, metrics: dict[str, float], history: list[dict[str, float]], grid: Grid | None, checkpoint: bool = False
     ) -> None:
-        """A report of ``metrics``, already appended to ``history``; a sample grid when one is due, from
-        ``module.eval_unet``, adds its time (sample_grid_s); ``checkpoint``: a checkpoint of this step follows."""
+        """A report of ``metrics``, already appended to ``history``; the sample grid drawn at this step, if any, adds
+        its time (sample_grid_s) and goes to the trackers; ``checkpoint``: a checkpoint of this step follows."""
         step = int(metrics["step"])
-        if self.grids is not None and self.grids.due(step, self.max_steps):
-            grid = self.grids.sample(module.eval_unet, step)
+        if grid is not None:
             metrics["sample_grid_s"] = grid.seconds
             self.image("samples", grid.image, step)
         self.live.update(history)

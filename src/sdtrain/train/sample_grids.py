@@ -1,6 +1,7 @@
 """Sample grids while a run trains: rank 0 samples the same captions from the same noise every
 sample_grid.every_n_steps with the weights that export and generation use (the EMA's when there is one),
-so the grids of successive steps show what the model learned in between."""
+so the grids of successive steps show what the model learned in between. Under FSDP each rank holds a shard of the
+weights and every forward pass is a collective: every rank samples the grid in step, and rank 0 writes it."""
 
 from __future__ import annotations
 
@@ -35,15 +36,23 @@ class Grid:
 
 
 def grid_captions(
-    config: Config, caption_dim: int, encode: Callable[[torch.Tensor], torch.Tensor] | None = None
+    config: Config,
+    caption_dim: int,
+    encode: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    prompts: Captions | None = None,
 ) -> Captions | None:
-    """The captions of the grid's rows: sample_grid.captions, else data.val's (one row per label when it has labels);
-    None when neither is set.
+    """The captions of the grid's rows: sample_grid.prompts, else sample_grid.captions, else data.val's (one row per
+    label when it has labels); None when none is set.
 
     Args:
         caption_dim: the UNet's cross-attention width.
         encode: for data of token ids, the run's text encoder (ids -> float embeddings).
+        prompts: sample_grid.prompts as the driver encoded them (sdtrain.sampling.prompts.GridPrompts), a row each.
     """
+    if config.sample_grid.prompts is not None:
+        if prompts is None:  # the driver encodes them before the workers start: a caller that did not is wrong
+            raise ConfigError("sample_grid.prompts: set, but not encoded by the driver (sdtrain.driver.run.check_run)")
+        return prompts
     source = config.sample_grid.captions or (config.data.val[0] if config.data.val else None)
     if source is None:
         return None
@@ -58,7 +67,7 @@ def grid_captions(
 
 
 class SampleGrids:
-    """Rank 0's grids: due at every sample_grid.every_n_steps (null: with each checkpoint) and at the last step."""
+    """A rank's grids: due at every sample_grid.every_n_steps (null: with each checkpoint) and at the last step."""
 
     def __init__(
         self,
@@ -68,6 +77,7 @@ class SampleGrids:
         run_dir: str,
         unconditional: torch.Tensor,
         autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+        writes: bool = True,
     ):
         """Args:
         config: the run's config.
@@ -76,7 +86,9 @@ class SampleGrids:
         run_dir: run.storage_path/run.name (grids go to its samples/).
         unconditional: the empty-prompt embedding for classifier-free guidance.
         autocast: the training step's autocast, entered for each grid (sdtrain.train.device_settings.training_autocast).
+        writes: save the grid (rank 0); False on the other ranks of a sharded model, which only take part.
         """
+        self.writes = writes
         self.autocast = autocast
         self.config = config
         self.meta = meta
@@ -88,8 +100,8 @@ class SampleGrids:
     def due(self, step: int, max_steps: int) -> bool:
         return step % self.every == 0 or step >= max_steps
 
-    def sample(self, unet: torch.nn.Module, step: int) -> Grid:
-        """The grid of ``step`` from ``unet``, saved as samples/step_<step>.png."""
+    def sample(self, unet: torch.nn.Module, step: int) -> Grid | None:
+        """The grid of ``step`` from ``unet``, saved as samples/step_<step>.png; None on a rank that does not write."""
         started = time.perf_counter()
         grid = self.config.sample_grid
         columns = grid.columns
@@ -111,6 +123,8 @@ class SampleGrids:
                 ).numpy()
         finally:
             unet.train(was_training)
+        if not self.writes:
+            return None
         rows = len(self.captions.names)
         tiles = latent_preview(latents, self.meta.latent_classifier)
         picture = grid_image(tiles.reshape(rows, columns, *tiles.shape[1:]), self.captions.names, zoom=2)

@@ -24,6 +24,7 @@ from sdtrain.data.position import DataPosition
 from sdtrain.data.read_order import DataState, ReadPlan
 from sdtrain.model.recipe import load_unconditional_caption
 from sdtrain.private import ray as ray_private
+from sdtrain.sampling.captions import Captions
 from sdtrain.storage.run_layout import CHECKPOINT_FILE, HISTORY_FILE
 from sdtrain.storage.s3 import apply_s3_settings
 from sdtrain.train.build import build_training, run_device_settings
@@ -82,6 +83,8 @@ class WorkerRun:
     """Ends the worker when it makes no step for run.stall_timeout_s (None: never)."""
     pin_memory: bool = False
     """Pin host batches (sdtrain.train.device_settings): on GPUs, their copies to the device are then non_blocking."""
+    grid_prompts: Captions | None = None
+    """sample_grid.prompts as the driver encoded them: the sample grids' rows."""
 
 
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
@@ -139,9 +142,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             else StartPoint.from_directory(directory, plan, config.data.on_resume_change)
         )
         copy = directory if is_copy else None
-        run = WorkerRun(
-            config, plan, layout, start, loop_config["launched_at"], scratch, copy, watchdog, settings.pin_memory
-        )
+        launched, prompts = loop_config["launched_at"], loop_config.get("grid_prompts")
+        run = WorkerRun(config, plan, layout, start, launched, scratch, copy, watchdog, settings.pin_memory, prompts)
         _fit(run, module, trainer_kwargs, train_batches)
 
 
@@ -197,8 +199,9 @@ def _callbacks(run: WorkerRun, module: pl.LightningModule, rank: int, train_batc
         data_wait_s=train_batches.take_wait_s,
         launched_at=run.launched_at,
         validation=validation,
-        view=_run_view(config, module) if rank == 0 else None,
+        view=RunView(config, _run_dir(config)) if rank == 0 else None,
         enter=enter,
+        grids=sample_grids(config, module, rank, run.grid_prompts),
         evaluations=CheckpointEvaluations(config, _run_dir(config)) if rank == 0 and config.eval.enabled else None,
     )
     callbacks: list[pl.Callback] = [] if watchdog is None else [StallWatch(watchdog)]
@@ -237,26 +240,33 @@ def _validation(config: Config, layout: BatchLayout, cadence: ReportCadence, ent
     return Validation(cadence, val_batches, config.train.seed, enter)
 
 
-def _run_view(config: Config, module: Any) -> RunView:
-    """Rank 0's live files, trackers, gauges and sample grids (``module``: the DiffusionModule)."""
+def sample_grids(config: Config, module: Any, rank: int, prompts: Captions | None) -> SampleGrids | None:
+    """The sample grids rank ``rank`` draws (``module``: the DiffusionModule; ``prompts``: the driver's encoding of
+    sample_grid.prompts): rank 0's, and under FSDP every rank's, as each holds a shard of the weights and every
+    forward pass gathers them from all; rank 0 writes. None: no grids on this rank."""
+    sharded = config.train.strategy == "fsdp"
+    if rank != 0 and not sharded:
+        return None
     meta = module.checkpoint_meta
-    grids = None
     encoder = module.caption_encoder
     captions = grid_captions(
-        config, meta.caption_shape[-1], encode=(lambda ids: encoder(ids).float()) if encoder else None
+        config, meta.caption_shape[-1], encode=(lambda ids: encoder(ids).float()) if encoder else None, prompts=prompts
     )
     if captions is None:
-        log.info("no sample grids: neither sample_grid.captions nor data.val is set")
-    elif config.train.strategy == "fsdp":
-        # Each rank holds a shard of the weights: rank 0 alone cannot sample.
-        log.info("no sample grids under train.strategy=fsdp")
-    else:
-        unconditional = module.unconditional_caption.detach().cpu()
-        # The trainer is attached by the time a grid is drawn (in a report, during fit).
-        grids = SampleGrids(
-            config, meta, captions, _run_dir(config), unconditional, autocast=lambda: training_autocast(module.trainer)
-        )
-    return RunView(config, _run_dir(config), grids, config.train.max_steps)
+        if rank == 0:
+            log.info("no sample grids: none of sample_grid.prompts, sample_grid.captions and data.val is set")
+        return None
+    unconditional = module.unconditional_caption.detach().cpu()
+    # The trainer is attached by the time a grid is drawn (in a report, during fit).
+    return SampleGrids(
+        config,
+        meta,
+        captions,
+        _run_dir(config),
+        unconditional,
+        autocast=lambda: training_autocast(module.trainer),
+        writes=rank == 0,
+    )
 
 
 def _run_dir(config: Config) -> str:
