@@ -973,13 +973,15 @@ def test_inputs_model_and_output_on_s3_resumed_and_trained_on(tmp_path, tiny_mod
 
 # --- the whole loop ---
 
+PROMPTS = ["a photograph of a china", "a photograph of a flower"]
+
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_images_to_latents_to_training_to_prompted_pipeline(tmp_path, tiny_model, ray_cluster):
     """preprocess (captions stored both ways) -> train a few steps on the token ids, encoded in the step, with
-    accumulation, an EMA, validation and sample grids -> generate.py --prompt -> PNGs; the run's export is a
-    diffusers pipeline that from_pretrained loads and prompts."""
+    accumulation, an EMA, validation and sample grids of prompts in words -> generate.py --prompt -> PNGs, and the
+    grids' prompts by default; the run's export is a diffusers pipeline that from_pretrained loads and prompts."""
     from diffusers import DiffusionPipeline
 
     from sdtrain.artifacts.loading import load_model
@@ -1020,6 +1022,7 @@ def test_images_to_latents_to_training_to_prompted_pipeline(tmp_path, tiny_model
                 "run.name=loop",
                 "checkpoint.every_n_steps=4",
                 "run.log_every_n_steps=2",
+                f"sample_grid.prompts={PROMPTS}",  # encoded on the driver by the encoder the ids are for
             ],
         )
     )
@@ -1028,9 +1031,12 @@ def test_images_to_latents_to_training_to_prompted_pipeline(tmp_path, tiny_model
     with open(run_dir / "metrics.csv") as f:
         rows = list(csv.DictReader(f))
     assert np.isfinite(float(rows[-1]["val_loss"]))
-    assert list((run_dir / "samples").glob("*.png")), "no sample grid of the token-id captions"
     trained = load_model(str(run_dir / "checkpoint_000000004"))
     assert trained.meta.text_encoder == tiny_model and trained.meta.caption_shape == (77, 32)
+    assert trained.meta.grid_prompts == PROMPTS and trained.meta.grid_text_encoder == tiny_model
+    with Image.open(run_dir / "samples" / "step_4.png") as grid:  # a row a prompt, 4 samples each, at zoom 2
+        tile = 2 * trained.meta.latent_shape[-1] + 2
+        assert grid.size[1] == 2 * tile + 2 and grid.size[0] - 4 * tile - 2 > 60  # a margin for the prompts' text
     # The empty prompt's ids, encoded by the run's text encoder: the embedding preprocessing stored for them.
     torch.testing.assert_close(
         trained.unconditional_caption,
@@ -1046,9 +1052,9 @@ def test_images_to_latents_to_training_to_prompted_pipeline(tmp_path, tiny_model
             str(ROOT / "entrypoints" / "generate.py"),
             str(run_dir),
             "--prompt",
-            "a photograph of a china",
+            PROMPTS[0],
             "--prompt",
-            "a photograph of a flower",
+            PROMPTS[1],
             "--samples-per-caption",
             "2",
             "--steps",
@@ -1065,11 +1071,17 @@ def test_images_to_latents_to_training_to_prompted_pipeline(tmp_path, tiny_model
     assert len(pngs) == 4 and (out / "grid.png").is_file()
     assert Image.open(pngs[0]).size == (RESOLUTION, RESOLUTION)
     info = json.loads((out / "generate.json").read_text())
-    assert info["prompts"] == ["a photograph of a china", "a photograph of a flower"] and info["vae"] == tiny_model
+    assert info["prompts"] == PROMPTS and info["vae"] == tiny_model
 
-    # Sampling with the data's own captions, stored as token ids: the model's text encoder encodes them.
+    # Given no captions or prompts: the prompts of the run's grids, the same samples.
     from sdtrain.sampling.generate import GenerateRequest, generate
 
+    default = GenerateRequest(str(run_dir), out=str(tmp_path / "default"), samples_per_caption=2, steps=3)
+    generate(default)
+    assert default.prompts == PROMPTS and default.text_encoder == tiny_model
+    assert np.array_equal(np.load(tmp_path / "default" / "latents.npy"), np.load(out / "latents.npy"))
+
+    # Sampling with the data's own captions, stored as token ids: the model's text encoder encodes them.
     from_ids = tmp_path / "from-ids"
     request = GenerateRequest(
         str(run_dir), captions=str(latents), caption_column="caption_ids", rows=2, samples_per_caption=1, steps=2
@@ -1084,8 +1096,8 @@ def test_images_to_latents_to_training_to_prompted_pipeline(tmp_path, tiny_model
         assert (export / part).exists(), part
     card = (export / "README.md").read_text()
     assert "step 4" in card
-    # The card shows the grid the run drew of data.val's token-id captions (tests/test_export_generate.py renders
-    # one at export for a run that drew none).
+    # The card shows the grid the run drew of its prompts (tests/test_export_generate.py renders one at export for a
+    # run that drew none).
     assert "![Samples](sample_grid.png)" in card and "The sample grid training drew at step 4" in card
     assert (export / "sample_grid.png").read_bytes() == (run_dir / "samples" / "step_4.png").read_bytes()
     pipeline = DiffusionPipeline.from_pretrained(str(export))
