@@ -21,8 +21,9 @@ from sdtrain.data.metadata import LATENT_CLASSIFIER, LATENT_SCALING_FACTOR, VAE_
 from sdtrain.data.position import DataPosition
 from sdtrain.data.read_order import DataState
 from sdtrain.errors import ConfigError, DataError
-from sdtrain.evaluation.checkpoint_eval import Evaluator, evaluate_checkpoint, read_eval_rows
+from sdtrain.evaluation.checkpoint_eval import Evaluator, evaluate_checkpoint
 from sdtrain.evaluation.checks import check_evaluation
+from sdtrain.evaluation.eval_rows import read_eval_rows
 from sdtrain.evaluation.image_metrics import DinoFeatures, FeatureStats, InceptionFeatures, frechet_distance
 from sdtrain.evaluation.results import (
     NO_RESULT,

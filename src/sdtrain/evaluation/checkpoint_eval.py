@@ -15,34 +15,31 @@ sample_grid's sampler, steps and guidance), decodes them with the data's VAE and
 
 Each result is written to ``<run dir>/evaluation/step_<N>.json`` (an error too), where rank 0 and the driver read it
 into metrics.csv, the trackers and the live files at the checkpoint's step (:mod:`sdtrain.train.evaluations`).
-The retraining gate scores both of its models with the same :class:`Evaluator`.
+The retraining gate scores both of its models with the same :class:`Evaluator`, and so does the offline evaluation
+(entrypoints/evaluate.py: :mod:`sdtrain.evaluation.offline`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import posixpath
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-import pyarrow as pa
 import pyarrow.fs as pafs
 import torch
 
 from sdtrain.artifacts.loading import LoadedModel, load_model
 from sdtrain.config.schema import Config
-from sdtrain.data.footer import read_schema
-from sdtrain.data.listing import list_dataset
-from sdtrain.data.metadata import bucket_shapes
 from sdtrain.data.position import DataPosition
-from sdtrain.data.rows import RowReader
 from sdtrain.errors import DataError
 from sdtrain.evaluation.cpu_priority import cpu_policy
-from sdtrain.evaluation.image_metrics import ClipScore, DinoFeatures, FeatureStats, InceptionFeatures, frechet_distance
+from sdtrain.evaluation.eval_rows import EvalRows, read_eval_rows
+from sdtrain.evaluation.image_metrics import ClipScore, DinoFeatures, FeatureStats, InceptionFeatures
+from sdtrain.evaluation.measures import Measures, metrics_of, part_range
 from sdtrain.evaluation.results import measured_with, write_evaluation
 from sdtrain.model.encoders import load_vae
 from sdtrain.sampling.images import decode
@@ -51,85 +48,8 @@ from sdtrain.sampling.sampler import sample_latents
 from sdtrain.storage.filesystems import filesystem_for, write_bytes
 from sdtrain.storage.run_layout import EVALUATION_DIR
 
-
-@dataclass
-class ShapeGroup:
-    """The rows of data.val's first eval.num_samples of one latent shape (an aspect-ratio bucket)."""
-
-    shape: tuple[int, int, int]
-    """(C, H, W) of their latents: what they are sampled at."""
-    rows: np.ndarray
-    """Their positions among the rows (EvalRows.captions, .texts, .labels), ascending."""
-    latents: np.ndarray
-    """(n, C, H, W) as stored."""
-
-
-@dataclass
-class EvalRows:
-    """The first eval.num_samples rows of data.val: what every evaluation of a run samples and compares against."""
-
-    groups: list[ShapeGroup]
-    """The rows by latent shape: one group for data of one shape; a bucket each for aspect-ratio buckets (each sample
-    is generated at its row's bucket and compared with the images of the same rows)."""
-    captions: np.ndarray
-    """(N, L, D) embeddings, or (N, L) token ids."""
-    texts: list[str] | None
-    """eval.text_column's captions, when it is measured (clip_score)."""
-    labels: np.ndarray | None
-    """data.val's label column, for class_agreement."""
-    files: list[str]
-    """The files the rows came from (part of the reference statistics' key)."""
-    versions: list[tuple[int, str]]
-    """Their (size, version) as listed (the S3 ETag, or the local mtime in ns): a file rewritten in place changes it."""
-
-    def __len__(self) -> int:
-        return len(self.captions)
-
-
-def read_eval_rows(config: Config, latent_shape: tuple[int, ...], caption_shape: tuple[int, ...]) -> EvalRows:
-    """The first eval.num_samples rows of data.val in file order (fewer if it holds fewer): their columns only, and
-    no more of a file than they need. Bucketed files are read at each row's bucket (the buckets their footer names).
-
-    Args:
-        latent_shape: (C, H, W) of a row's latents (of data of one shape).
-        caption_shape: (L, D) of a caption embedding; a column of token ids holds (L,) a row.
-    """
-    extra = ([config.eval.text_column] if config.eval.clip is not None else []) + (
-        ["label"] if config.eval.class_agreement else []
-    )
-    listing = list_dataset(list(config.data.val), "data.val")
-    buckets = bucket_shapes(read_schema(listing.paths[0], "data.val").metadata, listing.paths[0])
-    reader = RowReader(config.data.columns, tuple(latent_shape), tuple(caption_shape), extra=tuple(extra))
-    reader = dataclasses.replace(reader, bucket_shapes=buckets)
-    # Batch by batch, only as many rows as are wanted: a data.val file may hold gigabytes of caption embeddings.
-    batches = list(reader.batches(listing.paths, "eval: data.val", batch_size=1024, limit=config.eval.num_samples))
-    read = {batch.file for batch in batches}
-    used = [i for i, file in enumerate(listing.paths) if file in read]
-
-    def extra_column(name: str) -> pa.ChunkedArray:
-        return pa.chunked_array([chunk for batch in batches for chunk in batch.extra[name].chunks])
-
-    return EvalRows(
-        groups=_by_shape([batch.latents for batch in batches if batch.latents is not None]),
-        captions=np.concatenate([batch.captions for batch in batches]),
-        texts=[str(t) for t in extra_column(config.eval.text_column).to_pylist()] if config.eval.clip else None,
-        labels=extra_column("label").to_numpy() if config.eval.class_agreement else None,
-        files=[listing.paths[i] for i in used],
-        versions=[(listing.sizes[i], listing.versions[i]) for i in used],
-    )
-
-
-def _by_shape(latents: list[np.ndarray]) -> list[ShapeGroup]:
-    """Batches of rows in order, each of one shape, as groups of one shape in the order their shapes first came."""
-    positions: dict[tuple[int, int, int], list[np.ndarray]] = {}
-    parts: dict[tuple[int, int, int], list[np.ndarray]] = {}
-    first = 0
-    for batch in latents:
-        shape = (int(batch.shape[1]), int(batch.shape[2]), int(batch.shape[3]))
-        positions.setdefault(shape, []).append(np.arange(first, first + len(batch)))
-        parts.setdefault(shape, []).append(batch)
-        first += len(batch)
-    return [ShapeGroup(shape, np.concatenate(positions[shape]), np.concatenate(parts[shape])) for shape in parts]
+CaptionsOf = Callable[[LoadedModel, np.ndarray], torch.Tensor]
+"""The caption embeddings (n, L, D) a model samples the rows at the given positions with."""
 
 
 class Evaluator:
@@ -165,44 +85,83 @@ class Evaluator:
         started = time.perf_counter()
         loaded = load_model(model) if isinstance(model, str) else model
         assert loaded.latent_shape is not None and loaded.caption_shape is not None
-        rows = self._rows(loaded)
-        captions = torch.tensor(rows.captions)  # a copy: arrow's buffers are read-only
-        if captions.dtype == torch.int32:
-            captions = self._encode(loaded, captions)
-        unet = loaded.unet.to(self.device)
-        generated = {metric: FeatureStats(features.dim) for metric, features in self.features.items()}
-        scores: list[np.ndarray] = []
-        agreeing = 0
-        for group in rows.groups:  # each at its own shape: one group, or a bucket each
-            latents = self._sample(unet, loaded, captions[torch.from_numpy(group.rows)], group.shape)
-            if rows.labels is not None:
-                reader = load_latent_classifier(
-                    loaded.latent_classifier or "", f"eval.class_agreement: {loaded.source}"
-                )
-                agreeing += int(reader.class_agreement(latents.numpy(), rows.labels[group.rows])["agreeing"])
-            images = self._decode(latents, loaded) if self.vae is not None else None
-            for metric, features in self.features.items():
-                assert images is not None
-                generated[metric].add(features(images, self.config.eval.batch_size))
-            if self.clip is not None:
-                assert rows.texts is not None and images is not None
-                texts = [rows.texts[i] for i in group.rows]
-                scores.append(np.asarray(self.clip(images, texts, self.config.eval.batch_size)))
-        metrics: dict[str, float] = {}
-        if rows.labels is not None:
-            metrics["class_agreement"] = agreeing / len(rows)
-        for metric in self.features:
-            metrics[metric] = frechet_distance(generated[metric], self._reference(metric, loaded))
-        if self.clip is not None:
-            metrics["clip_score"] = float(np.mean(np.concatenate(scores)))
-        metrics["eval_samples"] = float(len(rows))
+        measures = self.measure(loaded, self._rows(loaded))
+        metrics = metrics_of(self.config, measures, self._references(loaded))
         metrics["eval_s"] = time.perf_counter() - started
         return metrics
 
+    def measure(
+        self,
+        loaded: LoadedModel,
+        rows: EvalRows,
+        part: tuple[int, int] = (0, 1),
+        captions_of: CaptionsOf | None = None,
+    ) -> Measures:
+        """What ``loaded``'s samples of ``rows`` measure: of all of them, or of part k of n = ``part`` (that share of
+        each shape group, each row sampled from the noise it has in the whole set: the parts' measures add up to the
+        whole set's).
+
+        Args:
+            captions_of: the caption embeddings (n, L, D) of rows at the given positions; None: rows.captions (token
+                ids encoded by the text encoder the model records).
+        """
+        captions_of = captions_of or self._captions_of(rows)
+        unet = loaded.unet.to(self.device)
+        measures = Measures(generated={metric: FeatureStats(f.dim) for metric, f in self.features.items()})
+        for group in rows.groups:  # each at its own shape: one group, or a bucket each
+            first, stop = part_range(len(group.rows), part)
+            if first == stop:
+                continue
+            positions = group.rows[first:stop]
+            within = (first, len(group.rows))
+            latents = self._sample(unet, loaded, captions_of(loaded, positions), group.shape, within)
+            self._measure_samples(measures, loaded, latents, rows, positions)
+        return measures
+
+    def _measure_samples(
+        self, measures: Measures, loaded: LoadedModel, latents: torch.Tensor, rows: EvalRows, positions: np.ndarray
+    ) -> None:
+        """Add the samples ``latents`` of the rows at ``positions`` to ``measures``."""
+        measures.samples += len(positions)
+        if rows.labels is not None:
+            reader = load_latent_classifier(loaded.latent_classifier or "", f"eval.class_agreement: {loaded.source}")
+            measures.agreeing += int(reader.class_agreement(latents.numpy(), rows.labels[positions])["agreeing"])
+        images = self._decode(latents, loaded) if self.vae is not None else None
+        for metric, features in self.features.items():
+            assert images is not None
+            measures.generated[metric].add(features(images, self.config.eval.batch_size))
+        if self.clip is not None:
+            assert rows.texts is not None and images is not None
+            texts = [rows.texts[i] for i in positions]
+            scores = np.asarray(self.clip(images, texts, self.config.eval.batch_size))
+            measures.clip_scores = np.concatenate([measures.clip_scores, scores])
+
+    def _captions_of(self, rows: EvalRows) -> CaptionsOf:
+        """rows.captions by position; token ids encoded, all at once, by each model's text encoder."""
+        assert rows.captions is not None
+        stored = torch.tensor(rows.captions)  # a copy: arrow's buffers are read-only
+        encoded: dict[str, torch.Tensor] = {}
+
+        def captions_of(loaded: LoadedModel, positions: np.ndarray) -> torch.Tensor:
+            if stored.dtype != torch.int32:
+                return stored[torch.from_numpy(positions)]
+            if loaded.source not in encoded:
+                encoded.clear()  # one model's at a time
+                encoded[loaded.source] = self._encode(loaded, stored)
+            return encoded[loaded.source][torch.from_numpy(positions)]
+
+        return captions_of
+
     def _sample(
-        self, unet: Any, loaded: LoadedModel, captions: torch.Tensor, shape: tuple[int, int, int]
+        self,
+        unet: Any,
+        loaded: LoadedModel,
+        captions: torch.Tensor,
+        shape: tuple[int, int, int],
+        within: tuple[int, int],
     ) -> torch.Tensor:
-        """Latents of ``captions`` at ``shape``: sample_grid's sampler, steps and guidance, the run's seed."""
+        """Latents of ``captions`` at ``shape``: sample_grid's sampler, steps and guidance, the run's seed; ``within``:
+        (first, total), where the rows are in their shape group."""
         grid = self.config.sample_grid
         return sample_latents(
             unet,
@@ -215,6 +174,7 @@ class Evaluator:
             guidance_scale=grid.guidance_scale,
             seed=self.config.train.seed,
             batch_size=self.config.eval.batch_size,
+            within=within,
         )
 
     def _rows(self, loaded: LoadedModel) -> EvalRows:
@@ -226,7 +186,7 @@ class Evaluator:
     def _encode(self, loaded: LoadedModel, ids: torch.Tensor) -> torch.Tensor:
         from sdtrain.model.token_captions import CaptionEncoder
 
-        source = loaded.meta.text_encoder if loaded.meta is not None else None
+        source = text_encoder_of(loaded)
         if source is None:
             raise DataError(f"eval: data.val holds token ids, but {loaded.source} records no text encoder for them")
         encoder = CaptionEncoder.load(source, use_gpu=False).to(self.device)
@@ -238,30 +198,47 @@ class Evaluator:
         scale = loaded.latent_scaling_factor or float(self.vae.config.scaling_factor)
         return decode(self.vae, latents, scale, self.config.eval.batch_size)
 
-    def _reference(self, metric: str, loaded: LoadedModel) -> FeatureStats:
-        """data.val's images' statistics in ``metric``'s features: read from the run directory if an evaluation
-        computed them for this key, else computed (the rows' stored latents in model space, decoded) and kept there."""
-        if metric in self.references:
-            return self.references[metric]
+    def _references(self, loaded: LoadedModel) -> dict[str, FeatureStats]:
+        """data.val's images' statistics in each feature model's features: read from the run directory where an
+        evaluation computed them for their key, else computed (the rows' stored latents in model space, decoded) and
+        kept there."""
         assert self.rows is not None
-        features = self.features[metric]
-        name = f"reference-{self.reference_key(metric)}.npz"
-        uri = posixpath.join(self.run_dir, EVALUATION_DIR, name) if self.run_dir else None
-        if uri is not None:
+        uris = {
+            metric: posixpath.join(self.run_dir, EVALUATION_DIR, f"reference-{self.reference_key(metric)}.npz")
+            for metric in self.features
+            if self.run_dir
+        }
+        for metric, uri in uris.items():
             fs, path = filesystem_for(uri)
-            if fs.get_file_info(path).type == pafs.FileType.File:
+            if metric not in self.references and fs.get_file_info(path).type == pafs.FileType.File:
                 with fs.open_input_stream(path) as f:
                     self.references[metric] = FeatureStats.from_bytes(f.read())
-                return self.references[metric]
-        reference = FeatureStats(features.dim)
-        for group in self.rows.groups:
-            stored = torch.from_numpy(group.latents.astype(np.float32))
+        missing = [metric for metric in self.features if metric not in self.references]
+        if missing:
+            for metric, stats in self.reference_stats(self.rows, loaded, metrics=missing).items():
+                if metric in uris:
+                    write_bytes(uris[metric], stats.to_bytes())
+                self.references[metric] = stats
+        return self.references
+
+    def reference_stats(
+        self, rows: EvalRows, loaded: LoadedModel, part: tuple[int, int] = (0, 1), metrics: list[str] | None = None
+    ) -> dict[str, FeatureStats]:
+        """The statistics of ``rows``' own images (their stored latents times data.latent_scaling_factor, decoded as
+        ``loaded``'s samples are) in the features of ``metrics`` (None: every Frechet distance measured): of all the
+        rows, or of part k of n = ``part``, as :meth:`measure` splits them."""
+        metrics = list(self.features) if metrics is None else metrics
+        stats = {metric: FeatureStats(self.features[metric].dim) for metric in metrics}
+        for group in rows.groups:
+            first, stop = part_range(len(group.rows), part)
+            if first == stop:
+                continue
+            assert group.latents is not None
+            stored = torch.from_numpy(group.latents[first:stop].astype(np.float32))
             images = self._decode(stored * (self.config.data.latent_scaling_factor or 1.0), loaded)
-            reference.add(features(images, self.config.eval.batch_size))
-        if uri is not None:
-            write_bytes(uri, reference.to_bytes())
-        self.references[metric] = reference
-        return reference
+            for metric in metrics:
+                stats[metric].add(self.features[metric](images, self.config.eval.batch_size))
+        return stats
 
     def reference_key(self, metric: str) -> str:
         """What the reference statistics of ``metric`` depend on: the rows (their files' names, sizes and versions, and
@@ -271,6 +248,16 @@ class Evaluator:
         rows = [self.rows.files, self.rows.versions, len(self.rows)]
         what = [*rows, self.vae_source, measured_with(self.config, metric)]
         return hashlib.sha256(json.dumps(what).encode()).hexdigest()[:12]
+
+
+def text_encoder_of(loaded: LoadedModel) -> str | None:
+    """The text encoder that made the captions ``loaded`` trained on, where it or its data records one."""
+    from sdtrain.artifacts.export import model_sources
+
+    if loaded.meta is not None and loaded.meta.text_encoder is not None:
+        return loaded.meta.text_encoder  # token ids, encoded in the step
+    sources = model_sources(loaded)
+    return sources.text_encoder if sources is not None else None
 
 
 def evaluate_checkpoint(checkpoint: Any, config: dict[str, Any], run_dir: str, vae: str | None) -> dict[str, float]:

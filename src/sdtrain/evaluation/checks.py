@@ -57,6 +57,13 @@ def check_evaluation(config: Config, val_metadata: dict | Any, val_columns: list
             f"eval.text_column: data.val has no column {config.eval.text_column!r} of caption texts, which clip_score "
             f"needs (its columns: {', '.join(val_columns)})"
         )
+    check_eval_models(config, vae)
+    return vae
+
+
+def check_eval_models(config: Config, vae: str) -> None:
+    """The models eval names are there (the DINOv2 and CLIP models' configs where they are local or in storage, the
+    Inception file) and ``vae``, the VAE evaluations decode with; nothing is loaded."""
     for key, source, wanted in (
         ("eval.dinov2", config.eval.dinov2, "config.json"),
         ("eval.clip", config.eval.clip, "config.json"),
@@ -73,7 +80,6 @@ def check_evaluation(config: Config, val_metadata: dict | Any, val_columns: list
             )
     if not (_has_file(vae, "vae/config.json") or _has_file(vae, "config.json")):
         raise ConfigError(f"eval.vae: {vae} holds neither vae/config.json nor config.json (a diffusers VAE)")
-    return vae
 
 
 def _has_file(source: str, name: str) -> bool:

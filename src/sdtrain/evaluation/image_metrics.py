@@ -59,6 +59,15 @@ class FeatureStats:
         self._sum += x.sum(axis=0)
         self._outer += x.T @ x
 
+    def merge(self, other: FeatureStats) -> None:
+        """Accumulate the statistics of another set of features (as if its features were added here): a set measured
+        in parts is the sum of its parts."""
+        if other.dim != self.dim:
+            raise ValueError(f"FeatureStats.merge: features {other.dim} wide into stats {self.dim} wide")
+        self._count += other._count
+        self._sum += other._sum
+        self._outer += other._outer
+
     @property
     def count(self) -> int:
         return self._count

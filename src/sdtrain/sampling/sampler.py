@@ -52,14 +52,25 @@ def sample_latents(
     guidance_scale: float = 3.0,
     seed: int = 0,
     batch_size: int = 64,
+    within: tuple[int, int] | None = None,
 ) -> torch.Tensor:
-    """One sample per row of ``captions`` (N, L, D): (N, C, H, W) latents in the model's space."""
+    """One sample per row of ``captions`` (N, L, D): (N, C, H, W) latents in the model's space.
+
+    Args:
+        within: (first, total): the captions are rows first.. of a set of ``total`` sampled with ``seed``, and each
+            gets the noise it gets there (a set split among tasks samples what it samples whole); None: (0, N).
+    """
     device = next(unet.parameters()).device
     dtype = next(unet.parameters()).dtype
     scheduler = make_sampler(noise_scheduler_config, sampler, steps)
     generator = torch.Generator().manual_seed(seed)
-    # All the initial noise first, from one CPU generator: the result does not depend on batch_size or device.
-    noise = torch.randn((len(captions), *latent_shape), generator=generator, dtype=dtype) * scheduler.init_noise_sigma
+    first, total = within or (0, len(captions))
+    if first < 0 or first + len(captions) > total:
+        raise ValueError(f"sample_latents: rows {first}..{first + len(captions)} are not within a set of {total}")
+    # All the initial noise first, from one CPU generator: the result does not depend on batch_size or device, nor
+    # (the whole set's noise drawn, then sliced) on how the set is split.
+    noise = torch.randn((total, *latent_shape), generator=generator, dtype=dtype)[first : first + len(captions)]
+    noise = noise * scheduler.init_noise_sigma
     out = []
     for start in range(0, len(captions), batch_size):
         scheduler = make_sampler(noise_scheduler_config, sampler, steps)  # multistep solvers keep state

@@ -1,0 +1,76 @@
+"""What a model's samples measure before they become metrics, as sums: the measures of disjoint parts of a set add up
+to those of the whole set, so a set can be split among tasks (an offline evaluation's Ray tasks, one GPU each) and
+scored as one (pure logic: no model is loaded here).
+
+The metrics themselves are :func:`metrics_of` these sums and the reference statistics, for the evaluation in training
+(:class:`sdtrain.evaluation.checkpoint_eval.Evaluator`) and the offline one alike.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from sdtrain.config.schema import Config
+from sdtrain.evaluation.image_metrics import FeatureStats, frechet_distance
+
+
+def part_range(count: int, part: tuple[int, int]) -> tuple[int, int]:
+    """The rows [first, stop) of ``count`` that part k of n = ``part`` takes: n consecutive shares as near equal as
+    can be, together each row once."""
+    k, n = part
+    if not 0 <= k < n:
+        raise ValueError(f"part {k} of {n}: expected 0 <= part < parts")
+    return count * k // n, count * (k + 1) // n
+
+
+@dataclass
+class Measures:
+    """One model's samples of some rows, measured: what its metrics are computed from."""
+
+    samples: int = 0
+    generated: dict[str, FeatureStats] = field(default_factory=dict)
+    """The samples' feature statistics, by the Frechet distance each is for (fd_dinov2, fd_inception)."""
+    clip_scores: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    """Each sample's CLIP score against its caption, in the order sampled."""
+    agreeing: int = 0
+    """Samples the latent classifier reads as their caption's label."""
+
+    def merged(self, other: Measures) -> Measures:
+        """The measures of both parts' rows (disjoint)."""
+        if set(self.generated) != set(other.generated):
+            raise ValueError(f"Measures: cannot merge features {sorted(self.generated)} and {sorted(other.generated)}")
+        return Measures(
+            samples=self.samples + other.samples,
+            generated={m: merged_stats(self.generated[m], other.generated[m]) for m in self.generated},
+            clip_scores=np.concatenate([self.clip_scores, other.clip_scores]),
+            agreeing=self.agreeing + other.agreeing,
+        )
+
+
+def merged_stats(a: FeatureStats, b: FeatureStats) -> FeatureStats:
+    """The statistics of both sets of features (new; ``a`` and ``b`` are left as they are)."""
+    out = FeatureStats.from_bytes(a.to_bytes())
+    out.merge(b)
+    return out
+
+
+def metrics_of(config: Config, measures: Measures, references: dict[str, FeatureStats]) -> dict[str, float]:
+    """The metrics config.eval asks for, from a model's measures and the reference statistics of each Frechet
+    distance; with eval_samples, the number of samples they came from.
+
+    Args:
+        config: eval says which metrics.
+        measures: the model's samples, measured.
+        references: the reference's statistics, by metric (every Frechet distance measured).
+    """
+    metrics: dict[str, float] = {}
+    if config.eval.class_agreement:
+        metrics["class_agreement"] = measures.agreeing / measures.samples
+    for metric in measures.generated:
+        metrics[metric] = frechet_distance(measures.generated[metric], references[metric])
+    if config.eval.clip is not None:
+        metrics["clip_score"] = float(np.mean(measures.clip_scores))
+    metrics["eval_samples"] = float(measures.samples)
+    return metrics
