@@ -485,6 +485,7 @@ def test_fsdp_on_two_cpu_workers_validates_with_its_ema_and_resumes_on_one(ray_c
     is all-reduced), checkpoints in DDP's format (one full file); resumed at world size 1. The captions are
     token ids: each worker encodes them with its own whole copy of the frozen text encoder, which FSDP leaves
     alone and no checkpoint holds."""
+    from sdtrain.model.conditioning import Conditioner
     from sdtrain.model.token_captions import CaptionEncoder
 
     text_encoder = write_tiny_sd_model(str(tmp_path / "tiny-sd"))
@@ -534,17 +535,13 @@ def test_fsdp_on_two_cpu_workers_validates_with_its_ema_and_resumes_on_one(ray_c
     val = _read_val(tmp_path / "val/v.parquet", "caption_ids", (77,))
     assert val["captions"].dtype == np.int32
     batches = [{k: torch.from_numpy(v[i : i + 4]) for k, v in val.items()} for i in range(0, 8, 4)]
-    encoder = CaptionEncoder.load(text_encoder, use_gpu=False)
-
-    def embed(ids):
-        return encoder(ids).float()
-
+    condition = Conditioner(unet.config, encoder=CaptionEncoder.load(text_encoder, use_gpu=False))
     # Validated under the training step's bf16 autocast (sdtrain.train.device_settings.training_autocast), not in
     # float32 (1e-4 apart here).
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        under_autocast = validation_loss(unet, scheduler, batches, seed=0, embed=embed)
+        under_autocast = validation_loss(unet, scheduler, batches, seed=0, condition=condition)
     assert under_autocast == pytest.approx(history[-1]["val_loss"], rel=1e-5)
-    float32 = validation_loss(unet, scheduler, batches, seed=0, embed=embed)
+    float32 = validation_loss(unet, scheduler, batches, seed=0, condition=condition)
     assert float32 != pytest.approx(history[-1]["val_loss"], rel=1e-5)
 
     summary = train(config(8, workers=1))

@@ -120,6 +120,31 @@ def write_tiny_sd_model(root: str, caption_dim: int = 32, vae_blocks: int = 2) -
     return root
 
 
+
+def write_tiny_sdxl_model(root: str, vae_blocks: int = 2) -> str:
+    """Write a tiny SDXL-layout model to ``root``, for model.preset=tiny-sdxl: two character-level CLIP tokenizers (77
+    tokens; the second pads with "!", as SDXL's does), a 2-layer CLIPTextModel 32 wide (text_encoder/) and a 2-layer
+    CLIPTextModelWithProjection 48 wide with a 32-wide projection (text_encoder_2/): hidden states 32 + 48 = 80 wide,
+    pooled 32, as the preset takes them; and a tiny AutoencoderKL (see write_tiny_sd_model). Returns ``root``.
+
+    Args:
+        root: the model directory (created).
+        vae_blocks: the VAE's encoder blocks.
+    """
+    from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
+
+    write_tiny_sd_model(root, caption_dim=32, vae_blocks=vae_blocks)
+    vocab = write_tokenizer(os.path.join(root, "tokenizer_2"))
+    tokenizer = CLIPTokenizer.from_pretrained(os.path.join(root, "tokenizer_2"), pad_token="!")
+    tokenizer.save_pretrained(os.path.join(root, "tokenizer_2"))
+    config = _tiny_text_config(vocab, 48)
+    config.projection_dim = 32
+    config.pad_token_id = vocab["!"]
+    CLIPTextModelWithProjection(config).save_pretrained(os.path.join(root, "text_encoder_2"))
+    assert CLIPTextModel.from_pretrained(os.path.join(root, "text_encoder")).config.hidden_size == 32
+    return root
+
+
 def write_tiny_dinov2(path: str, image_size: int = 28) -> str:
     """A 2-layer, 32-wide transformers Dinov2Model with random weights (seeded) saved to ``path``: the feature model
     of eval.dinov2 at toy size. Returns ``path``."""

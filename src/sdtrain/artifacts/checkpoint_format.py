@@ -55,6 +55,9 @@ class CheckpointMeta:
     bucket_shapes: list[list[int]] | None = None
     """Aspect-ratio buckets: the latent shape (C, H, W) of each bucket the model trained on (``latent_shape`` is the
     one most rows had); None: every row had ``latent_shape``."""
+    vae_downsampling: int = 8
+    """Pixels per latent side of the data's VAE: what an SDXL-shaped UNet's size conditioning is measured in
+    (sdtrain.model.conditioning), in training and in sampling."""
     grid_prompts: list[str] | None = None
     """sample_grid.prompts as the driver read them (a file's lines): the rows of the run's sample grids, and what
     generate.py samples from the run when given no captions; None: the run had none."""

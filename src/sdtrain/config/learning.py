@@ -12,7 +12,7 @@ from typing import Any, ClassVar, Literal
 
 from sdtrain.config.coercion import Section, suggest
 
-PRESETS = ("tiny", "small", "sd2-base")
+PRESETS = ("tiny", "small", "sd2-base", "tiny-sdxl", "sdxl-base")
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,10 @@ class DataConfig(Section):
     """Column holding the caption embeddings, L*D values a row, D = the UNet's cross_attention_dim; or the captions'
     token ids (L integers a row, e.g. preprocessing's caption_ids), which each worker encodes in the step with the
     text encoder the files name (docs/data.md, Captions as token ids)."""
+    pooled_caption_column: str = "caption_pooled"
+    """For an SDXL-shaped UNet trained on caption embeddings: the column holding each caption's pooled text
+    embedding (P values a row, P = the UNet's pooled width; preprocessing with an SDXL model writes it). Data of
+    token ids needs none: the text encoders compute it in the step."""
     prefetch_batches: int = 2
     """Batches each worker fetches ahead of the one being trained on."""
     reads_per_worker: int = 2
@@ -86,7 +90,7 @@ class DataConfig(Section):
         self._within("val_memory_gb", 0, 1e6, "GB")  # a worker holds int(GB * 1e9) bytes: no overflow
         if self.reads_per_worker < 1:
             self._fail("reads_per_worker", f"must be >= 1, got {self.reads_per_worker}")
-        for key in ("latent_column", "caption_column"):
+        for key in ("latent_column", "caption_column", "pooled_caption_column"):
             if not getattr(self, key):
                 self._fail(key, "must be a column name, got an empty string")
         if self.latent_scaling_factor is not None and not self.latent_scaling_factor > 0:
@@ -101,9 +105,10 @@ class DataConfig(Section):
 class ModelConfig(Section):
     section: ClassVar[str] = "model"
 
-    preset: Literal["tiny", "small", "sd2-base"] = "small"
+    preset: Literal["tiny", "small", "sd2-base", "tiny-sdxl", "sdxl-base"] = "small"
     """UNet architecture: tiny (tests, laptops), small (the Anyscale notebook's UNet), sd2-base (Stable Diffusion 2
-    base)."""
+    base), sdxl-base (SDXL base 1.0: two text encoders' captions, pooled text and size conditioning), tiny-sdxl
+    (SDXL's layout at test size)."""
     unet: dict[str, Any] = field(default_factory=dict)
     """UNet2DConditionModel keyword arguments that override the preset, e.g. model.unet.cross_attention_dim=768."""
     pretrained: str | None = None
@@ -158,6 +163,13 @@ class TrainConfig(Section):
     snr_gamma: float | None = None
     """Min-SNR-gamma loss weighting (arXiv 2303.09556): each sample's MSE is weighted by min(SNR, gamma)/SNR (epsilon)
     or min(SNR, gamma)/(SNR+1) (v_prediction); 5.0 is the paper's value; null = unweighted."""
+    zero_terminal_snr: bool = False
+    """Rescale the noise schedule's betas so its last timestep is pure noise (SNR 0; Lin et al. 2023, "Common
+    Diffusion Noise Schedules and Sample Steps are Flawed"): the model learns to generate from noise alone, as
+    sampling starts, instead of from the sliver of signal the stock schedule leaves. Needs
+    model.prediction_type: v_prediction (an epsilon prediction at SNR 0 says nothing of the image); sampling then
+    uses trailing timesteps and guidance rescale (generate.py --guidance-rescale, default 0.7), and the exported
+    scheduler carries both."""
     noise_offset: float = 0.0
     """Offset noise: add noise_offset x N(0,1) per sample and channel to the noise (0.05-0.1 typical); 0 = off."""
     input_perturbation: float = 0.0

@@ -137,6 +137,11 @@ class Config(ConfigTree):
             raise ConfigError(
                 "data.val: retraining needs a fixed held-out set to compare the new and production models on"
             )
+        if self.train.zero_terminal_snr and self.model.prediction_type != "v_prediction":
+            raise ConfigError(
+                "train.zero_terminal_snr: the last timestep is then pure noise, where an epsilon prediction recovers "
+                f"nothing of the image; it needs model.prediction_type: v_prediction, got {self.model.prediction_type}"
+            )
         if self.train.precision == "16-mixed" and self.scaling.use_gpu is False:
             raise ConfigError(
                 "train.precision: 16-mixed needs GPUs (CPUs have no fp16 autocast); use bf16-mixed or 32-true"

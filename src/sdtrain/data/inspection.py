@@ -21,6 +21,7 @@ import pyarrow.parquet as pq
 import ray.data  # noqa: F401
 
 from sdtrain.config.learning import Columns
+from sdtrain.data.added_columns import AddedColumns
 from sdtrain.data.decode import ColumnLayout, column_layout
 from sdtrain.data.footer import read_footer
 from sdtrain.data.metadata import (
@@ -59,6 +60,11 @@ class DatasetSpec:
     row has ``latent_shape``."""
     runs: np.ndarray | None = field(default=None, compare=False)
     """Bucketed data: (file, bucket, rows) of each file's runs, in file and row order (sdtrain.data.bucket_order)."""
+    added: AddedColumns | None = None
+    """For an SDXL-shaped UNet: the added conditioning's columns, read beside the others (the driver's data check
+    sets it from the UNet and the schema: sdtrain.data.added_columns)."""
+    vae_downsampling: int = 8
+    """Pixels per latent side of the VAE the latents were made with (the files' sdtrain.vae_downsampling)."""
 
     @property
     def num_rows(self) -> int:
@@ -76,7 +82,7 @@ class DatasetSpec:
         the data check found equal to the UNet's ``cross_attention_dim``)."""
         if self.token_ids is None:
             return (self.caption_shape[0], self.caption_shape[1])
-        return (self.caption_shape[0], cross_attention_dim)
+        return (self.caption_shape[0] // self.token_ids.sequences, cross_attention_dim)
 
 
 @dataclass(frozen=True)

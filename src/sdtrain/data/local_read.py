@@ -37,7 +37,7 @@ def iter_local_batches(
                 first = rows.first_row + int(np.flatnonzero(~finite)[0]) if first is None else first
                 bad += int((~finite).sum())
             if first is None:  # the rest of a file with a bad row is read only to count them
-                yield {"latents": torch.tensor(rows.latents), "captions": torch.tensor(rows.captions)}
+                yield {key: torch.tensor(values) for key, values in rows.arrays().items()}
         if first is not None:
             raise DataError(
                 f"{key}: {file}: {bad} row(s) hold NaN or infinite values (the first: row {first}); a loss over "

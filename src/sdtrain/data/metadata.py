@@ -33,6 +33,9 @@ BUCKET_SHAPES = "sdtrain.bucket_shapes"
 index, as JSON. The latent column then holds C*H*W values a row for the row's bucket."""
 BUCKET_RUNS = "sdtrain.bucket_runs"
 """Beside BUCKET_SHAPES, in each file: its rows bucket by bucket, as JSON [[bucket, rows], ...] in row order."""
+VAE_DOWNSAMPLING = "sdtrain.vae_downsampling"
+"""Pixels per latent side of the VAE that encoded the latents (8 for every Stable Diffusion VAE; tiny test VAEs
+less): what SDXL's size conditioning is measured in. Absent = 8."""
 TOKEN_VOCAB_SIZE = "sdtrain.token_vocab_size"
 """Beside a column of caption token ids (integers): the size of the tokenizer's vocabulary they were made with, which
 bounds every stored id. With TEXT_ENCODER_SOURCE it is what training needs to encode the ids in its step."""
@@ -46,6 +49,9 @@ class TokenIds:
     """Where the text encoder the ids are for came from: training encodes them with it."""
     vocab_size: int
     """The tokenizer's vocabulary size: every stored id is below it."""
+    sequences: int = 1
+    """How many tokenizers' ids a row holds, one after another: 1, or SDXL's 2 (the driver's data check sets it from
+    the text encoders: sdtrain.model.encoders.TextEncoders)."""
 
 
 def token_ids(metadata: Mapping[bytes, bytes] | None, where: str) -> TokenIds:
@@ -60,6 +66,12 @@ def token_ids(metadata: Mapping[bytes, bytes] | None, where: str) -> TokenIds:
             "(output.captions: token_ids), or record those keys (docs/data.md)"
         )
     return TokenIds(metadata[TEXT_ENCODER_SOURCE.encode()].decode(), int(metadata[TOKEN_VOCAB_SIZE.encode()]))
+
+
+def vae_downsampling(metadata: Mapping[bytes, bytes] | None) -> int:
+    """The VAE downsampling a file's schema metadata records (VAE_DOWNSAMPLING), else 8."""
+    value = (metadata or {}).get(VAE_DOWNSAMPLING.encode())
+    return 8 if value is None else int(value)
 
 
 def latent_classifier(metadata: Mapping[bytes, bytes] | None) -> str | None:

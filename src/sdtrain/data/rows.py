@@ -17,6 +17,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from sdtrain.config.learning import Columns
+from sdtrain.data.added_columns import BUCKET_COLUMN, AddedColumns
 from sdtrain.data.decode import to_array
 from sdtrain.data.inspection import DatasetSpec
 from sdtrain.errors import DataError
@@ -37,9 +38,16 @@ class RowBatch:
     """(N, L, D) embeddings, or (N, L) int32 token ids."""
     extra: dict[str, pa.ChunkedArray] = field(default_factory=dict)
     """The reader's other columns, as stored."""
+    added: dict[str, np.ndarray] = field(default_factory=dict)
+    """An SDXL-shaped UNet's added conditioning (sdtrain.data.added_columns): ``pooled``, ``placement``."""
 
     def __len__(self) -> int:
         return len(self.captions)
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """The batch a model reads: ``latents``, ``captions`` and the added conditioning."""
+        assert self.latents is not None
+        return {"latents": self.latents, "captions": self.captions, **self.added}
 
 
 @dataclass(frozen=True)
@@ -55,6 +63,7 @@ class RowReader:
         extra: other columns read as they are (a label, a caption's text).
         bucket_shapes: aspect-ratio buckets: each bucket's latent shape; a batch then holds one bucket's rows (the
             file's ``bucket`` column says which), at its shape.
+        added: an SDXL-shaped UNet's added conditioning columns, read into each batch's ``added``.
     """
 
     columns: Columns
@@ -63,12 +72,13 @@ class RowReader:
     vocab_size: int | None = None
     extra: tuple[str, ...] = ()
     bucket_shapes: tuple[tuple[int, int, int], ...] | None = None
+    added: AddedColumns | None = None
 
     @classmethod
     def of(cls, spec: DatasetSpec, columns: Columns, extra: Sequence[str] = ()) -> RowReader:
         """The reader of a checked dataset's rows."""
         vocab = spec.token_ids.vocab_size if spec.token_ids is not None else None
-        return cls(columns, spec.latent_shape, spec.caption_shape, vocab, tuple(extra), spec.bucket_shapes)
+        return cls(columns, spec.latent_shape, spec.caption_shape, vocab, tuple(extra), spec.bucket_shapes, spec.added)
 
     def batches(
         self, files: Sequence[str], key: str, batch_size: int | None = None, limit: int | None = None
@@ -113,7 +123,8 @@ class RowReader:
         self, parquet: pq.ParquetFile, file: str, key: str, batch_size: int | None, limit: int | None
     ) -> Iterator[RowBatch]:
         names = ([self.columns.latent] if self.latent_shape is not None else []) + [self.columns.caption]
-        names += [c for c in (*self.extra, *(["bucket"] if self.bucket_shapes else [])) if c not in names]
+        added = self.added.names() if self.added else []
+        names += [c for c in (*self.extra, *added, *([BUCKET_COLUMN] if self.bucket_shapes else [])) if c not in names]
         missing = [c for c in names if c not in parquet.schema_arrow.names]
         if missing:
             raise DataError(f"has no column {missing[0]!r}; its columns are {', '.join(parquet.schema_arrow.names)}")
@@ -129,7 +140,7 @@ class RowReader:
         if not self.bucket_shapes:
             yield 0, table
             return
-        bucket = table.column("bucket").to_numpy()
+        bucket = table.column(BUCKET_COLUMN).to_numpy()
         breaks = np.flatnonzero(np.diff(bucket)) + 1
         for start, stop in zip(np.concatenate([[0], breaks]), np.concatenate([breaks, [len(bucket)]]), strict=True):
             yield int(start), table.slice(int(start), int(stop - start))
@@ -144,9 +155,10 @@ class RowReader:
         if self.latent_shape is not None:
             shape = self.latent_shape
             if self.bucket_shapes:  # one bucket's rows (_one_shape)
-                shape = self.bucket_shapes[int(table.column("bucket")[0].as_py())]
+                shape = self.bucket_shapes[int(table.column(BUCKET_COLUMN)[0].as_py())]
             latents = to_array(table.column(self.columns.latent), shape, self.columns.latent)
-        return RowBatch(file, first, latents, captions, {c: table.column(c) for c in self.extra})
+        added = self.added.decode(table) if self.added else {}
+        return RowBatch(file, first, latents, captions, {c: table.column(c) for c in self.extra}, added)
 
 
 def _tables(

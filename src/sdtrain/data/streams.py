@@ -22,6 +22,7 @@ from ray.data.extensions import ArrowTensorArray
 
 from sdtrain.config.learning import Columns
 from sdtrain.config.schema import DataConfig
+from sdtrain.data.added_columns import AddedColumns
 from sdtrain.data.decode import TokenIdOutOfRange, to_array
 from sdtrain.data.inspection import DatasetSpec
 from sdtrain.data.pacing import paced
@@ -47,10 +48,12 @@ class ReadSettings:
     latent_shape: tuple[int, ...]
     caption_shape: tuple[int, ...]
     vocab_size: int | None = None
-    bucket_shapes: tuple[tuple[int, int, int], ...] | None = None
-    """Aspect-ratio buckets: each bucket's latent shape (a read task's blocks each hold one bucket's rows)."""
     """The caption column holds int32 token ids, each checked to be below this as it is read (the vocabulary the
     files record); None: float embeddings."""
+    bucket_shapes: tuple[tuple[int, int, int], ...] | None = None
+    """Aspect-ratio buckets: each bucket's latent shape (a read task's blocks each hold one bucket's rows)."""
+    added: AddedColumns | None = None
+    """An SDXL-shaped UNet's added conditioning columns (sdtrain.data.added_columns), read beside the others."""
 
 
 class FileTable:
@@ -120,13 +123,13 @@ class WindowRead:
                 for file_index, start, stop in slice_rows(window.spans, first, first + rows)
                 for piece in self._read_span(files, row_groups, int(file_index), int(start), int(stop), shape)
             ]
-            latents, captions, valid = (np.concatenate(part) for part in zip(*pieces, strict=True))
-            tables.append(_block(latents, captions, indices[first : first + rows], valid))
+            arrays = {key: np.concatenate([piece[key] for piece in pieces]) for key in pieces[0]}
+            tables.append(_block(arrays, indices[first : first + rows]))
             first += rows
         return tables
 
     def read(self) -> pa.Table:
-        window, settings = self.window, self.settings
+        window = self.window
         files: dict[int, pq.ParquetFile] = {}
         row_groups: dict[tuple[int, int], pa.Table] = {}  # chunks of a window often share row groups
         pieces = [
@@ -139,27 +142,28 @@ class WindowRead:
         # written once, straight to their output rows: no concatenated copy of the window besides
         # the output (a window of SD-sized rows is ~85 MB; each copy costs that again per read task).
         order = window.order()
-        destination = np.full(sum(len(valid) for _, _, valid in pieces), -1)
+        destination = np.full(sum(len(piece["valid"]) for piece in pieces), -1)
         destination[order] = np.arange(len(order))
         # Skipped rows (zeros of the narrowest type) must not widen float16; token ids stay int32.
-        dtype = np.result_type(*(latents for latents, _, _ in pieces))
-        latents = np.empty((len(order), *settings.latent_shape), dtype)
-        captions = np.empty((len(order), *settings.caption_shape), np.result_type(*(c for _, c, _ in pieces)))
-        valid = np.empty(len(order), bool)
+        arrays = {
+            key: np.empty((len(order), *pieces[0][key].shape[1:]), np.result_type(*(piece[key] for piece in pieces)))
+            for key in pieces[0]
+        }
         first = 0
         for piece in pieces:
-            rows = destination[first : first + len(piece[2])]
+            rows = destination[first : first + len(piece["valid"])]
             first += len(rows)
             taken = rows >= 0
             if not taken.all():
-                rows, piece = rows[taken], [part[taken] for part in piece]
-            latents[rows], captions[rows], valid[rows] = piece
-        return _block(latents, captions, window_sample_indices(window.spans, self.first_index)[order], valid)
+                rows, piece = rows[taken], {key: values[taken] for key, values in piece.items()}
+            for key, values in piece.items():
+                arrays[key][rows] = values
+        return _block(arrays, window_sample_indices(window.spans, self.first_index)[order])
 
     def _read_span(self, files, row_groups, file_index: int, start: int, stop: int, latent_shape=None):
-        """(latents, captions, valid) for rows [start, stop) of a file, one piece per row group, so an
-        unreadable row group costs only its own rows under data.on_read_error=skip. ``latent_shape``: a bucket's,
-        else the data's one."""
+        """The batch arrays (latents, captions, added conditioning, valid) of rows [start, stop) of a file, one piece
+        per row group, so an unreadable row group costs only its own rows under data.on_read_error=skip.
+        ``latent_shape``: a bucket's, else the data's one."""
         settings = self.settings
         latent_shape = latent_shape or settings.latent_shape
         file, fs, path = self.sources[file_index]
@@ -178,28 +182,27 @@ class WindowRead:
             lo, hi = max(start, int(offsets[group])), min(stop, int(offsets[group + 1]))
             try:
                 if (file_index, group) not in row_groups:
-                    columns = settings.columns.names()
+                    columns = settings.columns.names() + (settings.added.names() if settings.added else [])
                     row_groups[file_index, group] = files[file_index].read_row_group(group, columns=columns)
                 table = row_groups[file_index, group].slice(lo - int(offsets[group]), hi - lo)
-                pieces.append(
-                    (
-                        to_array(table.column(settings.columns.latent), latent_shape, settings.columns.latent),
-                        to_array(
-                            table.column(settings.columns.caption),
-                            settings.caption_shape,
-                            settings.columns.caption,
-                            settings.vocab_size,
-                            first_row=lo,
-                        ),
-                        np.ones(hi - lo, bool),
-                    )
-                )
+                pieces.append(self._decode(table, latent_shape, lo))
             except TokenIdOutOfRange as error:  # the file is readable, its ids are wrong: skipping would hide that
                 raise DataError(f"data.train: {file}: {error}") from None
             except (OSError, pa.ArrowException, DataError) as error:
                 raise_if_transient(error, file)
                 pieces.append(self._unreadable(file, lo, hi, error, latent_shape))
         return pieces
+
+    def _decode(self, table: pa.Table, latent_shape: tuple[int, ...], first_row: int) -> dict[str, np.ndarray]:
+        settings, columns = self.settings, self.settings.columns
+        return {
+            "latents": to_array(table.column(columns.latent), latent_shape, columns.latent),
+            "captions": to_array(
+                table.column(columns.caption), settings.caption_shape, columns.caption, settings.vocab_size, first_row
+            ),
+            **(settings.added.decode(table) if settings.added else {}),
+            "valid": np.ones(table.num_rows, bool),
+        }
 
     def _unreadable(self, file: str, start: int, stop: int, error: Exception, latent_shape: tuple[int, ...]):
         reason = " ".join(str(error).split())  # pyarrow's messages span lines
@@ -210,25 +213,28 @@ class WindowRead:
                 "its latest checkpoint), or set data.on_read_error=skip to train on without those rows"
             ) from None
         log.warning("skipping rows %d-%d of %s: %s", start, stop - 1, file, reason)
-        return (
-            np.zeros((stop - start, *latent_shape), np.float16),
+        rows, settings = stop - start, self.settings
+        return {
+            "latents": np.zeros((rows, *latent_shape), np.float16),
             # Token ids: 0 is an id like any other, and these rows carry valid=False: the loss leaves them out.
-            np.zeros(
-                (stop - start, *self.settings.caption_shape),
-                np.int32 if self.settings.vocab_size is not None else np.float16,
+            "captions": np.zeros(
+                (rows, *settings.caption_shape), np.int32 if settings.vocab_size is not None else np.float16
             ),
-            np.zeros(stop - start, bool),
-        )
+            **(settings.added.empty(rows) if settings.added else {}),
+            "valid": np.zeros(rows, bool),
+        }
 
 
-def _block(latents: np.ndarray, captions: np.ndarray, sample_index: np.ndarray, valid: np.ndarray) -> pa.Table:
-    """One block of a training stream: rows of one latent shape."""
+def _block(arrays: dict[str, np.ndarray], sample_index: np.ndarray) -> pa.Table:
+    """One block of a training stream: rows of one latent shape; tensors as Ray tensor columns, ``valid`` and
+    ``sample_index`` plain."""
     return pa.table(
         {
-            "latents": ArrowTensorArray.from_numpy(latents),
-            "captions": ArrowTensorArray.from_numpy(captions),
+            **{
+                key: ArrowTensorArray.from_numpy(values) if values.ndim > 1 else values
+                for key, values in arrays.items()
+            },
             "sample_index": sample_index,
-            "valid": valid,
         }
     )
 
@@ -248,6 +254,7 @@ class WindowReader:
             spec.caption_shape,
             spec.token_ids.vocab_size if spec.token_ids is not None else None,
             spec.bucket_shapes,
+            spec.added,
         )
 
     def task(self, window: Window) -> WindowRead:
@@ -370,4 +377,4 @@ def _read_file(batch: dict[str, np.ndarray], spec: DatasetSpec, data: DataConfig
     (index,) = batch["id"]
     reader = RowReader.of(spec, data.columns)
     for rows in reader.file_batches(spec.files[int(index)], key, source=sources[int(index)]):
-        yield {"latents": rows.latents, "captions": rows.captions}
+        yield rows.arrays()

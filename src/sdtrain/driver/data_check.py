@@ -4,19 +4,25 @@ against their text encoder, and the latent scaling factor the files record."""
 
 from __future__ import annotations
 
+import dataclasses
 import posixpath
 from collections.abc import Mapping
 
+import numpy as np
+
 from sdtrain.config.schema import Config
+from sdtrain.data.added_columns import PLACEMENT_COLUMNS, AddedColumns
 from sdtrain.data.bucket_order import BucketPlan
 from sdtrain.data.dataset_index import IndexedDataset, index_dataset
 from sdtrain.data.index_format import run_index_uri
-from sdtrain.data.inspection import DatasetSpec
+from sdtrain.data.inspection import DatasetSpec, first_row
+from sdtrain.data.metadata import vae_downsampling
 from sdtrain.data.read_order import ReadPlan, SamplePlan, files_digest
 from sdtrain.errors import ConfigError, DataError
 from sdtrain.logs import log
+from sdtrain.model.conditioning import pooled_width
 from sdtrain.model.recipe import load_unconditional_caption, stored_latent_scaling
-from sdtrain.model.token_captions import check_text_encoder
+from sdtrain.model.token_captions import check_text_encoder, text_encoder_configs
 from sdtrain.model.unet import check_unet, unet_config
 
 
@@ -32,6 +38,12 @@ def check_data(config: Config, run_dir: str) -> tuple[IndexedDataset, IndexedDat
     captions = train.embedding_shape(unet["cross_attention_dim"])
     check_unet(config.model, train.latent_shape, captions)  # on the meta device, in a second
     check_buckets(config, train, train_data.schema_file)
+    if pooled_width(unet) is not None and config.data.unconditional_caption != "zeros":
+        raise ConfigError(
+            f"data.unconditional_caption: {config.data.unconditional_caption} is no empty prompt for an SDXL-shaped "
+            "UNet, which drops captions to zeros, hidden states and pooled embedding alike, as SDXL was trained and "
+            "as its pipelines sample (force_zeros_for_empty_prompt); set data.unconditional_caption: zeros"
+        )
     load_unconditional_caption(config.data.unconditional_caption, captions, token_ids=train.token_ids is not None)
     stored_scale = stored_latent_scaling(
         [(data.schema_file, data.schema_metadata) for data in (train_data, val_data) if data is not None], config.data
@@ -72,8 +84,51 @@ def indexed_dataset(config: Config, key: str, specs: list[str], unet: Mapping, r
     ids = indexed.spec.token_ids
     if ids is not None:
         where = f"{key}: {indexed.schema_file}, column {config.data.caption_column!r}"
-        check_text_encoder(ids, where, unet["cross_attention_dim"])
+        check_text_encoder(ids, where, unet["cross_attention_dim"], pooled_width(unet))
+        sequences = len(text_encoder_configs(ids.text_encoder))
+        if indexed.spec.caption_shape[0] % sequences:
+            raise DataError(
+                f"{where} holds {indexed.spec.caption_shape[0]} token ids a row, which is not the ids of each of the "
+                f"{sequences} tokenizers of {ids.text_encoder} in turn (T x L)"
+            )
+        indexed.spec = dataclasses.replace(indexed.spec, token_ids=dataclasses.replace(ids, sequences=sequences))
+    added = added_columns(config, key, indexed, unet)
+    downsampling = vae_downsampling(indexed.schema_metadata)
+    indexed.spec = dataclasses.replace(indexed.spec, added=added, vae_downsampling=downsampling)
     return indexed
+
+
+def added_columns(config: Config, key: str, indexed: IndexedDataset, unet: Mapping) -> AddedColumns | None:
+    """What an SDXL-shaped UNet's added conditioning is read from (sdtrain.data.added_columns): the pooled embedding
+    column of caption embeddings (refused, naming it, if the files lack it or hold another width), the rows'
+    placement where the files have it. None for an SD 1/2 UNet."""
+    width = pooled_width(unet)
+    if width is None:
+        return None
+    schema, file = indexed.index.checked.schema, indexed.schema_file
+    placement = all(name in schema.names for name in PLACEMENT_COLUMNS)
+    if not placement:
+        log.info(
+            f"{key}: {file} records no placement ({', '.join(PLACEMENT_COLUMNS)}): the UNet's size conditioning "
+            "takes each image to be its latents' own size, uncropped"
+        )
+    if indexed.spec.token_ids is not None:  # the text encoders make the pooled embedding in the step
+        return AddedColumns(None, width, placement)
+    column = config.data.pooled_caption_column
+    where = f"{key}: {file}, column {column!r} (data.pooled_caption_column)"
+    if column not in schema.names:
+        raise DataError(
+            f"{where}: no such column. An SDXL-shaped UNet takes each caption's pooled text embedding ({width} values "
+            "a row) beside its hidden states: preprocess with an SDXL model (encode.model with text_encoder_2/), or "
+            "name the column that holds it"
+        )
+    values = np.asarray(first_row(file, key, [column]).column(column).to_pylist()[0]).size
+    if values != width:
+        raise DataError(
+            f"{where} holds {values} values a row, but the UNet's pooled text embedding is {width} wide "
+            "(projection_class_embeddings_input_dim less its time ids)"
+        )
+    return AddedColumns(column, width, placement)
 
 
 def _describe_captions(spec: DatasetSpec) -> str:

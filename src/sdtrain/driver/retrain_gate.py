@@ -16,6 +16,7 @@ from sdtrain.data.local_read import iter_local_batches
 from sdtrain.data.parquet_files import resolve_parquet_files
 from sdtrain.driver.data_check import dataset_spec
 from sdtrain.evaluation.results import measured_with
+from sdtrain.model.conditioning import Conditioner
 from sdtrain.model.token_captions import CaptionEncoder
 from sdtrain.model.validation import validation_loss
 from sdtrain.storage.filesystems import filesystem_for
@@ -102,12 +103,11 @@ def heldout_loss(config: Config, unet, scheduler) -> float:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     batches = iter_local_batches(spec, config.data, EVAL_BATCH_SIZE)
     latent_scale = config.data.latent_scaling_factor or 1.0
-    embed = None
-    if spec.token_ids is not None:  # both models see the same float32 embeddings of the ids
-        encoder = _gate_encoder(spec.token_ids.text_encoder, device)
-        embed = lambda ids: encoder(ids).float()  # noqa: E731
+    # Both models see the same float32 embeddings of token ids.
+    encoder = _gate_encoder(spec.token_ids.text_encoder, device) if spec.token_ids is not None else None
+    condition = Conditioner(unet.config, spec.vae_downsampling, encoder)
     return validation_loss(
-        unet.to(device), scheduler, batches, seed=config.train.seed, latent_scale=latent_scale, embed=embed
+        unet.to(device), scheduler, batches, seed=config.train.seed, latent_scale=latent_scale, condition=condition
     )
 
 

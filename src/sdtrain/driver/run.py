@@ -230,6 +230,7 @@ def _run_meta(run: CheckedRun, config: Config, captions: tuple[int, int]) -> Che
         text_encoder,
         run.latent_classifier,
         run.train.bucket_shapes,
+        run.train.vae_downsampling,
     )
     if run.grid_prompts is None:
         return meta

@@ -150,6 +150,106 @@ def encode_prompts(tokenizer: Any, text_encoder: Any, prompts: list[str]) -> tor
     return text_encoder(tokens.input_ids.to(device), attention_mask=mask)[0].float().cpu()
 
 
+SECOND_ENCODER = ("tokenizer_2", "text_encoder_2")
+"""SDXL's second tokenizer and text encoder (OpenCLIP ViT-bigG, with its projection), beside tokenizer/ and
+text_encoder/ (CLIP ViT-L)."""
+
+
+def has_second_encoder(source: str) -> bool:
+    """Whether ``source`` (a local directory, a storage URI or a hub id) is SDXL-shaped: it has text_encoder_2/."""
+    if is_uri(source):
+        fs, path = filesystem_for(source.rstrip("/"))
+        return fs.get_file_info(posixpath.join(path, "text_encoder_2")).type == pafs.FileType.Directory
+    path = os.path.expanduser(source)
+    if os.path.isdir(path):
+        return os.path.isdir(os.path.join(path, "text_encoder_2"))
+    try:  # a hub id: only on a machine that reaches the hub
+        from huggingface_hub import file_exists
+
+        return bool(file_exists(source, "text_encoder_2/config.json"))
+    except Exception:  # no network, no such repository: as SD 1/2, whose loading then says what is missing
+        return False
+
+
+class TextEncoders:
+    """A model's tokenizers and text encoders, as its pipeline encodes prompts: SD 1/2's one (the last hidden state,
+    with an attention mask only where the encoder asks for one), or SDXL's two (StableDiffusionXLPipeline
+    .encode_prompt: each one's penultimate hidden state, concatenated, and the second's pooled projection).
+
+    Stored token ids hold each tokenizer's ids in turn (T x L a row, T = 1 or 2): :meth:`tokenize` makes them,
+    :meth:`encode_ids` encodes them.
+    """
+
+    def __init__(self, source: str, tokenizers: list[Any], encoders: list[Any]):
+        self.source = source
+        self.tokenizers = tokenizers
+        self.encoders = encoders
+
+    @property
+    def pooled(self) -> bool:
+        """Whether they make a pooled embedding (SDXL)."""
+        return len(self.encoders) == 2
+
+    @property
+    def width(self) -> int:
+        """D of the (L, D) hidden states the UNet cross-attends to."""
+        return sum(int(encoder.config.hidden_size) for encoder in self.encoders)
+
+    @property
+    def length(self) -> int:
+        """L: the tokenizers' padded length."""
+        return int(self.tokenizers[0].model_max_length)
+
+    def tokenize(self, prompts: list[str]) -> torch.Tensor:
+        """(N, T x L) int64 ids of ``prompts``: each tokenizer's, padded and truncated, in turn."""
+        return torch.cat([tokenize(tokenizer, prompts).input_ids for tokenizer in self.tokenizers], dim=1)
+
+    @torch.no_grad()
+    def encode_ids(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(hidden states (N, L, D), pooled (N, P) or None) of stored ids, on the encoders' device, in their dtype."""
+        device = next(self.encoders[0].parameters()).device
+        ids = ids.to(device).long()
+        if not self.pooled:
+            return self.encoders[0](ids)[0], None
+        parts = ids.reshape(len(ids), len(self.encoders), -1)
+        hidden, pooled = [], None
+        for i, encoder in enumerate(self.encoders):
+            output = encoder(parts[:, i], output_hidden_states=True)
+            hidden.append(output.hidden_states[-2])
+            pooled = output[0]  # the last encoder's: CLIPTextModelWithProjection's text_embeds
+        return torch.cat(hidden, dim=-1), pooled
+
+    @torch.no_grad()
+    def encode(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(hidden states, pooled or None) of ``prompts``, float32 on the CPU."""
+        if not self.pooled and getattr(self.encoders[0].config, "use_attention_mask", False):
+            return encode_prompts(self.tokenizers[0], self.encoders[0], prompts), None
+        hidden, pooled = self.encode_ids(self.tokenize(prompts))
+        return hidden.float().cpu(), None if pooled is None else pooled.float().cpu()
+
+    def to(self, device: torch.device | str) -> TextEncoders:
+        for encoder in self.encoders:
+            encoder.to(device)
+        return self
+
+
+def load_text_encoders(source: str, device: str = "cpu", dtype: torch.dtype = torch.float32) -> TextEncoders:
+    """The tokenizers and text encoders of ``source`` (tokenizer/ and text_encoder/, and SDXL's tokenizer_2/ and
+    text_encoder_2/ where it has them), frozen in eval mode: the one way sdtrain loads a model's text encoders."""
+    from transformers import AutoTokenizer, CLIPTextModelWithProjection
+
+    if not has_second_encoder(source):
+        tokenizer, encoder = load_text_encoder(source, device, dtype)
+        return TextEncoders(source, [tokenizer], [encoder.requires_grad_(False)])
+    local = local_model(source, "tokenizer", "text_encoder", *SECOND_ENCODER)
+    tokenizer, first = load_text_encoder(local, device, dtype)
+    with _without_progress_bars():
+        second: Any = CLIPTextModelWithProjection.from_pretrained(local, subfolder="text_encoder_2", dtype=dtype)
+    tokenizer_2 = AutoTokenizer.from_pretrained(local, subfolder="tokenizer_2")
+    encoders = [first.requires_grad_(False), second.to(device).eval().requires_grad_(False)]
+    return TextEncoders(source, [tokenizer, tokenizer_2], encoders)
+
+
 @torch.no_grad()
 def encode_images(
     vae: Any, pixels: np.ndarray, latent: Literal["mean", "sample"], seeds: list[int] | None = None

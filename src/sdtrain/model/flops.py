@@ -16,6 +16,8 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
+from sdtrain.model.conditioning import dummy_conditioning
+
 TRAIN_STEP_FACTOR = 3
 
 
@@ -49,9 +51,9 @@ def unet_forward_flops(
     with torch.device("meta"):
         unet = UNet2DConditionModel(**unet_config)
         latents = torch.empty(batch_size, *latent_shape)
-        captions = torch.empty(batch_size, *caption_shape)
+        conditioning = dummy_conditioning(unet_config, batch_size, caption_shape)
         timesteps = torch.zeros(batch_size, dtype=torch.long)
-    return forward_flops(unet, latents, timesteps, encoder_hidden_states=captions)
+    return forward_flops(unet, latents, timesteps, **conditioning.kwargs())
 
 
 def unet_train_step_flops(

@@ -55,6 +55,7 @@ from diffusers.models.resnet import ResnetBlock2D
 from diffusers.models.transformers.transformer_2d import Transformer2DModel
 from torch.overrides import TorchFunctionMode
 
+from sdtrain.model.conditioning import dummy_conditioning
 from sdtrain.private import torch as torch_private
 
 Precision = Literal["bf16-mixed", "32-true"]
@@ -213,12 +214,12 @@ def _traced_activation_peak(
     forward = torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast)
     with mode, tracker, CudaAutocastRules():
         latents = torch.empty(micro_batch, *latent_shape)
-        captions = torch.empty(micro_batch, *caption_shape, dtype=caption_dtype)
+        conditioning = dummy_conditioning(unet.config, micro_batch, caption_shape, caption_dtype)
         timesteps = torch.zeros(micro_batch, dtype=torch.long)
         noise = torch.randn_like(latents)
         noisy = latents * 0.5 + noise * 0.5  # the scheduler's add_noise: one more latent-sized tensor
         with forward:
-            prediction = unet(noisy, timesteps, encoder_hidden_states=captions).sample
+            prediction = unet(noisy, timesteps, **conditioning.kwargs()).sample
             loss = torch.nn.functional.mse_loss(prediction.float(), noise)
         loss.backward()
     return tracker.transient_peak

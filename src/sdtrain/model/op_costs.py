@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count, shape_wrapper
 
+from sdtrain.model.conditioning import dummy_conditioning
 from sdtrain.private import torch as torch_private
 
 KINDS = ("matmul", "conv", "attention", "memory")
@@ -156,14 +157,16 @@ def count_step_ops(
         latents = torch.empty(micro_batch, *latent_shape)
         half = precision == "bf16-mixed"
         # The captions in autocast's dtype, as sdtrain.train.device_settings.CAPTION_DTYPES hands them.
-        captions = torch.empty(micro_batch, *caption_shape, dtype=torch.bfloat16 if half else torch.float32)
+        conditioning = dummy_conditioning(
+            unet_config, micro_batch, caption_shape, torch.bfloat16 if half else torch.float32
+        )
         timesteps = torch.zeros(micro_batch, dtype=torch.long)
 
         def loss() -> torch.Tensor:
             noise = torch.randn_like(latents)
             noisy = latents * 0.5 + noise * 0.5  # the scheduler's add_noise
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=half):
-                prediction = unet(noisy, timesteps, encoder_hidden_states=captions).sample
+                prediction = unet(noisy, timesteps, **conditioning.kwargs()).sample
                 return torch.nn.functional.mse_loss(prediction.float(), noise)
 
         return record_step(list(unet.parameters()), loss, micro_batch)

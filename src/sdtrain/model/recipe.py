@@ -31,6 +31,7 @@ from diffusers import DDPMScheduler
 
 from sdtrain.data.metadata import LATENT_SCALING_FACTOR, describe_scaling, latent_scaling
 from sdtrain.errors import ConfigError, DataError
+from sdtrain.model.conditioning import Conditioning
 
 PREDICTION_TYPES = ("epsilon", "v_prediction")
 
@@ -56,12 +57,13 @@ def training_target(
 
 
 def min_snr_weights(noise_scheduler: DDPMScheduler, timesteps: torch.Tensor, gamma: float) -> torch.Tensor:
-    """Per-sample loss weights of min-SNR-gamma for the scheduler's prediction type."""
+    """Per-sample loss weights of min-SNR-gamma for the scheduler's prediction type. At SNR 0 (a zero-terminal-SNR
+    schedule's last timestep) epsilon's min(SNR, gamma) / SNR is 0 / 0: its limit, 1, is taken."""
     ratio = snr(noise_scheduler, timesteps)
     clipped = torch.clamp(ratio, max=gamma)
     if noise_scheduler.config.prediction_type == "v_prediction":
         return clipped / (ratio + 1)
-    return clipped / ratio
+    return torch.where(ratio > 0, clipped / ratio.clamp(min=torch.finfo(ratio.dtype).tiny), 1.0)
 
 
 def diffusion_loss(
@@ -112,7 +114,7 @@ class StepInputs:
     """What one training step feeds the UNet and compares its output with."""
 
     noisy: torch.Tensor
-    captions: torch.Tensor
+    conditioning: Conditioning
     target: torch.Tensor
     dropped: torch.Tensor | None = None
 
@@ -120,7 +122,7 @@ class StepInputs:
 def step_inputs(
     noise_scheduler: DDPMScheduler,
     latents: torch.Tensor,
-    captions: torch.Tensor,
+    conditioning: Conditioning,
     noise: torch.Tensor,
     timesteps: torch.Tensor,
     generator: torch.Generator,
@@ -131,7 +133,10 @@ def step_inputs(
     unconditional_caption: torch.Tensor | None = None,
 ) -> StepInputs:
     """Apply the recipe to a batch whose noise and timesteps are drawn. The extra draws come from
-    ``generator`` in this order, each only when its option is on: offset, perturbation, dropout."""
+    ``generator`` in this order, each only when its option is on: offset, perturbation, dropout. A dropped
+    caption's hidden states become ``unconditional_caption``, and its pooled embedding (SDXL) zeros, as SDXL's
+    training zeroes both (its pipelines' force_zeros_for_empty_prompt samples against the same); its size
+    conditioning is kept."""
     if noise_offset:
         noise = offset_noise(noise, noise_offset, generator)
     input_noise = perturb(noise, input_perturbation, generator) if input_perturbation else noise
@@ -140,8 +145,12 @@ def step_inputs(
     if caption_dropout_prob:
         if unconditional_caption is None:
             raise ValueError("caption dropout needs an unconditional caption embedding")
-        captions, dropped = drop_captions(captions, unconditional_caption, caption_dropout_prob, generator)
-    return StepInputs(noisy, captions, training_target(noise_scheduler, latents, noise, timesteps), dropped)
+        hidden, dropped = drop_captions(conditioning.hidden, unconditional_caption, caption_dropout_prob, generator)
+        pooled = conditioning.pooled
+        if pooled is not None:
+            pooled = torch.where(dropped.view(-1, 1), torch.zeros_like(pooled), pooled)
+        conditioning = conditioning.with_text(hidden, pooled)
+    return StepInputs(noisy, conditioning, training_target(noise_scheduler, latents, noise, timesteps), dropped)
 
 
 def load_unconditional_caption(

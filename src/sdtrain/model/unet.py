@@ -12,6 +12,7 @@ from diffusers import DDPMScheduler, UNet2DConditionModel
 
 from sdtrain.config.schema import ModelConfig
 from sdtrain.errors import ConfigError
+from sdtrain.model.conditioning import dummy_conditioning
 from sdtrain.model.presets import PRESETS
 from sdtrain.storage.filesystems import local_copy
 from sdtrain.storage.uris import is_uri
@@ -43,11 +44,8 @@ def check_unet(model: ModelConfig, latent_shape: tuple[int, ...], caption_shape:
     try:
         with torch.device("meta"):
             unet = UNet2DConditionModel(**config)
-            unet(
-                torch.zeros(1, *latent_shape),
-                torch.zeros(1, dtype=torch.long),
-                encoder_hidden_states=torch.zeros(1, *caption_shape),
-            )
+            conditioning = dummy_conditioning(config, 1, caption_shape)
+            unet(torch.zeros(1, *latent_shape), torch.zeros(1, dtype=torch.long), **conditioning.kwargs())
     except Exception as e:  # diffusers raises ValueError, TypeError, RuntimeError, AssertionError...
         source = f"model.pretrained={model.pretrained}" if model.pretrained else f"model.preset={model.preset}"
         overrides = f" with model.unet={model.unet}" if model.unet and not model.pretrained else ""
@@ -64,11 +62,14 @@ def build_unet(model: ModelConfig) -> UNet2DConditionModel:
     return UNet2DConditionModel(**unet_config(model))
 
 
-def noise_scheduler_config(model: ModelConfig) -> dict[str, Any]:
+def noise_scheduler_config(model: ModelConfig, zero_terminal_snr: bool = False) -> dict[str, Any]:
     """The DDPM training schedule: SD 2 base's (shipped), or the pretrained model's scheduler/;
     with ``prediction_type`` from model.prediction_type in either case, and ``clip_sample`` off
     (diffusers' DDPMScheduler default, taken when a config omits it, clips each predicted sample to
-    [-1, 1]: right for pixels, wrong for latents, whose values go well past 1, and it wrecks samples)."""
+    [-1, 1]: right for pixels, wrong for latents, whose values go well past 1, and it wrecks samples).
+    ``zero_terminal_snr`` (train.zero_terminal_snr): the betas rescaled so the last timestep is pure noise
+    (diffusers' ``rescale_betas_zero_snr``), and timesteps spaced from the last one ("trailing") wherever the
+    config makes a sampler: what the schedule's samplers and an exported pipeline need."""
     config = None
     if model.pretrained is not None:
         location = _pretrained_location(model.pretrained, "scheduler", required=False)
@@ -79,6 +80,8 @@ def noise_scheduler_config(model: ModelConfig) -> dict[str, Any]:
         shipped = resources.files("sdtrain").joinpath("assets/scheduler_config.json").read_text()
         config = {k: v for k, v in json.loads(shipped).items() if not k.startswith("_")}
     config = {**config, "prediction_type": model.prediction_type, "clip_sample": False}
+    if zero_terminal_snr:
+        config = {**config, "rescale_betas_zero_snr": True, "timestep_spacing": "trailing"}
     return json_safe(dict(DDPMScheduler.from_config(config).config))
 
 

@@ -12,15 +12,20 @@ no offset noise, perturbation, caption dropout or min-SNR weights.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 import torch.nn.functional as F
 from diffusers import DDPMScheduler, UNet2DConditionModel
 
+from sdtrain.model.conditioning import Conditioner, Conditioning
 from sdtrain.model.recipe import training_target
 
+Condition = Callable[[Mapping[str, torch.Tensor], tuple[int, int]], Conditioning]
+"""A batch's rows (on the device) and its latents' (H, W) -> the UNet's conditioning (sdtrain.model.conditioning)."""
+
 NUM_TIMESTEPS = 10
+_CONDITIONING = ("captions", "pooled", "placement")
 
 
 def validation_loss(
@@ -29,11 +34,11 @@ def validation_loss(
     batches: Iterable[dict[str, torch.Tensor]],
     seed: int = 0,
     latent_scale: float = 1.0,
-    embed: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    condition: Condition | None = None,
 ) -> float:
     """Mean prediction MSE over every sample in ``batches`` (in the order given), the stored latents
-    multiplied by ``latent_scale`` first (as training does); ``embed``: as for :func:`validation_sums`."""
-    loss_sum, count = validation_sums(unet, noise_scheduler, batches, seed, latent_scale, embed=embed)
+    multiplied by ``latent_scale`` first (as training does); ``condition``: as for :func:`validation_sums`."""
+    loss_sum, count = validation_sums(unet, noise_scheduler, batches, seed, latent_scale, condition=condition)
     if count == 0:
         raise ValueError("the validation set yielded no samples")
     return loss_sum / count
@@ -48,15 +53,17 @@ def validation_sums(
     latent_scale: float = 1.0,
     rank: int = 0,
     world_size: int = 1,
-    embed: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    condition: Condition | None = None,
 ) -> tuple[float, int]:
     """(sum of per-sample losses, samples) over the samples ``rank``, ``rank + world_size``, ... of ``batches``;
-    ``embed`` turns a batch's stored captions (on the device) into float embeddings (token ids: the text encoder,
-    sdtrain.model.token_captions); default: they are embeddings.
+    ``condition`` turns a batch's rows (on the device) into the UNet's conditioning (token ids: through the text
+    encoders, sdtrain.model.token_captions); default: the stored embeddings, and for an SDXL-shaped UNet the stored
+    pooled embeddings and placement (:class:`sdtrain.model.conditioning.Conditioner`).
 
     A sample's noise and timestep depend on its index in the whole set only, so the ranks' sums add up
     to the single-process sum, whatever the world size.
     """
+    condition = condition or Conditioner(unet.config)
     was_training = unet.training
     unet.eval()
     device = next(unet.parameters()).device
@@ -73,8 +80,8 @@ def validation_sums(
         latents = batch["latents"][rows].to(device).float()
         if latent_scale != 1.0:
             latents = latents * latent_scale
-        captions = batch["captions"][rows].to(device)
-        captions = embed(captions) if embed is not None else captions.float()
+        hw = (latents.shape[-2], latents.shape[-1])
+        conditioning = condition({key: batch[key][rows].to(device) for key in _CONDITIONING if key in batch}, hw)
         noise = torch.stack(
             [
                 torch.randn(latents.shape[1:], generator=torch.Generator().manual_seed(seed * 1_000_003 + i))
@@ -83,7 +90,7 @@ def validation_sums(
         ).to(device)
         timesteps = grid[torch.tensor([i % NUM_TIMESTEPS for i in indices])].to(device)
         noisy = noise_scheduler.add_noise(latents, noise, timesteps)
-        prediction = unet(noisy, timesteps, encoder_hidden_states=captions).sample
+        prediction = unet(noisy, timesteps, **conditioning.kwargs()).sample
         target = training_target(noise_scheduler, latents, noise, timesteps)
         per_sample = F.mse_loss(prediction.float(), target, reduction="none").mean(dim=(1, 2, 3))
         loss_sum += per_sample.sum().item()

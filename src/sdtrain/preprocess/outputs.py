@@ -36,6 +36,8 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+from sdtrain.data.added_columns import BUCKET_COLUMN
+from sdtrain.data.added_columns import PLACEMENT_COLUMNS as PLACEMENT
 from sdtrain.data.metadata import BUCKET_RUNS, BUCKET_SHAPES
 from sdtrain.errors import ConfigError
 from sdtrain.storage.filesystems import delete_file, filesystem_for, move_file, write_bytes
@@ -121,7 +123,7 @@ def shard_table(rows: list[dict[str, Any]], columns: dict[str, str], metadata: d
     return pa.table(arrays, schema=pa.schema(fields, metadata=metadata))
 
 
-PLACEMENT_COLUMNS = ("bucket", "original_height", "original_width", "crop_top", "crop_left")
+PLACEMENT_COLUMNS = (BUCKET_COLUMN, *PLACEMENT)
 """Where each image went (sdtrain.preprocess.buckets.Placement): its bucket, its size before resizing, the top-left
 corner of its crop in the resized image (what SDXL's micro-conditioning reads)."""
 

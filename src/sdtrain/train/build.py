@@ -92,6 +92,7 @@ def checkpoint_meta(
     text_encoder: str | None = None,
     latent_classifier: str | None = None,
     bucket_shapes: Sequence[Sequence[int]] | None = None,
+    vae_downsampling: int = 8,
 ) -> CheckpointMeta:
     """The metadata every checkpoint of a run of ``config`` stores.
 
@@ -102,11 +103,12 @@ def checkpoint_meta(
         text_encoder: for data of token ids, the text encoder they name (the workers encode them with it).
         latent_classifier: the module the data names as the reader of its latents, if any.
         bucket_shapes: aspect-ratio buckets: each bucket's latent shape.
+        vae_downsampling: pixels per latent side of the data's VAE.
     """
     return CheckpointMeta(
         sdtrain_version=__version__,
         unet_config=unet_config(config.model),
-        noise_scheduler_config=noise_scheduler_config(config.model),
+        noise_scheduler_config=noise_scheduler_config(config.model, config.train.zero_terminal_snr),
         latent_shape=tuple(latent_shape),
         caption_shape=tuple(caption_shape),
         latent_scale=config.data.latent_scaling_factor or 1.0,
@@ -115,6 +117,7 @@ def checkpoint_meta(
         text_encoder=text_encoder,
         latent_classifier=latent_classifier,
         bucket_shapes=[list(shape) for shape in bucket_shapes] if bucket_shapes else None,
+        vae_downsampling=vae_downsampling,
     )
 
 

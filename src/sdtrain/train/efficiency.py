@@ -117,12 +117,12 @@ class Efficiency:
             gpu_hour_cost: run.gpu_hour_cost.
         """
         meta = module.checkpoint_meta
-        encoder = module.caption_encoder.text_encoder.config if module.caption_encoder is not None else None
+        encoders = [e.config for e in module.caption_encoder.encoders.encoders] if module.caption_encoder else []
 
         def count(latent_shape: tuple[int, ...]) -> float:
             channels, height, width = latent_shape
             counted = unet_train_step_flops(meta.unet_config, (channels, height, width), tuple(meta.caption_shape))
-            if encoder is not None:  # token-id captions: the text encoder's forward is model work too
+            for encoder in encoders:  # token-id captions: the text encoders' forward is model work too
                 counted += text_encoder_forward_flops(encoder, int(meta.caption_shape[0]))
             return float(counted)
 

@@ -5,7 +5,7 @@ an optional EMA of its weights (sdtrain.model.ema)."""
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import lightning.pytorch as pl
@@ -16,6 +16,7 @@ from diffusers.optimization import get_constant_schedule_with_warmup
 
 from sdtrain.artifacts.checkpoint_format import CHECKPOINT_META_KEY, CheckpointMeta
 from sdtrain.config.schema import TrainConfig
+from sdtrain.model.conditioning import Conditioner, Conditioning
 from sdtrain.model.ema import ema_update_, local_tensor, make_ema
 from sdtrain.model.recipe import diffusion_loss, step_inputs
 from sdtrain.model.token_captions import CaptionEncoder
@@ -65,6 +66,7 @@ class DiffusionModule(pl.LightningModule):
         super().__init__()
         self.caption_dtype = caption_dtype
         self.caption_encoder = caption_encoder
+        self.conditioner = Conditioner(unet.config, checkpoint_meta.vae_downsampling, caption_encoder)
         self.accumulation = accumulation
         self.sample_record: list[torch.Tensor] | None = [] if record_samples else None
         self.window_shapes: Counter[tuple[int, ...]] = Counter()
@@ -141,7 +143,7 @@ class DiffusionModule(pl.LightningModule):
         latents = batch["latents"].to(LATENT_DTYPE)
         if self.latent_scale != 1.0:
             latents = latents * self.latent_scale
-        captions = self.embed_captions(batch["captions"])
+        conditioning = self.conditioner(batch, (latents.shape[-2], latents.shape[-1]), self.caption_dtype)
         self.window_shapes[tuple(latents.shape[1:])] += latents.shape[0]
         generator = self._step_generator(latents.device, self._micro_batch)
         self._micro_batch = (self._micro_batch + 1) % self.accumulation
@@ -150,7 +152,7 @@ class DiffusionModule(pl.LightningModule):
         inputs = step_inputs(
             self.noise_scheduler,
             latents,
-            captions,
+            conditioning,
             noise,
             timesteps,
             generator,
@@ -159,7 +161,7 @@ class DiffusionModule(pl.LightningModule):
             caption_dropout_prob=config.caption_dropout_prob,
             unconditional_caption=self.unconditional_caption,
         )
-        prediction = self.unet(inputs.noisy, timesteps, encoder_hidden_states=inputs.captions).sample
+        prediction = self.unet(inputs.noisy, timesteps, **inputs.conditioning.kwargs()).sample
         # Rows of an unreadable file skipped under data.on_read_error=skip carry valid=False.
         valid = batch.get("valid")
         loss = diffusion_loss(prediction, inputs.target, self.noise_scheduler, timesteps, config.snr_gamma, valid)
@@ -173,17 +175,10 @@ class DiffusionModule(pl.LightningModule):
         torch.maximum(self.step_loss_nonfinite, (~finite).float(), out=self.step_loss_nonfinite)
         return loss
 
-    def embed_captions(self, captions: torch.Tensor) -> torch.Tensor:
-        """A micro-batch's captions as the UNet takes them, in ``caption_dtype``: the stored embeddings, or the text
-        encoder's output for stored token ids. Caption dropout then replaces dropped rows with
-        ``unconditional_caption``, the same encoder's output for the empty prompt's ids: what encoding those ids in
-        the dropped rows would give, as the encoder sees each row alone."""
-        if self.caption_encoder is not None:
-            captions = self.caption_encoder(captions)
-        return captions.to(self.caption_dtype)
-
-    def _validation_captions(self, captions: torch.Tensor) -> torch.Tensor:
-        return self.caption_encoder(captions).float() if self.caption_encoder is not None else captions.float()
+    def validation_conditioning(self, batch: Mapping[str, torch.Tensor], latents_hw: tuple[int, int]) -> Conditioning:
+        """A validation batch's conditioning, in float32: validation runs the UNet under the step's autocast, which
+        picks each op's dtype (sdtrain.model.validation)."""
+        return self.conditioner(batch, latents_hw)
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Clip the gradients and skip the update if any is NaN/inf: on the device, no host sync.
@@ -258,7 +253,7 @@ class DiffusionModule(pl.LightningModule):
             batches,
             seed,
             latent_scale=self.latent_scale,
-            embed=self._validation_captions,
+            condition=self.validation_conditioning,
         )
 
     def validation_sums(
@@ -274,7 +269,7 @@ class DiffusionModule(pl.LightningModule):
             self.latent_scale,
             rank=rank,
             world_size=world_size,
-            embed=self._validation_captions,
+            condition=self.validation_conditioning,
         )
         return torch.tensor(sums, dtype=torch.float64, device=self.device)
 

@@ -1,0 +1,208 @@
+"""SDXL-shaped UNets (model.preset: tiny-sdxl, sdxl-base): two text encoders (a tiny SDXL-layout model directory built
+from configs, tests/support/tiny_models.write_tiny_sdxl_model), the pooled embedding and size conditioning
+(sdtrain.model.conditioning) in real Lightning fits, caption dropout, the checks before Ray, and the zero-terminal-SNR
+schedule."""
+
+import numpy as np
+import pytest
+import torch
+from conftest import tiny_config
+from support.tiny_models import write_tiny_sdxl_model
+
+from sdtrain.errors import ConfigError
+from sdtrain.model.conditioning import Conditioner, Conditioning, pooled_width, time_ids
+from sdtrain.model.encoders import load_text_encoders
+from sdtrain.model.presets import PRESETS
+from sdtrain.train.build import checkpoint_meta, fit_without_ray
+
+TEXTS = ["a red fox in snow", "two boats", "an old map", "a cup of tea"]
+SDXL_FIT = (
+    "data.train=/unused",
+    "model.preset=tiny-sdxl",
+    "train.max_steps=1",
+    "train.global_batch_size=4",
+    "train.lr=1e-3",
+    "train.warmup_steps=0",
+    "scaling.use_gpu=false",
+)
+
+
+@pytest.fixture(scope="module")
+def sdxl(tmp_path_factory):
+    """The tiny SDXL-layout model directory and its encoders."""
+    root = write_tiny_sdxl_model(str(tmp_path_factory.mktemp("sdxl") / "model"))
+    return root, load_text_encoders(root)
+
+
+def test_the_presets_take_two_encoders_hidden_states_a_pooled_embedding_and_six_time_ids():
+    assert pooled_width(PRESETS["sdxl-base"]) == 1280 and PRESETS["sdxl-base"]["cross_attention_dim"] == 2048
+    assert pooled_width(PRESETS["tiny-sdxl"]) == 32 and pooled_width(PRESETS["sd2-base"]) is None
+    with pytest.raises(ConfigError, match="addition_embed_type 'text' is not supported"):
+        pooled_width({"addition_embed_type": "text"})
+    # An image's recorded placement, else its latents' own size uncropped; the target is the latents' size in pixels.
+    placement = torch.tensor([[300, 500, 10, 20]], dtype=torch.int32)
+    assert time_ids((16, 24), 8, 1, placement).tolist() == [[300, 500, 10, 20, 128, 192]]
+    assert time_ids((16, 24), 8, 2).tolist() == [[128, 192, 0, 0, 128, 192]] * 2
+
+
+def test_the_two_encoders_encode_as_diffusers_sdxl_pipeline_and_their_ids_give_the_same(sdxl):
+    from diffusers import StableDiffusionXLPipeline
+
+    _, encoders = sdxl
+    hidden, pooled = encoders.encode(TEXTS)
+    assert hidden.shape == (4, 77, 80) and pooled is not None and pooled.shape == (4, 32)
+    pipe = StableDiffusionXLPipeline(
+        vae=None,
+        text_encoder=encoders.encoders[0],
+        tokenizer=encoders.tokenizers[0],
+        text_encoder_2=encoders.encoders[1],
+        tokenizer_2=encoders.tokenizers[1],
+        unet=None,
+        scheduler=None,
+    )
+    theirs, _, theirs_pooled, _ = pipe.encode_prompt(TEXTS, device="cpu", do_classifier_free_guidance=False)
+    torch.testing.assert_close(hidden, theirs, rtol=0, atol=0)
+    torch.testing.assert_close(pooled, theirs_pooled, rtol=0, atol=0)
+    ids = encoders.tokenize(TEXTS)
+    assert ids.shape == (4, 2 * 77) and int(ids[0, 77 + 40]) == encoders.tokenizers[1].pad_token_id
+    again, again_pooled = encoders.encode_ids(ids)
+    torch.testing.assert_close(again, hidden, rtol=0, atol=0)
+    torch.testing.assert_close(again_pooled, pooled, rtol=0, atol=0)
+
+
+def _fit_loss(config, meta, batch) -> float:
+    module, _ = fit_without_ray(config, [batch], meta, use_gpu=False)
+    return float(module.take_window_stats()["loss"])
+
+
+def test_a_tiny_sdxl_unet_trains_from_embeddings_and_from_ids_to_the_same_first_loss(sdxl, tmp_path):
+    """The same rows stored as embeddings (hidden states and pooled) and as the two tokenizers' ids: one real
+    Lightning step from each gives the same loss (the ids are encoded in the step); the size conditioning reaches the
+    UNet (another placement, another loss)."""
+    root, encoders = sdxl
+    hidden, pooled = encoders.encode(TEXTS)
+    g = torch.Generator().manual_seed(0)
+    latents = torch.randn(4, 4, 16, 24, generator=g)
+    placement = torch.tensor([[64, 96, 0, 0], [80, 96, 8, 0], [32, 48, 0, 0], [64, 128, 0, 16]], dtype=torch.int32)
+    config = tiny_config(*SDXL_FIT)
+    meta = checkpoint_meta(config, (4, 16, 24), (77, 80), vae_downsampling=2)
+    embedded = {"latents": latents, "captions": hidden, "pooled": pooled, "placement": placement}
+    from_embeddings = _fit_loss(config, meta, embedded)
+    ids = {"latents": latents, "captions": encoders.tokenize(TEXTS).to(torch.int32), "placement": placement}
+    ids_meta = checkpoint_meta(config, (4, 16, 24), (77, 80), text_encoder=root, vae_downsampling=2)
+    assert _fit_loss(config, ids_meta, ids) == pytest.approx(from_embeddings, rel=1e-5)
+    moved = {**embedded, "placement": placement + torch.tensor([0, 0, 8, 8], dtype=torch.int32)}
+    assert _fit_loss(config, meta, moved) != pytest.approx(from_embeddings, rel=1e-6)
+
+
+def test_caption_dropout_zeroes_the_text_and_keeps_the_sizes():
+    from sdtrain.model.recipe import step_inputs
+    from sdtrain.model.unet import build_noise_scheduler, noise_scheduler_config
+
+    config = tiny_config(*SDXL_FIT)
+    scheduler = build_noise_scheduler(noise_scheduler_config(config.model))
+    conditioning = Conditioning(torch.ones(64, 77, 80), torch.ones(64, 32), torch.full((64, 6), 7.0))
+    latents = torch.zeros(64, 4, 16, 16)
+    inputs = step_inputs(
+        scheduler,
+        latents,
+        conditioning,
+        torch.zeros_like(latents),
+        torch.zeros(64, dtype=torch.long),
+        torch.Generator().manual_seed(0),
+        caption_dropout_prob=0.5,
+        unconditional_caption=torch.zeros(77, 80),
+    )
+    dropped = inputs.dropped
+    assert dropped is not None and 0 < int(dropped.sum()) < 64
+    out = inputs.conditioning
+    assert out.pooled is not None and out.time_ids is not None
+    assert (out.hidden[dropped] == 0).all() and (out.hidden[~dropped] == 1).all()
+    assert (out.pooled[dropped] == 0).all() and (out.pooled[~dropped] == 1).all()
+    assert (out.time_ids == 7).all()
+
+
+def test_validation_conditions_an_sdxl_unet_as_training_does(sdxl):
+    """validation_sums with no condition given reads the stored pooled embeddings and placement
+    (sdtrain.model.conditioning.Conditioner), as the module's validation does."""
+    from diffusers import UNet2DConditionModel
+
+    from sdtrain.model.unet import build_noise_scheduler, noise_scheduler_config
+    from sdtrain.model.validation import validation_sums
+
+    _, encoders = sdxl
+    hidden, pooled = encoders.encode(TEXTS)
+    torch.manual_seed(0)
+    unet = UNet2DConditionModel(**PRESETS["tiny-sdxl"])
+    scheduler = build_noise_scheduler(noise_scheduler_config(tiny_config(*SDXL_FIT).model))
+    batch = {"latents": torch.randn(4, 4, 16, 16), "captions": hidden, "pooled": pooled}
+    default = validation_sums(unet, scheduler, [batch], seed=3)
+    assert np.isfinite(default[0]) and default[1] == 4
+    explicit = validation_sums(unet, scheduler, [batch], seed=3, condition=Conditioner(unet.config, 8))
+    assert explicit == default
+    # Another VAE downsampling is other time ids: the conditioning reaches the UNet.
+    assert validation_sums(unet, scheduler, [batch], seed=3, condition=Conditioner(unet.config, 2)) != default
+
+
+def test_zero_terminal_snr_needs_v_prediction_and_keeps_min_snr_finite():
+    from sdtrain.model.recipe import min_snr_weights, snr
+    from sdtrain.model.unet import build_noise_scheduler, noise_scheduler_config
+
+    with pytest.raises(ConfigError, match=r"train.zero_terminal_snr: .*model.prediction_type: v_prediction"):
+        tiny_config("data.train=/d", "train.zero_terminal_snr=true")
+    config = tiny_config("data.train=/d", "train.zero_terminal_snr=true", "model.prediction_type=v_prediction")
+    stored = noise_scheduler_config(config.model, zero_terminal_snr=True)
+    assert stored["rescale_betas_zero_snr"] is True and stored["timestep_spacing"] == "trailing"
+    scheduler = build_noise_scheduler(stored)
+    last = torch.tensor([scheduler.config.num_train_timesteps - 1])
+    assert float(snr(scheduler, last)) == 0.0
+    assert float(min_snr_weights(scheduler, last, 5.0)) == 0.0  # v: min(0, 5) / (0 + 1)
+    # Epsilon's min(SNR, gamma) / SNR at SNR 0 is its limit, 1 (it used to divide by zero).
+    epsilon = build_noise_scheduler({**stored, "prediction_type": "epsilon"})
+    weights = min_snr_weights(epsilon, torch.tensor([0, 500, 999]), 5.0)
+    assert torch.isfinite(weights).all() and float(weights[-1]) == 1.0
+
+
+def _sdxl_file(path, pooled_width=32, placement=False, rows=8):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rng = np.random.default_rng(0)
+    columns = {
+        "image_latents_256": pa.array(list(rng.standard_normal((rows, 4 * 16 * 16)).astype(np.float16))),
+        "caption_latents": pa.array(list(rng.standard_normal((rows, 77 * 80)).astype(np.float16))),
+    }
+    if pooled_width:
+        columns["caption_pooled"] = pa.array(list(rng.standard_normal((rows, pooled_width)).astype(np.float16)))
+    if placement:
+        for name in ("original_height", "original_width", "crop_top", "crop_left"):
+            columns[name] = pa.array(np.full(rows, 32, np.int32))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.table(columns), path)
+
+
+def test_the_data_check_reads_an_sdxl_unets_added_columns_or_refuses_naming_them(tmp_path, caplog):
+    from sdtrain.data.added_columns import AddedColumns
+    from sdtrain.driver.data_check import check_data
+    from sdtrain.errors import DataError
+
+    def check(name, *keys):
+        config = tiny_config(
+            f"data.train={tmp_path / name}", "model.preset=tiny-sdxl", "export.enabled=false", *keys, batch=4
+        )
+        return check_data(config, str(tmp_path / "runs" / name))[0].spec
+
+    _sdxl_file(tmp_path / "none" / "a.parquet", pooled_width=0)
+    with pytest.raises(DataError, match=r"a.parquet, column 'caption_pooled' \(data.pooled_caption_column\): no such"):
+        check("none")
+    _sdxl_file(tmp_path / "narrow" / "a.parquet", pooled_width=16)
+    with pytest.raises(DataError, match="holds 16 values a row, but the UNet's pooled text embedding is 32 wide"):
+        check("narrow")
+    _sdxl_file(tmp_path / "bare" / "a.parquet")
+    with caplog.at_level("INFO", logger="sdtrain"):
+        assert check("bare").added == AddedColumns("caption_pooled", 32, placement=False)
+    assert "records no placement (original_height, original_width, crop_top, crop_left)" in caplog.text
+    _sdxl_file(tmp_path / "placed" / "a.parquet", placement=True)
+    assert check("placed").added == AddedColumns("caption_pooled", 32, placement=True)
+    with pytest.raises(ConfigError, match="data.unconditional_caption: u.npy is no empty prompt for an SDXL-shaped"):
+        check("placed", "data.unconditional_caption=u.npy")
