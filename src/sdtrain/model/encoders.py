@@ -202,7 +202,7 @@ class TextEncoders:
 
     def tokenize(self, prompts: list[str]) -> torch.Tensor:
         """(N, T x L) int64 ids of ``prompts``: each tokenizer's, padded and truncated, in turn."""
-        return torch.cat([tokenize(tokenizer, prompts).input_ids for tokenizer in self.tokenizers], dim=1)
+        return tokenize_each(self.tokenizers, prompts)
 
     @torch.no_grad()
     def encode_ids(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -231,6 +231,23 @@ class TextEncoders:
         for encoder in self.encoders:
             encoder.to(device)
         return self
+
+
+def tokenize_each(tokenizers: list[Any], prompts: list[str]) -> torch.Tensor:
+    """(N, T x L) int64 ids of ``prompts``: each of ``tokenizers``' (:func:`tokenize`), in turn: what
+    :meth:`TextEncoders.tokenize` makes, from the tokenizers alone."""
+    return torch.cat([tokenize(tokenizer, prompts).input_ids for tokenizer in tokenizers], dim=1)
+
+
+def load_tokenizers(source: str) -> list[Any]:
+    """The tokenizers :func:`load_text_encoders` gives ``source``'s text encoders (tokenizer/, and SDXL's
+    tokenizer_2/), without the encoders' weights: all that stored token ids need to be made."""
+    from transformers import AutoTokenizer
+
+    if not has_second_encoder(source):
+        return [load_tokenizer(source)]
+    local = local_model(source, "tokenizer", SECOND_ENCODER[0])
+    return [load_tokenizer(local), AutoTokenizer.from_pretrained(local, subfolder=SECOND_ENCODER[0])]
 
 
 def load_text_encoders(source: str, device: str = "cpu", dtype: torch.dtype = torch.float32) -> TextEncoders:
