@@ -120,7 +120,6 @@ def write_tiny_sd_model(root: str, caption_dim: int = 32, vae_blocks: int = 2) -
     return root
 
 
-
 def write_tiny_sdxl_model(root: str, vae_blocks: int = 2) -> str:
     """Write a tiny SDXL-layout model to ``root``, for model.preset=tiny-sdxl: two character-level CLIP tokenizers (77
     tokens; the second pads with "!", as SDXL's does), a 2-layer CLIPTextModel 32 wide (text_encoder/) and a 2-layer
