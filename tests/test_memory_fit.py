@@ -53,6 +53,22 @@ def test_a_size_predicted_not_to_fit_is_refused_naming_the_numbers():
     assert fit_micro_batch(config, "A100", *SMALL_512, "bf16-mixed") == (config, None)
 
 
+def test_token_id_captions_count_the_text_encoders_every_rank_holds():
+    """Data of token ids: each rank also holds the frozen text encoder that encodes them in the step (SD 2's
+    OpenCLIP-H text tower, ~0.7 GB in bf16), and the prediction says so."""
+    from transformers import CLIPTextConfig
+
+    openclip_h = CLIPTextConfig(
+        hidden_size=1024, intermediate_size=4096, num_hidden_layers=23, num_attention_heads=16, hidden_act="gelu"
+    )
+    config = _small("train.global_batch_size=128", "scaling.num_workers=2", "train.micro_batch_size=64")
+    with pytest.raises(ConfigError, match=r"4\d\.\d GiB \(the text encoders' 0\.[67] included\)") as held:
+        fit_micro_batch(config, "A10G", *SMALL_512, "bf16-mixed", (openclip_h,))
+    with pytest.raises(ConfigError) as plain:
+        fit_micro_batch(config, "A10G", *SMALL_512, "bf16-mixed")
+    assert "text encoders" not in str(plain.value) and str(held.value) != str(plain.value)
+
+
 def config_overrides(config):
     return [
         f"train.global_batch_size={config.train.global_batch_size}",

@@ -249,3 +249,44 @@ def test_activations_grow_with_the_micro_batch():
 def test_refuses_what_it_does_not_model(options):
     with pytest.raises(ValueError):
         _tiny(**options)
+
+
+def test_the_text_encoders_a_rank_holds_for_token_ids_are_counted_whole_in_their_dtype(tmp_path):
+    """Token-id captions: every rank holds the frozen text encoders (never sharded), counted exactly in their dtype;
+    their forward is traced where the step runs it, and the UNet's state is what it was. SDXL base's two encoders
+    (tools/text_encoders.py, their published configs) hold 1.64 GB in bf16."""
+    from support.tiny_models import write_tiny_sdxl_model
+    from transformers import CLIPTextModel, CLIPTextModelWithProjection
+
+    from sdtrain.model.token_captions import text_encoder_configs
+    from tools.text_encoders import sdxl_text_encoder_configs
+
+    root = write_tiny_sdxl_model(str(tmp_path / "sdxl"))
+    configs = text_encoder_configs(root)
+    real = [
+        CLIPTextModel.from_pretrained(f"{root}/text_encoder"),
+        CLIPTextModelWithProjection.from_pretrained(f"{root}/text_encoder_2"),
+    ]
+    numel = sum(t.numel() for model in real for t in (*model.parameters(), *model.buffers()) if t.is_floating_point())
+    integer = sum(t.numel() * t.element_size() for m in real for t in m.buffers() if not t.is_floating_point())
+    unet, shapes = unet_config(ModelConfig(preset="tiny-sdxl")), ((4, 16, 16), (77, 80))
+    plain = predict_training_memory(unet, *shapes, 4, precision="bf16-mixed")
+    held = predict_training_memory(unet, *shapes, 4, precision="bf16-mixed", text_encoders=configs)
+    assert plain.text_encoders == 0
+    assert held.text_encoders == 2 * numel + integer
+    assert (held.parameters, held.optimizer_state) == (plain.parameters, plain.optimizer_state)
+    assert held.total_peak == held.text_encoders + sum(
+        getattr(held, f) for f in ("parameters", "gradients", "optimizer_state", "ema", "activations_peak")
+    )
+    assert held.activations_peak >= plain.activations_peak  # the encoders' output is held through the step
+    fp32 = predict_training_memory(
+        unet, *shapes, 4, precision="bf16-mixed", text_encoders=configs, text_encoder_dtype=torch.float32
+    )
+    assert fp32.text_encoders == 4 * numel + integer
+
+    with torch.device("meta"):
+        from sdtrain.model.memory import text_encoder_modules
+
+        sdxl = text_encoder_modules(sdxl_text_encoder_configs())
+    bf16 = sum(p.numel() * 2 for m in sdxl for p in m.parameters())
+    assert 1.60e9 < bf16 < 1.68e9  # 123.1M + 694.7M parameters

@@ -158,3 +158,18 @@ def test_the_memory_table_is_the_trace_at_another_micro_batch():
     unet = unet_config(ModelConfig(preset="small"))
     traced = predict_training_memory(unet, (4, 32, 32), (77, 1024), 96).total_peak / GIB
     assert linear_memory("small", 256, False).gib(96) == pytest.approx(traced, rel=0.02)
+
+
+def test_a_checkpointed_step_recomputes_its_forward_in_the_backward_pass():
+    """train.gradient_checkpointing (sdxl-base's shipped way) counted as CUDA autocast runs it: the recomputation in
+    the backward pass casts as the forward did (it failed: checkpoint found float32 tensors recomputed in bf16), so
+    the forward's FLOPs are the plain step's and the backward's grow by about a forward."""
+    plain = model.step_ops("tiny", 128, 2)
+    checkpointed = model.step_ops("tiny", 128, 2, gradient_checkpointing=True)
+
+    def flops(ops, backward):
+        return sum(op.flops for op in ops.ops if op.backward == backward)
+
+    assert flops(checkpointed, False) == flops(plain, False)
+    recomputed = flops(checkpointed, True) - flops(plain, True)
+    assert 0.5 * flops(plain, False) < recomputed <= flops(plain, False)

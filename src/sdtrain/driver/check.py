@@ -323,7 +323,7 @@ def _predicted_memory(config: Config, workers: int, on_gpu: bool) -> int:
     """The memory model's peak for one of ``workers`` ranks of ``config``, on the shapes of its data, with the
     model's allowance for the CUDA runtime (what a GPU must hold: beside the reserved peak)."""
     from sdtrain.driver.data_check import dataset_spec
-    from sdtrain.driver.memory_fit import predict_run_memory
+    from sdtrain.driver.memory_fit import caption_encoders, predict_run_memory
     from sdtrain.model.unet import unet_config
 
     unet = unet_config(config.model)
@@ -332,4 +332,8 @@ def _predicted_memory(config: Config, workers: int, on_gpu: bool) -> int:
     if precision == "auto":
         precision = "bf16-mixed" if on_gpu else "32-true"
     caption_shape = spec.embedding_shape(unet["cross_attention_dim"])
-    return predict_run_memory(config, spec.latent_shape, caption_shape, workers, precision).with_runtime_margin
+    encoders = caption_encoders(spec)
+    memory = predict_run_memory(
+        config, spec.latent_shape, caption_shape, workers, precision, text_encoders=encoders, on_gpu=on_gpu
+    )
+    return memory.with_runtime_margin

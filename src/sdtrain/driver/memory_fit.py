@@ -6,7 +6,8 @@ size (an A100 has 40 or 80 GB, and Ray names both "A100") is taken at its smalle
 largest to refuse one: auto never picks what may not fit, and no size that fits some variant is refused. Where no
 GPU node is up yet (an autoscaling cluster at start), or the nodes hold different models, nothing is known: auto
 falls back to null's size and nothing is refused. The prediction is the memory model's (sdtrain.model.memory) for a
-rank at the fewest workers allowed (FSDP shards least there).
+rank at the fewest workers allowed (FSDP shards least there), with the frozen text encoders every rank holds where
+the data's captions are token ids (:func:`caption_encoders`).
 """
 
 from __future__ import annotations
@@ -14,12 +15,17 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
 
 from sdtrain.config.schema import Config
+from sdtrain.data.inspection import DatasetSpec
 from sdtrain.errors import ConfigError
 from sdtrain.model.hardware import GIB, memory_range
 from sdtrain.model.memory import Precision, Strategy, TrainingMemory, predict_training_memory
+from sdtrain.model.token_captions import encoder_dtype, text_encoder_configs
 from sdtrain.model.unet import unet_config
 
 AUTO_FILL = 0.9
@@ -40,12 +46,21 @@ def cluster_gpu(resources: Mapping[str, float]) -> str | None:
     return model if memory_range(model) is not None else None
 
 
+def caption_encoders(spec: DatasetSpec) -> tuple[Any, ...]:
+    """The configs of the text encoders every rank holds to encode ``spec``'s caption token ids in the step (read from
+    the source the files name: config.json alone, no weights); none for data of embeddings."""
+    if spec.token_ids is None:
+        return ()
+    return tuple(text_encoder_configs(spec.token_ids.text_encoder))
+
+
 def fit_micro_batch(
     config: Config,
     gpu: str | None,
     latent_shape: tuple[int, int, int],
     caption_shape: tuple[int, int],
     precision: str,
+    text_encoders: Sequence[Any] = (),
 ) -> tuple[Config, str | None]:
     """``config`` with train.micro_batch_size resolved for ``gpu`` and a line saying what was decided (None if there
     was nothing to decide); a ConfigError naming the numbers if the configured size is predicted not to fit.
@@ -56,6 +71,8 @@ def fit_micro_batch(
         latent_shape: one sample's latents (C, H, W).
         caption_shape: one sample's caption embeddings (L, D), as the UNet takes them.
         precision: the precision the run resolved to.
+        text_encoders: the configs of the frozen text encoders a rank holds for token-id captions
+            (:func:`caption_encoders`).
     """
     configured = config.train.micro_batch_size
     if gpu is None:
@@ -65,32 +82,36 @@ def fit_micro_batch(
     smallest, largest = known
     world = config.scaling.min_workers
 
-    def needs(micro_batch: int) -> int:
-        memory = predict_run_memory(config, latent_shape, caption_shape, world, precision, micro_batch)
-        return memory.with_runtime_margin
+    def needs(micro_batch: int) -> TrainingMemory:
+        return predict_run_memory(config, latent_shape, caption_shape, world, precision, micro_batch, text_encoders)
 
     if configured == "auto":
         common = config.common_micro_batch()
         for micro_batch in sorted((d for d in range(1, common + 1) if common % d == 0), reverse=True):
-            if needs(micro_batch) <= AUTO_FILL * smallest:
+            if (memory := needs(micro_batch)).with_runtime_margin <= AUTO_FILL * smallest:
                 return _with_micro_batch(config, micro_batch), (
-                    f"train.micro_batch_size=auto: {micro_batch}, predicted {needs(micro_batch) / GIB:.1f} GiB a rank "
-                    f"on {gpu} ({smallest / GIB:.0f} GiB)"
+                    f"train.micro_batch_size=auto: {micro_batch}, predicted {_gib(memory)} a rank on {gpu} "
+                    f"({smallest / GIB:.0f} GiB)"
                 )
         raise ConfigError(
-            f"train.micro_batch_size=auto: not even 1 sample a rank is predicted to fit a {gpu} "
-            f"({needs(1) / GIB:.1f} GiB against {smallest / GIB:.0f} GiB); set train.gradient_checkpointing=true or "
-            "train.strategy=fsdp, or use GPUs with more memory"
+            f"train.micro_batch_size=auto: not even 1 sample a rank is predicted to fit a {gpu} ({_gib(needs(1))} "
+            f"against {smallest / GIB:.0f} GiB); set train.gradient_checkpointing=true or train.strategy=fsdp, or use "
+            "GPUs with more memory"
         )
     micro_batch = config.batch_layout(world).micro_batch
-    need = needs(micro_batch)
-    if need > largest:
+    if (memory := needs(micro_batch)).with_runtime_margin > largest:
         raise ConfigError(
-            f"train.micro_batch_size: {micro_batch} samples a rank are predicted to need {need / GIB:.1f} GiB "
+            f"train.micro_batch_size: {micro_batch} samples a rank are predicted to need {_gib(memory)} "
             f"(sdtrain.model.memory, with 1 GiB for the CUDA runtime), more than a {gpu}'s {largest / GIB:.0f} GiB; "
             "use a smaller train.micro_batch_size (or auto), train.gradient_checkpointing=true or train.strategy=fsdp"
         )
     return config, None
+
+
+def _gib(memory: TrainingMemory) -> str:
+    """A prediction with its runtime margin in GiB, and the frozen text encoders' share where a rank holds them."""
+    said = f"{memory.with_runtime_margin / GIB:.1f} GiB"
+    return said + (f" (the text encoders' {memory.text_encoders / GIB:.1f} included)" if memory.text_encoders else "")
 
 
 def predict_run_memory(
@@ -100,6 +121,8 @@ def predict_run_memory(
     world_size: int,
     precision: str,
     micro_batch: int | None = None,
+    text_encoders: Sequence[Any] = (),
+    on_gpu: bool = True,
 ) -> TrainingMemory:
     """The memory model's peak for one rank of ``config`` (sdtrain.model.memory) at ``world_size``.
 
@@ -110,6 +133,8 @@ def predict_run_memory(
         world_size: ranks.
         precision: Lightning's precision the run resolves to (16-mixed holds what bf16-mixed holds).
         micro_batch: samples per forward pass; default: the config's at ``world_size``.
+        text_encoders: the configs of the frozen text encoders a rank holds for token-id captions.
+        on_gpu: the ranks train on GPUs (the encoders' dtype: sdtrain.model.token_captions.encoder_dtype).
     """
     return _traced(
         json.dumps(unet_config(config.model), sort_keys=True),
@@ -121,6 +146,8 @@ def predict_run_memory(
         world_size,
         config.train.ema_decay is not None,
         config.train.gradient_checkpointing,
+        tuple(encoder.to_json_string() for encoder in text_encoders),
+        str(encoder_dtype(on_gpu)).removeprefix("torch."),
     )
 
 
@@ -135,8 +162,12 @@ def _traced(
     world_size: int,
     ema: bool,
     gradient_checkpointing: bool,
+    text_encoders: tuple[str, ...],
+    text_encoder_dtype: str,
 ) -> TrainingMemory:
     """A trace takes seconds: auto tries sizes again, and the check predicts each phase."""
+    from transformers import CLIPTextConfig
+
     return predict_training_memory(
         json.loads(unet),
         latent_shape,
@@ -147,6 +178,8 @@ def _traced(
         world_size=world_size,
         ema=ema,
         gradient_checkpointing=gradient_checkpointing,
+        text_encoders=[CLIPTextConfig(**json.loads(encoder)) for encoder in text_encoders],
+        text_encoder_dtype=getattr(torch, text_encoder_dtype),
     )
 
 

@@ -35,7 +35,7 @@ from sdtrain.data.position import DataPosition
 from sdtrain.data.read_order import ReadPlan
 from sdtrain.data.streams import WindowReader, file_order_dataset
 from sdtrain.driver.data_check import check_data, read_plan
-from sdtrain.driver.memory_fit import cluster_gpu, fit_micro_batch
+from sdtrain.driver.memory_fit import caption_encoders, cluster_gpu, fit_micro_batch
 from sdtrain.driver.preflight import preflight
 from sdtrain.driver.ray_data_startup import warm_up_ray_data
 from sdtrain.driver.trackers import check_trackers, log_evaluations, log_export, tracker_env
@@ -182,7 +182,8 @@ def build_trainer(run: CheckedRun, launched_at: float) -> TorchTrainer:
     # scaling.use_gpu=auto found no GPU fails here.
     precision = driver_precision(config.train, use_gpu, gpu)
     # The largest bucket's steps are the ones that must fit.
-    config, decided = fit_micro_batch(config, gpu, run.train.largest_latent_shape, captions, precision)
+    encoders = caption_encoders(run.train)  # token-id captions: each rank also holds the frozen text encoders
+    config, decided = fit_micro_batch(config, gpu, run.train.largest_latent_shape, captions, precision, encoders)
     if decided is not None:
         log.info(f"{decided}")
     # PlannedStreams replaces "train" by each rank's planned stream; Ray Train needs the name.

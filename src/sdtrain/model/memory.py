@@ -14,6 +14,12 @@ What it predicts: the bytes of tensors a rank holds at the peak of a training st
   from the real model: one forward and backward of the UNet built from the config, on fake tensors (shapes,
   no memory, no compute) under ``FakeTensorMode``, counted by torch's ``MemTracker`` (each storage from its
   allocation to its release; views and shared storages once).
+- the frozen text encoders a rank holds for data of caption token ids (sdtrain.model.token_captions: every rank a
+  whole replica, never sharded, in sdtrain.model.token_captions.encoder_dtype: bf16 on a GPU): their parameters and
+  buffers counted exactly (``text_encoders``; SD 2's OpenCLIP-H ~0.7 GB, SDXL's two ~1.6 GB), and their forward
+  without gradient traced at the start of the step, where the step runs it, under the step's autocast: its
+  activations are freed before the UNet's forward and only its output (the hidden states and pooled embedding the
+  UNet takes, as embedding data's captions) is held through the step.
 - under FSDP2, its all-gather and reduce-scatter buffers (``fsdp_buffers``; a formula over the real units'
   sizes, not a trace): the root unit's parameters stay unsharded from forward to backward, and two other
   units (the one computing, the one prefetched) are unsharded at a time, each with its parameters in the
@@ -43,7 +49,7 @@ its peak can be lower by up to ``gradients``.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -55,7 +61,8 @@ from diffusers.models.resnet import ResnetBlock2D
 from diffusers.models.transformers.transformer_2d import Transformer2DModel
 from torch.overrides import TorchFunctionMode
 
-from sdtrain.model.conditioning import dummy_conditioning
+from sdtrain.model.conditioning import TIME_IDS, Conditioning, dummy_conditioning, pooled_width
+from sdtrain.model.encoders import TextEncoders
 from sdtrain.private import torch as torch_private
 
 Precision = Literal["bf16-mixed", "32-true"]
@@ -80,6 +87,7 @@ class TrainingMemory:
     ema: int
     activations_peak: int
     fsdp_buffers: int
+    text_encoders: int
     total_peak: int
 
     @property
@@ -99,6 +107,8 @@ def predict_training_memory(
     world_size: int = 1,
     ema: bool = False,
     gradient_checkpointing: bool = False,
+    text_encoders: Sequence[Any] = (),
+    text_encoder_dtype: torch.dtype = torch.bfloat16,
 ) -> TrainingMemory:
     """Peak memory of one training step of ``UNet2DConditionModel(**unet_config)`` on one rank.
 
@@ -113,6 +123,10 @@ def predict_training_memory(
         ema: the run keeps an EMA of the weights (train.ema_decay): one more float32 copy of the parameters.
         gradient_checkpointing: the UNet recomputes its blocks' activations in backward
             (``enable_gradient_checkpointing``, train.gradient_checkpointing).
+        text_encoders: for data of caption token ids, the configs (CLIPTextConfig) of the text encoders that encode
+            them in the step (sdtrain.model.token_captions.text_encoder_configs: SD 1/2's one, SDXL's two); empty for
+            data of caption embeddings.
+        text_encoder_dtype: the dtype the encoders are held in (sdtrain.model.token_captions.encoder_dtype).
     """
     if precision not in ("bf16-mixed", "32-true"):
         raise ValueError(f"precision {precision!r}: expected bf16-mixed or 32-true")
@@ -122,6 +136,7 @@ def predict_training_memory(
         raise ValueError(f"world_size and micro_batch must be >= 1, got {world_size} and {micro_batch}")
     with torch.device("meta"):
         unet = UNet2DConditionModel(**unet_config)
+        encoders = text_encoder_modules(text_encoders)
     shapes = [tuple(p.shape) for p in unet.parameters()]
     shards = world_size if strategy == "fsdp" else 1
     weights = _FLOAT32 * sum(_shard_numel(shape, shards) for shape in shapes)
@@ -138,16 +153,38 @@ def predict_training_memory(
         autocast=half,
         param_dtype=param_dtype,
         gradient_checkpointing=gradient_checkpointing,
+        encoders=(encoders, text_encoder_dtype),
     )
     buffers = _fsdp_buffers(unet, param_dtype) if fsdp else 0
+    frozen = sum(_held_bytes(encoder, text_encoder_dtype) for encoder in encoders)
     optimizer = _ADAMW_MOMENTS * weights + _FLOAT32 * len(shapes)  # the step counters: one float32 a tensor
     state = dict(parameters=weights, gradients=weights, optimizer_state=optimizer, ema=weights if ema else 0)
     return TrainingMemory(
         **state,
         activations_peak=activations,
         fsdp_buffers=buffers,
-        total_peak=sum(state.values()) + activations + buffers,
+        text_encoders=frozen,
+        total_peak=sum(state.values()) + activations + buffers + frozen,
     )
+
+
+def text_encoder_modules(configs: Sequence[Any]) -> list[torch.nn.Module]:
+    """The text encoders of ``configs`` as sdtrain.model.encoders.load_text_encoders loads them (SDXL's second, of
+    two, with its pooled projection: CLIPTextModelWithProjection), built on the current device (the meta device
+    here: shapes only)."""
+    from transformers import CLIPTextModel, CLIPTextModelWithProjection
+
+    pooled = len(configs) == 2
+    return [
+        (CLIPTextModelWithProjection if pooled and i == 1 else CLIPTextModel)(config)
+        for i, config in enumerate(configs)
+    ]
+
+
+def _held_bytes(module: torch.nn.Module, dtype: torch.dtype) -> int:
+    """Bytes of ``module`` loaded in ``dtype``: its floating parameters and buffers in it, the others as they are."""
+    tensors = [*module.parameters(), *module.buffers()]
+    return sum(t.numel() * (dtype.itemsize if t.is_floating_point() else t.element_size()) for t in tensors)
 
 
 class CudaAutocastRules(TorchFunctionMode):
@@ -167,10 +204,11 @@ class CudaAutocastRules(TorchFunctionMode):
             return func(*args, **kwargs)
 
 
-def _checkpoint_with_cuda_rules(module: torch.nn.Module, *args: Any) -> Any:
+def checkpoint_with_cuda_rules(module: torch.nn.Module, *args: Any) -> Any:
     """diffusers' default checkpointing function (non-reentrant ``torch.utils.checkpoint``), recomputing under
     :class:`CudaAutocastRules`: torch function modes are not active in backward, where the recomputation runs,
-    and without the rules it would save other dtypes than the forward did (checkpoint refuses that)."""
+    and without the rules it would save other dtypes than the forward did (checkpoint refuses that). For every trace
+    of a checkpointed UNet under the rules (this module's, sdtrain.model.op_costs')."""
 
     def run(*inputs: Any) -> Any:
         with CudaAutocastRules():
@@ -191,30 +229,34 @@ def _traced_activation_peak(
     autocast: bool,
     param_dtype: torch.dtype,
     gradient_checkpointing: bool,
+    encoders: tuple[list[torch.nn.Module], torch.dtype] = ([], torch.bfloat16),
 ) -> int:
     """The transient peak of one training step of ``unet`` (built on the meta device; its parameters are
     replaced by fake ones), as sdtrain.train.module.DiffusionModule.training_step runs it: float32 latents,
-    the noise and the target, captions in autocast's dtype, the loss in float32, backward outside autocast."""
+    the captions in autocast's dtype (for token ids: the frozen ``encoders``, in their dtype, encode them first,
+    without gradient, under the step's autocast), the noise and the target, the loss in float32, backward outside
+    autocast."""
     unet.set_attn_processor(AttnProcessor2_0())  # train.attention=sdpa, the default
     if gradient_checkpointing:
-        unet.enable_gradient_checkpointing(_checkpoint_with_cuda_rules)
+        unet.enable_gradient_checkpointing(checkpoint_with_cuda_rules)
     unet.train()
+    modules, encoder_dtype = encoders
     mode = torch_private.fake_tensor_mode()
     with mode:
-        for module in unet.modules():
-            for name, param in list(module.named_parameters(recurse=False)):
-                fake = torch.empty_strided(param.shape, param.stride(), dtype=param_dtype)
-                module._parameters[name] = torch.nn.Parameter(fake, requires_grad=param.requires_grad)
-            for name, buffer in list(module.named_buffers(recurse=False)):
-                module._buffers[name] = torch.empty_strided(buffer.shape, buffer.stride(), dtype=buffer.dtype)
+        _fake_weights(unet, param_dtype)
+        for encoder in modules:
+            _fake_weights(encoder.eval(), encoder_dtype)  # requires_grad kept: MemTracker hooks each parameter
+        # The batch's token ids, as the batch's embeddings are (not traced): what the data stream hands the step.
+        ids = torch.zeros(micro_batch, len(modules) * caption_shape[0], dtype=torch.long)
     # MemTracker keeping the peak of the step's activations, temporaries and unattributed tensors only.
     tracker = torch_private.transient_memory_tracker()()
-    tracker.track_external(unet)
+    tracker.track_external(unet, *modules)
     caption_dtype = torch.bfloat16 if autocast else torch.float32  # sdtrain.train.device_settings.CAPTION_DTYPES
     forward = torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast)
     with mode, tracker, CudaAutocastRules():
         latents = torch.empty(micro_batch, *latent_shape)
-        conditioning = dummy_conditioning(unet.config, micro_batch, caption_shape, caption_dtype)
+        with forward:
+            conditioning = _conditioning(unet, modules, ids, caption_shape, caption_dtype)
         timesteps = torch.zeros(micro_batch, dtype=torch.long)
         noise = torch.randn_like(latents)
         noisy = latents * 0.5 + noise * 0.5  # the scheduler's add_noise: one more latent-sized tensor
@@ -223,6 +265,34 @@ def _traced_activation_peak(
             loss = torch.nn.functional.mse_loss(prediction.float(), noise)
         loss.backward()
     return tracker.transient_peak
+
+
+def _conditioning(
+    unet: UNet2DConditionModel,
+    encoders: list[torch.nn.Module],
+    ids: torch.Tensor,
+    caption_shape: tuple[int, int],
+    dtype: torch.dtype,
+) -> Conditioning:
+    """What the step conditions the UNet on: the batch's embeddings, or the frozen encoders' output of its token ids
+    (sdtrain.model.encoders.TextEncoders.encode_ids, as sdtrain.model.conditioning.Conditioner calls it)."""
+    if not encoders:
+        return dummy_conditioning(unet.config, len(ids), caption_shape, dtype)
+    hidden, pooled = TextEncoders("the memory model", [], encoders).encode_ids(ids)
+    if pooled is None or pooled_width(unet.config) is None:
+        return Conditioning(hidden.to(dtype))
+    return Conditioning(hidden.to(dtype), pooled.to(dtype), torch.empty(len(ids), TIME_IDS))
+
+
+def _fake_weights(module: torch.nn.Module, dtype: torch.dtype) -> None:
+    """``module``'s parameters (in ``dtype``) and buffers replaced by fake tensors of their shapes, in the fake mode
+    the caller has entered."""
+    for child in module.modules():
+        for name, param in list(child.named_parameters(recurse=False)):
+            fake = torch.empty_strided(param.shape, param.stride(), dtype=dtype)
+            child._parameters[name] = torch.nn.Parameter(fake, requires_grad=param.requires_grad)
+        for name, buffer in list(child.named_buffers(recurse=False)):
+            child._buffers[name] = torch.empty_strided(buffer.shape, buffer.stride(), dtype=buffer.dtype)
 
 
 def _fsdp_buffers(unet: torch.nn.Module, param_dtype: torch.dtype) -> int:

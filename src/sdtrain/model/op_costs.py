@@ -138,13 +138,13 @@ def count_step_ops(
     from diffusers import UNet2DConditionModel
     from diffusers.models.attention_processor import AttnProcessor2_0
 
-    from sdtrain.model.memory import CudaAutocastRules
+    from sdtrain.model.memory import CudaAutocastRules, checkpoint_with_cuda_rules
 
     with torch.device("meta"):
         unet = UNet2DConditionModel(**unet_config)
     unet.set_attn_processor(AttnProcessor2_0())
-    if gradient_checkpointing:
-        unet.enable_gradient_checkpointing()
+    if gradient_checkpointing:  # recomputed in backward under the rules the forward ran under
+        unet.enable_gradient_checkpointing(checkpoint_with_cuda_rules)
     unet.train()
     mode = torch_private.fake_tensor_mode()
     with mode:
