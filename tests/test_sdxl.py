@@ -3,6 +3,8 @@ from configs, tests/support/tiny_models.write_tiny_sdxl_model), the pooled embed
 (sdtrain.model.conditioning) in real Lightning fits, caption dropout, the checks before Ray, and the zero-terminal-SNR
 schedule."""
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -206,3 +208,170 @@ def test_the_data_check_reads_an_sdxl_unets_added_columns_or_refuses_naming_them
     assert check("placed").added == AddedColumns("caption_pooled", 32, placement=True)
     with pytest.raises(ConfigError, match="data.unconditional_caption: u.npy is no empty prompt for an SDXL-shaped"):
         check("placed", "data.unconditional_caption=u.npy")
+
+
+# --- preprocessing with an SDXL model directory ---
+
+
+def _encode_batch(captions: list[str]) -> dict[str, np.ndarray]:
+    """A batch as the CPU stage hands it to the encoders, the last row only a shard's counts (valid false)."""
+    return {
+        "pixels": np.zeros((len(captions) + 1, 32, 32, 3), np.uint8),
+        "caption": np.array([*captions, ""], object),
+        "valid": np.array([True] * len(captions) + [False]),
+        "key": np.array([str(i) for i in range(len(captions) + 1)], object),
+    }
+
+
+def test_the_encode_stage_stores_both_encoders_hidden_states_the_pooled_embedding_and_both_tokenizers_ids(sdxl):
+    """An SDXL model directory's two encoders, as TextEncoders encode and tokenize: 77 x (32 + 48) hidden states, the
+    32-wide pooled embedding, 2 x 77 ids; for ids alone no encoder weights are loaded."""
+    from sdtrain.preprocess.encode_stage import Encoder
+
+    root, encoders = sdxl
+    stage = Encoder(root, "mean", 0, "float32", 32, captions="both")
+    out = stage(_encode_batch(TEXTS[:2]))
+    hidden, pooled = encoders.encode(TEXTS[:2])
+    assert pooled is not None
+    assert out["embeddings"].shape == (3, 77 * 80) and out["embeddings"].dtype == np.float16
+    assert out["pooled"].shape == (3, 32) and out["pooled"].dtype == np.float16
+    assert out["token_ids"].shape == (3, 2 * 77) and out["token_ids"].dtype == np.int32
+    assert np.array_equal(out["embeddings"][:2], hidden.flatten(1).numpy().astype(np.float16))
+    assert np.array_equal(out["pooled"][:2], pooled.numpy().astype(np.float16))
+    assert np.array_equal(out["token_ids"][:2], encoders.tokenize(TEXTS[:2]).numpy())
+    assert not out["embeddings"][2].any() and not out["pooled"][2].any() and not out["token_ids"][2].any()
+
+    ids_only = Encoder(root, "mean", 0, "float32", 32, captions="token_ids")
+    assert ids_only.text_encoder is None  # the tokenizers make the ids
+    out = ids_only(_encode_batch(TEXTS[:2]))
+    assert "embeddings" not in out and "pooled" not in out
+    assert np.array_equal(out["token_ids"][:2], encoders.tokenize(TEXTS[:2]).numpy())
+
+
+def test_an_sdxl_model_on_s3_encodes_as_the_local_one_and_writes_no_empty_prompt_file(sdxl, tmp_path, s3_bucket):
+    """The model in a bucket: its two encoders fetched by an encoder actor (here in the test's process) encode as the
+    local copy; the driver writes no empty-prompt file (SDXL drops captions to zeros) and says so in the manifest."""
+    import boto3
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from sdtrain.config.loader import load_config
+    from sdtrain.preprocess.config import PreprocessConfig
+    from sdtrain.preprocess.encode_stage import Encoder
+    from sdtrain.preprocess.job import run_preprocess
+
+    root, encoders = sdxl
+    s3 = boto3.client("s3")
+    for path in sorted(p for p in Path(root).rglob("*") if p.is_file()):
+        s3.upload_file(str(path), "sdtrain-test", f"models/sdxl/{path.relative_to(root).as_posix()}")
+    model = f"{s3_bucket}/models/sdxl"
+    out = Encoder(model, "mean", 0, "float32", 32, captions="both")(_encode_batch(TEXTS))
+    local = Encoder(root, "mean", 0, "float32", 32, captions="both")(_encode_batch(TEXTS))
+    for column in ("latents", "embeddings", "pooled", "token_ids"):
+        assert np.array_equal(out[column], local[column]), column
+
+    (tmp_path / "input").mkdir()
+    pq.write_table(pa.table({"jpg": pa.array([b"x"], pa.binary()), "caption": ["a"]}), tmp_path / "input" / "p.parquet")
+    config = load_config(
+        None,
+        [f"input.paths={tmp_path / 'input'}", f"encode.model={model}", "output.captions=both"]
+        + [f"output.path={s3_bucket}/latents"],
+        PreprocessConfig,
+    )
+    manifest = run_preprocess(config, max_shards=0).manifest  # the driver's part, no Ray
+    assert manifest["unconditional_caption"] == {"caption_latents": "zeros", "caption_ids": "zeros"}
+    assert manifest["vae_downsampling"] == 2
+    listed = s3.list_objects_v2(Bucket="sdtrain-test", Prefix="latents/").get("Contents", [])
+    assert not [o["Key"] for o in listed if o["Key"].endswith(".npy")]
+
+
+@pytest.mark.slow
+def test_photographs_preprocessed_with_an_sdxl_model_both_ways_are_what_training_reads(sdxl, tmp_path, ray_cluster):
+    """scikit-learn's photographs cut tall, wide and square, preprocessed by a real Ray Data job with the tiny SDXL
+    model (output.captions: both, image.buckets: aspect): the two encoders' hidden states (77 x 80), the pooled
+    embedding (32) and both tokenizers' ids (154) of each caption, as TextEncoders make them; each image's placement;
+    the files name the model and its VAE's downsampling. Training's data check takes the output with
+    model.preset=tiny-sdxl both ways: from the embeddings with the pooled column, and from the ids."""
+    import io
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from PIL import Image
+    from sklearn.datasets import load_sample_images
+
+    from sdtrain.config.loader import load_config
+    from sdtrain.data.added_columns import AddedColumns
+    from sdtrain.data.metadata import (
+        BUCKET_SHAPES,
+        TEXT_ENCODER_SOURCE,
+        TOKEN_VOCAB_SIZE,
+        VAE_DOWNSAMPLING,
+        VAE_SOURCE,
+    )
+    from sdtrain.driver.data_check import check_data
+    from sdtrain.preprocess.buckets import place
+    from sdtrain.preprocess.config import PreprocessConfig
+    from sdtrain.preprocess.job import run_preprocess
+
+    root, encoders = sdxl
+    crops, captions, sizes = [], [], []
+    for name, image in zip(("china", "flower"), load_sample_images().images, strict=True):
+        height, width = image.shape[:2]  # 427 x 640
+        cuts = {"tall": (height, height // 2), "wide": (height // 2, width), "square": (300, 300)}
+        for shape, (h, w) in cuts.items():
+            buffer = io.BytesIO()
+            Image.fromarray(image[:h, :w]).save(buffer, "JPEG", quality=90)
+            crops.append(buffer.getvalue())
+            captions.append(f"a {shape} photograph of a {name}")
+            sizes.append((h, w))
+    (tmp_path / "input").mkdir()
+    pq.write_table(pa.table({"jpg": pa.array(crops, pa.binary()), "caption": captions}), tmp_path / "input/p.parquet")
+    output = tmp_path / "latents"
+    config = load_config(
+        None,
+        [f"input.paths={tmp_path / 'input'}", f"encode.model={root}", f"output.path={output}"]
+        + ["output.captions=both", "image.resolution=32", "image.buckets=aspect", "image.bucket_step=8"]
+        + ["input.rows_per_shard=4", "encode.batch_size=4"],
+        PreprocessConfig,
+    )
+    summary = run_preprocess(config)
+    assert summary.manifest["rows_written"] == 6 and not summary.shards_failed
+    assert summary.manifest["unconditional_caption"] == {"caption_latents": "zeros", "caption_ids": "zeros"}
+    assert not list(output.glob("*.npy"))  # no empty prompt but zeros for SDXL
+    files = sorted(output.glob("[!_]*.parquet"))
+    table = pa.concat_tables(pq.read_table(f) for f in files)
+    rows = {row["caption"]: row for row in table.to_pylist()}
+    assert sorted(rows) == sorted(captions)
+    hidden, pooled = encoders.encode(captions)
+    ids = encoders.tokenize(captions)
+    assert pooled is not None
+    buckets = config.image.shapes()
+    for i, caption in enumerate(captions):
+        row = rows[caption]
+        assert len(row["caption_latents"]) == 77 * 80 and len(row["caption_pooled"]) == 32
+        assert len(row["caption_ids"]) == 2 * 77 and row["caption_ids"] == ids[i].tolist()
+        np.testing.assert_allclose(row["caption_latents"], hidden[i].flatten().numpy(), atol=2e-3, rtol=1e-2)
+        np.testing.assert_allclose(row["caption_pooled"], pooled[i].numpy(), atol=2e-3, rtol=1e-2)
+        placed, _ = place(*sizes[i], buckets)
+        assert (row["bucket"], row["original_height"], row["original_width"]) == (placed.bucket, *sizes[i])
+        assert (row["crop_top"], row["crop_left"]) == placed.crop_top_left
+    assert table.schema.field("caption_pooled").type == pa.list_(pa.float16())
+    assert table.schema.field("caption_ids").type == pa.list_(pa.int32())
+    for file in files:
+        metadata = pq.read_schema(file).metadata
+        assert metadata[VAE_DOWNSAMPLING.encode()] == b"2"
+        assert int(metadata[TOKEN_VOCAB_SIZE.encode()]) == max(len(t) for t in encoders.tokenizers)
+        assert metadata[TEXT_ENCODER_SOURCE.encode()] == metadata[VAE_SOURCE.encode()] == root.encode()
+        assert BUCKET_SHAPES.encode() in metadata
+
+    def checked(*keys):
+        keys = (f"data.train={output}", "model.preset=tiny-sdxl", "export.enabled=false", *keys)
+        return check_data(tiny_config(*keys, batch=4), str(tmp_path / "runs" / "check"))[0].spec
+
+    embedded = checked()
+    assert embedded.added == AddedColumns("caption_pooled", 32, placement=True)
+    assert embedded.caption_shape == (77, 80) and embedded.vae_downsampling == 2 and embedded.token_ids is None
+    from_ids = checked("data.caption_column=caption_ids")
+    assert from_ids.token_ids is not None and from_ids.token_ids.sequences == 2
+    assert from_ids.token_ids.text_encoder == root and from_ids.embedding_shape(80) == (77, 80)
+    assert from_ids.added == AddedColumns(None, 32, placement=True) and from_ids.vae_downsampling == 2

@@ -139,11 +139,16 @@ class OutputConfig(Section):
     image_column: str = "image_latents_256"
     """Column of the latents (C*H*W float16 values a row): training's data.latent_column."""
     captions: Literal["embeddings", "token_ids", "both"] = "embeddings"
-    """What is stored of each caption: the text encoder's embeddings (77*D float16 a row, in output.caption_column),
-    the tokenizer's ids (77 int32 a row, in output.token_id_column: ~500x smaller for SD 2; training encodes them in
-    its step with the text encoder the files name), or both. docs/data.md says when to choose which."""
+    """What is stored of each caption: the text encoder's embeddings (77*D float16 a row, in output.caption_column;
+    for SDXL both encoders' side by side, and the pooled embedding in output.pooled_column), the tokenizer's ids (77
+    int32 a row, for SDXL 2 x 77: each tokenizer's in turn, in output.token_id_column: ~500x smaller for SD 2;
+    training encodes them in its step with the text encoders the files name), or both. docs/data.md says when to
+    choose which."""
     caption_column: str = "caption_latents"
     """Column of the caption embeddings (77*D float16 values a row): training's data.caption_column."""
+    pooled_column: str = "caption_pooled"
+    """Column of the second text encoder's pooled embedding (P float16 values a row), written for an SDXL model
+    (one with text_encoder_2/) where output.captions stores embeddings: training's data.pooled_caption_column."""
     token_id_column: str = "caption_ids"
     """Column of the caption token ids (77 int32 values a row; output.captions token_ids or both): give it to
     training as data.caption_column."""

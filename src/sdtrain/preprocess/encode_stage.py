@@ -1,22 +1,22 @@
-"""The encode stage: the Ray Data callable class that runs a Stable Diffusion model's VAE and text encoder
-(sdtrain.model.encoders) in an actor pool."""
+"""The encode stage: the Ray Data callable class that runs a Stable Diffusion model's VAE and text encoders
+(sdtrain.model.encoders: SD 1/2's one, SDXL's two) in an actor pool."""
 
 from __future__ import annotations
 
 import hashlib
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
 
 from sdtrain.model.encoders import (
+    TextEncoders,
     encode_images,
-    encode_prompts,
-    load_text_encoder,
-    load_tokenizer,
+    load_text_encoders,
+    load_tokenizers,
     load_vae,
     resolve_dtype,
-    tokenize,
+    tokenize_each,
 )
 from sdtrain.storage.s3 import S3Settings, apply_s3_settings
 
@@ -30,9 +30,10 @@ class Encoder:
 
     Input columns: pixels (N, H, W, 3 uint8), caption (str), valid (bool), key (str), plus any others, passed
     through. Output: the same without pixels and caption, plus ``latents`` as flat float16 rows and, by
-    ``captions`` (output.captions), ``embeddings`` as flat float16 rows and/or ``token_ids`` as int32 rows (zeros
-    where valid is false: those rows carry only a shard's statistics). For token ids alone the text encoder is
-    not loaded: the tokenizer makes them.
+    ``captions`` (output.captions), ``embeddings`` as flat float16 rows (L x D: the text encoders' hidden states,
+    as sdtrain.model.encoders.TextEncoders.encode makes them) with, for SDXL, ``pooled`` (P float16 a row), and/or
+    ``token_ids`` as int32 rows (T x L: each tokenizer's in turn); zeros where valid is false (those rows carry only a
+    shard's statistics). For token ids alone no text encoder is loaded: the tokenizers make them.
     """
 
     def __init__(
@@ -51,18 +52,26 @@ class Encoder:
         torch_dtype = resolve_dtype(dtype, self.device)
         self.vae = load_vae(model, self.device, torch_dtype)
         self.captions = captions
-        self.text_encoder = None
+        self.text_encoders: TextEncoders | None = None
         if captions == "token_ids":
-            self.tokenizer = load_tokenizer(model)
+            self.tokenizers = load_tokenizers(model)
         else:
-            self.tokenizer, self.text_encoder = load_text_encoder(model, self.device, torch_dtype)
+            self.text_encoders = load_text_encoders(model, self.device, torch_dtype)
+            self.tokenizers = self.text_encoders.tokenizers
         self.latent, self.seed = latent, seed
         # Fixed row widths, also for a batch with no valid row (every batch's columns must have one shape).
         side = resolution // 2 ** (len(self.vae.config.block_out_channels) - 1)
         self.latent_width = self.vae.config.latent_channels * side * side
-        self.ids_width = self.tokenizer.model_max_length
-        if self.text_encoder is not None:
-            self.embedding_width = self.ids_width * self.text_encoder.config.hidden_size
+        length = int(self.tokenizers[0].model_max_length)
+        self.ids_width = length * len(self.tokenizers)
+        if self.text_encoders is not None:
+            self.embedding_width = length * self.text_encoders.width
+            self.pooled_width = int(self.text_encoders.encoders[-1].config.projection_dim)
+
+    @property
+    def text_encoder(self) -> Any:
+        """The (first) text encoder, or None where only token ids are stored."""
+        return None if self.text_encoders is None else self.text_encoders.encoders[0]
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         valid = np.asarray(batch["valid"], dtype=bool)
@@ -70,20 +79,22 @@ class Encoder:
         captions = batch.pop("caption")
         n = len(valid)
         keep = np.flatnonzero(valid)
-        latents = embeddings = ids = None
+        latents = hidden = pooled = ids = None
         if len(keep):
             prompts = [str(captions[i]) for i in keep]
-            if self.text_encoder is not None:
-                embeddings = encode_prompts(self.tokenizer, self.text_encoder, prompts).flatten(1).numpy()
-            ids = tokenize(self.tokenizer, prompts).input_ids.numpy()
+            if self.text_encoders is not None:
+                hidden, pooled = self.text_encoders.encode(prompts)
+            ids = tokenize_each(self.tokenizers, prompts).numpy()
         if isinstance(pixels, np.ndarray) and pixels.dtype != object:  # one shape: one pass of the VAE
             if len(keep):
                 latents = self._latents(pixels[keep], keep, batch)
             batch["latents"] = _scatter(latents, keep, n, self.latent_width, np.float16)
         else:  # aspect-ratio buckets: Ray Data hands a batch of several shapes as an array of arrays
             batch["latents"] = self._bucketed_latents(pixels, keep, batch, n)
-        if self.captions != "token_ids":
-            batch["embeddings"] = _scatter(embeddings, keep, n, self.embedding_width, np.float16)
+        if self.text_encoders is not None and self.captions != "token_ids":
+            batch["embeddings"] = _scatter(_flat(hidden), keep, n, self.embedding_width, np.float16)
+            if self.text_encoders.pooled:
+                batch["pooled"] = _scatter(_flat(pooled), keep, n, self.pooled_width, np.float16)
         if self.captions != "embeddings":
             batch["token_ids"] = _scatter(ids, keep, n, self.ids_width, np.int32)
         return batch
@@ -116,3 +127,7 @@ def _scatter(values: np.ndarray | None, rows: np.ndarray, n: int, width: int, dt
     if values is not None:
         out[rows] = values.astype(dtype)
     return out
+
+
+def _flat(values: torch.Tensor | None) -> np.ndarray | None:
+    return None if values is None else values.flatten(1).numpy()

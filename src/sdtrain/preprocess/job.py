@@ -12,7 +12,6 @@ is refused, naming both.
 from __future__ import annotations
 
 import dataclasses
-import io
 import json
 import os
 import time
@@ -27,18 +26,13 @@ from sdtrain.data.directory_index import write_directory_index
 from sdtrain.data.listing import DIRECTORY_INDEX
 from sdtrain.data.metadata import (
     BUCKET_SHAPES,
-    LATENT,
-    LATENT_SCALING_FACTOR,
-    RESOLUTION,
-    TEXT_ENCODER_SOURCE,
-    TOKEN_VOCAB_SIZE,
-    VAE_SOURCE,
 )
 from sdtrain.errors import DataError
 from sdtrain.logs import log
 from sdtrain.preprocess.buckets import Placement
 from sdtrain.preprocess.config import ImageConfig, InputConfig, PreprocessConfig
 from sdtrain.preprocess.images import NO_CAPTION, clean_caption, prepare_image
+from sdtrain.preprocess.model_outputs import exists, output_columns, vae_geometry, write_unconditional
 from sdtrain.preprocess.outputs import (
     MANIFEST_FILE,
     PLACEMENT_COLUMNS,
@@ -53,7 +47,6 @@ from sdtrain.preprocess.outputs import (
 )
 from sdtrain.preprocess.sources import Shard, changed_source, list_shards, read_shard, shard_prefix
 from sdtrain.storage.filesystems import write_bytes
-from sdtrain.storage.run_layout import UNCONDITIONAL_FILE, UNCONDITIONAL_IDS_FILE
 from sdtrain.storage.s3 import S3Settings, apply_s3_settings, configure_s3, resolved_s3_settings
 from sdtrain.storage.uris import absolute, is_uri
 
@@ -88,26 +81,28 @@ def run_preprocess(config: PreprocessConfig, max_shards: int | None = None) -> P
     check_settings(config.output.path, {k: settings[k.split(".")[0]][k.split(".")[1]] for k in RESUME_KEYS})
     check_sources(config.output.path, shards, done)
     settle_shards(config.output.path, done, shard_prefix(config.input))
-    scaling_factor, latent_channels, downsampling = _vae_geometry(config.encode.model)
-    vocab_size = _write_unconditional(config)
+    scaling_factor, latent_channels, downsampling = vae_geometry(config.encode.model)
+    vocab_size, unconditional = write_unconditional(config)
     if pending:
         if not ray.is_initialized():
             ray.init()  # a submitted job's cluster, RAY_ADDRESS, the one `ray start` runs here, else a new one
         latent_shapes = [[latent_channels, h // downsampling, w // downsampling] for h, w in config.image.shapes()]
-        _run_pipeline(config, pending, scaling_factor, vocab_size, latent_shapes, summary)
+        _run_pipeline(config, pending, (scaling_factor, downsampling), vocab_size, latent_shapes, summary)
     stats = read_shard_stats(config.output.path)
     summary.manifest = {
         **summarize(stats),
         "shards_in_input": len(shards),
         "failed_shards_last_run": summary.shards_failed,
         "latent_scaling_factor": scaling_factor,
+        "vae_downsampling": downsampling,
+        "unconditional_caption": unconditional,
         "resolution": config.image.resolution,
         "model": config.encode.model,
         "config": config.to_dict(),
     }
     write_bytes(join(config.output.path, MANIFEST_FILE), json.dumps(summary.manifest, indent=2).encode())
     # A run that wrote nothing keeps the index already there.
-    if summary.shards_written or not _exists(join(config.output.path, DIRECTORY_INDEX)):
+    if summary.shards_written or not exists(join(config.output.path, DIRECTORY_INDEX)):
         _write_index(config, stats, summary.shards_written)
     summary.seconds = time.perf_counter() - started
     return summary
@@ -180,56 +175,20 @@ def with_absolute_paths(config: PreprocessConfig) -> PreprocessConfig:
     )
 
 
-def _vae_geometry(model: str) -> tuple[float, int, int]:
-    """The VAE's scaling factor, latent channels and downsampling (pixels to a latent's side), from its config."""
-    from diffusers import AutoencoderKL
-
-    from sdtrain.model.encoders import local_model
-
-    config = AutoencoderKL.load_config(local_model(model, "vae"), subfolder="vae")
-    downsampling = 2 ** (len(config.get("block_out_channels", [0] * 4)) - 1)
-    return float(config.get("scaling_factor", 0.18215)), int(config.get("latent_channels", 4)), downsampling
-
-
-def _write_unconditional(config: PreprocessConfig) -> int:
-    """The empty prompt's embedding (computed once on the driver, CPU, float32) and/or its token ids, as
-    output.captions stores captions; returns the tokenizer's vocabulary size (the bound of every stored id)."""
-    from sdtrain.model.encoders import encode_prompts, load_text_encoder, load_tokenizer, tokenize
-
-    tokenizer = load_tokenizer(config.encode.model)
-    files = {}
-    if config.output.captions != "token_ids":
-        files[UNCONDITIONAL_FILE] = lambda: encode_prompts(*load_text_encoder(config.encode.model), [""])[0].numpy()
-    if config.output.captions != "embeddings":
-        files[UNCONDITIONAL_IDS_FILE] = lambda: tokenize(tokenizer, [""]).input_ids[0].numpy().astype(np.int32)
-    for name, make in files.items():
-        path = join(config.output.path, name)
-        if not _exists(path):
-            buffer = io.BytesIO()
-            np.save(buffer, make(), allow_pickle=False)
-            write_bytes(path, buffer.getvalue())
-    return len(tokenizer)
-
-
-def _exists(uri: str) -> bool:
-    import pyarrow.fs as pafs
-
-    from sdtrain.storage.filesystems import filesystem_for
-
-    fs, path = filesystem_for(uri)
-    return fs.get_file_info(path).type == pafs.FileType.File
-
-
 def _run_pipeline(
     config: PreprocessConfig,
     pending: list[Shard],
-    scaling_factor: float,
+    vae: tuple[float, int],
     vocab_size: int,
     latent_shapes: list[list[int]],
     summary: PreprocessSummary,
 ):
-    """Runs Ray Data's pipeline over the pending shards, writing each shard's file once its last row is in."""
-    columns, metadata = _output_columns(config, scaling_factor, vocab_size)
+    """Runs Ray Data's pipeline over the pending shards, writing each shard's file once its last row is in.
+
+    Args:
+        vae: the VAE's scaling factor and downsampling (pixels per latent side).
+    """
+    columns, metadata = output_columns(config, *vae, vocab_size)
     if config.image.buckets == "aspect":
         metadata[BUCKET_SHAPES] = json.dumps(latent_shapes)
     gathering: dict[str, dict[str, Any]] = {s.name: {"rows": [], "stats": None} for s in pending}
@@ -247,26 +206,6 @@ def _run_pipeline(
             table = shard_table(rows, columns, metadata)
             write_shard(config.output.path, name, table, stats, config.output.row_group_rows)
             summary.shards_written.append(name)
-
-
-def _output_columns(
-    config: PreprocessConfig, scaling_factor: float, vocab_size: int
-) -> tuple[dict[str, str], dict[str, str]]:
-    """The encoders' output columns with the names the shards store them under, and the shards' schema metadata."""
-    metadata = {
-        LATENT_SCALING_FACTOR: repr(scaling_factor),
-        RESOLUTION: str(config.image.resolution),
-        VAE_SOURCE: config.encode.model,
-        TEXT_ENCODER_SOURCE: config.encode.model,
-        LATENT: config.encode.latent,
-    }
-    columns = {"latents": config.output.image_column}
-    if config.output.captions != "token_ids":
-        columns["embeddings"] = config.output.caption_column
-    if config.output.captions != "embeddings":
-        columns["token_ids"] = config.output.token_id_column
-        metadata[TOKEN_VOCAB_SIZE] = str(vocab_size)
-    return columns, metadata
 
 
 def _pipeline(config: PreprocessConfig, pending: list[Shard]) -> Any:

@@ -10,7 +10,8 @@ sdtrain.data.metadata.encoder_sources).
                                              name: write_shard)
     <output.path>/unconditional_caption.npy  the text encoder's embedding of "" (L x D): data.unconditional_caption
                                              (the name: sdtrain.storage.run_layout.UNCONDITIONAL_FILE; not written for
-                                             output.captions: token_ids)
+                                             output.captions: token_ids, nor for an SDXL model, whose empty prompt is
+                                             zeros: the manifest's unconditional_caption says which)
     <output.path>/unconditional_caption_ids.npy  the tokenizer's ids of "" (L int32): data.unconditional_caption for
                                              token-id data (UNCONDITIONAL_IDS_FILE; token_ids and both)
     <output.path>/manifest.json              totals: inputs read, rows written, rows skipped by reason
@@ -103,14 +104,14 @@ def shard_table(rows: list[dict[str, Any]], columns: dict[str, str], metadata: d
     (metadata BUCKET_SHAPES) has its rows sorted by bucket, one run each, and names its runs (BUCKET_RUNS).
 
     Args:
-        columns: each row's value to store (latents, embeddings, token_ids) and the column it goes to.
+        columns: each row's value to store (latents, embeddings, SDXL's pooled, token_ids) and the column it goes to.
     """
     metadata = dict(metadata)
     if BUCKET_SHAPES in metadata:  # stable: within a bucket, the input's order
         rows = sorted(rows, key=lambda r: int(r["bucket"]))
         counts = np.bincount([int(r["bucket"]) for r in rows], minlength=len(json.loads(metadata[BUCKET_SHAPES])))
         metadata[BUCKET_RUNS] = json.dumps([[b, int(n)] for b, n in enumerate(counts) if n])
-    types = {"latents": pa.float16(), "embeddings": pa.float16(), "token_ids": pa.int32()}
+    types = {"latents": pa.float16(), "embeddings": pa.float16(), "pooled": pa.float16(), "token_ids": pa.int32()}
     fields, arrays = [], []
     for value, column in columns.items():
         fields.append((column, pa.list_(types[value])))

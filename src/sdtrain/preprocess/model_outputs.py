@@ -1,0 +1,105 @@
+"""What the model preprocessing encodes with decides about its output: the VAE's geometry, the columns and schema
+metadata the shards carry (SDXL's two encoders add the pooled column), and the empty prompt training drops captions
+to (a file beside the shards, or zeros for SDXL)."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+
+from sdtrain.data.metadata import (
+    LATENT,
+    LATENT_SCALING_FACTOR,
+    RESOLUTION,
+    TEXT_ENCODER_SOURCE,
+    TOKEN_VOCAB_SIZE,
+    VAE_DOWNSAMPLING,
+    VAE_SOURCE,
+)
+from sdtrain.preprocess.config import PreprocessConfig
+from sdtrain.preprocess.outputs import join
+from sdtrain.storage.filesystems import write_bytes
+from sdtrain.storage.run_layout import UNCONDITIONAL_FILE, UNCONDITIONAL_IDS_FILE
+
+
+def exists(uri: str) -> bool:
+    """Whether a file is at ``uri`` (local or a storage URI)."""
+    import pyarrow.fs as pafs
+
+    from sdtrain.storage.filesystems import filesystem_for
+
+    fs, path = filesystem_for(uri)
+    return fs.get_file_info(path).type == pafs.FileType.File
+
+
+def vae_geometry(model: str) -> tuple[float, int, int]:
+    """The VAE's scaling factor, latent channels and downsampling (pixels to a latent's side), from its config."""
+    from diffusers import AutoencoderKL
+
+    from sdtrain.model.encoders import local_model
+
+    config = AutoencoderKL.load_config(local_model(model, "vae"), subfolder="vae")
+    downsampling = 2 ** (len(config.get("block_out_channels", [0] * 4)) - 1)
+    return float(config.get("scaling_factor", 0.18215)), int(config.get("latent_channels", 4)), downsampling
+
+
+def write_unconditional(config: PreprocessConfig) -> tuple[int, dict[str, str]]:
+    """The empty prompt's embedding (computed once on the driver, CPU, float32) and/or its token ids, as
+    output.captions stores captions; returns the tokenizers' largest vocabulary (the bound of every stored id) and,
+    for the manifest, what each caption column's data.unconditional_caption is. An SDXL model's is "zeros": it drops
+    captions to zeros, hidden states and pooled embedding alike (force_zeros_for_empty_prompt), so no file is
+    written."""
+    from sdtrain.model.encoders import (
+        encode_prompts,
+        has_second_encoder,
+        load_text_encoder,
+        load_tokenizers,
+        tokenize_each,
+    )
+
+    tokenizers = load_tokenizers(config.encode.model)
+    vocab_size = max(len(tokenizer) for tokenizer in tokenizers)
+    files = {}
+    if config.output.captions != "token_ids":
+        files[config.output.caption_column, UNCONDITIONAL_FILE] = lambda: encode_prompts(
+            *load_text_encoder(config.encode.model), [""]
+        )[0].numpy()
+    if config.output.captions != "embeddings":
+        files[config.output.token_id_column, UNCONDITIONAL_IDS_FILE] = lambda: (
+            tokenize_each(tokenizers, [""])[0].numpy().astype(np.int32)
+        )
+    if has_second_encoder(config.encode.model):
+        return vocab_size, {column: "zeros" for column, _ in files}
+    for (_, name), make in files.items():
+        path = join(config.output.path, name)
+        if not exists(path):
+            buffer = io.BytesIO()
+            np.save(buffer, make(), allow_pickle=False)
+            write_bytes(path, buffer.getvalue())
+    return vocab_size, {column: name for column, name in files}
+
+
+def output_columns(
+    config: PreprocessConfig, scaling_factor: float, downsampling: int, vocab_size: int
+) -> tuple[dict[str, str], dict[str, str]]:
+    """The encoders' output columns with the names the shards store them under, and the shards' schema metadata."""
+    from sdtrain.model.encoders import has_second_encoder
+
+    metadata = {
+        LATENT_SCALING_FACTOR: repr(scaling_factor),
+        VAE_DOWNSAMPLING: str(downsampling),
+        RESOLUTION: str(config.image.resolution),
+        VAE_SOURCE: config.encode.model,
+        TEXT_ENCODER_SOURCE: config.encode.model,
+        LATENT: config.encode.latent,
+    }
+    columns = {"latents": config.output.image_column}
+    if config.output.captions != "token_ids":
+        columns["embeddings"] = config.output.caption_column
+        if has_second_encoder(config.encode.model):  # SDXL's UNet also takes the second encoder's pooled embedding
+            columns["pooled"] = config.output.pooled_column
+    if config.output.captions != "embeddings":
+        columns["token_ids"] = config.output.token_id_column
+        metadata[TOKEN_VOCAB_SIZE] = str(vocab_size)
+    return columns, metadata
