@@ -123,24 +123,16 @@ def predict_training_memory(
         ema: the run keeps an EMA of the weights (train.ema_decay): one more float32 copy of the parameters.
         gradient_checkpointing: the UNet recomputes its blocks' activations in backward
             (``enable_gradient_checkpointing``, train.gradient_checkpointing).
-        text_encoders: for data of caption token ids, the configs (CLIPTextConfig) of the text encoders that encode
-            them in the step (sdtrain.model.token_captions.text_encoder_configs: SD 1/2's one, SDXL's two); empty for
-            data of caption embeddings.
+        text_encoders: for token-id captions, the CLIPTextConfigs of the encoders the step runs (SD 1/2's one,
+            SDXL's two: sdtrain.model.token_captions.text_encoder_configs); empty for caption embeddings.
         text_encoder_dtype: the dtype the encoders are held in (sdtrain.model.token_captions.encoder_dtype).
     """
-    if precision not in ("bf16-mixed", "32-true"):
-        raise ValueError(f"precision {precision!r}: expected bf16-mixed or 32-true")
-    if strategy not in ("ddp", "fsdp"):
-        raise ValueError(f"strategy {strategy!r}: expected ddp or fsdp")
-    if world_size < 1 or micro_batch < 1:
-        raise ValueError(f"world_size and micro_batch must be >= 1, got {world_size} and {micro_batch}")
+    _check_modelled(precision, strategy, world_size, micro_batch)
     with torch.device("meta"):
         unet = UNet2DConditionModel(**unet_config)
         encoders = text_encoder_modules(text_encoders)
-    shapes = [tuple(p.shape) for p in unet.parameters()]
-    shards = world_size if strategy == "fsdp" else 1
-    weights = _FLOAT32 * sum(_shard_numel(shape, shards) for shape in shapes)
     fsdp = strategy == "fsdp"
+    state = _state(unet, world_size if fsdp else 1, ema)
     # Under bf16-mixed FSDP2 gathers the weights already in bf16 (sdtrain.train.strategy.mixed_precision), so
     # autocast makes no copies of them: the trace runs on bf16 weights.
     half = precision == "bf16-mixed"
@@ -157,8 +149,6 @@ def predict_training_memory(
     )
     buffers = _fsdp_buffers(unet, param_dtype) if fsdp else 0
     frozen = sum(_held_bytes(encoder, text_encoder_dtype) for encoder in encoders)
-    optimizer = _ADAMW_MOMENTS * weights + _FLOAT32 * len(shapes)  # the step counters: one float32 a tensor
-    state = dict(parameters=weights, gradients=weights, optimizer_state=optimizer, ema=weights if ema else 0)
     return TrainingMemory(
         **state,
         activations_peak=activations,
@@ -166,6 +156,23 @@ def predict_training_memory(
         text_encoders=frozen,
         total_peak=sum(state.values()) + activations + buffers + frozen,
     )
+
+
+def _state(unet: torch.nn.Module, shards: int, ema: bool) -> dict[str, int]:
+    """The float32 weights, gradients, AdamW state and EMA a rank holds, each a ``shards``-th under FSDP."""
+    shapes = [tuple(p.shape) for p in unet.parameters()]
+    weights = _FLOAT32 * sum(_shard_numel(shape, shards) for shape in shapes)
+    optimizer = _ADAMW_MOMENTS * weights + _FLOAT32 * len(shapes)  # the step counters: one float32 a tensor
+    return dict(parameters=weights, gradients=weights, optimizer_state=optimizer, ema=weights if ema else 0)
+
+
+def _check_modelled(precision: str, strategy: str, world_size: int, micro_batch: int) -> None:
+    if precision not in ("bf16-mixed", "32-true"):
+        raise ValueError(f"precision {precision!r}: expected bf16-mixed or 32-true")
+    if strategy not in ("ddp", "fsdp"):
+        raise ValueError(f"strategy {strategy!r}: expected ddp or fsdp")
+    if world_size < 1 or micro_batch < 1:
+        raise ValueError(f"world_size and micro_batch must be >= 1, got {world_size} and {micro_batch}")
 
 
 def text_encoder_modules(configs: Sequence[Any]) -> list[torch.nn.Module]:
