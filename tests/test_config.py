@@ -124,7 +124,7 @@ def test_every_key_has_a_docstring_and_is_in_help():
         assert key in text
 
 
-@pytest.mark.parametrize("name", ["demo.yaml", "small.yaml", "sd2-base.yaml"])
+@pytest.mark.parametrize("name", ["demo.yaml", "small.yaml", "sd2-base.yaml", "sdxl-base.yaml"])
 def test_shipped_configs_load(name):
     config = load_config(REPO / "configs" / name)
     assert re.fullmatch(r"[a-z0-9-]+", config.run.name)

@@ -375,3 +375,163 @@ def test_photographs_preprocessed_with_an_sdxl_model_both_ways_are_what_training
     assert from_ids.token_ids is not None and from_ids.token_ids.sequences == 2
     assert from_ids.token_ids.text_encoder == root and from_ids.embedding_shape(80) == (77, 80)
     assert from_ids.added == AddedColumns(None, 32, placement=True) and from_ids.vae_downsampling == 2
+
+
+# --- sampling and export ---
+
+
+def _sdxl_model(zero_terminal_snr: bool = True):
+    """A seeded tiny-sdxl UNet (v-prediction) and its training schedule."""
+    from sdtrain.config.schema import ModelConfig
+    from sdtrain.model.unet import build_unet, noise_scheduler_config
+
+    model = ModelConfig(preset="tiny-sdxl", prediction_type="v_prediction")
+    torch.manual_seed(0)
+    return build_unet(model).eval(), noise_scheduler_config(model, zero_terminal_snr=zero_terminal_snr)
+
+
+def test_sdxl_sampling_is_the_sdxl_pipelines_on_a_zero_terminal_snr_schedule_with_guidance_rescale(sdxl):
+    """sample_latents on a tiny-sdxl UNet gives StableDiffusionXLPipeline's latents for the same embeddings: the
+    pooled embedding, the size conditioning of a 16 x 24 pixel image (the VAE downsamples by 2), zeros for the empty
+    prompt, and on a zero-terminal-SNR schedule guidance rescaled by 0.7 by default. Without the pooled embedding
+    it is refused."""
+    from diffusers import StableDiffusionXLPipeline
+
+    from sdtrain.errors import DataError
+    from sdtrain.model.encoders import load_vae
+    from sdtrain.sampling.sampler import default_guidance_rescale, make_sampler, sample_latents
+
+    root, encoders = sdxl
+    unet, schedule = _sdxl_model()
+    assert default_guidance_rescale(schedule) == 0.7 and default_guidance_rescale({}) == 0.0
+    hidden, pooled = encoders.encode(TEXTS[:2])
+    pipe = StableDiffusionXLPipeline(
+        vae=load_vae(root),
+        text_encoder=None,
+        text_encoder_2=None,
+        tokenizer=None,
+        tokenizer_2=None,
+        unet=unet,
+        scheduler=make_sampler(schedule, "ddim", 5),
+        add_watermarker=False,
+    )
+    assert pipe.vae_scale_factor == 2
+    theirs = pipe(
+        prompt_embeds=hidden,
+        pooled_prompt_embeds=pooled,
+        guidance_scale=3.0,
+        guidance_rescale=0.7,
+        num_inference_steps=5,
+        generator=torch.Generator().manual_seed(0),
+        output_type="latent",
+        height=16,
+        width=24,
+    ).images
+    conditioning = Conditioning(hidden, pooled)
+    sample = dict(steps=5, guidance_scale=3.0, seed=0, vae_downsampling=2)
+    rescaled = default_guidance_rescale(schedule)
+    ours = sample_latents(
+        unet, schedule, conditioning, torch.zeros(77, 80), (4, 8, 12), **sample, guidance_rescale=rescaled
+    )
+    torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)
+    plain = sample_latents(unet, schedule, conditioning, torch.zeros(77, 80), (4, 8, 12), **sample)
+    assert not torch.allclose(plain, ours, atol=1e-4)  # the rescale is applied, not ignored
+    with pytest.raises(DataError, match="pooled text embedding"):
+        sample_latents(unet, schedule, hidden, torch.zeros(77, 80), (4, 8, 12), **sample)
+
+
+def test_an_sdxl_model_exports_as_an_sdxl_pipeline_that_answers_a_prompt_and_generate_samples_it(sdxl, tmp_path):
+    """export.base_model an SDXL model directory: the export is a StableDiffusionXLPipeline with both text encoders
+    and tokenizers that DiffusionPipeline.from_pretrained loads and prompts; generate.py --prompt on the export
+    encodes with both encoders, conditions on the image size and samples what sample_latents does by hand. A base
+    model with one text encoder is refused naming the missing one."""
+    from diffusers import DiffusionPipeline, StableDiffusionXLPipeline
+    from support.tiny_models import write_tiny_sd_model
+
+    from sdtrain.artifacts.export import write_export
+    from sdtrain.artifacts.loading import LoadedModel
+    from sdtrain.model.unet import build_noise_scheduler
+    from sdtrain.sampling.generate import LATENTS_FILE, GenerateRequest, generate
+    from sdtrain.sampling.sampler import sample_latents
+
+    root, encoders = sdxl
+    unet, schedule = _sdxl_model()
+    loaded = LoadedModel(
+        unet,
+        build_noise_scheduler(schedule),
+        torch.zeros(77, 80),
+        "test",
+        "ema",
+        4,
+        (4, 8, 12),
+        (77, 80),
+        None,
+        None,
+        None,
+        vae_downsampling=2,
+    )
+    export = tmp_path / "export"
+    write_export(loaded, str(export), base_model=root)
+    pipeline = DiffusionPipeline.from_pretrained(str(export))
+    assert isinstance(pipeline, StableDiffusionXLPipeline)
+    assert pipeline.text_encoder_2.config.projection_dim == 32 and pipeline.tokenizer_2.pad_token == "!"
+    assert pipeline.scheduler.config.rescale_betas_zero_snr
+    image = pipeline("a red fox", num_inference_steps=2, height=16, width=24, output_type="np").images
+    assert image.shape == (1, 16, 24, 3) and np.isfinite(image).all()
+
+    out = tmp_path / "samples"
+    request = GenerateRequest(
+        str(export), prompts=TEXTS[:2], out=str(out), samples_per_caption=1, steps=3, height=16, width=24
+    )
+    generate(request)
+    latents = np.load(out / LATENTS_FILE)
+    hidden, pooled = encoders.encode(TEXTS[:2])
+    by_hand = sample_latents(
+        unet,
+        schedule,
+        Conditioning(hidden, pooled),
+        torch.zeros(77, 80),
+        (4, 8, 12),
+        steps=3,
+        guidance_scale=3.0,
+        guidance_rescale=0.7,
+        vae_downsampling=2,
+    )
+    np.testing.assert_allclose(latents.reshape(by_hand.shape), by_hand.numpy(), rtol=1e-4, atol=1e-5)
+
+    one_encoder = write_tiny_sd_model(str(tmp_path / "sd"), caption_dim=80)
+    with pytest.raises(Exception, match="text_encoder_2"):
+        write_export(loaded, str(tmp_path / "refused"), base_model=one_encoder)
+
+
+def test_the_shipped_sdxl_config_trains_its_recipe_on_the_tiny_sdxl_unet(sdxl):
+    """configs/sdxl-base.yaml's model and train options as they are (FSDP, gradient checkpointing, zero-terminal SNR
+    with v-prediction, min-SNR, caption dropout to zeros, EMA, micro-batch auto), eager and on the tiny SDXL layout:
+    a real Lightning fit from the two tokenizers' ids for three steps, every loss finite and training moving."""
+    from conftest import REPO
+
+    from sdtrain.config.loader import load_config
+
+    root, encoders = sdxl
+    config = load_config(
+        REPO / "configs" / "sdxl-base.yaml",
+        ["data.train=/unused", "model.preset=tiny-sdxl", "train.compile=false", "scaling.use_gpu=false"]
+        + ["train.global_batch_size=4", "scaling.num_workers=1", "train.warmup_steps=0", "train.lr=1e-3"]
+        + ["train.max_steps=3"],
+    )
+    assert config.model.preset == "tiny-sdxl" and config.train.zero_terminal_snr and config.train.strategy == "fsdp"
+    meta = checkpoint_meta(config, (4, 16, 24), (77, 80), text_encoder=root, vae_downsampling=2)
+    assert meta.noise_scheduler_config["rescale_betas_zero_snr"]
+    g = torch.Generator().manual_seed(0)
+    batches = [
+        {
+            "latents": torch.randn(4, 4, 16, 24, generator=g),
+            "captions": encoders.tokenize(TEXTS).to(torch.int32),
+            "placement": torch.tensor([[64, 96, 0, 0]] * 4, dtype=torch.int32),
+        }
+        for _ in range(3)
+    ]
+    module, trainer = fit_without_ray(config, batches, meta, use_gpu=False)
+    assert trainer.global_step == 3
+    loss = float(module.take_window_stats()["loss"])
+    assert np.isfinite(loss) and 0 < loss < 10

@@ -23,6 +23,7 @@ from diffusers import DDPMScheduler, UNet2DConditionModel
 
 from sdtrain.artifacts.checkpoint_format import CHECKPOINT_META_KEY, CheckpointMeta
 from sdtrain.errors import SdtrainError
+from sdtrain.model.conditioning import pooled_width
 from sdtrain.model.unet import build_noise_scheduler
 from sdtrain.storage.filesystems import filesystem_for, local_copy, ray_storage, uri_for
 from sdtrain.storage.run_layout import CHECKPOINT_FILE, EXPORT_INFO_FILE, UNCONDITIONAL_FILE
@@ -54,6 +55,13 @@ class LoadedModel:
     """The full metadata when loaded from a checkpoint (an export keeps the summary above)."""
     bucket_shapes: tuple[tuple[int, ...], ...] | None = None
     """The latent shape of each aspect-ratio bucket the model trained on; None: one shape (latent_shape)."""
+    vae_downsampling: int = 8
+    """Pixels per latent side of the VAE its data was encoded with (SDXL's size conditioning is in pixels)."""
+
+    @property
+    def pooled_width(self) -> int | None:
+        """The pooled text embedding an SDXL-shaped UNet takes; None for SD 1/2."""
+        return pooled_width(self.unet.config)
 
     @property
     def caption_dropout_prob(self) -> float | None:
@@ -124,6 +132,7 @@ def _from_checkpoint(path: str, weights: Weights) -> LoadedModel:
         latent_classifier=meta.latent_classifier,
         meta=meta,
         bucket_shapes=tuple(tuple(b) for b in meta.bucket_shapes) if meta.bucket_shapes else None,
+        vae_downsampling=meta.vae_downsampling,
     )
 
 
@@ -154,6 +163,7 @@ def _from_export(path: str) -> LoadedModel:
         latent_classifier=info.get("latent_classifier"),
         meta=None,
         bucket_shapes=tuple(tuple(b) for b in info["bucket_shapes"]) if info.get("bucket_shapes") else None,
+        vae_downsampling=int(info.get("vae_downsampling") or 8),
     )
 
 

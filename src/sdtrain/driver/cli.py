@@ -280,6 +280,12 @@ def _add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
         default=3.0,
         help="classifier-free guidance scale; 1 = none (default: %(default)s)",
     )
+    parser.add_argument(
+        "--guidance-rescale",
+        type=float,
+        help="rescale the guided prediction toward the conditional one's std (Lin et al. 2023; diffusers' "
+        "guidance_rescale), 0 to 1; default: 0.7 for a zero-terminal-SNR model, else 0",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the initial noise (default: %(default)s)")
     parser.add_argument(
         "--vae",
@@ -310,7 +316,12 @@ def _add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--export-to",
         metavar="DIR",
-        help="instead of sampling: export the model in diffusers format to DIR (local or s3://)",
+        help="instead of sampling: export the model as a diffusers pipeline to DIR (local or s3://)",
+    )
+    parser.add_argument(
+        "--base-model",
+        help="with --export-to: the Stable Diffusion model (local directory, s3:// or hub id) whose VAE, text encoder "
+        "and tokenizer made the model's data; default: its run's export.base_model, else what its data records",
     )
 
 
@@ -324,14 +335,13 @@ def generate_main(argv=None) -> int:
     for name in ("rows", "samples_per_caption", "steps", "batch_size"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.guidance_rescale is not None and not 0 <= args.guidance_rescale <= 1:
+        parser.error(f"--guidance-rescale must be in [0, 1], got {args.guidance_rescale}")
+    if args.base_model and not args.export_to:
+        parser.error("--base-model is for --export-to (sampling takes --vae and --text-encoder)")
     try:
         if args.export_to:
-            from sdtrain.artifacts.export import write_export
-            from sdtrain.artifacts.loading import load_model
-
-            loaded = load_model(args.model, args.weights)
-            write_export(loaded, args.export_to)
-            log.info(f"exported {loaded.weights} weights of step {loaded.global_step} to {args.export_to}")
+            _export(args)
             return 0
         prompts = list(args.prompt)
         if args.prompts_file:
@@ -352,6 +362,7 @@ def generate_main(argv=None) -> int:
             sampler=args.sampler,
             steps=args.steps,
             guidance_scale=args.guidance_scale,
+            guidance_rescale=args.guidance_rescale,
             seed=args.seed,
             vae=args.vae,
             weights=args.weights,
@@ -371,3 +382,13 @@ def generate_main(argv=None) -> int:
     for path in written:
         log.info(f"wrote {path}")
     return 0
+
+
+def _export(args: argparse.Namespace) -> None:
+    """generate.py --export-to: the model as a diffusers pipeline (sdtrain.artifacts.export)."""
+    from sdtrain.artifacts.export import write_export
+    from sdtrain.artifacts.loading import load_model
+
+    loaded = load_model(args.model, args.weights)
+    write_export(loaded, args.export_to, args.base_model)
+    log.info(f"exported {loaded.weights} weights of step {loaded.global_step} to {args.export_to}")

@@ -41,14 +41,15 @@ from sdtrain.evaluation.eval_rows import EvalRows, read_eval_rows
 from sdtrain.evaluation.image_metrics import ClipScore, DinoFeatures, FeatureStats, InceptionFeatures
 from sdtrain.evaluation.measures import Measures, metrics_of, part_range
 from sdtrain.evaluation.results import measured_with, write_evaluation
+from sdtrain.model.conditioning import Conditioning
 from sdtrain.model.encoders import load_vae
 from sdtrain.sampling.images import decode
 from sdtrain.sampling.latent_classifier import load_latent_classifier
-from sdtrain.sampling.sampler import sample_latents
+from sdtrain.sampling.sampler import default_guidance_rescale, sample_latents
 from sdtrain.storage.filesystems import filesystem_for, write_bytes
 from sdtrain.storage.run_layout import EVALUATION_DIR
 
-CaptionsOf = Callable[[LoadedModel, np.ndarray], torch.Tensor]
+CaptionsOf = Callable[[LoadedModel, np.ndarray], torch.Tensor | Conditioning]
 """The caption embeddings (n, L, D) a model samples the rows at the given positions with."""
 
 
@@ -140,15 +141,17 @@ class Evaluator:
         """rows.captions by position; token ids encoded, all at once, by each model's text encoder."""
         assert rows.captions is not None
         stored = torch.tensor(rows.captions)  # a copy: arrow's buffers are read-only
-        encoded: dict[str, torch.Tensor] = {}
+        pooled = None if rows.pooled is None else torch.tensor(rows.pooled, dtype=torch.float32)
+        encoded: dict[str, Conditioning] = {}
 
-        def captions_of(loaded: LoadedModel, positions: np.ndarray) -> torch.Tensor:
+        def captions_of(loaded: LoadedModel, positions: np.ndarray) -> Conditioning:
+            index = torch.from_numpy(positions)
             if stored.dtype != torch.int32:
-                return stored[torch.from_numpy(positions)]
+                return Conditioning(stored[index].float(), None if pooled is None else pooled[index])
             if loaded.source not in encoded:
                 encoded.clear()  # one model's at a time
                 encoded[loaded.source] = self._encode(loaded, stored)
-            return encoded[loaded.source][torch.from_numpy(positions)]
+            return encoded[loaded.source].rows(index)
 
         return captions_of
 
@@ -156,41 +159,50 @@ class Evaluator:
         self,
         unet: Any,
         loaded: LoadedModel,
-        captions: torch.Tensor,
+        captions: torch.Tensor | Conditioning,
         shape: tuple[int, int, int],
         within: tuple[int, int],
     ) -> torch.Tensor:
         """Latents of ``captions`` at ``shape``: sample_grid's sampler, steps and guidance, the run's seed; ``within``:
         (first, total), where the rows are in their shape group."""
         grid = self.config.sample_grid
+        scheduler = dict(loaded.noise_scheduler.config)
         return sample_latents(
             unet,
-            loaded.noise_scheduler.config,
-            captions.float(),
+            scheduler,
+            captions.float() if isinstance(captions, torch.Tensor) else captions,
             loaded.unconditional_caption,
             shape,
             sampler=grid.sampler,
             steps=grid.steps,
             guidance_scale=grid.guidance_scale,
+            guidance_rescale=default_guidance_rescale(scheduler),
             seed=self.config.train.seed,
             batch_size=self.config.eval.batch_size,
             within=within,
+            vae_downsampling=loaded.vae_downsampling,
         )
 
     def _rows(self, loaded: LoadedModel) -> EvalRows:
         if self.rows is None:
             assert loaded.latent_shape is not None and loaded.caption_shape is not None
-            self.rows = read_eval_rows(self.config, loaded.latent_shape, loaded.caption_shape)
+            self.rows = read_eval_rows(
+                self.config, loaded.latent_shape, loaded.caption_shape, pooled_width=loaded.pooled_width
+            )
         return self.rows
 
-    def _encode(self, loaded: LoadedModel, ids: torch.Tensor) -> torch.Tensor:
+    def _encode(self, loaded: LoadedModel, ids: torch.Tensor) -> Conditioning:
         from sdtrain.model.token_captions import CaptionEncoder
 
         source = text_encoder_of(loaded)
         if source is None:
             raise DataError(f"eval: data.val holds token ids, but {loaded.source} records no text encoder for them")
         encoder = CaptionEncoder.load(source, use_gpu=False).to(self.device)
-        return torch.cat([encoder(ids[i : i + 64]).float().cpu() for i in range(0, len(ids), 64)])
+        parts = [encoder.encode(ids[i : i + 64]) for i in range(0, len(ids), 64)]
+        hidden = torch.cat([part[0].float().cpu() for part in parts])
+        pooled_parts = [part[1].float().cpu() for part in parts if part[1] is not None]
+        pooled = torch.cat(pooled_parts) if pooled_parts else None
+        return Conditioning(hidden, pooled)
 
     def _decode(self, latents: torch.Tensor, loaded: LoadedModel) -> np.ndarray:
         """Model-space latents -> images, divided by the scaling factor the model was trained with (else the VAE's)."""

@@ -11,6 +11,8 @@ import numpy as np
 import pyarrow as pa
 
 from sdtrain.config.schema import Config
+from sdtrain.data.added_columns import AddedColumns
+from sdtrain.data.decode import column_layout
 from sdtrain.data.footer import read_schema
 from sdtrain.data.listing import list_dataset
 from sdtrain.data.metadata import bucket_shapes
@@ -47,6 +49,8 @@ class EvalRows:
     """The files the rows came from (part of the reference statistics' key)."""
     versions: list[tuple[int, str]]
     """Their (size, version) as listed (the S3 ETag, or the local mtime in ns): a file rewritten in place changes it."""
+    pooled: np.ndarray | None = None
+    """(N, P) pooled embeddings of caption embeddings, for an SDXL-shaped UNet (data.pooled_caption_column)."""
 
     def __len__(self) -> int:
         return sum(len(group.rows) for group in self.groups)
@@ -59,6 +63,7 @@ def read_eval_rows(
     sources: Sequence[str] | None = None,
     key: str = "data.val",
     measured: bool = True,
+    pooled_width: int | None = None,
 ) -> EvalRows:
     """The first eval.num_samples rows of data.val in file order (fewer if it holds fewer): their columns only, and
     no more of a file than they need. Bucketed files are read at each row's bucket (the buckets their footer names).
@@ -70,13 +75,20 @@ def read_eval_rows(
         key: what named them, in errors.
         measured: whether the rows are sampled (their texts for clip_score and labels for class_agreement are read),
             or only a reference's images.
+        pooled_width: an SDXL-shaped UNet's pooled embedding width: caption embeddings are read with their pooled
+            embeddings (data.pooled_caption_column).
     """
     texts, labels = config.eval.clip is not None and measured, config.eval.class_agreement and measured
     extra = ([config.eval.text_column] if texts else []) + (["label"] if labels else [])
     listing = list_dataset(list(sources or config.data.val), key)
-    buckets = bucket_shapes(read_schema(listing.paths[0], key).metadata, listing.paths[0])
+    schema = read_schema(listing.paths[0], key)
+    buckets = bucket_shapes(schema.metadata, listing.paths[0])
     reader = RowReader(config.data.columns, tuple(latent_shape), tuple(caption_shape), extra=tuple(extra))
-    reader = dataclasses.replace(reader, bucket_shapes=buckets)
+    ids = (
+        config.data.caption_column in schema.names and column_layout(schema.field(config.data.caption_column)).token_ids
+    )
+    added = AddedColumns(config.data.pooled_caption_column, pooled_width, False) if pooled_width and not ids else None
+    reader = dataclasses.replace(reader, bucket_shapes=buckets, added=added)
     # Batch by batch, only as many rows as are wanted: a data.val file may hold gigabytes of caption embeddings.
     batches = list(reader.batches(listing.paths, f"eval: {key}", batch_size=1024, limit=config.eval.num_samples))
     read = {batch.file for batch in batches}
@@ -92,6 +104,7 @@ def read_eval_rows(
         labels=extra_column("label").to_numpy() if labels else None,
         files=[listing.paths[i] for i in used],
         versions=[(listing.sizes[i], listing.versions[i]) for i in used],
+        pooled=np.concatenate([batch.added["pooled"] for batch in batches]) if added else None,
     )
 
 

@@ -19,7 +19,7 @@ from sdtrain.model.encoders import load_vae, vae_downsampling
 from sdtrain.sampling.captions import Captions, read_captions
 from sdtrain.sampling.images import channels_preview, decode, decode_shape, grid_image, latent_preview
 from sdtrain.sampling.latent_classifier import load_latent_classifier
-from sdtrain.sampling.sampler import sample_latents
+from sdtrain.sampling.sampler import default_guidance_rescale, sample_latents
 
 LATENTS_FILE = "latents.npy"
 PREVIEW_FILE = "preview.png"
@@ -44,6 +44,10 @@ class GenerateRequest:
     weights: Weights = "auto"
     preview: Literal["auto", "classifier", "channels"] = "auto"
     batch_size: int = 64
+    guidance_rescale: float | None = None
+    """Guidance rescale (diffusers' guidance_rescale); None: 0.7 for a zero-terminal-SNR model, else none."""
+    pooled_caption_column: str = "caption_pooled"
+    """SDXL-shaped models: the parquet column of the captions' pooled embeddings."""
     height: int | None = None
     """Pixels; None: what the model trained at (the data's one shape, or the aspect-ratio bucket most rows had)."""
     width: int | None = None
@@ -78,17 +82,21 @@ def generate(request: GenerateRequest) -> list[str]:
             "prediction is untrained; guidance may not help (try --guidance-scale 1)"
         )
     k = request.samples_per_caption
+    scheduler_config = dict(loaded.noise_scheduler.config)
+    rescale = request.guidance_rescale
     latents = sample_latents(
         unet,
-        dict(loaded.noise_scheduler.config),
-        captions.embeddings.repeat_interleave(k, dim=0),
+        scheduler_config,
+        captions.conditioning(k),
         unconditional,
         latent_shape,
         sampler=request.sampler,
         steps=request.steps,
         guidance_scale=request.guidance_scale,
+        guidance_rescale=default_guidance_rescale(scheduler_config) if rescale is None else rescale,
         seed=request.seed,
         batch_size=request.batch_size,
+        vae_downsampling=loaded.vae_downsampling,
     )
     os.makedirs(request.out, exist_ok=True)
     grid_latents = latents.numpy().reshape(len(captions.names), k, *latent_shape)
@@ -157,14 +165,15 @@ def _captions(request: GenerateRequest, loaded: LoadedModel, caption_dim: int) -
         return encode_prompt_captions(request.prompts, sources.text_encoder, loaded.caption_shape)
     assert request.captions is not None
 
-    def encode(ids: torch.Tensor) -> torch.Tensor:  # a column of token ids: the model's text encoder, on demand
+    def encode(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:  # token ids: the model's encoders
         from sdtrain.model.token_captions import CaptionEncoder
         from sdtrain.sampling.prompts import resolve_sources
 
         source = resolve_sources(loaded, request.text_encoder, request.vae).text_encoder
-        return CaptionEncoder.load(source, use_gpu=False)(ids).float()
+        return CaptionEncoder.load(source, use_gpu=False).encode(ids)
 
-    return read_captions(request.captions, caption_dim, request.caption_column, request.rows, encode=encode)
+    pooled = request.pooled_caption_column if loaded.pooled_width else None
+    return read_captions(request.captions, caption_dim, request.caption_column, request.rows, encode, pooled)
 
 
 def _write_images(

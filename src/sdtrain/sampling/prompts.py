@@ -43,9 +43,11 @@ class GridPrompts:
     """Where the text encoder that encoded them came from."""
     embeddings: torch.Tensor
     """(N, L, D) float32, a row per prompt."""
+    pooled: torch.Tensor | None = None
+    """(N, P) float32: SDXL's two encoders' pooled embeddings; None for one encoder."""
 
     def captions(self) -> Captions:
-        return Captions(self.embeddings, list(self.prompts))
+        return Captions(self.embeddings, list(self.prompts), pooled=self.pooled)
 
 
 def grid_prompts(
@@ -60,8 +62,8 @@ def grid_prompts(
         token_ids: what data.train's token-id captions say of their encoder; None for embeddings.
         caption_shape: (L, D) of the captions the UNet trains on.
     """
-    from sdtrain.model.encoders import encode_prompts, load_text_encoder
-    from sdtrain.model.token_captions import text_encoder_config
+    from sdtrain.model.encoders import load_text_encoders
+    from sdtrain.model.token_captions import text_encoder_configs
 
     setting = config.sample_grid.prompts
     if setting is None:
@@ -69,7 +71,7 @@ def grid_prompts(
     prompts = _prompt_list(setting)
     source = grid_text_encoder(config, metadata, token_ids)
     try:
-        width = text_encoder_config(source).hidden_size
+        width = sum(int(encoder.hidden_size) for encoder in text_encoder_configs(source))
     except DataError as error:
         raise ConfigError(f"{KEY}: {error}") from None
     if width != caption_shape[-1]:
@@ -77,14 +79,13 @@ def grid_prompts(
             f"{KEY}: the run's text encoder {source} encodes prompts {width} wide, but the UNet's cross_attention_dim "
             f"is {caption_shape[-1]}: prompts need the encoder the captions were made with"
         )
-    tokenizer, model = load_text_encoder(source)
-    embeddings = encode_prompts(tokenizer, model, prompts)
+    embeddings, pooled = load_text_encoders(source).encode(prompts)
     if tuple(embeddings.shape[1:]) != tuple(caption_shape):
         raise ConfigError(
             f"{KEY}: {source} encodes a prompt as {tuple(embeddings.shape[1:])} (tokens, width), but data.train's "
             f"captions are {tuple(caption_shape)}: prompts need the tokenizer the captions were made with"
         )
-    return GridPrompts(prompts, source, embeddings)
+    return GridPrompts(prompts, source, embeddings, pooled)
 
 
 def _prompt_list(setting: str | list[str]) -> list[str]:
@@ -150,14 +151,14 @@ def resolve_sources(loaded: LoadedModel, text_encoder: str | None, vae: str | No
 
 
 def encode_prompt_captions(prompts: list[str], text_encoder: str, caption_shape: tuple[int, ...] | None) -> Captions:
-    """The prompts' embeddings (N, L, D), checked against the caption shape the model was trained with."""
-    from sdtrain.model.encoders import encode_prompts, load_text_encoder
+    """The prompts' embeddings (N, L, D) (and for SDXL's two encoders their pooled embeddings), checked against the
+    caption shape the model was trained with."""
+    from sdtrain.model.encoders import load_text_encoders
 
-    tokenizer, model = load_text_encoder(text_encoder)
-    embeddings = encode_prompts(tokenizer, model, prompts)
+    embeddings, pooled = load_text_encoders(text_encoder).encode(prompts)
     if caption_shape is not None and tuple(embeddings.shape[1:]) != tuple(caption_shape):
         raise DataError(
             f"--text-encoder: {text_encoder} gives prompt embeddings of shape {tuple(embeddings.shape[1:])}, but the "
             f"model was trained on captions of shape {tuple(caption_shape)}"
         )
-    return Captions(embeddings, [p[:40] for p in prompts])
+    return Captions(embeddings, [p[:40] for p in prompts], pooled=pooled)

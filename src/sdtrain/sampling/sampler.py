@@ -2,16 +2,21 @@
 
 The sampling loop is StableDiffusionPipeline's (initial noise ``randn * init_noise_sigma`` from
 one seeded CPU generator, conditional and unconditional halves in one batch, guidance
-``uncond + scale * (cond - uncond)``), so a model exported by sdtrain gives the same latents here
-and inside a diffusers pipeline.
+``uncond + scale * (cond - uncond)``, optionally rescaled), so a model exported by sdtrain gives the same latents here
+and inside a diffusers pipeline; for an SDXL-shaped UNet, StableDiffusionXLPipeline's (the pooled embedding and the
+size conditioning beside the hidden states, zeros for the unconditional text).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Literal
 
 import torch
 from diffusers import DDIMScheduler, DPMSolverMultistepScheduler, UNet2DConditionModel
+
+from sdtrain.errors import DataError
+from sdtrain.model.conditioning import Conditioning, pooled_width, time_ids
 
 SAMPLERS = ("ddim", "dpm")
 
@@ -26,60 +31,112 @@ def make_sampler(noise_scheduler_config: dict[str, Any], name: Literal["ddim", "
     return scheduler
 
 
+def default_guidance_rescale(noise_scheduler_config: dict[str, Any]) -> float:
+    """Guidance rescale a model samples with unless told otherwise: 0.7 for a zero-terminal-SNR schedule (Lin et al.
+    2023, section 3.4: without it, guidance over-exposes images at SNR 0), else none."""
+    return 0.7 if noise_scheduler_config.get("rescale_betas_zero_snr") else 0.0
+
+
 def guided_prediction(
-    unet: UNet2DConditionModel, latents: torch.Tensor, t, cond: torch.Tensor, uncond: torch.Tensor | None, scale: float
+    unet: UNet2DConditionModel,
+    latents: torch.Tensor,
+    t,
+    cond: torch.Tensor | Conditioning,
+    uncond: torch.Tensor | Conditioning | None,
+    scale: float,
+    rescale: float = 0.0,
 ) -> torch.Tensor:
     """Classifier-free guidance: uncond + scale * (cond - uncond); at scale 1, the conditional prediction itself.
-    The prediction comes back in the latents' dtype: under autocast (sample grids) the UNet answers in bf16 or
-    fp16, and the guidance difference and the scheduler's step want the latents' precision."""
+    ``rescale`` blends in the guided prediction rescaled to the conditional one's standard deviation, as diffusers'
+    pipelines do (``guidance_rescale``). The prediction comes back in the latents' dtype: under autocast (sample grids)
+    the UNet answers in bf16 or fp16, and the guidance difference and the scheduler's step want the latents'
+    precision. ``cond`` and ``uncond``: hidden states, or a whole :class:`Conditioning` (an SDXL-shaped UNet)."""
+    cond = cond if isinstance(cond, Conditioning) else Conditioning(cond)
     if scale == 1.0 or uncond is None:
-        return unet(latents, t, encoder_hidden_states=cond).sample.to(latents.dtype)
-    out = unet(torch.cat([latents, latents]), t, encoder_hidden_states=torch.cat([uncond, cond])).sample
+        return unet(latents, t, **cond.kwargs()).sample.to(latents.dtype)
+    uncond = uncond if isinstance(uncond, Conditioning) else Conditioning(uncond)
+    out = unet(torch.cat([latents, latents]), t, **uncond.cat(cond).kwargs()).sample
     pred_uncond, pred_cond = out.to(latents.dtype).chunk(2)
-    return pred_uncond + scale * (pred_cond - pred_uncond)
+    guided = pred_uncond + scale * (pred_cond - pred_uncond)
+    return _rescaled(guided, pred_cond, rescale) if rescale else guided
+
+
+def _rescaled(guided: torch.Tensor, conditional: torch.Tensor, rescale: float) -> torch.Tensor:
+    """diffusers' rescale_noise_cfg (Lin et al. 2023, section 3.4), written out: importing it imports
+    StableDiffusionPipeline's module, whose transformers imports warn on every run where torchvision is missing."""
+    dims = list(range(1, guided.ndim))
+    matched = guided * (conditional.std(dim=dims, keepdim=True) / guided.std(dim=dims, keepdim=True))
+    return rescale * matched + (1 - rescale) * guided
 
 
 @torch.no_grad()
 def sample_latents(
     unet: UNet2DConditionModel,
     noise_scheduler_config: dict[str, Any],
-    captions: torch.Tensor,
+    captions: torch.Tensor | Conditioning,
     unconditional: torch.Tensor | None,
     latent_shape: tuple[int, ...],  # (C, H, W)
     *,
     sampler: Literal["ddim", "dpm"] = "ddim",
     steps: int = 25,
     guidance_scale: float = 3.0,
+    guidance_rescale: float = 0.0,
     seed: int = 0,
     batch_size: int = 64,
     within: tuple[int, int] | None = None,
+    vae_downsampling: int = 8,
 ) -> torch.Tensor:
-    """One sample per row of ``captions`` (N, L, D): (N, C, H, W) latents in the model's space.
+    """One sample per row of ``captions`` (N, L, D) (or a :class:`Conditioning`: an SDXL-shaped UNet also needs the
+    pooled embeddings; without time ids, each sample is of original size = target size = ``latent_shape`` in pixels,
+    uncropped, as SDXL's pipeline defaults): (N, C, H, W) latents in the model's space. Guidance's unconditional half
+    is ``unconditional`` (L, D), and zeros for the pooled embedding (SDXL's force_zeros_for_empty_prompt).
 
     Args:
         within: (first, total): the captions are rows first.. of a set of ``total`` sampled with ``seed``, and each
             gets the noise it gets there (a set split among tasks samples what it samples whole); None: (0, N).
+        vae_downsampling: pixels per latent side, for SDXL's size conditioning.
     """
     device = next(unet.parameters()).device
     dtype = next(unet.parameters()).dtype
+    conditioning = _conditioning(unet, captions, latent_shape, vae_downsampling)
     scheduler = make_sampler(noise_scheduler_config, sampler, steps)
     generator = torch.Generator().manual_seed(seed)
-    first, total = within or (0, len(captions))
-    if first < 0 or first + len(captions) > total:
-        raise ValueError(f"sample_latents: rows {first}..{first + len(captions)} are not within a set of {total}")
+    first, total = within or (0, len(conditioning))
+    if first < 0 or first + len(conditioning) > total:
+        raise ValueError(f"sample_latents: rows {first}..{first + len(conditioning)} are not within a set of {total}")
     # All the initial noise first, from one CPU generator: the result does not depend on batch_size or device, nor
     # (the whole set's noise drawn, then sliced) on how the set is split.
-    noise = torch.randn((total, *latent_shape), generator=generator, dtype=dtype)[first : first + len(captions)]
+    noise = torch.randn((total, *latent_shape), generator=generator, dtype=dtype)[first : first + len(conditioning)]
     noise = noise * scheduler.init_noise_sigma
     out = []
-    for start in range(0, len(captions), batch_size):
+    for start in range(0, len(conditioning), batch_size):
         scheduler = make_sampler(noise_scheduler_config, sampler, steps)  # multistep solvers keep state
         latents = noise[start : start + batch_size].to(device)
-        cond = captions[start : start + batch_size].to(device, dtype)
-        uncond = None if unconditional is None else unconditional.to(device, dtype).expand_as(cond)
+        cond = conditioning.rows(slice(start, start + batch_size)).to(device, dtype)
+        uncond = None
+        if unconditional is not None:
+            pooled = None if cond.pooled is None else torch.zeros_like(cond.pooled)
+            uncond = cond.with_text(unconditional.to(device, dtype).expand_as(cond.hidden), pooled)
         for t in scheduler.timesteps:
             model_input = scheduler.scale_model_input(latents, t)
-            prediction = guided_prediction(unet, model_input, t, cond, uncond, guidance_scale)
+            prediction = guided_prediction(unet, model_input, t, cond, uncond, guidance_scale, guidance_rescale)
             latents = scheduler.step(prediction, t, latents, return_dict=False)[0]
         out.append(latents.float().cpu())
     return torch.cat(out)
+
+
+def _conditioning(
+    unet: UNet2DConditionModel, captions: torch.Tensor | Conditioning, latent_shape: tuple[int, ...], downsampling: int
+) -> Conditioning:
+    conditioning = captions if isinstance(captions, Conditioning) else Conditioning(captions)
+    if pooled_width(unet.config) is None:
+        return Conditioning(conditioning.hidden)
+    if conditioning.pooled is None:
+        raise DataError(
+            "an SDXL-shaped UNet samples from each caption's pooled text embedding beside its hidden states: encode "
+            "the prompts with both of its text encoders, or read the captions' pooled column"
+        )
+    if conditioning.time_ids is None:
+        ids = time_ids((latent_shape[-2], latent_shape[-1]), downsampling, len(conditioning))
+        conditioning = dataclasses.replace(conditioning, time_ids=ids)
+    return conditioning

@@ -19,9 +19,9 @@ from sdtrain.artifacts.checkpoint_format import CheckpointMeta
 from sdtrain.artifacts.run_outputs import write_whole
 from sdtrain.config.schema import Config
 from sdtrain.errors import ConfigError
-from sdtrain.sampling.captions import Captions, read_captions
+from sdtrain.sampling.captions import Captions, Encode, read_captions
 from sdtrain.sampling.images import grid_image, latent_preview
-from sdtrain.sampling.sampler import sample_latents
+from sdtrain.sampling.sampler import default_guidance_rescale, sample_latents
 from sdtrain.storage.filesystems import filesystem_for
 from sdtrain.storage.run_layout import SAMPLES_DIR, sample_grid_file
 
@@ -38,7 +38,7 @@ class Grid:
 def grid_captions(
     config: Config,
     caption_dim: int,
-    encode: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    encode: Encode | None = None,
     prompts: Captions | None = None,
 ) -> Captions | None:
     """The captions of the grid's rows: sample_grid.prompts, else sample_grid.captions, else data.val's (one row per
@@ -46,7 +46,7 @@ def grid_captions(
 
     Args:
         caption_dim: the UNet's cross-attention width.
-        encode: for data of token ids, the run's text encoder (ids -> float embeddings).
+        encode: for data of token ids, the run's text encoders (ids -> hidden states and pooled embeddings).
         prompts: sample_grid.prompts as the driver encoded them (sdtrain.sampling.prompts.GridPrompts), a row each.
     """
     if config.sample_grid.prompts is not None:
@@ -58,7 +58,12 @@ def grid_captions(
         return None
     try:
         return read_captions(
-            source, caption_dim, column=config.data.caption_column, rows=config.sample_grid.rows, encode=encode
+            source,
+            caption_dim,
+            column=config.data.caption_column,
+            rows=config.sample_grid.rows,
+            encode=encode,
+            pooled_column=config.data.pooled_caption_column,
         )
     except Exception as error:
         raise ConfigError(
@@ -105,7 +110,7 @@ class SampleGrids:
         started = time.perf_counter()
         grid = self.config.sample_grid
         columns = grid.columns
-        captions = self.captions.embeddings.repeat_interleave(columns, dim=0)
+        captions = self.captions.conditioning(columns)
         was_training = unet.training
         unet.eval()
         try:
@@ -119,7 +124,9 @@ class SampleGrids:
                     sampler=grid.sampler,
                     steps=grid.steps,
                     guidance_scale=grid.guidance_scale,
+                    guidance_rescale=default_guidance_rescale(self.meta.noise_scheduler_config),
                     seed=self.config.train.seed,
+                    vae_downsampling=self.meta.vae_downsampling,
                 ).numpy()
         finally:
             unet.train(was_training)

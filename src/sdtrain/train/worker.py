@@ -250,7 +250,7 @@ def sample_grids(config: Config, module: Any, rank: int, prompts: Captions | Non
     meta = module.checkpoint_meta
     encoder = module.caption_encoder
     captions = grid_captions(
-        config, meta.caption_shape[-1], encode=(lambda ids: encoder(ids).float()) if encoder else None, prompts=prompts
+        config, meta.caption_shape[-1], encode=encoder.encode if encoder else None, prompts=prompts
     )
     if captions is None:
         if rank == 0:
