@@ -160,6 +160,7 @@ def run_through_a_reclaimed_and_a_joined_node(cluster, tmp_path: Path, nodes: in
                 "checkpoint.num_to_keep=null",
                 "checkpoint.record_rows=true",
                 "failure.max_failures=0",  # a preemption must not spend one
+                "export.enabled=false",  # latents that name no VAE: no pipeline to export
                 tmp_path=tmp_path,
                 name="elastic",
                 steps=max_steps,

@@ -11,6 +11,7 @@ import sys
 
 import lightning.pytorch as pl
 import numpy as np
+import pyarrow.parquet as pq
 import pytest
 import torch
 from conftest import REPO
@@ -398,3 +399,146 @@ def test_a_pipeline_exports_card_shows_the_latest_training_grid_or_one_rendered_
     assert (again / SAMPLE_GRID_FILE).read_bytes() == _grid_png("green") and SAMPLE_GRID_FILE in (
         again / "README.md"
     ).read_text()
+
+
+def _checkpoint_of_latents_made_elsewhere(trained, tmp_path, metadata=None, scaling=None, **export) -> str:
+    """The trained checkpoint as if its run had trained on latents a user made elsewhere: data.train is parquet of
+    random latents whose files record ``metadata`` (by default nothing: no encoders, no latent classifier), the run's
+    export section is ``export``, its latents carry the factor ``scaling``."""
+    from conftest import write_latents
+
+    from sdtrain.artifacts.loading import read_checkpoint
+
+    data = tmp_path / "latents" / "part.parquet"
+    write_latents(data)
+    if metadata:
+        pq.write_table(pq.read_table(data).replace_schema_metadata(metadata), data)
+    checkpoint = read_checkpoint(trained["checkpoint"])
+    config = {**checkpoint["sdtrain"]["config"], "data": {"train": [str(data.parent)]}, "export": export}
+    checkpoint["sdtrain"].update(latent_classifier=None, latent_scaling_factor=scaling, config=config)
+    path = tmp_path / "run" / "checkpoint_000000004"
+    path.mkdir(parents=True)
+    torch.save(checkpoint, path / "checkpoint.ckpt")
+    return str(path)
+
+
+def _answers_a_prompt(export) -> StableDiffusionPipeline:
+    """The export loaded by diffusers as a pipeline, drawing a 32 x 32 image for a prompt in words."""
+    from diffusers import DiffusionPipeline
+
+    pipeline = DiffusionPipeline.from_pretrained(str(export))
+    assert isinstance(pipeline, StableDiffusionPipeline)
+    images = pipeline(
+        "a red fox", num_inference_steps=2, height=32, width=32, generator=torch.Generator().manual_seed(0)
+    ).images
+    assert len(images) == 1 and images[0].size == (32, 32) and np.asarray(images[0]).std() > 0
+    return pipeline
+
+
+def test_export_base_model_makes_latents_made_elsewhere_a_pipeline_that_answers_a_prompt(trained, tmp_path):
+    """Latents a user made elsewhere exported unet/ + scheduler/, which DiffusionPipeline.from_pretrained cannot load.
+    The run's export.base_model names the model whose VAE, text encoder and tokenizer made them: the export is that
+    pipeline with a model card; the key wins over what the data records (here a path of the machine that
+    preprocessed), and the VAE divides by the factor the model's latents carry."""
+    from support.tiny_models import write_tiny_sd_model
+
+    from sdtrain.data.metadata import TEXT_ENCODER_SOURCE, VAE_SOURCE
+
+    model = write_tiny_sd_model(str(tmp_path / "tiny-sd"))
+    elsewhere = {VAE_SOURCE: "/preprocessing-node/sd", TEXT_ENCODER_SOURCE: "/preprocessing-node/sd"}
+    checkpoint = _checkpoint_of_latents_made_elsewhere(trained, tmp_path, elsewhere, scaling=0.5, base_model=model)
+    out = export_checkpoint(checkpoint, str(tmp_path / "export"))
+    index = json.loads((tmp_path / "export" / "model_index.json").read_text())
+    assert index["_class_name"] == "StableDiffusionPipeline"
+    assert {"vae", "text_encoder", "tokenizer", "unet", "scheduler"} <= index.keys()
+    pipeline = _answers_a_prompt(out)
+    assert torch.equal(pipeline.unet.conv_in.weight, load_model(checkpoint).unet.conv_in.weight)  # the EMA weights
+    assert pipeline.vae.config.scaling_factor == 0.5  # the tiny VAE's own is 0.18215
+    card = (tmp_path / "export" / "README.md").read_text()
+    assert f"in a pipeline with the VAE of `{model}` and the text encoder of `{model}`" in card
+    info = json.loads((tmp_path / "export" / "sdtrain.json").read_text())
+    assert info["vae_source"] == info["text_encoder_source"] == model
+
+
+def test_generate_export_of_a_checkpoint_that_names_no_encoders_takes_base_model(trained, tmp_path, capsys):
+    """generate.py --export-to of a checkpoint whose run named no VAE and text encoder wrote a UNet-only export. It is
+    refused, naming --base-model; with --base-model it is the pipeline; a base model whose text encoder is not the
+    UNet's width is refused naming both widths."""
+    from support.tiny_models import write_tiny_sd_model
+
+    from sdtrain.driver.cli import generate_main
+
+    checkpoint = _checkpoint_of_latents_made_elsewhere(trained, tmp_path)
+    out = str(tmp_path / "export")
+    assert generate_main([checkpoint, "--export-to", out]) == 2
+    error = capsys.readouterr().err
+    assert "does not record the VAE and text encoder" in error and "--base-model" in error
+    assert not os.path.exists(out)
+
+    model = write_tiny_sd_model(str(tmp_path / "tiny-sd"))
+    assert generate_main([checkpoint, "--export-to", out, "--base-model", model]) == 0
+    _answers_a_prompt(out)
+
+    wide = write_tiny_sd_model(str(tmp_path / "wide-sd"), caption_dim=64)
+    assert generate_main([checkpoint, "--export-to", str(tmp_path / "wide"), "--base-model", wide]) == 2
+    assert f"the text encoder of {wide} is 64 wide, but the UNet's cross_attention_dim is 32" in capsys.readouterr().err
+
+
+def test_check_run_refuses_an_export_that_could_not_be_a_pipeline_before_ray(tmp_path, monkeypatch):
+    """With export.enabled, a run on data that names no VAE and text encoder trained to the end and exported a UNet
+    no pipeline loads. Refused before Ray, naming export.base_model; so is a base model that is not there, whose text
+    encoder is not the UNet's width or whose VAE makes latents of other channels, naming both values. A base model
+    that fits passes (a relative path made absolute for the checkpoint's config), and so does data whose latents are
+    read without a VAE (the demo's: a UNet-only export)."""
+    from conftest import tiny_config, write_latents
+    from support.tiny_models import write_tiny_sd_model
+
+    from sdtrain.data.metadata import LATENT_CLASSIFIER
+    from sdtrain.driver.run import check_run
+    from sdtrain.errors import ConfigError
+
+    write_latents(tmp_path / "data" / "part.parquet")
+    monkeypatch.chdir(tmp_path)
+
+    def check(*keys):
+        return check_run(tiny_config(f"data.train={tmp_path}/data", *keys, tmp_path=tmp_path, name="r", batch=4))
+
+    with pytest.raises(
+        ConfigError, match=r"^export.base_model: export.enabled is on.*part.parquet has no parquet"
+    ) as e:
+        check()
+    assert "Set export.base_model to that Stable Diffusion model" in str(e.value)
+    assert "or export.enabled: false to export nothing" in str(e.value)
+    check("export.enabled=false")
+    with pytest.raises(ConfigError, match=r"^export.base_model: directory /models/nowhere does not exist"):
+        check("export.base_model=/models/nowhere")
+    wide = write_tiny_sd_model(str(tmp_path / "wide-sd"), caption_dim=64)
+    with pytest.raises(
+        ConfigError, match=r"text encoder of .*wide-sd is 64 wide, but the UNet's cross_attention_dim is 32"
+    ):
+        check(f"export.base_model={wide}")
+    eight = write_tiny_sd_model(str(tmp_path / "eight-channels"))
+    _tiny_vae_of_channels(tmp_path / "eight-channels" / "vae", 8)
+    with pytest.raises(
+        ConfigError, match=r"VAE of .*eight-channels makes latents of 8 channels, but the data's latents have 4"
+    ):
+        check(f"export.base_model={eight}")
+    write_tiny_sd_model(str(tmp_path / "tiny-sd"))
+    assert check("export.base_model=tiny-sd").config.export.base_model == str(tmp_path / "tiny-sd")
+
+    demo = tmp_path / "demo" / "part.parquet"
+    demo.parent.mkdir()
+    table = pq.read_table(tmp_path / "data" / "part.parquet")
+    pq.write_table(table.replace_schema_metadata({LATENT_CLASSIFIER: "sdtrain.demo.digits"}), demo)
+    check_run(tiny_config(f"data.train={demo.parent}", tmp_path=tmp_path, name="demo", batch=4))
+
+
+def _tiny_vae_of_channels(path, channels: int) -> None:
+    AutoencoderKL(
+        block_out_channels=(16, 32),
+        down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2,
+        latent_channels=channels,
+        norm_num_groups=8,
+        layers_per_block=1,
+    ).save_pretrained(path)

@@ -13,6 +13,7 @@ import pytest
 import torch
 from conftest import BIN, REPO, S3_ENV, write_latents
 from support.ray_head import start_head, stop_head
+from support.tiny_models import write_tiny_sd_model
 
 pytestmark = pytest.mark.slow  # a Ray head, ray job submit and an S3 server, in their own processes
 
@@ -124,6 +125,10 @@ def test_a_job_trains_from_a_bucket_into_a_bucket_is_stopped_and_resubmitted_and
     ):
         write_latents(tmp_path / name, rows=rows, seed=seed, row_group_size=32)
         s3.upload_file(str(tmp_path / name), "sdtrain-test", f"data/{name}")
+    # The model whose VAE and text encoder the export takes (export.base_model), in the bucket too.
+    sd = write_tiny_sd_model(str(tmp_path / "tiny-sd"))
+    for path in sorted(p for p in (tmp_path / "tiny-sd").rglob("*") if p.is_file()):
+        s3.upload_file(str(path), "sdtrain-test", f"models/tiny-sd/{path.relative_to(sd)}")
     run_uri = f"{s3_bucket}/runs/s3job"
     job_args = [
         "python",
@@ -141,6 +146,7 @@ def test_a_job_trains_from_a_bucket_into_a_bucket_is_stopped_and_resubmitted_and
         "checkpoint.num_to_keep=null",
         "train.ema_start_step=0",
         "sample_grid.steps=4",  # a grid with each checkpoint: drawn, at a fifth of the default's cost
+        f"export.base_model={s3_bucket}/models/tiny-sd",
     ]
     client = JobSubmissionClient(address)
     first = f"sdtrain-s3-{os.getpid()}-1"
@@ -187,6 +193,9 @@ def test_a_job_trains_from_a_bucket_into_a_bucket_is_stopped_and_resubmitted_and
         "runs/s3job/export/unet/config.json",
         "runs/s3job/export/unet/diffusion_pytorch_model.safetensors",
         "runs/s3job/export/scheduler/scheduler_config.json",
+        "runs/s3job/export/model_index.json",  # a pipeline, with the base model's VAE and text encoder
+        "runs/s3job/export/vae/config.json",
+        "runs/s3job/export/text_encoder/config.json",
     } <= exported
 
     # The export is the final checkpoint's EMA UNet, read back from the bucket.

@@ -107,12 +107,15 @@ def test_the_driver_refuses_before_any_worker_starts_on_a_cluster_of_a10gs(tmp_p
         "scaling.num_workers=2",
         "train.micro_batch_size=64",
         f"run.storage_path={tmp_path}/runs",
+        "export.enabled=false",  # latents that name no VAE: no pipeline to export
         data=str(tmp_path / "train"),
     )
     # FSDP with precision auto: the driver decides the precision it predicts with from the cluster's GPU (an A10G has
     # bf16), not from its own machine, which has no GPU (job.yaml's head node; this one): it called
     # torch.cuda.get_device_name() there, which raised, and would have predicted 16-mixed on a CUDA build.
-    fsdp = _small(*config_overrides(config), "train.strategy=fsdp", data=str(tmp_path / "train"))
+    fsdp = _small(
+        *config_overrides(config), "train.strategy=fsdp", "export.enabled=false", data=str(tmp_path / "train")
+    )
     if ray.is_initialized():
         ray.shutdown()  # the session's cluster starts again for the tests after this one
     cluster = Cluster(

@@ -303,6 +303,7 @@ def test_a_killed_and_resumed_run_shows_each_step_once_everywhere(
     import mlflow
     import psutil
     from conftest import write_latents
+    from support.tiny_models import write_tiny_sd_model
 
     from sdtrain.driver.run import train
 
@@ -310,6 +311,7 @@ def test_a_killed_and_resumed_run_shows_each_step_once_everywhere(
     monkeypatch.setenv("WANDB_SILENT", "true")
     write_latents(tmp_path / "train/a.parquet", rows=64, encoding="list", seed=4)
     write_latents(tmp_path / "val/v.parquet", rows=8, encoding="list", dtype="float32", seed=5)
+    sd = write_tiny_sd_model(str(tmp_path / "tiny-sd"))
     run_dir = tmp_path / "runs" / "watched"
     max_steps, every = 20, 4
     killed, seen_live = [], []
@@ -361,6 +363,7 @@ def test_a_killed_and_resumed_run_shows_each_step_once_everywhere(
                 "tracking.mlflow_register_as=watched-unet",
                 "sample_grid.steps=4",
                 "failure.max_failures=2",
+                f"export.base_model={sd}",  # the registered version is a pipeline with its VAE and text encoder
             ],
         )
         killer = threading.Thread(target=kill_the_worker_after_the_first_checkpoint)
@@ -398,7 +401,7 @@ def test_a_killed_and_resumed_run_shows_each_step_once_everywhere(
         assert len(client.search_runs([run.info.experiment_id])) == 1
         assert run.data.params["train/max_steps"] == str(max_steps)
         exported = {a.path for a in client.list_artifacts(run.info.run_id, "export")}
-        assert "export/sdtrain.json" in exported, exported
+        assert {"export/sdtrain.json", "export/model_index.json", "export/vae"} <= exported, exported
         versions = client.search_model_versions("name='watched-unet'")
         assert [(v.version, v.run_id) for v in versions] == [("1", run.info.run_id)]
 

@@ -49,6 +49,7 @@ def _config(tmp_path, max_steps, extra=()):
         "sample_grid.columns=2",  # a grid with each checkpoint: drawn, at a tenth of the default's cost
         "sample_grid.steps=4",
         "run.gpu_hour_cost=3.0",  # a CPU worker's hour, priced: the cost is shown, MFU is not
+        f"export.base_model={tmp_path}/tiny-sd",  # the test writes it: the VAE and text encoder of the export
         tmp_path=tmp_path,
         name="two-workers",
         steps=max_steps,
@@ -168,6 +169,12 @@ def test_two_worker_run_checkpoints_reloads_and_resumes(ray_cluster, tmp_path, m
     shutil.rmtree(run_dir / "export")
     train(_config(tmp_path, max_steps=9))
     assert json.loads(export_info.read_text())["source_checkpoint"] == summary.checkpoint_path
+    # Latents made elsewhere, their VAE and text encoder named by export.base_model: the export is a pipeline.
+    from diffusers import DiffusionPipeline
+
+    pipeline = DiffusionPipeline.from_pretrained(str(run_dir / "export"))
+    assert type(pipeline).__name__ == "StableDiffusionPipeline" and (run_dir / "export" / "README.md").is_file()
+    assert pipeline("a red fox", num_inference_steps=2, height=32, width=32).images[0].size == (32, 32)
     assert _ray_train_runs("two-workers") == trainers_before + 2  # the finished run started no trainer, no worker
 
     # A file that grew since the checkpoint: its data position would be replayed against other rows
@@ -213,6 +220,7 @@ def test_diverging_run_stops_with_a_clear_error(ray_cluster, tmp_path, run_attem
         "train.max_nonfinite_steps=3",
         "run.log_every_n_steps=4",
         "failure.max_failures=2",
+        "export.enabled=false",  # latents that name no VAE: no pipeline to export,
         tmp_path=tmp_path,
         name="nan",
         steps=20,
@@ -236,6 +244,7 @@ def _two_workers(tmp_path, name: str, max_steps: int, *extra: str):
         f"data.train={tmp_path}/train",
         "checkpoint.every_n_steps=4",
         "run.log_every_n_steps=2",
+        "export.enabled=false",  # latents that name no VAE: no pipeline to export,
         *extra,
         tmp_path=tmp_path,
         name=name,
@@ -341,6 +350,7 @@ def _ids_config(tmp_path, name, max_steps, workers, *extra):
         "run.log_every_n_steps=3",
         "checkpoint.num_to_keep=null",
         "checkpoint.record_rows=true",
+        "export.enabled=false",  # latents that name no VAE: no pipeline to export,
         *extra,
         tmp_path=tmp_path,
         name=name,
@@ -406,6 +416,7 @@ def test_an_unreadable_file_fails_the_run_at_once_naming_it(ray_cluster, tmp_pat
     config = tiny_config(
         f"data.train={tmp_path}/train",
         "failure.max_failures=3",
+        "export.enabled=false",  # latents that name no VAE: no pipeline to export,
         tmp_path=tmp_path,
         name="corrupt",
         steps=8,
@@ -462,6 +473,7 @@ def test_bf16_with_clipping_and_ema_skips_a_nan_step_on_both_ddp_ranks(ray_clust
         "checkpoint.every_n_steps=4",
         "run.log_every_n_steps=1",
         "checkpoint.num_to_keep=null",
+        "export.enabled=false",  # latents that name no VAE: no pipeline to export,
         tmp_path=tmp_path,
         name="bf16",
         steps=8,
@@ -514,6 +526,7 @@ def test_fsdp_on_two_cpu_workers_validates_with_its_ema_and_resumes_on_one(ray_c
             "eval.num_samples=4",
             "eval.num_cpus=0",
             "sample_grid.steps=2",
+            f"export.base_model={text_encoder}",  # the data names the text encoder alone: the export needs the VAE
             tmp_path=tmp_path,
             name="fsdp",
             steps=max_steps,

@@ -14,13 +14,16 @@
 ``StableDiffusionPipeline`` as its ``unet`` (with a matching VAE and text encoder). Weights are
 safetensors: loading them never unpickles anything.
 
-When the run's data names the VAE and text encoder that made it (parquet metadata written by
-``entrypoints/preprocess.py``), the export is a whole pipeline instead: ``model_index.json``,
-``vae/``, ``text_encoder/``, ``tokenizer/``, ``unet/``, and in ``scheduler/`` a DPM-Solver++ sampler on
-the training schedule, so ``DiffusionPipeline.from_pretrained(destination)("a red fox")`` works; plus
-a model card (README.md) showing ``sample_grid.png``: the latest sample grid training drew at or before
-the exported step (run_dir/samples/step_<N>.png), else one this pipeline renders at export from the first
-captions of the run's data.
+When the VAE and text encoder the latents and captions came from are known, the export is a whole pipeline
+instead (:mod:`sdtrain.artifacts.pipelines` says which class and components): ``model_index.json``, ``vae/``,
+``text_encoder/``, ``tokenizer/``, ``unet/``, and in ``scheduler/`` a DPM-Solver++ sampler on the training schedule, so
+``DiffusionPipeline.from_pretrained(destination)("a red fox")`` works; plus a model card (README.md) showing
+``sample_grid.png``: the latest sample grid training drew at or before the exported step
+(run_dir/samples/step_<N>.png), else one this pipeline renders at export from the first captions of the run's data.
+They are known from (the first that names them, :func:`model_sources`): ``base_model`` (generate.py --base-model), the
+run's ``export.base_model``, the parquet metadata of its data (written by ``entrypoints/preprocess.py``). Only a model
+whose data's latents are read without a VAE (they name a latent classifier) exports the UNet alone; any other model
+whose encoders are unknown is refused. An SDXL UNet's pipeline is a StableDiffusionXLPipeline (both text encoders).
 """
 
 from __future__ import annotations
@@ -38,6 +41,14 @@ import pyarrow.parquet as pq
 
 from sdtrain import __version__
 from sdtrain.artifacts.loading import LoadedModel, Weights, is_export, load_model
+from sdtrain.artifacts.pipelines import (
+    BASE_MODEL_KEY,
+    PipelineKind,
+    assemble_pipeline,
+    check_pipeline_sources,
+    pipeline_kind,
+    pipeline_sources,
+)
 from sdtrain.data.metadata import EncoderSources, encoder_sources
 from sdtrain.data.parquet_files import resolve_parquet_files
 from sdtrain.errors import SdtrainError
@@ -62,9 +73,17 @@ def export_checkpoint(checkpoint: str, destination: str, weights: Weights = "aut
     return write_export(load_model(checkpoint, weights), destination)
 
 
-def write_export(loaded: LoadedModel, destination: str) -> str:
-    """Write ``loaded`` into ``destination``, replacing what was there; returns ``destination``."""
-    sources = model_sources(loaded)
+def write_export(loaded: LoadedModel, destination: str, base_model: str | None = None) -> str:
+    """Write ``loaded`` into ``destination``, replacing what was there; returns ``destination``.
+
+    Args:
+        loaded: a model from :func:`sdtrain.artifacts.loading.load_model`.
+        destination: a directory, local or a storage URI.
+        base_model: the Stable Diffusion model whose VAE, text encoder and tokenizer go into the pipeline, over
+            what the model records (:func:`model_sources`).
+    """
+    pipeline = _export_sources(loaded, base_model)
+    sources = pipeline[1] if pipeline is not None else None
     info = {
         "sdtrain_version": __version__,
         "source_checkpoint": loaded.source,
@@ -75,14 +94,15 @@ def write_export(loaded: LoadedModel, destination: str) -> str:
         "bucket_shapes": [list(b) for b in loaded.bucket_shapes] if loaded.bucket_shapes else None,
         "caption_shape": list(loaded.caption_shape) if loaded.caption_shape else None,
         "latent_scaling_factor": loaded.latent_scaling_factor,
+        "vae_downsampling": loaded.vae_downsampling,
         "latent_classifier": loaded.latent_classifier,
         "vae_source": sources.vae if sources else None,
         "text_encoder_source": sources.text_encoder if sources else None,
     }
     fs, path = filesystem_for(destination)
     with tempfile.TemporaryDirectory() as local:
-        if sources is not None:
-            _write_pipeline(loaded, sources, local)
+        if pipeline is not None:
+            _write_pipeline(loaded, *pipeline, local)
         else:
             loaded.unet.save_pretrained(os.path.join(local, "unet"), safe_serialization=True)
             loaded.noise_scheduler.save_pretrained(os.path.join(local, "scheduler"))
@@ -97,13 +117,45 @@ def write_export(loaded: LoadedModel, destination: str) -> str:
     return destination
 
 
-def model_sources(loaded: LoadedModel) -> EncoderSources | None:
-    """The VAE and text encoder that made the model's training data: recorded in the export (its own vae/ and
-    text_encoder/, or sdtrain.json), or in the parquet metadata of the run's data.train files; None if unknown.
+def _export_sources(loaded: LoadedModel, base_model: str | None) -> tuple[PipelineKind, EncoderSources] | None:
+    """The pipeline the export is and its sources, checked against the model (their config files only); None for an
+    export of the UNet alone (a model whose latents are read without a VAE and no base model);
+    refused for any other model whose encoders are unknown."""
+    kind = pipeline_kind(loaded.unet.config)
+    sources = model_sources(loaded, base_model)
+    if sources is None and loaded.latent_classifier is not None:
+        return None
+    if sources is None:
+        raise SdtrainError(
+            f"export: {loaded.source} does not record the VAE and text encoder its latents and captions were made with "
+            f"(its run set no {BASE_MODEL_KEY}, and its data names none in its parquet metadata or is not reachable "
+            "from here), and an export is a diffusers pipeline that needs them: give the Stable Diffusion model they "
+            "came from (generate.py --base-model: a local directory, s3:// URI or hub id)"
+        )
+    channels = loaded.latent_shape[0] if loaded.latent_shape else loaded.unet.config.in_channels
+    origin = f"export of {loaded.source}"
+    check_pipeline_sources(kind, sources, origin, channels, loaded.unet.config)
+    return kind, sources
+
+
+def model_sources(loaded: LoadedModel, base_model: str | None = None) -> EncoderSources | None:
+    """The VAE and text encoder that made the model's training data: ``base_model`` when given, else the run's
+    export.base_model (which wins over the data's record: sdtrain.artifacts.pipelines says why), else those recorded
+    in the export (its own vae/ and text_encoder/, or sdtrain.json) or in the parquet metadata of the run's
+    data.train files; None if unknown.
 
     Args:
         loaded: a model from :func:`sdtrain.artifacts.loading.load_model`.
+        base_model: a Stable Diffusion model (local directory, storage URI or hub id), or None.
     """
+    configured = (loaded.meta.config.get("export") or {}).get("base_model") if loaded.meta is not None else None
+    chosen = base_model or configured
+    return pipeline_sources(chosen, None if chosen else _recorded_sources(loaded))
+
+
+def _recorded_sources(loaded: LoadedModel) -> EncoderSources | None:
+    """The VAE and text encoder the export (its own vae/ and text_encoder/, or sdtrain.json) or the parquet metadata
+    of the run's data.train files record."""
     if loaded.meta is None:
         fs, root = filesystem_for(loaded.source)
         if all(_is_file(fs, posixpath.join(root, d, "config.json")) for d in ("vae", "text_encoder")):
@@ -119,29 +171,17 @@ def model_sources(loaded: LoadedModel) -> EncoderSources | None:
     try:
         files = resolve_parquet_files(list(train), "data.train")
         return encoder_sources(files)
-    except (SdtrainError, OSError):  # the data moved or is not reachable from here: the export stays UNet-only
+    except (SdtrainError, OSError):  # the data moved or is not reachable from here: unknown
         return None
 
 
-def _write_pipeline(loaded: LoadedModel, sources: EncoderSources, local: str) -> None:
-    from diffusers import DPMSolverMultistepScheduler, StableDiffusionPipeline
+def _write_pipeline(loaded: LoadedModel, kind: PipelineKind, sources: EncoderSources, local: str) -> None:
+    from diffusers import DPMSolverMultistepScheduler
 
-    from sdtrain.model.encoders import load_text_encoder, load_vae
-
-    tokenizer, text_encoder = load_text_encoder(sources.text_encoder)
     # A sampler on the training schedule (same betas and prediction type) with clip_sample off: what a user
     # of the pipeline wants to sample with, where the training DDPMScheduler would need 1000 steps.
     scheduler = DPMSolverMultistepScheduler.from_config({**loaded.noise_scheduler.config, "clip_sample": False})
-    pipeline = StableDiffusionPipeline(
-        vae=load_vae(sources.vae),
-        text_encoder=text_encoder,
-        tokenizer=tokenizer,
-        unet=loaded.unet,
-        scheduler=scheduler,
-        safety_checker=None,
-        feature_extractor=None,
-        requires_safety_checker=False,
-    )
+    pipeline = assemble_pipeline(kind, sources, loaded.unet, scheduler, loaded.latent_scaling_factor)
     pipeline.save_pretrained(local, safe_serialization=True)
     grid = training_grid(loaded) or _render_grid(loaded, pipeline)
     if grid is not None:

@@ -297,8 +297,22 @@ class ExportConfig(Section):
     section: ClassVar[str] = "export"
 
     enabled: bool = True
-    """At the end of the run, export the final (EMA) UNet and noise scheduler in diffusers format to
-    run.storage_path/run.name/export/."""
+    """At the end of the run, export the final (EMA) model as a diffusers pipeline (StableDiffusionPipeline: the UNet,
+    a sampler on its noise schedule, the VAE, text encoder and tokenizer, a model card) to
+    run.storage_path/run.name/export/. The VAE and text encoder are those export.base_model names, else those
+    data.train's files record (preprocessing's); a run whose data and config name neither is refused before Ray.
+    Data whose latents are read without a VAE (its files name a latent classifier) exports the UNet and noise
+    scheduler alone. An SDXL-shaped UNet's pipeline is a StableDiffusionXLPipeline (both text encoders)."""
+    base_model: str | None = None
+    """The Stable Diffusion model whose VAE, text encoder and tokenizer made the training latents and captions (a
+    local diffusers directory, an s3:// URI or a hub id on a networked cluster): the export's pipeline takes them.
+    Set, it wins over what the data's files record (the same model may sit elsewhere where training runs); checked
+    before Ray: its text encoder's width must be the UNet's cross_attention_dim and its VAE's latent channels the
+    data's. null = what the data records."""
+
+    def __post_init__(self):
+        if self.base_model is not None and not self.base_model.strip():
+            self._fail("base_model", "must be a model directory, s3:// URI or hub id, or null")
 
 
 @dataclass

@@ -202,6 +202,7 @@ class Config(ConfigTree):
         named += [("model.pretrained", self.model.pretrained), ("run.storage_path", self.run.storage_path)]
         named += [("eval.dinov2", self.eval.dinov2), ("eval.inception", self.eval.inception)]
         named += [("eval.clip", self.eval.clip), ("eval.vae", self.eval.vae)]
+        named.append(("export.base_model", self.export.base_model))
         named += [("retrain.data_root", self.retrain.data_root), ("retrain.models_root", self.retrain.models_root)]
         named.append(("sample_grid.captions", self.sample_grid.captions))
         if isinstance(self.sample_grid.prompts, str):  # a file of them

@@ -22,6 +22,7 @@ from ray.train.torch import TorchTrainer
 
 from sdtrain.artifacts.checkpoint_format import CheckpointMeta
 from sdtrain.artifacts.export import export_checkpoint, export_source
+from sdtrain.artifacts.pipelines import check_export_sources, local_base_model
 from sdtrain.artifacts.run_outputs import LossLabels, read_history, write_run_outputs
 from sdtrain.artifacts.run_totals import RunTotals, run_totals
 from sdtrain.config.running import HIGHER_IS_BETTER
@@ -139,6 +140,9 @@ def check_run(config: Config) -> CheckedRun:
     val_spec = val_data.spec if val_data is not None else None
     run = CheckedRun(config, run_dir, train_spec, val_spec, plan, stored_scale, committed_run(*ray_storage(run_dir)))
     run.latent_classifier = latent_classifier(train_data.schema_metadata)
+    if config.export.enabled:  # the export's VAE and text encoder, before the run trains for it
+        latents = (train_data.schema_metadata, train_data.schema_file, train_spec.latent_shape[0])
+        check_export_sources(config.export.base_model, *latents, unet_config(config.model), run.latent_classifier)
     captions = train_spec.embedding_shape(unet_config(config.model)["cross_attention_dim"])
     run.grid_prompts = grid_prompts(config, train_data.schema_metadata, train_spec.token_ids, captions)
     if config.eval.enabled:
@@ -354,7 +358,8 @@ def _with_absolute_paths(config: Config) -> Config:
         config.data, train=[absolute(p) for p in config.data.train], val=[absolute(p) for p in config.data.val]
     )
     run = dataclasses.replace(config.run, storage_path=absolute(config.run.storage_path))
-    return dataclasses.replace(config, data=data, run=run)
+    export = dataclasses.replace(config.export, base_model=local_base_model(config.export.base_model))
+    return dataclasses.replace(config, data=data, run=run, export=export)
 
 
 def _resolve_use_gpu(scaling: ScalingConfig) -> bool:
