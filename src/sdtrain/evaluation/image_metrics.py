@@ -242,8 +242,10 @@ class InceptionFeatures:
 
 
 class ClipScore:
-    """CLIP score (Hessel et al. 2021, as torchmetrics computes it): 100 * max(cos(image embedding, text embedding), 0)
-    per image, from a transformers.CLIPModel and its tokenizer in the same directory.
+    """CLIP score (Hessel et al. 2021): 100 * max(cos(image embedding, text embedding), 0) per image, from a
+    transformers.CLIPModel and its tokenizer in the same directory. Each image's score is torchmetrics' CLIPScore of
+    that pair (tests/test_offline_evaluation.py holds them equal); over several pairs torchmetrics clamps the mean of
+    the cosines, where the paper (and this) averages the clamped scores.
 
     Args:
         source: a local model directory (config.json, the weights and the tokenizer's files), a storage URI (s3://...)
@@ -268,8 +270,9 @@ class ClipScore:
         """(N,) float64 scores in [0, 100], one per image and its caption.
 
         Args:
-            images: (N, H, W, 3) uint8 RGB, of any size: each is resized to the vision model's image_size (bicubic,
-                antialiased) and normalized with CLIP's mean and std.
+            images: (N, H, W, 3) uint8 RGB, of any size: as CLIP's image processor does, the shorter side of each
+                is resized to the vision model's image_size (bicubic, antialiased), the center cropped to a square,
+                and normalized with CLIP's mean and std.
             captions: N strings, truncated to the text model's max_position_embeddings tokens.
             batch_size: images per forward pass.
         """
@@ -279,7 +282,7 @@ class ClipScore:
             raise ValueError(f"ClipScore: got {len(images)} images but {len(captions)} captions; expected one each")
         scores = np.empty(len(images), dtype=np.float64)
         for start in range(0, len(images), batch_size):
-            pixels = _pixel_values(images[start : start + batch_size], self.image_size, CLIP_MEAN, CLIP_STD)
+            pixels = _pixel_values(images[start : start + batch_size], self.image_size, CLIP_MEAN, CLIP_STD, crop=True)
             tokens = self.tokenizer(
                 list(captions[start : start + batch_size]),
                 padding="max_length",
@@ -319,12 +322,24 @@ def _check_batch_size(batch_size: int, where: str) -> None:
 
 
 def _pixel_values(
-    images: np.ndarray, size: int, mean: tuple[float, float, float], std: tuple[float, float, float]
+    images: np.ndarray,
+    size: int,
+    mean: tuple[float, float, float],
+    std: tuple[float, float, float],
+    crop: bool = False,
 ) -> torch.Tensor:
-    """(N, H, W, 3) uint8 -> (N, 3, size, size) float32, resized and normalized."""
+    """(N, H, W, 3) uint8 -> (N, 3, size, size) float32, resized and normalized: squeezed to a square, or with
+    ``crop`` the shorter side resized to ``size`` and the center cropped, as CLIP's own image processor (and so
+    torchmetrics' CLIPScore) does it. Square images are the same either way."""
     x = torch.from_numpy(np.ascontiguousarray(images)).permute(0, 3, 1, 2).float() / 255
+    height, width = x.shape[-2:]
+    resized = (size, size)
+    if crop and height != width:  # transformers' get_resize_output_image_size (default_to_square=False)
+        resized = (size, int(size * width / height)) if height < width else (int(size * height / width), size)
     # antialias: a bicubic downscale without it aliases, and generated images are usually larger than the model's input
-    x = F.interpolate(x, size=(size, size), mode="bicubic", antialias=True, align_corners=False).clamp(0, 1)
+    x = F.interpolate(x, size=resized, mode="bicubic", antialias=True, align_corners=False).clamp(0, 1)
+    top, left = (resized[0] - size) // 2, (resized[1] - size) // 2  # transformers' center_crop
+    x = x[..., top : top + size, left : left + size]
     return (x - torch.tensor(mean).view(1, 3, 1, 1)) / torch.tensor(std).view(1, 3, 1, 1)
 
 
