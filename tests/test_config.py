@@ -60,7 +60,10 @@ def test_round_trip_through_dict():
         (BASE + ["train.weight_decay=-0.1"], r"train\.weight_decay: must be >= 0"),
         (BASE + ["train.grad_clip_norm=-1"], r"train\.grad_clip_norm: must be >= 0"),
         (BASE + ["train.precision=fp8"], r"train\.precision: must be one of auto, bf16-mixed, 16-mixed, 32-true"),
-        (BASE + ["model.preset=huge"], r"model\.preset: must be one of tiny, small, sd2-base, tiny-sdxl, sdxl-base; got 'huge'"),
+        (
+            BASE + ["model.preset=huge"],
+            r"model\.preset: must be one of tiny, small, sd2-base, tiny-sdxl, sdxl-base; got 'huge'",
+        ),
         (
             BASE + ["model.unet.layers_per_blok=2"],
             r"model\.unet\.layers_per_blok: is not a UNet2DConditionModel argument \(did you mean layers_per_block\?\)",
