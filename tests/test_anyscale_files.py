@@ -14,7 +14,7 @@ from sdtrain.model.hardware import NODE_TYPES
 
 
 def _job(name):
-    if name in ("job.yaml", "check_job.yaml"):
+    if name in ("job.yaml", "sdxl_job.yaml", "check_job.yaml"):
         return JobConfig.from_yaml(str(REPO / name))
     return ScheduleConfig.from_yaml(str(REPO / name)).job_config
 
@@ -23,6 +23,7 @@ def _job(name):
     "name, entrypoint",
     [
         ("job.yaml", "entrypoints/train.py"),
+        ("sdxl_job.yaml", "entrypoints/train.py"),
         ("schedule.yaml", "entrypoints/retrain.py"),
         ("check_job.yaml", "entrypoints/check.py"),
     ],

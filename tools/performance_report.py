@@ -25,9 +25,10 @@ from tools import performance_model as model
 from tools.communication_model import LINK_EFFICIENCY, StepPrediction
 from tools.memory_table import linear_memory, memory_section
 from tools.performance_model import MEMORY_EFFICIENCY
+from tools.sdxl_report import sdxl_section
 
 REGENERATE = "python -m tools.performance_report > docs/performance.md"
-JOB_FILES = ("job.yaml", "schedule.yaml")
+JOB_FILES = ("job.yaml", "schedule.yaml", "sdxl_job.yaml")
 SD2_CONFIG = "configs/sd2-base.yaml"
 RESOLUTIONS = (256, 512)
 PRESETS = ("small", "sd2-base")
@@ -328,13 +329,22 @@ def _job_row(job: ShippedJob, nodes: int) -> str:
         f"{step.gradient_bytes / 1e9:.2f} GB | {step.buckets} | {step.compute_s * 1e3:,.0f} ms | "
         f"{step.communication_s * 1e3:.0f} ms | {step.window_s * 1e3:.0f} ms | "
         f"{step.exposed_communication_s * 1e3:.0f} ms | {step.communication_share:.1%} | "
-        f"{step.images_per_s_per_gpu:.0f} | {_job_memory(job, layout.micro_batch)} |"
+        f"{step.images_per_s_per_gpu:.0f} | {_job_memory(job, layout.micro_batch, nodes * job.node.gpus)} |"
     )
 
 
-def _job_memory(job: ShippedJob, micro_batch: int) -> str:
-    """The predicted peak of a job's rank against its GPU's memory (traced without EMA: say so where it has one)."""
+def _job_memory(job: ShippedJob, micro_batch: int, world: int) -> str:
+    """The predicted peak of a job's rank against its GPU's memory: DDP's from the memory table's line (traced
+    without EMA: say so where it has one); FSDP's traced for its world, EMA included."""
     config = job.config
+    if config.train.strategy == "fsdp":
+        from sdtrain.driver.memory_fit import predict_run_memory
+        from sdtrain.model.unet import unet_config
+
+        side = resolution_of(config) // 8
+        captions = (77, int(unet_config(config.model)["cross_attention_dim"]))
+        traced = predict_run_memory(config, (4, side, side), captions, world, "bf16-mixed", micro_batch)
+        return f"{traced.total_peak / 2**30:.1f} of {job.node.gpu_memory_gib:.0f} GiB"
     memory = linear_memory(config.model.preset, resolution_of(config), config.train.gradient_checkpointing)
     ema = "+ EMA " if config.train.ema_decay is not None else ""
     return f"{memory.gib(micro_batch):.1f} {ema}of {job.node.gpu_memory_gib:.0f} GiB"
@@ -359,6 +369,7 @@ def render_markdown(repo: Path) -> str:
         *_model_section(),
         *_throughput_section(),
         *memory_section(),
+        *sdxl_section(),
         *_jobs_section(repo),
     ]
     return "\n".join(lines).rstrip("\n") + "\n"
