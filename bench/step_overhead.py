@@ -195,6 +195,7 @@ def full_path(args) -> None:
             },
             "checkpoint": {"every_n_steps": args.steps, "num_to_keep": 1},
             "failure": {"max_failures": 0},
+            "export": {"enabled": False},  # latents that name no VAE: no pipeline to export
         }
     )
     assert unet_config(config.model)["cross_attention_dim"] == caption_dim
