@@ -443,8 +443,9 @@ def test_sdxl_sampling_is_the_sdxl_pipelines_on_a_zero_terminal_snr_schedule_wit
 def test_an_sdxl_model_exports_as_an_sdxl_pipeline_that_answers_a_prompt_and_generate_samples_it(sdxl, tmp_path):
     """export.base_model an SDXL model directory: the export is a StableDiffusionXLPipeline with both text encoders
     and tokenizers that DiffusionPipeline.from_pretrained loads and prompts; generate.py --prompt on the export
-    encodes with both encoders, conditions on the image size and samples what sample_latents does by hand. A base
-    model with one text encoder is refused naming the missing one."""
+    encodes with both encoders, conditions on the image size and samples what sample_latents does by hand; a run
+    starts from the export as model.pretrained. A base model with one text encoder is refused naming the missing
+    one."""
     from diffusers import DiffusionPipeline, StableDiffusionXLPipeline
     from support.tiny_models import write_tiny_sd_model
 
@@ -498,6 +499,21 @@ def test_an_sdxl_model_exports_as_an_sdxl_pipeline_that_answers_a_prompt_and_gen
         vae_downsampling=2,
     )
     np.testing.assert_allclose(latents.reshape(by_hand.shape), by_hand.numpy(), rtol=1e-4, atol=1e-5)
+
+    # The export is an SDXL model directory as diffusers lays one out: model.pretrained starts a run from it.
+    from sdtrain.config.schema import ModelConfig
+    from sdtrain.model.unet import build_unet
+
+    pretrained = ModelConfig(preset="tiny", pretrained=str(export), prediction_type="v_prediction")
+    assert pooled_width(build_unet(pretrained).config) == 32
+    assert all(torch.equal(a, b) for a, b in zip(build_unet(pretrained).parameters(), unet.parameters(), strict=True))
+    config = tiny_config(
+        *SDXL_FIT, f"model.pretrained={export}", "model.prediction_type=v_prediction", "train.global_batch_size=2"
+    )
+    meta = checkpoint_meta(config, (4, 8, 12), (77, 80), vae_downsampling=2)
+    assert meta.noise_scheduler_config["rescale_betas_zero_snr"]  # the export's scheduler/: its schedule kept
+    batch = {"latents": torch.randn(2, 4, 8, 12), "captions": hidden, "pooled": pooled}
+    assert np.isfinite(_fit_loss(config, meta, batch))
 
     one_encoder = write_tiny_sd_model(str(tmp_path / "sd"), caption_dim=80)
     with pytest.raises(Exception, match="text_encoder_2"):
