@@ -494,7 +494,7 @@ def test_an_sdxl_model_exports_as_an_sdxl_pipeline_that_answers_a_prompt_and_gen
         torch.zeros(77, 80),
         (4, 8, 12),
         steps=3,
-        guidance_scale=3.0,
+        guidance_scale=5.0,  # SDXL pipeline's default, generate.py's for an SDXL model
         guidance_rescale=0.7,
         vae_downsampling=2,
     )

@@ -277,8 +277,7 @@ def _add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--guidance-scale",
         type=float,
-        default=3.0,
-        help="classifier-free guidance scale; 1 = none (default: %(default)s)",
+        help="classifier-free guidance scale; 1 = none (default: 3; 5 for an SDXL-shaped model, as its pipeline)",
     )
     parser.add_argument(
         "--guidance-rescale",

@@ -38,7 +38,8 @@ class GenerateRequest:
     samples_per_caption: int = 8
     sampler: Literal["ddim", "dpm"] = "ddim"
     steps: int = 25
-    guidance_scale: float = 3.0
+    guidance_scale: float | None = None
+    """Classifier-free guidance; None: 3, or for an SDXL-shaped model 5 (StableDiffusionXLPipeline's default)."""
     seed: int = 0
     vae: str | None = None
     weights: Weights = "auto"
@@ -66,6 +67,11 @@ def generate(request: GenerateRequest) -> list[str]:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     loaded = load_model(request.model, request.weights)
     unet = loaded.unet.to(device).eval()
+    if request.guidance_scale is None:
+        request.guidance_scale = 5.0 if loaded.pooled_width else 3.0
+    scheduler_config = dict(loaded.noise_scheduler.config)
+    if request.guidance_rescale is None:
+        request.guidance_rescale = default_guidance_rescale(scheduler_config)
     captions = _captions(request, loaded, unet.config.cross_attention_dim)
     latent_shape = _latent_shape(request, loaded, unet.config)
     unconditional = loaded.unconditional_caption
@@ -82,8 +88,6 @@ def generate(request: GenerateRequest) -> list[str]:
             "prediction is untrained; guidance may not help (try --guidance-scale 1)"
         )
     k = request.samples_per_caption
-    scheduler_config = dict(loaded.noise_scheduler.config)
-    rescale = request.guidance_rescale
     latents = sample_latents(
         unet,
         scheduler_config,
@@ -93,7 +97,7 @@ def generate(request: GenerateRequest) -> list[str]:
         sampler=request.sampler,
         steps=request.steps,
         guidance_scale=request.guidance_scale,
-        guidance_rescale=default_guidance_rescale(scheduler_config) if rescale is None else rescale,
+        guidance_rescale=request.guidance_rescale,
         seed=request.seed,
         batch_size=request.batch_size,
         vae_downsampling=loaded.vae_downsampling,
@@ -256,6 +260,7 @@ def _write_info(request: GenerateRequest, loaded: LoadedModel, captions: Caption
                 "sampler": request.sampler,
                 "steps": request.steps,
                 "guidance_scale": request.guidance_scale,
+                "guidance_rescale": request.guidance_rescale,
                 "seed": request.seed,
                 "vae": request.vae,
                 "latents": f"{LATENTS_FILE}: shape {shape} (rows, samples, C, H, W), model space",
