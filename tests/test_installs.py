@@ -5,6 +5,7 @@ build; the Makefile installs the lock; every version the README and docs name is
 
 import re
 import shlex
+import sysconfig
 from importlib import metadata
 
 import pytest
@@ -33,9 +34,12 @@ RELOCK = "run `python -m tools.lock` (then `make setup`)"
 
 
 def _installed() -> dict[str, tuple[str, str, list[str]]]:
-    """This environment's distributions, as tools.lock.closure reads a resolution."""
+    """This environment's distributions, as tools.lock.closure reads a resolution: those installed in its
+    site-packages only. sys.path may hold more by the time this runs: setuptools (imported by torch's compile in
+    earlier tests) appends its _vendor folder, whose older packaging, zipp and platformdirs would shadow ours."""
+    site = sorted({sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]})
     installed = {}
-    for dist in metadata.distributions():
+    for dist in metadata.distributions(path=site):
         name = dist.metadata["Name"]
         installed[canonicalize_name(name)] = (name, dist.version, dist.requires or [])
     return installed
