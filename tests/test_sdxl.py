@@ -551,3 +551,33 @@ def test_the_shipped_sdxl_config_trains_its_recipe_on_the_tiny_sdxl_unet(sdxl):
     assert trainer.global_step == 3
     loss = float(module.take_window_stats()["loss"])
     assert np.isfinite(loss) and 0 < loss < 10
+
+
+def test_grid_captions_read_the_pooled_column_for_an_sdxl_unet_only(tmp_path):
+    """sample_grid.captions of embeddings: an SD UNet's grid reads no pooled column (its data has none); an SDXL
+    UNet's reads data.pooled_caption_column beside each caption, and a file without it is refused naming it."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from sdtrain.train.sample_grids import grid_captions
+
+    hidden = np.random.default_rng(0).standard_normal((3, 77 * 80)).astype(np.float32)
+    pooled = np.random.default_rng(1).standard_normal((3, 32)).astype(np.float32)
+    plain = pa.table({"caption_latents": [row.tolist() for row in hidden]})
+    pq.write_table(plain, tmp_path / "plain.parquet")
+    pq.write_table(
+        plain.append_column("caption_pooled", [pa.array([r.tolist() for r in pooled])]), tmp_path / "x.parquet"
+    )
+
+    def grid(file, pooled):
+        config = tiny_config("data.train=/unused", f"sample_grid.captions={tmp_path / file}", "sample_grid.rows=3")
+        return grid_captions(config, 80, pooled=pooled)
+
+    sd = grid("plain.parquet", pooled=False)
+    assert sd is not None and sd.pooled is None and tuple(sd.embeddings.shape) == (3, 77, 80)
+    xl = grid("x.parquet", pooled=True)
+    assert xl is not None and xl.pooled is not None
+    np.testing.assert_allclose(xl.pooled.numpy(), pooled, rtol=1e-6)
+    assert tuple(xl.conditioning(2).pooled.shape) == (6, 32)
+    with pytest.raises(ConfigError, match="caption_pooled"):
+        grid("plain.parquet", pooled=True)

@@ -40,6 +40,7 @@ def grid_captions(
     caption_dim: int,
     encode: Encode | None = None,
     prompts: Captions | None = None,
+    pooled: bool = False,
 ) -> Captions | None:
     """The captions of the grid's rows: sample_grid.prompts, else sample_grid.captions, else data.val's (one row per
     label when it has labels); None when none is set.
@@ -48,6 +49,7 @@ def grid_captions(
         caption_dim: the UNet's cross-attention width.
         encode: for data of token ids, the run's text encoders (ids -> hidden states and pooled embeddings).
         prompts: sample_grid.prompts as the driver encoded them (sdtrain.sampling.prompts.GridPrompts), a row each.
+        pooled: the UNet takes a pooled text embedding (SDXL-shaped): read with data.pooled_caption_column.
     """
     if config.sample_grid.prompts is not None:
         if prompts is None:  # the driver encodes them before the workers start: a caller that did not is wrong
@@ -63,7 +65,7 @@ def grid_captions(
             column=config.data.caption_column,
             rows=config.sample_grid.rows,
             encode=encode,
-            pooled_column=config.data.pooled_caption_column,
+            pooled_column=config.data.pooled_caption_column if pooled else None,
         )
     except Exception as error:
         raise ConfigError(

@@ -22,6 +22,7 @@ from ray.train.lightning import RayDDPStrategy, prepare_trainer
 from sdtrain.config.schema import BatchLayout, Config
 from sdtrain.data.position import DataPosition
 from sdtrain.data.read_order import DataState, ReadPlan
+from sdtrain.model.conditioning import pooled_width
 from sdtrain.model.recipe import load_unconditional_caption
 from sdtrain.private import ray as ray_private
 from sdtrain.sampling.captions import Captions
@@ -249,9 +250,9 @@ def sample_grids(config: Config, module: Any, rank: int, prompts: Captions | Non
         return None
     meta = module.checkpoint_meta
     encoder = module.caption_encoder
-    captions = grid_captions(
-        config, meta.caption_shape[-1], encode=encoder.encode if encoder else None, prompts=prompts
-    )
+    pooled = pooled_width(meta.unet_config) is not None
+    encode = encoder.encode if encoder else None
+    captions = grid_captions(config, meta.caption_shape[-1], encode=encode, prompts=prompts, pooled=pooled)
     if captions is None:
         if rank == 0:
             log.info("no sample grids: none of sample_grid.prompts, sample_grid.captions and data.val is set")
