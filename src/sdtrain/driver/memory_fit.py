@@ -16,17 +16,19 @@ import dataclasses
 import functools
 import json
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from sdtrain.config.schema import Config
-from sdtrain.data.inspection import DatasetSpec
 from sdtrain.errors import ConfigError
 from sdtrain.model.hardware import GIB, memory_range
 from sdtrain.model.memory import Precision, Strategy, TrainingMemory, predict_training_memory
 from sdtrain.model.token_captions import encoder_dtype, text_encoder_configs
 from sdtrain.model.unet import unet_config
+
+if TYPE_CHECKING:  # its module imports Ray Data; the GPU benchmark predicts memory without Ray
+    from sdtrain.data.inspection import DatasetSpec
 
 AUTO_FILL = 0.9
 """The share of the GPU's memory auto fills (the rest: fragmentation and what the model leaves out)."""
