@@ -175,8 +175,11 @@ def compile_unet(unet: torch.nn.Module, sharded: bool, shapes: int = 1) -> None:
     break its graph at every unit; compiling the forward leaves the hooks outside the graphs. The root unit's own
     few layers (conv in and out, the timestep embedding, the down- and upsamplers) run eager.
 
-    Aspect-ratio buckets (``shapes`` latent shapes) compile one graph per shape, static: dynamo's cache keeps an entry
-    per code object and input shape, so its limit is raised to hold them all (past it, dynamo would run eager).
+    Graphs are static, one per input shape (aspect-ratio buckets: ``shapes`` latent shapes): dynamo's cache keeps an
+    entry per code object and input shape, so its limit is raised to hold them all (past it, dynamo would run eager).
+    Never dynamic: a second shape of the same code object (another bucket, or in one process another UNet compiled
+    before) would make dynamo's automatic dynamic shapes recompile symbolic sizes, on which inductor's CPU backend
+    fails ("cannot determine truth value of Relational").
 
     Args:
         unet: the UNet, sharded (:func:`shard_unet`) when ``sharded``.
@@ -186,7 +189,7 @@ def compile_unet(unet: torch.nn.Module, sharded: bool, shapes: int = 1) -> None:
     if not sharded:
         if shapes > 1:
             torch_private.raise_recompile_limit(shapes + 8)
-        unet.compile(fullgraph=True, dynamic=False if shapes > 1 else None)
+        unet.compile(fullgraph=True, dynamic=False)
         return
     units = fsdp_units(unet)
     # The units of one class share their forward's code, and dynamo's cache is per code object: one entry per
