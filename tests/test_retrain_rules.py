@@ -513,8 +513,13 @@ def test_mlflow_shows_what_the_registry_promoted_and_a_rollback_and_catches_up_a
         # A rollback moves the alias back with the pointer, and what serving fetches by it is v0001's run's export.
         assert rollback(config, reason="blurry samples") == ("v0003", "v0001")
         assert client.get_registered_model(name).aliases == {"production": one.version}
-        monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)  # models:/ URIs are resolved by the default registry
-        fetched = mlflow.artifacts.download_artifacts(f"models:/{name}@production")
+        # models:/ URIs are resolved by the process's registry: set, over what an earlier test's MLflow logger left
+        # there (set_tracking_uri wins over the environment; CI fetched from that test's server, long stopped).
+        mlflow.set_tracking_uri(uri)
+        try:
+            fetched = mlflow.artifacts.download_artifacts(f"models:/{name}@production")
+        finally:
+            mlflow.set_tracking_uri(None)  # unset, and MLFLOW_TRACKING_URI with it
         assert os.listdir(fetched) == ["sdtrain.json"]
 
         # A production version without an MLflow version (its run logged to no MLflow): the alias is removed rather
