@@ -492,15 +492,20 @@ def test_bf16_with_clipping_and_ema_skips_a_nan_step_on_both_ddp_ranks(ray_clust
 
 @pytest.mark.timeout(400)
 def test_fsdp_on_two_cpu_workers_validates_with_its_ema_and_resumes_on_one(ray_cluster, tmp_path):
-    """FSDP2 over gloo, bf16 with clipping: weights, optimizer state and EMA sharded over 2 workers,
+    """The tiny SDXL layout (model.preset=tiny-sdxl: two text encoders, pooled text and size conditioning) under
+    FSDP2 over gloo, bf16 with clipping: weights, optimizer state and EMA sharded over 2 workers,
     validation run by both, a NaN row's step skipped on both (their gradients are sharded: the norm
     is all-reduced), checkpoints in DDP's format (one full file); resumed at world size 1. The captions are
-    token ids: each worker encodes them with its own whole copy of the frozen text encoder, which FSDP leaves
-    alone and no checkpoint holds."""
+    both tokenizers' ids: each worker encodes them with its own whole copy of the two frozen text encoders, which
+    FSDP leaves alone and no checkpoint holds. Evaluation and grids sample with the pooled embeddings; the export is
+    a StableDiffusionXLPipeline that answers a prompt at a non-square size."""
+    from diffusers import DiffusionPipeline, StableDiffusionXLPipeline
+    from support.tiny_models import write_tiny_sdxl_model
+
     from sdtrain.model.conditioning import Conditioner
     from sdtrain.model.token_captions import CaptionEncoder
 
-    text_encoder = write_tiny_sd_model(str(tmp_path / "tiny-sd"))
+    text_encoder = write_tiny_sdxl_model(str(tmp_path / "tiny-sdxl"))
     dinov2 = write_tiny_dinov2(str(tmp_path / "dinov2"))
     _rows_with_a_nan(tmp_path / "train/a.parquet", rows=32, nan_row=13, seed=6, text_encoder=text_encoder)
     latents, _ = write_latents(tmp_path / "val/v.parquet", rows=8, dtype="float32", seed=7)
@@ -511,6 +516,7 @@ def test_fsdp_on_two_cpu_workers_validates_with_its_ema_and_resumes_on_one(ray_c
 
     def config(max_steps, workers):
         return tiny_config(
+            "model.preset=tiny-sdxl",
             f"data.train={tmp_path}/train",
             f"data.val={tmp_path}/val",
             "data.caption_column=caption_ids",
@@ -545,7 +551,7 @@ def test_fsdp_on_two_cpu_workers_validates_with_its_ema_and_resumes_on_one(ray_c
     assert loaded.meta.text_encoder == text_encoder
     saved = torch.load(run_dir / "checkpoint_000000004" / CHECKPOINT_FILE, weights_only=True)
     assert not any("text_model" in key for key in saved["state_dict"])
-    val = _read_val(tmp_path / "val/v.parquet", "caption_ids", (77,))
+    val = _read_val(tmp_path / "val/v.parquet", "caption_ids", (154,))
     assert val["captions"].dtype == np.int32
     batches = [{k: torch.from_numpy(v[i : i + 4]) for k, v in val.items()} for i in range(0, 8, 4)]
     condition = Conditioner(unet.config, encoder=CaptionEncoder.load(text_encoder, use_gpu=False))
@@ -577,3 +583,8 @@ def test_fsdp_on_two_cpu_workers_validates_with_its_ema_and_resumes_on_one(ray_c
         # ... in the evaluation task, at the lowest CPU priority (sdtrain.evaluation.eval_task)
         assert result["eval_samples"] == 4 and result["cpu_policy"] == "idle"
     assert len(list((run_dir / "evaluation").glob("reference-*.npz"))) == 1
+
+    pipeline = DiffusionPipeline.from_pretrained(str(run_dir / "export"))
+    assert isinstance(pipeline, StableDiffusionXLPipeline)
+    image = pipeline("a red fox", num_inference_steps=2, height=16, width=24, output_type="np").images
+    assert image.shape == (1, 16, 24, 3) and np.isfinite(image).all()

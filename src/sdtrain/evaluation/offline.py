@@ -29,6 +29,7 @@ from sdtrain.evaluation.checkpoint_eval import CaptionsOf, Evaluator, text_encod
 from sdtrain.evaluation.eval_rows import EvalRows, ShapeGroup, read_eval_rows
 from sdtrain.evaluation.image_metrics import FeatureStats
 from sdtrain.evaluation.measures import Measures
+from sdtrain.model.conditioning import Conditioning
 from sdtrain.storage.filesystems import read_bytes, write_bytes
 
 FRECHET = {"fd_dinov2": "dinov2", "fd_inception": "inception"}
@@ -112,7 +113,8 @@ def set_rows(task: OfflineSet, config: Config, first: LoadedModel) -> EvalRows:
     """The set's rows: the first eval.num_samples of the parquet set, or of the prompts."""
     if task.prompts is None:
         assert task.captions is not None and first.latent_shape is not None and first.caption_shape is not None
-        return read_eval_rows(config, first.latent_shape, first.caption_shape, [task.captions], "--captions")
+        shapes = (first.latent_shape, first.caption_shape)
+        return read_eval_rows(config, *shapes, [task.captions], "--captions", pooled_width=first.pooled_width)
     assert task.latent_shape is not None
     prompts = task.prompts[: config.eval.num_samples]
     return EvalRows(
@@ -132,28 +134,28 @@ def _reference_rows(task: OfflineSet, config: Config, first: LoadedModel) -> Eva
 
 
 def _prompt_captions(task: OfflineSet, rows: EvalRows, device: str) -> CaptionsOf:
-    """The prompts' embeddings by position, each model's from its text encoder (--text-encoder, else the one it
-    records), 64 prompts a batch."""
-    from sdtrain.model.encoders import encode_prompts, load_text_encoder
+    """The prompts' embeddings by position, each model's from its text encoders (--text-encoder, else those it
+    records; SDXL's two with their pooled embeddings), 64 prompts a batch."""
+    from sdtrain.model.encoders import load_text_encoders
 
     assert rows.texts is not None
     texts = rows.texts
 
-    def captions_of(loaded: LoadedModel, positions: np.ndarray) -> torch.Tensor:
+    def captions_of(loaded: LoadedModel, positions: np.ndarray) -> Conditioning:
         source = task.text_encoder or text_encoder_of(loaded)
         if source is None:  # the driver refuses this before any work
             raise DataError(f"--prompts: {loaded.source} records no text encoder; give --text-encoder")
-        tokenizer, encoder = load_text_encoder(source, device)
+        encoders = load_text_encoders(source, device)
         chosen = [texts[i] for i in positions]
-        embeddings = torch.cat(
-            [encode_prompts(tokenizer, encoder, chosen[i : i + 64]) for i in range(0, len(chosen), 64)]
-        )
+        parts = [encoders.encode(chosen[i : i + 64]) for i in range(0, len(chosen), 64)]
+        embeddings = torch.cat([hidden for hidden, _ in parts])
         if tuple(embeddings.shape[1:]) != tuple(loaded.caption_shape or embeddings.shape[1:]):
             raise DataError(
                 f"--text-encoder: {source} gives prompt embeddings of shape {tuple(embeddings.shape[1:])}, but "
                 f"{loaded.source} was trained on captions of shape {tuple(loaded.caption_shape or ())}"
             )
-        return embeddings
+        pooled = [p for _, p in parts if p is not None]
+        return Conditioning(embeddings, torch.cat(pooled) if pooled else None)
 
     return captions_of
 
