@@ -3,6 +3,7 @@ them checked, indexed and read back one bucket a block, a real Ray run stopped m
 of workers reading exactly the global steps the plan names, and a compiled UNet over three buckets."""
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -106,38 +107,71 @@ def _plan(spec, global_batch=8):
 
 @pytest.mark.slow  # two Ray Train runs
 @pytest.mark.timeout(900)
-def test_a_bucketed_run_resumed_on_another_number_of_workers_reads_the_uninterrupted_runs_steps(ray_cluster, tmp_path):
+def test_a_bucketed_run_killed_mid_epoch_and_resumed_on_another_number_of_workers_reads_the_uninterrupted_steps(
+    ray_cluster, tmp_path
+):
     """90 rows in three buckets, 8 a step: an epoch is 5 + 3 + 2 = 10 steps, the buckets' remainders carried into
-    the next. Stopped at step 5 on 2 workers (micro-batches of 2, accumulating 2), resumed to 13 on 1 (accumulating
-    4): every step's rows are the ones the plan names for an uninterrupted run, each step one bucket's."""
-    from conftest import rows_by_step
+    the next. train.py on 2 workers (micro-batches of 2, accumulating 2) in a process of its own, SIGKILLed with the
+    Ray it started once its checkpoint of step 5 is committed (mid-epoch), then resumed to 13 on 1 worker
+    (accumulating 4): every step's rows are the ones the plan names for an uninterrupted run, each step one
+    bucket's."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+    from conftest import REPO, rows_by_step
+    from support.deprecations import pythonwarnings
     from test_train_ray import _checkpoints
 
     from sdtrain.driver.run import train
     from sdtrain.storage.run_layout import SAMPLES_FILE
 
     _bucketed(tmp_path / "train")
+    keys = [
+        f"data.train={tmp_path}/train",
+        "train.micro_batch_size=2",
+        "data.shuffle_chunk_rows=5",
+        "data.shuffle_window_rows=12",
+        "checkpoint.every_n_steps=5",
+        "run.log_every_n_steps=5",
+        "checkpoint.num_to_keep=null",
+        "checkpoint.record_rows=true",
+        "export.enabled=false",  # latents that name no VAE and text encoder: no pipeline to export
+        "sample_grid.every_n_steps=1000",  # no grid to wait on between the checkpoint and the kill
+    ]
+    run_dir = tmp_path / "runs" / "buckets"
+    (tmp_path / "tiny.yaml").write_text("model:\n  preset: tiny\n")  # the code's defaults, as tiny_config's
+    command = [sys.executable, str(REPO / "entrypoints" / "train.py"), "--config", str(tmp_path / "tiny.yaml"), *keys]
+    command += [f"run.storage_path={tmp_path}/runs", "run.name=buckets", "train.max_steps=13"]
+    command += ["train.global_batch_size=8", "scaling.num_workers=2"]
+    # RAY_ADDRESS=local: a Ray of its own, which the kill takes down with it (as when a job's head node dies).
+    env = {**os.environ, "RAY_ADDRESS": "local", "PYTHONPATH": str(REPO / "src"), "PYTHONWARNINGS": pythonwarnings()}
+    driver = subprocess.Popen(
+        command, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
+    snapshot = run_dir / "checkpoint_manager_snapshot.json"
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and driver.poll() is None:
+        try:
+            if json.loads(snapshot.read_text())["checkpoint_results"]:
+                break
+        except (OSError, ValueError, KeyError):
+            pass
+        time.sleep(0.2)  # polling a file another process writes: nothing to wait on in this one
+    assert driver.poll() is None, f"the run ended before its first checkpoint: {driver.communicate()[1][-3000:]}"
+    started = [driver.pid] + [child.pid for child in psutil.Process(driver.pid).children(recursive=True)]
+    for pid in started:  # the driver and the Ray it started, by their ids
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    driver.communicate(timeout=30)
+    committed = [c["checkpoint_dir_name"] for c in json.loads(snapshot.read_text())["checkpoint_results"]]
+    assert committed == ["checkpoint_000000005"]  # killed mid-epoch (10 steps), ~5 steps before the next
 
-    def config(steps, workers):
-        return tiny_config(
-            f"data.train={tmp_path}/train",
-            "train.micro_batch_size=2",
-            "data.shuffle_chunk_rows=5",
-            "data.shuffle_window_rows=12",
-            "checkpoint.every_n_steps=5",
-            "run.log_every_n_steps=5",
-            "checkpoint.num_to_keep=null",
-            "checkpoint.record_rows=true",
-            "export.enabled=false",  # latents that name no VAE and text encoder: no pipeline to export
-            tmp_path=tmp_path,
-            name="buckets",
-            steps=steps,
-            batch=8,
-            workers=workers,
-        )
-
-    train(config(5, 2))
-    summary = train(config(13, 1))
+    summary = train(tiny_config(*keys, tmp_path=tmp_path, name="buckets", steps=13, batch=8, workers=1))
     assert summary.final_step == 13
     run_dir = tmp_path / "runs" / "buckets"
     recorded = [np.load(run_dir / name / SAMPLES_FILE) for name in _checkpoints(run_dir)]
@@ -204,12 +238,10 @@ def test_photographs_of_every_aspect_ratio_are_preprocessed_into_their_buckets_a
     (32 px of area, sides multiples of 8: the tiny VAE halves them): each lands in the bucket of its ratio, with its
     original size and crop; the files are sorted by bucket and name their runs; training's index and reader see the
     buckets."""
-    import io
 
     import pyarrow as pa
     import pyarrow.parquet as pq
-    from PIL import Image
-    from sklearn.datasets import load_sample_images
+    from support.photographs import write_photograph_cuts
     from support.tiny_models import write_tiny_sd_model
 
     from sdtrain.config.loader import load_config
@@ -219,18 +251,7 @@ def test_photographs_of_every_aspect_ratio_are_preprocessed_into_their_buckets_a
 
     model = str(tmp_path / "model")
     write_tiny_sd_model(model)
-    crops, captions, wanted = [], [], []
-    for name, image in zip(("china", "flower"), load_sample_images().images, strict=True):
-        height, width = image.shape[:2]  # 427 x 640
-        cuts = {"tall": (height, height // 2), "wide": (height // 2, width), "square": (300, 300)}
-        for shape, (h, w) in cuts.items():
-            buffer = io.BytesIO()
-            Image.fromarray(image[:h, :w]).save(buffer, "JPEG", quality=90)
-            crops.append(buffer.getvalue())
-            captions.append(f"a {shape} photograph of a {name}")
-            wanted.append((h, w))
-    (tmp_path / "input").mkdir()
-    pq.write_table(pa.table({"jpg": pa.array(crops, pa.binary()), "caption": captions}), tmp_path / "input/p.parquet")
+    captions, wanted = write_photograph_cuts(tmp_path / "input")
     config = load_config(
         None,
         [

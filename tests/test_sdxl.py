@@ -292,12 +292,10 @@ def test_photographs_preprocessed_with_an_sdxl_model_both_ways_are_what_training
     embedding (32) and both tokenizers' ids (154) of each caption, as TextEncoders make them; each image's placement;
     the files name the model and its VAE's downsampling. Training's data check takes the output with
     model.preset=tiny-sdxl both ways: from the embeddings with the pooled column, and from the ids."""
-    import io
 
     import pyarrow as pa
     import pyarrow.parquet as pq
-    from PIL import Image
-    from sklearn.datasets import load_sample_images
+    from support.photographs import write_photograph_cuts
 
     from sdtrain.config.loader import load_config
     from sdtrain.data.added_columns import AddedColumns
@@ -314,18 +312,7 @@ def test_photographs_preprocessed_with_an_sdxl_model_both_ways_are_what_training
     from sdtrain.preprocess.job import run_preprocess
 
     root, encoders = sdxl
-    crops, captions, sizes = [], [], []
-    for name, image in zip(("china", "flower"), load_sample_images().images, strict=True):
-        height, width = image.shape[:2]  # 427 x 640
-        cuts = {"tall": (height, height // 2), "wide": (height // 2, width), "square": (300, 300)}
-        for shape, (h, w) in cuts.items():
-            buffer = io.BytesIO()
-            Image.fromarray(image[:h, :w]).save(buffer, "JPEG", quality=90)
-            crops.append(buffer.getvalue())
-            captions.append(f"a {shape} photograph of a {name}")
-            sizes.append((h, w))
-    (tmp_path / "input").mkdir()
-    pq.write_table(pa.table({"jpg": pa.array(crops, pa.binary()), "caption": captions}), tmp_path / "input/p.parquet")
+    captions, sizes = write_photograph_cuts(tmp_path / "input")
     output = tmp_path / "latents"
     config = load_config(
         None,
