@@ -507,18 +507,22 @@ def test_an_sdxl_model_exports_as_an_sdxl_pipeline_that_answers_a_prompt_and_gen
         write_export(loaded, str(tmp_path / "refused"), base_model=one_encoder)
 
 
+@pytest.mark.slow  # inductor's CPU backend compiles each FSDP unit: about a minute
+@pytest.mark.timeout(600)
 def test_the_shipped_sdxl_config_trains_its_recipe_on_the_tiny_sdxl_unet(sdxl):
-    """configs/sdxl-base.yaml's model and train options as they are (FSDP, gradient checkpointing, zero-terminal SNR
-    with v-prediction, min-SNR, caption dropout to zeros, EMA, micro-batch auto), eager and on the tiny SDXL layout:
-    a real Lightning fit from the two tokenizers' ids for three steps, every loss finite and training moving."""
+    """configs/sdxl-base.yaml's model and train options as they are (compiled, FSDP, gradient checkpointing,
+    zero-terminal SNR with v-prediction, min-SNR, caption dropout to zeros, EMA, micro-batch auto) on the tiny SDXL
+    layout: a real Lightning fit from the two tokenizers' ids for three steps, each FSDP unit compiled without a graph
+    break (the pooled embedding and time ids go through the root unit), the loss finite."""
     from conftest import REPO
+    from torch._dynamo.utils import counters
 
     from sdtrain.config.loader import load_config
 
     root, encoders = sdxl
     config = load_config(
         REPO / "configs" / "sdxl-base.yaml",
-        ["data.train=/unused", "model.preset=tiny-sdxl", "train.compile=false", "scaling.use_gpu=false"]
+        ["data.train=/unused", "model.preset=tiny-sdxl", "scaling.use_gpu=false"]
         + ["train.global_batch_size=4", "scaling.num_workers=1", "train.warmup_steps=0", "train.lr=1e-3"]
         + ["train.max_steps=3"],
     )
@@ -534,8 +538,11 @@ def test_the_shipped_sdxl_config_trains_its_recipe_on_the_tiny_sdxl_unet(sdxl):
         }
         for _ in range(3)
     ]
+    assert config.train.compile and config.train.gradient_checkpointing
+    counters.clear()
     module, trainer = fit_without_ray(config, batches, meta, use_gpu=False)
     assert trainer.global_step == 3
+    assert counters["stats"]["unique_graphs"] > 0 and not counters["graph_break"], dict(counters["graph_break"])
     loss = float(module.take_window_stats()["loss"])
     assert np.isfinite(loss) and 0 < loss < 10
 
