@@ -6,7 +6,7 @@ import json
 import re
 
 import pytest
-from conftest import committed_checkpoints, write_latents
+from conftest import REPO, committed_checkpoints, write_latents
 
 from sdtrain.config.loader import load_config
 from sdtrain.driver.check import CheckReport, Phase, communication_share, phase_config
@@ -57,6 +57,21 @@ def test_the_checks_phases_run_without_evaluation_and_its_table_says_so(tmp_path
     ), table
     plain = CheckReport(load_config(None, evaluated[:1]), [], None, None, None).table()
     assert not any(line.startswith("evaluation") for line in plain)
+
+
+def test_the_check_of_the_shipped_sdxl_config_trains_a_gpus_share_that_fits_one_h100():
+    """check.py on configs/sdxl-base.yaml (64 GPUs, 2048 a step): its one-GPU phase trains one GPU's 32 images a step
+    as the run does (compiled, FSDP, checkpointed); FSDP over one rank holds the whole 2.57B model's state, so
+    micro-batch auto halves the micro-batch there (16 x 2, ~67 GiB predicted) where 8 ranks take 32 at once."""
+    from sdtrain.driver.memory_fit import fit_micro_batch
+
+    latents, captions = (4, 128, 128), (77, 2048)  # 1024 px, SDXL's two encoders
+    one = phase_config(str(REPO / "configs" / "sdxl-base.yaml"), [], 1)
+    assert (one.model.preset, one.train.strategy, one.train.compile) == ("sdxl-base", "fsdp", True)
+    assert one.train.global_batch_size == 32 and one.train.gradient_checkpointing and not one.export.enabled
+    fitted, said = fit_micro_batch(one, "H100", latents, captions, "bf16-mixed")
+    assert fitted.batch_layout(1).micro_batch == 16 and fitted.batch_layout(1).accumulation == 2, said
+    assert said is not None and re.search(r"predicted 6\d\.\d GiB a rank on H100", said), said
 
 
 def test_the_phases_train_as_configured_and_the_table_nets_out_data_wait_and_prices_the_run():
