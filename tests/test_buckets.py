@@ -115,14 +115,12 @@ def test_a_bucketed_run_killed_mid_epoch_and_resumed_on_another_number_of_worker
     Ray it started once its checkpoint of step 5 is committed (mid-epoch), then resumed to 13 on 1 worker
     (accumulating 4): every step's rows are the ones the plan names for an uninterrupted run, each step one
     bucket's."""
-    import signal
     import subprocess
     import sys
-    import time
 
-    import psutil
     from conftest import REPO, rows_by_step
     from support.deprecations import pythonwarnings
+    from support.ray_processes import kill_at_first_checkpoint
     from test_train_ray import _checkpoints
 
     from sdtrain.driver.run import train
@@ -151,24 +149,7 @@ def test_a_bucketed_run_killed_mid_epoch_and_resumed_on_another_number_of_worker
     driver = subprocess.Popen(
         command, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
     )
-    snapshot = run_dir / "checkpoint_manager_snapshot.json"
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline and driver.poll() is None:
-        try:
-            if json.loads(snapshot.read_text())["checkpoint_results"]:
-                break
-        except (OSError, ValueError, KeyError):
-            pass
-        time.sleep(0.2)  # polling a file another process writes: nothing to wait on in this one
-    assert driver.poll() is None, f"the run ended before its first checkpoint: {driver.communicate()[1][-3000:]}"
-    started = [driver.pid] + [child.pid for child in psutil.Process(driver.pid).children(recursive=True)]
-    for pid in started:  # the driver and the Ray it started, by their ids
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    driver.communicate(timeout=30)
-    committed = [c["checkpoint_dir_name"] for c in json.loads(snapshot.read_text())["checkpoint_results"]]
+    committed, _, _ = kill_at_first_checkpoint(driver, run_dir / "checkpoint_manager_snapshot.json", 240)
     assert committed == ["checkpoint_000000005"]  # killed mid-epoch (10 steps), ~5 steps before the next
 
     summary = train(tiny_config(*keys, tmp_path=tmp_path, name="buckets", steps=13, batch=8, workers=1))

@@ -9,6 +9,7 @@ import sys
 import pytest
 from conftest import REPO, write_latents
 from support.deprecations import pythonwarnings
+from support.ray_processes import kill_at_first_checkpoint
 
 TRAIN = [sys.executable, str(REPO / "entrypoints" / "train.py")]
 # This checkout's package in the subprocess, whatever the cwd (a relative PYTHONPATH would not
@@ -109,8 +110,6 @@ def test_the_demo_survives_a_killed_driver_and_the_loss_falls(tmp_path, monkeypa
     job's head node dies); the same command again resumes from it, ends at max_steps, and the
     loss has fallen."""
     import json
-    import signal
-    import time
 
     import psutil
 
@@ -128,25 +127,10 @@ def test_the_demo_survives_a_killed_driver_and_the_loss_falls(tmp_path, monkeypa
         TRAIN + args, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
     )
     run_dir = tmp_path / "runs" / "demo"
-    snapshot = run_dir / "checkpoint_manager_snapshot.json"
-    deadline = time.monotonic() + 400
-    while time.monotonic() < deadline and driver.poll() is None:
-        try:
-            if json.loads(snapshot.read_text())["checkpoint_results"]:
-                break
-        except (OSError, ValueError, KeyError):
-            pass
-        time.sleep(0.2)
-    assert driver.poll() is None, "the run ended before a checkpoint could be waited for"
-    started = [driver.pid] + [child.pid for child in psutil.Process(driver.pid).children(recursive=True)]
-    for pid in started:  # the driver and the Ray it started, by their ids
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    first_output, _ = driver.communicate(timeout=30)
+    committed, first_output, started = kill_at_first_checkpoint(
+        driver, run_dir / "checkpoint_manager_snapshot.json", 400
+    )
     assert "wrote the digits demo dataset" in first_output
-    committed = [c["checkpoint_dir_name"] for c in json.loads(snapshot.read_text())["checkpoint_results"]]
     assert committed and "checkpoint_000000040" not in committed
 
     result = _run(args, tmp_path, timeout=400)

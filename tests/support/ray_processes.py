@@ -17,3 +17,39 @@ def our_training_workers() -> list[int]:
         except psutil.Error:  # it ended while we looked
             pass
     return pids
+
+
+def committed_checkpoints(snapshot) -> list[str]:
+    """The checkpoint directories Ray Train's checkpoint manager snapshot (a run's checkpoint_manager_snapshot.json)
+    records as committed; none while it is missing or half written."""
+    import json
+
+    try:
+        return [c["checkpoint_dir_name"] for c in json.loads(snapshot.read_text())["checkpoint_results"]]
+    except (OSError, ValueError, KeyError):
+        return []
+
+
+def kill_at_first_checkpoint(driver, snapshot, timeout: float) -> tuple[list[str], str, list[int]]:
+    """Once the run of ``driver`` (a train.py Popen, text mode, that started a Ray of its own) has committed a
+    checkpoint, SIGKILL it and every process under it, by their ids (as when a job's head node dies); returns the
+    committed checkpoints, what the driver printed to its piped stdout and the pids killed. Fails, with its piped
+    stderr, if the driver ends first or ``timeout`` seconds pass."""
+    import os
+    import signal
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and driver.poll() is None and not committed_checkpoints(snapshot):
+        time.sleep(0.2)  # polling a file another process writes: nothing to wait on in this one
+    if driver.poll() is not None:
+        raise AssertionError(f"the run ended before a checkpoint could be waited for: {driver.communicate()[1]}")
+    assert committed_checkpoints(snapshot), f"no checkpoint committed in {timeout} s"
+    started = [driver.pid] + [child.pid for child in psutil.Process(driver.pid).children(recursive=True)]
+    for pid in started:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    output, _ = driver.communicate(timeout=30)
+    return committed_checkpoints(snapshot), output or "", started
