@@ -74,9 +74,26 @@ def start_head(ray: Path, env: dict[str, str], temp_dir: str, timeout_s: float) 
             time.sleep(1)
 
 
-def stop_head(head: subprocess.Popen) -> None:
-    head.send_signal(signal.SIGTERM)  # `ray start --block` stops the processes it started
+def stop_head(head: subprocess.Popen, grace_s: float = 5) -> None:
+    """SIGTERM to ``ray start --block``, which stops the processes it started; after ``grace_s`` SIGKILL to it and
+    to every process it had started that is still there (by their ids, taken before the SIGTERM). A head whose jobs
+    ran Ray Train and Ray Data waited ~30 s for its idle workers to end gracefully, which a test cluster that is
+    thrown away does not need."""
+    import psutil
+
     try:
-        head.wait(timeout=60)
+        started = psutil.Process(head.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        started = []
+    head.send_signal(signal.SIGTERM)
+    try:
+        head.wait(timeout=grace_s)
     except subprocess.TimeoutExpired:
-        os.killpg(head.pid, signal.SIGKILL)
+        head.kill()
+        head.wait()
+    for process in started:
+        try:
+            process.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(started, timeout=30)
