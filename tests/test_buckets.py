@@ -1,6 +1,7 @@
 """Aspect-ratio buckets end to end: the buckets and where an image goes (pure), bucketed files as preprocessing writes
 them checked, indexed and read back one bucket a block, a real Ray run stopped mid-epoch and resumed on another number
-of workers reading exactly the global steps the plan names, and a compiled UNet over three buckets."""
+of workers reading exactly the global steps the plan names. A compiled UNet over three buckets is trained with the
+shipped GPU configs' options in tests/test_options.py (one compiled fit for both)."""
 
 import json
 import os
@@ -175,41 +176,6 @@ def test_a_bucketed_run_killed_mid_epoch_and_resumed_on_another_number_of_worker
     assert len(np.unique(first_epoch)) == 80 and (first_epoch < 90).all()
     left = np.setdiff1d(np.arange(90), first_epoch)
     assert np.bincount(bucket_of[left], minlength=3).tolist() == [2, 3, 5]
-
-
-@pytest.mark.slow  # inductor's CPU backend compiles the tiny UNet's step once a bucket
-@pytest.mark.timeout(900)
-def test_a_compiled_unet_compiles_one_graph_a_bucket_and_nothing_after(tmp_path, caplog):
-    """Three buckets, six steps (each bucket twice): dynamo compiles one static graph per bucket shape in the first
-    three steps, breaks none, and compiles nothing after; the limit is raised to hold them (sdtrain.train.strategy),
-    and the log says how many shapes there are and how many graphs were compiled."""
-    import torch
-    from support.training import FIT
-    from test_options import Graphs
-    from torch._dynamo.utils import counters
-
-    from sdtrain.train.build import checkpoint_meta, fit_without_ray
-    from sdtrain.train.strategy import CompiledGraphs
-
-    cfg = tiny_config(*FIT, "train.compile=true", "train.max_steps=6")
-    meta = checkpoint_meta(cfg, SHAPES[0], (8, 32), bucket_shapes=SHAPES)
-    g = torch.Generator().manual_seed(0)
-    batches = [
-        {"latents": torch.randn(2, *SHAPES[i % 3], generator=g), "captions": torch.randn(2, 8, 32, generator=g)}
-        for i in range(6)
-    ]
-    counters.clear()
-    graphs = Graphs(batches[:1], validate_every=100)
-    with caplog.at_level("INFO", logger="sdtrain"):
-        module, trainer = fit_without_ray(
-            cfg, batches, meta, use_gpu=False, callbacks=[graphs, CompiledGraphs()], default_root_dir=str(tmp_path)
-        )
-    assert trainer.global_step == 6 and module.unet._compiled_call_impl is not None
-    assert [graphs.after[step][1] for step in range(1, 7)] == [0] * 6, "\n".join(counters["graph_break"])
-    compiled = [graphs.after[step][0] for step in range(1, 7)]
-    assert compiled[0] >= 1 and compiled[2] == 3 * compiled[0] and compiled[5] == compiled[2], compiled
-    assert "train.compile: 3 bucket shapes, one static graph each" in caplog.text
-    assert f"train.compile: rank 0 compiled {compiled[5]} graphs in all, with 0 graph breaks" in caplog.text
 
 
 @pytest.mark.slow  # the preprocessing job on Ray Data

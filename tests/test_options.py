@@ -25,7 +25,7 @@ from sdtrain.train.build import build_training, checkpoint_meta, fit_without_ray
 from sdtrain.train.cadence import OptimizerStepCallback, ReportCadence
 from sdtrain.train.device_settings import training_autocast
 from sdtrain.train.sample_grids import SampleGrids
-from sdtrain.train.strategy import fsdp_units
+from sdtrain.train.strategy import CompiledGraphs, fsdp_units
 from sdtrain.train.validation import Validation
 
 
@@ -308,15 +308,23 @@ GPU_OPTIONS = (
 )
 
 
-@pytest.mark.slow  # inductor's CPU backend compiles the tiny UNet's step: ~2 minutes on 2 cores
+# The latent shapes of three aspect-ratio buckets: the tiny UNet halves a side once, so every side is even.
+BUCKETS = (LATENTS, (4, 12, 20), (4, 20, 12))
+
+
+@pytest.mark.slow  # inductor's CPU backend compiles the tiny UNet's step once a bucket: ~2-3 minutes cold on 2 cores
 @pytest.mark.timeout(900)
-def test_the_shipped_gpu_configs_options_train_compiled_once_without_a_graph_break(tmp_path):
+def test_the_shipped_gpu_configs_options_train_compiled_one_graph_a_bucket_without_a_graph_break(tmp_path, caplog):
     """What a GPU worker of each shipped config runs, but the tiny UNet on CPU: its train options as they are (compile
     on, the clipping folded into the fused AdamW, ...), precision auto as a GPU with bf16 resolves it, micro-batches
     accumulated as on its nodes (train.gradient_compression, DDP's hook between ranks, is test_ddp_settings'). The
-    three configs share one set of options, so one compiled fit covers them;
-    dynamo's counters: no graph break, nothing compiled after the first step (accumulation, the optimizer step and
-    the clipping do not recompile)."""
+    three configs share one set of options, so one compiled fit covers them. It trains three aspect-ratio buckets,
+    a step's micro-batches all of one bucket as the bucketed reader makes them, six steps (each bucket twice).
+    Dynamo's counters: no graph break; one static graph set per bucket shape, compiled in that bucket's first micro-
+    batch, and nothing compiled after (accumulation, the optimizer step, the clipping and a bucket met again do not
+    recompile); the limit is raised to hold them (sdtrain.train.strategy), and the log says how many shapes there
+    are and how many graphs were compiled. (One fit for both: each compiled option set costs a fresh machine over a
+    minute of inductor's C++ compiles.)"""
     from conftest import REPO
     from torch._dynamo.utils import counters
 
@@ -337,15 +345,34 @@ def test_the_shipped_gpu_configs_options_train_compiled_once_without_a_graph_bre
     ]
     overrides[0] = "train.precision=bf16-mixed"  # auto on a GPU with bf16 (sdtrain.train.build.resolve_precision)
     accumulation = shipped[0].batch_layout(shipped[0].scaling.max_workers).accumulation
-    cfg = tiny_config(*FIT, *overrides, f"train.global_batch_size={2 * accumulation}", "train.micro_batch_size=2")
+    cfg = tiny_config(
+        *FIT, *overrides, f"train.global_batch_size={2 * accumulation}", "train.micro_batch_size=2", steps=6
+    )
+    g = torch.Generator().manual_seed(0)
+    data = [
+        {"latents": torch.randn(2, *BUCKETS[step % 3], generator=g), "captions": torch.randn(2, *CAPTIONS, generator=g)}
+        for step in range(6)
+        for _ in range(accumulation)
+    ]
     counters.clear()
-    graphs = Graphs(batches(1), validate_every=3)
-    module, trainer, steps = fit(cfg, batches(3 * accumulation), callbacks=[graphs], default_root_dir=str(tmp_path))
-    assert trainer.global_step == 3 and trainer.precision == "bf16-mixed" and accumulation > 1
+    graphs = Graphs(batches(1), validate_every=100)  # compiled validation: the every-other-option test's
+    with caplog.at_level("INFO", logger="sdtrain"):
+        module, trainer, steps = fit(
+            cfg,
+            data,
+            callbacks=[graphs, CompiledGraphs()],
+            bucket_shapes=[list(shape) for shape in BUCKETS],
+            default_root_dir=str(tmp_path),
+        )
+    assert trainer.global_step == 6 and trainer.precision == "bf16-mixed" and accumulation > 1
     assert module.unet._compiled_call_impl is not None  # nn.Module.compile: the whole UNet
-    compiled, breaks = graphs.after[1]
-    assert compiled >= 1 and breaks == 0, "\n".join(counters["graph_break"])
-    assert graphs.after[3] == (compiled, 0), graphs.after
+    assert [graphs.after[step][1] for step in range(1, 7)] == [0] * 6, "\n".join(counters["graph_break"])
+    compiled = [graphs.after[step][0] for step in range(1, 7)]
+    # Step 1 compiled the first bucket's graphs in its first micro-batch, its other micro-batches nothing.
+    assert compiled[0] >= 1 and compiled[:3] == [compiled[0], 2 * compiled[0], 3 * compiled[0]], compiled
+    assert compiled[3:] == [compiled[2]] * 3, compiled
+    assert "train.compile: 3 bucket shapes, one static graph each" in caplog.text
+    assert f"train.compile: rank 0 compiled {compiled[5]} graphs in all, with 0 graph breaks" in caplog.text
     assert all(0 < s["loss"] < 10 for s in steps) and not torch.equal(steps[0]["weight"], steps[-1]["weight"])
 
 

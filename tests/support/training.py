@@ -61,9 +61,12 @@ class Watch(pl.Callback):
         )
 
 
-def fit(cfg, data, use_gpu=False, callbacks=(), caption_shape=CAPTIONS, text_encoder=None, **kwargs):
-    """``text_encoder``: the data's captions are token ids for it (then ``caption_shape`` is its output's)."""
+def fit(
+    cfg, data, use_gpu=False, callbacks=(), caption_shape=CAPTIONS, text_encoder=None, bucket_shapes=None, **kwargs
+):
+    """``text_encoder``: the data's captions are token ids for it (then ``caption_shape`` is its output's);
+    ``bucket_shapes``: the run's aspect-ratio buckets (latent shapes, the first :data:`LATENTS`)."""
     watch = Watch()
-    meta = checkpoint_meta(cfg, LATENTS, caption_shape, text_encoder=text_encoder)
+    meta = checkpoint_meta(cfg, LATENTS, caption_shape, text_encoder=text_encoder, bucket_shapes=bucket_shapes)
     module, trainer = fit_without_ray(cfg, data, meta, use_gpu=use_gpu, callbacks=[watch, *callbacks], **kwargs)
     return module, trainer, watch.steps
