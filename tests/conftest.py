@@ -50,7 +50,7 @@ def write_latents(
     latent_shape=(4, 16, 16),
     caption_shape=(77, 32),
     dtype=np.float16,
-    image_column: str = "image_latents_256",
+    latent_column: str = "image_latents_256",
     caption_column: str = "caption_latents",
     seed: int = 0,
     row_group_size: int | None = None,
@@ -63,7 +63,7 @@ def write_latents(
     table = pa.table(
         {
             "id": pa.array(np.arange(rows)),
-            image_column: column(latents, encoding),
+            latent_column: column(latents, encoding),
             caption_column: column(captions, encoding),
         }
     )

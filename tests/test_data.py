@@ -91,7 +91,7 @@ def test_files_dirs_globs_and_lists(tmp_path):
 
 
 def test_missing_column(tmp_path):
-    write_latents(tmp_path / "p.parquet", image_column="latents")
+    write_latents(tmp_path / "p.parquet", latent_column="latents")
     with pytest.raises(DataError) as e:
         _inspect([tmp_path / "p.parquet"])
     message = str(e.value)

@@ -37,7 +37,7 @@ from sdtrain.model.encoders import (
     to_unit_range,
 )
 from sdtrain.preprocess.buckets import Placement
-from sdtrain.preprocess.config import PreprocessConfig
+from sdtrain.preprocess.config import OutputConfig, PreprocessConfig
 from sdtrain.preprocess.images import NO_CAPTION, NO_IMAGE, TOO_SMALL, UNDECODABLE, prepare_image
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -268,6 +268,29 @@ def test_a_rerun_with_settings_that_change_the_shards_is_refused(tmp_path, tiny_
     # What changes neither the shards nor their values may change between runs.
     again = run_preprocess(config_for(tmp_path, tiny_model, "input.rows_per_shard=3", "encode.batch_size=8"), 0)
     assert again.shards_done_before == 0 and again.shards_total == 6
+
+
+def test_the_latent_column_has_trainings_name_and_an_output_recorded_under_the_old_one_is_still_checked(
+    tmp_path, tiny_model
+):
+    """output.latent_column is what training reads as data.latent_column; the old name output.image_column is refused
+    naming it. An output whose _settings.json was written under the old name keeps its check: a re-run that writes
+    its latents to another column is refused."""
+    from sdtrain.preprocess.job import run_preprocess
+
+    with pytest.raises(ConfigError, match=r"^output\.image_column: was renamed output\.latent_column; "):
+        config_for(tmp_path, tiny_model, "output.image_column=latents")
+    assert set(PreprocessConfig.RENAMED.values()) <= {f"output.{f.name}" for f in dataclasses.fields(OutputConfig)}
+    write_parquet_input(tmp_path / "input", files=1)
+    run_preprocess(config_for(tmp_path, tiny_model, "input.rows_per_shard=3"), max_shards=0)  # no Ray
+    settings = tmp_path / "latents" / "_settings.json"
+    recorded = json.loads(settings.read_text())
+    recorded["output.image_column"] = recorded.pop("output.latent_column")  # as outputs before the rename have it
+    settings.write_text(json.dumps(recorded))
+    with pytest.raises(ConfigError, match=r"output.latent_column: .* was written with 'image_latents_256', this"):
+        run_preprocess(config_for(tmp_path, tiny_model, "input.rows_per_shard=3", "output.latent_column=other"))
+    again = run_preprocess(config_for(tmp_path, tiny_model, "input.rows_per_shard=3"), max_shards=0)
+    assert again.shards_total == 6
 
 
 def _mark_done(output: Path, shard) -> None:

@@ -136,7 +136,7 @@ class OutputConfig(Section):
     path: str = ""
     """Directory (local or s3://) the parquet files, the empty prompt's embedding and the manifest are written to;
     give it to training as data.train."""
-    image_column: str = "image_latents_256"
+    latent_column: str = "image_latents_256"
     """Column of the latents (C*H*W float16 values a row): training's data.latent_column."""
     captions: Literal["embeddings", "token_ids", "both"] = "embeddings"
     """What is stored of each caption: the text encoder's embeddings (77*D float16 a row, in output.caption_column;
@@ -161,10 +161,10 @@ class OutputConfig(Section):
             self._fail("path", "is required: the directory to write the latents to")
         if self.row_group_rows < 1:
             self._fail("row_group_rows", f"must be >= 1, got {self.row_group_rows}")
-        if self.image_column == self.caption_column:
-            self._fail("caption_column", f"must differ from output.image_column ({self.image_column!r})")
-        if self.token_id_column in (self.image_column, self.caption_column):
-            self._fail("token_id_column", "must differ from output.image_column and output.caption_column")
+        if self.latent_column == self.caption_column:
+            self._fail("caption_column", f"must differ from output.latent_column ({self.latent_column!r})")
+        if self.token_id_column in (self.latent_column, self.caption_column):
+            self._fail("token_id_column", "must differ from output.latent_column and output.caption_column")
 
 
 @dataclass
@@ -182,6 +182,7 @@ class PreprocessConfig(ConfigTree):
         "output": OutputConfig,
         "storage": StorageConfig,  # training's section: the same endpoint and retries for every s3:// path
     }
+    RENAMED: ClassVar[dict[str, str]] = {"output.image_column": "output.latent_column"}  # training's name for it
 
     def __post_init__(self):
         if not self.input.paths:

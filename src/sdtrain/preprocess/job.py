@@ -119,7 +119,7 @@ def _write_index(config: PreprocessConfig, stats: list[dict[str, Any]], shards_w
             # One index, of one caption column: the ids where they are the only captions, else the embeddings
             # (training on the ids of output.captions=both reads their footers at its first start).
             Columns(
-                config.output.image_column,
+                config.output.latent_column,
                 config.output.token_id_column
                 if config.output.captions == "token_ids"
                 else config.output.caption_column,

@@ -94,7 +94,7 @@ def output_columns(
         TEXT_ENCODER_SOURCE: config.encode.model,
         LATENT: config.encode.latent,
     }
-    columns = {"latents": config.output.image_column}
+    columns = {"latents": config.output.latent_column}
     if config.output.captions != "token_ids":
         columns["embeddings"] = config.output.caption_column
         if has_second_encoder(config.encode.model):  # SDXL's UNet also takes the second encoder's pooled embedding

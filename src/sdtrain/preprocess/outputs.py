@@ -61,7 +61,7 @@ RESUME_KEYS = (
     "encode.model",
     "encode.latent",
     "encode.seed",
-    "output.image_column",
+    "output.latent_column",
     "output.caption_column",
     "output.captions",
     "output.token_id_column",
@@ -90,6 +90,8 @@ def check_settings(output: str, settings: dict[str, Any]) -> None:
         return
     with fs.open_input_stream(path) as f:
         recorded = json.loads(f.read())
+    if "output.image_column" in recorded:  # outputs written before the key was output.latent_column
+        recorded.setdefault("output.latent_column", recorded.pop("output.image_column"))
     for key, value in settings.items():
         if key in recorded and recorded[key] != value:
             raise ConfigError(
