@@ -14,6 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from s3_server import moto_server
+from support.ray_processes import committed_checkpoints  # noqa: F401  (tests import it from here)
 
 from sdtrain.logs import configure_logging
 
@@ -253,16 +254,6 @@ def s3_auth(monkeypatch, tmp_path, clean_storage_settings):
         write_latents(tmp_path / "part.parquet", rows=4)
         s3.upload_file(str(tmp_path / "part.parquet"), "sdtrain-test", "data/part.parquet")
         yield AuthServer(endpoint, keys)
-
-
-def committed_checkpoints(run_dir: Path) -> list[str]:
-    """The checkpoints Ray Train has committed for the run in ``run_dir``, from its own record: files
-    on disk alone may be a checkpoint still being reported, which a restart rightly ignores."""
-    try:
-        snapshot = json.loads((run_dir / "checkpoint_manager_snapshot.json").read_text())
-    except (OSError, ValueError):  # not written yet, or being replaced as we read
-        return []
-    return [c["checkpoint_dir_name"] for c in snapshot["checkpoint_results"]]
 
 
 def rows_by_step(recorded: list[np.ndarray], global_batch: int) -> list[np.ndarray]:

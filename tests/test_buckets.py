@@ -150,12 +150,11 @@ def test_a_bucketed_run_killed_mid_epoch_and_resumed_on_another_number_of_worker
     driver = subprocess.Popen(
         command, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
     )
-    committed, _, _ = kill_at_first_checkpoint(driver, run_dir / "checkpoint_manager_snapshot.json", 240)
+    committed, _, _ = kill_at_first_checkpoint(driver, run_dir, 240)
     assert committed == ["checkpoint_000000005"]  # killed mid-epoch (10 steps), ~5 steps before the next
 
     summary = train(tiny_config(*keys, tmp_path=tmp_path, name="buckets", steps=13, batch=8, workers=1))
     assert summary.final_step == 13
-    run_dir = tmp_path / "runs" / "buckets"
     recorded = [np.load(run_dir / name / SAMPLES_FILE) for name in _checkpoints(run_dir)]
     steps = rows_by_step(recorded, global_batch=8)
     spec = index_dataset([str(tmp_path / "train")], "data.train", COLUMNS, 4, 32).spec

@@ -127,9 +127,7 @@ def test_the_demo_survives_a_killed_driver_and_the_loss_falls(tmp_path, monkeypa
         TRAIN + args, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
     )
     run_dir = tmp_path / "runs" / "demo"
-    committed, first_output, started = kill_at_first_checkpoint(
-        driver, run_dir / "checkpoint_manager_snapshot.json", 400
-    )
+    committed, first_output, started = kill_at_first_checkpoint(driver, run_dir, 400)
     assert "wrote the digits demo dataset" in first_output
     assert committed and "checkpoint_000000040" not in committed
 
