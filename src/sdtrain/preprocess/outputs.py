@@ -41,6 +41,7 @@ from sdtrain.data.added_columns import BUCKET_COLUMN
 from sdtrain.data.added_columns import PLACEMENT_COLUMNS as PLACEMENT
 from sdtrain.data.metadata import BUCKET_RUNS, BUCKET_SHAPES
 from sdtrain.errors import ConfigError
+from sdtrain.preprocess.config import PreprocessConfig
 from sdtrain.storage.filesystems import delete_file, filesystem_for, move_file, write_bytes
 from sdtrain.storage.uris import is_uri
 
@@ -90,8 +91,9 @@ def check_settings(output: str, settings: dict[str, Any]) -> None:
         return
     with fs.open_input_stream(path) as f:
         recorded = json.loads(f.read())
-    if "output.image_column" in recorded:  # outputs written before the key was output.latent_column
-        recorded.setdefault("output.latent_column", recorded.pop("output.image_column"))
+    for old, new in PreprocessConfig.RENAMED.items():  # outputs written before a key was renamed
+        if old in recorded:
+            recorded.setdefault(new, recorded.pop(old))
     for key, value in settings.items():
         if key in recorded and recorded[key] != value:
             raise ConfigError(
