@@ -102,12 +102,23 @@ def write_tiny_sd_model(root: str, caption_dim: int = 32, vae_blocks: int = 2) -
         caption_dim: the text encoder's width: the UNet's cross_attention_dim (32 for model.preset=tiny).
         vae_blocks: the VAE's encoder blocks.
     """
-    from diffusers import AutoencoderKL
+    import torch
     from transformers import CLIPTextModel
 
     vocab = write_tokenizer(os.path.join(root, "tokenizer"))
-    CLIPTextModel(_tiny_text_config(vocab, caption_dim)).save_pretrained(os.path.join(root, "text_encoder"))
-    vae = AutoencoderKL(
+    # Seeded on their own (the caller's RNG kept): a test's numbers must not depend on the tests that ran before it.
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        CLIPTextModel(_tiny_text_config(vocab, caption_dim)).save_pretrained(os.path.join(root, "text_encoder"))
+        vae = _tiny_vae(vae_blocks)
+    vae.save_pretrained(os.path.join(root, "vae"))
+    return root
+
+
+def _tiny_vae(vae_blocks: int):
+    from diffusers import AutoencoderKL
+
+    return AutoencoderKL(
         block_out_channels=tuple(16 * 2**i for i in range(vae_blocks)),
         down_block_types=("DownEncoderBlock2D",) * vae_blocks,
         up_block_types=("UpDecoderBlock2D",) * vae_blocks,
@@ -116,8 +127,6 @@ def write_tiny_sd_model(root: str, caption_dim: int = 32, vae_blocks: int = 2) -
         layers_per_block=1,
         sample_size=32,
     )
-    vae.save_pretrained(os.path.join(root, "vae"))
-    return root
 
 
 def write_tiny_sdxl_model(root: str, vae_blocks: int = 2) -> str:
@@ -130,6 +139,7 @@ def write_tiny_sdxl_model(root: str, vae_blocks: int = 2) -> str:
         root: the model directory (created).
         vae_blocks: the VAE's encoder blocks.
     """
+    import torch
     from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
 
     write_tiny_sd_model(root, caption_dim=32, vae_blocks=vae_blocks)
@@ -139,7 +149,9 @@ def write_tiny_sdxl_model(root: str, vae_blocks: int = 2) -> str:
     config = _tiny_text_config(vocab, 48)
     config.projection_dim = 32
     config.pad_token_id = vocab["!"]
-    CLIPTextModelWithProjection(config).save_pretrained(os.path.join(root, "text_encoder_2"))
+    with torch.random.fork_rng():
+        torch.manual_seed(1)
+        CLIPTextModelWithProjection(config).save_pretrained(os.path.join(root, "text_encoder_2"))
     assert CLIPTextModel.from_pretrained(os.path.join(root, "text_encoder")).config.hidden_size == 32
     return root
 
