@@ -129,7 +129,7 @@ def data_path_rows_per_s(out: Path, n: int, repeats: int) -> dict[str, float]:
     rates = {}
     for mode, column, shape in (("embeddings", "caption_latents", (77, 1024)), ("token_ids", "caption_ids", (77,))):
         path = write_mode(out, "read", mode, rows, {})
-        token_ids = TokenIds("sd2", 49408) if mode == "token_ids" else None
+        token_ids = TokenIds("sd2", 49408, (column,)) if mode == "token_ids" else None
         spec = DatasetSpec((str(path),), (n,), (4, 32, 32), shape, token_ids=token_ids)
         data = DataConfig(train=[str(path)], caption_column=column, shuffle_chunk_rows=64, shuffle_window_rows=512)
         plan = SamplePlan(spec.rows_per_file, 0, 64, 512, files_digest(spec.files))

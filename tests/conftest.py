@@ -73,17 +73,26 @@ def write_latents(
 
 
 def token_id_table(latents: np.ndarray, text_encoder: str, seed: int = 0) -> pa.Table:
-    """``latents`` with captions as random token ids of ``text_encoder``'s tokenizers (77 int32 a row for each, in
-    caption_ids: SDXL's two in turn), the schema metadata naming the encoder and the vocabulary, as preprocessing
-    writes them."""
-    from sdtrain.data.metadata import TEXT_ENCODER_SOURCE, TOKEN_VOCAB_SIZE
+    """``latents`` with captions as random token ids of ``text_encoder``'s tokenizers (77 int32 a row in caption_ids;
+    SDXL's second tokenizer's in caption_ids_2), the schema metadata naming the encoder, the vocabulary and the id
+    columns, as preprocessing writes them."""
+    import json
+
+    from sdtrain.data.metadata import TEXT_ENCODER_SOURCE, TOKEN_ID_COLUMNS, TOKEN_VOCAB_SIZE
     from sdtrain.model.encoders import load_tokenizers
 
     tokenizers = load_tokenizers(text_encoder)
     vocab = min(len(tokenizer) for tokenizer in tokenizers)  # an id every tokenizer knows
-    ids = np.random.default_rng(seed).integers(0, vocab, (len(latents), 77 * len(tokenizers))).astype(np.int32)
-    table = pa.table({"image_latents_256": column(latents, "list"), "caption_ids": column(ids, "list")})
-    return table.replace_schema_metadata({TEXT_ENCODER_SOURCE: text_encoder, TOKEN_VOCAB_SIZE: str(vocab)})
+    ids = np.random.default_rng(seed).integers(0, vocab, (len(tokenizers), len(latents), 77)).astype(np.int32)
+    names = ["caption_ids", "caption_ids_2"][: len(tokenizers)]
+    table = pa.table(
+        {
+            "image_latents_256": column(latents, "list"),
+            **{name: column(i, "list") for name, i in zip(names, ids, strict=True)},
+        }
+    )
+    metadata = {TEXT_ENCODER_SOURCE: text_encoder, TOKEN_VOCAB_SIZE: str(vocab), TOKEN_ID_COLUMNS: json.dumps(names)}
+    return table.replace_schema_metadata(metadata)
 
 
 def tiny_config(

@@ -441,7 +441,7 @@ def test_indexed_directories_are_held_to_each_other_as_their_footers_are(tmp_pat
     else:
         key, token_ids, caption = TEXT_ENCODER_SOURCE, True, "caption_ids"
         first, second, same = ({key: v, TOKEN_VOCAB_SIZE: "1000"} for v in ("enc-a", "enc-b", "enc-a"))
-        message = r"holds token ids for the text encoder 'enc-(a|b)' but .* for 'enc-(a|b)'"
+        message = r"records enc-(a|b) \(sdtrain.text_encoder_source\) beside its token ids, but .* enc-(a|b);"
     a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
     files = _indexed_output(a, first, token_ids) + _indexed_output(b, second, token_ids, seed=5)
     _indexed_output(c, same, token_ids, seed=9)

@@ -210,6 +210,74 @@ def test_the_data_check_reads_an_sdxl_unets_added_columns_or_refuses_naming_them
         check("placed", "data.unconditional_caption=u.npy")
 
 
+def test_sdxl_token_ids_are_a_column_per_tokenizer_read_joined_or_refused_naming_the_columns(sdxl, tmp_path):
+    """Each tokenizer's ids in a column of its own, the files naming them in order (sdtrain.token_id_columns): the
+    data check takes them, and both readers (the file-order reader, and a training stream's read task) join them into
+    the T x L ids a row that TextEncoders.tokenize makes. Refused before Ray, each naming the columns: the ids of one
+    tokenizer for a model of two (the T x L column earlier sdtrain wrote too), data.caption_column naming the second
+    tokenizer's column, a named column the file lacks, one stored otherwise than the first."""
+    import json
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from conftest import token_id_table
+
+    from sdtrain.config.learning import Columns, DataConfig
+    from sdtrain.data.metadata import TOKEN_ID_COLUMNS
+    from sdtrain.data.read_order import DataState, SamplePlan
+    from sdtrain.data.rows import RowReader
+    from sdtrain.data.streams import WindowReader
+    from sdtrain.driver.data_check import check_data
+    from sdtrain.errors import DataError
+
+    root, _ = sdxl
+    table = token_id_table(np.zeros((8, 4, 16, 16), np.float16), root)
+    joined = np.concatenate([np.stack(table.column(c).to_pylist()) for c in ("caption_ids", "caption_ids_2")], axis=1)
+
+    def check(name, data, *keys, file="a.parquet"):
+        (tmp_path / name).mkdir(exist_ok=True)
+        pq.write_table(data, tmp_path / name / file)
+        config = tiny_config(
+            f"data.train={tmp_path / name}", "model.preset=tiny-sdxl", "export.enabled=false", *keys, batch=4
+        )
+        return check_data(config, str(tmp_path / "runs" / name))[0].spec
+
+    spec = check("good", table, "data.caption_column=caption_ids")
+    assert spec.token_ids is not None and spec.token_ids.columns == ("caption_ids", "caption_ids_2")
+    assert spec.caption_shape == (154,) and spec.embedding_shape(80) == (77, 80)
+    (batch,) = RowReader.of(spec, Columns("image_latents_256", "caption_ids")).batches(spec.files, "data.train")
+    assert batch.captions.dtype == np.int32 and np.array_equal(batch.captions, joined)
+    plan = SamplePlan(spec.rows_per_file, seed=0, chunk_rows=8, window_rows=8)
+    (stretches,) = plan.rank_stretches(DataState(), 1, 8, 1)
+    reader = WindowReader(spec, DataConfig(caption_column="caption_ids"), plan)
+    (window,) = [w for stretch in stretches for w in plan.windows(stretch)]
+    (block,) = reader.task(window)()
+    captions = np.stack(block.column("captions").to_numpy(zero_copy_only=False))
+    assert np.array_equal(captions, joined[block.column("sample_index").to_numpy()])
+
+    one = table.drop_columns(["caption_ids_2"]).set_column(
+        1, "caption_ids", pa.array(joined.tolist(), pa.list_(pa.int32()))
+    )
+    metadata = {k: v for k, v in table.schema.metadata.items() if k != TOKEN_ID_COLUMNS.encode()}
+    with pytest.raises(DataError, match=r"hold the ids of 1 tokenizer\(s\), in \['caption_ids'\], but .* has 2: "):
+        check("one", one.replace_schema_metadata(metadata), "data.caption_column=caption_ids")
+    with pytest.raises(DataError, match=r"\['caption_ids', 'caption_ids_2'\] \(sdtrain.token_id_columns\), one per"):
+        check("second", table, "data.caption_column=caption_ids_2")
+    with pytest.raises(
+        DataError, match=r"has no column 'caption_ids_2'; its columns are image_latents_256, caption_ids"
+    ):
+        check("lacks", table.drop_columns(["caption_ids_2"]), "data.caption_column=caption_ids")
+    wide = table.set_column(2, "caption_ids_2", pa.array(joined[:, 77:].tolist(), pa.list_(pa.int64())))
+    with pytest.raises(DataError, match=r"column 'caption_ids_2' \(sdtrain.token_id_columns\) is a list of int64 but"):
+        check("otherwise", wide, "data.caption_column=caption_ids")
+    assert json.loads(table.schema.metadata[TOKEN_ID_COLUMNS.encode()]) == ["caption_ids", "caption_ids_2"]
+    # Every file's footer is held to the first's: a later file that lacks a listed column is named before Ray.
+    (tmp_path / "mixed").mkdir()
+    pq.write_table(table, tmp_path / "mixed" / "a.parquet")
+    with pytest.raises(DataError, match=r"b.parquet records token ids in column 'caption_ids_2' .* has no such column"):
+        check("mixed", table.drop_columns(["caption_ids_2"]), "data.caption_column=caption_ids", file="b.parquet")
+
+
 # --- preprocessing with an SDXL model directory ---
 
 
@@ -225,7 +293,7 @@ def _encode_batch(captions: list[str]) -> dict[str, np.ndarray]:
 
 def test_the_encode_stage_stores_both_encoders_hidden_states_the_pooled_embedding_and_both_tokenizers_ids(sdxl):
     """An SDXL model directory's two encoders, as TextEncoders encode and tokenize: 77 x (32 + 48) hidden states, the
-    32-wide pooled embedding, 2 x 77 ids; for ids alone no encoder weights are loaded."""
+    32-wide pooled embedding, 77 ids of each tokenizer; for ids alone no encoder weights are loaded."""
     from sdtrain.preprocess.encode_stage import Encoder
 
     root, encoders = sdxl
@@ -235,17 +303,29 @@ def test_the_encode_stage_stores_both_encoders_hidden_states_the_pooled_embeddin
     assert pooled is not None
     assert out["embeddings"].shape == (3, 77 * 80) and out["embeddings"].dtype == np.float16
     assert out["pooled"].shape == (3, 32) and out["pooled"].dtype == np.float16
-    assert out["token_ids"].shape == (3, 2 * 77) and out["token_ids"].dtype == np.int32
+    ids = encoders.tokenize(TEXTS[:2]).numpy()
+    for key, part in (("token_ids", ids[:, :77]), ("token_ids_2", ids[:, 77:])):
+        assert out[key].shape == (3, 77) and out[key].dtype == np.int32
+        assert np.array_equal(out[key][:2], part) and not out[key][2].any()
     assert np.array_equal(out["embeddings"][:2], hidden.flatten(1).numpy().astype(np.float16))
     assert np.array_equal(out["pooled"][:2], pooled.numpy().astype(np.float16))
-    assert np.array_equal(out["token_ids"][:2], encoders.tokenize(TEXTS[:2]).numpy())
-    assert not out["embeddings"][2].any() and not out["pooled"][2].any() and not out["token_ids"][2].any()
+    assert not out["embeddings"][2].any() and not out["pooled"][2].any()
 
     ids_only = Encoder(root, "mean", 0, "float32", 32, captions="token_ids")
     assert ids_only.text_encoder is None  # the tokenizers make the ids
     out = ids_only(_encode_batch(TEXTS[:2]))
     assert "embeddings" not in out and "pooled" not in out
-    assert np.array_equal(out["token_ids"][:2], encoders.tokenize(TEXTS[:2]).numpy())
+    assert np.array_equal(np.concatenate([out["token_ids"], out["token_ids_2"]], axis=1)[:2], ids)
+
+
+def test_the_second_tokenizers_ids_column_takes_no_other_outputs_name(tmp_path):
+    from sdtrain.config.loader import load_config
+    from sdtrain.preprocess.config import PreprocessConfig
+
+    keys = [f"input.paths={tmp_path}", f"output.path={tmp_path / 'out'}", "output.token_id_column=ids"]
+    assert load_config(None, keys, PreprocessConfig).output.token_id_columns(2) == ["ids", "ids_2"]
+    with pytest.raises(ConfigError, match=r"output.token_id_column: must differ, and so must 'ids_2' \(an SDXL model"):
+        load_config(None, [*keys, "output.pooled_column=ids_2"], PreprocessConfig)
 
 
 def test_an_sdxl_model_on_s3_encodes_as_the_local_one_and_writes_no_empty_prompt_file(sdxl, tmp_path, s3_bucket):
@@ -267,7 +347,7 @@ def test_an_sdxl_model_on_s3_encodes_as_the_local_one_and_writes_no_empty_prompt
     model = f"{s3_bucket}/models/sdxl"
     out = Encoder(model, "mean", 0, "float32", 32, captions="both")(_encode_batch(TEXTS))
     local = Encoder(root, "mean", 0, "float32", 32, captions="both")(_encode_batch(TEXTS))
-    for column in ("latents", "embeddings", "pooled", "token_ids"):
+    for column in ("latents", "embeddings", "pooled", "token_ids", "token_ids_2"):
         assert np.array_equal(out[column], local[column]), column
 
     (tmp_path / "input").mkdir()
@@ -289,9 +369,12 @@ def test_an_sdxl_model_on_s3_encodes_as_the_local_one_and_writes_no_empty_prompt
 def test_photographs_preprocessed_with_an_sdxl_model_both_ways_are_what_training_reads(sdxl, tmp_path, ray_cluster):
     """scikit-learn's photographs cut tall, wide and square, preprocessed by a real Ray Data job with the tiny SDXL
     model (output.captions: both, image.buckets: aspect): the two encoders' hidden states (77 x 80), the pooled
-    embedding (32) and both tokenizers' ids (154) of each caption, as TextEncoders make them; each image's placement;
-    the files name the model and its VAE's downsampling. Training's data check takes the output with
+    embedding (32) and each tokenizer's 77 ids in a column of its own (caption_ids, caption_ids_2, named in the files'
+    metadata), as TextEncoders make them; each image's placement; the files name the model and its VAE's
+    downsampling. Training's data check takes the output with
     model.preset=tiny-sdxl both ways: from the embeddings with the pooled column, and from the ids."""
+
+    import json
 
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -302,6 +385,7 @@ def test_photographs_preprocessed_with_an_sdxl_model_both_ways_are_what_training
     from sdtrain.data.metadata import (
         BUCKET_SHAPES,
         TEXT_ENCODER_SOURCE,
+        TOKEN_ID_COLUMNS,
         TOKEN_VOCAB_SIZE,
         VAE_DOWNSAMPLING,
         VAE_SOURCE,
@@ -336,20 +420,21 @@ def test_photographs_preprocessed_with_an_sdxl_model_both_ways_are_what_training
     for i, caption in enumerate(captions):
         row = rows[caption]
         assert len(row["caption_latents"]) == 77 * 80 and len(row["caption_pooled"]) == 32
-        assert len(row["caption_ids"]) == 2 * 77 and row["caption_ids"] == ids[i].tolist()
+        assert row["caption_ids"] + row["caption_ids_2"] == ids[i].tolist() and len(row["caption_ids_2"]) == 77
         np.testing.assert_allclose(row["caption_latents"], hidden[i].flatten().numpy(), atol=2e-3, rtol=1e-2)
         np.testing.assert_allclose(row["caption_pooled"], pooled[i].numpy(), atol=2e-3, rtol=1e-2)
         placed, _ = place(*sizes[i], buckets)
         assert (row["bucket"], row["original_height"], row["original_width"]) == (placed.bucket, *sizes[i])
         assert (row["crop_top"], row["crop_left"]) == placed.crop_top_left
     assert table.schema.field("caption_pooled").type == pa.list_(pa.float16())
-    assert table.schema.field("caption_ids").type == pa.list_(pa.int32())
+    assert table.schema.field("caption_ids").type == table.schema.field("caption_ids_2").type == pa.list_(pa.int32())
     for file in files:
         metadata = pq.read_schema(file).metadata
         assert metadata[VAE_DOWNSAMPLING.encode()] == b"2"
         assert int(metadata[TOKEN_VOCAB_SIZE.encode()]) == max(len(t) for t in encoders.tokenizers)
         assert metadata[TEXT_ENCODER_SOURCE.encode()] == metadata[VAE_SOURCE.encode()] == root.encode()
         assert BUCKET_SHAPES.encode() in metadata
+        assert json.loads(metadata[TOKEN_ID_COLUMNS.encode()]) == ["caption_ids", "caption_ids_2"]
 
     def checked(*keys):
         keys = (f"data.train={output}", "model.preset=tiny-sdxl", "export.enabled=false", *keys)
@@ -359,7 +444,8 @@ def test_photographs_preprocessed_with_an_sdxl_model_both_ways_are_what_training
     assert embedded.added == AddedColumns("caption_pooled", 32, placement=True)
     assert embedded.caption_shape == (77, 80) and embedded.vae_downsampling == 2 and embedded.token_ids is None
     from_ids = checked("data.caption_column=caption_ids")
-    assert from_ids.token_ids is not None and from_ids.token_ids.sequences == 2
+    assert from_ids.token_ids is not None and from_ids.token_ids.columns == ("caption_ids", "caption_ids_2")
+    assert from_ids.caption_shape == (154,)
     assert from_ids.token_ids.text_encoder == root and from_ids.embedding_shape(80) == (77, 80)
     assert from_ids.added == AddedColumns(None, 32, placement=True) and from_ids.vae_downsampling == 2
 

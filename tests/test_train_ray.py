@@ -28,9 +28,9 @@ pytestmark = pytest.mark.slow  # each test runs Ray Train on a local Ray cluster
 LR, WARMUP = 1e-3, 20
 
 
-def _read_val(path, caption_column, caption_shape):
-    """The validation file's rows, decoded as training decodes them."""
-    reader = RowReader(Columns("image_latents_256", caption_column), (4, 16, 16), caption_shape)
+def _read_val(path, caption_column, caption_shape, further_ids=()):
+    """The validation file's rows, decoded as training decodes them (``further_ids``: SDXL's second tokenizer's)."""
+    reader = RowReader(Columns("image_latents_256", caption_column, further_ids), (4, 16, 16), caption_shape)
     (batch,) = reader.batches([str(path)], "data.val")
     return {"latents": batch.latents, "captions": batch.captions}
 
@@ -551,7 +551,7 @@ def test_fsdp_on_two_cpu_workers_validates_with_its_ema_and_resumes_on_one(ray_c
     assert loaded.meta.text_encoder == text_encoder
     saved = torch.load(run_dir / "checkpoint_000000004" / CHECKPOINT_FILE, weights_only=True)
     assert not any("text_model" in key for key in saved["state_dict"])
-    val = _read_val(tmp_path / "val/v.parquet", "caption_ids", (154,))
+    val = _read_val(tmp_path / "val/v.parquet", "caption_ids", (154,), ("caption_ids_2",))
     assert val["captions"].dtype == np.int32
     batches = [{k: torch.from_numpy(v[i : i + 4]) for k, v in val.items()} for i in range(0, 8, 4)]
     condition = Conditioner(unet.config, encoder=CaptionEncoder.load(text_encoder, use_gpu=False))

@@ -22,9 +22,17 @@ class Columns:
 
     latent: str
     caption: str
+    further_ids: tuple[str, ...] = ()
+    """Token-id captions of several tokenizers (SDXL's): the columns of the ids after the first's, read with it and
+    joined onto its ids in order. Set from the files (sdtrain.data.metadata.TokenIds), not by the config."""
+
+    @property
+    def captions(self) -> tuple[str, ...]:
+        """The caption columns: data.caption_column, and the further tokenizers' ids."""
+        return (self.caption, *self.further_ids)
 
     def names(self) -> list[str]:
-        return [self.latent, self.caption]
+        return [self.latent, *self.captions]
 
 
 @dataclass

@@ -147,7 +147,7 @@ def index_dataset(
     row_file = next((f for f, r in zip(read_files, read_rows, strict=True) if r), None)
     if not read_files and own is None:
         row_file = listing.paths[int(np.flatnonzero(rows)[0])]
-    row = first_row(row_file, key, checked.row_columns()) if row_file is not None else None
+    row = first_row(row_file, key, checked.row_columns(key)) if row_file is not None else None
     recorded = (reference.latent_shape, reference.caption_shape) if reference is not None else None
     latent_shape, caption_shape = check_shapes(
         key, checked, in_channels, cross_attention_dim, row, row_file or checked.file, recorded

@@ -115,6 +115,17 @@ def to_array(
     return values.reshape((len(array), *shape))
 
 
+def caption_array(
+    table: pa.Table, columns: tuple[str, ...], shape: tuple[int, ...], vocab_size: int | None = None, first_row: int = 0
+) -> np.ndarray:
+    """The captions of ``table``'s rows, (rows, *shape): the one caption column's (:func:`to_array`), or token ids of
+    several tokenizers (SDXL's), each of ``columns``' L ids joined in turn into ``shape`` = (T x L,)."""
+    if len(columns) == 1:
+        return to_array(table.column(columns[0]), shape, columns[0], vocab_size, first_row)
+    length = (shape[0] // len(columns),)
+    return np.concatenate([to_array(table.column(c), length, c, vocab_size, first_row) for c in columns], axis=1)
+
+
 def check_token_ids(ids: np.ndarray, vocab_size: int, name: str, first_row: int = 0) -> None:
     """A TokenIdOutOfRange naming the row (``first_row`` + its index in ``ids``, one row of ids a row) and the value of
     the first id outside [0, ``vocab_size``). A batch costs a min and a max; the search for the row only a failure."""

@@ -87,10 +87,12 @@ def _new_index(
     if len(with_rows) == 0:
         return None
     file = listing.paths[sample if sample is not None and rows[sample] else int(with_rows[0])]
-    row = first_row(file, key, checked.row_columns())
+    row = first_row(file, key, checked.row_columns(key))
     image_layout, caption_layout = checked.layouts(key)
     latent_shape = image_layout.shape or (_values(row, columns.latent, key),)
     caption_shape = caption_layout.shape or (_values(row, columns.caption, key),)
+    if caption_layout.token_ids:  # what a batch holds: each tokenizer's ids joined (SDXL's two)
+        caption_shape = (caption_shape[0] * len(checked.caption_columns(key)),)
     return DatasetIndex(listing.paths, listing.sizes, listing.versions, rows, checked, latent_shape, caption_shape)
 
 

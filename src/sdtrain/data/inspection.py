@@ -7,6 +7,8 @@ A run's later starts take the footers from the dataset index instead (sdtrain.da
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -28,11 +30,13 @@ from sdtrain.data.metadata import (
     BUCKET_SHAPES,
     LATENT_SCALING_FACTOR,
     TEXT_ENCODER_SOURCE,
+    TOKEN_ID_COLUMNS,
     TokenIds,
     bucket_runs,
     bucket_shapes,
     describe_scaling,
     latent_scaling,
+    token_id_columns,
     token_ids,
 )
 from sdtrain.errors import DataError
@@ -84,6 +88,13 @@ class DatasetSpec:
             return (self.caption_shape[0], self.caption_shape[1])
         return (self.caption_shape[0] // self.token_ids.sequences, cross_attention_dim)
 
+    def read_columns(self, columns: Columns) -> Columns:
+        """``columns`` (data.latent_column, data.caption_column) with the further tokenizers' id columns the files
+        record: what a reader reads."""
+        if self.token_ids is None:
+            return columns
+        return dataclasses.replace(columns, further_ids=self.token_ids.columns[1:])
+
 
 @dataclass(frozen=True)
 class CheckedSchema:
@@ -96,20 +107,50 @@ class CheckedSchema:
     def layouts(self, key: str) -> tuple[ColumnLayout, ColumnLayout]:
         return column_layouts(key, self.file, self.schema, self.columns)
 
-    def row_columns(self) -> list[str]:
-        """The columns a first row is read with: the latents and captions, and a bucketed file's bucket."""
-        return [*self.columns.names(), *(["bucket"] if self.buckets is not None else [])]
+    def row_columns(self, key: str) -> list[str]:
+        """The columns a first row is read with: the latents and captions (each tokenizer's ids), and a bucketed
+        file's bucket."""
+        return [self.columns.latent, *self.caption_columns(key), *(["bucket"] if self.buckets is not None else [])]
+
+    def caption_columns(self, key: str) -> tuple[str, ...]:
+        """data.caption_column, and for token ids of several tokenizers the further tokenizers' id columns."""
+        ids = self.token_ids(key)
+        return ids.columns if ids is not None else (self.columns.caption,)
 
     @property
     def buckets(self) -> tuple[tuple[int, int, int], ...] | None:
         """The latent shapes of the file's aspect-ratio buckets (its metadata), or None: one shape."""
         return bucket_shapes(self.schema.metadata, self.file)
 
+    @functools.cached_property
+    def further_id_columns(self) -> tuple[str, ...]:
+        """For token ids of several tokenizers, the columns after data.caption_column's (parsed once: each file's
+        footer is held to them)."""
+        return token_id_columns(self.schema.metadata, self.file, self.columns.caption)[1:]
+
     def token_ids(self, key: str) -> TokenIds | None:
         """What the caption column's token ids are for (its file's metadata); None for embeddings."""
-        if not self.layouts(key)[1].token_ids:
+        caption = self.layouts(key)[1]
+        if not caption.token_ids:
             return None
-        return token_ids(self.schema.metadata, f"{key}: {self.file}, column {self.columns.caption!r}")
+        where = f"{key}: {self.file}, column {self.columns.caption!r}"
+        ids = token_ids(self.schema.metadata, where, self.columns.caption)
+        for column in ids.columns[1:]:  # each further tokenizer's ids stored as the first's are
+            if column not in self.schema.names:
+                raise DataError(
+                    f"{where}: the file records token ids in the columns {list(ids.columns)} ({TOKEN_ID_COLUMNS}) but "
+                    f"has no column {column!r}; its columns are {', '.join(self.schema.names)}"
+                )
+            try:
+                layout = column_layout(self.schema.field(column))
+            except DataError as e:
+                raise DataError(f"{key}: {self.file}, column {column!r} ({TOKEN_ID_COLUMNS}) {e}") from None
+            if layout != caption:
+                raise DataError(
+                    f"{key}: {self.file}, column {column!r} ({TOKEN_ID_COLUMNS}) is a {layout.describe()} but "
+                    f"{self.columns.caption!r} a {caption.describe()}; every tokenizer's ids must be stored alike"
+                )
+        return ids
 
 
 def column_layouts(key: str, file: str, schema: pa.Schema, columns: Columns) -> tuple[ColumnLayout, ColumnLayout]:
@@ -143,15 +184,7 @@ def check_same_layouts(key: str, file: str, schema: pa.Schema, reference: Checke
                 f"{first.describe()} in {reference.file}; every file must store it the same way"
             )
     if mine[1].token_ids:
-        encoder, first_encoder = (
-            (s.metadata or {}).get(TEXT_ENCODER_SOURCE.encode(), b"").decode() for s in (schema, reference.schema)
-        )
-        if encoder != first_encoder:
-            # One text encoder encodes every row in the step: ids of another tokenizer would mean other words.
-            raise DataError(
-                f"{key}: {file} holds token ids for the text encoder {encoder!r} but {reference.file} for "
-                f"{first_encoder!r} ({TEXT_ENCODER_SOURCE}); every file of a dataset must hold ids of one tokenizer"
-            )
+        _check_same_token_ids(key, file, schema, reference, mine[1])
     where = f"{key}: {file}"
     if bucket_shapes(schema.metadata, where) != reference.buckets:
         raise DataError(
@@ -166,6 +199,31 @@ def check_same_layouts(key: str, file: str, schema: pa.Schema, reference: Checke
             f"{describe_scaling(first_scale)} (parquet metadata {LATENT_SCALING_FACTOR}); every file of a dataset "
             "must hold latents scaled the same way: re-encode one of them or train on them separately"
         )
+
+
+def _check_same_token_ids(key: str, file: str, schema: pa.Schema, reference: CheckedSchema, ids: ColumnLayout) -> None:
+    """``file``'s token ids (its caption column's layout ``ids``) are for the reference's tokenizers, in the same
+    columns, each stored as its caption column is; else the DataError naming both files or the column."""
+    for name in (TEXT_ENCODER_SOURCE, TOKEN_ID_COLUMNS):
+        value, first_value = ((s.metadata or {}).get(name.encode(), b"").decode() for s in (schema, reference.schema))
+        if value != first_value:
+            # One text encoder encodes every row in the step: ids of another tokenizer would mean other words.
+            raise DataError(
+                f"{key}: {file} records {value or 'nothing'} ({name}) beside its token ids, but {reference.file} "
+                f"{first_value or 'nothing'}; every file of a dataset must hold ids of the same tokenizers, in the "
+                "same columns"
+            )
+    for column in reference.further_id_columns:  # the file records the same columns (above)
+        try:
+            stored = column_layout(schema.field(column)) if column in schema.names else None
+        except DataError as e:
+            raise DataError(f"{key}: {file}, column {column!r} ({TOKEN_ID_COLUMNS}) {e}") from None
+        if stored != ids:
+            what = f"stores it as a {stored.describe()}" if stored is not None else "has no such column"
+            raise DataError(
+                f"{key}: {file} records token ids in column {column!r} ({TOKEN_ID_COLUMNS}) but {what}; its first "
+                f"tokenizer's ids are a {ids.describe()}, and every tokenizer's must be stored alike"
+            )
 
 
 def read_footers(

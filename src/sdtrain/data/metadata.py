@@ -39,6 +39,9 @@ less): what SDXL's size conditioning is measured in. Absent = 8."""
 TOKEN_VOCAB_SIZE = "sdtrain.token_vocab_size"
 """Beside a column of caption token ids (integers): the size of the tokenizer's vocabulary they were made with, which
 bounds every stored id. With TEXT_ENCODER_SOURCE it is what training needs to encode the ids in its step."""
+TOKEN_ID_COLUMNS = "sdtrain.token_id_columns"
+"""Beside caption token ids: the columns holding each tokenizer's ids, in the text encoders' order, as JSON (an SDXL
+model's two: ["caption_ids", "caption_ids_2"]). Absent = the caption column alone, of one tokenizer."""
 
 
 @dataclass(frozen=True)
@@ -48,15 +51,20 @@ class TokenIds:
     text_encoder: str
     """Where the text encoder the ids are for came from: training encodes them with it."""
     vocab_size: int
-    """The tokenizer's vocabulary size: every stored id is below it."""
-    sequences: int = 1
-    """How many tokenizers' ids a row holds, one after another: 1, or SDXL's 2 (the driver's data check sets it from
-    the text encoders: sdtrain.model.encoders.TextEncoders)."""
+    """The tokenizers' vocabulary size: every stored id is below it."""
+    columns: tuple[str, ...]
+    """The columns of each tokenizer's ids, in the text encoders' order: data.caption_column first, then (SDXL) the
+    second tokenizer's. A batch holds them joined, T x L ids a row (sdtrain.model.encoders.TextEncoders)."""
+
+    @property
+    def sequences(self) -> int:
+        """How many tokenizers' ids a row holds: 1, or SDXL's 2."""
+        return len(self.columns)
 
 
-def token_ids(metadata: Mapping[bytes, bytes] | None, where: str) -> TokenIds:
-    """The text encoder and vocabulary of a token-id caption column, from its file's schema metadata; a DataError
-    naming ``where`` (file and column) and the missing keys if the file does not record them."""
+def token_ids(metadata: Mapping[bytes, bytes] | None, where: str, column: str) -> TokenIds:
+    """The text encoder, vocabulary and id columns of the token-id caption column ``column``, from its file's schema
+    metadata; a DataError naming ``where`` (file and column) and the missing keys if the file does not record them."""
     metadata = metadata or {}
     missing = [key for key in (TEXT_ENCODER_SOURCE, TOKEN_VOCAB_SIZE) if key.encode() not in metadata]
     if missing:
@@ -65,7 +73,31 @@ def token_ids(metadata: Mapping[bytes, bytes] | None, where: str) -> TokenIds:
             "training cannot know which text encoder the ids are for. Write the data with sdtrain's preprocessing "
             "(output.captions: token_ids), or record those keys (docs/data.md)"
         )
-    return TokenIds(metadata[TEXT_ENCODER_SOURCE.encode()].decode(), int(metadata[TOKEN_VOCAB_SIZE.encode()]))
+    columns = token_id_columns(metadata, where, column)
+    return TokenIds(metadata[TEXT_ENCODER_SOURCE.encode()].decode(), int(metadata[TOKEN_VOCAB_SIZE.encode()]), columns)
+
+
+def token_id_columns(metadata: Mapping[bytes, bytes] | None, where: str, column: str) -> tuple[str, ...]:
+    """The columns of each tokenizer's ids the file records (TOKEN_ID_COLUMNS), ``column`` first; ``(column,)`` where
+    it records none. A DataError naming ``where`` when ``column`` is not the first tokenizer's."""
+    value = (metadata or {}).get(TOKEN_ID_COLUMNS.encode())
+    if value is None:
+        return (column,)
+    try:
+        listed = json.loads(value)
+        if not isinstance(listed, list):
+            raise TypeError(f"got {type(listed).__name__}")
+        columns = tuple(str(name) for name in listed)
+    except (ValueError, TypeError) as error:
+        raise DataError(f"{where}: {TOKEN_ID_COLUMNS} is not a list of column names: {error}") from None
+    if not columns:
+        raise DataError(f"{where}: {TOKEN_ID_COLUMNS} names no column")
+    if columns[0] != column:
+        raise DataError(
+            f"{where}: the file records its token ids in the columns {list(columns)} ({TOKEN_ID_COLUMNS}), one per "
+            f"tokenizer in the text encoders' order: set data.caption_column to the first, {columns[0]!r}"
+        )
+    return columns
 
 
 def vae_downsampling(metadata: Mapping[bytes, bytes] | None) -> int:

@@ -18,7 +18,7 @@ import pyarrow.parquet as pq
 
 from sdtrain.config.learning import Columns
 from sdtrain.data.added_columns import BUCKET_COLUMN, AddedColumns
-from sdtrain.data.decode import to_array
+from sdtrain.data.decode import caption_array, to_array
 from sdtrain.data.inspection import DatasetSpec
 from sdtrain.errors import DataError
 from sdtrain.storage.filesystems import filesystem_for
@@ -55,7 +55,7 @@ class RowReader:
     """Which columns of a dataset's files are read and the shapes they decode to.
 
     Args:
-        columns: the latent and caption columns.
+        columns: the latent and caption columns (and the further tokenizers' ids: Columns.further_ids).
         latent_shape: (C, H, W) of a row's latents; None: the latents are not read (captions only).
         caption_shape: (L, D) of an embedding, or (L,) of token ids; a column of integers is read as token ids of
             its first dimension whatever is given.
@@ -78,6 +78,7 @@ class RowReader:
     def of(cls, spec: DatasetSpec, columns: Columns, extra: Sequence[str] = ()) -> RowReader:
         """The reader of a checked dataset's rows."""
         vocab = spec.token_ids.vocab_size if spec.token_ids is not None else None
+        columns = spec.read_columns(columns)
         return cls(columns, spec.latent_shape, spec.caption_shape, vocab, tuple(extra), spec.bucket_shapes, spec.added)
 
     def batches(
@@ -122,7 +123,7 @@ class RowReader:
     def _decoded(
         self, parquet: pq.ParquetFile, file: str, key: str, batch_size: int | None, limit: int | None
     ) -> Iterator[RowBatch]:
-        names = ([self.columns.latent] if self.latent_shape is not None else []) + [self.columns.caption]
+        names = ([self.columns.latent] if self.latent_shape is not None else []) + list(self.columns.captions)
         added = self.added.names() if self.added else []
         names += [c for c in (*self.extra, *added, *([BUCKET_COLUMN] if self.bucket_shapes else [])) if c not in names]
         missing = [c for c in names if c not in parquet.schema_arrow.names]
@@ -150,7 +151,7 @@ class RowReader:
         storage_type = caption.type.storage_type if isinstance(caption.type, pa.ExtensionType) else caption.type
         ids = pa.types.is_integer(storage_type.value_type)
         shape = self.caption_shape[:1] if ids else self.caption_shape
-        captions = to_array(caption, shape, self.columns.caption, self.vocab_size if ids else None, first)
+        captions = caption_array(table, self.columns.captions, shape, self.vocab_size if ids else None, first)
         latents = None
         if self.latent_shape is not None:
             shape = self.latent_shape

@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pyarrow as pa
 
-from sdtrain.data.decode import ColumnLayout, to_array
+from sdtrain.data.decode import ColumnLayout, caption_array, to_array
 from sdtrain.data.inspection import CheckedSchema
 from sdtrain.data.metadata import BUCKET_SHAPES, TOKEN_VOCAB_SIZE
 from sdtrain.errors import DataError
@@ -37,21 +37,24 @@ def check_shapes(
     if checked.buckets is not None:
         return _bucketed_shapes(key, checked, in_channels, cross_attention_dim, row, row_file, recorded)
     latent_shape = _latent_shape(key, file, image, image_layout, row, in_channels, recorded and recorded[0])
+    captions = checked.caption_columns(key)
     caption_shape = _caption_shape(
-        key, file, caption, caption_layout, row, cross_attention_dim, recorded and recorded[1]
+        key, file, captions, caption_layout, row, cross_attention_dim, recorded and recorded[1]
     )
     if row is not None:
-        for column, shape in ((image, latent_shape), (caption, caption_shape)):
-            try:
-                values = to_array(row.column(column), shape, column)
-            except DataError as e:
-                raise DataError(f"{key}: {row_file}: {e}") from None
+        try:
+            first = {
+                image: to_array(row.column(image), latent_shape, image),
+                caption: caption_array(row, captions, caption_shape),
+            }
+        except DataError as e:
+            raise DataError(f"{key}: {row_file}: {e}") from None
+        for column, values in first.items():
             if not np.isfinite(values).all():
                 raise DataError(f"{key}: {row_file}, column {column!r}: the first row holds NaN or infinite values")
-    ids = checked.token_ids(key)
-    if ids is not None and row is not None:
-        values = to_array(row.column(caption), caption_shape, caption)
-        if values.min() < 0 or values.max() >= ids.vocab_size:
+        ids = checked.token_ids(key)
+        values = first[caption]
+        if ids is not None and (values.min() < 0 or values.max() >= ids.vocab_size):
             raise DataError(
                 f"{key}: {row_file}, column {caption!r}: the first row holds token ids from {values.min()} to "
                 f"{values.max()}, outside the vocabulary of {ids.vocab_size} the file records ({TOKEN_VOCAB_SIZE})"
@@ -72,7 +75,7 @@ def _bucketed_shapes(
     bucket's values, finite. The latent shape returned is the first bucket's (the caller picks the most common)."""
     buckets = checked.buckets
     assert buckets is not None
-    image, caption = checked.columns.latent, checked.columns.caption
+    image = checked.columns.latent
     wrong = [shape for shape in buckets if shape[0] != in_channels]
     if wrong:
         raise DataError(
@@ -81,7 +84,13 @@ def _bucketed_shapes(
         )
     _, caption_layout = checked.layouts(key)
     caption_shape = _caption_shape(
-        key, checked.file, caption, caption_layout, row, cross_attention_dim, recorded and recorded[1]
+        key,
+        checked.file,
+        checked.caption_columns(key),
+        caption_layout,
+        row,
+        cross_attention_dim,
+        recorded and recorded[1],
     )
     if row is not None:
         if "bucket" not in row.column_names:
@@ -125,12 +134,15 @@ def _latent_shape(key, file, column, layout, row, in_channels, recorded=None) ->
     return (in_channels, side, side)
 
 
-def _caption_shape(key, file, column, layout, row, cross_attention_dim, recorded=None) -> tuple[int, ...]:
+def _caption_shape(key, file, columns, layout, row, cross_attention_dim, recorded=None) -> tuple[int, ...]:
+    """(L, D) of caption embeddings in ``columns[0]``; (T x L,) of token ids, L in each of ``columns``, T of them."""
+    column = columns[0]
     where = f"{key}: {file}, column {column!r} (data.caption_column)"
     if layout.token_ids:
         if layout.shape is not None and len(layout.shape) != 1:
             raise DataError(f"{where} holds token ids of shape {layout.shape}; expected (L,): one id per position")
-        return (_values_per_row(where, layout, row, column, recorded),)
+        per_column = recorded and (recorded[0] // len(columns),)  # an index records the T x L a batch holds
+        return (_values_per_row(where, layout, row, column, per_column) * len(columns),)
     if layout.shape is not None:
         if len(layout.shape) != 2 or layout.shape[1] != cross_attention_dim:
             raise DataError(

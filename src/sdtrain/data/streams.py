@@ -23,7 +23,7 @@ from ray.data.extensions import ArrowTensorArray
 from sdtrain.config.learning import Columns
 from sdtrain.config.schema import DataConfig
 from sdtrain.data.added_columns import AddedColumns
-from sdtrain.data.decode import TokenIdOutOfRange, to_array
+from sdtrain.data.decode import TokenIdOutOfRange, caption_array, to_array
 from sdtrain.data.inspection import DatasetSpec
 from sdtrain.data.pacing import paced
 from sdtrain.data.read_order import FILE, ReadPlan, Window, slice_rows, window_sample_indices
@@ -197,9 +197,7 @@ class WindowRead:
         settings, columns = self.settings, self.settings.columns
         return {
             "latents": to_array(table.column(columns.latent), latent_shape, columns.latent),
-            "captions": to_array(
-                table.column(columns.caption), settings.caption_shape, columns.caption, settings.vocab_size, first_row
-            ),
+            "captions": caption_array(table, columns.captions, settings.caption_shape, settings.vocab_size, first_row),
             **(settings.added.decode(table) if settings.added else {}),
             "valid": np.ones(table.num_rows, bool),
         }
@@ -248,7 +246,7 @@ class WindowReader:
         self.reads_per_worker = data.reads_per_worker
         self.files = FileTable(spec.files)
         self.settings = ReadSettings(
-            data.columns,
+            spec.read_columns(data.columns),
             data.on_read_error,
             spec.latent_shape,
             spec.caption_shape,

@@ -16,7 +16,7 @@ from sdtrain.data.bucket_order import BucketPlan
 from sdtrain.data.dataset_index import IndexedDataset, index_dataset
 from sdtrain.data.index_format import run_index_uri
 from sdtrain.data.inspection import DatasetSpec, first_row
-from sdtrain.data.metadata import vae_downsampling
+from sdtrain.data.metadata import TOKEN_ID_COLUMNS, vae_downsampling
 from sdtrain.data.read_order import ReadPlan, SamplePlan, files_digest
 from sdtrain.errors import ConfigError, DataError
 from sdtrain.logs import log
@@ -85,13 +85,14 @@ def indexed_dataset(config: Config, key: str, specs: list[str], unet: Mapping, r
     if ids is not None:
         where = f"{key}: {indexed.schema_file}, column {config.data.caption_column!r}"
         check_text_encoder(ids, where, unet["cross_attention_dim"], pooled_width(unet))
-        sequences = len(text_encoder_configs(ids.text_encoder))
-        if indexed.spec.caption_shape[0] % sequences:
+        tokenizers = len(text_encoder_configs(ids.text_encoder))
+        if ids.sequences != tokenizers:
             raise DataError(
-                f"{where} holds {indexed.spec.caption_shape[0]} token ids a row, which is not the ids of each of the "
-                f"{sequences} tokenizers of {ids.text_encoder} in turn (T x L)"
+                f"{where}: the files hold the ids of {ids.sequences} tokenizer(s), in {list(ids.columns)}, but "
+                f"{ids.text_encoder} has {tokenizers}: store each tokenizer's ids in a column of its own and name "
+                f"the columns in order in the files' {TOKEN_ID_COLUMNS} (sdtrain's preprocessing writes "
+                "caption_ids and caption_ids_2 for an SDXL model)"
             )
-        indexed.spec = dataclasses.replace(indexed.spec, token_ids=dataclasses.replace(ids, sequences=sequences))
     added = added_columns(config, key, indexed, unet)
     downsampling = vae_downsampling(indexed.schema_metadata)
     indexed.spec = dataclasses.replace(indexed.spec, added=added, vae_downsampling=downsampling)

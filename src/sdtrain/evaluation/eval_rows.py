@@ -15,7 +15,7 @@ from sdtrain.data.added_columns import AddedColumns
 from sdtrain.data.decode import column_layout
 from sdtrain.data.footer import read_schema
 from sdtrain.data.listing import list_dataset
-from sdtrain.data.metadata import bucket_shapes
+from sdtrain.data.metadata import bucket_shapes, token_id_columns
 from sdtrain.data.rows import RowReader
 
 
@@ -70,7 +70,7 @@ def read_eval_rows(
 
     Args:
         latent_shape: (C, H, W) of a row's latents (of data of one shape).
-        caption_shape: (L, D) of a caption embedding; a column of token ids holds (L,) a row (2 L for SDXL's two).
+        caption_shape: (L, D) of a caption embedding; a column of token ids holds (L,) a row (each of SDXL's two).
         sources: the files (file, directory or glob; local or a storage URI), instead of data.val.
         key: what named them, in errors.
         measured: whether the rows are sampled (their texts for clip_score and labels for class_agreement are read),
@@ -86,9 +86,13 @@ def read_eval_rows(
     ids = (
         config.data.caption_column in schema.names and column_layout(schema.field(config.data.caption_column)).token_ids
     )
-    if ids and pooled_width:  # SDXL's two tokenizers' ids in turn (T x L), as its data holds them
-        caption_shape = (2 * caption_shape[0], *caption_shape[1:])
-    reader = RowReader(config.data.columns, tuple(latent_shape), tuple(caption_shape), extra=tuple(extra))
+    columns = config.data.columns
+    if ids:  # each tokenizer's ids (SDXL's two), joined: T x L a row
+        where = f"{key}: {listing.paths[0]}, column {columns.caption!r}"
+        captions = token_id_columns(schema.metadata, where, columns.caption)
+        columns = dataclasses.replace(columns, further_ids=captions[1:])
+        caption_shape = (caption_shape[0] * len(captions),)
+    reader = RowReader(columns, tuple(latent_shape), tuple(caption_shape), extra=tuple(extra))
     added = AddedColumns(config.data.pooled_caption_column, pooled_width, False) if pooled_width and not ids else None
     reader = dataclasses.replace(reader, bucket_shapes=buckets, added=added)
     # Batch by batch, only as many rows as are wanted: a data.val file may hold gigabytes of caption embeddings.

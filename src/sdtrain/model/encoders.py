@@ -176,8 +176,8 @@ class TextEncoders:
     with an attention mask only where the encoder asks for one), or SDXL's two (StableDiffusionXLPipeline
     .encode_prompt: each one's penultimate hidden state, concatenated, and the second's pooled projection).
 
-    Stored token ids hold each tokenizer's ids in turn (T x L a row, T = 1 or 2): :meth:`tokenize` makes them,
-    :meth:`encode_ids` encodes them.
+    A batch's token ids hold each tokenizer's ids in turn (T x L a row, T = 1 or 2; stored one column per tokenizer:
+    sdtrain.data.metadata.TOKEN_ID_COLUMNS): :meth:`tokenize` makes them, :meth:`encode_ids` encodes them.
     """
 
     def __init__(self, source: str, tokenizers: list[Any], encoders: list[Any]):

@@ -141,7 +141,7 @@ class OutputConfig(Section):
     captions: Literal["embeddings", "token_ids", "both"] = "embeddings"
     """What is stored of each caption: the text encoder's embeddings (77*D float16 a row, in output.caption_column;
     for SDXL both encoders' side by side, and the pooled embedding in output.pooled_column), the tokenizer's ids (77
-    int32 a row, for SDXL 2 x 77: each tokenizer's in turn, in output.token_id_column: ~500x smaller for SD 2;
+    int32 a row in output.token_id_column; for SDXL each tokenizer's in a column of its own: ~500x smaller for SD 2;
     training encodes them in its step with the text encoders the files name), or both. docs/data.md says when to
     choose which."""
     caption_column: str = "caption_latents"
@@ -151,7 +151,8 @@ class OutputConfig(Section):
     (one with text_encoder_2/) where output.captions stores embeddings: training's data.pooled_caption_column."""
     token_id_column: str = "caption_ids"
     """Column of the caption token ids (77 int32 values a row; output.captions token_ids or both): give it to
-    training as data.caption_column."""
+    training as data.caption_column. An SDXL model's second tokenizer's ids go to the same name with ``_2``
+    (caption_ids_2), and the files name both columns in order (sdtrain.token_id_columns)."""
     row_group_rows: int = 64
     """Rows per parquet row group: training's data.shuffle_chunk_rows (the reader reads whole row groups)."""
 
@@ -163,8 +164,17 @@ class OutputConfig(Section):
             self._fail("row_group_rows", f"must be >= 1, got {self.row_group_rows}")
         if self.latent_column == self.caption_column:
             self._fail("caption_column", f"must differ from output.latent_column ({self.latent_column!r})")
-        if self.token_id_column in (self.latent_column, self.caption_column):
-            self._fail("token_id_column", "must differ from output.latent_column and output.caption_column")
+        taken = (self.latent_column, self.caption_column, self.pooled_column)
+        if any(column in taken for column in self.token_id_columns(2)):
+            self._fail(
+                "token_id_column",
+                f"must differ, and so must {self.token_id_columns(2)[1]!r} (an SDXL model's second tokenizer's), "
+                "from output.latent_column, output.caption_column and output.pooled_column",
+            )
+
+    def token_id_columns(self, tokenizers: int) -> list[str]:
+        """The columns of each tokenizer's ids: output.token_id_column, then ``_2`` for SDXL's second tokenizer."""
+        return [self.token_id_column, *(f"{self.token_id_column}_{i + 1}" for i in range(1, tokenizers))]
 
 
 @dataclass

@@ -18,6 +18,7 @@ from sdtrain.model.encoders import (
     resolve_dtype,
     tokenize_each,
 )
+from sdtrain.preprocess.model_outputs import ids_key
 from sdtrain.storage.s3 import S3Settings, apply_s3_settings
 
 
@@ -32,8 +33,9 @@ class Encoder:
     through. Output: the same without pixels and caption, plus ``latents`` as flat float16 rows and, by
     ``captions`` (output.captions), ``embeddings`` as flat float16 rows (L x D: the text encoders' hidden states,
     as sdtrain.model.encoders.TextEncoders.encode makes them) with, for SDXL, ``pooled`` (P float16 a row), and/or
-    ``token_ids`` as int32 rows (T x L: each tokenizer's in turn); zeros where valid is false (those rows carry only a
-    shard's statistics). For token ids alone no text encoder is loaded: the tokenizers make them.
+    each tokenizer's ids as int32 rows of L (``token_ids``, then SDXL's second's ``token_ids_2``:
+    model_outputs.ids_key); zeros where valid is false (those rows carry only a shard's statistics). For token ids
+    alone no text encoder is loaded: the tokenizers make them.
     """
 
     def __init__(
@@ -96,7 +98,10 @@ class Encoder:
             if self.text_encoders.pooled:
                 batch["pooled"] = _scatter(_flat(pooled), keep, n, self.pooled_width, np.float16)
         if self.captions != "embeddings":
-            batch["token_ids"] = _scatter(ids, keep, n, self.ids_width, np.int32)
+            length = self.ids_width // len(self.tokenizers)
+            for t in range(len(self.tokenizers)):
+                part = None if ids is None else ids[:, t * length : (t + 1) * length]
+                batch[ids_key(t)] = _scatter(part, keep, n, length, np.int32)
         return batch
 
     def _latents(self, pixels: np.ndarray, rows: np.ndarray, batch: dict[str, np.ndarray]) -> np.ndarray:

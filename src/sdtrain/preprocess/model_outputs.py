@@ -5,6 +5,7 @@ to (a file beside the shards, or zeros for SDXL)."""
 from __future__ import annotations
 
 import io
+import json
 
 import numpy as np
 
@@ -13,6 +14,7 @@ from sdtrain.data.metadata import (
     LATENT_SCALING_FACTOR,
     RESOLUTION,
     TEXT_ENCODER_SOURCE,
+    TOKEN_ID_COLUMNS,
     TOKEN_VOCAB_SIZE,
     VAE_DOWNSAMPLING,
     VAE_SOURCE,
@@ -21,6 +23,11 @@ from sdtrain.preprocess.config import PreprocessConfig
 from sdtrain.preprocess.outputs import join
 from sdtrain.storage.filesystems import write_bytes
 from sdtrain.storage.run_layout import UNCONDITIONAL_FILE, UNCONDITIONAL_IDS_FILE
+
+
+def ids_key(tokenizer: int) -> str:
+    """The batch key of the ``tokenizer``-th (from 0) tokenizer's ids: ``token_ids``, ``token_ids_2``."""
+    return "token_ids" if tokenizer == 0 else f"token_ids_{tokenizer + 1}"
 
 
 def exists(uri: str) -> bool:
@@ -100,6 +107,9 @@ def output_columns(
         if has_second_encoder(config.encode.model):  # SDXL's UNet also takes the second encoder's pooled embedding
             columns["pooled"] = config.output.pooled_column
     if config.output.captions != "embeddings":
-        columns["token_ids"] = config.output.token_id_column
+        # One column per tokenizer (SDXL's two), named in order in the files: training joins them as its encoders do.
+        names = config.output.token_id_columns(2 if has_second_encoder(config.encode.model) else 1)
+        columns.update({ids_key(t): name for t, name in enumerate(names)})
         metadata[TOKEN_VOCAB_SIZE] = str(vocab_size)
+        metadata[TOKEN_ID_COLUMNS] = json.dumps(names)
     return columns, metadata

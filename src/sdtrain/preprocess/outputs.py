@@ -108,18 +108,20 @@ def shard_table(rows: list[dict[str, Any]], columns: dict[str, str], metadata: d
     (metadata BUCKET_SHAPES) has its rows sorted by bucket, one run each, and names its runs (BUCKET_RUNS).
 
     Args:
-        columns: each row's value to store (latents, embeddings, SDXL's pooled, token_ids) and the column it goes to.
+        columns: each row's value to store (latents, embeddings, SDXL's pooled, each tokenizer's token_ids) and the
+            column it goes to.
     """
     metadata = dict(metadata)
     if BUCKET_SHAPES in metadata:  # stable: within a bucket, the input's order
         rows = sorted(rows, key=lambda r: int(r["bucket"]))
         counts = np.bincount([int(r["bucket"]) for r in rows], minlength=len(json.loads(metadata[BUCKET_SHAPES])))
         metadata[BUCKET_RUNS] = json.dumps([[b, int(n)] for b, n in enumerate(counts) if n])
-    types = {"latents": pa.float16(), "embeddings": pa.float16(), "pooled": pa.float16(), "token_ids": pa.int32()}
+    types = {"latents": pa.float16(), "embeddings": pa.float16(), "pooled": pa.float16()}
     fields, arrays = [], []
     for value, column in columns.items():
-        fields.append((column, pa.list_(types[value])))
-        arrays.append(_flat_lists([np.asarray(r[value]).reshape(-1) for r in rows], types[value]))
+        value_type = types.get(value, pa.int32())  # each tokenizer's ids: token_ids, token_ids_2
+        fields.append((column, pa.list_(value_type)))
+        arrays.append(_flat_lists([np.asarray(r[value]).reshape(-1) for r in rows], value_type))
     for name in PLACEMENT_COLUMNS:  # rows made outside the pipeline (tests, benchmarks) may not say: one square
         fields.append((name, pa.int32()))
         arrays.append(pa.array([int(r.get(name, 0)) for r in rows], pa.int32()))

@@ -13,6 +13,7 @@ from sdtrain.config.learning import Columns
 from sdtrain.data.decode import column_layout
 from sdtrain.data.footer import read_schema
 from sdtrain.data.inspection import first_row
+from sdtrain.data.metadata import token_id_columns
 from sdtrain.data.parquet_files import resolve_parquet_files
 from sdtrain.data.rows import RowReader
 from sdtrain.errors import DataError
@@ -77,10 +78,14 @@ def _parquet_captions(
         )
     layout = column_layout(schema.field(column))
     width = layout.values_per_row or len(first_row(files[0], "--captions", [column]).column(column)[0])
+    columns = Columns("", column)
     if layout.token_ids:
         if encode is None:
             raise DataError(f"--captions: column {column!r} holds token ids; sampling needs their text encoder")
-        shape: tuple[int, ...] = (width,)
+        # Each tokenizer's ids (SDXL's two), joined: T x L a row.
+        ids = token_id_columns(schema.metadata, f"--captions: {files[0]}, column {column!r}", column)
+        columns = Columns("", column, ids[1:])
+        shape: tuple[int, ...] = (width * len(ids),)
     elif width % caption_dim:
         raise DataError(
             f"--captions: column {column!r} has {width} values a row, not a multiple of the UNet's "
@@ -96,7 +101,7 @@ def _parquet_captions(
             "pooled text embedding beside its hidden states"
         )
     extra = (("label",) if labelled else ()) + ((pooled_column,) if pooled_column else ())
-    reader = RowReader(Columns("", column), None, shape, extra=extra)
+    reader = RowReader(columns, None, shape, extra=extra)
     order: list[Any] | None = None
     if labelled:  # one row per label, the first that has it, in the labels' order
         first: dict[Any, tuple[np.ndarray, Any]] = {}
