@@ -213,9 +213,10 @@ def test_the_data_check_reads_an_sdxl_unets_added_columns_or_refuses_naming_them
 def test_sdxl_token_ids_are_a_column_per_tokenizer_read_joined_or_refused_naming_the_columns(sdxl, tmp_path):
     """Each tokenizer's ids in a column of its own, the files naming them in order (sdtrain.token_id_columns): the
     data check takes them, and both readers (the file-order reader, and a training stream's read task) join them into
-    the T x L ids a row that TextEncoders.tokenize makes. Refused before Ray, each naming the columns: the ids of one
-    tokenizer for a model of two (the T x L column earlier sdtrain wrote too), data.caption_column naming the second
-    tokenizer's column, a named column the file lacks, one stored otherwise than the first."""
+    the T x L ids a row that TextEncoders.tokenize makes; so does generate.py's --captions. Refused before Ray, each
+    naming the columns: the ids of one tokenizer for a model of two (the T x L column earlier sdtrain wrote too),
+    data.caption_column naming the second tokenizer's column, a named column a file lacks (the first or a later
+    one), one stored otherwise than the first."""
     import json
 
     import pyarrow as pa
@@ -229,6 +230,7 @@ def test_sdxl_token_ids_are_a_column_per_tokenizer_read_joined_or_refused_naming
     from sdtrain.data.streams import WindowReader
     from sdtrain.driver.data_check import check_data
     from sdtrain.errors import DataError
+    from sdtrain.sampling.captions import read_captions
 
     root, _ = sdxl
     table = token_id_table(np.zeros((8, 4, 16, 16), np.float16), root)
@@ -254,6 +256,16 @@ def test_sdxl_token_ids_are_a_column_per_tokenizer_read_joined_or_refused_naming
     (block,) = reader.task(window)()
     captions = np.stack(block.column("captions").to_numpy(zero_copy_only=False))
     assert np.array_equal(captions, joined[block.column("sample_index").to_numpy()])
+
+    # generate.py --captions and sample grids read the same rows joined, and encode them as the step does.
+    _, encoders = sdxl
+    captions = read_captions(str(spec.files[0]), 80, "caption_ids", rows=2, encode=encoders.encode_ids)
+    hidden, pooled = encoders.encode_ids(torch.from_numpy(joined[:2]))
+    assert (
+        torch.equal(captions.embeddings, hidden)
+        and captions.pooled is not None
+        and torch.equal(captions.pooled, pooled)
+    )
 
     one = table.drop_columns(["caption_ids_2"]).set_column(
         1, "caption_ids", pa.array(joined.tolist(), pa.list_(pa.int32()))
