@@ -10,12 +10,15 @@ Collectives are counted as the c10d ops they dispatch (a TorchDispatchMode sees 
 backward pass), with their tensors' dtype and bytes: what goes on the wire; and where the step was (micro-batch,
 forward or backward), which holds tools/performance_model.py's communication model to what the ranks did: DDP
 all-reduces only in the last micro-batch's backward, one bucket in the first step and the model's buckets after
-(cut at the cap's float32 bytes, sent at their wire size), FSDP2 gathers in every micro-batch.
+(cut at the cap's float32 bytes, sent at their wire size), FSDP2 gathers in every micro-batch. Host syncs are
+counted too (``aten._local_scalar_dense``, what ``.item()`` and ``float()`` of a tensor dispatch): on a GPU each
+one waits for the queue to empty. Each rank trains in a thread of its own, as Ray Train runs a worker's function.
 """
 
 import gc
 import os
 import tempfile
+import threading
 from collections import Counter
 
 import lightning.pytorch as pl
@@ -73,7 +76,9 @@ class _Collectives(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = str(func)
-        if name.startswith("c10d."):
+        if name == "aten._local_scalar_dense.default":
+            self.events.append((*self.where, "host sync", 0))
+        elif name.startswith("c10d."):
             tensor = args[0]
             while isinstance(tensor, (list, tuple)):  # the ops take tensors, lists or lists of lists
                 tensor = tensor[0]
@@ -108,7 +113,7 @@ class _Losses(pl.Callback):
         self.losses: list[float] = []
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-        self.losses.append(float(outputs["loss"]))
+        self.losses.append(outputs["loss"].detach())  # read after the fit: float() here is a host sync
 
 
 def _fit(*options: str, steps: int = 2) -> dict:
@@ -130,7 +135,7 @@ def _fit(*options: str, steps: int = 2) -> dict:
     dist.all_gather(weights, weight)
     return dict(
         steps=trainer.global_step,
-        losses=losses.losses,
+        losses=[float(loss) for loss in losses.losses],
         weight=weight,
         initial=initial,
         trained=not torch.equal(weight, initial),
@@ -166,7 +171,22 @@ def _rank(rank: int, rendezvous: str, function, out) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", LOCAL_RANK=str(rank), NODE_RANK="0")
     # Lightning joins this process group rather than making its own, so no rank binds a port.
     dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=2)
-    result = function(rank)
+    # In a thread, as Ray Train V2 runs a worker's training function (its TrainingThread): Lightning installs no
+    # SIGTERM handler there, and sdtrain's strategies skip the flag's broadcast (sdtrain.private.lightning).
+    outcome: list = []
+
+    def train() -> None:
+        try:
+            outcome.append(function(rank))
+        except BaseException as error:  # raised again on the process's main thread, for the test's report
+            outcome.append(error)
+
+    thread = threading.Thread(target=train)
+    thread.start()
+    thread.join()
+    (result,) = outcome
+    if isinstance(result, BaseException):
+        raise result
     if rank == 0:
         out.put(result)
         out.close()
@@ -254,6 +274,19 @@ def test_bf16_compression_halves_the_bytes_and_fsdp2_reduce_scatters_once_per_st
     torch.testing.assert_close(runs["fsdp"]["weight"], ddp["weight"], rtol=1e-4, atol=1e-6)
     assert not (runs["fsdp_bf16_mixed"]["weight"] == runs["fsdp"]["weight"]).all()
     _the_communication_model_is_what_the_ranks_did(runs)
+    _nothing_else_waits_between_micro_batches(runs)
+
+
+def _nothing_else_waits_between_micro_batches(runs: dict) -> None:
+    """From the first micro-batch on, no host sync at all, and no broadcast but DDP's one re-bucketing (rank 0's
+    bucket order, in the second step's first forward): the only collectives are the gradients'. Lightning's loop
+    broadcast rank 0's SIGTERM flag and read it on the host before every micro-batch; sdtrain's strategies skip it
+    where no SIGTERM handler can set the flag, as in these ranks' threads (sdtrain.private.lightning)."""
+    for name, run in runs.items():
+        trained = [(batch, where, op) for batch, where, op, _ in run["events"] if batch >= 0]
+        assert [event for event in trained if event[2] == "host sync"] == [], name
+        broadcasts = [event[:2] for event in trained if event[2] == "broadcast"]
+        assert broadcasts == ([(2, "forward")] * 2 if name.startswith("ddp") else []), (name, broadcasts)
 
 
 def _gradient_collectives(run: dict, op: str) -> dict[tuple[int, str], list[int]]:

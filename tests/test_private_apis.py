@@ -1,10 +1,11 @@
-"""Every private name of Ray, torch and W&B that sdtrain uses is one that the installed (pinned) versions have: an
-upgrade that moves one fails here, naming it and what it served, instead of in a run (sdtrain.private)."""
+"""Every private name of Ray, torch, Lightning and W&B that sdtrain uses is one that the installed (pinned) versions
+have: an upgrade that moves one fails here, naming it and what it served, instead of in a run (sdtrain.private)."""
 
 import importlib
 
 import pytest
 
+from sdtrain.private import lightning as lightning_private
 from sdtrain.private import ray as ray_private
 from sdtrain.private import torch as torch_private
 from sdtrain.private import wandb as wandb_private
@@ -12,7 +13,7 @@ from sdtrain.private._lookup import PrivateApiMissing, pinned, private
 
 NAMES = [
     (library.__name__.rsplit(".", 1)[1], module, name, purpose)
-    for library in (ray_private, torch_private, wandb_private)
+    for library in (ray_private, torch_private, lightning_private, wandb_private)
     for (module, name), purpose in library.NAMES.items()
 ]
 
@@ -33,6 +34,30 @@ def test_the_adapters_return_what_their_callers_use():
     graphs, breaks = torch_private.compiled_graphs()
     assert graphs >= 0 and breaks >= 0
     assert hasattr(wandb_private.run_file_record(), "ParseFromString")
+
+
+def test_lightnings_sigterm_broadcast_is_skipped_on_a_trainer_run_off_the_main_thread_only():
+    """Where Lightning installs its SIGTERM handler (the main thread) the loop broadcasts the flag as before; in another
+    thread (a Ray Train worker's) that Trainer's loop does nothing there, and other Trainers are left as they are."""
+    import threading
+
+    import lightning.pytorch as pl
+
+    def trainer():
+        return pl.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False)
+
+    on_ray, elsewhere = trainer(), trainer()
+    loop_class = type(on_ray.fit_loop.epoch_loop)
+    assert lightning_private.skip_sigterm_broadcast(elsewhere) is False
+    skipped = []
+    thread = threading.Thread(target=lambda: skipped.append(lightning_private.skip_sigterm_broadcast(on_ray)))
+    thread.start()
+    thread.join()
+    assert skipped == [True]
+    broadcast = getattr(on_ray.fit_loop.epoch_loop, lightning_private.BROADCAST)
+    assert broadcast is lightning_private._nothing and broadcast() is None
+    kept = getattr(elsewhere.fit_loop.epoch_loop, lightning_private.BROADCAST)
+    assert kept.__func__ is getattr(loop_class, lightning_private.BROADCAST)
 
 
 def test_a_missing_private_name_is_refused_naming_it_and_the_pin():

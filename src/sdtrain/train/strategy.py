@@ -23,6 +23,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from sdtrain.config.schema import TrainConfig
 from sdtrain.logs import log
+from sdtrain.private import lightning as lightning_private
 from sdtrain.private import torch as torch_private
 
 DDP_KWARGS: dict[str, Any] = {
@@ -90,6 +91,16 @@ class _CommHookDDP:
             self.model.register_comm_hook(None, self.comm_hook)  # type: ignore[attr-defined]
 
 
+class _NoFlagBroadcast:
+    """A strategy whose training loop makes no collective and no host sync of its own between micro-batches: in a
+    Ray Train worker it skips Lightning's per-micro-batch SIGTERM broadcast, which carries nothing there
+    (:func:`sdtrain.private.lightning.skip_sigterm_broadcast`). So the step's only collectives are the gradients'."""
+
+    def setup(self, trainer: pl.Trainer) -> None:
+        super().setup(trainer)  # type: ignore[misc]
+        lightning_private.skip_sigterm_broadcast(trainer)
+
+
 @functools.cache
 def _ddp_strategy_class(on_ray: bool) -> type:
     """Lightning's DDPStrategy, or Ray's RayDDPStrategy when ``on_ray``, with :class:`_CommHookDDP`; built on
@@ -101,10 +112,10 @@ def _ddp_strategy_class(on_ray: bool) -> type:
         from ray.train.lightning import RayDDPStrategy
 
         base = RayDDPStrategy
-    return type(f"Sdtrain{base.__name__}", (_CommHookDDP, base), {})
+    return type(f"Sdtrain{base.__name__}", (_CommHookDDP, _NoFlagBroadcast, base), {})
 
 
-class FSDP2Strategy(ModelParallelStrategy):
+class FSDP2Strategy(_NoFlagBroadcast, ModelParallelStrategy):
     """``ModelParallelStrategy`` (FSDP2 applied by :func:`apply_options`) that skips the gradient
     reduce-scatter on the micro-batches of an accumulation that do not end an optimizer step: Lightning's
     ``block_backward_sync`` only knows DDP's ``no_sync``. FSDP2 then keeps the unsharded gradients summed
