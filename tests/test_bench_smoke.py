@@ -78,6 +78,13 @@ def test_preemption_check_smoke():
     assert 0 < ratios["preemption checks / training time at 1 worker(s)"] < 1, out
 
 
+def test_micro_batch_syncs_smoke():
+    """Two gloo ranks' host syncs between micro-batches: Lightning's loop on the main thread, sdtrain's in a thread."""
+    out, ratios = run_bench("bench/micro_batch_syncs.py", "--smoke")
+    assert ratios["host syncs per micro-batch, sdtrain"] == 0, out
+    assert ratios["host syncs per micro-batch, lightning"] > 0.5 and ratios["steps/s sdtrain / lightning"] > 0, out
+
+
 def test_scheduler_spin_smoke():
     """The package's stream with and without its scheduling pace: both runs report their figures."""
     out, ratios = run_bench("bench/scheduler_spin.py", "--smoke")
