@@ -11,8 +11,9 @@ backward pass), with their tensors' dtype and bytes: what goes on the wire; and 
 forward or backward), which holds tools/performance_model.py's communication model to what the ranks did: DDP
 all-reduces only in the last micro-batch's backward, one bucket in the first step and the model's buckets after
 (cut at the cap's float32 bytes, sent at their wire size), FSDP2 gathers in every micro-batch. Host syncs are
-counted too (``aten._local_scalar_dense``, what ``.item()`` and ``float()`` of a tensor dispatch): on a GPU each
-one waits for the queue to empty. Each rank trains in a thread of its own, as Ray Train runs a worker's function.
+counted too (support.training.HOST_SYNCS: what ``.item()``, ``float()`` and ``bool()`` of a tensor dispatch): on a
+GPU each one waits for the queue to empty. Each rank trains in a thread of its own, as Ray Train runs a worker's
+function.
 """
 
 import gc
@@ -28,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from conftest import tiny_config
-from support.training import CAPTIONS, FIT, LATENTS, batches
+from support.training import CAPTIONS, FIT, HOST_SYNCS, LATENTS, batches
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -76,7 +77,7 @@ class _Collectives(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = str(func)
-        if name == "aten._local_scalar_dense.default":
+        if str(func.overloadpacket) in HOST_SYNCS:
             self.events.append((*self.where, "host sync", 0))
         elif name.startswith("c10d."):
             tensor = args[0]

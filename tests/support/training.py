@@ -11,6 +11,10 @@ from sdtrain.train.build import checkpoint_meta, fit_without_ray
 
 LATENTS, CAPTIONS = (4, 16, 16), (8, 32)
 
+# The ops by which a tensor's value reaches the host (torch's .item(), float(), bool(), nonzero and the like all
+# dispatch one of them): each one waits for the GPU to finish everything queued before it.
+HOST_SYNCS = {"aten._local_scalar_dense", "aten.item", "aten.is_nonzero", "aten.nonzero", "aten.equal"}
+
 
 # The settings of every fit below, before a test's own: conftest.tiny_config(*FIT, ...), steps= to change the 3 steps.
 FIT = (
