@@ -186,6 +186,12 @@ class Trackers:
             logger.finalize(status)
             if name == "wandb":  # Lightning's finalize leaves the W&B run open: its files would not be complete
                 logger.experiment.finish(exit_code=0 if status == "success" else 1)
+                # finish returns once W&B's service has the run's last records, and only tells it to close the run's
+                # transaction log: shut the service down, which closes it, so the file is whole on disk when this
+                # returns, for the next worker group to read (sdtrain.train.wandb_files). A CI run read the header only.
+                import wandb
+
+                wandb.teardown()
         self._mirror_tensorboard()
         self._mirror_writer.close(timeout=60)
         self._state_writer.close(timeout=60)
