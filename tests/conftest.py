@@ -23,6 +23,12 @@ if str(REPO) not in sys.path:  # tools/ (the docs generators the tests hold the 
     sys.path.append(str(REPO))
 BIN = Path(sys.executable).parent
 
+# Ray Train's controller polls its worker group every 2 s (Ray's default): a worker group's start, its end and a
+# failure each wait for a poll, seconds of a test run that trains for seconds. The session's runs poll every 0.5 s:
+# those in this process, and those of the processes and clusters it starts, which inherit the variable. Users' runs
+# keep Ray's default, which a cluster of hundreds of workers needs.
+os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
+
 # The driver's lines, as the command lines print them, for tests that call the driver's functions in this process (and
 # to pytest's log capture too).
 configure_logging(propagate=True)
