@@ -19,14 +19,10 @@ import argparse
 import tempfile
 import time
 
-import ray
-import ray.train
-from ray.train.torch import TorchTrainer
-
-from sdtrain.train.preemption import PREEMPTION_CHECK_S
-
 
 def _time_checks(config: dict) -> float:
+    import ray.train
+
     for _ in range(10):
         ray.train.get_preemption_info()
     started = time.perf_counter()
@@ -42,6 +38,12 @@ def main() -> None:
     args = parser.parse_args()
     calls = args.calls or (20 if args.smoke else 500)
     worker_counts = (1,) if args.smoke else (1, 2)
+
+    import ray  # after the arguments: --help answers without loading Ray
+    import ray.train
+    from ray.train.torch import TorchTrainer
+
+    from sdtrain.train.preemption import PREEMPTION_CHECK_S
 
     ray.init(address="local", num_cpus=max(worker_counts), include_dashboard=False, log_to_driver=False)
     try:
