@@ -237,6 +237,21 @@ def test_bf16_mixed_lowers_the_activation_peak():
     assert mixed.parameters == full.parameters  # float32 master weights either way
 
 
+def test_a_prediction_asked_again_is_not_traced_again():
+    """The same UNet config however it is spelled (key order, lists for tuples), and DDP at any world size: the
+    first trace's prediction; another micro-batch is a new trace."""
+    from sdtrain.model import memory
+
+    first = _tiny(3, precision="32-true")
+    before = memory._predicted.cache_info()
+    respelled = {key: list(value) if isinstance(value, tuple) else value for key, value in reversed(TINY.items())}
+    again = predict_training_memory(respelled, *TINY_SHAPES, 3, precision="32-true", world_size=8)
+    after = memory._predicted.cache_info()
+    assert again is first and (after.hits, after.misses) == (before.hits + 1, before.misses)
+    assert _tiny(5, precision="32-true").activations_peak > first.activations_peak
+    assert memory._predicted.cache_info().misses == before.misses + 1
+
+
 def test_activations_grow_with_the_micro_batch():
     # Linear but for what does not depend on it (autocast's weight copies): 4x the samples, about 4x the bytes.
     assert _tiny(16).activations_peak == pytest.approx(4 * _tiny(4).activations_peak, rel=0.1)

@@ -13,17 +13,13 @@ the data's captions are token ids (:func:`caption_encoders`).
 from __future__ import annotations
 
 import dataclasses
-import functools
-import json
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
-
-import torch
 
 from sdtrain.config.schema import Config
 from sdtrain.errors import ConfigError
 from sdtrain.model.hardware import GIB, memory_range
-from sdtrain.model.memory import Precision, Strategy, TrainingMemory, predict_training_memory
+from sdtrain.model.memory import TrainingMemory, predict_training_memory
 from sdtrain.model.token_captions import encoder_dtype, text_encoder_configs
 from sdtrain.model.unet import unet_config
 
@@ -138,50 +134,18 @@ def predict_run_memory(
         text_encoders: the configs of the frozen text encoders a rank holds for token-id captions.
         on_gpu: the ranks train on GPUs (the encoders' dtype: sdtrain.model.token_captions.encoder_dtype).
     """
-    return _traced(
-        json.dumps(unet_config(config.model), sort_keys=True),
+    return predict_training_memory(
+        unet_config(config.model),
         latent_shape,
         caption_shape,
         micro_batch or config.batch_layout(world_size).micro_batch,
-        "32-true" if precision.startswith("32") else "bf16-mixed",
-        config.train.strategy,
-        world_size,
-        config.train.ema_decay is not None,
-        config.train.gradient_checkpointing,
-        tuple(encoder.to_json_string() for encoder in text_encoders),
-        str(encoder_dtype(on_gpu)).removeprefix("torch."),
-    )
-
-
-@functools.lru_cache(maxsize=64)
-def _traced(
-    unet: str,
-    latent_shape: tuple[int, int, int],
-    caption_shape: tuple[int, int],
-    micro_batch: int,
-    precision: Precision,
-    strategy: Strategy,
-    world_size: int,
-    ema: bool,
-    gradient_checkpointing: bool,
-    text_encoders: tuple[str, ...],
-    text_encoder_dtype: str,
-) -> TrainingMemory:
-    """A trace takes seconds: auto tries sizes again, and the check predicts each phase."""
-    from transformers import CLIPTextConfig
-
-    return predict_training_memory(
-        json.loads(unet),
-        latent_shape,
-        caption_shape,
-        micro_batch,
-        precision=precision,
-        strategy=strategy,
+        precision="32-true" if precision.startswith("32") else "bf16-mixed",
+        strategy=config.train.strategy,
         world_size=world_size,
-        ema=ema,
-        gradient_checkpointing=gradient_checkpointing,
-        text_encoders=[CLIPTextConfig(**json.loads(encoder)) for encoder in text_encoders],
-        text_encoder_dtype=getattr(torch, text_encoder_dtype),
+        ema=config.train.ema_decay is not None,
+        gradient_checkpointing=config.train.gradient_checkpointing,
+        text_encoders=text_encoders,
+        text_encoder_dtype=encoder_dtype(on_gpu),
     )
 
 

@@ -48,6 +48,8 @@ its peak can be lower by up to ``gradients``.
 
 from __future__ import annotations
 
+import functools
+import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -126,11 +128,46 @@ def predict_training_memory(
         text_encoders: for token-id captions, the CLIPTextConfigs of the encoders the step runs (SD 1/2's one,
             SDXL's two: sdtrain.model.token_captions.text_encoder_configs); empty for caption embeddings.
         text_encoder_dtype: the dtype the encoders are held in (sdtrain.model.token_captions.encoder_dtype).
+
+    A trace takes seconds (tens for sdxl-base): a prediction asked for again in the same process (auto trying
+    sizes, the check job's phases, the docs' tables) is the first one's.
     """
     _check_modelled(precision, strategy, world_size, micro_batch)
+    return _predicted(
+        json.dumps(dict(unet_config), sort_keys=True),
+        tuple(latent_shape),
+        tuple(caption_shape),
+        micro_batch,
+        precision,
+        strategy,
+        world_size if strategy == "fsdp" else 1,  # DDP's ranks hold the same
+        ema,
+        gradient_checkpointing,
+        tuple(config.to_json_string() for config in text_encoders),
+        str(text_encoder_dtype).removeprefix("torch."),
+    )
+
+
+@functools.lru_cache(maxsize=64)
+def _predicted(
+    unet_json: str,
+    latent_shape: tuple[int, int, int],
+    caption_shape: tuple[int, int],
+    micro_batch: int,
+    precision: Precision,
+    strategy: Strategy,
+    world_size: int,
+    ema: bool,
+    gradient_checkpointing: bool,
+    text_encoders_json: tuple[str, ...],
+    text_encoder_dtype: str,
+) -> TrainingMemory:
+    """predict_training_memory's, from arguments that key a cache: the configs as JSON, the dtype by name."""
+    from transformers import CLIPTextConfig
+
     with torch.device("meta"):
-        unet = UNet2DConditionModel(**unet_config)
-        encoders = text_encoder_modules(text_encoders)
+        unet = UNet2DConditionModel(**json.loads(unet_json))
+        encoders = text_encoder_modules([CLIPTextConfig(**json.loads(config)) for config in text_encoders_json])
     fsdp = strategy == "fsdp"
     state = _state(unet, world_size if fsdp else 1, ema)
     # Under bf16-mixed FSDP2 gathers the weights already in bf16 (sdtrain.train.strategy.mixed_precision), so
@@ -145,10 +182,10 @@ def predict_training_memory(
         autocast=half,
         param_dtype=param_dtype,
         gradient_checkpointing=gradient_checkpointing,
-        encoders=(encoders, text_encoder_dtype),
+        encoders=(encoders, getattr(torch, text_encoder_dtype)),
     )
     buffers = _fsdp_buffers(unet, param_dtype) if fsdp else 0
-    frozen = sum(_held_bytes(encoder, text_encoder_dtype) for encoder in encoders)
+    frozen = sum(_held_bytes(encoder, getattr(torch, text_encoder_dtype)) for encoder in encoders)
     return TrainingMemory(
         **state,
         activations_peak=activations,
