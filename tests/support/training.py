@@ -27,7 +27,7 @@ FIT = (
 )
 
 
-def batches(n, nan_at=(), same=False, device="cpu"):
+def batches(n, nan_at=(), same=False):
     g = torch.Generator().manual_seed(0)
     out = []
     for i in range(n):
@@ -37,14 +37,14 @@ def batches(n, nan_at=(), same=False, device="cpu"):
         latents = torch.randn(2, *LATENTS, generator=g)
         if i in nan_at:
             latents[0, 0, 0, 0] = float("nan")
-        out.append({"latents": latents.to(device), "captions": torch.randn(2, *CAPTIONS, generator=g).to(device)})
+        out.append({"latents": latents, "captions": torch.randn(2, *CAPTIONS, generator=g)})
     return out
 
 
 class Watch(pl.Callback):
     """After each optimizer step: the UNet's and the EMA's first weights, the gradient norm the
     optimizer saw (clipped: Lightning zeroes gradients only in the next step), the step's loss,
-    the skip counters."""
+    the skip counters, and the device the module trained on (Lightning's teardown moves it to the CPU after fit)."""
 
     def __init__(self):
         self.steps = []
@@ -61,6 +61,7 @@ class Watch(pl.Callback):
                 ema=None if module.ema_unet is None else module.ema_unet.conv_in.weight.detach().clone(),
                 skipped=module.skipped_steps.item(),
                 streak=module.longest_bad_streak.item(),
+                device=module.device.type,
             )
         )
 
