@@ -41,8 +41,15 @@ import benchlib  # noqa: E402
 MOSAIC_IMG_PER_S_PER_A100_256 = 1100 / 8  # ~137: MosaicML's SD2 UNet on precomputed 256 px latents
 SHIPPED_MICRO_BATCH = {"tiny": 4, "small": 96, "sd2-base": 64}  # configs/small.yaml, configs/sd2-base.yaml
 VARIANTS = ("eager", "compile")  # and, asked for by name, "channels_last" and "compile+channels_last"
-# Seconds a measurement is expected to take on an H100, compilation included (for --deadline).
-EXPECTED_S = {("eager", "small"): 25, ("eager", "sd2-base"): 35, ("compile", "small"): 80, ("compile", "sd2-base"): 120}
+# Seconds a measurement is expected to take on a lent H100 or H200, compilation included (for --deadline). The
+# compiled ones are a floor: the first GPU session's compile of small at 256 px outran its budget
+# (bench/results/2026-11-27-h200.md).
+EXPECTED_S = {
+    ("eager", "small"): 25,
+    ("eager", "sd2-base"): 35,
+    ("compile", "small"): 240,
+    ("compile", "sd2-base"): 300,
+}
 
 
 @dataclasses.dataclass
