@@ -4,7 +4,8 @@
 #   1. the GPU test tier (pytest -m gpu: every option trained on CUDA), at most 150 s;
 #   2. bench/gpu_throughput.py: small and sd2-base at 256 and 512 px, eager then compiled, at the shipped
 #      micro-batches (96 and 64; halved where the memory model says they do not fit), images/s, MFU, peak allocated
-#      and reserved memory beside the memory model's peak and the per-op model's images/s (predictions, labelled);
+#      and reserved memory beside the memory model's peak and the per-op model's images/s (predictions, labelled),
+#      and one more step of each profiled: its time by kind of op beside the model's (--profile);
 #      it starts no measurement that would not end in the budget, and says which it skipped;
 #   3. the check job's one-GPU phase on configs/small.yaml without Ray: one worker's share of the config as
 #      configured (compiled, micro-batch 96 accumulated 3 times: bench/gpu_throughput.py --config), 90 s kept for it.
@@ -47,8 +48,8 @@ timeout 150 "$python" -m pytest -m gpu tests/test_gpu.py -x -q -p no:cacheprovid
   tee "$out/pytest-gpu.log" | tail -n 25
 
 echo "== 2. throughput ($(left) s left)"
-grid=(--json "$out/throughput.json" --deadline $(($(left) - 90)))
-((smoke)) && grid=(--smoke --json "$out/throughput.json")
+grid=(--profile --json "$out/throughput.json" --deadline $(($(left) - 90)))
+((smoke)) && grid=(--smoke --profile --json "$out/throughput.json")
 # To a file, not a pipe: inductor's compile workers outlive a timed-out python and would hold a pipe open (the first
 # GPU session hung there until the device tool's limit).
 timeout -k 5 $(($(left) - 80)) "$python" bench/gpu_throughput.py "${grid[@]}" >"$out/throughput.log" 2>&1
@@ -60,7 +61,7 @@ phase=(--config configs/small.yaml --json "$out/check_phase.json")
 timeout -k 5 $(($(left) > 10 ? $(left) : 10)) "$python" bench/gpu_throughput.py "${phase[@]}" >"$out/check_phase.log" 2>&1
 grep -v -e Warning -e warn "$out/check_phase.log"
 
-grep -h -e "^RATIO" -e "^# .*predicted" -e "skipped" "$out/throughput.log" "$out/check_phase.log" \
+grep -h -e "^RATIO" -e "^# .*predicted" -e "^# profile" -e "skipped" "$out/throughput.log" "$out/check_phase.log" \
   >"$out/summary.txt"
 tail -n 3 "$out/pytest-gpu.log" >>"$out/summary.txt"
 echo "== done in ${SECONDS} s; $out: $(ls "$out" | tr '\n' ' ')"

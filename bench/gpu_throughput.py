@@ -16,6 +16,7 @@ predicts it does not fit this GPU, the largest power-of-two fraction of it that 
     python bench/gpu_throughput.py                                  # needs a CUDA GPU: the grid above
     python bench/gpu_throughput.py --presets sd2-base --resolutions 256 --variants compile
     python bench/gpu_throughput.py --config configs/small.yaml      # one worker's share of that config, as configured
+    python bench/gpu_throughput.py --presets small --resolutions 512 --variants eager --profile  # time by kind of op
     python bench/gpu_throughput.py --smoke [--config ...]           # CPU, tiny UNet at 128 px, 3 steps (CI)
 
 With --config, one variant, "config": the config's own options at the micro-batch and accumulation its workers run
@@ -66,6 +67,9 @@ class Row:
     reserved_gib: float
     predicted_gib: float | None
     predicted_img_per_s: float | None
+    profile_s: dict[str, float] | None = None  # one profiled step's seconds by kind of op (--profile)
+    profile_wall_s: float | None = None
+    predicted_profile_s: dict[str, float] | None = None  # the per-op model's, on the GPU's (or an H100's) figures
 
 
 def main() -> None:
@@ -134,6 +138,9 @@ def _arguments() -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation, autotuning)")
     parser.add_argument("--deadline", type=float, help="seconds: start no measurement predicted to end after it")
     parser.add_argument("--json", help="write the rows here")
+    parser.add_argument(
+        "--profile", action="store_true", help="profile one more step: its time by kind of op beside the model's"
+    )
     parser.add_argument("--peak-tflops", type=float, help="the GPU's peak dense bf16 TFLOP/s (default: the table's)")
     return parser.parse_args()
 
@@ -192,17 +199,19 @@ class WorkerShare:
 def _measure_row(preset, px, variant, batch, args, use_gpu, worker, peak) -> Row:
     from sdtrain.model.flops import mfu
 
-    r = measure(preset, px, variant, batch, args.steps, args.warmup, use_gpu, worker)
+    r = measure(preset, px, variant, batch, args.steps, args.warmup, use_gpu, worker, args.profile)
     utilization = mfu(r["img_per_s"], r["train_flops_per_img"], peak * 1e12)
     return Row(
         preset, px, variant, batch, r["img_per_s"], utilization, r["peak"] / 2**30, r["reserved"] / 2**30,
-        r["predicted_mem"] / 2**30, None,
+        r["predicted_mem"] / 2**30, None, r["profile_s"], r["profile_wall_s"],
     )  # fmt: skip
 
 
-def measure(preset, px, variant, batch, steps, warmup, use_gpu, worker=None) -> dict:
-    """One fit of ``warmup + steps`` optimizer steps of ``batch`` samples (x the worker's accumulation)."""
+def measure(preset, px, variant, batch, steps, warmup, use_gpu, worker=None, profile=False) -> dict:
+    """One fit of ``warmup + steps`` optimizer steps of ``batch`` samples (x the worker's accumulation), and one
+    more, profiled, with ``profile``."""
     import torch
+    from step_profile import StepProfile
     from step_timer import StepTimer
 
     from sdtrain.config.loader import load_config
@@ -216,7 +225,7 @@ def measure(preset, px, variant, batch, steps, warmup, use_gpu, worker=None) -> 
         [
             "data.train=/unused",
             f"model.preset={preset}",
-            f"train.max_steps={warmup + steps}",
+            f"train.max_steps={warmup + steps + profile}",
             f"train.global_batch_size={batch}",
             "train.precision=bf16-mixed",
             "train.warmup_steps=0",
@@ -240,8 +249,10 @@ def measure(preset, px, variant, batch, steps, warmup, use_gpu, worker=None) -> 
         "latents": latents,
         "captions": torch.randn(batch, *caption_shape, dtype=torch.float16),
     }
-    timer = StepTimer(warmup)
-    fit_without_ray(config, [batch_data] * ((warmup + steps) * accumulation), meta, use_gpu=use_gpu, callbacks=[timer])
+    timer, profiler = StepTimer(warmup, steps), StepProfile(warmup + steps)
+    callbacks = [timer, profiler] if profile else [timer]
+    batches = [batch_data] * ((warmup + steps + profile) * accumulation)
+    fit_without_ray(config, batches, meta, use_gpu=use_gpu, callbacks=callbacks)
     # One process: no DDP, gradients freed between steps: the model's world-size-1 peak.
     predicted = predict_run_memory(config, latent_shape, caption_shape, 1, "bf16-mixed", batch).with_runtime_margin
     return dict(
@@ -250,6 +261,8 @@ def measure(preset, px, variant, batch, steps, warmup, use_gpu, worker=None) -> 
         peak=timer.peak_memory,
         reserved=timer.peak_reserved,
         predicted_mem=predicted,
+        profile_s=profiler.seconds_by_kind or None,
+        profile_wall_s=profiler.wall_s if profile else None,
     )
 
 
@@ -268,10 +281,31 @@ def _predict(rows: list[Row], gpu, memory_gib: float, worker: WorkerShare | None
         row.predicted_img_per_s = (
             row.batch * accumulation / (accumulation * (one.forward_s + one.backward_s) + optimizer)
         )
+        if row.profile_s is not None:
+            kinds = model.kind_seconds(ops, gpu, memory, model.efficiency(gpu), compiled)
+            row.predicted_profile_s = {kind: t * accumulation for kind, t in kinds.items()} | {"optimizer": optimizer}
+            _print_profile(row)
         print(
             f"# {row.preset} {row.px}px {row.variant}: predicted {row.predicted_img_per_s:.1f} img/s on a {gpu.name} "
             f"(per-op model, a prediction), measured {row.img_per_s:.1f}"
         )
+
+
+def _print_profile(row: Row) -> None:
+    """One profiled step by kind of op beside the per-op model's GPU seconds (eager, the model's host floor is
+    apart: a pass whose kernels take less than its ops' host time waits on the host)."""
+    assert row.profile_s is not None and row.predicted_profile_s is not None
+    measured = ", ".join(
+        f"{kind} {row.profile_s[kind]:.4f} s (model {row.predicted_profile_s.get(kind, 0.0):.4f})"
+        for kind in row.profile_s
+    )
+    print(f"# profile {row.preset} {row.px}px {row.variant}: one step {row.profile_wall_s:.4f} s wall; {measured}")
+    for kind, seconds in row.profile_s.items():
+        if row.predicted_profile_s.get(kind):
+            print(
+                f"RATIO profile measured / predicted {kind} {row.preset} {row.px}px {row.variant} = "
+                f"{seconds / row.predicted_profile_s[kind]:.4f}"
+            )
 
 
 def _print_row(row: Row) -> None:

@@ -10,12 +10,17 @@ import torch
 
 
 class StepTimer(pl.Callback):
-    """Wall time of each optimizer step after the first ``warmup`` (compilation, autotuning), and
-    the GPU's peak allocated and reserved memory after them: what bench/gpu_throughput.py reports.
-    Synchronizes the device at the clock's start and end only."""
+    """Wall time of ``steps`` optimizer steps after the first ``warmup`` (compilation, autotuning), or of every step
+    after them, and the GPU's peak allocated and reserved memory over them: what bench/gpu_throughput.py reports.
+    Synchronizes the device at the clock's start and end only.
 
-    def __init__(self, warmup: int):
-        self.warmup = warmup
+    Args:
+        warmup: the untimed steps first.
+        steps: the timed steps (None: to the fit's end; a profiled step may follow them).
+    """
+
+    def __init__(self, warmup: int, steps: int | None = None):
+        self.warmup, self.steps = warmup, steps
         self.seconds = float("nan")
         self.timed_steps = 0
         self.peak_memory = 0
@@ -28,12 +33,18 @@ class StepTimer(pl.Callback):
             if pl_module.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(pl_module.device)
             self._start = time.perf_counter()
+        elif self.steps is not None and trainer.global_step == self.warmup + self.steps:
+            self._stop(trainer, pl_module)
 
     def on_train_end(self, trainer, pl_module) -> None:
+        self._stop(trainer, pl_module)
+
+    def _stop(self, trainer, pl_module) -> None:
+        if self._start is None or self.timed_steps:
+            return
         _synchronize(pl_module.device)
-        if self._start is not None:
-            self.seconds = time.perf_counter() - self._start
-            self.timed_steps = trainer.global_step - self.warmup
+        self.seconds = time.perf_counter() - self._start
+        self.timed_steps = trainer.global_step - self.warmup
         if pl_module.device.type == "cuda":
             self.peak_memory = torch.cuda.max_memory_allocated(pl_module.device)
             self.peak_reserved = torch.cuda.max_memory_reserved(pl_module.device)

@@ -98,9 +98,10 @@ def test_gpu_throughput_smoke():
     """On CPU with the tiny UNet: the Ray worker's module and Trainer (sdtrain.train.build), the FLOP
     count and the MFU arithmetic run, and Ray is never imported (a lent GPU machine has none); then what
     configs/small.yaml's workers run (its options, eager on CPU, and 3 accumulated micro-batches at 4 workers; the
-    smoke's micro-batch of 4 for its 96), with the memory model's and the per-op model's predictions."""
+    smoke's micro-batch of 4 for its 96), with the memory model's and the per-op model's predictions. The first run
+    profiles one more step by kind of op (--profile)."""
     code = (
-        "import runpy, sys; sys.argv = ['bench/gpu_throughput.py', '--smoke']; "
+        "import runpy, sys; sys.argv = ['bench/gpu_throughput.py', '--smoke', '--profile']; "
         "runpy.run_path('bench/gpu_throughput.py', run_name='__main__'); "
         "sys.argv = ['bench/gpu_throughput.py', '--smoke', '--config', 'configs/small.yaml']; "
         "runpy.run_path('bench/gpu_throughput.py', run_name='__main__'); "
@@ -111,6 +112,14 @@ def test_gpu_throughput_smoke():
     assert "MFU tiny 128px eager" in ratios, out
     assert "img/s per GPU tiny 128px eager / MosaicML SD2 per A100 at 256px" in ratios, out
     assert ratios["MFU tiny 128px eager"] > 0, out
+    # --profile: one more step, its time split as the per-op model splits its prediction (CPU time here).
+    kinds = ("matmul", "conv", "attention", "memory", "optimizer")  # bench/step_profile.py's PROFILE_KINDS
+    profiled = {kind: ratios[f"profile measured / predicted {kind} tiny 128px eager"] for kind in kinds}
+    assert all(ratio > 0 for ratio in profiled.values()), out
+    line = re.search(r"^# profile tiny 128px eager: one step ([0-9.]+) s wall; (.*)$", out, re.M)
+    assert line, out
+    by_kind = [float(seconds) for seconds in re.findall(r"\w+ ([0-9.]+) s \(model", line[2])]
+    assert len(by_kind) == len(kinds) and sum(by_kind) <= float(line[1]), out
     assert re.search(r"^tiny\s+128 config\s+4\s+[0-9.]+", out, re.M), out
     assert ratios["MFU tiny 128px config"] > 0, out
     assert re.search(r"^# tiny 128px config: predicted peak [0-9.]+ GiB$", out, re.M), out

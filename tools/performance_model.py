@@ -34,7 +34,7 @@ from functools import cache
 from typing import Any, cast
 
 from sdtrain.model.hardware import A100, Gpu
-from sdtrain.model.op_costs import StepOps
+from sdtrain.model.op_costs import KINDS, StepOps
 
 MEMORY_EFFICIENCY = 0.8
 """The share of the datasheet memory bandwidth a memory-bound kernel is assumed to reach (stream-like kernels reach
@@ -181,24 +181,38 @@ def micro_batch(ops: StepOps, gpu: Gpu, memory_gib: float, shares: Efficiency, c
         shares: the efficiencies.
         compiled: train.compile (the memory-bound ops fused).
     """
-    peak, bandwidth = gpu.bf16_peak, gpu.bandwidth_bytes(memory_gib) * shares.memory
-    scale = [1.0, 1.0]
-    if compiled:
-        for phase in (0, 1):
-            eager = sum(op.bytes for op in ops.ops if op.kind == "memory" and op.backward == phase)
-            scale[phase] = ops.fused_memory_bytes[phase] / eager if eager else 0.0
-    seconds = []
-    for op in ops.ops:
-        if op.kind == "memory":
-            seconds.append(op.bytes * scale[op.backward] / bandwidth)
-        else:
-            seconds.append(max(op.flops / (peak * getattr(shares, op.kind)), op.bytes / bandwidth))
+    seconds = op_seconds(ops, gpu, memory_gib, shares, compiled)
     forward = sum(t for t, op in zip(seconds, ops.ops, strict=True) if not op.backward)
     elapsed = [0.0]
     for t in seconds:
         elapsed.append(elapsed[-1] + t)
     ready = tuple((parameter, elapsed[at] - forward) for parameter, at in ops.gradients_ready)
     return MicroBatch(forward, elapsed[-1] - forward, ready)
+
+
+def op_seconds(ops: StepOps, gpu: Gpu, memory_gib: float, shares: Efficiency, compiled: bool) -> list[float]:
+    """Each op's predicted seconds on the GPU (the host floor aside): the longer of its FLOPs and its bytes at
+    ``shares``; compiled, a memory-bound op's share of its pass's fused bytes (:func:`micro_batch`)."""
+    peak, bandwidth = gpu.bf16_peak, gpu.bandwidth_bytes(memory_gib) * shares.memory
+    scale = [1.0, 1.0]
+    if compiled:
+        for phase in (0, 1):
+            eager = sum(op.bytes for op in ops.ops if op.kind == "memory" and op.backward == phase)
+            scale[phase] = ops.fused_memory_bytes[phase] / eager if eager else 0.0
+    return [
+        op.bytes * scale[op.backward] / bandwidth
+        if op.kind == "memory"
+        else max(op.flops / (peak * getattr(shares, op.kind)), op.bytes / bandwidth)
+        for op in ops.ops
+    ]
+
+
+def kind_seconds(ops: StepOps, gpu: Gpu, memory_gib: float, shares: Efficiency, compiled: bool) -> dict[str, float]:
+    """The predicted GPU seconds of each kind of op (sdtrain.model.op_costs.KINDS) in one micro-batch."""
+    totals = dict.fromkeys(KINDS, 0.0)
+    for seconds, op in zip(op_seconds(ops, gpu, memory_gib, shares, compiled), ops.ops, strict=True):
+        totals[op.kind] += seconds
+    return totals
 
 
 def optimizer_seconds(

@@ -198,13 +198,8 @@ def _model_section() -> list[str]:
 
 
 def _time_shares(ops) -> dict[str, float]:
-    """Shares of an eager micro-batch's predicted time on an H100 SXM, by kind of op."""
-    shares = model.efficiency(H100_SXM)
-    bandwidth = H100_SXM.bandwidth_bytes(80) * shares.memory
-    times = dict.fromkeys(("matmul", "conv", "attention", "memory"), 0.0)
-    for op in ops.ops:
-        compute = op.flops / (H100_SXM.bf16_peak * getattr(shares, op.kind)) if op.kind != "memory" else 0.0
-        times[op.kind] += max(compute, op.bytes / bandwidth)
+    """Shares of an eager micro-batch's predicted GPU time on an H100 SXM, by kind of op."""
+    times = model.kind_seconds(ops, H100_SXM, 80, model.efficiency(H100_SXM), compiled=False)
     total = sum(times.values())
     return {kind: t / total for kind, t in times.items()}
 

@@ -219,7 +219,7 @@ class _Trace:
         read = {id(t): t for t in inputs}
         written = {id(t): t for t in outputs}
         nbytes = sum(_nbytes(t) for t in read.values()) + sum(_nbytes(t) for t in written.values())
-        self.ops.append(OpCost(name, _kind(name), flops, nbytes, bool(self.phase)))
+        self.ops.append(OpCost(name, op_kind(name), flops, nbytes, bool(self.phase)))
         self.phases.append(self.phase)
         self.reads.append([self._key(t) for t in read.values()])
         for key in self.reads[-1]:
@@ -281,10 +281,14 @@ def _recorder(trace: _Trace) -> Any:
     return Recorder()
 
 
-def _kind(name: str) -> str:
+def op_kind(name: str) -> str:
+    """The kind (:data:`KINDS`) of the aten op ``name``: ``aten.mm``, or as torch's profiler names it, ``aten::mm``,
+    with the backend ops that launch the kernels beneath the traced ones (``aten::cudnn_convolution``,
+    ``aten::_flash_attention_forward``)."""
+    name = name.replace("::", ".")
     if name in _MATMUL:
         return "matmul"
-    if name in _CONV:
+    if name in _CONV or "convolution" in name:
         return "conv"
     if "scaled_dot_product" in name or "flash_attention" in name or "efficient_attention" in name:
         return "attention"
