@@ -18,7 +18,7 @@
 # (diffusers 0.42.1 needs huggingface-hub >= 1.32: gpu.txt shows the machine's; carry a newer one if it is older)
 # Then ONE call of the device tool:  run  command="bash bench/gpu_session.sh"  carry=[".whl"]  timeout_s=540
 # Logs and JSON land in $OUT (7 files); record the figures in bench/results/<date>-<gpu>.md with the versions
-# printed, and recalibrate the per-op model from them (tools/performance_model.py, MEASURED_EFFICIENCIES).
+# printed, and recalibrate the per-op model from them (tools/performance_model.py, SESSION_ROWS).
 #
 #   bash bench/gpu_session.sh --smoke    # here, on CPU: every step above on the tiny UNet (the dry run CI's smoke
 #                                        # tests cover piecewise), so a session with a GPU runs it once

@@ -12,28 +12,33 @@ GELU, adds, copies) its bytes, each op its own kernel (eager) or, compiled, only
 code and the library kernels (op_costs' stated fusion assumption). Once an optimizer step, memory-bound passes over
 the float32 parameters (:func:`optimizer_seconds`).
 
-**Calibration**, once: MosaicML trained the SD 2 UNet on precomputed 256 px latents at ~137 images/s per A100 (8 A100s;
+**Calibration**: MosaicML trained the SD 2 UNet on precomputed 256 px latents at ~137 images/s per A100 (8 A100s;
 ../shared/GPU.md). The memory share is fixed at :data:`MEMORY_EFFICIENCY`; the one compute share (matmul, convolution
 and attention alike) is solved so that this model predicts that figure (:data:`ANCHOR`, its assumptions named there).
-One figure cannot tell the kinds, or GPUs, apart: every GPU gets the same shares until a GPU run recalibrates one
-(:data:`MEASURED_EFFICIENCIES`).
+One figure cannot tell the kinds apart. A GPU session's eager steps (:data:`SESSION_ROWS`) recalibrate the GPU they
+ran on (its own compute share) and fit the host's cost per op (:func:`session_fit`).
+
+**Host**: an eager pass cannot go faster than the host dispatches its ops (Python, autocast, autograd and the
+launch; a cost per op, fitted: docs/performance.md shows it), so each eager pass takes the longer of its kernels and
+its ops' host time. Small micro-batches of small UNets on fast GPUs are host-bound. Compiled, inductor's wrapper
+launches fused kernels and the host floor is left out (not measured yet).
 
 **Communication**: tools/communication_model.py, which predicts the step from the micro-batch this model
 predicts.
 
-Left out: kernel launch latency (eager PyTorch dispatches an op in ~5-10 us; hidden while the kernels are longer, as
-at these micro-batches most are), the host-to-device copy of the batch (pinned, non-blocking), stragglers, NCCL's
-latency per bucket, and the data pipeline (the check job measures data wait).
+Left out: the compiled step's launch cost, the host-to-device copy of the batch (pinned, non-blocking), stragglers,
+NCCL's latency per bucket, and the data pipeline (the check job measures data wait).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cache
 from typing import Any, cast
 
-from sdtrain.model.hardware import A100, Gpu
+from sdtrain.model.hardware import A100, H200_SXM, Gpu
 from sdtrain.model.op_costs import KINDS, StepOps
 
 MEMORY_EFFICIENCY = 0.8
@@ -54,15 +59,16 @@ class Efficiency:
 
 @dataclass(frozen=True)
 class Anchor:
-    """The published figure the compute share is calibrated on, and what the model assumes about that run.
+    """A measured images/s the model is calibrated on, and what the model assumes about that run.
 
     Args:
         gpu: the GPU it ran on.
         memory_gib: which variant (its bandwidth).
         preset: the UNet (model.preset).
         resolution: image side in pixels.
-        micro_batch: samples per GPU per forward (not published: assumed).
-        images_per_s: the published images/s per GPU.
+        micro_batch: samples per GPU per forward (MosaicML's is not published: assumed).
+        images_per_s: the measured images/s per GPU, eager.
+        fitted: whether the fit uses it (a GPU session's row the model does not explain is shown, not fitted).
     """
 
     gpu: Gpu
@@ -71,6 +77,7 @@ class Anchor:
     resolution: int
     micro_batch: int
     images_per_s: float
+    fitted: bool = True
 
 
 ANCHOR = Anchor(A100, 40, "sd2-base", 256, 32, 137.0)
@@ -78,8 +85,30 @@ ANCHOR = Anchor(A100, 40, "sd2-base", 256, 32, 137.0)
 32 samples a GPU per step, DDP with float32 gradients hidden under the backward pass (8 GPUs over NVLink), no EMA;
 whatever that run did otherwise is folded into the calibrated share."""
 
-MEASURED_EFFICIENCIES: dict[str, Efficiency] = {}
-"""Shares measured on a GPU (bench/results/), by Gpu.name, replacing the calibrated ones there: none yet."""
+SESSION_ROWS = (
+    Anchor(H200_SXM, 141, "small", 256, 96, 501.5),
+    # Not fitted: far slower than what fits the others predicts (docs/performance.md), which no share common to the
+    # presets explains; a per-kind profile (--profile) tells which kernels (small's attention: head dim 20) are slow.
+    Anchor(H200_SXM, 141, "small", 512, 96, 182.0, fitted=False),
+    Anchor(H200_SXM, 141, "sd2-base", 256, 64, 362.4),
+    Anchor(H200_SXM, 141, "sd2-base", 512, 64, 115.0),
+)
+"""The first GPU session's eager steps (bench/results/2026-11-27-h200.md): bf16-mixed, one GPU, the shipped
+micro-batches, 10 timed steps of sdtrain's own training step (bench/gpu_throughput.py) on a 16-CPU host."""
+
+
+@dataclass(frozen=True)
+class SessionFit:
+    """What the GPU session's rows calibrate (:func:`session_fit`).
+
+    Args:
+        efficiencies: the shares of each GPU the session ran on, by Gpu.name.
+        host_s_per_op: the host's seconds an eager op (every GPU: the host's, not the GPU's).
+    """
+
+    efficiencies: dict[str, Efficiency]
+    host_s_per_op: float
+
 
 # Bytes a parameter costs once an optimizer step (float32 weights, gradients and moments; bf16 buckets).
 ADAMW_BYTES = 28  # the fused step reads weight, gradient and two moments, writes weight and moments
@@ -90,27 +119,101 @@ ACCUMULATE_BYTES = 12  # every further micro-batch adds its gradient: two reads,
 COMPRESSION_BYTES = 12  # bf16 compression: float32 bucket to bf16 (6) and back (6)
 
 
+SAME_COMPUTE = {"H100 SXM": "H200 SXM"}
+"""GPUs whose compute a session's GPU shares: the H100 SXM and H200 SXM are the same GH100 die at the same bf16 peak
+(989.5 TFLOP/s), the H200 with faster memory (which the model's bandwidth term has)."""
+
+
 def efficiency(gpu: Gpu) -> Efficiency:
-    """The shares the model uses on ``gpu``: measured there, else the calibrated ones."""
-    return MEASURED_EFFICIENCIES.get(gpu.name) or calibrated()
+    """The shares the model uses on ``gpu``: a GPU session's on that GPU or one of :data:`SAME_COMPUTE`, else the
+    calibrated ones."""
+    measured = session_fit().efficiencies
+    return measured.get(gpu.name) or measured.get(SAME_COMPUTE.get(gpu.name, "")) or calibrated()
+
+
+def host_s_per_op() -> float:
+    """The host's seconds an eager op, fitted to the GPU session (:func:`session_fit`)."""
+    return session_fit().host_s_per_op
+
+
+def _shares(compute: float) -> Efficiency:
+    return Efficiency(compute, compute, compute, MEMORY_EFFICIENCY)
+
+
+def anchor_images_per_s(anchor: Anchor, shares: Efficiency, host_s: float, world: int = 1) -> float:
+    """The model's images/s of ``anchor``'s eager step.
+
+    Args:
+        anchor: the measured row.
+        shares: the efficiencies.
+        host_s: the host's seconds an eager op.
+        world: the ranks its optimizer step ran among (DDP's bucket copy).
+    """
+    ops = step_ops(anchor.preset, anchor.resolution, anchor.micro_batch)
+    one = micro_batch(ops, anchor.gpu, anchor.memory_gib, shares, compiled=False, host_s=host_s)
+    optimizer = optimizer_seconds(ops_parameters(anchor.preset), anchor.gpu, anchor.memory_gib, world, shares=shares)
+    return anchor.micro_batch / (one.forward_s + one.backward_s + optimizer)
 
 
 @cache
 def calibrated() -> Efficiency:
     """The compute share (matmul, convolution and attention alike) at which the model predicts :data:`ANCHOR`'s
-    images/s (bisection: the prediction grows with the share)."""
-    anchor = ANCHOR
-    ops = step_ops(anchor.preset, anchor.resolution, anchor.micro_batch)
+    images/s, with the fitted host cost (bisection: the prediction grows with the share)."""
+    anchor, host = ANCHOR, host_s_per_op()
     low, high = 0.01, 1.0
     for _ in range(60):
         share = (low + high) / 2
-        shares = Efficiency(share, share, share, MEMORY_EFFICIENCY)
-        one = micro_batch(ops, anchor.gpu, anchor.memory_gib, shares, compiled=False)
-        parameters = ops_parameters(anchor.preset)
-        optimizer = optimizer_seconds(parameters, anchor.gpu, anchor.memory_gib, 8, shares=shares)
-        step = one.forward_s + one.backward_s + optimizer
-        low, high = (share, high) if anchor.micro_batch / step < anchor.images_per_s else (low, share)
-    return Efficiency(low, low, low, MEMORY_EFFICIENCY)
+        low, high = (
+            (share, high)
+            if anchor_images_per_s(anchor, _shares(share), host, 8) < anchor.images_per_s
+            else (low, share)
+        )
+    if abs(anchor_images_per_s(anchor, _shares(low), host, 8) / anchor.images_per_s - 1) > 1e-3:
+        raise ValueError(f"no compute share predicts the anchor's {anchor.images_per_s} images/s: host-bound there")
+    return _shares(low)
+
+
+@cache
+def session_fit() -> SessionFit:
+    """Each session GPU's compute share and the host's seconds an eager op, fitted together to the fitted rows of
+    :data:`SESSION_ROWS`: least squares of log(predicted / measured images/s), by alternating golden-section
+    searches (with the others fixed, the error is unimodal in each)."""
+    rows = [row for row in SESSION_ROWS if row.fitted]
+    gpus = {row.gpu.name: [r for r in rows if r.gpu.name == row.gpu.name] for row in rows}
+    compute, host = dict.fromkeys(gpus, 0.4), 0.0
+
+    def error(chosen: list[Anchor], shares: dict[str, float], host_s: float) -> float:
+        predicted = [anchor_images_per_s(r, _shares(shares[r.gpu.name]), host_s) for r in chosen]
+        return sum(math.log(p / r.images_per_s) ** 2 for p, r in zip(predicted, chosen, strict=True))
+
+    def share_of(name: str, host_s: float) -> float:
+        return _minimize(lambda share: error(gpus[name], {name: share}, host_s), 0.05, 1.0)
+
+    for _ in range(20):
+        before = (dict(compute), host)
+        for name in gpus:
+            compute[name] = share_of(name, host)
+        host = _minimize(lambda h: error(rows, compute, h), 0.0, 500e-6)
+        if all(abs(compute[n] - before[0][n]) < 1e-5 for n in gpus) and abs(host - before[1]) < 1e-8:
+            break
+    return SessionFit({name: _shares(share) for name, share in compute.items()}, host)
+
+
+def _minimize(f: Callable[[float], float], low: float, high: float, iterations: int = 40) -> float:
+    """Golden-section search for the minimum of a unimodal ``f`` on [low, high]."""
+    ratio = (math.sqrt(5) - 1) / 2
+    a, b = high - ratio * (high - low), low + ratio * (high - low)
+    fa, fb = f(a), f(b)
+    for _ in range(iterations):
+        if fa < fb:
+            high, b, fb = b, a, fa
+            a = high - ratio * (high - low)
+            fa = f(a)
+        else:
+            low, a, fa = a, b, fb
+            b = low + ratio * (high - low)
+            fb = f(b)
+    return (low + high) / 2
 
 
 @cache
@@ -169,25 +272,38 @@ class MicroBatch:
     ready_s: tuple[tuple[int, float], ...]
 
 
-def micro_batch(ops: StepOps, gpu: Gpu, memory_gib: float, shares: Efficiency, compiled: bool) -> MicroBatch:
+def micro_batch(
+    ops: StepOps, gpu: Gpu, memory_gib: float, shares: Efficiency, compiled: bool, host_s: float | None = None
+) -> MicroBatch:
     """The predicted micro-batch of ``ops`` on ``gpu`` (module docstring). Compiled, the memory-bound bytes of each
     pass are its fused bytes, spread over its memory-bound ops in proportion to their eager bytes (which places each
-    gradient's readiness in time).
+    gradient's readiness in time). Eager, each pass takes at least its ops' host time, a host-bound backward pass
+    stretching its gradients' readiness alike.
 
     Args:
         ops: the traced ops.
         gpu: the GPU.
         memory_gib: its variant (the bandwidth).
         shares: the efficiencies.
-        compiled: train.compile (the memory-bound ops fused).
+        compiled: train.compile (the memory-bound ops fused, no host floor).
+        host_s: the host's seconds an eager op (default: :func:`host_s_per_op`).
     """
     seconds = op_seconds(ops, gpu, memory_gib, shares, compiled)
     forward = sum(t for t, op in zip(seconds, ops.ops, strict=True) if not op.backward)
     elapsed = [0.0]
     for t in seconds:
         elapsed.append(elapsed[-1] + t)
-    ready = tuple((parameter, elapsed[at] - forward) for parameter, at in ops.gradients_ready)
-    return MicroBatch(forward, elapsed[-1] - forward, ready)
+    backward = elapsed[-1] - forward
+    stretch = 1.0
+    if not compiled:
+        host = host_s_per_op() if host_s is None else host_s
+        forward_ops = sum(1 for op in ops.ops if not op.backward)
+        if backward:
+            stretch = max(1.0, (len(ops.ops) - forward_ops) * host / backward)
+        forward = max(forward, forward_ops * host)
+    elapsed_forward = sum(t for t, op in zip(seconds, ops.ops, strict=True) if not op.backward)
+    ready = tuple((parameter, (elapsed[at] - elapsed_forward) * stretch) for parameter, at in ops.gradients_ready)
+    return MicroBatch(forward, backward * stretch, ready)
 
 
 def op_seconds(ops: StepOps, gpu: Gpu, memory_gib: float, shares: Efficiency, compiled: bool) -> list[float]:

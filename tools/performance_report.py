@@ -3,9 +3,9 @@
     python -m tools.performance_report > docs/performance.md      # in the checkout
 
 Every op of the real models is counted on fake tensors (sdtrain.model.op_costs) and timed by the per-op model
-(tools/performance_model.py, calibrated once on MosaicML's published figure), memory traced from a real training
-step on fake tensors (sdtrain.model.memory), and the step of each shipped job predicted from its config and its
-nodes. tests/test_performance_report.py checks that the checked-in page is what this renders.
+(tools/performance_model.py, calibrated on MosaicML's published figure and a GPU session), memory traced from a real
+training step on fake tensors (sdtrain.model.memory), and the step of each shipped job predicted from its config and
+its nodes. tests/test_performance_report.py checks that the checked-in page is what this renders.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from sdtrain.config.schema import Config
 from sdtrain.model.hardware import A10G, A100, H100_SXM, NODE_TYPES, Gpu, NodeType
 from tools import communication_model as communication
 from tools import performance_model as model
+from tools.calibration_report import calibration_section
 from tools.communication_model import LINK_EFFICIENCY, StepPrediction
 from tools.memory_table import linear_memory, memory_section
-from tools.performance_model import MEMORY_EFFICIENCY
 from tools.sdxl_report import sdxl_section
 
 REGENERATE = "python -m tools.performance_report > docs/performance.md"
@@ -144,9 +144,6 @@ def predict_job(job: ShippedJob, nodes: int) -> StepPrediction:
 
 
 def _model_section() -> list[str]:
-    shares = model.calibrated()
-    anchor = model.ANCHOR
-    predicted = images_per_s(anchor.preset, anchor.resolution, anchor.micro_batch, anchor.gpu, anchor.memory_gib, False)
     lines = [
         "## The per-op model",
         "",
@@ -157,15 +154,10 @@ def _model_section() -> list[str]:
         "(eager) or, compiled, only the bytes that cross between fused code and the matmul, convolution and attention",
         "kernels (an assumption: inductor fuses every elementwise op and norm into its neighbours). Once an optimizer",
         "step, the fused AdamW (with the clipping folded in), the gradient norm and DDP's copies pass over the float32",
-        "parameters. The model and what it leaves out: `tools/performance_model.py`.",
+        "parameters. An eager pass takes at least the host's time to dispatch its ops. The model and what it leaves",
+        "out: `tools/performance_model.py`.",
         "",
-        f"Calibrated once: memory-bound ops at {MEMORY_EFFICIENCY:.0%} of the bandwidth (stated), and matmuls,"
-        f" convolutions and attention at **{shares.matmul:.1%}** of the bf16 peak, the share at which the model"
-        f" predicts MosaicML's published ~{anchor.images_per_s:.0f} images/s per A100 for the SD 2 UNet at"
-        f" {anchor.resolution} px (8 A100s, precomputed latents; assumed: A100 40GB, eager, micro-batch"
-        f" {anchor.micro_batch}): {predicted:.1f} images/s predicted on one GPU without the all-reduce. One figure"
-        " cannot tell the kinds of op or the GPUs apart: each GPU gets the same shares until a GPU run",
-        "recalibrates it (`bench/gpu_session.sh`).",
+        "Calibrated on MosaicML's published figure and on a GPU session's eager steps: the next section.",
         "",
         "| preset | px | parameters | GFLOP per image (3x forward) | counted TFLOP per image | GB moved per image,"
         " eager | compiled | predicted H100 eager time: matmul | conv | attention | memory-bound |",
@@ -232,12 +224,12 @@ def _throughput_section() -> list[str]:
     lines += [
         f"| MosaicML, measured | {anchor.resolution} | - | | | {anchor.images_per_s:.0f} (the calibration) | | | | | |",
         "",
-        "Every figure above is a prediction until a GPU run measures it. An independent roofline of the same",
-        "kind (fake CUDA tensors, its own efficiencies per kind of op) found ~370 eager and ~500 compiled images/s",
-        "for sd2-base at 256 px on an H100, ~110 and ~155 at 512 px: eager agrees within a few percent, this model's",
-        "compiled gain is smaller because its one calibrated compute share leaves the matmuls and convolutions more",
-        "of the time, which compile does not shorten (the anchor is one figure: it cannot split the time between",
-        "compute-bound and memory-bound ops, which only a measured run can).",
+        "Every figure above is a prediction until a GPU run measures it. Eager, a small micro-batch of either UNet",
+        "is bound by the host's dispatch of its ~3,300 ops, not by the GPU (the calibration section): on an H100 the",
+        "micro-batch sets eager images/s almost in proportion below 64. The H200 session measured sd2-base at",
+        "362 (256 px) and 115 (512 px) images/s eager at 64; an independent roofline of the same kind (fake CUDA",
+        "tensors, its own efficiencies per kind of op) found ~370 eager and ~500 compiled on an H100 at 256 px, ~110",
+        "and ~155 at 512 px. No compiled step has been measured yet.",
         "",
     ]
     return lines
@@ -262,6 +254,8 @@ def _jobs_section(repo: Path) -> list[str]:
         for compiled in (True, False):
             variant = _with(job, f"train.compile={compiled}")
             lines += [_job_row(variant, nodes) for nodes in sorted({job.min_nodes, job.max_nodes})]
+    job = jobs["job.yaml"]
+    window = predict_job(_with(job, "train.global_batch_size=384", "train.micro_batch_size=32"), 2).window_s
     sd2 = load_config(repo / SD2_CONFIG)
     for name in ("p4d.24xlarge", "p5.48xlarge"):
         node = NODE_TYPES[name]
@@ -274,19 +268,20 @@ def _jobs_section(repo: Path) -> list[str]:
         "### Choosing job.yaml's batch (predicted)",
         "",
         "The micro-batch sets the window: on 25 Gbit/s nodes the all-reduce of 446 MB (bf16) takes 0.2-0.3 s, and",
-        "one micro-batch of 32 has ~0.13 s of backward pass to hide it in. Compiled, on job.yaml's nodes, global",
-        "batches that divide over 2, 3 and 4 workers:",
+        f"one micro-batch of 32 has ~{window:.2f} s of backward pass to hide it in. Compiled, on job.yaml's nodes,",
+        "global batches that divide over 2, 3 and 4 workers:",
         "",
         TABLE_HEADER,
         TABLE_RULE,
     ]
-    job = jobs["job.yaml"]
     for batch, micro in CHOICES:
         choice = _with(job, f"train.global_batch_size={batch}", f"train.micro_batch_size={micro}")
         lines += [_job_row(choice, nodes) for nodes in (2, 3, 4)]
+    waits = [predict_job(choice, nodes).communication_share for nodes in (2, 3, 4)]
     lines += [
         "",
-        "96 a micro-batch (~18 GiB of the A10G's 24 by the memory model) leaves 0-4% of a step waiting; the global",
+        f"96 a micro-batch (~18 GiB of the A10G's 24 by the memory model) leaves {min(waits):.0%}-{max(waits):.0%} of"
+        " a step waiting; the global",
         "batch is 1152 for it to divide over every world size. Before 2026-11-27 job.yaml trained 384 a step in",
         "micro-batches of 32, eager; before 2026-11-25, 48 a step in micro-batches of 4 on 2-4 g5.2xlarge nodes (up",
         "to 10 Gbit/s), float32 gradients:",
@@ -357,11 +352,12 @@ def render_markdown(repo: Path) -> str:
         f"<!-- Generated: do not edit by hand. Regenerate with: {REGENERATE} -->",
         "",
         "Every GPU figure on this page is a **prediction** from ops counted in the real models and a per-op model",
-        "calibrated once on one published figure, until `entrypoints/check.py` has measured it on your cluster or",
-        "`bench/gpu_session.sh` on a GPU (then in `bench/results/`). What carries over from a CPU and what does",
-        "not: docs/gpu.md.",
+        "calibrated on one published figure and one GPU session's eager steps, until `entrypoints/check.py` has",
+        "measured it on your cluster or `bench/gpu_session.sh` on a GPU (then in `bench/results/`). What carries",
+        "over from a CPU and what does not: docs/gpu.md.",
         "",
         *_model_section(),
+        *calibration_section(),
         *_throughput_section(),
         *memory_section(),
         *sdxl_section(),
