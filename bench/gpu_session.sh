@@ -17,14 +17,26 @@
 #     -d .whl diffusers==0.42.1 importlib-metadata
 # (diffusers 0.42.1 needs huggingface-hub >= 1.32: gpu.txt shows the machine's; carry a newer one if it is older)
 # Then ONE call of the device tool:  run  command="bash bench/gpu_session.sh"  carry=[".whl"]  timeout_s=540
+# A cold compile takes 4-5 minutes there, so the whole grid does not fit one call: choose with --parts (any of
+# tests,throughput,check; all by default) and hand bench/gpu_throughput.py's own options after "--", e.g.
+#   bash bench/gpu_session.sh --parts tests,throughput -- --presets sd2-base --resolutions 256 --variants compile
 # Logs and JSON land in $OUT (7 files); record the figures in bench/results/<date>-<gpu>.md with the versions
 # printed, and recalibrate the per-op model from them (tools/performance_model.py, SESSION_ROWS).
 #
 #   bash bench/gpu_session.sh --smoke    # here, on CPU: every step above on the tiny UNet (the dry run CI's smoke
 #                                        # tests cover piecewise), so a session with a GPU runs it once
 set -uo pipefail
-smoke=0
-[[ "${1:-}" == "--smoke" ]] && smoke=1
+smoke=0 parts=tests,throughput,check extra=()
+while (($#)); do
+  case $1 in
+    --smoke) smoke=1 ;;
+    --parts) parts=$2; shift ;;
+    --) shift; extra=("$@"); break ;;
+    *) echo "unknown option $1 (--smoke, --parts tests,throughput,check, -- gpu_throughput.py options)"; exit 2 ;;
+  esac
+  shift
+done
+part() { [[ ",$parts," == *",$1,"* ]]; }
 out=${OUT:-/tmp/gpu-session}
 budget=${GPU_SESSION_BUDGET_S:-470}  # seconds, of the run's 480: the tool's 8-minute slot
 mkdir -p "$out"
@@ -43,23 +55,33 @@ fi
 "$python" -m pip show diffusers huggingface-hub transformers lightning 2>/dev/null | grep -E "^(Name|Version)" \
   >>"$out/gpu.txt"
 
-echo "== 1. GPU tests ($(left) s left)"
-timeout 150 "$python" -m pytest -m gpu tests/test_gpu.py -x -q -p no:cacheprovider --timeout 120 2>&1 |
-  tee "$out/pytest-gpu.log" | tail -n 25
+# Each step logs to a file, not a pipe: inductor's compile workers outlive a timed-out python and would hold a pipe
+# open (the first GPU session hung there until the device tool's limit).
+touch "$out/pytest-gpu.log" "$out/throughput.log" "$out/check_phase.log"
+if part tests; then
+  echo "== 1. GPU tests ($(left) s left)"
+  timeout -k 5 150 "$python" -m pytest -m gpu tests/test_gpu.py -x -q -p no:cacheprovider --timeout 120 \
+    >"$out/pytest-gpu.log" 2>&1
+  tail -n 25 "$out/pytest-gpu.log"
+fi
 
-echo "== 2. throughput ($(left) s left)"
-grid=(--profile --json "$out/throughput.json" --deadline $(($(left) - 90)))
-((smoke)) && grid=(--smoke --profile --json "$out/throughput.json")
-# To a file, not a pipe: inductor's compile workers outlive a timed-out python and would hold a pipe open (the first
-# GPU session hung there until the device tool's limit).
-timeout -k 5 $(($(left) - 80)) "$python" bench/gpu_throughput.py "${grid[@]}" >"$out/throughput.log" 2>&1
-grep -v -e Warning -e warn "$out/throughput.log"
+if part throughput; then
+  echo "== 2. throughput ($(left) s left)"
+  keep=$(part check && echo 90 || echo 10)  # seconds left for what follows
+  grid=(--profile --json "$out/throughput.json" --deadline $(($(left) - keep)) "${extra[@]}")
+  ((smoke)) && grid=(--smoke --profile --json "$out/throughput.json")
+  timeout -k 5 $(($(left) - keep + 10)) "$python" bench/gpu_throughput.py "${grid[@]}" >"$out/throughput.log" 2>&1
+  grep -v -e Warning -e warn "$out/throughput.log"
+fi
 
-echo "== 3. the check job's one-GPU phase on configs/small.yaml ($(left) s left)"
-phase=(--config configs/small.yaml --json "$out/check_phase.json")
-((smoke)) && phase+=(--smoke)
-timeout -k 5 $(($(left) > 10 ? $(left) : 10)) "$python" bench/gpu_throughput.py "${phase[@]}" >"$out/check_phase.log" 2>&1
-grep -v -e Warning -e warn "$out/check_phase.log"
+if part check; then
+  echo "== 3. the check job's one-GPU phase on configs/small.yaml ($(left) s left)"
+  phase=(--config configs/small.yaml --json "$out/check_phase.json")
+  ((smoke)) && phase+=(--smoke)
+  timeout -k 5 $(($(left) > 10 ? $(left) : 10)) "$python" bench/gpu_throughput.py "${phase[@]}" \
+    >"$out/check_phase.log" 2>&1
+  grep -v -e Warning -e warn "$out/check_phase.log"
+fi
 
 grep -h -e "^RATIO" -e "^# .*predicted" -e "^# profile" -e "skipped" "$out/throughput.log" "$out/check_phase.log" \
   >"$out/summary.txt"

@@ -192,3 +192,21 @@ def test_caption_modes_smoke():
 def test_help(script):
     out, _ = run_bench(f"bench/{script}", "--help", timeout=60)
     assert "--smoke" in out
+
+
+def test_gpu_session_runs_the_parts_asked_for_and_refuses_an_unknown_option(tmp_path):
+    """bench/gpu_session.sh's --parts (a lent GPU's call holds only some of its steps), here its dry run's tests step
+    alone: the other steps do not start, and the summary is written."""
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable}
+    run = subprocess.run(
+        ["bash", "bench/gpu_session.sh", "--smoke", "--parts", "tests"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "== 1. GPU tests" in run.stdout and "== 2." not in run.stdout and "== 3." not in run.stdout, run.stdout
+    assert "skipped" in (tmp_path / "pytest-gpu.log").read_text()  # no CUDA here: the tier skips, not fails
+    assert (tmp_path / "summary.txt").exists() and not (tmp_path / "throughput.json").exists()
+    wrong = subprocess.run(
+        ["bash", "bench/gpu_session.sh", "--part", "tests"], cwd=REPO, capture_output=True, text=True, timeout=30
+    )
+    assert wrong.returncode == 2 and "unknown option --part" in wrong.stdout, wrong.stdout
