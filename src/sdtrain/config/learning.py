@@ -151,7 +151,8 @@ class TrainConfig(Section):
     size that divides the per-worker batch at every allowed world size. auto = on GPU workers, the largest of those
     sizes whose step the memory model (sdtrain.model.memory) predicts fits 90% of the cluster's GPU with 1 GiB for the
     runtime; on CPU workers, or where the cluster's GPU model is not known yet, as null. On GPU workers a size (or
-    null's) predicted not to fit the GPU is refused before any worker starts."""
+    null's) predicted not to fit the GPU is refused before any worker starts, and one over 90% of it (too little left
+    for the caching allocator's fragmentation) or over its smaller memory variant trains with a line saying so."""
     lr: float = 1e-4
     """AdamW peak learning rate, reached after train.warmup_steps and then held."""
     warmup_steps: int = 10_000
