@@ -113,7 +113,7 @@ def main() -> None:
     # Every eager measurement first (quick), then the compiled ones, which a --deadline may leave out.
     for variant, preset, px in ((v, p, r) for v in variants for p in presets for r in resolutions):
         batch = worker.micro_batch if worker else args.batch_size or fitting_batch(preset, px, memory_gib)
-        expected = EXPECTED_S.get(("compile" if "compile" in variant else "eager", preset), 30)
+        expected = EXPECTED_S.get(("compile" if _compiled(variant, worker) else "eager", preset), 30)
         if args.deadline and time.monotonic() - start + expected > args.deadline:
             print(f"# {preset} {px}px {variant}: skipped, not predicted to end within --deadline {args.deadline}s")
             continue
@@ -266,6 +266,13 @@ def measure(preset, px, variant, batch, steps, warmup, use_gpu, worker=None, pro
     )
 
 
+def _compiled(variant: str, worker: WorkerShare | None) -> bool:
+    """Whether a measurement's step is compiled: its variant's, or with --config the config's."""
+    return "compile" in variant or (
+        variant == "config" and worker is not None and "train.compile=True" in worker.overrides
+    )
+
+
 def _predict(rows: list[Row], gpu, memory_gib: float, worker: WorkerShare | None) -> None:
     """The per-op model's images/s of each row on ``gpu`` (one GPU, its accumulation, no communication): a
     prediction, printed beside the measurement."""
@@ -274,7 +281,7 @@ def _predict(rows: list[Row], gpu, memory_gib: float, worker: WorkerShare | None
     memory = min(gpu.memory_gib, key=lambda size: abs(size - memory_gib))
     for row in rows:
         ops = model.step_ops(row.preset, row.px, row.batch)
-        compiled = "compile" in row.variant or (row.variant == "config" and "train.compile=True" in worker.overrides)
+        compiled = _compiled(row.variant, worker)
         one = model.micro_batch(ops, gpu, memory, model.efficiency(gpu), compiled)
         accumulation = worker.accumulation if worker else 1
         optimizer = model.optimizer_seconds(model.ops_parameters(row.preset), gpu, memory, 1, accumulation)
