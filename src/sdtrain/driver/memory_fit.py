@@ -97,27 +97,33 @@ def fit_micro_batch(
             "GPUs with more memory"
         )
     micro_batch = config.batch_layout(world).micro_batch
-    if (memory := needs(micro_batch)).with_runtime_margin > largest:
+    return config, _configured_size(needs(micro_batch), micro_batch, gpu, smallest, largest)
+
+
+def _configured_size(memory: TrainingMemory, micro_batch: int, gpu: str, smallest: float, largest: float) -> str | None:
+    """A ConfigError where a configured micro-batch is predicted not to fit even the GPU's largest variant; a line
+    where it leaves too little headroom, or fits only the larger variant; None where it fits with room."""
+    if memory.with_runtime_margin > largest:
         raise ConfigError(
             f"train.micro_batch_size: {micro_batch} samples a rank are predicted to need {_gib(memory)} "
             f"(sdtrain.model.memory, with 1 GiB for the CUDA runtime), more than a {gpu}'s {largest / GIB:.0f} GiB; "
             "use a smaller train.micro_batch_size (or auto), train.gradient_checkpointing=true or train.strategy=fsdp"
         )
     if memory.with_runtime_margin > smallest:
-        return config, (
+        return (
             f"train.micro_batch_size: {micro_batch} samples a rank are predicted to need {_gib(memory)}, more than a "
             f"{smallest / GIB:.0f} GiB {gpu} holds: only its {largest / GIB:.0f} GiB variant fits them"
         )
     if memory.with_runtime_margin > AUTO_FILL * smallest:
         # A GPU session measured the caching allocator reserving 3-9% over the model's tensors
         # (bench/results/2026-11-27-h200.md): auto's 10% is what covers it.
-        return config, (
+        return (
             f"train.micro_batch_size: {micro_batch} samples a rank are predicted to need {_gib(memory)}, over "
             f"{AUTO_FILL:.0%} of a {smallest / GIB:.0f} GiB {gpu}: what the caching allocator reserves beyond the "
             "tensors may not fit in the rest (an out-of-memory error on the first steps); "
             "train.micro_batch_size=auto keeps under it"
         )
-    return config, None
+    return None
 
 
 def _gib(memory: TrainingMemory) -> str:
