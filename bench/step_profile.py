@@ -37,7 +37,6 @@ class StepProfile(pl.Callback):
         self.step = step
         self.seconds_by_kind: dict[str, float] = {}
         self.wall_s = float("nan")
-        self.ops = 0
         self._profiler: torch.profiler.profile | None = None
         self._start = 0.0
 
@@ -60,7 +59,6 @@ class StepProfile(pl.Callback):
             self.wall_s = time.perf_counter() - self._start
             self._profiler.stop()
             self.seconds_by_kind = _split(self._profiler.events(), cuda)
-            self.ops = sum(1 for event in self._profiler.events() if event.name.startswith("aten::"))
 
 
 def _split(events, cuda: bool) -> dict[str, float]:

@@ -289,11 +289,11 @@ def micro_batch(
         host_s: the host's seconds an eager op (default: :func:`host_s_per_op`).
     """
     seconds = op_seconds(ops, gpu, memory_gib, shares, compiled)
-    forward = sum(t for t, op in zip(seconds, ops.ops, strict=True) if not op.backward)
+    device_forward = sum(t for t, op in zip(seconds, ops.ops, strict=True) if not op.backward)
     elapsed = [0.0]
     for t in seconds:
         elapsed.append(elapsed[-1] + t)
-    backward = elapsed[-1] - forward
+    forward, backward = device_forward, elapsed[-1] - device_forward
     stretch = 1.0
     if not compiled:
         host = host_s_per_op() if host_s is None else host_s
@@ -301,8 +301,7 @@ def micro_batch(
         if backward:
             stretch = max(1.0, (len(ops.ops) - forward_ops) * host / backward)
         forward = max(forward, forward_ops * host)
-    elapsed_forward = sum(t for t, op in zip(seconds, ops.ops, strict=True) if not op.backward)
-    ready = tuple((parameter, (elapsed[at] - elapsed_forward) * stretch) for parameter, at in ops.gradients_ready)
+    ready = tuple((parameter, (elapsed[at] - device_forward) * stretch) for parameter, at in ops.gradients_ready)
     return MicroBatch(forward, backward * stretch, ready)
 
 
