@@ -44,9 +44,10 @@ class Phase:
     CHECKPOINT = "reporting a checkpoint: saving it, uploading it, and the barrier with every other rank"
     REPORT = "reporting metrics: the barrier with every other rank"
     SAMPLE_GRID = "rendering a sample grid (sample_grid.every_n_steps) and writing the live files"
+    RECLAIM = "holding after a reclaim notice's checkpoint, until Ray Train restarts the group at the deadline"
 
 
-SLOW_PHASES = frozenset({Phase.STARTING, Phase.VALIDATION, Phase.CHECKPOINT, Phase.SAMPLE_GRID})
+SLOW_PHASES = frozenset({Phase.STARTING, Phase.VALIDATION, Phase.CHECKPOINT, Phase.SAMPLE_GRID, Phase.RECLAIM})
 """Phases whose length grows with the model, the held-out set or the network, not with a step: bounded on their
 own (run.slow_phase_timeout_s), and excluded from the step's bound."""
 

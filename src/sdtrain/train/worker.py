@@ -206,7 +206,7 @@ def _callbacks(run: WorkerRun, module: pl.LightningModule, rank: int, train_batc
         evaluations=CheckpointEvaluations(config, _run_dir(config)) if rank == 0 and config.eval.enabled else None,
     )
     callbacks: list[pl.Callback] = [] if watchdog is None else [StallWatch(watchdog)]
-    callbacks.append(PreemptionCheck(cadence, lambda: reporter.slowest_steps_per_s))
+    callbacks.append(PreemptionCheck(cadence, lambda: reporter.slowest_steps_per_s, enter))
     if validation is not None:
         callbacks.append(validation)
     callbacks.append(reporter)
