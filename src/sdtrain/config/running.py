@@ -89,9 +89,9 @@ class RunConfig(Section):
     job fails visibly instead of hanging. null = no watchdog."""
     slow_phase_timeout_s: float | None = 7200.0
     """The longest a worker may spend in one slow phase between steps: start-up (building the model, restoring the
-    checkpoint, joining the other ranks), a validation, a checkpoint's save, upload and barrier, or a sample grid;
-    beyond it the worker logs the phase and ends as for run.stall_timeout_s. Keep it above the longest of them.
-    null = unbounded."""
+    checkpoint, joining the other ranks), a validation, a checkpoint's save, upload and barrier, a sample grid, or
+    the hold after a reclaim notice's checkpoint (at most the notice and a minute); beyond it the worker logs the
+    phase and ends as for run.stall_timeout_s. Keep it above the longest of them. null = unbounded."""
     gpu_hour_cost: float | None = None
     """What one GPU-hour costs, in your currency (each worker holds one GPU; on CPU workers, what one worker-hour
     costs): the metric cost_per_million_images at each report, from the throughput since the previous one, and the

@@ -3,8 +3,8 @@
 Two bounds, so that a legitimately long phase between steps neither fails every restart at the same step nor
 hides a hang: the step's own work (waiting for data, the step and its collectives, reporting metrics) has
 ``run.stall_timeout_s``, counted from the last step or the end of the last slow phase; each slow phase
-(start-up with the checkpoint restore, validation, a checkpoint's save and upload, a sample grid) has
-``run.slow_phase_timeout_s`` of its own, counted from its start.
+(start-up with the checkpoint restore, validation, a checkpoint's save and upload, a sample grid, the hold after a
+reclaim notice's checkpoint) has ``run.slow_phase_timeout_s`` of its own, counted from its start.
 
 A hung read, a rank stuck in a collective whose peer hangs, or an upload that never returns
 would otherwise hold the whole job, silently, for as long as the cluster runs. The watchdog
@@ -48,8 +48,8 @@ class Phase:
 
 
 SLOW_PHASES = frozenset({Phase.STARTING, Phase.VALIDATION, Phase.CHECKPOINT, Phase.SAMPLE_GRID, Phase.RECLAIM})
-"""Phases whose length grows with the model, the held-out set or the network, not with a step: bounded on their
-own (run.slow_phase_timeout_s), and excluded from the step's bound."""
+"""Phases whose length grows with the model, the held-out set, the network or a reclaim notice, not with a step:
+bounded on their own (run.slow_phase_timeout_s), and excluded from the step's bound."""
 
 
 def _end_worker(message: str) -> None:
