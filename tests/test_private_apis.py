@@ -26,6 +26,7 @@ def test_each_private_name_sdtrain_uses_exists(library, module, name, purpose):
 def test_the_adapters_return_what_their_callers_use():
     assert ray_private.checkpoint_record_file().endswith(".json")
     assert issubclass(ray_private.checkpoint_record_error(), Exception)
+    assert 0 < ray_private.unstated_preemption_deadline_s() < 3600  # a hold this long is a slow phase, not a hang
     assert ray_private.report_logger_name().endswith(".py")
     assert ray_private.execution_callback_base() is not None
     assert ray_private.range_datasource(3).estimate_inmemory_data_size() is not None

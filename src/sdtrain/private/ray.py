@@ -17,6 +17,9 @@ NAMES = {
     ("ray.train.v2._internal.constants", "CHECKPOINT_MANAGER_SNAPSHOT_FILENAME"): (
         "the name of Ray Train's record of a run's checkpoints, in the error when it cannot be read"
     ),
+    ("ray.train.v2._internal.constants", "DEFAULT_PREEMPTION_DEADLINE_S"): (
+        "how long Ray Train waits out a reclaim notice that names no deadline, which the workers hold for"
+    ),
     ("ray.train.v2._internal.exceptions", "CheckpointManagerInitializationError"): (
         "what Ray Train raises for a record of a run's checkpoints it cannot read"
     ),
@@ -49,6 +52,11 @@ def _get(module: str, name: str) -> Any:
 def checkpoint_record_file() -> str:
     """The file name of Ray Train's record of a run's committed checkpoints."""
     return _get("ray.train.v2._internal.constants", "CHECKPOINT_MANAGER_SNAPSHOT_FILENAME")
+
+
+def unstated_preemption_deadline_s() -> float:
+    """Seconds from its detection that Ray Train waits out a reclaim notice naming no deadline, then restarts."""
+    return float(_get("ray.train.v2._internal.constants", "DEFAULT_PREEMPTION_DEADLINE_S"))
 
 
 def checkpoint_record_error() -> type[Exception]:

@@ -17,6 +17,7 @@ import lightning.pytorch as pl
 import ray.train
 
 from sdtrain.logs import log
+from sdtrain.private.ray import unstated_preemption_deadline_s
 from sdtrain.train.cadence import OptimizerStepCallback, ReportCadence
 from sdtrain.train.watchdog import Phase
 
@@ -24,9 +25,6 @@ from sdtrain.train.watchdog import Phase
 # synchronization actor, a few ms): Ray Train's watcher polls Ray for draining nodes every 5 s, and
 # clouds give 30 s (GCP, Azure) to 120 s (AWS) of notice.
 PREEMPTION_CHECK_S = 2.0
-
-# Ray Train's own wait for a notice that names no deadline (DEFAULT_PREEMPTION_DEADLINE_S, from the notice).
-UNSTATED_DEADLINE_S = 120.0
 
 # How long past the deadline the ranks hold before training on: Ray Train's controller notices the deadline at
 # its next poll (every 2 s) and gives the workers 5 s to shut down. A group still alive after this was not ended
@@ -81,7 +79,10 @@ class PreemptionCheck(OptimizerStepCallback):
         """Wait out the reclaim: Ray Train ends this process when it restarts the group, so returning means it
         did not, RESTART_MARGIN_S after the deadline. Returns the seconds held."""
         started = time.time()
-        deadline_s = started + UNSTATED_DEADLINE_S if notice.deadline_ms is None else notice.deadline_ms / 1000
+        if notice.deadline_ms is None:  # Ray Train's own wait for such a notice, from its detection
+            deadline_s = started + unstated_preemption_deadline_s()
+        else:
+            deadline_s = notice.deadline_ms / 1000
         self.enter(Phase.RECLAIM)
         if log_it:
             log.warning(
