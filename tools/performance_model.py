@@ -216,9 +216,14 @@ def _minimize(f: Callable[[float], float], low: float, high: float, iterations: 
     return (low + high) / 2
 
 
-@cache
 def step_ops(preset: str, resolution: int, micro_batch: int, gradient_checkpointing: bool = False) -> StepOps:
     """The ops of one micro-batch of ``preset`` at ``resolution`` (sdtrain.model.op_costs), traced once."""
+    # One cache key however the flag is passed (functools.cache keys a defaulted argument apart from a given one).
+    return _step_ops(preset, resolution, micro_batch, gradient_checkpointing)
+
+
+@cache
+def _step_ops(preset: str, resolution: int, micro_batch: int, gradient_checkpointing: bool) -> StepOps:
     from sdtrain.config.schema import ModelConfig
     from sdtrain.model.op_costs import count_step_ops
     from sdtrain.model.unet import unet_config
