@@ -90,7 +90,7 @@ class RunConfig(Section):
     slow_phase_timeout_s: float | None = 7200.0
     """The longest a worker may spend in one slow phase between steps: start-up (building the model, restoring the
     checkpoint, joining the other ranks), a validation, a checkpoint's save, upload and barrier, a sample grid, or
-    the hold after a reclaim notice's checkpoint (at most the notice and a minute); beyond it the worker logs the
+    the hold before a reclaim deadline (6 minutes at most: sdtrain.train.preemption); beyond it the worker logs the
     phase and ends as for run.stall_timeout_s. Keep it above the longest of them. null = unbounded."""
     gpu_hour_cost: float | None = None
     """What one GPU-hour costs, in your currency (each worker holds one GPU; on CPU workers, what one worker-hour

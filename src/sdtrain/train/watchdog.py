@@ -3,8 +3,8 @@
 Two bounds, so that a legitimately long phase between steps neither fails every restart at the same step nor
 hides a hang: the step's own work (waiting for data, the step and its collectives, reporting metrics) has
 ``run.stall_timeout_s``, counted from the last step or the end of the last slow phase; each slow phase
-(start-up with the checkpoint restore, validation, a checkpoint's save and upload, a sample grid, the hold after a
-reclaim notice's checkpoint) has ``run.slow_phase_timeout_s`` of its own, counted from its start.
+(start-up with the checkpoint restore, validation, a checkpoint's save and upload, a sample grid, the hold before a
+reclaim deadline) has ``run.slow_phase_timeout_s`` of its own, counted from its start.
 
 A hung read, a rank stuck in a collective whose peer hangs, or an upload that never returns
 would otherwise hold the whole job, silently, for as long as the cluster runs. The watchdog
@@ -44,7 +44,7 @@ class Phase:
     CHECKPOINT = "reporting a checkpoint: saving it, uploading it, and the barrier with every other rank"
     REPORT = "reporting metrics: the barrier with every other rank"
     SAMPLE_GRID = "rendering a sample grid (sample_grid.every_n_steps) and writing the live files"
-    RECLAIM = "holding after a reclaim notice's checkpoint, until Ray Train restarts the group at the deadline"
+    RECLAIM = "holding after the last checkpoint before a reclaim deadline, until Ray Train restarts the group there"
 
 
 SLOW_PHASES = frozenset({Phase.STARTING, Phase.VALIDATION, Phase.CHECKPOINT, Phase.SAMPLE_GRID, Phase.RECLAIM})
