@@ -17,10 +17,9 @@ PRESET, RESOLUTION, RANKS = "sdxl-base", 1024, 64
 LATENTS, CAPTIONS = (4, RESOLUTION // 8, RESOLUTION // 8), (77, 2048)
 FIT = (("A100 40GB", 40), ("A100 80GB", 80), ("H100", 80), ("H200", 141))
 RATE_GPUS = ((A100, 80), (H100_SXM, 80), (H200_SXM, 141))
-RATE_MICRO_BATCH = 32  # the shipped job's: one trace serves both
-# The memory table's trace is at the shipped job's micro-batch too: the jobs section's trace of sdxl_job.yaml's rank
-# (FSDP over 64, EMA, checkpointing, embeddings) is then the same one.
-TRACED_MICRO_BATCH = RATE_MICRO_BATCH
+# The shipped job's micro-batch: the rates' op trace, and the memory table's trace, which is then the jobs section's
+# trace of sdxl_job.yaml's rank (FSDP over 64, EMA, checkpointing, embeddings) too.
+MICRO_BATCH = 32
 
 
 @cache
@@ -35,22 +34,22 @@ def sdxl_memory(gradient_checkpointing: bool, token_ids: bool) -> LinearMemory:
         unet,
         LATENTS,
         CAPTIONS,
-        TRACED_MICRO_BATCH,
+        MICRO_BATCH,
         strategy="fsdp",
         world_size=RANKS,
         ema=True,
         gradient_checkpointing=gradient_checkpointing,
         text_encoders=sdxl_text_encoder_configs() if token_ids else (),
     )
-    per_sample = traced.activations_peak / TRACED_MICRO_BATCH
+    per_sample = traced.activations_peak / MICRO_BATCH
     return LinearMemory(traced.total_peak - traced.activations_peak, per_sample)
 
 
 def sdxl_section() -> list[str]:
     from sdtrain.model.flops import text_encoder_forward_flops
 
-    ops = model.step_ops(PRESET, RESOLUTION, RATE_MICRO_BATCH, True)
-    forward = sum(op.flops for op in ops.ops if not op.backward) / RATE_MICRO_BATCH
+    ops = model.step_ops(PRESET, RESOLUTION, MICRO_BATCH, True)
+    forward = sum(op.flops for op in ops.ops if not op.backward) / MICRO_BATCH
     encoders = sum(text_encoder_forward_flops(config) for config in sdxl_text_encoder_configs())
     lines = [
         "## SDXL base at 1024 px (predicted)",
@@ -61,7 +60,7 @@ def sdxl_section() -> list[str]:
         "are encoded in the step (MFU counts both). configs/sdxl-base.yaml trains it with FSDP2 (bf16 gathers) and",
         "gradient checkpointing: a rank holds a 64th of the weights, gradients, AdamW state and EMA, and whole only",
         "FSDP2's unsharded units, the activations and, for token ids, the two frozen text encoders (1.6 GB in bf16).",
-        f"A rank's peak over {RANKS} ranks, bf16-mixed, with EMA (one trace at micro-batch {TRACED_MICRO_BATCH}, the",
+        f"A rank's peak over {RANKS} ranks, bf16-mixed, with EMA (one trace at micro-batch {MICRO_BATCH}, the",
         "activations linear in it), and the largest micro-batch each GPU holds with 1 GiB left for the runtime",
         "(`train.micro_batch_size: auto` picks the largest common size under 90% of it):",
         "",
@@ -81,13 +80,13 @@ def sdxl_section() -> list[str]:
     rates = []
     for gpu, memory_gib in RATE_GPUS:
         one = model.micro_batch(ops, gpu, memory_gib, model.efficiency(gpu), True)
-        rate = RATE_MICRO_BATCH / (one.forward_s + one.backward_s)
+        rate = MICRO_BATCH / (one.forward_s + one.backward_s)
         rates.append(f"{gpu.name} {rate:.1f} images/s ({rate * 3 * forward / gpu.bf16_peak:.0%} MFU)")
     lines += [
         "",
         "Under DDP every rank would hold the float32 weights, gradients, AdamW state and EMA whole, ~48 GiB before",
         "any activation: no 40 GB GPU holds a step. One GPU's compute, compiled and checkpointed, at micro-batch",
-        f"{RATE_MICRO_BATCH} (no communication or optimizer step: the shipped job's rows below have them):",
+        f"{MICRO_BATCH} (no communication or optimizer step: the shipped job's rows below have them):",
         f"{'; '.join(rates)}.",
         "",
     ]
