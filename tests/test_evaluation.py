@@ -37,7 +37,7 @@ from sdtrain.model.encoders import encode_images, encode_prompts, load_text_enco
 from sdtrain.model.unet import build_unet, noise_scheduler_config, unet_config
 from sdtrain.sampling.images import decode
 from sdtrain.storage.run_layout import DATA_STATE_FILE, EVALUATION_DIR
-from sdtrain.train.evaluations import CheckpointEvaluations, unevaluated_score
+from sdtrain.train.evaluations import CheckpointEvaluations, scored_metrics
 from sdtrain.train.module import DiffusionModule
 
 ROWS = 12
@@ -309,12 +309,53 @@ def test_an_evaluation_that_never_answers_is_recorded_failed_and_blocks_nothing_
     assert read_evaluation(run_dir, 40)["error"].startswith(NO_RESULT)  # type: ignore[index]
 
 
-def test_an_unevaluated_checkpoint_ranks_last_for_ray_train():
-    assert unevaluated_score("fd_dinov2") == {"fd_dinov2": float("inf")}
-    assert unevaluated_score("clip_score") == {"clip_score": float("-inf")}
-    assert unevaluated_score("fd_inception") == {"fd_inception": float("inf")}
-    assert unevaluated_score("class_agreement") == {"class_agreement": float("-inf")}
-    assert unevaluated_score("val_loss") == {} and unevaluated_score(None) == {}
+def test_a_score_not_known_yet_ranks_last_in_ray_trains_own_checkpoint_manager(tmp_path):
+    """Ray Train's checkpoint manager (the one its controller runs, driven here without a cluster) with
+    checkpoint.num_to_keep=1: a checkpoint reported before its score is known (a reclaim notice's, off the validation
+    schedule; one awaiting its evaluation) is pruned once it is no longer the latest, and the best one is kept."""
+    import asyncio
+
+    from ray.train.v2._internal.execution.checkpoint.checkpoint_manager import CheckpointManager
+    from ray.train.v2._internal.execution.context import StorageContext
+    from ray.train.v2._internal.execution.training_report import _TrainingReport
+
+    from sdtrain.driver.run import _ray_run_config
+
+    assert scored_metrics({"loss": 1.0}, "fd_dinov2") == {"loss": 1.0, "fd_dinov2": float("inf")}
+    assert scored_metrics({"loss": 1.0}, "clip_score") == {"loss": 1.0, "clip_score": float("-inf")}
+    assert scored_metrics({"loss": 1.0}, "class_agreement")["class_agreement"] == float("-inf")
+    assert scored_metrics({"loss": 1.0, "val_loss": 0.2}, "val_loss")["val_loss"] == 0.2
+    assert scored_metrics({"loss": 1.0}, "loss") == scored_metrics({"loss": 1.0}, None) == {"loss": 1.0}
+
+    def kept(attribute, reports):
+        config = tiny_config(
+            "data.train=/unused",
+            "data.val=/unused",
+            f"checkpoint.score_attribute={attribute}",
+            "checkpoint.num_to_keep=1",
+            "eval.clip=/unused",
+        )
+        run = f"{attribute}-{len(reports)}"
+        storage = StorageContext(storage_path=str(tmp_path), experiment_dir_name=run)
+        manager = CheckpointManager(_ray_run_config(config).checkpoint_config, storage)
+
+        async def report():
+            for step, metrics in reports:
+                directory = tmp_path / run / f"checkpoint_{step}"
+                directory.mkdir(parents=True)
+                scored = scored_metrics({"step": step, "loss": 0.5, **metrics}, attribute)
+                manager.register_checkpoint(_TrainingReport(ray.train.Checkpoint(str(directory)), scored, False))
+                await asyncio.sleep(0)  # the manager prunes in a task of its own
+
+        asyncio.run(report())
+        return sorted(int(p.name.split("_")[1]) for p in (tmp_path / run).glob("checkpoint_[0-9]*"))
+
+    # A reclaim notice at step 1500 checkpoints off the validation schedule (every 1000 steps here).
+    val = [(1000, {"val_loss": 0.5}), (1500, {}), (2000, {"val_loss": 0.3}), (3000, {"val_loss": 0.4})]
+    assert kept("val_loss", val) == [2000, 3000]  # the best and the latest; 1500 ranked last
+    assert kept("val_loss", val[:2]) == [1000, 1500]  # the latest is kept whatever its score
+    # Evaluated checkpoints' scores come later (Ray Train's validation); at their report they rank last.
+    assert kept("clip_score", [(1000, {}), (2000, {})]) == [2000]
 
 
 _PRIORITY_PROBE = """

@@ -127,7 +127,8 @@ class CheckpointConfig(Section):
     ) = None
     """Keep the checkpoint.num_to_keep checkpoints with the best value of this metric (the lowest; clip_score's and
     class_agreement's highest) plus the latest, which a resume starts from, instead of the newest; null = the newest.
-    The eval metrics come from eval: a checkpoint waiting for its evaluation is kept, one never evaluated ranks last."""
+    The eval metrics come from eval: a checkpoint waiting for its evaluation is kept, one never evaluated ranks last,
+    as does a reclaim notice's checkpoint with val_loss (it is taken off the validation schedule)."""
     upload: Literal["async", "sync"] = "async"
     """async: training goes on while Ray Train uploads a checkpoint to run.storage_path (committed, and older ones
     pruned, once it is all there); sync: wait for the upload. The wait shows in the metric checkpoint_stall_s."""

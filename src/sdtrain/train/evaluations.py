@@ -30,13 +30,18 @@ from sdtrain.evaluation.results import (
 from sdtrain.logs import log
 
 
-def unevaluated_score(attribute: str | None) -> dict[str, float]:
-    """The value Ray Train ranks a checkpoint by until its evaluation reports one: the worst (the Frechet distances
-    are lower the better, clip_score and class_agreement higher), so a checkpoint never evaluated is pruned first and
-    one waiting is kept (Ray Train keeps checkpoints whose evaluation is pending)."""
-    if attribute not in EVAL_METRICS:
-        return {}
-    return {attribute: -math.inf if attribute in HIGHER_IS_BETTER else math.inf}
+def scored_metrics(metrics: dict[str, float], attribute: str | None) -> dict[str, float]:
+    """``metrics`` as a checkpoint reports them to Ray Train, which ranks it by ``attribute``
+    (checkpoint.score_attribute): a score not known yet is the worst one (the Frechet distances and val_loss are lower
+    the better, clip_score and class_agreement higher), so such a checkpoint is pruned first, once it is no longer the
+    latest. Not known yet: an eval metric, until the checkpoint's evaluation reports it (Ray Train keeps a checkpoint
+    whose evaluation is pending); val_loss, at a checkpoint off the validation schedule (a reclaim notice's). Ray
+    Train itself would rank a missing score the best: it scores it -inf, which mode min negates."""
+    if attribute is None or attribute in metrics:
+        return metrics
+    if attribute in EVAL_METRICS or attribute == "val_loss":
+        return {**metrics, attribute: -math.inf if attribute in HIGHER_IS_BETTER else math.inf}
+    return metrics
 
 
 class CheckpointEvaluations:

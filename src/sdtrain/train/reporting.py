@@ -27,7 +27,7 @@ from sdtrain.logs import log
 from sdtrain.train.cadence import OptimizerStepCallback, ReportCadence
 from sdtrain.train.checkpointing import CheckpointWriter
 from sdtrain.train.efficiency import Efficiency
-from sdtrain.train.evaluations import CheckpointEvaluations, unevaluated_score
+from sdtrain.train.evaluations import CheckpointEvaluations, scored_metrics
 from sdtrain.train.run_view import RunView
 from sdtrain.train.sample_grids import SampleGrids
 from sdtrain.train.validation import Validation
@@ -80,8 +80,7 @@ class StepReporter(OptimizerStepCallback):
         self.enter = enter
         self.evaluations = evaluations
         self.grids = grids
-        # What Ray Train ranks a checkpoint by until its evaluation reports the metric (checkpoint.score_attribute).
-        self._unevaluated = unevaluated_score(view.config.checkpoint.score_attribute) if view is not None else {}
+        self._score_attribute = view.config.checkpoint.score_attribute if view is not None else None
         self.slowest_steps_per_s = 0.0
         """The slowest rank's step rate at the latest report (the same on every rank)."""
         self._reported_step = -1
@@ -158,8 +157,9 @@ class StepReporter(OptimizerStepCallback):
                 self.view.reported(metrics, self.history, grid, with_checkpoint)
         self.enter(Phase.CHECKPOINT if with_checkpoint else Phase.REPORT)
         if with_checkpoint:
+            scored = scored_metrics(metrics, self._score_attribute)
             self._checkpoint_stall = self.checkpoints.report(
-                trainer, pl_module, {**metrics, **self._unevaluated}, step, position, self.history, evaluate
+                trainer, pl_module, scored, step, position, self.history, evaluate
             )
         else:
             ray.train.report(metrics)
