@@ -22,7 +22,7 @@ from ray.train.torch import TorchTrainer
 
 from sdtrain.artifacts.checkpoint_format import CheckpointMeta
 from sdtrain.artifacts.export import export_checkpoint, export_source
-from sdtrain.artifacts.pipelines import check_export_sources, local_base_model
+from sdtrain.artifacts.pipelines import check_export_sources
 from sdtrain.artifacts.run_outputs import LossLabels, read_history, write_run_outputs
 from sdtrain.artifacts.run_totals import RunTotals, run_totals
 from sdtrain.config.running import HIGHER_IS_BETTER
@@ -37,6 +37,7 @@ from sdtrain.data.read_order import ReadPlan
 from sdtrain.data.streams import WindowReader, file_order_dataset
 from sdtrain.driver.data_check import check_data, read_plan
 from sdtrain.driver.memory_fit import caption_encoders, cluster_gpu, fit_micro_batch
+from sdtrain.driver.paths import with_absolute_paths
 from sdtrain.driver.preflight import preflight
 from sdtrain.driver.ray_data_startup import warm_up_ray_data
 from sdtrain.driver.trackers import check_trackers, log_evaluations, log_export, tracker_env
@@ -49,7 +50,6 @@ from sdtrain.sampling.prompts import GridPrompts, grid_prompts
 from sdtrain.storage.filesystems import ray_storage, set_aside, uri_for
 from sdtrain.storage.run_layout import EXPORT_DIR
 from sdtrain.storage.s3 import resolved_s3_settings
-from sdtrain.storage.uris import absolute
 from sdtrain.train.build import checkpoint_meta, driver_precision
 from sdtrain.train.worker import train_loop_per_worker
 
@@ -121,7 +121,7 @@ def check_run(config: Config) -> CheckedRun:
 
     Writes only the run's dataset index (when it changed) and, with run.start_fresh, moves the old run aside first.
     """
-    config = _with_absolute_paths(config)
+    config = with_absolute_paths(config)
     preflight(config)  # object storage: endpoint, credentials, buckets, permissions (sdtrain.driver.preflight)
     check_trackers(config)
     run_dir = posixpath.join(config.run.storage_path, config.run.name)
@@ -350,16 +350,6 @@ def finish(config: Config, result: ray.train.Result) -> RunSummary:
         outputs=[uri_for(checkpoint.filesystem, path) for path in outputs],
         totals=run_totals(history, config.train.global_batch_size, config.run.gpu_hour_cost),
     )
-
-
-def _with_absolute_paths(config: Config) -> Config:
-    """Ray workers do not share the driver's working directory: make local paths absolute."""
-    data = dataclasses.replace(
-        config.data, train=[absolute(p) for p in config.data.train], val=[absolute(p) for p in config.data.val]
-    )
-    run = dataclasses.replace(config.run, storage_path=absolute(config.run.storage_path))
-    export = dataclasses.replace(config.export, base_model=local_base_model(config.export.base_model))
-    return dataclasses.replace(config, data=data, run=run, export=export)
 
 
 def _resolve_use_gpu(scaling: ScalingConfig) -> bool:
