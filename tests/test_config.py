@@ -1,3 +1,4 @@
+import os
 import re
 
 import pytest
@@ -423,3 +424,48 @@ def test_an_old_key_name_is_refused_naming_its_new_one(tmp_path, capsys):
     # Every old name maps to a key that exists, and none is a key itself.
     keys = {key for key, *_ in describe_keys()}
     assert set(Config.RENAMED.values()) <= keys and not set(Config.RENAMED) & keys
+
+
+def test_every_local_path_the_config_names_is_made_absolute_for_the_workers(tmp_path, monkeypatch):
+    """Ray Train V2 changes each worker into a directory of its own, so a relative path a worker reads (the empty
+    prompt's embedding, the pretrained UNet, a grid's captions, an evaluator's weights) would name another file
+    there: on the driver every path Config.storage_uris names is made absolute; URIs and hub ids stay."""
+    import numpy as np
+
+    from sdtrain.driver.paths import with_absolute_paths
+    from sdtrain.model.recipe import load_unconditional_caption
+    from sdtrain.storage.uris import is_uri
+
+    monkeypatch.chdir(tmp_path)
+    for directory in ("assets", "models/base", "models/eval"):
+        (tmp_path / directory).mkdir(parents=True)
+    np.save("assets/empty.npy", np.zeros((77, 32), np.float32))
+    relative = {
+        "data.train": "train",
+        "data.val": "val",
+        "data.unconditional_caption": "assets/empty.npy",
+        "model.pretrained": "models/base",
+        "run.storage_path": "runs",
+        "eval.dinov2": "models/eval/dinov2",
+        "eval.inception": "models/eval/inception.pt",
+        "eval.clip": "models/eval/clip",
+        "eval.text_column": "caption",
+        "eval.vae": "models/eval/vae",
+        "export.base_model": "models/base",
+        "sample_grid.captions": "assets/grid.npy",
+        "retrain.data_root": "data",
+        "retrain.models_root": "registry",
+    }
+    config = with_absolute_paths(load_config(None, [f"{key}={value}" for key, value in relative.items()]))
+    paths = dict(config.storage_uris())
+    assert {key.split("[")[0] for key in paths} >= relative.keys() - {"eval.text_column"}
+    assert all(os.path.isabs(path) for path in paths.values()), paths
+    assert paths["model.pretrained"] == str(tmp_path / "models" / "base")
+    monkeypatch.chdir(tmp_path / "models")  # a worker's own directory
+    assert load_unconditional_caption(config.data.unconditional_caption, (77, 32)).shape == (77, 32)
+
+    hub = "stabilityai/stable-diffusion-2-base"
+    overrides = [f"model.pretrained={hub}", "data.train=s3://bucket/latents", "sample_grid.prompts=prompts.txt"]
+    kept = with_absolute_paths(load_config(None, overrides))
+    assert kept.model.pretrained == hub and kept.data.train == ["s3://bucket/latents"] and is_uri(kept.data.train[0])
+    assert kept.sample_grid.prompts == str(tmp_path / "models" / "prompts.txt")

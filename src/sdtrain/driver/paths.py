@@ -11,10 +11,38 @@ from sdtrain.storage.uris import absolute
 
 
 def with_absolute_paths(config: Config) -> Config:
-    """Ray workers do not share the driver's working directory: make local paths absolute."""
+    """Every local path the config names (:meth:`Config.storage_uris`) made absolute: Ray Train's workers run in
+    a directory of their own (Ray Train V2 changes into the run's), and evaluation tasks on other nodes. URIs, hub
+    ids and ``zeros`` stay as they are."""
+    model_source = local_base_model  # a local directory or file made absolute; a hub id (org/name) kept
+    caption = config.data.unconditional_caption
     data = dataclasses.replace(
-        config.data, train=[absolute(p) for p in config.data.train], val=[absolute(p) for p in config.data.val]
+        config.data,
+        train=[absolute(p) for p in config.data.train],
+        val=[absolute(p) for p in config.data.val],
+        unconditional_caption=caption if caption == "zeros" else absolute(caption),
     )
-    run = dataclasses.replace(config.run, storage_path=absolute(config.run.storage_path))
-    export = dataclasses.replace(config.export, base_model=local_base_model(config.export.base_model))
-    return dataclasses.replace(config, data=data, run=run, export=export)
+    evaluation = config.eval
+    evaluation = dataclasses.replace(
+        evaluation, **{key: model_source(getattr(evaluation, key)) for key in ("dinov2", "inception", "clip", "vae")}
+    )
+    grid = config.sample_grid
+    grid = dataclasses.replace(
+        grid,
+        captions=absolute(grid.captions) if grid.captions is not None else None,
+        prompts=absolute(grid.prompts) if isinstance(grid.prompts, str) else grid.prompts,
+    )
+    retrain = config.retrain
+    retrain = dataclasses.replace(
+        retrain, **{key: absolute(v) for key in ("data_root", "models_root") if (v := getattr(retrain, key))}
+    )
+    return dataclasses.replace(
+        config,
+        data=data,
+        model=dataclasses.replace(config.model, pretrained=model_source(config.model.pretrained)),
+        run=dataclasses.replace(config.run, storage_path=absolute(config.run.storage_path)),
+        export=dataclasses.replace(config.export, base_model=model_source(config.export.base_model)),
+        eval=evaluation,
+        sample_grid=grid,
+        retrain=retrain,
+    )
