@@ -136,6 +136,24 @@ def test_prompts_that_cannot_be_encoded_are_refused_before_ray_naming_the_key_an
     assert not ray.is_initialized()
 
 
+def test_grid_captions_that_rank_0_could_not_read_are_refused_before_ray(tmp_path):
+    """sample_grid.captions is read on the driver as rank 0 reads it: a missing file, or embeddings of another width
+    than the UNet's, stop the run naming the key before a worker starts (a worker would fail on them after Ray's
+    start and the model's build, every restart alike). Token ids are read there too, not encoded."""
+    import numpy as np
+    import ray
+
+    plain = _data(tmp_path / "plain")
+    with pytest.raises(ConfigError, match=r"sample_grid\.captions: cannot read .*nowhere\.npy"):
+        check_run(_config(tmp_path, plain, f"sample_grid.captions={tmp_path}/nowhere.npy"))
+    np.save(tmp_path / "narrow.npy", np.zeros((2, 77, 16), np.float32))
+    with pytest.raises(ConfigError, match=r"sample_grid\.captions: .*narrow\.npy holds shape \(2, 77, 16\); expected"):
+        check_run(_config(tmp_path, plain, f"sample_grid.captions={tmp_path}/narrow.npy"))
+    np.save(tmp_path / "grid.npy", np.zeros((2, 77, 32), np.float32))
+    assert check_run(_config(tmp_path, plain, f"sample_grid.captions={tmp_path}/grid.npy")).grid_prompts is None
+    assert not ray.is_initialized()
+
+
 def test_a_grid_draws_the_prompts_a_row_each_labelled_with_their_text(tiny_sd, tmp_path):
     grid = ("sample_grid.columns=2", "sample_grid.steps=2", f"sample_grid.prompts={PROMPTS}")
     cfg = tiny_config("data.train=/unused", *grid)

@@ -45,12 +45,14 @@ from sdtrain.errors import TrainingFailed, find_sdtrain_error
 from sdtrain.evaluation.checks import check_evaluation
 from sdtrain.evaluation.results import final_results, merge_results
 from sdtrain.logs import log
+from sdtrain.model.conditioning import pooled_width
 from sdtrain.model.unet import unet_config
 from sdtrain.sampling.prompts import GridPrompts, grid_prompts
 from sdtrain.storage.filesystems import ray_storage, set_aside, uri_for
 from sdtrain.storage.run_layout import EXPORT_DIR
 from sdtrain.storage.s3 import resolved_s3_settings
 from sdtrain.train.build import checkpoint_meta, driver_precision
+from sdtrain.train.sample_grids import check_grid_captions
 from sdtrain.train.worker import train_loop_per_worker
 
 
@@ -143,8 +145,10 @@ def check_run(config: Config) -> CheckedRun:
     if config.export.enabled:  # the export's VAE and text encoder, before the run trains for it
         latents = (train_data.schema_metadata, train_data.schema_file, train_spec.latent_shape[0])
         check_export_sources(config.export.base_model, *latents, unet_config(config.model), run.latent_classifier)
-    captions = train_spec.embedding_shape(unet_config(config.model)["cross_attention_dim"])
+    unet = unet_config(config.model)
+    captions = train_spec.embedding_shape(unet["cross_attention_dim"])
     run.grid_prompts = grid_prompts(config, train_data.schema_metadata, train_spec.token_ids, captions)
+    check_grid_captions(config, captions[-1], pooled=pooled_width(unet) is not None)
     if config.eval.enabled:
         assert val_data is not None  # the config requires data.val with eval
         run.eval_vae = check_evaluation(config, val_data.schema_metadata, val_data.index.checked.schema.names)

@@ -73,6 +73,19 @@ def grid_captions(
         ) from None
 
 
+def check_grid_captions(config: Config, caption_dim: int, pooled: bool) -> None:
+    """On the driver before Ray starts: sample_grid.captions, when it names the grid's rows, read as rank 0 reads it
+    (its width against the UNet's, an SDXL-shaped UNet's pooled embeddings), so a wrong file stops the run before a
+    worker starts instead of after. Token ids are read, not encoded: that takes the text encoder the workers load."""
+    if config.sample_grid.captions is None or config.sample_grid.prompts is not None:
+        return
+
+    def read_only(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return torch.zeros(len(ids), 1, caption_dim), torch.zeros(len(ids), 1) if pooled else None
+
+    grid_captions(config, caption_dim, encode=read_only, pooled=pooled)
+
+
 class SampleGrids:
     """A rank's grids: due at every sample_grid.every_n_steps (null: with each checkpoint) and at the last step."""
 
