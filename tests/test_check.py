@@ -59,6 +59,26 @@ def test_the_checks_phases_run_without_evaluation_and_its_table_says_so(tmp_path
     assert not any(line.startswith("evaluation") for line in plain)
 
 
+def test_a_phase_takes_any_run_config_the_validator_accepts():
+    """A phase checkpoints halfway through its few steps and keeps every checkpoint: a run that ranks them by
+    val_loss, validating every 500 steps and checkpointing every 1000, must not have the phase refused for a
+    validation interval that no longer divides its checkpoint interval."""
+    scored = [
+        "data.train=/d/train",
+        "data.val=/d/val",
+        "checkpoint.score_attribute=val_loss",
+        "run.val_every_n_steps=500",
+        "checkpoint.every_n_steps=1000",
+        "scaling.num_workers=4",
+        "train.global_batch_size=32",
+    ]
+    assert load_config(None, scored).checkpoint.score_attribute == "val_loss"
+    for workers in (1, 4):
+        phase = phase_config(None, scored, workers, steps=40)
+        assert phase.checkpoint.every_n_steps == 20 and phase.checkpoint.num_to_keep is None
+        assert phase.checkpoint.score_attribute is None and phase.run.val_every_n_steps == 500
+
+
 def test_the_check_of_the_shipped_sdxl_config_trains_a_gpus_share_that_fits_one_h100():
     """check.py on configs/sdxl-base.yaml (64 GPUs, 2048 a step): its one-GPU phase trains one GPU's 32 images a step
     as the run does (compiled, FSDP, checkpointed); FSDP over one rank holds the whole 2.57B model's state, so

@@ -253,6 +253,9 @@ def phase_config(
         f"scaling.num_workers={workers}",
         f"checkpoint.every_n_steps={max(1, steps // 2)}",
         "checkpoint.num_to_keep=null",
+        # Every checkpoint is kept, so no score ranks them; and val_loss as one would hold the phase's checkpoint
+        # interval to run.val_every_n_steps, refusing a run config that trains.
+        "checkpoint.score_attribute=null",
         "export.enabled=false",
         "tracking.trackers=[]",
         *([] if compile_unet is None else [f"train.compile={str(compile_unet).lower()}"]),
@@ -263,14 +266,12 @@ def phase_config(
 
 def _without_evaluation(config: Config) -> list[str]:
     """Overrides that turn eval off: Ray Train waits for the final checkpoint's evaluation before a run ends, which
-    would add up to twice eval.timeout_s to a phase of a few minutes; the keys that rank by an eval metric go back to
-    their defaults."""
+    would add up to twice eval.timeout_s to a phase of a few minutes; retrain.metric, if an eval metric, goes back to
+    its default."""
     if not config.eval.enabled:
         return []
     off = [f"eval.{key}=null" for key in sorted(set(EVAL_METRICS.values()) - {"class_agreement"})]
     off.append("eval.class_agreement=false")
-    if config.checkpoint.score_attribute in EVAL_METRICS:
-        off.append("checkpoint.score_attribute=null")
     if config.retrain.metric in EVAL_METRICS:
         off.append("retrain.metric=val_loss")
     return off
