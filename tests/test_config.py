@@ -30,6 +30,15 @@ def test_yaml_then_overrides(tmp_path):
     assert config.train.max_steps == 10
 
 
+def test_an_override_goes_into_a_section_the_file_leaves_empty(tmp_path):
+    """A section header with only comments under it is YAML's null: an override of one of its keys fills it, as
+    it would an absent section, instead of calling the section a value."""
+    path = tmp_path / "run.yaml"
+    path.write_text("data:\n  train: /x\ntrain:\n  # lr: 1.0e-4\n")
+    assert load_config(path, []).train.lr == load_config(None, ["data.train=/x"]).train.lr
+    assert load_config(path, ["train.lr=0.002"]).train.lr == 0.002
+
+
 def test_defaults_follow_the_seed_notebook():
     config = load_config(None, BASE)
     assert (config.data.latent_column, config.data.caption_column) == ("image_latents_256", "caption_latents")

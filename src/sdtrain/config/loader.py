@@ -51,7 +51,9 @@ def load_config(
         node = raw
         parts = key.split(".")
         for part in parts[:-1]:
-            child = node.setdefault(part, {})
+            child = node.get(part)
+            if child is None:  # absent, or a section the file leaves empty (only comments under it)
+                child = node[part] = {}
             if not isinstance(child, dict):
                 raise ConfigError(f"{key}: {part} is a value, not a section")
             node = child
