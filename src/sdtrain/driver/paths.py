@@ -24,7 +24,11 @@ def with_absolute_paths(config: Config) -> Config:
     )
     evaluation = config.eval
     evaluation = dataclasses.replace(
-        evaluation, **{key: model_source(getattr(evaluation, key)) for key in ("dinov2", "inception", "clip", "vae")}
+        evaluation,
+        dinov2=model_source(evaluation.dinov2),
+        inception=model_source(evaluation.inception),
+        clip=model_source(evaluation.clip),
+        vae=model_source(evaluation.vae),
     )
     grid = config.sample_grid
     grid = dataclasses.replace(
@@ -32,10 +36,9 @@ def with_absolute_paths(config: Config) -> Config:
         captions=absolute(grid.captions) if grid.captions is not None else None,
         prompts=absolute(grid.prompts) if isinstance(grid.prompts, str) else grid.prompts,
     )
-    retrain = config.retrain
-    retrain = dataclasses.replace(
-        retrain, **{key: absolute(v) for key in ("data_root", "models_root") if (v := getattr(retrain, key))}
-    )
+    roots = config.retrain.data_root, config.retrain.models_root
+    data_root, models_root = (absolute(root) if root is not None else None for root in roots)
+    retrain = dataclasses.replace(config.retrain, data_root=data_root, models_root=models_root)
     return dataclasses.replace(
         config,
         data=data,
