@@ -239,3 +239,32 @@ def test_a_non_finite_step_is_skipped_entirely_and_counted():
     )  # 2 + 1 consecutive, across windows
     assert not torch.equal(module.unet.conv_in.weight, before["conv_in.weight"])
     assert torch.isfinite(module.unet.conv_in.weight).all()
+
+
+def test_a_resume_into_another_model_is_refused_naming_the_keys_before_any_weight_loads(tmp_path):
+    """A run re-run under its run.name with the EMA turned on or the UNet changed: Lightning would fail in
+    load_state_dict with tensor names, not sdtrain's error, so Ray Train would restart the workers on it until
+    failure.max_failures was spent. The checkpoint's own metadata and weights say what changed, as it loads."""
+    from conftest import tiny_config
+    from support.training import FIT, batches, fit
+
+    from sdtrain.errors import ConfigError, find_sdtrain_error
+
+    _, trainer, _ = fit(tiny_config(*FIT), batches(3), default_root_dir=str(tmp_path))
+    trainer.save_checkpoint(tmp_path / "plain.ckpt")
+
+    def resume(*overrides):
+        config = tiny_config(*FIT, *overrides, "train.max_steps=5")
+        return fit(config, batches(5), ckpt_path=str(tmp_path / "plain.ckpt"), default_root_dir=str(tmp_path))
+
+    for overrides, named in (
+        (["train.ema_decay=0.999"], r"its EMA \(train\.ema_decay was null, now 0\.999\)"),
+        (["model.unet={layers_per_block: 2}"], r"its UNet \(model\.unet\)"),
+    ):
+        with pytest.raises(ConfigError, match=rf"^the run's latest checkpoint was trained with another model: {named}"):
+            resume(*overrides)
+    with pytest.raises(Exception) as refused:  # as Ray Train's controller sees it: ours, so no restart is spent
+        resume("train.ema_decay=0.999")
+    assert isinstance(find_sdtrain_error(refused.value), ConfigError)
+    _, trainer, steps = resume()
+    assert trainer.global_step == 5 and [s["step"] for s in steps] == [4, 5]  # the same model resumes

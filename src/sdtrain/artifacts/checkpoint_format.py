@@ -17,6 +17,7 @@ Lightning would delay every run's start.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -89,3 +90,39 @@ class CheckpointMeta:
     def caption_dropout_prob(self) -> float | None:
         """The train.caption_dropout_prob the model was trained with (None: not recorded)."""
         return self.config.get("train", {}).get("caption_dropout_prob")
+
+
+def resume_refusal(
+    saved: dict[str, Any], state_keys: Iterable[str] | None, current: CheckpointMeta, ema: bool
+) -> str | None:
+    """Why a run cannot resume from a checkpoint whose metadata is ``saved`` and whose state dict has ``state_keys``
+    (None: not in hand), its own model being ``current`` (with an EMA or not), naming the config keys that changed
+    since; None if it can.
+    Checked as the checkpoint loads, before its weights: otherwise torch's load_state_dict fails with a list of
+    tensor names, an error that is not sdtrain's, so Ray Train restarts the workers on it until failure.max_failures
+    is spent, downloading the checkpoint each time."""
+    was, now = saved.get("config", {}), current.config
+    changed = []
+    if saved.get("unet_config", current.unet_config) != current.unet_config:
+        before, after = was.get("model", {}), now.get("model", {})
+        keys = [f"model.{key}" for key in sorted(before.keys() | after.keys()) if before.get(key) != after.get(key)]
+        changed.append(f"its UNet ({', '.join(keys) or 'the same keys: its preset changed'})")
+    if tuple(saved.get("caption_shape", current.caption_shape)) != tuple(current.caption_shape):
+        changed.append(f"its captions' shape ({tuple(saved['caption_shape'])}, now {tuple(current.caption_shape)})")
+    decay = was.get("train", {}).get("ema_decay")
+    # The weights' names where the strategy leaves them in the checkpoint (FSDP's loads them itself), else the config.
+    had_ema = any(key.startswith("ema_unet.") for key in state_keys) if state_keys is not None else decay is not None
+    if had_ema != ema:
+        after = now.get("train", {}).get("ema_decay")
+        changed.append(f"its EMA (train.ema_decay was {_yaml(decay)}, now {_yaml(after)})")
+    if not changed:
+        return None
+    return (
+        f"the run's latest checkpoint was trained with another model: {'; '.join(changed)}. A run resumes only the "
+        "model it trained: set those keys back, or train the new model as a new run (another run.name, or "
+        "run.start_fresh=true, which moves this run aside)"
+    )
+
+
+def _yaml(value: Any) -> str:
+    return "null" if value is None else str(value)

@@ -14,8 +14,9 @@ import torch
 from diffusers import UNet2DConditionModel
 from diffusers.optimization import get_constant_schedule_with_warmup
 
-from sdtrain.artifacts.checkpoint_format import CHECKPOINT_META_KEY, CheckpointMeta
+from sdtrain.artifacts.checkpoint_format import CHECKPOINT_META_KEY, CheckpointMeta, resume_refusal
 from sdtrain.config.schema import TrainConfig
+from sdtrain.errors import ConfigError
 from sdtrain.model.conditioning import Conditioner, Conditioning
 from sdtrain.model.ema import ema_update_, local_tensor, make_ema
 from sdtrain.model.recipe import diffusion_loss, step_inputs
@@ -312,6 +313,12 @@ class DiffusionModule(pl.LightningModule):
         checkpoint[CHECKPOINT_META_KEY] = self.checkpoint_meta.to_dict()
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # Lightning calls this before it loads the weights: a model the checkpoint cannot fill is refused by name.
+        saved, weights = checkpoint.get(CHECKPOINT_META_KEY, {}), checkpoint.get("state_dict")
+        names = weights.keys() if weights is not None else None
+        refusal = resume_refusal(saved, names, self.checkpoint_meta, self.ema_unet is not None)
+        if refusal is not None:
+            raise ConfigError(refusal)
         # Lightning decides where an optimizer step falls from the micro-batches counted in the
         # current epoch. A resumed run starts a new data stream (sdtrain.data.read_order), possibly with
         # another accumulation: count from 0, or the first step would take too few micro-batches.
