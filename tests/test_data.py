@@ -309,6 +309,31 @@ def test_an_unreadable_row_group_fails_naming_it_or_is_skipped_alone(tmp_path):
     assert sorted(invalid) == list(range(8, 16))
 
 
+def test_a_file_cut_short_since_the_run_planned_fails_naming_it_or_is_skipped_not_an_index_error(tmp_path):
+    """A file rewritten with fewer rows after the driver read its footer: the read task raised IndexError, no error of
+    ours, so Ray Train restarted on it until failure.max_failures was spent, and the message named no file."""
+    from sdtrain.config.schema import DataConfig
+    from sdtrain.data.read_order import SamplePlan, Window
+    from sdtrain.data.streams import WindowReader
+
+    path = tmp_path / "a.parquet"
+    write_latents(path, rows=16, seed=1, row_group_size=8)
+    spec = _inspect([path])
+    write_latents(path, rows=8, seed=1, row_group_size=8)  # rewritten in place (or an upload cut short)
+    plan = SamplePlan(spec.rows_per_file, seed=0, chunk_rows=16, window_rows=16)
+    window = Window(np.array([[0, 0, 4], [0, 4, 16]]), (), 0, 16)  # rows 0-3 still there, 4-15 past its end now
+    with pytest.raises(
+        DataError,
+        match=rf"data\.train: {path}: rows 4-15 cannot be read \(the file holds 8 rows now, the run planned 16: it "
+        r"changed since the run started\)",
+    ):
+        WindowReader(spec, DataConfig(train=["x"]), plan).read(window)
+    block = WindowReader(spec, DataConfig(train=["x"], on_read_error="skip"), plan).read(window)
+    valid = block.column("valid").to_numpy(zero_copy_only=False)
+    assert block.column("sample_index").to_pylist() == list(range(16))
+    assert valid[:4].all() and not valid[4:].any()
+
+
 def test_sd1_captions_against_a_1024_wide_unet_are_named_for_what_they_are(tmp_path):
     write_latents(tmp_path / "sd1.parquet", rows=2, caption_shape=(77, 768))
     with pytest.raises(DataError) as error:

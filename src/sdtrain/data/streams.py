@@ -102,6 +102,8 @@ class WindowRead:
     first_index: np.ndarray
     """The sample index of row 0 of each of ``sources``."""
     settings: ReadSettings
+    planned_rows: np.ndarray
+    """The rows of each of ``sources`` when the run planned its reads."""
 
     __name__ = "read_window"  # Ray Data names a read task by its function's name
 
@@ -175,6 +177,14 @@ class WindowRead:
             raise_if_transient(error, file)
             return [self._unreadable(file, start, stop, error, latent_shape)]
         offsets = np.cumsum([0] + [meta.row_group(i).num_rows for i in range(meta.num_row_groups)])
+        # A file cut short since the run planned its reads: as an IndexError (no error of ours) every restart of
+        # Ray Train would fail on it, naming no file, until failure.max_failures is spent.
+        if stop > offsets[-1]:
+            held, planned = int(offsets[-1]), int(self.planned_rows[file_index])
+            changed = DataError(
+                f"the file holds {held} rows now, the run planned {planned}: it changed since the run started"
+            )
+            return [self._unreadable(file, start, stop, changed, latent_shape)]
         first = int(np.searchsorted(offsets, start, side="right")) - 1
         last = int(np.searchsorted(offsets, stop, side="left"))
         pieces = []
@@ -265,6 +275,7 @@ class WindowReader:
             tuple(self.files.source(int(f)) for f in used),
             self.plan.file_offsets[used],
             self.settings,
+            self.plan.file_offsets[used + 1] - self.plan.file_offsets[used],
         )
 
     def read(self, window: Window) -> pa.Table:
