@@ -520,3 +520,119 @@ def test_an_index_of_this_format_missing_or_mistyping_a_key_is_read_past_to_the_
     assert f"the dataset index {index_uri} cannot be read" in capsys.readouterr().out
     restart = _start([data_dir], index_uri)
     assert (restart.stats.footers_read, restart.stale, restart.spec.rows_per_file) == (2, True, (3, 4))
+
+
+def _with_null_row(path, row: int) -> None:
+    """``path`` rewritten with its latents' row ``row`` null."""
+    table = pq.read_table(path)
+    latents = table.column("image_latents_256").to_pylist()
+    latents[row] = None
+    column = pa.array(latents, table.schema.field("image_latents_256").type)
+    pq.write_table(table.set_column(1, "image_latents_256", column), path, row_group_size=4)
+
+
+@pytest.mark.parametrize("encoding", ["list", "fixed_size_list"])
+def test_a_row_of_another_length_or_null_is_refused_from_the_footers_naming_file_column_and_row_group(
+    tmp_path, encoding
+):
+    """Latents and captions stored as variable-size lists were checked across files by type only: a file of another
+    resolution or text encoder, or with a null row, was accepted and failed a read task days into the run. Each row
+    group's value count in the footer (already read) says it; fixed-size lists count a null row too."""
+    a = tmp_path / "a.parquet"
+    write_latents(a, rows=8, encoding=encoding, row_group_size=4)
+    other = tmp_path / "other" / "b.parquet"
+    cases = [
+        (
+            dict(latent_shape=(4, 8, 8)),
+            "'image_latents_256' (data.latent_column), row group 0: 1024 values in 4 rows, 256 a row; expected "
+            "1024 a row, as in {a}",
+        ),
+        (
+            dict(caption_shape=(77, 16)),
+            "'caption_latents' (data.caption_column), row group 0: 4928 values in 4 rows, 1232 a row; expected "
+            "2464 a row, as in {a}",
+        ),
+        (
+            None,
+            "'image_latents_256' (data.latent_column), row group 1: 3073 values in 4 rows, 768.25 a row; "
+            "expected 1024 a row, as in {a}",
+        ),
+    ]
+    for written, found in cases[2:] if encoding == "fixed_size_list" else cases:  # a fixed size tells the rest
+        write_latents(other, rows=8, encoding=encoding, row_group_size=4, **(written or {}))
+        if written is None:
+            _with_null_row(other, 5)
+        with pytest.raises(DataError) as error:
+            inspect_dataset([a, other], "data.train", COLUMNS, 4, 32)
+        assert str(error.value).startswith(f"data.train: {other}, column {found.format(a=a)}. A row is null or of")
+    # Row groups of any size, and files without rows, pass.
+    write_latents(other, rows=7, encoding=encoding, row_group_size=3)
+    write_latents(tmp_path / "empty.parquet", rows=0, encoding=encoding)
+    passed = inspect_dataset([a, other, tmp_path / "empty.parquet"], "data.train", COLUMNS, 4, 32)
+    assert passed.rows_per_file == (8, 7, 0)
+
+
+def test_a_restart_holds_the_files_it_reads_to_the_shapes_the_run_recorded(tmp_path):
+    """A restart reads the footers of new files only, and its reference is the run's index: each file read is held to
+    the shapes it records (the first row read, of the first new file, says nothing of the others)."""
+    data_dir = tmp_path / "data"
+    write_latents(data_dir / "a.parquet", rows=8, row_group_size=4)
+    index_uri = run_index_uri(str(tmp_path / "runs/r"), "data.train")
+    _start_and_write([data_dir], index_uri)
+    write_latents(data_dir / "b.parquet", rows=8, row_group_size=4)
+    write_latents(data_dir / "c.parquet", rows=8, row_group_size=4, latent_shape=(4, 8, 8))
+    with pytest.raises(DataError) as error:
+        _start([data_dir], index_uri)
+    assert str(error.value).startswith(
+        f"data.train: {data_dir}/c.parquet, column 'image_latents_256' (data.latent_column), row group 0: 1024 values "
+        f"in 4 rows, 256 a row; expected 1024 a row, as the dataset index records (4 x 16 x 16; its reference file "
+        f"{data_dir}/a.parquet)"
+    )
+    (data_dir / "c.parquet").unlink()
+    assert _start([data_dir], index_uri).stats.footers_read == 1
+
+
+def test_rows_of_two_lengths_that_average_out_are_told_apart_by_the_first_row(tmp_path):
+    """Rows of 256 and 1792 values count 1024 a row in their row group: the footers alone pass them, the first row's
+    shape (4 x 8 x 8) does not."""
+    rows = [[0.0] * 256, [0.0] * 1792]
+    path = tmp_path / "a.parquet"
+    table = pa.table(
+        {
+            "image_latents_256": pa.array(rows, pa.list_(pa.float16())),
+            "caption_latents": pa.array([[0.0] * 77 * 32] * 2, pa.list_(pa.float16())),
+        }
+    )
+    pq.write_table(table, path)
+    with pytest.raises(DataError) as error:
+        inspect_dataset([path], "data.train", COLUMNS, 4, 32)
+    assert str(error.value).startswith(
+        f"data.train: {path}, column 'image_latents_256' (data.latent_column): its row groups hold 1024 values a row, "
+        f"but the first row of {path} holds 256 (4 x 8 x 8): its rows are not all of one length"
+    )
+
+
+def test_the_largest_row_group_read_is_recorded_and_warned_of_once_when_far_larger_than_a_chunk(tmp_path, caplog):
+    """Each read of data.shuffle_chunk_rows rows reads its whole row group: files written with one row group each made
+    every chunk read the whole file, silently (71x slower at 10k-row groups)."""
+    from conftest import tiny_config
+
+    from sdtrain.driver.data_check import check_data
+
+    small = dict(latent_shape=(4, 8, 8), caption_shape=(77, 32))
+    write_latents(tmp_path / "data" / "a.parquet", rows=64, row_group_size=64, **small)
+    write_latents(tmp_path / "data" / "b.parquet", rows=600, **small)  # pyarrow's default: one row group
+    config = tiny_config(f"data.train={tmp_path}/data", tmp_path=tmp_path, name="r", batch=4)
+    with caplog.at_level("WARNING", logger="sdtrain"):
+        train, _, _ = check_data(config, str(tmp_path / "runs/r"))
+    assert train.stats.largest_row_group == (600, f"{tmp_path}/data/b.parquet")
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warning.startswith(
+        f"data.train: {tmp_path}/data/b.parquet has row groups of 600 rows, and every read of a chunk of "
+        "data.shuffle_chunk_rows=64 rows reads its whole row group: about 9x the data the chunk needs. Rewrite the "
+        "files with pyarrow.parquet.write_table(..., row_group_size=64)"
+    )
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="sdtrain"):
+        check_data(tiny_config(f"data.train={tmp_path}/data", "data.shuffle_chunk_rows=150"), str(tmp_path / "r2"))
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]  # 600 rows: 4 chunks of 150

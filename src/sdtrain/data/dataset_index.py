@@ -17,8 +17,10 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import pyarrow as pa
 
 from sdtrain.config.learning import Columns
+from sdtrain.data.footer_counts import FooterCounts
 from sdtrain.data.index_format import DatasetIndex, SealedDirectory, pack_runs, read_index, recorded_rows, runs_array
 from sdtrain.data.index_sealing import files_of, sealed_directories, unchanged_directories
 from sdtrain.data.inspection import (
@@ -62,6 +64,9 @@ class IndexStats:
     written: bool = True
     """:func:`sdtrain.data.directory_index.write_directory_index` only: False when every file was as the index
     already there recorded it."""
+    largest_row_group: tuple[int, str] | None = None
+    """(rows, file) of the largest row group of the footers read at this start (None: none read). A training read of
+    data.shuffle_chunk_rows rows reads its whole row group (sdtrain.driver.data_check warns of large ones)."""
 
 
 @dataclass
@@ -138,7 +143,7 @@ def index_dataset(
     # The run's own index first (one GET); an index beside the data only for what it leaves unknown.
     to_read, reference = _rows_from_indexes(_candidates(listed), listing, rows, runs, to_read, key, columns)
     read_files = [listing.paths[i] for i in to_read]
-    read_rows, checked = _footers(read_files, to_read, key, columns, reference, rows, runs)
+    read_rows, checked, counts = _footers(read_files, to_read, key, columns, reference, rows, runs)
     if int(rows.sum()) == 0:
         raise DataError(f"{key}: the {len(listing)} parquet file(s) hold no rows (first: {listing.paths[0]})")
 
@@ -147,10 +152,8 @@ def index_dataset(
     row_file = next((f for f, r in zip(read_files, read_rows, strict=True) if r), None)
     if not read_files and own is None:
         row_file = listing.paths[int(np.flatnonzero(rows)[0])]
-    row = first_row(row_file, key, checked.row_columns(key)) if row_file is not None else None
-    recorded = (reference.latent_shape, reference.caption_shape) if reference is not None else None
-    latent_shape, caption_shape = check_shapes(
-        key, checked, in_channels, cross_attention_dim, row, row_file or checked.file, recorded
+    row, latent_shape, caption_shape = _shapes(
+        key, checked, reference, row_file, counts, in_channels, cross_attention_dim
     )
 
     sealed = sealed_directories(specs, listed.parts, listed.placed, listing, listed.unchanged, listed.directory_index)
@@ -169,6 +172,7 @@ def index_dataset(
         rows_read=int(row is not None),
         source=None if reference is None else (index_uri if reference is own else "beside the data"),
         unlisted=sum(len(part) for spec, part in zip(specs, listed.parts, strict=True) if spec in listed.unchanged),
+        largest_row_group=counts.largest_row_group,
     )
     _report(key, listed, stats)
     spec = DatasetSpec(
@@ -187,18 +191,51 @@ def _footers(
     reference: DatasetIndex | None,
     rows: np.ndarray,
     runs: list[bytes | None],
-) -> tuple[list[int], CheckedSchema]:
+) -> tuple[list[int], CheckedSchema, FooterCounts]:
     """The footers of ``files`` (``positions`` of the listing) read into ``rows`` and ``runs``, checked against the
-    reference index's schema (else the first's); returns their rows and the schema the data was checked with."""
+    reference index's schema and shapes (else the first's); returns their rows, the schema the data was checked
+    with and what the footers counted."""
     read_runs: dict[int, list[tuple[int, int]]] = {}
+    counts = recorded_counts(key, reference)
     read_rows, checked = read_footers_with_progress(
-        files, key, columns, reference.checked if reference is not None else None, read_runs
+        files, key, columns, reference.checked if reference is not None else None, read_runs, counts
     )
     assert checked is not None  # a listing is never empty: list_dataset raises
     rows[positions] = read_rows
     for k, file_runs in read_runs.items():
         runs[positions[k]] = pack_runs(file_runs)
-    return read_rows, checked
+    return read_rows, checked, counts
+
+
+def recorded_counts(key: str, reference: DatasetIndex | None) -> FooterCounts:
+    """What the rows of the footers read are held to: the shapes ``reference`` records (the files a restart reads,
+    to the run's), else the first file's."""
+    if reference is None:
+        return FooterCounts()
+    checked = reference.checked
+    return FooterCounts(checked.row_shapes(key, reference.latent_shape, reference.caption_shape), checked.file)
+
+
+def _shapes(
+    key: str,
+    checked: CheckedSchema,
+    reference: DatasetIndex | None,
+    row_file: str | None,
+    counts: FooterCounts,
+    in_channels: int,
+    cross_attention_dim: int,
+) -> tuple[pa.Table | None, tuple[int, int, int], tuple[int, ...]]:
+    """The first row of ``row_file`` (None: none is read), and the data's latent and caption shapes, checked against
+    the model and against the values per row the footers read count."""
+    row = first_row(row_file, key, checked.row_columns(key)) if row_file is not None else None
+    recorded = (reference.latent_shape, reference.caption_shape) if reference is not None else None
+    latent_shape, caption_shape = check_shapes(
+        key, checked, in_channels, cross_attention_dim, row, row_file or checked.file, recorded
+    )
+    # A file whose rows differ in length can still count a whole number a row: its first row tells it apart.
+    shapes = checked.row_shapes(key, latent_shape, caption_shape)
+    counts.check_against(key, shapes, checked.counted_columns(key), f"the first row of {row_file}")
+    return row, latent_shape, caption_shape
 
 
 def _bucketed(key: str, checked: CheckedSchema, listing: Listing, runs: list[bytes | None]) -> np.ndarray | None:
@@ -301,13 +338,14 @@ def read_footers_with_progress(
     columns: Columns,
     reference: CheckedSchema | None,
     runs: dict[int, list[tuple[int, int]]] | None = None,
+    counts: FooterCounts | None = None,
 ) -> tuple[list[int], CheckedSchema | None]:
     """:func:`sdtrain.data.inspection.read_footers`, with a progress line for 1000 files or more."""
 
     def progress(done: int, total: int) -> None:
         log.info(f"{key}: read {done}/{total} footers")
 
-    return read_footers(files, key, columns, reference, progress if len(files) >= 1000 else None, runs)
+    return read_footers(files, key, columns, reference, progress if len(files) >= 1000 else None, runs, counts)
 
 
 def _rows_from_indexes(

@@ -12,7 +12,7 @@ import numpy as np
 import pyarrow as pa
 
 from sdtrain.config.learning import Columns
-from sdtrain.data.dataset_index import IndexStats, read_footers_with_progress
+from sdtrain.data.dataset_index import IndexStats, read_footers_with_progress, recorded_counts
 from sdtrain.data.index_format import DatasetIndex, join_path, pack_runs, read_index, recorded_rows, write_index
 from sdtrain.data.inspection import CheckedSchema, first_row, read_footers
 from sdtrain.data.listing import DIRECTORY_INDEX, Listing, list_dataset
@@ -56,9 +56,8 @@ def write_directory_index(
 
     read_files = [listing.paths[i] for i in to_read]
     read_runs: dict[int, list[tuple[int, int]]] = {}
-    read_rows, checked = read_footers_with_progress(
-        read_files, key, columns, before.checked if before is not None else None, read_runs
-    )
+    reference, counts = (before.checked if before is not None else None), recorded_counts(key, before)
+    read_rows, checked = read_footers_with_progress(read_files, key, columns, reference, read_runs, counts)
     for i, num_rows in zip(to_read, read_rows, strict=True):
         rows[i] = num_rows
     for k, file_runs in read_runs.items():

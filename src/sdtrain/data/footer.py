@@ -1,6 +1,6 @@
-"""A parquet file's footer (its schema with the writer's metadata, and its row count), read without its data: the one
-reader of schemas, for the data checks, the encoders a dataset records, retraining's partitions, captions and the
-demo's layout."""
+"""A parquet file's footer (its schema with the writer's metadata, its rows, and each row group's rows and value
+counts), read without its data: the one reader of footers, for the data checks, the encoders a dataset records,
+retraining's partitions, captions and the demo's layout."""
 
 from __future__ import annotations
 
@@ -16,20 +16,19 @@ from sdtrain.storage.filesystems import filesystem_for
 
 def read_footer(
     file: str, key: str, source: Callable[[str], tuple[pafs.FileSystem, str]] = filesystem_for
-) -> tuple[pa.Schema, int]:
-    """(the arrow schema, the rows) of ``file``; a DataError naming ``key`` and the file if it is no parquet.
+) -> pq.FileMetaData:
+    """The footer of ``file``; a DataError naming ``key`` and the file if it is no parquet.
 
     Args:
         source: the file's filesystem and path (a shared one per bucket, where many footers are read).
     """
     fs, path = source(file)
     try:
-        metadata = pq.read_metadata(path, filesystem=fs)
+        return pq.read_metadata(path, filesystem=fs)
     except (OSError, pa.ArrowException) as e:
         raise DataError(f"{key}: cannot read {file} as parquet: {e}") from None
-    return metadata.schema.to_arrow_schema(), metadata.num_rows
 
 
 def read_schema(file: str, key: str) -> pa.Schema:
     """The arrow schema of ``file``, with the metadata its writer recorded."""
-    return read_footer(file, key)[0]
+    return read_footer(file, key).schema.to_arrow_schema()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -26,6 +27,7 @@ from sdtrain.config.learning import Columns
 from sdtrain.data.added_columns import AddedColumns
 from sdtrain.data.decode import ColumnLayout, column_layout
 from sdtrain.data.footer import read_footer
+from sdtrain.data.footer_counts import FooterCounts
 from sdtrain.data.metadata import (
     BUCKET_SHAPES,
     LATENT_SCALING_FACTOR,
@@ -116,6 +118,23 @@ class CheckedSchema:
         """data.caption_column, and for token ids of several tokenizers the further tokenizers' id columns."""
         ids = self.token_ids(key)
         return ids.columns if ids is not None else (self.columns.caption,)
+
+    def counted_columns(self, key: str) -> dict[str, str]:
+        """The columns whose values per row the footers are checked for (sdtrain.data.footer_counts), each with the
+        key that names it: the latents, unless bucketed (rows differ by bucket), and the captions (each tokenizer's
+        ids)."""
+        captions = self.caption_columns(key)
+        latent = {self.columns.latent: "data.latent_column"} if self.buckets is None else {}
+        return {**latent, captions[0]: "data.caption_column", **{c: TOKEN_ID_COLUMNS for c in captions[1:]}}
+
+    def row_shapes(
+        self, key: str, latent_shape: tuple[int, ...], caption_shape: tuple[int, ...]
+    ) -> dict[str, tuple[int, ...]]:
+        """The shape of a row of each counted column, for the data's latent and caption shapes (token ids of T
+        tokenizers: T x L in ``caption_shape``, L in each column)."""
+        captions = self.caption_columns(key)
+        per_column = (math.prod(caption_shape) // len(captions),) if len(captions) > 1 else caption_shape
+        return {c: latent_shape if c == self.columns.latent else per_column for c in self.counted_columns(key)}
 
     @property
     def buckets(self) -> tuple[tuple[int, int, int], ...] | None:
@@ -233,9 +252,11 @@ def read_footers(
     reference: CheckedSchema | None = None,
     progress: Callable[[int, int], None] | None = None,
     runs: dict[int, list[tuple[int, int]]] | None = None,
+    counts: FooterCounts | None = None,
 ) -> tuple[list[int], CheckedSchema | None]:
     """The rows of each of ``files`` from its footer, each footer's columns checked against ``reference`` (without
-    one, the first file's). At most FOOTER_READS requests in flight, one schema held at a time; ``progress(done,
+    one, the first file's), and each row group's values per row in them (:class:`FooterCounts`: ``counts``, else
+    held to the first file's). At most FOOTER_READS requests in flight, one footer held at a time; ``progress(done,
     total)`` is called every 10 s and at every tenth of the files. ``runs``: for bucketed data, filled with each
     file's runs by its position in ``files``.
 
@@ -245,20 +266,25 @@ def read_footers(
         return [], reference
     sources = _Sources()
     rows = [0] * len(files)
+    counts = counts if counts is not None else FooterCounts()
     start = 0
     if reference is None:
-        schema, rows[0] = read_footer(files[0], key, sources)
+        footer = read_footer(files[0], key, sources)
+        schema, rows[0] = footer.schema.to_arrow_schema(), footer.num_rows
         reference = CheckedSchema(files[0], schema, columns)
         reference.layouts(key)  # the first file's own errors: a missing column, an unreadable type
+        counts.check(key, files[0], footer, reference.counted_columns(key))
         start = 1
         if runs is not None and reference.buckets is not None:
             runs[0] = bucket_runs(schema.metadata, f"{key}: {files[0]}", rows[0], len(reference.buckets))
     checked = reference
-    buckets = checked.buckets
+    buckets, counted = checked.buckets, checked.counted_columns(key)
 
     def read(index: int) -> tuple[int, int]:
-        schema, num_rows = read_footer(files[index], key, sources)
+        footer = read_footer(files[index], key, sources)
+        schema, num_rows = footer.schema.to_arrow_schema(), footer.num_rows
         check_same_layouts(key, files[index], schema, checked)
+        counts.check(key, files[index], footer, counted)
         if runs is not None and buckets is not None:
             runs[index] = bucket_runs(schema.metadata, f"{key}: {files[index]}", num_rows, len(buckets))
         return index, num_rows

@@ -13,7 +13,7 @@ import numpy as np
 from sdtrain.config.schema import Config
 from sdtrain.data.added_columns import PLACEMENT_COLUMNS, AddedColumns
 from sdtrain.data.bucket_order import BucketPlan
-from sdtrain.data.dataset_index import IndexedDataset, index_dataset
+from sdtrain.data.dataset_index import IndexedDataset, IndexStats, index_dataset
 from sdtrain.data.index_format import run_index_uri
 from sdtrain.data.inspection import DatasetSpec, first_row
 from sdtrain.data.metadata import TOKEN_ID_COLUMNS, vae_downsampling
@@ -34,6 +34,7 @@ def check_data(config: Config, run_dir: str) -> tuple[IndexedDataset, IndexedDat
     train_data = indexed_dataset(config, "data.train", config.data.train, unet, run_dir)
     val_data = indexed_dataset(config, "data.val", config.data.val, unet, run_dir) if config.data.val else None
     train = train_data.spec
+    warn_of_large_row_groups(train_data.stats, config.data.shuffle_chunk_rows)
     _check_shapes_agree(train, val_data.spec if val_data is not None else None)
     captions = train.embedding_shape(unet["cross_attention_dim"])
     check_unet(config.model, train.latent_shape, captions)  # on the meta device, in a second
@@ -130,6 +131,25 @@ def added_columns(config: Config, key: str, indexed: IndexedDataset, unet: Mappi
             "(projection_class_embeddings_input_dim less its time ids)"
         )
     return AddedColumns(column, width, placement)
+
+
+ROW_GROUP_CHUNKS = 4
+"""Row groups of more than this many chunks (data.shuffle_chunk_rows) are warned of."""
+
+
+def warn_of_large_row_groups(stats: IndexStats, chunk_rows: int) -> None:
+    """One warning when the largest row group of the data.train footers read at this start holds more than
+    ROW_GROUP_CHUNKS chunks: each read of a chunk reads its whole row group (files written with one row group each
+    read the whole file for every chunk)."""
+    if stats.largest_row_group is None or stats.largest_row_group[0] <= ROW_GROUP_CHUNKS * chunk_rows:
+        return
+    rows, file = stats.largest_row_group
+    log.warning(
+        f"data.train: {file} has row groups of {rows} rows, and every read of a chunk of data.shuffle_chunk_rows="
+        f"{chunk_rows} rows reads its whole row group: about {rows / chunk_rows:.0f}x the data the chunk needs. "
+        f"Rewrite the files with pyarrow.parquet.write_table(..., row_group_size={chunk_rows}) (sdtrain's "
+        f"preprocessing: output.row_group_rows={chunk_rows}), or raise data.shuffle_chunk_rows"
+    )
 
 
 def _describe_captions(spec: DatasetSpec) -> str:
