@@ -332,21 +332,43 @@ def test_s3_listing_is_paginated_and_records_etags(s3_bucket, tmp_path, capsys):
 
 
 def test_split_keys_cut_the_known_keys_into_whole_pages_over_the_threads():
-    from sdtrain.data.listing import LIST_THREADS, _split_keys
+    from sdtrain.data.known_keys import KnownKeys, split_keys
+    from sdtrain.data.listing import LIST_THREADS
 
-    known = [f"s3://b/data/part-{i:03d}.parquet" for i in range(30)] + ["s3://b/other/x.parquet", "/local/y.parquet"]
+    paths = [f"s3://b/data/part-{i:03d}.parquet" for i in range(30)] + ["s3://b/other/x.parquet", "/local/y.parquet"]
+    known = KnownKeys([*paths, "s3://c/data/part-100.parquet"])  # another bucket's keys are not this one's
     # 30 keys, pages of 3: 10 pages over at most LIST_THREADS ranges of whole pages.
-    splits = _split_keys(known, "data/", 3)
+    splits = split_keys(known, "b", "data/", 3, LIST_THREADS)
     step = 3 * -(-10 // LIST_THREADS)
     assert splits == [f"data/part-{i:03d}.parquet" for i in range(step - 1, 29, step)]
-    assert _split_keys(known[::-1], "data/", 3) == splits  # in any order
-    assert _split_keys(known, "data/", 30) == []  # one page: listed as one range
-    assert _split_keys([], "data/", 3) == [] and _split_keys(known, "none/", 3) == []
+    assert split_keys(KnownKeys(paths[::-1]), "b", "data/", 3, LIST_THREADS) == splits  # in any order
+    assert split_keys(known, "b", "data/", 30, LIST_THREADS) == []  # one page: listed as one range
+    assert split_keys(None, "b", "data/", 3, LIST_THREADS) == split_keys(known, "b", "none/", 3, LIST_THREADS) == []
+    assert known.under("b", "data/part-02") == [f"data/part-{i:03d}.parquet" for i in range(20, 30)]
+
+
+def test_many_specs_are_listed_at_once_in_their_order_and_one_that_matches_nothing_is_named(tmp_path):
+    """data.train as a list of files: a request each (on S3 a HEAD), made LIST_THREADS at a time, not one after
+    another (hours at 1e5 files); the listing keeps the specs' order, and the first spec that names nothing fails."""
+    from sdtrain.data.listing import list_specs
+
+    files = []
+    for i in range(24):
+        path = tmp_path / f"part-{23 - i:02d}.parquet"  # named in reverse: the order is the specs'
+        write_latents(path, rows=2)
+        files.append(str(path))
+    parts = list_specs(files, "data.train")
+    assert [part.paths for part in parts] == [[file] for file in files]
+    assert list_dataset(files, "data.train").paths == files
+    missing = str(tmp_path / "gone.parquet")
+    with pytest.raises(DataError, match=rf"^data\.train: {missing} matches no parquet files"):
+        list_specs([*files[:12], missing, *files[12:]], "data.train")
 
 
 @pytest.mark.slow
 def test_s3_listing_in_key_ranges_from_the_index_finds_what_changed(s3_bucket, tmp_path):
     from sdtrain.data import listing as listing_module
+    from sdtrain.data.known_keys import KnownKeys
 
     s3 = boto3.client("s3")
     bucket = s3_bucket[len("s3://") :]
@@ -355,7 +377,7 @@ def test_s3_listing_in_key_ranges_from_the_index_finds_what_changed(s3_bucket, t
     index_uri = run_index_uri(f"{s3_bucket}/runs/r", "data.train")
     first = _start_and_write([f"{s3_bucket}/data"], index_uri, page_size=3)
     old = list(first.index.paths)
-    splits = listing_module._split_keys(old, "data/", 3)
+    splits = listing_module.split_keys(KnownKeys(old), bucket, "data/", 3, listing_module.LIST_THREADS)
     assert len(splits) >= 3  # several ranges, each of whole pages
 
     calls: list[str | None] = []

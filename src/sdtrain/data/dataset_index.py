@@ -34,7 +34,7 @@ from sdtrain.data.listing import (
     LIST_PAGE_SIZE,
     FoundIndex,
     Listing,
-    list_spec,
+    list_specs,
     merge_listings,
     names_directory,
     strictly_increasing,
@@ -266,13 +266,10 @@ def _list(specs: Sequence[str], key: str, own: DatasetIndex | None, columns: Col
     unchanged = {}
     if own is not None and own.checked.columns == columns:
         unchanged = unchanged_directories(own, specs)
-    listed_before = own.paths if own is not None else None
-    parts = [
-        files_of(own, unchanged[spec])
-        if own is not None and spec in unchanged
-        else list_spec(spec, key, page_size, listed_before)
-        for spec in specs
-    ]
+    to_list = [spec for spec in specs if spec not in unchanged]
+    # Listed LIST_THREADS at a time (a list of many files is a request each); the index's paths sorted once for all.
+    fresh = iter(list_specs(to_list, key, page_size, own.paths if own is not None and to_list else None))
+    parts = [files_of(own, unchanged[spec]) if own is not None and spec in unchanged else next(fresh) for spec in specs]
     if len(parts) == 1 and (specs[0] in unchanged or strictly_increasing(parts[0].paths)):
         listing, placed = parts[0], [(0, len(parts[0]))]  # held once, not copied (the index's order is sorted)
     else:

@@ -19,6 +19,7 @@ from typing import NamedTuple
 
 import pyarrow.fs as pafs
 
+from sdtrain.data.known_keys import KnownKeys, split_keys
 from sdtrain.errors import DataError
 from sdtrain.storage.filesystems import filesystem_for
 from sdtrain.storage.uris import split_s3, uri_prefix
@@ -77,19 +78,38 @@ def list_dataset(
     that are listed concurrently (:func:`_s3_objects_in_ranges`); the result is the same without them.
     Raises DataError naming ``key`` and the spec when a spec names nothing.
     """
-    parts = []
-    for spec in specs:
-        found = list_spec(spec, key, page_size, known)
-        if len(specs) == 1 and strictly_increasing(found.paths):
-            return found  # an S3 listing comes sorted: held once, not copied
-        parts.append(found)
+    parts = list_specs(specs, key, page_size, known)
+    if len(parts) == 1 and strictly_increasing(parts[0].paths):
+        return parts[0]  # an S3 listing comes sorted: held once, not copied
     return merge_listings(parts)[0]
 
 
-def list_spec(spec: str, key: str, page_size: int = LIST_PAGE_SIZE, known: Sequence[str] | None = None) -> Listing:
+def list_specs(
+    specs: Sequence[str], key: str, page_size: int = LIST_PAGE_SIZE, known: Sequence[str] | KnownKeys | None = None
+) -> list[Listing]:
+    """:func:`list_spec` of each of ``specs``, in their order, LIST_THREADS at a time: a list of many files costs a
+    request each (S3: a HEAD), which one after another cost hours at 1e5 files. The first failure is raised."""
+    known = KnownKeys.of(known)
+    if len(specs) <= 1:
+        return [list_spec(spec, key, page_size, known) for spec in specs]
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(min(LIST_THREADS, len(specs)), thread_name_prefix="sdtrain-specs") as pool:
+        futures = [pool.submit(list_spec, spec, key, page_size, known) for spec in specs]
+        try:
+            return [future.result() for future in futures]
+        except BaseException:
+            for future in futures:
+                future.cancel()
+            raise
+
+
+def list_spec(
+    spec: str, key: str, page_size: int = LIST_PAGE_SIZE, known: Sequence[str] | KnownKeys | None = None
+) -> Listing:
     """The files one spec names, in the order listed (:func:`list_dataset` without the merging)."""
     found = Listing()
-    _expand(spec, found, page_size, known)
+    _expand(spec, found, page_size, KnownKeys.of(known))
     if not found.paths:
         raise DataError(
             f"{key}: {spec} matches no parquet files; expected a .parquet file, a directory "
@@ -126,7 +146,7 @@ def strictly_increasing(paths: Sequence[str]) -> bool:
     return all(a < b for a, b in zip(paths, itertools.islice(paths, 1, None), strict=False))
 
 
-def _expand(spec: str, found: Listing, page_size: int, known: Sequence[str] | None = None) -> None:
+def _expand(spec: str, found: Listing, page_size: int, known: KnownKeys | None = None) -> None:
     prefix = uri_prefix(spec)
     if spec.startswith("s3://"):
         _expand_s3(spec, found, page_size, known)
@@ -211,14 +231,14 @@ def _s3_objects(
 
 
 def _s3_objects_in_ranges(
-    client, bucket: str, prefix: str, page_size: int, known: Sequence[str] | None
+    client, bucket: str, prefix: str, page_size: int, known: KnownKeys | None
 ) -> Iterator[S3Object]:
     """The objects under ``prefix`` in key order, as :func:`_s3_objects`; with ``known`` keys (of a previous
     listing), the key space is cut at every few pages' worth of them into ranges (after one split key, through
     the next) listed by ``LIST_THREADS`` threads at once and yielded in order. A range's own listing finds what
     was added in it and leaves out what was deleted (a split key need not exist any more); S3 pages come one after
     another, each waiting for the last one's token, so concurrent ranges are what shortens a large listing."""
-    splits = _split_keys(known or (), prefix, page_size)
+    splits = split_keys(known, bucket, prefix, page_size, LIST_THREADS)
     if not splits:
         yield from _s3_objects(client, bucket, prefix, page_size)
         return
@@ -238,17 +258,6 @@ def _s3_objects_in_ranges(
             objects = pending.popleft().result()
             pending.extend(pool.submit(one, b) for b in itertools.islice(waiting, 1))
             yield from objects
-
-
-def _split_keys(known: Sequence[str], prefix: str, page_size: int) -> list[str]:
-    """Keys under ``prefix`` of the ``known`` S3 paths, every ``pages`` pages' worth, for ranges of whole pages
-    spread over ``LIST_THREADS`` threads; none for what one page lists."""
-    keys = sorted({k for k in (split_s3(p)[1] for p in known if p.startswith("s3://")) if k.startswith(prefix)})
-    pages = -(-len(keys) // page_size)
-    if pages <= 1:
-        return []
-    step = page_size * -(-pages // LIST_THREADS)
-    return keys[step - 1 : len(keys) - 1 : step]
 
 
 def listing_client():
@@ -276,7 +285,7 @@ def _etag(obj: Mapping) -> str:
     return str(obj.get("ETag", "")).strip('"')
 
 
-def _expand_s3(spec: str, found: Listing, page_size: int, known: Sequence[str] | None = None) -> None:
+def _expand_s3(spec: str, found: Listing, page_size: int, known: KnownKeys | None = None) -> None:
     import fnmatch
 
     from botocore.exceptions import ClientError
