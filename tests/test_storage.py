@@ -2,6 +2,7 @@
 loopback): endpoint precedence, data in a bucket, every pre-flight error, retries of real
 transient faults (a proxy process in front of the server), and no secret in anything written."""
 
+import json
 import os
 import pickle
 import shutil
@@ -19,6 +20,7 @@ from conftest import REPO, tiny_config, write_latents
 from support.datasets import inspect_dataset
 
 from sdtrain.config.learning import Columns
+from sdtrain.data.listing import list_dataset
 from sdtrain.data.parquet_files import resolve_parquet_files
 from sdtrain.driver.preflight import check_s3, preflight
 from sdtrain.errors import ConfigError, DataError
@@ -130,6 +132,19 @@ def test_each_uri_is_checked_once_per_process(s3_bucket, tmp_path):
         tiny_config(f"data.train={s3_bucket}/once/", f"data.val={s3_bucket}/once/val/"),
         f"data.val[0]: {s3_bucket}/once/val/: bucket 'sdtrain-test' holds no objects under 'once/val'",
     )
+
+    # data.train as a list of files: one check a bucket (one at a time, 1e5 files cost hours before anything ran);
+    # each file is the listing's to find, many at once, naming a spec that matches nothing.
+    for i in range(3):
+        _upload(tmp_path, f"list/part-{i}.parquet")
+    files = [f"{s3_bucket}/list/part-{i}.parquet" for i in (0, 1, 2, 9)]
+    many = tiny_config(f"data.train={json.dumps(files)}")
+    preflight(many)
+    with pytest.raises(DataError, match=rf"^data\.train: {files[3]} matches no parquet files"):
+        list_dataset(many.data.train, "data.train")
+    assert list_dataset(files[:3], "data.train").paths == files[:3]
+    elsewhere = tiny_config(f"data.train={json.dumps([*files[:3], 's3://no-such-bucket/part.parquet'])}")
+    _expect(ConfigError, elsewhere, "data.train[3]: s3://no-such-bucket/part.parquet")
 
 
 # --- data in a bucket -------------------------------------------------------------------------

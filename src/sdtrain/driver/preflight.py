@@ -62,8 +62,17 @@ def preflight(config: Config) -> None:
     """
     configure_s3(config.storage.endpoint_url, config.storage.max_attempts)
     writable = {"run.storage_path", "retrain.models_root"}
+    data_buckets = set()
     for key, uri in config.storage_uris():
         if uri.startswith("s3://"):
+            if key.startswith(("data.train[", "data.val[")):
+                # One spec a bucket shows the endpoint, credentials and read permission; each spec's own files are
+                # the listing's to find, many at once (it names a spec that matches none). Checked here one by one,
+                # a list of 1e5 files cost hours before anything ran.
+                family_bucket = (key.partition("[")[0], split_s3(uri)[0])
+                if family_bucket in data_buckets:
+                    continue
+                data_buckets.add(family_bucket)
             checked = (s3_endpoint()[0], uri, key in writable)
             if checked in _PASSED:  # retraining checks its roots, then its training run: each URI once a process
                 continue
