@@ -249,7 +249,8 @@ def _block(arrays: dict[str, np.ndarray], sample_index: np.ndarray) -> pa.Table:
 
 class WindowReader:
     """The training data as the ranks read it: the read plan, the files and the read settings. Made on the
-    driver and sent once to each rank, which turns its windows into :class:`WindowRead` tasks."""
+    driver, put in Ray's object store once a worker group, and fetched by each rank (once a node), which turns its
+    windows into :class:`WindowRead` tasks."""
 
     def __init__(self, spec: DatasetSpec, data: DataConfig, plan: ReadPlan):
         self.plan = plan
@@ -288,12 +289,17 @@ class WindowReader:
 
 
 class RankWindows(Datasource):
-    """One rank's windows as a Ray Data source: a read task per window, in order."""
+    """One rank's windows as a Ray Data source: a read task per window, in order. ``shared``: the reader in Ray's
+    object store, which the source then carries instead of the reader (~45 B a file)."""
 
-    def __init__(self, reader: WindowReader, stretches: Sequence[Any]):
-        self.reader = reader
+    def __init__(self, reader: WindowReader, stretches: Sequence[Any], shared: ray.ObjectRef | None = None):
+        self._reader: WindowReader | ray.ObjectRef = shared if shared is not None else reader
         self.stretches = stretches
         self.count = sum(reader.plan.num_windows(stretch) for stretch in stretches)
+
+    @property
+    def reader(self) -> WindowReader:
+        return self._reader if isinstance(self._reader, WindowReader) else ray.get(self._reader)
 
     def estimate_inmemory_data_size(self) -> int | None:
         return None
@@ -304,9 +310,10 @@ class RankWindows(Datasource):
             # rank) only to count the tasks; the executor asks again, with its context, where the rank reads.
             # Computing every window there too would cost the controller world size x windows.
             return [_COUNTED_ONLY] * self.count
-        plan = self.reader.plan
+        reader = self.reader
+        plan = reader.plan
         return [
-            ReadTask(self.reader.task(window), BlockMetadata(window.hi - window.lo, None, None, None))
+            ReadTask(reader.task(window), BlockMetadata(window.hi - window.lo, None, None, None))
             for stretch in self.stretches
             for window in plan.windows(stretch)
         ]
@@ -319,10 +326,12 @@ def _counted_only() -> list[pa.Table]:
 _COUNTED_ONLY = ReadTask(_counted_only, BlockMetadata(None, None, None, None))
 
 
-def rank_dataset(reader: WindowReader, stretches: Sequence[Any], node_id: str | None) -> ray.data.Dataset:
+def rank_dataset(
+    reader: WindowReader, stretches: Sequence[Any], node_id: str | None, shared: ray.ObjectRef | None = None
+) -> ray.data.Dataset:
     """One rank's training stream: its windows in order, each read by one Ray Data task on ``node_id``
-    (the rank's node; None: anywhere)."""
-    source = RankWindows(reader, stretches)
+    (the rank's node; None: anywhere); ``shared``: ``reader`` put in Ray's object store once for every rank."""
+    source = RankWindows(reader, stretches, shared)
     placement = read_placement(reader.reads_per_worker, node_id, source.count)
     return paced(_ordered(ray.data.read_datasource(source, override_num_blocks=source.count, **placement)))
 
