@@ -18,10 +18,10 @@ from support.tiny_models import write_tiny_dinov2, write_tiny_sd_model
 from sdtrain.artifacts.loading import load_model, read_checkpoint
 from sdtrain.config.learning import Columns
 from sdtrain.data.rows import RowReader
-from sdtrain.driver.run import train
-from sdtrain.errors import DataError, TrainingFailed
+from sdtrain.driver.run import check_run, train
+from sdtrain.errors import ConfigError, DataError, TrainingFailed
 from sdtrain.model.validation import validation_loss
-from sdtrain.storage.run_layout import CHECKPOINT_FILE, DATA_STATE_FILE, HISTORY_FILE, SAMPLES_FILE
+from sdtrain.storage.run_layout import CHECKPOINT_FILE, DATA_STATE_FILE, HISTORY_FILE, MODEL_FILE, SAMPLES_FILE
 
 pytestmark = pytest.mark.slow  # each test runs Ray Train on a local Ray cluster
 
@@ -97,7 +97,8 @@ def test_two_worker_run_checkpoints_reloads_and_resumes(ray_cluster, tmp_path, m
     assert summary.checkpoint_path == str(run_dir / "checkpoint_000000006")
     assert _checkpoints(run_dir) == ["checkpoint_000000003", "checkpoint_000000006"]
     for name in _checkpoints(run_dir):
-        assert sorted(p.name for p in (run_dir / name).iterdir()) == [CHECKPOINT_FILE, DATA_STATE_FILE, HISTORY_FILE]
+        files = [CHECKPOINT_FILE, DATA_STATE_FILE, HISTORY_FILE, MODEL_FILE]
+        assert sorted(p.name for p in (run_dir / name).iterdir()) == sorted(files)
     with open(run_dir / "metrics.csv") as f:
         rows = list(csv.DictReader(f))
     assert [int(r["step"]) for r in rows] == [2, 3, 4, 6]  # a row per report: logs at 2, 4, 6; checkpoint at 3
@@ -166,6 +167,15 @@ def test_two_worker_run_checkpoints_reloads_and_resumes(ray_cluster, tmp_path, m
         assert again.totals == summary.totals  # from the final checkpoint's rows
     assert _checkpoints(run_dir)[-2:] == ["checkpoint_000000009", "checkpoint_000000099"]
     assert (run_dir / "metrics.csv").exists() and export_info.stat().st_mtime_ns == written
+    # Trained on with another model (the EMA turned on, another UNet): refused before Ray starts, naming what changed
+    # from the checkpoint's model.json, not in every worker after its download (a spent restart each, before).
+    for extra, changed in (
+        (["train.ema_decay=0.99"], r"its EMA \(train\.ema_decay was null, now 0\.99\)"),
+        (["model.unet={layers_per_block: 2}"], r"its UNet \(model\.unet\)"),
+    ):
+        with pytest.raises(ConfigError, match=rf"checkpoint_000000009: the run's latest checkpoint .*: {changed}"):
+            check_run(_config(tmp_path, max_steps=12, extra=extra))
+    assert _ray_train_runs("two-workers") == trainers_before + 2
     shutil.rmtree(run_dir / "export")
     train(_config(tmp_path, max_steps=9))
     assert json.loads(export_info.read_text())["source_checkpoint"] == summary.checkpoint_path

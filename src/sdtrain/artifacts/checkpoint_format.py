@@ -5,7 +5,8 @@ full training state (weights, optimizer, LR scheduler, loop progress) plus, unde
 :data:`CHECKPOINT_META_KEY`, a :class:`CheckpointMeta` as plain data; the state dict holds the
 UNet (``unet.``), its EMA when train.ema_decay is set (``ema_unet.``) and the unconditional
 caption embedding (``unconditional_caption``); ``history.json``, the metric rows reported up to
-that step; and ``data_state.json``, the data position to resume from. Only plain data and tensors
+that step; ``data_state.json``, the data position to resume from; and ``model.json``, the metadata again,
+readable without the weights (a resume's model is checked against it before Ray starts). Only plain data and tensors
 are stored, so loading never unpickles code (``torch.load(weights_only=True)``;
 :mod:`sdtrain.artifacts.loading` loads them).
 

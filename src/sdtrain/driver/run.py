@@ -40,6 +40,7 @@ from sdtrain.driver.memory_fit import caption_encoders, cluster_gpu, fit_micro_b
 from sdtrain.driver.paths import with_absolute_paths
 from sdtrain.driver.preflight import preflight
 from sdtrain.driver.ray_data_startup import warm_up_ray_data
+from sdtrain.driver.resume_model import check_resume_model
 from sdtrain.driver.trackers import check_trackers, log_evaluations, log_export, tracker_env
 from sdtrain.errors import TrainingFailed, find_sdtrain_error
 from sdtrain.evaluation.checks import check_evaluation
@@ -154,6 +155,9 @@ def check_run(config: Config) -> CheckedRun:
         run.eval_vae = check_evaluation(config, val_data.schema_metadata, val_data.index.checked.schema.names)
     if run.committed is not None:
         _check_resume_position(run)
+        if not run.finished and run.committed.checkpoint is not None:  # a finished run loads no weights to train on
+            ema = config.train.ema_decay is not None
+            check_resume_model(run.committed.checkpoint, _run_meta(run, config, captions), ema)
     return run
 
 

@@ -2,7 +2,7 @@
 
 <run dir>/
     checkpoint_<step>/      Ray Train's, committed and pruned by it: CHECKPOINT_FILE, HISTORY_FILE,
-                            DATA_STATE_FILE and, with checkpoint.record_rows, SAMPLES_FILE
+                            DATA_STATE_FILE, MODEL_FILE and, with checkpoint.record_rows, SAMPLES_FILE
     dataset_index/          the run's dataset index: train.parquet, val.parquet
     metrics.csv, loss_curve.png
     samples/step_<N>.png    the sample grids
@@ -51,6 +51,9 @@ HISTORY_FILE = "history.json"
 """The metric rows reported up to the checkpoint's step: the run's curve, readable without the weights."""
 DATA_STATE_FILE = "data_state.json"
 """The step and the data position after it (sdtrain.data.read_order.DataState): where the data stream resumes."""
+MODEL_FILE = "model.json"
+"""The checkpoint's metadata (sdtrain.artifacts.checkpoint_format.CheckpointMeta), readable without the weights: the
+driver holds a resume to the model it trained before Ray starts."""
 SAMPLES_FILE = "samples.npy"
 """With checkpoint.record_rows: (world size, rows) sample indices trained on since the previous checkpoint."""
 

@@ -29,6 +29,7 @@ from sdtrain.data.read_order import DataState
 from sdtrain.storage.run_layout import (
     CHECKPOINT_FILE,
     HISTORY_FILE,
+    MODEL_FILE,
     SAMPLES_FILE,
     checkpoint_dir_name,
 )
@@ -105,6 +106,8 @@ def report_with_checkpoint(
     if trainer.is_global_zero:
         with open(os.path.join(directory, HISTORY_FILE), "w") as f:
             json.dump(history, f)
+        with open(os.path.join(directory, MODEL_FILE), "w") as f:
+            json.dump(pl_module.checkpoint_meta.to_dict(), f)
         position.write(directory)
     checkpoint = ray.train.Checkpoint.from_directory(directory) if trainer.is_global_zero else None
     try:
