@@ -17,6 +17,7 @@ from sdtrain.artifacts.registry import ModelRegistry
 from sdtrain.driver.retrain import JOB_ID_VAR, retrain, schedule_date_for
 from sdtrain.driver.retrain_gate import best_served, decide
 from sdtrain.driver.retrain_partitions import find_partitions, new_partitions
+from sdtrain.errors import ConfigError
 from sdtrain.model.presets import PRESETS
 
 REPO = Path(__file__).resolve().parent.parent
@@ -167,6 +168,12 @@ def test_the_schedule_date_comes_from_the_config_else_the_jobs_first_attempt_els
     date, source = schedule_date_for(tiny_config(*roots), registry)
     assert date in (today, today + datetime.timedelta(days=1))  # the test may straddle midnight
     assert source == "today (UTC): retrain.date is not set and ANYSCALE_PRODJOB_ID is not either, so nothing pins it"
+    # A date after today without a completion marker would take today's partition while it still fills, once.
+    later = (today + datetime.timedelta(days=2)).isoformat()
+    with pytest.raises(ConfigError, match=rf"^retrain\.date: {later} is after today \(.*retrain\.complete_marker null"):
+        schedule_date_for(tiny_config(*roots, f"retrain.date={later}", "retrain.complete_marker=null"), registry)
+    marked = tiny_config(*roots, f"retrain.date={later}")  # a partition counts once its writer marks it complete
+    assert schedule_date_for(marked, registry) == (datetime.date.fromisoformat(later), "retrain.date")
 
 
 def test_a_complete_partition_whose_parquet_files_hold_no_rows_is_passed_over(tmp_path):

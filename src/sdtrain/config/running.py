@@ -370,7 +370,8 @@ class RetrainConfig(Section):
     class_agreement: >= x (1 - tolerance))."""
     date: str | None = None
     """Schedule date (YYYY-MM-DD) a retrain run is for: it takes partitions up to it, once; null = in an Anyscale job,
-    the UTC date of the job's first attempt (its retries keep it, even after midnight), else today (UTC)."""
+    the UTC date of the job's first attempt (its retries keep it, even after midnight), else today (UTC). A date after
+    today (UTC) is refused with complete_marker null, which would take today's partition while it still fills."""
     complete_marker: str | None = "_SUCCESS"
     """A partition is taken once it holds this file, written last by the partition's writer; null = take only
     partitions dated before the schedule date (the schedule date's may still be filling)."""

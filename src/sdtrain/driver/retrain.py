@@ -86,9 +86,18 @@ def schedule_date_for(config: Config, registry: ModelRegistry) -> tuple[datetime
     """The date a run is for, and where it came from: retrain.date if set; else, in an Anyscale
     job, the UTC date of the job's first attempt (recorded in the registry, so a retry after
     midnight retrains the same date); else today (UTC)."""
-    if config.retrain.date:
-        return datetime.date.fromisoformat(config.retrain.date), "retrain.date"
     today = datetime.datetime.now(datetime.timezone.utc).date()
+    if config.retrain.date:
+        date = datetime.date.fromisoformat(config.retrain.date)
+        if date > today and config.retrain.complete_marker is None:
+            # Without a marker, partitions up to the date count as complete: today's (UTC) may still be filling,
+            # and a run takes each partition once, so the rows written after it would never be trained.
+            raise ConfigError(
+                f"retrain.date: {date} is after today ({today}, UTC), and with retrain.complete_marker null the "
+                f"partitions up to it count as complete, today's still filling among them. Set a date up to {today}, "
+                "or a complete_marker that the partitions' writer adds last"
+            )
+        return date, "retrain.date"
     job = os.environ.get(JOB_ID_VAR)
     if job:
         date, pinned_at = registry.pin_date(job, today)
