@@ -52,21 +52,46 @@ def prepare_image(
 
 
 def to_rgb(image):
-    """Any PIL mode as RGB: alpha composited on white (not dropped to black), palette and CMYK converted."""
+    """Any PIL mode as RGB: alpha composited on white (not dropped to black), and so is a colour-key transparency (the
+    ``transparency`` of an L, RGB, P or 1 image: PNG's tRNS, GIF's transparent index); palette and CMYK converted;
+    16-bit and float grayscale scaled to 8 bits (:func:`_grayscale_to_8bit`)."""
     from PIL import Image
 
-    if image.mode == "P" and "transparency" in image.info:
-        image = image.convert("RGBA")
+    if image.mode in HIGH_DEPTH_MODES:
+        image = _grayscale_to_8bit(image)
+    if image.mode in ("1", "L", "RGB", "P") and "transparency" in image.info:
+        image = image.convert("RGBA")  # the colour (or palette index) named transparent becomes alpha 0
     if image.mode in ("RGBA", "LA", "PA"):
         image = image.convert("RGBA")
         background = Image.new("RGBA", image.size, (255, 255, 255, 255))
         image = Image.alpha_composite(background, image)
-    if image.mode in ("I;16", "I;16B", "I;16L", "I"):
-        # 16/32-bit grayscale: PIL's convert("RGB") would clip at 255; scale to 8 bits instead.
-        array = np.asarray(image, dtype=np.float64)
-        peak = 65535.0 if array.max() > 255 else 255.0
-        image = Image.fromarray((array / peak * 255).round().astype(np.uint8), "L")
     return image.convert("RGB")
+
+
+HIGH_DEPTH_MODES = ("I;16", "I;16B", "I;16L", "I", "F")
+
+
+def _grayscale_to_8bit(image):
+    """A 16-bit, 32-bit integer or float grayscale image as L (LA with its colour-key transparency), where PIL's
+    convert would clip every value at 255. Integers are on 16-bit PNG's scale, 0..65535, whatever the image's own
+    range (a dark image stays dark; "I" is what older PIL opens a 16-bit PNG as; above 65535 is white). Floats
+    ("F", a float TIFF) are on the unit scale, 0..1, when every value lies in it, else on PIL's scale for F,
+    0..255 (what its convert("L") reads them as; outside it clipped); NaN is black."""
+    from PIL import Image
+
+    array = np.asarray(image, dtype=np.float64)
+    if image.mode == "F":
+        array = np.nan_to_num(array, nan=0.0)
+        unit = array.size > 0 and array.min() >= 0.0 and array.max() <= 1.0
+        array = array * 255.0 if unit else array
+    else:
+        array = array / 65535.0 * 255.0
+    gray = np.clip(array, 0, 255).round().astype(np.uint8)
+    key = image.info.get("transparency")
+    if image.mode != "F" and isinstance(key, int):
+        alpha = np.where(np.asarray(image) == key, 0, 255).astype(np.uint8)
+        return Image.fromarray(np.stack([gray, alpha], axis=-1))
+    return Image.fromarray(gray)
 
 
 def crop(image, resized: tuple[int, int], bucket: tuple[int, int], top_left: tuple[int, int]) -> np.ndarray:

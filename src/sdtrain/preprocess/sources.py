@@ -12,8 +12,9 @@ A source has one spelling in shard names and records (:func:`canonical_source`):
 './' or as a file:// URI is the same input, its done shards found. A captions file's names that leave the folder (an
 absolute path, '..' above it, a URI) are never opened: their rows are skipped and counted (``OUTSIDE_FOLDER``).
 
-Listing runs on the driver and checks what it can before any worker starts (a missing column, an
-unreadable captions file); reading a shard runs in Ray Data tasks and never raises on bad rows.
+Listing runs on the driver and checks what it can before any worker starts (a missing column, a column of a type
+that holds no image bytes or captions, an unreadable captions file); reading a shard runs in Ray Data tasks and never
+raises on bad rows.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from sdtrain.data.listing import list_dataset
 from sdtrain.errors import ConfigError, DataError
 from sdtrain.logs import log
 from sdtrain.preprocess.config import InputConfig
+from sdtrain.preprocess.planning import image_bytes, parquet_row_counts, row_ranges
 from sdtrain.storage.filesystems import filesystem_for, read_text
 from sdtrain.storage.uris import is_uri, split_s3, uri_prefix
 
@@ -76,14 +78,15 @@ def list_shards(config: InputConfig, done: Mapping[str, Mapping[str, Any]] | Non
     Args:
         config: the input section.
         done: the records (_shards/<name>.json) of the shards the output holds, by name: a folder's done shards
-            are listed as they were cut (their keys are not cut again). Files' shards do not depend on them.
+            are listed as they were cut (their keys are not cut again); a parquet file whose shards are all done
+            is not opened (its rows from the records). Files' shards are the same with or without them.
     """
     done = done or {}
     paths = [canonical_source(path) for path in config.paths]
     if config.format == "folder":
         shards = _folder_shards(config, paths[0], done)
     else:
-        files = _parquet_shards(config, paths) if config.format == "parquet" else _tar_shards(paths)
+        files = _parquet_shards(config, paths, done) if config.format == "parquet" else _tar_shards(paths)
         shards = _recorded_names(files, done)
     unique: dict[str, Shard] = {}
     for shard in shards:  # a file named twice (a directory and a file in it) is one input
@@ -203,10 +206,6 @@ def _expand(paths: list[str], suffixes: tuple[str, ...], key: str) -> list[tuple
     return found
 
 
-def _ranges(total: int, size: int) -> list[tuple[int, int]]:
-    return [(start, min(start + size, total)) for start in range(0, total, size)]
-
-
 def _tar_shards(paths: list[str]) -> list[Shard]:
     return [
         Shard(f"{_stem(tar)}-{source_digest(tar)}", tar, identity={"path": tar, "size": size, "version": version})
@@ -214,37 +213,22 @@ def _tar_shards(paths: list[str]) -> list[Shard]:
     ]
 
 
-def _parquet_shards(config: InputConfig, paths: list[str]) -> list[Shard]:
-    shards = []
+def _parquet_shards(config: InputConfig, paths: list[str], done: Mapping[str, Mapping[str, Any]]) -> list[Shard]:
+    """Each file's shards: its rows from its footer (its columns' types checked), read PLANNING_READS at a time, or
+    from the records of a file whose shards are all done (sdtrain.preprocess.planning)."""
     listing = list_dataset(paths, "input.paths")  # sizes and versions (ETag or mtime) with the files
-    for file, size, version in zip(listing.paths, listing.sizes, listing.versions, strict=True):
-        fs, path = filesystem_for(file)
-        try:
-            metadata = pq.read_metadata(path, filesystem=fs)
-        except (OSError, ValueError) as e:
-            raise DataError(f"input.paths: cannot read {file} as parquet: {e}") from None
-        names = metadata.schema.to_arrow_schema().names
-        for column, key in (
-            (config.image_column, "input.image_column"),
-            (config.caption_column, "input.caption_column"),
-        ):
-            if column not in names:
-                raise DataError(
-                    f"{key}: {file} has no column {column!r}; its columns are {', '.join(names)}. Set {key} to the "
-                    "column that holds the " + ("image bytes" if key == "input.image_column" else "captions")
-                )
-        stem = f"{_stem(file)}-{source_digest(file)}"
-        shards += [
-            Shard(
-                f"{stem}-{start:08d}",
-                file,
-                start,
-                stop,
-                identity={"path": file, "size": size, "version": version, "rows": [start, stop]},
-            )
-            for start, stop in _ranges(metadata.num_rows, config.rows_per_shard)
-        ]
-    return shards
+    counts = parquet_row_counts(listing.paths, listing.sizes, listing.versions, config, done)
+    return [
+        Shard(
+            f"{_stem(file)}-{source_digest(file)}-{start:08d}",
+            file,
+            start,
+            stop,
+            identity={"path": file, "size": size, "version": version, "rows": [start, stop]},
+        )
+        for file, size, version, rows in zip(listing.paths, listing.sizes, listing.versions, counts, strict=True)
+        for start, stop in row_ranges(rows, config.rows_per_shard)
+    ]
 
 
 def _parquet_rows(shard: Shard, config: InputConfig) -> Iterator[Row]:
@@ -262,7 +246,7 @@ def _parquet_rows(shard: Shard, config: InputConfig) -> Iterator[Row]:
     images = table.column(config.image_column).to_pylist()
     captions = table.column(config.caption_column).to_pylist()
     for i, (image, caption) in enumerate(zip(images, captions, strict=True)):
-        yield Row(f"{shard.source}:{shard.start + i}", image if isinstance(image, bytes) else None, caption)
+        yield Row(f"{shard.source}:{shard.start + i}", image_bytes(image), caption)
 
 
 def _tar_rows(shard: Shard, config: InputConfig) -> Iterator[Row]:
@@ -337,7 +321,7 @@ def _folder_shards(config: InputConfig, folder: str, done: Mapping[str, Mapping[
     ]
     taken = {key for shard in shards for key in shard.identity["keys"]}
     rows = [(name, captions.get(name)) for name in names if name not in taken]
-    for a, b in _ranges(len(rows), config.rows_per_shard):
+    for a, b in row_ranges(len(rows), config.rows_per_shard):
         keys = [name for name, _ in rows[a:b]]
         digest = hashlib.sha256("\n".join(keys).encode()).hexdigest()[:12]
         shards.append(Shard(f"{stem}-{digest}", folder, rows=tuple(rows[a:b]), identity={"path": folder, "keys": keys}))

@@ -1,0 +1,149 @@
+"""The driver's reads before any Ray work, many at a time, and what the parquet input's columns may hold.
+
+Planning reads a request per parquet input (its footer: rows and schema) and per done shard (its _shards/<name>.json
+marker); one after another they cost hours at 1e5-1e6 files on S3 (2e5 footers at 30 ms: 1.7 h), at every run and
+retry. :func:`in_order` reads them PLANNING_READS at a time, and :func:`parquet_row_counts` reads no footer of a file
+whose shards are all recorded done.
+
+The columns' types are checked where the footers are read, so a wrong column fails the job before Ray starts instead
+of every row being skipped (:func:`check_columns`); :func:`image_bytes` reads each accepted image type.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from sdtrain.errors import DataError
+from sdtrain.preprocess.config import InputConfig
+from sdtrain.storage.filesystems import filesystems_for
+
+PLANNING_READS = 16
+"""Requests in flight at once while planning (footers, markers)."""
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+def in_order(read: Callable[[T], R], items: Iterable[T], threads: int = PLANNING_READS) -> Iterator[R]:
+    """``read(item)`` of each item, ``threads`` at a time, yielded in the items' order; at most 2 x ``threads`` are
+    read ahead of the one yielded (2e6 markers are never all submitted at once). The first failure (in order) is
+    raised and the reads not yet started are cancelled."""
+    upcoming = iter(items)
+    with ThreadPoolExecutor(threads, thread_name_prefix="sdtrain-plan") as pool:
+        pending: deque[Future[R]] = deque()
+        try:
+            for item in upcoming:
+                pending.append(pool.submit(read, item))
+                if len(pending) >= 2 * threads:
+                    yield pending.popleft().result()
+            while pending:
+                yield pending.popleft().result()
+        finally:  # a failure, or the caller stopped early: nothing more starts
+            for future in pending:
+                future.cancel()
+
+
+def parquet_row_counts(
+    files: Sequence[str],
+    sizes: Sequence[int],
+    versions: Sequence[str],
+    config: InputConfig,
+    done: Mapping[str, Mapping[str, Any]],
+) -> list[int]:
+    """The rows of each parquet file, in order: from its footer (its columns' types checked), or, for a file (same
+    path, size and version) whose shards the ``done`` records hold all of, from those records, reading nothing."""
+    known = done_row_counts(done, config.rows_per_shard)
+    todo = [i for i in range(len(files)) if (files[i], sizes[i], versions[i]) not in known]
+    sources = dict(zip(todo, filesystems_for([files[i] for i in todo]), strict=True))  # one client per S3 bucket
+
+    def rows(i: int) -> int:
+        if i not in sources:
+            return known[files[i], sizes[i], versions[i]]
+        fs, path = sources[i]
+        try:
+            metadata = pq.read_metadata(path, filesystem=fs)
+        except (OSError, ValueError) as e:
+            raise DataError(f"input.paths: cannot read {files[i]} as parquet: {e}") from None
+        check_columns(files[i], metadata.schema.to_arrow_schema(), config)
+        return metadata.num_rows
+
+    return list(in_order(rows, range(len(files))))
+
+
+def done_row_counts(done: Mapping[str, Mapping[str, Any]], rows_per_shard: int) -> dict[tuple[str, int, str], int]:
+    """The rows of each (path, size, version) whose shards the records hold all of: ranges from row 0 on, each
+    ``rows_per_shard`` long but the last, which is shorter (a last range of full length may have more after it: the
+    file's footer says)."""
+    ranges: dict[tuple[str, int, str], list[tuple[int, int]]] = {}
+    for record in done.values():
+        identity = record.get("identity") or {}
+        path, size, rows = identity.get("path"), identity.get("size"), identity.get("rows")
+        if isinstance(path, str) and isinstance(size, int) and isinstance(rows, list) and "keys" not in identity:
+            ranges.setdefault((path, size, str(identity.get("version"))), []).append((int(rows[0]), int(rows[1])))
+    counts = {}
+    for key, found in ranges.items():
+        found.sort()
+        expected = row_ranges(found[-1][1], rows_per_shard)
+        if found == expected and found[-1][1] - found[-1][0] < rows_per_shard:
+            counts[key] = found[-1][1]
+    return counts
+
+
+def row_ranges(total: int, size: int) -> list[tuple[int, int]]:
+    """(start, stop) of each shard of ``total`` rows (or keys), ``size`` a shard."""
+    return [(start, min(start + size, total)) for start in range(0, total, size)]
+
+
+IMAGE_TYPES = (
+    "binary or large_binary (encoded image bytes), or a struct with a binary field 'bytes' (Hugging Face's Image)"
+)
+CAPTION_TYPES = "string or large_string"
+
+
+def check_columns(file: str, schema: pa.Schema, config: InputConfig) -> None:
+    """DataError naming the file, the key, the column and its type if the image column or the caption column is
+    missing or of a type the CPU stage cannot read (every row would be skipped, and the shard marked done)."""
+    for column, key in ((config.image_column, "input.image_column"), (config.caption_column, "input.caption_column")):
+        if column not in schema.names:
+            raise DataError(
+                f"{key}: {file} has no column {column!r}; its columns are {', '.join(schema.names)}. Set {key} to the "
+                "column that holds the " + ("image bytes" if key == "input.image_column" else "captions")
+            )
+    image = schema.field(config.image_column).type
+    if not _is_binary(image) and not (pa.types.is_struct(image) and _is_binary(_bytes_field(image))):
+        raise DataError(
+            f"input.image_column: column {config.image_column!r} of {file} is {image}; expected {IMAGE_TYPES}. "
+            "Set input.image_column to the column that holds the image files' bytes (an URL column is not read: "
+            "download the images first, e.g. with img2dataset)"
+        )
+    caption = schema.field(config.caption_column).type
+    if pa.types.is_dictionary(caption):
+        caption = caption.value_type
+    if not (pa.types.is_string(caption) or pa.types.is_large_string(caption)):
+        raise DataError(
+            f"input.caption_column: column {config.caption_column!r} of {file} is {caption}; expected {CAPTION_TYPES}"
+        )
+
+
+def image_bytes(value: object) -> bytes | None:
+    """An image column's value as the image file's bytes: the value of a binary column, the ``bytes`` field of a
+    struct (Hugging Face's Image: ``{"bytes": ..., "path": ...}``, with bytes null when the image was not
+    embedded); else None (the row is skipped as missing_image)."""
+    if isinstance(value, dict):
+        value = value.get("bytes")
+    return value if isinstance(value, bytes) else None
+
+
+def _is_binary(value_type: pa.DataType | None) -> bool:
+    return value_type is not None and (pa.types.is_binary(value_type) or pa.types.is_large_binary(value_type))
+
+
+def _bytes_field(struct: pa.StructType) -> pa.DataType | None:
+    index = struct.get_field_index("bytes")
+    return struct.field(index).type if index >= 0 else None

@@ -1,0 +1,253 @@
+"""Planning the preprocessing job on the driver without Ray: footers and markers read many at a time, the input
+columns' types checked before any Ray work (a Hugging Face Image column read), every PIL mode's pixels on their own
+scale, and the shards' float lists written without dictionary encoding."""
+
+from __future__ import annotations
+
+import io
+import json
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+import pytest
+from PIL import Image
+
+from sdtrain.errors import DataError
+from sdtrain.preprocess.buckets import Placement
+from sdtrain.preprocess.config import InputConfig
+from sdtrain.preprocess.images import prepare_image
+
+
+def _encoded(image: Image.Image, fmt: str = "PNG", **kwargs) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, fmt, **kwargs)
+    return buffer.getvalue()
+
+
+def _jpeg() -> bytes:
+    return _encoded(Image.fromarray(np.full((40, 40, 3), 128, np.uint8)), "JPEG")
+
+
+class _InFlight:
+    """Counts the calls running at once (each takes 20 ms, as a request to object storage)."""
+
+    def __init__(self):
+        self.lock, self.now, self.most, self.calls = threading.Lock(), 0, 0, 0
+
+    def __call__(self, function):
+        def counted(*args, **kwargs):
+            with self.lock:
+                self.now, self.calls = self.now + 1, self.calls + 1
+                self.most = max(self.most, self.now)
+            try:
+                time.sleep(0.02)
+                return function(*args, **kwargs)
+            finally:
+                with self.lock:
+                    self.now -= 1
+
+        return counted
+
+
+class _CountingFs(pafs.FileSystemHandler):
+    """The local filesystem, its opened files counted by an _InFlight."""
+
+    def __init__(self, flight: _InFlight):
+        self.fs, self.flight = pafs.LocalFileSystem(), flight
+
+    def __eq__(self, other):
+        return isinstance(other, _CountingFs)
+
+    def __ne__(self, other):
+        return not self == other
+
+    def get_type_name(self):
+        return "counting"
+
+    def normalize_path(self, path):
+        return path
+
+    def get_file_info(self, paths):
+        return self.fs.get_file_info(paths)
+
+    def get_file_info_selector(self, selector):
+        return self.fs.get_file_info(selector)
+
+    def open_input_stream(self, path):
+        return self.flight(self.fs.open_input_stream)(path)
+
+    def open_input_file(self, path):
+        return self.flight(self.fs.open_input_file)(path)
+
+    def create_dir(self, *a): ...
+    def delete_dir(self, *a): ...
+    def delete_dir_contents(self, *a): ...
+    def delete_root_dir_contents(self, *a): ...
+    def delete_file(self, *a): ...
+    def move(self, *a): ...
+    def copy_file(self, *a): ...
+    def open_output_stream(self, *a): ...
+    def open_append_stream(self, *a): ...
+
+
+def _parquet_files(directory: Path, rows: list[int]) -> list[str]:
+    directory.mkdir(parents=True, exist_ok=True)
+    for i, n in enumerate(rows):
+        pq.write_table(
+            pa.table({"jpg": pa.array([b"x"] * n, pa.binary()), "caption": ["c"] * n}), directory / f"{i:03d}.parquet"
+        )
+    return [str(directory / f"{i:03d}.parquet") for i in range(len(rows))]
+
+
+# --- A. planning reads many at a time, and no footer of a file whose shards are all done ---
+
+
+def test_footers_and_markers_are_read_many_at_a_time_in_order(tmp_path, monkeypatch):
+    from sdtrain.preprocess import outputs
+    from sdtrain.preprocess.outputs import read_shard_stats
+    from sdtrain.preprocess.sources import list_shards
+
+    _parquet_files(tmp_path / "in", [3] * 40)
+    footers = _InFlight()
+    monkeypatch.setattr(pq, "read_metadata", footers(pq.read_metadata))
+    shards = list_shards(InputConfig(paths=[str(tmp_path / "in")]))
+    assert [s.source for s in shards] == sorted(s.source for s in shards) and len(shards) == 40
+    assert footers.calls == 40 and footers.most > 4
+
+    (tmp_path / "out" / "_shards").mkdir(parents=True)
+    for i in range(40):
+        (tmp_path / "out" / "_shards" / f"s{i:03d}.json").write_text(json.dumps({"shard": f"s{i:03d}"}))
+    markers = _InFlight()
+    counting = pafs.PyFileSystem(_CountingFs(markers))
+    monkeypatch.setattr(outputs, "filesystem_for", lambda path: (counting, path))
+    assert [r["shard"] for r in read_shard_stats(str(tmp_path / "out"))] == [f"s{i:03d}" for i in range(40)]
+    assert markers.calls == 40 and markers.most > 4
+
+
+def test_in_order_keeps_the_order_raises_the_first_failure_and_starts_no_more():
+    from sdtrain.preprocess.planning import in_order
+
+    assert list(in_order(lambda i: i * i, range(100), threads=4)) == [i * i for i in range(100)]
+    started = []
+
+    def read(i: int) -> int:
+        started.append(i)
+        time.sleep(0.01 if i != 3 else 0)
+        if i in (3, 5):
+            raise ValueError(f"cannot read {i}")
+        return i
+
+    with pytest.raises(ValueError, match="cannot read 3"):
+        list(in_order(read, range(1000), threads=4))
+    assert len(started) <= 16  # a bounded window: the rest were never started
+
+
+def test_no_footer_is_read_of_a_file_whose_shards_are_all_done(tmp_path, monkeypatch):
+    from sdtrain.preprocess.sources import list_shards
+
+    # All done (a short last shard); its last shard full (more rows might follow); one shard of two done.
+    files = _parquet_files(tmp_path / "in", [5, 4, 5])
+    config = InputConfig(paths=[str(tmp_path / "in")], rows_per_shard=2)
+    shards = list_shards(config)
+    done = {s.name: {"shard": s.name, "identity": s.identity} for s in shards if s.source != files[2] or s.start == 0}
+    footers = _InFlight()
+    monkeypatch.setattr(pq, "read_metadata", footers(pq.read_metadata))
+    again = list_shards(config, done)
+    assert again == shards and [s.identity for s in again] == [s.identity for s in shards]
+    assert footers.calls == 2  # files[1] and files[2]
+
+    # The file rewritten (another size): its footer is read again, its new rows listed.
+    _parquet_files(tmp_path / "in", [7])
+    footers.calls = 0
+    assert [s.stop for s in list_shards(config, done) if s.source == files[0]] == [2, 4, 6, 7]
+    assert footers.calls == 3
+
+
+# --- B. the input columns' types, checked before any Ray work ---
+
+
+def test_a_hugging_face_image_column_is_read_and_columns_of_other_types_are_refused(tmp_path):
+    from sdtrain.preprocess.sources import list_shards, read_shard
+
+    good = _jpeg()
+    image = pa.array([{"bytes": good, "path": "0.jpg"}, {"bytes": None, "path": "1.jpg"}])  # datasets' Image
+    pq.write_table(
+        pa.table({"image": image, "text": pa.array(["a cat", "a dog"], pa.large_string())}), tmp_path / "hf.parquet"
+    )
+    config = InputConfig(paths=[str(tmp_path / "hf.parquet")], image_column="image", caption_column="text")
+    rows = list(read_shard(list_shards(config)[0], config))
+    assert [row.image for row in rows] == [good, None]  # a path without bytes: missing_image
+    pixels, placed = prepare_image(rows[0].image, [(32, 32)], "upscale")
+    assert isinstance(placed, Placement) and pixels is not None and abs(pixels.mean() - 128) < 2
+
+    large = tmp_path / "large.parquet"
+    pq.write_table(pa.table({"jpg": pa.array([good], pa.large_binary()), "caption": ["a cat"]}), large)
+    config = InputConfig(paths=[str(large)])
+    assert [row.image for row in read_shard(list_shards(config)[0], config)] == [good]
+
+    for name, columns, key, expected in [
+        ("urls", {"jpg": ["https://example.com/0.jpg"], "caption": ["a cat"]}, "input.image_column", "string"),
+        ("paths", {"jpg": pa.array([{"path": "0.jpg"}]), "caption": ["a cat"]}, "input.image_column", "struct<path"),
+        ("numbers", {"jpg": pa.array([good]), "caption": [7]}, "input.caption_column", "int64"),
+    ]:
+        pq.write_table(pa.table(columns), tmp_path / f"{name}.parquet")
+        with pytest.raises(DataError) as failure:
+            list_shards(InputConfig(paths=[str(tmp_path / f"{name}.parquet")]))
+        message = str(failure.value)
+        assert message.startswith(key) and f"{name}.parquet" in message and expected in message, message
+        assert "expected" in message and ("binary" in message if key == "input.image_column" else "string" in message)
+
+
+# --- C. every mode's pixels on their own scale ---
+
+
+def _gray(data: bytes) -> float:
+    pixels, placed = prepare_image(data, [(16, 16)], "upscale")
+    assert isinstance(placed, Placement) and pixels is not None
+    return float(pixels.mean())
+
+
+def test_16_bit_and_float_images_keep_their_brightness_and_a_colour_key_is_white():
+    assert _gray(_encoded(Image.fromarray(np.full((16, 16), 32768, np.uint16)))) == 128
+    assert _gray(_encoded(Image.fromarray(np.full((16, 16), 200, np.uint16)))) == 1  # dark stays dark, not 200
+    assert _gray(_encoded(Image.fromarray(np.full((16, 16), 0.5, np.float32)), "TIFF")) == 128  # unit scale
+    assert _gray(_encoded(Image.fromarray(np.full((16, 16), 100.0, np.float32)), "TIFF")) == 100  # PIL's 0..255
+    black = np.zeros((16, 16), np.uint8)
+    assert _gray(_encoded(Image.fromarray(black), transparency=0)) == 255
+    assert _gray(_encoded(Image.fromarray(np.zeros((16, 16, 3), np.uint8)), transparency=(0, 0, 0))) == 255
+    assert _gray(_encoded(Image.fromarray(black), "GIF", transparency=0)) == 255
+    assert _gray(_encoded(Image.fromarray(np.zeros((16, 16), np.uint16)), transparency=0)) == 255
+    assert _gray(_encoded(Image.fromarray(black))) == 0  # no transparency: black
+
+
+# --- D. float lists written without dictionary encoding ---
+
+
+def test_shards_write_their_float_lists_without_a_dictionary_and_read_back(tmp_path):
+    from sdtrain.preprocess.outputs import parquet_bytes, shard_table
+
+    rng = np.random.default_rng(0)
+    rows = [
+        {
+            "latents": rng.standard_normal(64),
+            "embeddings": rng.standard_normal(77 * 8),
+            "caption": "a cat",
+            "key": f"{i}",
+        }
+        for i in range(20)
+    ]
+    table = shard_table(rows, {"latents": "latents", "embeddings": "caption_latents"}, {})
+    data = parquet_bytes(table, 8)
+    footer = pq.ParquetFile(io.BytesIO(data)).metadata
+    encodings = {
+        footer.row_group(0).column(c).path_in_schema.split(".")[0]: footer.row_group(0).column(c).encodings
+        for c in range(footer.num_columns)
+    }
+    assert not any("DICTIONARY" in e for e in encodings["latents"] + encodings["caption_latents"]), encodings
+    assert any("DICTIONARY" in e for e in encodings["caption"]), encodings
+    assert pq.read_table(io.BytesIO(data)).equals(table)
