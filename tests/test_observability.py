@@ -127,6 +127,24 @@ def test_mlflow_without_a_tracking_server_is_refused_before_ray_starts(monkeypat
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
+def test_tensorboard_holds_each_step_once_when_a_restart_resumes_from_no_checkpoint(tmp_path):
+    """A worker group killed before the run's first checkpoint: the next starts over from step 0 and re-does the
+    steps the first logged; TensorBoard keeps the second group's values, each step once."""
+    run_dir = tmp_path / "runs" / "early"
+    config = tiny_config("data.train=unused", "tracking.trackers=[tensorboard]", tmp_path=tmp_path, name="early")
+    first = Trackers(config, str(run_dir), [])
+    for step in (2, 4):
+        assert first.log_metrics({"step": step, "loss": 1.0 / step}, step)
+    first.finish("failed")
+    second = Trackers(config, str(run_dir), [])  # no checkpoint: history is empty
+    assert second.held == {"tensorboard": 0}
+    for step in (2, 4, 6):
+        assert second.log_metrics({"step": step, "loss": 10.0 / step}, step)
+    second.finish("success")
+    scalars, _ = tensorboard_scalars(run_dir / TENSORBOARD_DIR)
+    assert [(s, round(v, 4)) for s, v in scalars["loss"]] == [(2, 5.0), (4, 2.5), (6, 1.6667)]
+
+
 def test_trackers_hold_each_step_once_across_a_restart(tmp_path, monkeypatch):
     """Two worker groups of one run: the first logs up to step 6 and is killed; its W&B service had
     written only step 2. The second resumes from the checkpoint of step 4, gives W&B step 4 from the

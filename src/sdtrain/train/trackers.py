@@ -103,7 +103,9 @@ class Trackers:
         for name in config.tracking.trackers:
             known = name in ids
             where = self._tensorboard_local if name == "tensorboard" and self._tensorboard_local else run_dir
-            purge_step = resumed_step + 1 if name == "tensorboard" and known and resumed_step else None
+            # From step 1 too: a group that started fresh and was killed before its first checkpoint logged steps
+            # the next one re-does.
+            purge_step = resumed_step + 1 if name == "tensorboard" and known else None
             logger = _build_logger(name, config, where, ids.get(name), purge_step)
             # MLflow refuses a param changed on resume (W&B keeps the first); TensorBoard's hparams.yaml
             # is rewritten from what this worker group logged, so it gets them at every start.
