@@ -1,7 +1,7 @@
 """Score trained models offline with the metrics of training's evaluation (docs/evaluation.md, Offline evaluation).
 
     python entrypoints/evaluate.py runs/small-256 --captions s3://bucket/coco30k/ --config configs/small.yaml \
-        eval.num_samples=30000
+        eval.dinov2=/models/dinov2-large eval.num_samples=30000
     python entrypoints/evaluate.py exported/a exported/b --prompts prompts.txt --reference evaluation/reference \
         eval.dinov2=/models/dinov2-large eval.clip=/models/clip-vit-large
 Every option: python entrypoints/evaluate.py --help

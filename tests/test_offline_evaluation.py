@@ -283,6 +283,21 @@ def _photos(count: int, height: int, width: int, seed: int) -> np.ndarray:
     return np.stack(crops)
 
 
+def test_the_commands_docs_evaluation_md_shows_parse_as_written(monkeypatch, capsys):
+    """Its examples put key=value overrides after the options, which argparse's plain parse refused ("unrecognized
+    arguments", exit 2 before anything ran); here they get as far as the model, which this checkout lacks."""
+    import shlex
+
+    text = (REPO / "docs" / "evaluation.md").read_text().replace("\\\n", " ")
+    commands = [line for line in text.splitlines() if line.startswith(".venv/bin/python entrypoints/evaluate.py ")]
+    assert len(commands) >= 2, commands
+    monkeypatch.chdir(REPO)
+    for command in commands:
+        assert evaluate_main(shlex.split(command)[2:]) == 2
+        error = capsys.readouterr().err
+        assert error.startswith("error: ") and "runs/small-256" in error and "unrecognized" not in error, error
+
+
 def test_frechet_distance_and_clip_score_agree_with_torchmetrics(evaluated, tmp_path):
     """torchmetrics' FrechetInceptionDistance with our feature models as its extractor (the Inception file as FID
     calls it on uint8 images; DINOv2 as FD_DINOv2 preprocesses), and its CLIPScore with the tiny CLIP model and CLIP's

@@ -64,7 +64,8 @@ def evaluate_main(argv: Sequence[str] | None = None) -> int:
     from sdtrain.driver.offline_report import report
 
     parser = _parser()
-    args = parser.parse_args(argv)
+    # Intermixed: key=value overrides may follow the options (`--prompts p.txt eval.clip=...`), as users write them.
+    args = parser.parse_intermixed_args(argv)
     configure_logging()
     overrides = [a for a in args.arguments if _OVERRIDE.match(a)]
     models = [a for a in args.arguments if a not in overrides]
