@@ -26,6 +26,7 @@ from sdtrain.config.schema import DataConfig, ModelConfig, TrainConfig
 from sdtrain.data.local_read import iter_local_batches
 from sdtrain.data.parquet_files import resolve_parquet_files
 from sdtrain.demo.digits import digits_from_latents, ensure_demo_data, load_digits, pseudo_latents
+from sdtrain.errors import SdtrainError
 from sdtrain.model.unet import build_unet, noise_scheduler_config, unet_config
 from sdtrain.sampling.sampler import guided_prediction, sample_latents
 from sdtrain.train.module import DiffusionModule
@@ -112,6 +113,23 @@ def test_export_round_trips_through_from_pretrained(trained, tmp_path):
     with torch.no_grad():
         assert not torch.equal(module.unet(x, t, c).sample, want)  # and not the raw weights
     assert torch.equal(load_model(out).unconditional_caption, torch.zeros(77, 32))
+
+    # An export replaces an earlier one; any other directory that holds something (a typo naming the run) is refused
+    # before anything in it is touched, and so is one that holds the model exported.
+    assert export_checkpoint(trained["checkpoint"], out) == out
+    run = tmp_path / "run"
+    shutil.copytree(trained["checkpoint"], run / "checkpoint_000000004")
+    (run / "metrics.csv").write_text("step,loss\n")
+    for destination, refused in (
+        (run, r"holds 2 file\(s\) or folder\(s\) \(e\.g\. checkpoint_000000004\) and is no export"),
+        (run / "metrics.csv", r"is a file; name a directory"),
+    ):
+        with pytest.raises(SdtrainError, match=rf"^export: {destination} {refused}"):
+            export_checkpoint(str(run / "checkpoint_000000004"), str(destination))
+    assert sorted(p.name for p in run.iterdir()) == ["checkpoint_000000004", "metrics.csv"]
+    (run / "sdtrain.json").write_text("{}")  # even were it an export: the model is inside it
+    with pytest.raises(SdtrainError, match=r"holds the model it would export"):
+        export_checkpoint(str(run / "checkpoint_000000004"), str(run))
 
 
 def test_exported_unet_works_inside_a_stable_diffusion_pipeline(trained, tmp_path):

@@ -61,6 +61,7 @@ from sdtrain.storage.run_layout import (
     SAMPLES_DIR,
     UNCONDITIONAL_FILE,
 )
+from sdtrain.storage.uris import is_uri
 
 # sdtrain.train.sample_grids writes run_dir/samples/step_<N>.png (this layer cannot import it).
 # A grid rendered at export (the run drew none): this many captions of the data, sampled in this many steps.
@@ -82,6 +83,8 @@ def write_export(loaded: LoadedModel, destination: str, base_model: str | None =
         base_model: the Stable Diffusion model whose VAE, text encoder and tokenizer go into the pipeline, over
             what the model records (:func:`model_sources`).
     """
+    fs, path = filesystem_for(destination)
+    _check_replaceable(fs, path, destination, loaded.source)
     pipeline = _export_sources(loaded, base_model)
     sources = pipeline[1] if pipeline is not None else None
     info = {
@@ -99,7 +102,6 @@ def write_export(loaded: LoadedModel, destination: str, base_model: str | None =
         "vae_source": sources.vae if sources else None,
         "text_encoder_source": sources.text_encoder if sources else None,
     }
-    fs, path = filesystem_for(destination)
     with tempfile.TemporaryDirectory() as local:
         if pipeline is not None:
             _write_pipeline(loaded, *pipeline, local)
@@ -115,6 +117,28 @@ def write_export(loaded: LoadedModel, destination: str, base_model: str | None =
         fs.create_dir(path)
         pafs.copy_files(local, path, destination_filesystem=fs)
     return destination
+
+
+def _check_replaceable(fs: pafs.FileSystem, path: str, destination: str, source: str) -> None:
+    """An export replaces what ``destination`` holds: refused for a directory that holds anything but an earlier
+    export (a typo naming a run directory would delete its checkpoints), or the model being exported."""
+    info = fs.get_file_info(path)
+    if info.type == pafs.FileType.File:
+        raise SdtrainError(f"export: {destination} is a file; name a directory to write the export into")
+    if info.type != pafs.FileType.Directory:
+        return
+    inside = {item.base_name for item in fs.get_file_info(pafs.FileSelector(path))}
+    if inside and EXPORT_INFO_FILE not in inside:
+        raise SdtrainError(
+            f"export: {destination} holds {len(inside)} file(s) or folder(s) (e.g. {min(inside)}) and is no export "
+            f"(no {EXPORT_INFO_FILE}); an export replaces what its directory holds: name a new or empty directory"
+        )
+    if is_uri(source):
+        within = source.startswith(destination.rstrip("/") + "/")
+    else:
+        within = os.path.abspath(source).startswith(os.path.abspath(destination) + os.sep)
+    if within:
+        raise SdtrainError(f"export: {destination} holds the model it would export ({source}); name another directory")
 
 
 def _export_sources(loaded: LoadedModel, base_model: str | None) -> tuple[PipelineKind, EncoderSources] | None:
