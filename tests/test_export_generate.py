@@ -127,6 +127,12 @@ def test_export_round_trips_through_from_pretrained(trained, tmp_path):
         with pytest.raises(SdtrainError, match=rf"^export: {destination} {refused}"):
             export_checkpoint(str(run / "checkpoint_000000004"), str(destination))
     assert sorted(p.name for p in run.iterdir()) == ["checkpoint_000000004", "metrics.csv"]
+    # A pipeline's default size is its UNet's sample_size: the trained latents' side, not the preset's.
+    smaller = torch.load(run / "checkpoint_000000004" / "checkpoint.ckpt", weights_only=True)
+    smaller["sdtrain"]["latent_shape"] = [4, 8, 8]
+    torch.save(smaller, run / "checkpoint_000000004" / "checkpoint.ckpt")
+    small = export_checkpoint(str(run / "checkpoint_000000004"), str(tmp_path / "small"))
+    assert UNet2DConditionModel.load_config(small, subfolder="unet")["sample_size"] == 8
     (run / "sdtrain.json").write_text("{}")  # even were it an export: the model is inside it
     with pytest.raises(SdtrainError, match=r"holds the model it would export"):
         export_checkpoint(str(run / "checkpoint_000000004"), str(run))

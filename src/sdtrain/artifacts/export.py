@@ -102,6 +102,11 @@ def write_export(loaded: LoadedModel, destination: str, base_model: str | None =
         "vae_source": sources.vae if sources else None,
         "text_encoder_source": sources.text_encoder if sources else None,
     }
+    trained = loaded.latent_shape[-2:] if loaded.latent_shape else None
+    if trained is not None and trained[0] == trained[1]:
+        # A pipeline's default size is its UNet's sample_size: the trained one, not the preset's (sd2-base's 64 is
+        # 512 px; configs/sd2-base.yaml trains at 256). Non-square latents keep it (SDXL's pipeline takes an int).
+        loaded.unet.register_to_config(sample_size=int(trained[0]))
     with tempfile.TemporaryDirectory() as local:
         if pipeline is not None:
             _write_pipeline(loaded, *pipeline, local)
