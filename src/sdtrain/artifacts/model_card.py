@@ -1,0 +1,178 @@
+"""An export's model card (README.md) and the sample grid it shows: the latest grid training drew at or before the
+exported step, else one the exported pipeline renders from the first captions of the run's data."""
+
+from __future__ import annotations
+
+import io
+import json
+import posixpath
+from typing import Any
+
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+
+from sdtrain import __version__
+from sdtrain.artifacts.loading import LoadedModel
+from sdtrain.data.metadata import EncoderSources
+from sdtrain.data.parquet_files import resolve_parquet_files
+from sdtrain.errors import SdtrainError
+from sdtrain.storage.filesystems import filesystem_for
+from sdtrain.storage.run_layout import EXPORT_SAMPLE_GRID_FILE, HISTORY_FILE, SAMPLE_GRID_STEP, SAMPLES_DIR
+
+# sdtrain.train.sample_grids writes run_dir/samples/step_<N>.png (this layer cannot import it).
+# A grid rendered at export (the run drew none): this many captions of the data, sampled in this many steps.
+RENDER_PROMPTS = 4
+RENDER_STEPS = 20
+
+
+def training_grid(loaded: LoadedModel) -> tuple[bytes, str] | None:
+    """(PNG, what it shows) of the latest sample grid drawn at or before the model's step: run_dir/samples/ of its
+    checkpoint, or the grid of the export it was loaded from; None if there is none.
+
+    Args:
+        loaded: a model from :func:`sdtrain.artifacts.loading.load_model`.
+    """
+    fs, root = filesystem_for(loaded.source)
+    if loaded.meta is None:  # an export: keep its grid
+        path = posixpath.join(root, EXPORT_SAMPLE_GRID_FILE)
+        if not _is_file(fs, path):
+            return None
+        with fs.open_input_stream(path) as f:
+            return f.read(), f"The sample grid of the export this one was written from (`{loaded.source}`)."
+    checkpoint_dir = posixpath.dirname(root) if _is_file(fs, root) else root.rstrip("/")
+    samples = posixpath.join(posixpath.dirname(checkpoint_dir), SAMPLES_DIR)
+    steps = {}
+    for info in fs.get_file_info(pafs.FileSelector(samples, allow_not_found=True)):
+        match = SAMPLE_GRID_STEP.fullmatch(posixpath.basename(info.path))
+        if match and info.type == pafs.FileType.File:
+            steps[int(match.group(1))] = info.path
+    # A grid drawn after the exported step shows other weights.
+    usable = [step for step in steps if loaded.global_step is None or step <= loaded.global_step]
+    if not usable:
+        return None
+    step = max(usable)
+    with fs.open_input_stream(steps[step]) as f:
+        data = f.read()
+    return data, (
+        f"The sample grid training drew at step {step} (`samples/step_{step}.png` of the run: a row per caption of "
+        "sample_grid.captions, a column per seed; the latents' first three channels as colours, not decoded)."
+    )
+
+
+def render_grid(loaded: LoadedModel, pipeline: Any) -> tuple[bytes, str] | None:
+    """A row of images this pipeline draws for the first captions of the run's data (seed 0); None without
+    captions."""
+    import torch
+    from PIL import Image
+
+    prompts = _data_captions(loaded, RENDER_PROMPTS)
+    if not prompts:
+        return None
+    side = (loaded.latent_shape[-1] if loaded.latent_shape else pipeline.unet.config.sample_size) * (
+        pipeline.vae_scale_factor
+    )
+    images = pipeline(
+        prompts,
+        num_inference_steps=RENDER_STEPS,
+        height=side,
+        width=side,
+        generator=torch.Generator().manual_seed(0),
+        output_type="pil",
+    ).images
+    canvas = Image.new("RGB", (len(images) * (side + 2) + 2, side + 4), "white")
+    for i, image in enumerate(images):
+        canvas.paste(image, (2 + i * (side + 2), 2))
+    buffer = io.BytesIO()
+    canvas.save(buffer, format="PNG")
+    listed = "; ".join(f"{i + 1}. {p}" for i, p in enumerate(prompts))
+    return buffer.getvalue(), (
+        f"Rendered at export by this pipeline ({RENDER_STEPS} steps, seed 0), left to right, for the first captions "
+        f"of the training data (the run drew no sample grid): {listed}"
+    )
+
+
+def _data_captions(loaded: LoadedModel, n: int) -> list[str]:
+    """Up to ``n`` distinct captions from the first data.train file's ``caption`` column (the preprocessing job
+    writes one)."""
+    train = loaded.meta.config.get("data", {}).get("train") if loaded.meta is not None else None
+    try:
+        files = resolve_parquet_files(list(train or []), "data.train")[:1]
+        captions: list[str] = []
+        for file in files:
+            fs, path = filesystem_for(file)
+            with fs.open_input_file(path) as handle:
+                reader = pq.ParquetFile(handle)
+                if "caption" not in reader.schema_arrow.names:
+                    return []
+                for batch in reader.iter_batches(batch_size=256, columns=["caption"]):
+                    for caption in batch.column(0).to_pylist():
+                        if caption and caption not in captions:
+                            captions.append(caption)
+                    if len(captions) >= n:
+                        break
+        return captions[:n]
+    except (SdtrainError, OSError):  # the data moved or is not reachable from here: no grid
+        return []
+
+
+def write_model_card(loaded: LoadedModel, sources: EncoderSources, path: str, grid: str | None) -> None:
+    from diffusers.utils.hub_utils import MODEL_CARD_TEMPLATE_PATH, populate_model_card
+    from huggingface_hub import ModelCard, ModelCardData
+
+    config = loaded.meta.config if loaded.meta is not None else {}
+    train = config.get("train", {})
+    recipe = ", ".join(
+        f"{key}={train[key]}"
+        for key in ("prediction_type", "lr", "global_batch_size", "snr_gamma", "caption_dropout_prob", "ema_decay")
+        if train.get(key) is not None
+    )
+    lines = [
+        f"A Stable Diffusion UNet trained from scratch with sdtrain {__version__}, step {loaded.global_step} "
+        f"({loaded.weights} weights), in a pipeline with the VAE of `{sources.vae}` and the text encoder of "
+        f"`{sources.text_encoder}`.",
+        "",
+        f"- Data: {', '.join(config.get('data', {}).get('train', [])) or 'not recorded'}",
+        f"- Latents {list(loaded.latent_shape or [])}, captions {list(loaded.caption_shape or [])}, "
+        f"latent scaling factor {loaded.latent_scaling_factor}",
+        *(
+            [f"- Aspect-ratio buckets (latents): {', '.join('x'.join(map(str, b[1:])) for b in loaded.bucket_shapes)}"]
+            if loaded.bucket_shapes
+            else []
+        ),
+        f"- Prediction type: {loaded.noise_scheduler.config.prediction_type}; recipe: {recipe or 'not recorded'}",
+        f"- Final losses: {_final_losses(loaded.source) or 'not recorded'}",
+        f"- Source checkpoint: `{loaded.source}`",
+    ]
+    if grid is not None:
+        lines += ["", f"![Samples]({EXPORT_SAMPLE_GRID_FILE})", "", grid]
+    # diffusers' training-script card, from its template: load_or_create_model_card would first look the
+    # card up on the Hub, which an export must not depend on.
+    card = ModelCard.from_template(
+        card_data=ModelCardData(license="other", library_name="diffusers", inference=True),
+        template_path=str(MODEL_CARD_TEMPLATE_PATH),
+        model_description="\n".join(lines),
+    )
+    card = populate_model_card(card, tags=["stable-diffusion", "text-to-image", "sdtrain"])
+    card.save(path)
+
+
+def _final_losses(checkpoint: str) -> str:
+    """The last loss and val_loss in the checkpoint's history.json, where there is one."""
+    fs, root = filesystem_for(checkpoint)
+    if _is_file(fs, root):
+        root = posixpath.dirname(root)
+    history_path = posixpath.join(root, HISTORY_FILE)
+    if not _is_file(fs, history_path):
+        return ""
+    with fs.open_input_stream(history_path) as f:
+        history = json.loads(f.read())
+    found = {}
+    for row in history if isinstance(history, list) else []:
+        for key in ("loss", "val_loss"):
+            if isinstance(row, dict) and isinstance(row.get(key), (int, float)):
+                found[key] = row[key]
+    return ", ".join(f"{key} {value:.4f}" for key, value in found.items())
+
+
+def _is_file(fs: pafs.FileSystem, path: str) -> bool:
+    return fs.get_file_info(path).type == pafs.FileType.File
