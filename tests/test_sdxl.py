@@ -484,7 +484,8 @@ def test_sdxl_sampling_is_the_sdxl_pipelines_on_a_zero_terminal_snr_schedule_wit
 
     from sdtrain.errors import DataError
     from sdtrain.model.encoders import load_vae
-    from sdtrain.sampling.sampler import default_guidance_rescale, make_sampler, sample_latents
+    from sdtrain.model.unet import default_guidance_rescale
+    from sdtrain.sampling.sampler import make_sampler, sample_latents
 
     root, encoders = sdxl
     unet, schedule = _sdxl_model()

@@ -43,9 +43,10 @@ from sdtrain.evaluation.measures import Measures, metrics_of, part_range
 from sdtrain.evaluation.results import measured_with, write_evaluation
 from sdtrain.model.conditioning import Conditioning
 from sdtrain.model.encoders import load_vae
+from sdtrain.model.unet import default_guidance_rescale
 from sdtrain.sampling.images import decode
 from sdtrain.sampling.latent_classifier import load_latent_classifier
-from sdtrain.sampling.sampler import default_guidance_rescale, sample_latents
+from sdtrain.sampling.sampler import sample_latents
 from sdtrain.storage.filesystems import filesystem_for, write_bytes
 from sdtrain.storage.run_layout import EVALUATION_DIR
 

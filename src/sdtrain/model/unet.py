@@ -85,6 +85,12 @@ def noise_scheduler_config(model: ModelConfig, zero_terminal_snr: bool = False) 
     return json_safe(dict(DDPMScheduler.from_config(config).config))
 
 
+def default_guidance_rescale(noise_scheduler_config: dict[str, Any]) -> float:
+    """Guidance rescale a model samples with unless told otherwise: 0.7 for a zero-terminal-SNR schedule (Lin et al.
+    2023, section 3.4: without it, guidance over-exposes images at SNR 0), else none."""
+    return 0.7 if noise_scheduler_config.get("rescale_betas_zero_snr") else 0.0
+
+
 def build_noise_scheduler(config: dict[str, Any]) -> DDPMScheduler:
     """The noise scheduler of a stored config, with ``clip_sample`` off whatever it says (see above)."""
     return DDPMScheduler.from_config({**config, "clip_sample": False})

@@ -16,10 +16,11 @@ from sdtrain.artifacts.loading import LoadedModel, Weights, load_model
 from sdtrain.errors import DataError
 from sdtrain.logs import log
 from sdtrain.model.encoders import load_vae, vae_downsampling
+from sdtrain.model.unet import default_guidance_rescale
 from sdtrain.sampling.captions import Captions, read_captions
 from sdtrain.sampling.images import channels_preview, decode, decode_shape, grid_image, latent_preview
 from sdtrain.sampling.latent_classifier import load_latent_classifier
-from sdtrain.sampling.sampler import default_guidance_rescale, sample_latents
+from sdtrain.sampling.sampler import sample_latents
 
 LATENTS_FILE = "latents.npy"
 PREVIEW_FILE = "preview.png"

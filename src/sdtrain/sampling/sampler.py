@@ -31,12 +31,6 @@ def make_sampler(noise_scheduler_config: dict[str, Any], name: Literal["ddim", "
     return scheduler
 
 
-def default_guidance_rescale(noise_scheduler_config: dict[str, Any]) -> float:
-    """Guidance rescale a model samples with unless told otherwise: 0.7 for a zero-terminal-SNR schedule (Lin et al.
-    2023, section 3.4: without it, guidance over-exposes images at SNR 0), else none."""
-    return 0.7 if noise_scheduler_config.get("rescale_betas_zero_snr") else 0.0
-
-
 def guided_prediction(
     unet: UNet2DConditionModel,
     latents: torch.Tensor,

@@ -19,9 +19,10 @@ from sdtrain.artifacts.checkpoint_format import CheckpointMeta
 from sdtrain.artifacts.run_outputs import write_whole
 from sdtrain.config.schema import Config
 from sdtrain.errors import ConfigError
+from sdtrain.model.unet import default_guidance_rescale
 from sdtrain.sampling.captions import Captions, Encode, read_captions
 from sdtrain.sampling.images import grid_image, latent_preview
-from sdtrain.sampling.sampler import default_guidance_rescale, sample_latents
+from sdtrain.sampling.sampler import sample_latents
 from sdtrain.storage.filesystems import filesystem_for
 from sdtrain.storage.run_layout import SAMPLES_DIR, sample_grid_file
 
