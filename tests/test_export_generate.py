@@ -402,6 +402,13 @@ def test_a_pipeline_exports_card_shows_the_latest_training_grid_or_one_rendered_
     assert (rendered / "model_index.json").is_file()
     card = (rendered / "README.md").read_text()
     assert f"![Samples]({SAMPLE_GRID_FILE})" in card and "1. a red fox; 2. a blue bird; 3. a green frog" in card
+    # The card shows how to guide as training did: against the empty prompt it trained with (zeros here), which a
+    # Stable Diffusion pipeline would encode from "" instead. Its code runs as written.
+    code = card.split("```python\n")[1].split("```")[0]
+    assert "negative_prompt_embeds=empty" in code and "guidance_rescale" not in code  # no zero-terminal SNR here
+    scope: dict = {}
+    exec(code.replace('path = "."', f"path = {str(rendered)!r}"), scope)  # noqa: S102 - the card's own example
+    assert scope["image"].size == (32, 32)
     with Image.open(rendered / SAMPLE_GRID_FILE) as image:
         assert image.format == "PNG" and image.size == (3 * (32 + 2) + 2, 32 + 4)
         image.verify()

@@ -38,7 +38,7 @@ import pyarrow.fs as pafs
 
 from sdtrain import __version__
 from sdtrain.artifacts.loading import LoadedModel, Weights, is_export, load_model
-from sdtrain.artifacts.model_card import render_grid, training_grid, write_model_card
+from sdtrain.artifacts.model_card import render_grid, sampling_guidance, training_grid, write_model_card
 from sdtrain.artifacts.pipelines import (
     BASE_MODEL_KEY,
     PipelineKind,
@@ -202,11 +202,12 @@ def _write_pipeline(loaded: LoadedModel, kind: PipelineKind, sources: EncoderSou
     scheduler = DPMSolverMultistepScheduler.from_config({**loaded.noise_scheduler.config, "clip_sample": False})
     pipeline = assemble_pipeline(kind, sources, loaded.unet, scheduler, loaded.latent_scaling_factor)
     pipeline.save_pretrained(local, safe_serialization=True)
-    grid = training_grid(loaded) or render_grid(loaded, pipeline)
+    guidance = sampling_guidance(loaded, kind)
+    grid = training_grid(loaded) or render_grid(loaded, pipeline, guidance)
     if grid is not None:
         with open(os.path.join(local, EXPORT_SAMPLE_GRID_FILE), "wb") as f:
             f.write(grid[0])
-    write_model_card(loaded, sources, os.path.join(local, "README.md"), grid[1] if grid else None)
+    write_model_card(loaded, sources, os.path.join(local, "README.md"), grid[1] if grid else None, guidance)
 
 
 def _is_file(fs: pafs.FileSystem, path: str) -> bool:

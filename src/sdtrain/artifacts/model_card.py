@@ -13,11 +13,19 @@ import pyarrow.parquet as pq
 
 from sdtrain import __version__
 from sdtrain.artifacts.loading import LoadedModel
+from sdtrain.artifacts.pipelines import STABLE_DIFFUSION_XL, PipelineKind
 from sdtrain.data.metadata import EncoderSources
 from sdtrain.data.parquet_files import resolve_parquet_files
 from sdtrain.errors import SdtrainError
+from sdtrain.model.unet import default_guidance_rescale
 from sdtrain.storage.filesystems import filesystem_for
-from sdtrain.storage.run_layout import EXPORT_SAMPLE_GRID_FILE, HISTORY_FILE, SAMPLE_GRID_STEP, SAMPLES_DIR
+from sdtrain.storage.run_layout import (
+    EXPORT_SAMPLE_GRID_FILE,
+    HISTORY_FILE,
+    SAMPLE_GRID_STEP,
+    SAMPLES_DIR,
+    UNCONDITIONAL_FILE,
+)
 
 # sdtrain.train.sample_grids writes run_dir/samples/step_<N>.png (this layer cannot import it).
 # A grid rendered at export (the run drew none): this many captions of the data, sampled in this many steps.
@@ -59,9 +67,45 @@ def training_grid(loaded: LoadedModel) -> tuple[bytes, str] | None:
     )
 
 
-def render_grid(loaded: LoadedModel, pipeline: Any) -> tuple[bytes, str] | None:
-    """A row of images this pipeline draws for the first captions of the run's data (seed 0); None without
-    captions."""
+def sampling_guidance(loaded: LoadedModel, kind: PipelineKind) -> dict[str, Any]:
+    """The pipeline's call arguments that guide as training's sampling and generate.py do: a Stable Diffusion pipeline
+    guides against its text encoder's output for "" where the model trained on its own empty prompt (zeros, by
+    default), while SDXL's has force_zeros_for_empty_prompt; a zero-terminal-SNR model samples with guidance rescale."""
+    arguments: dict[str, Any] = {}
+    if kind is not STABLE_DIFFUSION_XL and loaded.unconditional_caption is not None:
+        arguments["negative_prompt_embeds"] = loaded.unconditional_caption.float()[None]
+    rescale = default_guidance_rescale(dict(loaded.noise_scheduler.config))
+    if rescale:
+        arguments["guidance_rescale"] = rescale
+    return arguments
+
+
+def _usage(guidance: dict[str, Any]) -> list[str]:
+    """The model card's lines on calling the pipeline with ``guidance`` (:func:`sampling_guidance`)."""
+    if not guidance:
+        return []
+    code = ["import numpy as np, torch", "from diffusers import DiffusionPipeline", "", 'path = "."  # this directory']
+    code.append("pipe = DiffusionPipeline.from_pretrained(path)")
+    call = []
+    if "negative_prompt_embeds" in guidance:
+        code.append(f'empty = torch.from_numpy(np.load(f"{{path}}/{UNCONDITIONAL_FILE}"))[None]')
+        call.append("negative_prompt_embeds=empty")
+    if "guidance_rescale" in guidance:
+        call.append(f"guidance_rescale={guidance['guidance_rescale']}")
+    code.append(f'image = pipe("a red fox", {", ".join(call)}).images[0]')
+    why = ["Sample as training did"]
+    if "negative_prompt_embeds" in guidance:
+        why.append(
+            f'guiding against the empty prompt it trained with (`{UNCONDITIONAL_FILE}`; the pipeline would encode "")'
+        )
+    if "guidance_rescale" in guidance:
+        why.append("with guidance rescale (a zero-terminal-SNR schedule)")
+    return ["", ", ".join(why) + ":", "", "```python", *code, "```"]
+
+
+def render_grid(loaded: LoadedModel, pipeline: Any, guidance: dict[str, Any]) -> tuple[bytes, str] | None:
+    """A row of images this pipeline draws for the first captions of the run's data (seed 0), guided by
+    ``guidance`` (:func:`sampling_guidance`); None without captions."""
     import torch
     from PIL import Image
 
@@ -78,6 +122,10 @@ def render_grid(loaded: LoadedModel, pipeline: Any) -> tuple[bytes, str] | None:
         width=side,
         generator=torch.Generator().manual_seed(0),
         output_type="pil",
+        **{
+            key: value.expand(len(prompts), -1, -1) if key == "negative_prompt_embeds" else value
+            for key, value in guidance.items()
+        },
     ).images
     canvas = Image.new("RGB", (len(images) * (side + 2) + 2, side + 4), "white")
     for i, image in enumerate(images):
@@ -115,7 +163,9 @@ def _data_captions(loaded: LoadedModel, n: int) -> list[str]:
         return []
 
 
-def write_model_card(loaded: LoadedModel, sources: EncoderSources, path: str, grid: str | None) -> None:
+def write_model_card(
+    loaded: LoadedModel, sources: EncoderSources, path: str, grid: str | None, guidance: dict[str, Any]
+) -> None:
     from diffusers.utils.hub_utils import MODEL_CARD_TEMPLATE_PATH, populate_model_card
     from huggingface_hub import ModelCard, ModelCardData
 
@@ -143,6 +193,7 @@ def write_model_card(loaded: LoadedModel, sources: EncoderSources, path: str, gr
         f"- Final losses: {_final_losses(loaded.source) or 'not recorded'}",
         f"- Source checkpoint: `{loaded.source}`",
     ]
+    lines += _usage(guidance)
     if grid is not None:
         lines += ["", f"![Samples]({EXPORT_SAMPLE_GRID_FILE})", "", grid]
     # diffusers' training-script card, from its template: load_or_create_model_card would first look the
