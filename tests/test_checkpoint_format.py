@@ -35,6 +35,9 @@ def test_load_model_says_what_a_path_is_not(tmp_path):
         load_model(str(tmp_path / "missing"))
     with pytest.raises(SdtrainError, match="neither an export .* nor a run directory"):
         load_model(str(tmp_path))  # an empty directory
+    (tmp_path / "notes.txt").write_text("not a checkpoint\n")  # a file given as the model: torch's error would say
+    with pytest.raises(SdtrainError, match=r"notes\.txt is no sdtrain checkpoint .*\(UnpicklingError: [^.]*\)\. Name"):
+        load_model(str(tmp_path / "notes.txt"))  # to load it with weights_only=False, running code from the file
     plain = tmp_path / "plain"
     plain.mkdir()
     torch.save({"state_dict": {}, "global_step": 1}, plain / CHECKPOINT_FILE)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import pickle
 import posixpath
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -97,7 +98,15 @@ def read_checkpoint(path: str) -> dict[str, Any]:
     if fs.get_file_info(fs_path).type == pafs.FileType.Directory:
         fs_path = posixpath.join(fs_path, CHECKPOINT_FILE)
     with fs.open_input_file(fs_path) as f:
-        return torch.load(f, map_location="cpu", weights_only=True)
+        try:
+            return torch.load(f, map_location="cpu", weights_only=True)
+        except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as e:
+            # torch's message would suggest weights_only=False: unpickling code from a file that is no checkpoint.
+            reason = " ".join(str(e).split()).split(". ")[0][:200]
+            raise SdtrainError(
+                f"model: {path} is no sdtrain checkpoint (a torch checkpoint of plain data and tensors): it could not "
+                f"be read ({type(e).__name__}: {reason}). Name a run directory, a checkpoint or an export"
+            ) from None
 
 
 def is_export(path: str) -> bool:
