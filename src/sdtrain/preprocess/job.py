@@ -1,12 +1,11 @@
 """The preprocessing job: images and captions in, the parquet latents training reads out.
 
-A Ray Data pipeline over the shards not yet done: a CPU stage (one task per shard: read, decode,
-convert to RGB, resize and center-crop, skip and count bad rows) feeds an actor pool that runs the
-VAE and the text encoder (GPU actors where the cluster has GPUs). The driver gathers each shard's
-rows and writes its file whole once the shard's last row is in, so an interrupted job loses at
-most the shards in flight, and a re-run does only the shards without a file. A done shard is
-matched by its source (sdtrain.preprocess.sources), not its name alone: one whose source changed
-is refused, naming both.
+A Ray Data pipeline over the shards not yet done: a CPU stage (one task per shard: read, decode, convert to RGB,
+resize and center-crop, skip and count bad rows) feeds an actor pool that runs the VAE and the text encoder (GPU
+actors where the cluster has GPUs). Once a shard's last row is encoded, a Ray task where its rows are writes its
+file whole (sdtrain.preprocess.shard_writes: the driver holds references, never rows), so an interrupted job loses
+at most the shards in flight, and a re-run does only the shards without a file. A done shard is matched by its
+source (sdtrain.preprocess.sources), not its name alone: one whose source changed is refused, naming both.
 """
 
 from __future__ import annotations
@@ -16,9 +15,7 @@ import json
 import os
 import pickle
 import time
-from collections import deque
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,16 +35,14 @@ from sdtrain.preprocess.images import NO_CAPTION, clean_caption, prepare_image
 from sdtrain.preprocess.model_outputs import exists, output_columns, vae_geometry, write_unconditional
 from sdtrain.preprocess.outputs import (
     MANIFEST_FILE,
-    PLACEMENT_COLUMNS,
     RESUME_KEYS,
     check_settings,
     join,
     read_shard_stats,
     settle_shards,
-    shard_table,
     summarize,
-    write_shard,
 )
+from sdtrain.preprocess.shard_writes import ShardFiles, write_shards
 from sdtrain.preprocess.sources import Shard, changed_source, list_shards, read_shard, shard_prefix
 from sdtrain.storage.filesystems import write_bytes
 from sdtrain.storage.s3 import S3Settings, apply_s3_settings, configure_s3, resolved_s3_settings
@@ -187,7 +182,7 @@ def _run_pipeline(
     summary: PreprocessSummary,
     records: dict[str, dict[str, Any]],
 ):
-    """Runs Ray Data's pipeline over the pending shards, writing each shard's file once its last row is in.
+    """Runs Ray Data's pipeline over the pending shards, each shard's file written by a task once its last row is in.
 
     Args:
         vae: the VAE's scaling factor and downsampling (pixels per latent side).
@@ -196,57 +191,15 @@ def _run_pipeline(
     columns, metadata = output_columns(config, *vae, vocab_size)
     if config.image.buckets == "aspect":
         metadata[BUCKET_SHAPES] = json.dumps(latent_shapes)
-    gathering: dict[str, dict[str, Any]] = {s.name: {"rows": [], "stats": None} for s in pending}
-    writers = _ShardWriters(config, columns, metadata)
-    try:
-        for batch in _pipeline(config, pending).iter_batches(batch_size=None, batch_format="numpy"):
-            for name in _gather(batch, gathering, columns):
-                entry = gathering[name]
-                stats = entry["stats"]
-                if stats is None or len(entry["rows"]) < stats["rows_written"]:
-                    continue
-                del gathering[name]
-                if stats.get("error"):  # not marked done: a re-run tries the shard again
-                    summary.shards_failed[name] = stats["error"]
-                    continue
-                summary.shards_written += writers.submit(name, entry["rows"], stats)
-                records[name] = stats
-        summary.shards_written += writers.finish()
-    finally:
-        writers.pool.shutdown(wait=True)  # a shard being written is finished: its rows are done work
+    files = ShardFiles(config.output.path, columns, metadata, config.output.row_group_rows, resolved_s3_settings())
 
+    def written(name: str, stats: dict[str, Any]) -> None:
+        summary.shards_written.append(name)
+        records[name] = stats
 
-class _ShardWriters:
-    """Shard files written by threads beside the loop that gathers the encoders' rows: building a shard's table and
-    encoding its parquet (~3 s for 1000 SD 2 rows on one core) on that loop's thread held every GPU back behind it,
-    at a few hundred rows/s for the whole job. pyarrow encodes and uploads without the GIL; at most 2 x threads
-    shards wait to be written."""
-
-    def __init__(self, config: PreprocessConfig, columns: dict[str, str], metadata: dict[str, str]):
-        self.config, self.columns, self.metadata = config, columns, metadata
-        self.threads = max(2, min(8, (os.cpu_count() or 2) // 2))
-        self.pool = ThreadPoolExecutor(self.threads, thread_name_prefix="sdtrain-write")
-        self.pending: deque[tuple[str, Future]] = deque()
-
-    def submit(self, name: str, rows: list[dict[str, Any]], stats: dict[str, Any]) -> list[str]:
-        """Writes shard ``name`` in a thread; returns the shards whose writes it waited for (at most 2 x threads
-        are held)."""
-        done = self.finish(keep=2 * self.threads - 1)
-        self.pending.append((name, self.pool.submit(self._write, name, rows, stats)))
-        return done
-
-    def finish(self, keep: int = 0) -> list[str]:
-        """Waits for the oldest writes until ``keep`` are left; returns their shards (a failed write raises)."""
-        done = []
-        while len(self.pending) > keep:
-            name, future = self.pending.popleft()
-            future.result()
-            done.append(name)
-        return done
-
-    def _write(self, name: str, rows: list[dict[str, Any]], stats: dict[str, Any]) -> None:
-        table = shard_table(sorted(rows, key=lambda r: r["index"]), self.columns, self.metadata)
-        write_shard(self.config.output.path, name, table, stats, self.config.output.row_group_rows)
+    write_shards(
+        _pipeline(config, pending), [s.name for s in pending], files, written, summary.shards_failed.__setitem__
+    )
 
 
 def _pipeline(config: PreprocessConfig, pending: list[Shard]) -> Any:
@@ -286,28 +239,6 @@ def _pipeline(config: PreprocessConfig, pending: list[Shard]) -> Any:
         batch_format="numpy",
         num_gpus=num_gpus,
     )
-
-
-def _gather(batch: dict[str, np.ndarray], gathering: dict[str, dict[str, Any]], columns: dict[str, str]) -> set[str]:
-    """Adds an encoded batch's rows, and the counts of a shard whose rows have all been sent, to their shards in
-    ``gathering``; returns the shards it touched."""
-    touched = set()
-    for i in range(len(batch["valid"])):
-        name = str(batch["shard"][i])
-        touched.add(name)
-        if batch["valid"][i]:
-            gathering[name]["rows"].append(
-                {
-                    "index": int(batch["index"][i]),
-                    "key": str(batch["key"][i]),
-                    "caption": str(batch["caption_text"][i]),
-                    **{value: batch[value][i] for value in columns},
-                    **{name: int(batch[name][i]) for name in PLACEMENT_COLUMNS},
-                }
-            )
-        else:
-            gathering[name]["stats"] = json.loads(str(batch["stats"][i]))
-    return touched
 
 
 class _Prepare:
