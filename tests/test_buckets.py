@@ -3,6 +3,7 @@ them checked, indexed and read back one bucket a block, a real Ray run stopped m
 of workers reading exactly the global steps the plan names. A compiled UNet over three buckets is trained with the
 shipped GPU configs' options in tests/test_options.py (one compiled fit for both)."""
 
+import csv
 import json
 import os
 
@@ -85,6 +86,27 @@ def test_bucketed_files_are_checked_indexed_and_read_back_a_bucket_at_a_time(tmp
     assert set(shapes) == {tuple(s) for s in SHAPES} and sum(1 for _ in shapes) >= 9
 
 
+def test_validation_splits_a_block_of_several_buckets_into_batches_of_one_shape(tmp_path):
+    """Ray Data joins a validation read task's per-bucket batches into one block, whose latents are then an array of
+    arrays: converted whole to tensors, the first validation of every bucketed run with data.val failed."""
+    from sdtrain.train.worker import one_shape_batches
+
+    _bucketed(tmp_path / "val")
+    spec = index_dataset([str(tmp_path / "val")], "data.val", COLUMNS, 4, 32).spec
+    runs = [batch.arrays() for batch in RowReader.of(spec, COLUMNS).file_batches(spec.files[0], "data.val")]
+    ragged = np.empty(sum(len(run["latents"]) for run in runs), dtype=object)
+    ragged[:] = [row for run in runs for row in run["latents"]]  # as a block of several shapes reaches numpy
+    block = {"latents": ragged, "captions": np.concatenate([run["captions"] for run in runs])}
+    batches = list(one_shape_batches(block, micro=4))
+    assert [len(b["latents"]) for b in batches] == [4, 4, 4, 2, 4, 4, 1, 4, 3]  # 14, 9 and 7 rows, 4 at most
+    assert all(b["latents"].ndim == 4 and b["captions"].shape == (len(b["latents"]), 8, 32) for b in batches)
+    assert [tuple(batches[i]["latents"].shape[1:]) for i in (0, 4, 7)] == [tuple(s) for s in SHAPES]
+    torch_rows = np.concatenate([b["latents"].reshape(len(b["latents"]), -1)[:, 0].numpy() for b in batches])
+    np.testing.assert_array_equal(torch_rows, [row.reshape(-1)[0] for row in ragged])  # every row once, in order
+    one_shape = {"latents": np.stack(ragged[:14]), "captions": block["captions"][:14]}  # one bucket: plain arrays
+    assert [len(b["latents"]) for b in one_shape_batches(one_shape, micro=4)] == [4, 4, 4, 2]
+
+
 def test_a_bucket_the_unet_cannot_take_is_refused_before_ray_naming_the_file_and_bucket(tmp_path):
     from sdtrain.driver.data_check import check_data
 
@@ -153,8 +175,13 @@ def test_a_bucketed_run_killed_mid_epoch_and_resumed_on_another_number_of_worker
     committed, _, _ = kill_at_first_checkpoint(driver, run_dir, 240)
     assert committed == ["checkpoint_000000005"]  # killed mid-epoch (10 steps), ~5 steps before the next
 
-    summary = train(tiny_config(*keys, tmp_path=tmp_path, name="buckets", steps=13, batch=8, workers=1))
+    # Validated on bucketed data too, a block of several buckets at a time: that used to fail at the first validation.
+    val = [f"data.val={tmp_path}/train", "run.val_every_n_steps=5"]
+    summary = train(tiny_config(*keys, *val, tmp_path=tmp_path, name="buckets", steps=13, batch=8, workers=1))
     assert summary.final_step == 13
+    with open(run_dir / "metrics.csv") as f:
+        validated = [(int(r["step"]), float(r["val_loss"])) for r in csv.DictReader(f) if r.get("val_loss")]
+    assert [step for step, _ in validated] == [10, 13] and all(0 < loss < 10 for _, loss in validated)
     recorded = [np.load(run_dir / name / SAMPLES_FILE) for name in _checkpoints(run_dir)]
     steps = rows_by_step(recorded, global_batch=8)
     spec = index_dataset([str(tmp_path / "train")], "data.train", COLUMNS, 4, 32).spec

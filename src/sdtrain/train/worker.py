@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import lightning.pytorch as pl
+import numpy as np
 import pyarrow.fs as pafs
 import ray.train
 import ray.train.torch
@@ -228,17 +229,36 @@ def _validation(config: Config, layout: BatchLayout, cadence: ReportCadence, ent
     micro = layout.micro_batch
 
     def read() -> Iterator[dict[str, torch.Tensor]]:
-        # On the CPU: validation_sums moves only the rows this rank scores to the device. Bucketed data comes a block
-        # of one bucket at a time, split here: Ray Data's batching would join the end of one bucket to the next.
+        # On the CPU: validation_sums moves only the rows this rank scores to the device. Bucketed data is split here
+        # into runs of one shape: Ray Data's batching would join the end of one bucket to the next.
         if not bucketed:
             yield from val_shard.iter_torch_batches(batch_size=micro, device="cpu")
             return
-        for block in val_shard.iter_torch_batches(batch_size=None, device="cpu"):
-            for start in range(0, len(block["latents"]), micro):
-                yield {name: values[start : start + micro] for name, values in block.items()}
+        for block in val_shard.iter_batches(batch_size=None, batch_format="numpy"):
+            yield from one_shape_batches(block, micro)
 
     val_batches = HeldValBatches(read, limit_bytes=int(config.data.val_memory_gb * 1e9))
     return Validation(cadence, val_batches, config.train.seed, enter)
+
+
+def one_shape_batches(block: dict[str, np.ndarray], micro: int) -> Iterator[dict[str, torch.Tensor]]:
+    """A block of bucketed rows as batches of at most ``micro`` rows of one latent shape each, in the block's order.
+    Ray Data joins the batches a read task yields into one block of up to 128 MiB, so a block holds the runs of
+    several buckets: its latents are then an array of arrays, which no tensor can hold."""
+    latents = block["latents"]
+    shapes = [np.shape(row) for row in latents] if latents.dtype == object else [latents.shape[1:]] * len(latents)
+    start = 0
+    while start < len(shapes):
+        end = start + 1
+        while end < len(shapes) and end - start < micro and shapes[end] == shapes[start]:
+            end += 1
+        # Copies: Ray Data's arrays are read-only views of its block, and validation holds these batches.
+        rows = {name: values[start:end] for name, values in block.items()}
+        yield {
+            name: torch.from_numpy(np.stack(list(part)) if part.dtype == object else part.copy())
+            for name, part in rows.items()
+        }
+        start = end
 
 
 def sample_grids(config: Config, module: Any, rank: int, prompts: Captions | None) -> SampleGrids | None:
