@@ -12,6 +12,9 @@ A cloud's notice (30 s to 120 s) is shorter than HOLD_BEFORE_DEADLINE_S: the not
 the ranks hold right after it. A longer one (a drain for maintenance, ``ray drain-node --deadline-remaining-seconds
 3600``) would idle the whole group for most of it: training goes on, checkpointing on its schedule, until
 HOLD_BEFORE_DEADLINE_S before the deadline, when it checkpoints once more and holds.
+
+A later notice with an earlier deadline (a spot reclaim of another node during a maintenance drain) checkpoints
+again at once, and the hold goes by it: Ray Train restarts the group at the earliest deadline of its notices.
 """
 
 from __future__ import annotations
@@ -45,9 +48,10 @@ RESTART_MARGIN_S = 60.0
 
 class PreemptionCheck(OptimizerStepCallback):
     """Asks Ray about every PREEMPTION_CHECK_S seconds of training whether a node of this group is being
-    reclaimed; the first notice makes this step a checkpoint step. From then on, at the same steps, rank 0's clock
-    decides for every rank whether the deadline is HOLD_BEFORE_DEADLINE_S away: that step checkpoints too (unless
-    it is the notice's), and the ranks hold before the next one.
+    reclaimed; the first notice, and any later one whose deadline is earlier than every one before it, makes this
+    step a checkpoint step. From then on, at the same steps, rank 0's clock decides for every rank whether the
+    earliest deadline is HOLD_BEFORE_DEADLINE_S away: that step checkpoints too (unless it is a notice's), and the
+    ranks hold before the next one.
 
     Args:
         cadence: the run's schedule, told to checkpoint now.
@@ -79,11 +83,16 @@ class PreemptionCheck(OptimizerStepCallback):
         every = max(1, int(self.steps_per_s() * PREEMPTION_CHECK_S))  # every step until the first report
         if self._hold_after is not None or step % every:
             return
-        notice = self._notice
+        # Asked at every check, not only until the first notice: Ray Train sends a new one at each drain change
+        # and restarts the group at the earliest deadline of all it got. Merged as its controller merges them, not
+        # replaced: Ray never clears a worker's notice in a group's life (no drain left sends none), and a later
+        # deadline (once the node drained first is gone, say) does not move the restart. Were a notice withdrawn,
+        # keeping it would cost at most the hold, which ends RESTART_MARGIN_S after the deadline kept.
+        acted = self._notice
+        notice = self._notice = merge_notices(acted, self.ask())
         if notice is None:
-            notice = self._notice = self.ask()
-            if notice is None:
-                return
+            return
+        if acted is None or is_earlier(notice, acted):
             self.cadence.checkpoint_now(step)
             if trainer.is_global_zero:
                 log.warning("%s: checkpoint at step %d", describe_preemption(notice), step)
@@ -123,6 +132,40 @@ class PreemptionCheck(OptimizerStepCallback):
         if log_it:
             log.warning("the group was not restarted %.0f s after the reclaim deadline: training on", RESTART_MARGIN_S)
         return time.time() - started
+
+
+def merge_notices(
+    old: ray.train.PreemptionInfo | None, new: ray.train.PreemptionInfo | None
+) -> ray.train.PreemptionInfo | None:
+    """The notice Ray Train's controller acts on after ``old`` and then ``new`` (its merge_preemption_info): the
+    nodes of both, at the earlier deadline (a notice without one leaves the other's).
+
+    Args:
+        old: the notice acted on so far, or None.
+        new: the notice Ray gives now, or None.
+    """
+    if old is None or new is None:
+        return old or new
+    nodes = {node: sorted(set(ranks)) for node, ranks in old.preempted_node_to_ranks.items()}
+    for node, ranks in new.preempted_node_to_ranks.items():
+        nodes[node] = sorted({*nodes.get(node, []), *ranks})
+    deadlines = [deadline for deadline in (old.deadline_ms, new.deadline_ms) if deadline is not None]
+    return ray.train.PreemptionInfo(deadline_ms=min(deadlines, default=None), preempted_node_to_ranks=nodes)
+
+
+def is_earlier(notice: ray.train.PreemptionInfo, acted: ray.train.PreemptionInfo) -> bool:
+    """Whether ``notice``'s deadline is earlier than ``acted``'s, by the deadlines alone (the same on every rank,
+    unlike the clocks). A deadline after a notice naming none is not: that notice held at once (Ray Train's wait
+    for it is under HOLD_BEFORE_DEADLINE_S), and were the wait longer, the hold's own checkpoint would still come
+    HOLD_BEFORE_DEADLINE_S before the deadline named now.
+
+    Args:
+        notice: the merged notice.
+        acted: the notice acted on before it.
+    """
+    if notice.deadline_ms is None or acted.deadline_ms is None:
+        return False
+    return notice.deadline_ms < acted.deadline_ms
 
 
 def seconds_to_deadline(notice: ray.train.PreemptionInfo) -> float:
