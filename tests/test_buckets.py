@@ -86,6 +86,23 @@ def test_bucketed_files_are_checked_indexed_and_read_back_a_bucket_at_a_time(tmp
     assert set(shapes) == {tuple(s) for s in SHAPES} and sum(1 for _ in shapes) >= 9
 
 
+def test_a_bucketed_run_resumed_with_another_global_batch_is_refused_or_starts_a_new_epoch(tmp_path):
+    """Bucketed data's order is cut in global batches: resumed with another train.global_batch_size, the rest of
+    the epoch re-read rows the checkpoint had trained and skipped others, with no check noticing."""
+    from sdtrain.data.position import DataPosition, plan_changes
+
+    _bucketed(tmp_path / "data")
+    spec = index_dataset([str(tmp_path / "data")], "data.train", COLUMNS, 4, 32).spec
+    saved = DataPosition(6, DataState(), _plan(spec, global_batch=16).fingerprint())
+    assert plan_changes(saved.plan, _plan(spec, global_batch=16).fingerprint()) == []
+    assert plan_changes(saved.plan, _plan(spec, global_batch=32).fingerprint()) == [
+        "train.global_batch_size is 32, was 16 (bucketed data's order is cut in global batches)"
+    ]
+    with pytest.raises(DataError, match=r"train.global_batch_size is 32, was 16"):
+        saved.resume(_plan(spec, global_batch=32), "error", "checkpoint_000000006")
+    assert saved.resume(_plan(spec, global_batch=32), "new_epoch", "checkpoint_000000006") == (6, DataState(1))
+
+
 def test_validation_splits_a_block_of_several_buckets_into_batches_of_one_shape(tmp_path):
     """Ray Data joins a validation read task's per-bucket batches into one block, whose latents are then an array of
     arrays: converted whole to tensors, the first validation of every bucketed run with data.val failed."""

@@ -76,6 +76,9 @@ _CHANGES = {
     "seed": "train.seed is {new}, was {old}",
     "chunk_rows": "data.shuffle_chunk_rows is {new}, was {old}",
     "window_rows": "data.shuffle_window_rows is {new}, was {old}",
+    # Bucketed data only (a one-shape plan records neither): the bucket order is cut in global batches.
+    "global_batch": "train.global_batch_size is {new}, was {old} (bucketed data's order is cut in global batches)",
+    "buckets": "the data's aspect-ratio buckets are {new}, were {old}",
     "order": "the checkpoint was written with read order {old} of an earlier sdtrain, this one reads order {new}",
 }
 _DEFAULTS = {"order": 1}  # what a fingerprint written before a key existed meant by it
