@@ -86,6 +86,29 @@ def test_bucketed_files_are_checked_indexed_and_read_back_a_bucket_at_a_time(tmp
     assert set(shapes) == {tuple(s) for s in SHAPES} and sum(1 for _ in shapes) >= 9
 
 
+def test_bucketed_validation_data_is_checked_bucket_by_bucket_not_by_its_most_common_bucket(tmp_path):
+    """A data.val of the training data's buckets in other proportions (its most common bucket another) was refused
+    as not matching data.train; a bucket of it the UNet cannot take was not checked at all."""
+    from sdtrain.driver.data_check import check_data
+
+    _bucketed(tmp_path / "train")
+    _bucketed(tmp_path / "val", files=((0, 2), (1, 9), (2, 3)))  # mostly 12 x 20 where training is mostly 16 x 16
+    config = tiny_config(f"data.train={tmp_path}/train", f"data.val={tmp_path}/val", tmp_path=tmp_path, batch=8)
+    train, val, _ = check_data(config, str(tmp_path / "run"))
+    assert val is not None and val.spec.latent_shape != train.spec.latent_shape
+    SHAPES.append([4, 15, 16])
+    try:
+        _bucketed(tmp_path / "odd", files=((0, 14), (1, 9), (3, 7)))
+    finally:
+        SHAPES.pop()
+    odd = tiny_config(f"data.train={tmp_path}/train", f"data.val={tmp_path}/odd", tmp_path=tmp_path, batch=8)
+    with pytest.raises(DataError, match=r"^data.val: .*part-0.parquet: bucket 3 holds latents of 15 x 16, which"):
+        check_data(odd, str(tmp_path / "run-odd"))
+    _bucketed(tmp_path / "wide", files=((1, 9),) * 3)  # one bucket in each file
+    one_bucket = tiny_config(f"data.train={tmp_path}/train", f"data.val={tmp_path}/wide", tmp_path=tmp_path, batch=8)
+    assert check_data(one_bucket, str(tmp_path / "run-wide"))[1] is not None
+
+
 def test_a_bucketed_run_resumed_with_another_global_batch_is_refused_or_starts_a_new_epoch(tmp_path):
     """Bucketed data's order is cut in global batches: resumed with another train.global_batch_size, the rest of
     the epoch re-read rows the checkpoint had trained and skipped others, with no check noticing."""

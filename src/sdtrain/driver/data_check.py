@@ -39,6 +39,8 @@ def check_data(config: Config, run_dir: str) -> tuple[IndexedDataset, IndexedDat
     captions = train.embedding_shape(unet["cross_attention_dim"])
     check_unet(config.model, train.latent_shape, captions)  # on the meta device, in a second
     check_buckets(config, train, train_data.schema_file)
+    if val_data is not None:
+        check_buckets(config, val_data.spec, val_data.schema_file, "data.val")
     if pooled_width(unet) is not None and config.data.unconditional_caption != "zeros":
         raise ConfigError(
             f"data.unconditional_caption: {config.data.unconditional_caption} is no empty prompt for an SDXL-shaped "
@@ -159,27 +161,43 @@ def _describe_captions(spec: DatasetSpec) -> str:
 
 
 def _check_shapes_agree(train: DatasetSpec, val: DatasetSpec | None) -> None:
+    """data.val's rows are of data.train's kind. Bucketed data's latent_shape is its most common bucket, which may
+    differ between sets of the same buckets (a validation set of mostly 4:3 photographs): bucketed validation data
+    agrees in channels, and check_buckets checks each of its buckets against the UNet."""
     if val is None:
         return
-    if (val.latent_shape, val.caption_shape) != (train.latent_shape, train.caption_shape) or (
-        val.token_ids and val.token_ids.text_encoder
-    ) != (train.token_ids and train.token_ids.text_encoder):
+    if val.bucket_shapes is not None:
+        latents_agree = val.latent_shape[0] == train.latent_shape[0]
+    else:  # one shape: the training data's, or one of its buckets
+        latents_agree = val.latent_shape in (train.bucket_shapes or (train.latent_shape,))
+    if (
+        not latents_agree
+        or val.caption_shape != train.caption_shape
+        or (val.token_ids and val.token_ids.text_encoder) != (train.token_ids and train.token_ids.text_encoder)
+    ):
         raise ConfigError(
-            f"data.val holds latents {val.latent_shape} and captions {_describe_captions(val)}, but data.train "
-            f"holds {train.latent_shape} and {_describe_captions(train)}; validation data must match training data"
+            f"data.val holds latents {_describe_latents(val)} and captions {_describe_captions(val)}, but data.train "
+            f"holds {_describe_latents(train)} and {_describe_captions(train)}; validation data must match training "
+            "data"
         )
 
 
-def check_buckets(config: Config, spec: DatasetSpec, file: str) -> None:
+def _describe_latents(spec: DatasetSpec) -> str:
+    if spec.bucket_shapes is None:
+        return str(spec.latent_shape)
+    return f"of {spec.latent_shape[0]} channels in buckets {', '.join(str(s) for s in spec.bucket_shapes)}"
+
+
+def check_buckets(config: Config, spec: DatasetSpec, file: str, key: str = "data.train") -> None:
     """Every aspect-ratio bucket's latent sides are multiples of what the UNet downsamples them by (else its skip
-    connections would not line up), naming the file and the bucket."""
+    connections would not line up), naming the file and the bucket (``key``: the config key naming the files)."""
     if spec.bucket_shapes is None:
         return
     factor = 2 ** (len(unet_config(config.model)["block_out_channels"]) - 1)
     for index, (_, height, width) in enumerate(spec.bucket_shapes):
         if height % factor or width % factor:
             raise DataError(
-                f"data.train: {file}: bucket {index} holds latents of {height} x {width}, which the UNet cannot take: "
+                f"{key}: {file}: bucket {index} holds latents of {height} x {width}, which the UNet cannot take: "
                 f"it halves them {factor.bit_length() - 1} times, so each side must be a multiple of {factor}. "
                 "Preprocess with an image.bucket_step that makes them so (the VAE's downsampling times this)"
             )
