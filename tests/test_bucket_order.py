@@ -1,6 +1,8 @@
 """The read order of bucketed data (sdtrain.data.bucket_order), pure logic: every step one bucket's, every row once an
 epoch with the remainders carried, and the same global steps whatever the world size and however often it changes."""
 
+import hashlib
+
 import numpy as np
 import pytest
 
@@ -114,3 +116,52 @@ def test_the_plan_pickles_small_and_reads_the_same_after():
     assert all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
     assert plan.fingerprint()["order"] == "buckets-1" and plan.fingerprint()["buckets"][1] == [4, 6, 10]
     assert _plan(seed=10).fingerprint() != plan.fingerprint()
+
+
+def _one_row_bucket_plan(global_batch):
+    # Bucket 1 holds one row (sample index 4 * global_batch): it fills a batch once global_batch epochs carried it.
+    files = [[(0, 4 * global_batch), (1, 1)], [(0, 2 * global_batch)]]
+    rows = [sum(n for _, n in f) for f in files]
+    return BucketPlan(rows, runs_of(files), SHAPES[:2], 0, 64, global_batch, 512)
+
+
+def test_a_one_row_bucket_carried_2047_epochs_at_a_global_batch_of_2048_plans_its_step():
+    # Carried rows were found by recursing an epoch back per epoch carried: 2047 deep here, a RecursionError at the
+    # epoch of the bucket's first batch (step 12,282 here) and at every restart in it.
+    plan = _one_row_bucket_plan(2048)
+    assert plan.epoch_batches(2046).tolist() == [6, 0] and plan.epoch_batches(2047).tolist() == [6, 1]
+    for restarted in (plan, _one_row_bucket_plan(2048)):  # a fresh plan: nothing worked out before it
+        batches, state = _read(restarted, DataState(2047), 64, 7)
+        assert state == DataState(2048)
+        # Carrying's semantics, unchanged: the bucket's one batch is its one row, carried from each of 2048 epochs.
+        (ones,) = [b for b in batches if b[0] == 4 * 2048]
+        assert ones.tolist() == [4 * 2048] * 2048
+    assert plan.order_spans(2047, 1, 0, 2048).tolist() == [[0, 4 * 2048, 4 * 2048 + 1]] * 2048
+
+
+# sha256[:16] of every order_spans() answer below (whole orders, every single position, and runs of 3 from every
+# second position, for each epoch and bucket), captured from the recursive version before it became a loop.
+ORDER_SPANS_DIGESTS = ["85ae244b432c25c3", "8ae2370bbb084bb6", "04a701bc09aa6e5d"]
+
+
+def _order_spans_digest(plan, epochs):
+    digest = hashlib.sha256()
+    for epoch in range(epochs):
+        carried = plan.carried(epoch)
+        for bucket in range(len(plan.bucket_shapes)):
+            end = int(carried[bucket] + plan.bucket_rows[bucket])
+            intervals = [(0, end)] + [(k, k + 1) for k in range(end)] + [(k, min(k + 3, end)) for k in range(0, end, 2)]
+            for lo, hi in intervals:
+                spans = plan.order_spans(epoch, bucket, lo, hi)
+                digest.update(np.ascontiguousarray(spans, dtype="<i8").tobytes() + b"|")
+    return digest.hexdigest()[:16]
+
+
+def test_the_rows_carried_in_are_the_ones_the_recursive_walk_back_found():
+    small = BucketPlan([41, 20], runs_of([[(0, 40), (1, 1)], [(0, 20)]]), SHAPES[:2], 0, 4, 8, 64)
+    several = BucketPlan([11, 21], runs_of([[(0, 9), (1, 2)], [(0, 13), (1, 1), (2, 7)]]), SHAPES[:3], 5, 2, 16, 32)
+    # _plan: bucket 3 carried 3 epochs; small: a 1-row bucket carried 8 (G = 8); several: 3 rows (G = 16, 2-row
+    # chunks, so several chunks an epoch) carried up to 6 epochs, 7 rows up to 3.
+    got = [_order_spans_digest(plan, epochs) for plan, epochs in ((_plan(), 8), (small, 20), (several, 24))]
+    assert got == ORDER_SPANS_DIGESTS
+    assert window_sample_indices(small.order_spans(7, 1, 0, 8), small.file_offsets).tolist() == [40] * 8
