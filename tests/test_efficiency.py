@@ -84,13 +84,13 @@ def test_the_precision_picks_the_peak():
 def test_mfu_and_cost_arithmetic():
     # 8 A100s at 2,000 images/s, 100 GFLOP per image: 250 images/s per GPU x 1e11 FLOP / 3.12e14 FLOP/s.
     efficiency = Efficiency(flops_per_image=100e9, peak_flops=A100.bf16, gpu_hour_cost=2.0, on_gpu=True)
-    figures = efficiency.window(samples_per_s=2000.0, workers=8)
+    figures = efficiency.window(samples_per_s=2000.0, workers=8, shapes={})
     assert figures["mfu"] == pytest.approx(250 * 100e9 / 312e12)
     # 8 GPUs x 2 an hour = 16 an hour, for 7.2M images an hour.
     assert figures["cost_per_million_images"] == pytest.approx(16 / 7.2)
     assert cost_per_million_images(2000.0, 8, 2.0) == figures["cost_per_million_images"]
-    assert efficiency.window(samples_per_s=0.0, workers=8) == {}  # a window without a step shows no rate
-    assert Efficiency(100e9, A100.bf16, None, True).window(2000.0, 8).keys() == {"mfu"}  # no price: no cost
+    assert efficiency.window(samples_per_s=0.0, workers=8, shapes={}) == {}  # a window without a step shows no rate
+    assert Efficiency(100e9, A100.bf16, None, True).window(2000.0, 8, {}).keys() == {"mfu"}  # no price: no cost
 
 
 def test_on_cpu_the_flops_are_counted_and_no_mfu_is_made_up():
@@ -101,9 +101,9 @@ def test_on_cpu_the_flops_are_counted_and_no_mfu_is_made_up():
     assert efficiency.flops_per_image == unet_train_step_flops(meta.unet_config, (4, 16, 16), (77, 32)) > 0
     assert efficiency.peak_flops is None and not efficiency.on_gpu and efficiency.hours_key == "worker_hours"
     # The cost needs only the throughput and the price: a CPU worker's hour, as the user priced it.
-    figures = efficiency.window(samples_per_s=10.0, workers=2)
+    figures = efficiency.window(samples_per_s=10.0, workers=2, shapes={})
     assert figures == {"cost_per_million_images": pytest.approx(2 * 0.5 / 36_000 * 1e6)}
-    assert Efficiency.of_run(module, "32-true", gpu_hour_cost=None).window(10.0, 2) == {}
+    assert Efficiency.of_run(module, "32-true", gpu_hour_cost=None).window(10.0, 2, {}) == {}
 
 
 def test_a_bucketed_run_counts_each_buckets_flops_and_its_mfu_weighs_the_windows_buckets(caplog):
@@ -158,7 +158,7 @@ def test_the_progress_line_shows_mfu_and_cost_only_where_they_exist():
 def test_metrics_csv_of_a_cpu_run_has_a_cost_column_and_no_mfu_column(tmp_path):
     cpu = Efficiency(flops_per_image=1e9, peak_flops=None, gpu_hour_cost=1.5, on_gpu=False)
     rows = [
-        {**_metrics(step=s), **cpu.window(64.0, 2), "worker_hours": s / 1000, "time_to_first_step_s": 1.0}
+        {**_metrics(step=s), **cpu.window(64.0, 2, {}), "worker_hours": s / 1000, "time_to_first_step_s": 1.0}
         for s in (2, 4)
     ]
     live = LiveOutputs(str(tmp_path / "run"), LossLabels("epsilon", None))
@@ -181,7 +181,7 @@ def test_the_run_mfu_is_its_flops_over_its_gpu_hours_of_peak_across_a_restart_an
     for steps, seconds, workers in windows:
         step += steps
         hours += workers * seconds / 3600
-        row = {"step": step, **gpu.window(steps * batch / seconds, workers), gpu.hours_key: hours}
+        row = {"step": step, **gpu.window(steps * batch / seconds, workers, {}), gpu.hours_key: hours}
         history.append(row)
     assert hours_so_far(history) == hours  # where a restarted worker group starts counting
     totals = run_totals(history, batch, gpu_hour_cost=3.0)

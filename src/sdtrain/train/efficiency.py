@@ -69,16 +69,15 @@ class Efficiency:
         """The metric of the run's cumulative hours: gpu_hours, or worker_hours on CPU workers."""
         return "gpu_hours" if self.on_gpu else "worker_hours"
 
-    def window(
-        self, samples_per_s: float, workers: int, shapes: Mapping[tuple[int, ...], int] | None = None
-    ) -> dict[str, float]:
+    def window(self, samples_per_s: float, workers: int, shapes: Mapping[tuple[int, ...], int]) -> dict[str, float]:
         """``mfu`` and ``cost_per_million_images`` for a report window that trained ``samples_per_s`` images per
         second on ``workers`` workers; each left out where it has no basis.
 
         Args:
             samples_per_s: images per second of all workers together over the window.
             workers: workers (one GPU each) in the group.
-            shapes: the window's samples by latent shape (a rank's: every step is one bucket on all ranks).
+            shapes: the window's samples by latent shape (a rank's: every step is one bucket on all ranks; the
+                module's take_window_shapes). Required: bucketed data's MFU without it was a single bucket's.
         """
         figures: dict[str, float] = {}
         if not samples_per_s > 0:  # a window without a step: no rate to judge

@@ -132,8 +132,9 @@ class StepReporter(OptimizerStepCallback):
         val_loss = self.validation.take(step) if self.validation is not None else None
         if val_loss is not None:
             metrics["val_loss"] = val_loss
+        shapes = pl_module.take_window_shapes()  # on every rank: each counts its own
         if self._efficiency is not None:  # rank 0
-            metrics.update(self._efficiency.window(metrics["samples_per_s"], trainer.world_size))
+            metrics.update(self._efficiency.window(metrics["samples_per_s"], trainer.world_size, shapes))
             self._hours += trainer.world_size * self._window_s / 3600
             metrics[self._efficiency.hours_key] = self._hours
         evaluate = False
