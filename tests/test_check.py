@@ -76,7 +76,33 @@ def test_a_phase_takes_any_run_config_the_validator_accepts():
     for workers in (1, 4):
         phase = phase_config(None, scored, workers, steps=40)
         assert phase.checkpoint.every_n_steps == 20 and phase.checkpoint.num_to_keep is None
-        assert phase.checkpoint.score_attribute is None and phase.run.val_every_n_steps == 500
+        assert phase.checkpoint.score_attribute is None and phase.run.val_every_n_steps == 40  # at its end only
+
+
+def test_a_phase_trains_the_runs_micro_batch_and_is_measured_by_a_window_of_training_alone():
+    """micro_batch_size null (or auto) over an elastic range is the largest size every allowed world size divides: a
+    phase, on one world size, took the whole per-GPU batch at once (the memory fit then refused a config that
+    trains). The window a phase was measured by held the last step's validation, or a checkpoint's save."""
+    from sdtrain.driver.check import measured_step, run_micro_batch
+    from sdtrain.train.cadence import ReportCadence
+
+    elastic = ["data.train=/d", "train.micro_batch_size=null", "scaling.num_workers=[2,4]"]
+    elastic.append("train.global_batch_size=96")
+    assert run_micro_batch(load_config(None, elastic)) == 8  # 48, 32 or 24 a worker: 8 divides each
+    cpu_auto = [*elastic, "train.micro_batch_size=auto", "scaling.use_gpu=false"]
+    assert run_micro_batch(load_config(None, cpu_auto)) == 8  # auto without GPUs: null's
+    assert phase_config(None, elastic, 1).batch_layout(1).micro_batch == 24  # unpinned: all of one GPU's share
+    for workers, accumulation in ((1, 3), (4, 3)):
+        layout = phase_config(None, elastic, workers, micro_batch=8).batch_layout(workers)
+        assert (layout.micro_batch, layout.accumulation) == (8, accumulation)  # the run's, at its 4 workers
+    for steps in (8, 40, 41, 42, 101):
+        cadence = ReportCadence(phase_config(None, ["data.val=/v", *elastic], 1, steps=steps))
+        end = measured_step(steps)
+        start = max(step for step in range(end) if step == 0 or cadence.report_due(step))
+        assert start > 0 and end < steps, steps  # not the first window (compilation), not the last
+        window = range(start + 1, end + 1)
+        assert not any(cadence.validation_due(step) for step in window), steps
+        assert not any(cadence.checkpoint_due(step) for step in range(start, end)), steps  # none saved in it
 
 
 def test_the_check_of_the_shipped_sdxl_config_trains_a_gpus_share_that_fits_one_h100():

@@ -23,6 +23,7 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from sdtrain.config.loader import load_config
 from sdtrain.config.running import EVAL_METRICS
@@ -192,8 +193,11 @@ def check(
     runs: list[tuple[int, bool | None]] = [(workers, None) for workers in sorted({1, most})]
     if compare_compile:
         runs.append((1, not config.train.compile))
+    micro = run_micro_batch(config)
     phases = [
-        _run_phase(phase_config(config_file, overrides, workers, steps, stamp, compile_unet), workers, compile_unet)
+        _run_phase(
+            phase_config(config_file, overrides, workers, steps, stamp, compile_unet, micro), workers, compile_unet
+        )
         for workers, compile_unet in runs
     ]
     one, full = phases[0], phases[len({1, most}) - 1]
@@ -234,10 +238,13 @@ def phase_config(
     steps: int = 40,
     stamp: str = "T",
     compile_unet: bool | None = None,
+    micro_batch: int | None = None,
 ) -> Config:
     """The config of the check's phase on ``workers`` workers: ``steps`` steps of the configured run's per-GPU work,
-    as its own run under ``<run.storage_path>/checks/``, checkpointed halfway, without export or trackers; compiled as
-    configured, or as ``compile_unet`` says."""
+    as its own run under ``<run.storage_path>/checks/``, without export or trackers; compiled as configured, or as
+    ``compile_unet`` says; at ``micro_batch`` (run_micro_batch: the run's), where given. Reports every quarter; the
+    window it measures (measured_step) holds no compilation (the first), no checkpoint's save (a checkpoint at its
+    end is saved after it is timed) and no validation or sample grid (at the last step only)."""
     config = load_config(config_file, overrides)
     most = config.scaling.max_workers
     # The one-GPU phase trains one GPU's share of the full run's batch: the same work per GPU and step.
@@ -248,10 +255,13 @@ def phase_config(
         f"run.name={config.run.name}-check-{stamp}-{workers}w{variant}",
         f"run.storage_path={config.run.storage_path.rstrip('/')}/checks",
         f"run.log_every_n_steps={max(1, steps // 4)}",
+        f"run.val_every_n_steps={steps}",
+        f"sample_grid.every_n_steps={steps}",
         f"train.max_steps={steps}",
         f"train.global_batch_size={batch}",
+        *([] if micro_batch is None else [f"train.micro_batch_size={micro_batch}"]),
         f"scaling.num_workers={workers}",
-        f"checkpoint.every_n_steps={max(1, steps // 2)}",
+        f"checkpoint.every_n_steps={measured_step(steps)}",
         "checkpoint.num_to_keep=null",
         # Every checkpoint is kept, so no score ranks them; and val_loss as one would hold the phase's checkpoint
         # interval to run.val_every_n_steps, refusing a run config that trains.
@@ -262,6 +272,45 @@ def phase_config(
         *_without_evaluation(config),
     ]
     return load_config(config_file, phase_overrides)
+
+
+def measured_step(steps: int) -> int:
+    """The step whose report window a phase of ``steps`` steps is measured by: the second window's end."""
+    return 2 * max(1, steps // 4)
+
+
+def run_micro_batch(config: Config) -> int:
+    """The micro-batch the configured run trains, resolved as its driver resolves it: null's, the largest that every
+    allowed world size divides; auto's, the largest of those the memory model fits to the cluster's GPUs. Each phase
+    pins it: on a phase's one world size, null and auto would take the whole per-GPU batch at once."""
+    micro = config.train.micro_batch_size
+    if micro != "auto" or config.scaling.use_gpu is False:
+        return int(micro) if isinstance(micro, int) else config.common_micro_batch()
+    import ray
+
+    from sdtrain.driver.memory_fit import cluster_gpu, fit_micro_batch
+    from sdtrain.train.build import driver_precision
+
+    if not ray.is_initialized():
+        ray.init()  # as train() would: the job's cluster, RAY_ADDRESS, else a local one
+    resources = ray.cluster_resources()
+    use_gpu = config.scaling.use_gpu is True or resources.get("GPU", 0) > 0
+    gpu = cluster_gpu(resources) if use_gpu else None
+    spec, captions, encoders = _train_shapes(config)
+    precision = driver_precision(config.train, use_gpu, gpu)
+    fitted, _ = fit_micro_batch(config, gpu, spec.largest_latent_shape, captions, precision, encoders)
+    return fitted.batch_layout(config.scaling.min_workers).micro_batch
+
+
+def _train_shapes(config: Config) -> tuple[Any, tuple[int, int], tuple[Any, ...]]:
+    """data.train's spec, its captions' shape as the UNet takes them, and the text encoders each rank holds."""
+    from sdtrain.driver.data_check import dataset_spec
+    from sdtrain.driver.memory_fit import caption_encoders
+    from sdtrain.model.unet import unet_config
+
+    unet = unet_config(config.model)
+    spec = dataset_spec(config, "data.train", config.data.train, unet)
+    return spec, spec.embedding_shape(unet["cross_attention_dim"]), caption_encoders(spec)
 
 
 def _without_evaluation(config: Config) -> list[str]:
@@ -302,39 +351,36 @@ def _run_phase(config: Config, workers: int, compile_unet: bool | None) -> Phase
         return Phase(label, workers, options, compiled, error=f"{type(error).__name__}: {error}".splitlines()[0])
     rows = read_history(ray.train.Checkpoint(summary.checkpoint_path))
     last = rows[-1]
+    measured = next(row for row in rows if row["step"] == measured_step(config.train.max_steps))
     on_gpu = "peak_memory_gb" in last  # reported by GPU workers only
     return Phase(
         label,
         workers,
         options,
         compiled,
-        images_per_s_per_gpu=last["samples_per_s"] / workers,
-        mfu=last.get("mfu"),
-        data_wait=last["data_wait_fraction"],
+        images_per_s_per_gpu=measured["samples_per_s"] / workers,
+        mfu=measured.get("mfu"),
+        data_wait=measured["data_wait_fraction"],
         checkpoint_stall_s=max(row["checkpoint_stall_s"] for row in rows),
         peak_memory_gb=last.get("peak_memory_gb"),
         peak_reserved_gb=last.get("peak_reserved_gb"),
         memory_capacity_gb=last.get("memory_capacity_gb"),
         predicted_memory_gb=_predicted_memory(config, workers, on_gpu) / 1e9,
-        steps_per_s=last["steps_per_s"],
+        steps_per_s=measured["steps_per_s"],
     )
 
 
 def _predicted_memory(config: Config, workers: int, on_gpu: bool) -> int:
-    """The memory model's peak for one of ``workers`` ranks of ``config``, on the shapes of its data, with the
-    model's allowance for the CUDA runtime (what a GPU must hold: beside the reserved peak)."""
-    from sdtrain.driver.data_check import dataset_spec
-    from sdtrain.driver.memory_fit import caption_encoders, predict_run_memory
-    from sdtrain.model.unet import unet_config
+    """The memory model's peak for one of ``workers`` ranks of ``config`` (its micro-batch pinned), at the largest
+    latent shape of its data (a bucketed run's largest bucket: the steps that must fit, as the driver fits them), with
+    the model's allowance for the CUDA runtime (what a GPU must hold: beside the reserved peak)."""
+    from sdtrain.driver.memory_fit import predict_run_memory
 
-    unet = unet_config(config.model)
-    spec = dataset_spec(config, "data.train", config.data.train, unet)
+    spec, captions, encoders = _train_shapes(config)
     precision = config.train.precision
     if precision == "auto":
         precision = "bf16-mixed" if on_gpu else "32-true"
-    caption_shape = spec.embedding_shape(unet["cross_attention_dim"])
-    encoders = caption_encoders(spec)
     memory = predict_run_memory(
-        config, spec.latent_shape, caption_shape, workers, precision, text_encoders=encoders, on_gpu=on_gpu
+        config, spec.largest_latent_shape, captions, workers, precision, text_encoders=encoders, on_gpu=on_gpu
     )
     return memory.with_runtime_margin
