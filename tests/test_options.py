@@ -376,6 +376,87 @@ def test_the_shipped_gpu_configs_options_train_compiled_one_graph_a_bucket_witho
     assert all(0 < s["loss"] < 10 for s in steps) and not torch.equal(steps[0]["weight"], steps[-1]["weight"])
 
 
+def compile_with_eager_backend(monkeypatch) -> list[tuple[int, ...]]:
+    """nn.Module.compile (strategy.compile_unet's, options unchanged) with dynamo's eager backend: traced, guarded and
+    cached as inductor's, without its C++ compiles. Returns the input shape of each run of a compiled graph."""
+    runs = []
+
+    def counting_eager(graph, example_inputs):
+        def run(*args):
+            runs.append(tuple(args[0].shape))  # the UNet's graphs take the latents first
+            return graph.forward(*args)
+
+        return run
+
+    compile_module = torch.nn.Module.compile
+    monkeypatch.setattr(
+        torch.nn.Module, "compile", lambda self, **kw: compile_module(self, backend=counting_eager, **kw)
+    )
+    return runs
+
+
+def test_validation_and_the_sample_grid_run_a_compiled_unet_eager_past_its_recompile_limit(tmp_path, monkeypatch):
+    """Without an EMA, validation and the sample grid run the compiled training UNet (module.eval_unet) in eval mode
+    under no_grad, at every (N, H, W) data.val holds: compiled, each is one more static graph, and past the limit
+    strategy.compile_unet sets (buckets + 8) fullgraph=True makes dynamo raise FailOnRecompileLimitHit, which ended
+    such a run at its first validation. They run it eager (strategy.uncompiled): nothing compiled, no compiled graph
+    run, and every training step, validated after or not, runs its bucket's graph. Dynamo's eager backend (inductor:
+    the slow tests above), which traces, guards and caches as on a GPU, counting its graphs' runs."""
+    from torch._dynamo.utils import counters
+
+    runs = compile_with_eager_backend(monkeypatch)
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)  # torch's default, whatever earlier tests raised
+    buckets = (LATENTS, (4, 12, 20))
+    cfg = tiny_config(
+        *FIT,
+        "train.compile=true",
+        "run.log_every_n_steps=1",
+        "run.val_every_n_steps=1",  # validated after every step: the next step must still run its graph
+        "sample_grid.rows=2",
+        "sample_grid.columns=1",
+        "sample_grid.steps=2",
+        steps=3,
+    )
+    g = torch.Generator().manual_seed(0)
+    data = [
+        {"latents": torch.randn(2, *buckets[step % 2], generator=g), "captions": torch.randn(2, *CAPTIONS, generator=g)}
+        for step in range(3)
+    ]
+    sizes = ((16, 16), (12, 20), (8, 16), (20, 8))
+    val = [
+        {"latents": torch.randn(n, 4, h, w, generator=g), "captions": torch.randn(n, *CAPTIONS, generator=g)}
+        for n in (1, 2, 3)
+        for h, w in sizes
+    ]
+    assert len(val) > len(buckets) + 8  # more (N, H, W) than the limit holds
+    validation = Validation(ReportCadence(cfg), lambda: val, cfg.train.seed, lambda phase: None)
+    graphs = Graphs(val, validate_every=100)  # before validation's callback: the counters of the steps alone
+    counters.clear()
+    module, trainer, steps = fit(
+        cfg,
+        data,
+        callbacks=[graphs, validation],
+        bucket_shapes=[list(shape) for shape in buckets],
+        default_root_dir=str(tmp_path),
+    )
+    assert trainer.global_step == 3 and module.eval_unet is module.unet and module.unet._compiled_call_impl is not None
+    assert 0 < validation.take(3) < 10
+    per_bucket = graphs.after[1][0]
+    assert per_bucket >= 1 and graphs.after[3] == (2 * per_bucket, 0), graphs.after
+    assert counters["stats"]["unique_graphs"] == 2 * per_bucket  # validations compiled nothing
+    assert runs == [(2, *buckets[step % 2]) for step in range(3)]  # every step compiled, no validation batch
+
+    grids = SampleGrids(
+        cfg,
+        checkpoint_meta(cfg, LATENTS, CAPTIONS),
+        Captions(torch.randn(2, *CAPTIONS, generator=g), ["a", "b"]),
+        str(tmp_path),
+        torch.zeros(CAPTIONS),
+    )
+    assert grids.sample(module.eval_unet, 3).image.shape[-1] == 3
+    assert counters["stats"]["unique_graphs"] == 2 * per_bucket and len(runs) == 3  # nor did the grid
+
+
 class HostSyncs(pl.Callback):
     """Every op dispatched from the start to the end of each micro-batch (the forward, the backward, clipping, the
     skip check, the fused AdamW, the EMA) by a TorchDispatchMode; records those that read a value to the host."""

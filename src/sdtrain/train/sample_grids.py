@@ -25,6 +25,7 @@ from sdtrain.sampling.images import grid_image, latent_preview
 from sdtrain.sampling.sampler import sample_latents
 from sdtrain.storage.filesystems import filesystem_for
 from sdtrain.storage.run_layout import SAMPLES_DIR, sample_grid_file
+from sdtrain.train.strategy import uncompiled
 
 
 @dataclass
@@ -130,7 +131,8 @@ class SampleGrids:
         was_training = unet.training
         unet.eval()
         try:
-            with self.autocast():
+            # Eager: the grid's guided batch would be one more graph of a compiled UNet, counted against its limit.
+            with self.autocast(), uncompiled():
                 latents = sample_latents(
                     unet,
                     self.meta.noise_scheduler_config,

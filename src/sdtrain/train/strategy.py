@@ -187,7 +187,8 @@ def compile_unet(unet: torch.nn.Module, sharded: bool, shapes: int = 1) -> None:
     few layers (conv in and out, the timestep embedding, the down- and upsamplers) run eager.
 
     Graphs are static, one per input shape (aspect-ratio buckets: ``shapes`` latent shapes): dynamo's cache keeps an
-    entry per code object and input shape, so its limit is raised to hold them all (past it, dynamo would run eager).
+    entry per code object and input shape, so its limit is raised to hold them all (past it, ``fullgraph=True`` makes
+    dynamo raise, not run eager: validation and the sample grids, whose shapes vary, run under :func:`uncompiled`).
     Never dynamic: a second shape of the same code object (another bucket, or in one process another UNet compiled
     before) would make dynamo's automatic dynamic shapes recompile symbolic sizes, on which inductor's CPU backend
     fails ("cannot determine truth value of Relational").
@@ -209,6 +210,26 @@ def compile_unet(unet: torch.nn.Module, sharded: bool, shapes: int = 1) -> None:
     for block in units:
         # An instance attribute: nn.Module.__call__ runs the FSDP hooks, then this compiled forward.
         block.forward = torch.compile(block.forward, fullgraph=True, dynamic=False)
+
+
+@contextlib.contextmanager
+def uncompiled() -> Generator[None, None, None]:
+    """Every ``torch.compile`` in this process runs eager inside: validation and the sample grids run the UNet so.
+
+    Without an EMA they run the training UNet itself (``module.eval_unet``), in eval mode under no_grad, on batches
+    whose row count and shape vary (each rank's share of a piece, a bucket's partial last piece, the grid's guided
+    batch): each would be one more static graph, and past :func:`compile_unet`'s recompile limit ``fullgraph=True``
+    makes dynamo raise ``FailOnRecompileLimitHit`` instead of falling back, which ends the run. Eager, they add no
+    graph and no cache entry, so the training step keeps its graphs and its limit. The price is eager speed for them
+    (when the UNet they run is the compiled one: an EMA is never compiled), small as they are a small share of a
+    run's forward passes; training's graphs would rarely serve them anyway, being traced in train mode with grad.
+
+    A dynamo stance, not the module before compile: ``nn.Module.compile`` compiles in place (there is no
+    ``_orig_mod`` to call) and under FSDP each unit's ``forward`` is compiled on its own, and the stance covers both,
+    whatever DDP, FSDP or Lightning wrap around them. It is entered outside any compiled region, as dynamo requires.
+    """
+    with torch.compiler.set_stance("force_eager"):
+        yield
 
 
 class CompiledGraphs(pl.Callback):

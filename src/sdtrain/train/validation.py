@@ -11,7 +11,7 @@ from sdtrain.errors import TrainingFailed
 from sdtrain.logs import log
 from sdtrain.train.cadence import OptimizerStepCallback, ReportCadence
 from sdtrain.train.device_settings import training_autocast
-from sdtrain.train.strategy import is_sharded
+from sdtrain.train.strategy import is_sharded, uncompiled
 from sdtrain.train.watchdog import Phase
 
 ValBatches = Callable[[], Iterable[dict[str, torch.Tensor]]]
@@ -95,7 +95,8 @@ class Validation(OptimizerStepCallback):
         self._validated_step = step
         self.enter(Phase.VALIDATION)
         # Under training's autocast: the (EMA) weights are scored at the precision they trained at, at its speed.
-        with training_autocast(trainer):
+        # Eager: a compiled UNet would compile a graph per validation batch shape, past its limit an error.
+        with training_autocast(trainer), uncompiled():
             if is_sharded(pl_module):
                 sums = pl_module.validation_sums(self.batches(), self.seed)
             else:
