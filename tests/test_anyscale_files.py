@@ -137,7 +137,8 @@ def test_every_gpu_job_keeps_nccls_flight_record_of_a_hang_and_names_no_interfac
 @pytest.mark.parametrize("name", ["job.yaml", "schedule.yaml"])
 def test_the_shipped_micro_batch_fits_the_nodes_gpu_at_every_world_size(name):
     """The memory model's peak of a rank at each world size of the job (DDP: the same at every size), with its 1 GiB
-    for the CUDA runtime, within the share of the GPU that train.micro_batch_size=auto would fill."""
+    for the CUDA runtime, within the share of the GPU that train.micro_batch_size=auto would fill: of the memory the
+    GPU reports (an A10G's 22.5 GiB), not the size it is sold as."""
     from sdtrain.driver.memory_fit import AUTO_FILL, fit_micro_batch, predict_run_memory
 
     job = _job(name)
@@ -150,4 +151,4 @@ def test_the_shipped_micro_batch_fits_the_nodes_gpu_at_every_world_size(name):
     assert fit_micro_batch(config, node.gpu.accelerator_type, *shapes, "bf16-mixed") == (config, None)
     for world in range(config.scaling.min_workers, config.scaling.max_workers + 1):
         memory = predict_run_memory(config, *shapes, world, "bf16-mixed")
-        assert memory.with_runtime_margin <= AUTO_FILL * node.gpu_memory_gib * 2**30, (name, world, memory)
+        assert memory.with_runtime_margin <= AUTO_FILL * node.gpu_device_bytes, (name, world, memory)

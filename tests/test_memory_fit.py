@@ -28,7 +28,7 @@ def test_the_clusters_gpu_is_its_one_known_accelerator_type():
 
 def test_auto_picks_the_largest_common_size_that_fits_and_keeps_the_global_batch():
     # 192, 128 or 96 a worker: sizes 32 and its divisors work at every world size. At 32 the small UNet at 512 px
-    # is predicted to need ~23.5 GiB with the runtime, over 90% of an A10G's 24 GiB; 16 needs ~14.
+    # is predicted to need ~23.5 GiB with the runtime, more than an A10G's 22.5 GiB; 16 needs ~14.
     config = _small("train.global_batch_size=384", "scaling.num_workers=[2,4]", "train.micro_batch_size=auto")
     fitted, said = fit_micro_batch(config, "A10G", *SMALL_512, "bf16-mixed")
     assert fitted.train.micro_batch_size == 16 and fitted.train.global_batch_size == 384
@@ -46,13 +46,14 @@ def test_a_size_predicted_not_to_fit_is_refused_naming_the_numbers():
         ConfigError, match=r"train.micro_batch_size: 64 samples a rank are predicted to need 4\d\.\d GiB"
     ):
         fit_micro_batch(config, "A10G", *SMALL_512, "bf16-mixed")
-    # What fits the largest variant is not refused, but auto would not pick it: over 90% of 24 GiB leaves too little
-    # for what the caching allocator reserves beyond the tensors, and the line says so...
-    fits = _small("train.global_batch_size=128", "scaling.num_workers=2", "train.micro_batch_size=32")
+    # What fits the largest variant is not refused, but auto would not pick it: over 90% of 22.5 GiB leaves too
+    # little for what the caching allocator reserves beyond the tensors, and the line says so...
+    fits = _small("train.global_batch_size=56", "scaling.num_workers=2", "train.micro_batch_size=28")
     fitted, said = fit_micro_batch(fits, "A10G", *SMALL_512, "bf16-mixed")
     assert fitted == fits and said is not None
     assert re.match(
-        r"train.micro_batch_size: 32 samples a rank are predicted to need 2\d\.\d GiB, over 90% of a 24 GiB A10G", said
+        r"train.micro_batch_size: 28 samples a rank are predicted to need 2\d\.\d GiB, over 90% of a 22\.5 GiB A10G",
+        said,
     )
     # ...which a size under 90% does not get.
     roomy = _small("train.global_batch_size=128", "scaling.num_workers=2", "train.micro_batch_size=16")
@@ -61,7 +62,28 @@ def test_a_size_predicted_not_to_fit_is_refused_naming_the_numbers():
     assert fit_micro_batch(config, None, *SMALL_512, "bf16-mixed") == (config, None)
     # An A100 may have 80 GB: 64 samples (~42 GiB) are not refused there, and the line says which A100 they need.
     fitted, said = fit_micro_batch(config, "A100", *SMALL_512, "bf16-mixed")
-    assert fitted == config and said is not None and said.endswith("only its 80 GiB variant fits them"), said
+    assert fitted == config and said is not None and said.endswith("only its 80.0 GiB variant fits them"), said
+
+
+def test_the_fit_measures_against_the_memory_the_gpu_reports_not_its_datasheet_size():
+    """An A10G sold as 24 GB with ECC on its GDDR6 reports 23028 MiB (22.5 GiB; nvidia-smi's memory.total): a size
+    predicted between that and 24 GiB cannot fit and is refused, and auto fills 90% of 22.5 GiB, not of 24."""
+    from sdtrain.model.hardware import NODE_TYPES, memory_range
+
+    # 32 samples: ~23.5 GiB with the runtime, under 24 GiB but over what the device holds.
+    over = _small("train.global_batch_size=128", "scaling.num_workers=2", "train.micro_batch_size=32")
+    with pytest.raises(ConfigError, match=r"predicted to need 23\.\d GiB .*more than a A10G's 22\.5 GiB"):
+        fit_micro_batch(over, "A10G", *SMALL_512, "bf16-mixed")
+    # 28 samples (~21.2 GiB) fit 90% of 24 GiB (21.6) but not of 22.5 (20.2): auto halves them.
+    auto = _small("train.global_batch_size=56", "scaling.num_workers=2", "train.micro_batch_size=auto")
+    fitted, said = fit_micro_batch(auto, "A10G", *SMALL_512, "bf16-mixed")
+    assert fitted.train.micro_batch_size == 14 and said is not None and said.endswith("on A10G (22.5 GiB)"), said
+    mib = 2**20
+    assert memory_range("A10G") == (23028 * mib, 23028 * mib)
+    assert memory_range("A100") == (40960 * mib, 81920 * mib)  # HBM2 and HBM2e: the datasheet's 40 and 80 GB are GiB
+    assert NODE_TYPES["g5.8xlarge"].gpu_device_bytes == 23028 * mib
+    assert NODE_TYPES["g6e.12xlarge"].gpu_device_bytes == 46068 * mib
+    assert NODE_TYPES["p5.48xlarge"].gpu_device_bytes == 81559 * mib
 
 
 def test_token_id_captions_count_the_text_encoders_every_rank_holds():
@@ -140,9 +162,9 @@ def test_the_driver_refuses_before_any_worker_starts_on_a_cluster_of_a10gs(tmp_p
     )
     try:
         ray.init(address=cluster.address)
-        with pytest.raises(ConfigError, match=r"more than a A10G's 24 GiB"):
+        with pytest.raises(ConfigError, match=r"more than a A10G's 22\.5 GiB"):
             train(config)
-        with pytest.raises(ConfigError, match=r"more than a A10G's 24 GiB"):
+        with pytest.raises(ConfigError, match=r"more than a A10G's 22\.5 GiB"):
             train(fsdp)
         assert not list(tmp_path.rglob("checkpoint_*"))  # no worker started
     finally:

@@ -8,6 +8,7 @@ from functools import cache
 from typing import Any, cast
 
 from sdtrain.config.schema import ModelConfig
+from sdtrain.model.hardware import A10G, A100, H100_SXM
 
 GIB = 2**30
 TRACED_MICRO_BATCH = 32
@@ -19,7 +20,13 @@ MEMORY_ROWS = (
     ("sd2-base", 512, False),
     ("sd2-base", 512, True),
 )
-FIT_GPUS = (("A10G", 24), ("A100 40GB", 40), ("H100", 80))
+# Each GPU's memory as the device reports it (sdtrain.model.hardware), not its datasheet size: an A10G's 24 GB is 22.5
+# GiB.
+FIT_GPUS = (
+    ("A10G", A10G.device_bytes(24) / GIB),
+    ("A100 40GB", A100.device_bytes(40) / GIB),
+    ("H100", H100_SXM.device_bytes(80) / GIB),
+)
 
 
 @dataclass(frozen=True)

@@ -280,8 +280,8 @@ def _jobs_section(repo: Path) -> list[str]:
     waits = [predict_job(choice, nodes).communication_share for nodes in (2, 3, 4)]
     lines += [
         "",
-        f"96 a micro-batch (~18 GiB of the A10G's 24 by the memory model) leaves {min(waits):.0%}-{max(waits):.0%} of"
-        " a step waiting; the global",
+        f"96 a micro-batch (~18 GiB of the A10G's {A10G.device_bytes(24) / 2**30:.1f} by the memory model) leaves"
+        f" {min(waits):.0%}-{max(waits):.0%} of a step waiting; the global",
         "batch is 1152 for it to divide over every world size. Before 2026-11-27 job.yaml trained 384 a step in",
         "micro-batches of 32, eager; before 2026-11-25, 48 a step in micro-batches of 4 on 2-4 g5.2xlarge nodes (up",
         "to 10 Gbit/s), float32 gradients:",
@@ -324,8 +324,9 @@ def _job_row(job: ShippedJob, nodes: int) -> str:
 
 
 def _job_memory(job: ShippedJob, micro_batch: int, world: int) -> str:
-    """The predicted peak of a job's rank against its GPU's memory: DDP's from the memory table's line (traced
-    without EMA: say so where it has one); FSDP's traced for its world, EMA included."""
+    """The predicted peak of a job's rank against the memory its GPU reports (not the size it is sold as): DDP's
+    from the memory table's line (traced without EMA: say so where it has one); FSDP's traced for its world, EMA
+    included."""
     config = job.config
     if config.train.strategy == "fsdp":
         from sdtrain.driver.memory_fit import predict_run_memory
@@ -334,10 +335,10 @@ def _job_memory(job: ShippedJob, micro_batch: int, world: int) -> str:
         side = resolution_of(config) // 8
         captions = (77, int(unet_config(config.model)["cross_attention_dim"]))
         traced = predict_run_memory(config, (4, side, side), captions, world, "bf16-mixed", micro_batch)
-        return f"{traced.total_peak / 2**30:.1f} of {job.node.gpu_memory_gib:.0f} GiB"
+        return f"{traced.total_peak / 2**30:.1f} of {job.node.gpu_device_bytes / 2**30:.1f} GiB"
     memory = linear_memory(config.model.preset, resolution_of(config), config.train.gradient_checkpointing)
     ema = "+ EMA " if config.train.ema_decay is not None else ""
-    return f"{memory.gib(micro_batch):.1f} {ema}of {job.node.gpu_memory_gib:.0f} GiB"
+    return f"{memory.gib(micro_batch):.1f} {ema}of {job.node.gpu_device_bytes / 2**30:.1f} GiB"
 
 
 def render_markdown(repo: Path) -> str:

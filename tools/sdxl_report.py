@@ -15,7 +15,9 @@ from tools.text_encoders import sdxl_text_encoder_configs
 
 PRESET, RESOLUTION, RANKS = "sdxl-base", 1024, 64
 LATENTS, CAPTIONS = (4, RESOLUTION // 8, RESOLUTION // 8), (77, 2048)
-FIT = (("A100 40GB", 40), ("A100 80GB", 80), ("H100", 80), ("H200", 141))
+# The memory each reports (sdtrain.model.hardware), not its datasheet size.
+FIT_SIZES = (("A100 40GB", A100, 40), ("A100 80GB", A100, 80), ("H100", H100_SXM, 80), ("H200", H200_SXM, 141))
+FIT = tuple((name, gpu.device_bytes(size) / GIB) for name, gpu, size in FIT_SIZES)
 RATE_GPUS = ((A100, 80), (H100_SXM, 80), (H200_SXM, 141))
 # The shipped job's micro-batch: the rates' op trace, and the memory table's trace, which is then the jobs section's
 # trace of sdxl_job.yaml's rank (FSDP over 64, EMA, checkpointing, embeddings) too.

@@ -1,13 +1,14 @@
 """train.micro_batch_size against the memory of the cluster's GPUs, decided by the driver before any worker starts.
 
 The GPU model comes from the cluster's ``accelerator_type:<model>`` resources, which Ray sets on every GPU node; its
-memory from the hardware table (:func:`sdtrain.model.hardware.memory_range`). A model sold with more than one memory
-size (an A100 has 40 or 80 GB, and Ray names both "A100") is taken at its smallest to choose a size and at its
-largest to refuse one: auto never picks what may not fit, and no size that fits some variant is refused. Where no
-GPU node is up yet (an autoscaling cluster at start), or the nodes hold different models, nothing is known: auto
-falls back to null's size and nothing is refused. The prediction is the memory model's (sdtrain.model.memory) for a
-rank at the fewest workers allowed (FSDP shards least there), with the frozen text encoders every rank holds where
-the data's captions are token ids (:func:`caption_encoders`).
+memory from the hardware table (:func:`sdtrain.model.hardware.memory_range`): the memory the device reports, not the
+size it is sold as (an A10G's 24 GB is 22.5 GiB), since the driver's machine has no GPU to ask. A model sold with
+more than one memory size (an A100 has 40 or 80 GB, and Ray names both "A100") is taken at its smallest to choose a
+size and at its largest to refuse one: auto never picks what may not fit, and no size that fits some variant is
+refused. Where no GPU node is up yet (an autoscaling cluster at start), or the nodes hold different models, nothing
+is known: auto falls back to null's size and nothing is refused. The prediction is the memory model's
+(sdtrain.model.memory) for a rank at the fewest workers allowed (FSDP shards least there), with the frozen text
+encoders every rank holds where the data's captions are token ids (:func:`caption_encoders`).
 """
 
 from __future__ import annotations
@@ -89,11 +90,11 @@ def fit_micro_batch(
             if (memory := needs(micro_batch)).with_runtime_margin <= AUTO_FILL * smallest:
                 return _with_micro_batch(config, micro_batch), (
                     f"train.micro_batch_size=auto: {micro_batch}, predicted {_gib(memory)} a rank on {gpu} "
-                    f"({smallest / GIB:.0f} GiB)"
+                    f"({smallest / GIB:.1f} GiB)"
                 )
         raise ConfigError(
             f"train.micro_batch_size=auto: not even 1 sample a rank is predicted to fit a {gpu} ({_gib(needs(1))} "
-            f"against {smallest / GIB:.0f} GiB); set train.gradient_checkpointing=true or train.strategy=fsdp, or use "
+            f"against {smallest / GIB:.1f} GiB); set train.gradient_checkpointing=true or train.strategy=fsdp, or use "
             "GPUs with more memory"
         )
     micro_batch = config.batch_layout(world).micro_batch
@@ -106,20 +107,20 @@ def _configured_size(memory: TrainingMemory, micro_batch: int, gpu: str, smalles
     if memory.with_runtime_margin > largest:
         raise ConfigError(
             f"train.micro_batch_size: {micro_batch} samples a rank are predicted to need {_gib(memory)} "
-            f"(sdtrain.model.memory, with 1 GiB for the CUDA runtime), more than a {gpu}'s {largest / GIB:.0f} GiB; "
+            f"(sdtrain.model.memory, with 1 GiB for the CUDA runtime), more than a {gpu}'s {largest / GIB:.1f} GiB; "
             "use a smaller train.micro_batch_size (or auto), train.gradient_checkpointing=true or train.strategy=fsdp"
         )
     if memory.with_runtime_margin > smallest:
         return (
             f"train.micro_batch_size: {micro_batch} samples a rank are predicted to need {_gib(memory)}, more than a "
-            f"{smallest / GIB:.0f} GiB {gpu} holds: only its {largest / GIB:.0f} GiB variant fits them"
+            f"{smallest / GIB:.1f} GiB {gpu} holds: only its {largest / GIB:.1f} GiB variant fits them"
         )
     if memory.with_runtime_margin > AUTO_FILL * smallest:
         # A GPU session measured the caching allocator reserving 3-9% over the model's tensors
         # (bench/results/2026-11-27-h200.md): auto's 10% is what covers it.
         return (
             f"train.micro_batch_size: {micro_batch} samples a rank are predicted to need {_gib(memory)}, over "
-            f"{AUTO_FILL:.0%} of a {smallest / GIB:.0f} GiB {gpu}: what the caching allocator reserves beyond the "
+            f"{AUTO_FILL:.0%} of a {smallest / GIB:.1f} GiB {gpu}: what the caching allocator reserves beyond the "
             "tensors may not fit in the rest (an out-of-memory error on the first steps); "
             "train.micro_batch_size=auto keeps under it"
         )
