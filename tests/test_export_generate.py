@@ -133,6 +133,12 @@ def test_export_round_trips_through_from_pretrained(trained, tmp_path):
     torch.save(smaller, run / "checkpoint_000000004" / "checkpoint.ckpt")
     small = export_checkpoint(str(run / "checkpoint_000000004"), str(tmp_path / "small"))
     assert UNet2DConditionModel.load_config(small, subfolder="unet")["sample_size"] == 8
+    # Bucketed: latent_shape is the most common bucket (here a wide one); the default is the square bucket's side.
+    smaller["sdtrain"]["latent_shape"] = [4, 8, 12]
+    smaller["sdtrain"]["bucket_shapes"] = [[4, 8, 12], [4, 10, 10], [4, 12, 8]]
+    torch.save(smaller, run / "checkpoint_000000004" / "checkpoint.ckpt")
+    bucketed = export_checkpoint(str(run / "checkpoint_000000004"), str(tmp_path / "bucketed"))
+    assert UNet2DConditionModel.load_config(bucketed, subfolder="unet")["sample_size"] == 10
     (run / "sdtrain.json").write_text("{}")  # even were it an export: the model is inside it
     with pytest.raises(SdtrainError, match=r"holds the model it would export"):
         export_checkpoint(str(run / "checkpoint_000000004"), str(run))

@@ -92,11 +92,12 @@ def write_export(loaded: LoadedModel, destination: str, base_model: str | None =
         "vae_source": sources.vae if sources else None,
         "text_encoder_source": sources.text_encoder if sources else None,
     }
-    trained = loaded.latent_shape[-2:] if loaded.latent_shape else None
-    if trained is not None and trained[0] == trained[1]:
+    side = square_side(loaded)
+    if side is not None:
         # A pipeline's default size is its UNet's sample_size: the trained one, not the preset's (sd2-base's 64 is
-        # 512 px; configs/sd2-base.yaml trains at 256). Non-square latents keep it (SDXL's pipeline takes an int).
-        loaded.unet.register_to_config(sample_size=int(trained[0]))
+        # 512 px; configs/sd2-base.yaml trains at 256). A model of non-square latents alone keeps it: diffusers'
+        # pipelines take an int there.
+        loaded.unet.register_to_config(sample_size=side)
     with tempfile.TemporaryDirectory() as local:
         if pipeline is not None:
             _write_pipeline(loaded, *pipeline, local)
@@ -222,3 +223,12 @@ def export_source(path: str) -> str | None:
         return None
     with fs.open_input_stream(info_path) as f:
         return json.loads(f.read()).get("source_checkpoint")
+
+
+def square_side(loaded: LoadedModel) -> int | None:
+    """The latent side of the square images the model trained on: its latents', or its square bucket's (bucketed
+    data's latent_shape is its most common bucket, often not square; preprocessing's buckets always hold the square
+    at image.resolution); None where it trained on none."""
+    shapes = loaded.bucket_shapes or ((loaded.latent_shape,) if loaded.latent_shape else ())
+    squares = [int(shape[-1]) for shape in shapes if shape[-2] == shape[-1]]
+    return squares[0] if squares else None

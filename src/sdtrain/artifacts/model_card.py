@@ -112,14 +112,15 @@ def render_grid(loaded: LoadedModel, pipeline: Any, guidance: dict[str, Any]) ->
     prompts = _data_captions(loaded, RENDER_PROMPTS)
     if not prompts:
         return None
-    side = (loaded.latent_shape[-1] if loaded.latent_shape else pipeline.unet.config.sample_size) * (
-        pipeline.vae_scale_factor
-    )
+    # The size it trained at: the square (the UNet's sample_size, set by the export), else its latents' own.
+    latents = loaded.latent_shape
+    trained = latents[-2:] if latents and latents[-2] != latents[-1] and not loaded.bucket_shapes else None
+    height, width = trained or (pipeline.unet.config.sample_size,) * 2
     images = pipeline(
         prompts,
         num_inference_steps=RENDER_STEPS,
-        height=side,
-        width=side,
+        height=height * pipeline.vae_scale_factor,
+        width=width * pipeline.vae_scale_factor,
         generator=torch.Generator().manual_seed(0),
         output_type="pil",
         **{
@@ -127,9 +128,9 @@ def render_grid(loaded: LoadedModel, pipeline: Any, guidance: dict[str, Any]) ->
             for key, value in guidance.items()
         },
     ).images
-    canvas = Image.new("RGB", (len(images) * (side + 2) + 2, side + 4), "white")
+    canvas = Image.new("RGB", (len(images) * (images[0].width + 2) + 2, images[0].height + 4), "white")
     for i, image in enumerate(images):
-        canvas.paste(image, (2 + i * (side + 2), 2))
+        canvas.paste(image, (2 + i * (image.width + 2), 2))
     buffer = io.BytesIO()
     canvas.save(buffer, format="PNG")
     listed = "; ".join(f"{i + 1}. {p}" for i, p in enumerate(prompts))
