@@ -4,6 +4,7 @@ Ray. The evaluation beside a real Ray run is in tests/test_train_ray.py."""
 
 import json
 import os
+import sys
 
 import lightning.pytorch as pl
 import numpy as np
@@ -321,13 +322,14 @@ def test_a_score_not_known_yet_ranks_last_in_ray_trains_own_checkpoint_manager(t
 
     from sdtrain.driver.run import _ray_run_config
 
-    assert scored_metrics({"loss": 1.0}, "fd_dinov2") == {"loss": 1.0, "fd_dinov2": float("inf")}
-    assert scored_metrics({"loss": 1.0}, "clip_score") == {"loss": 1.0, "clip_score": float("-inf")}
-    assert scored_metrics({"loss": 1.0}, "class_agreement")["class_agreement"] == float("-inf")
+    worst = sys.float_info.max  # finite: Ray Train's snapshot is JSON, which has no infinity
+    assert scored_metrics({"loss": 1.0}, "fd_dinov2") == {"loss": 1.0, "fd_dinov2": worst}
+    assert scored_metrics({"loss": 1.0}, "clip_score") == {"loss": 1.0, "clip_score": -worst}
+    assert scored_metrics({"loss": 1.0}, "class_agreement")["class_agreement"] == -worst
     assert scored_metrics({"loss": 1.0, "val_loss": 0.2}, "val_loss")["val_loss"] == 0.2
     assert scored_metrics({"loss": 1.0}, "loss") == scored_metrics({"loss": 1.0}, None) == {"loss": 1.0}
 
-    def kept(attribute, reports):
+    def kept(attribute, reports, restarted_after=None):
         config = tiny_config(
             "data.train=/unused",
             "data.val=/unused",
@@ -335,12 +337,15 @@ def test_a_score_not_known_yet_ranks_last_in_ray_trains_own_checkpoint_manager(t
             "checkpoint.num_to_keep=1",
             "eval.clip=/unused",
         )
-        run = f"{attribute}-{len(reports)}"
+        run = f"{attribute}-{len(reports)}-{restarted_after}"
         storage = StorageContext(storage_path=str(tmp_path), experiment_dir_name=run)
         manager = CheckpointManager(_ray_run_config(config).checkpoint_config, storage)
 
         async def report():
+            nonlocal manager
             for step, metrics in reports:
+                if step == restarted_after:  # a new controller (a retry, the run re-run) loads Ray's snapshot
+                    manager = CheckpointManager(_ray_run_config(config).checkpoint_config, storage)
                 directory = tmp_path / run / f"checkpoint_{step}"
                 directory.mkdir(parents=True)
                 scored = scored_metrics({"step": step, "loss": 0.5, **metrics}, attribute)
@@ -353,6 +358,8 @@ def test_a_score_not_known_yet_ranks_last_in_ray_trains_own_checkpoint_manager(t
     # A reclaim notice at step 1500 checkpoints off the validation schedule (every 1000 steps here).
     val = [(1000, {"val_loss": 0.5}), (1500, {}), (2000, {"val_loss": 0.3}), (3000, {"val_loss": 0.4})]
     assert kept("val_loss", val) == [2000, 3000]  # the best and the latest; 1500 ranked last
+    # Resumed by a new controller after the notice's checkpoint: its unknown score survives Ray Train's snapshot.
+    assert kept("val_loss", val, restarted_after=2000) == [2000, 3000]
     assert kept("val_loss", val[:2]) == [1000, 1500]  # the latest is kept whatever its score
     # Evaluated checkpoints' scores come later (Ray Train's validation); at their report they rank last.
     assert kept("clip_score", [(1000, {}), (2000, {})]) == [2000]

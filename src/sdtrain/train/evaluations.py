@@ -13,7 +13,7 @@ way once eval.timeout_s has passed.
 
 from __future__ import annotations
 
-import math
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -36,12 +36,19 @@ def scored_metrics(metrics: dict[str, float], attribute: str | None) -> dict[str
     the better, clip_score and class_agreement higher), so such a checkpoint is pruned first, once it is no longer the
     latest. Not known yet: an eval metric, until the checkpoint's evaluation reports it (Ray Train keeps a checkpoint
     whose evaluation is pending); val_loss, at a checkpoint off the validation schedule (a reclaim notice's). Ray
-    Train itself would rank a missing score the best: it scores it -inf, which mode min negates."""
+    Train itself would rank a missing score the best: it scores it -inf, which mode min negates. The worst is the
+    largest finite float, not infinity: Ray Train's snapshot of its checkpoints is JSON, which writes infinity as
+    null, and the next controller of the run (a retry, the command re-run) failed on null at its first checkpoint."""
     if attribute is None or attribute in metrics:
         return metrics
     if attribute in EVAL_METRICS or attribute == "val_loss":
-        return {**metrics, attribute: -math.inf if attribute in HIGHER_IS_BETTER else math.inf}
+        return {**metrics, attribute: -UNSCORED if attribute in HIGHER_IS_BETTER else UNSCORED}
     return metrics
+
+
+UNSCORED = sys.float_info.max
+"""The score of a checkpoint whose score is not known yet, as a loss (lower is better); negated for a higher-is-better
+metric."""
 
 
 class CheckpointEvaluations:
