@@ -61,3 +61,41 @@ def test_the_thread_fires_once_in_the_phase_it_stalled_in():
     quiet.stop()
     quiet.enter(Phase.STEP)
     assert not done.wait(1.5) and not fired
+
+
+def test_the_end_of_training_is_watched_as_a_slow_phase():
+    """The callbacks after StallWatch end the run in on_train_end (StepReporter's final report and checkpoint, the
+    trackers' finish): the watchdog was stopped before them, and a hang there hung the job with no message."""
+    import lightning.pytorch as pl
+    import torch
+
+    from sdtrain.train.watchdog import StallWatch
+
+    watchdog, fired, done = _watchdog(timeout_s=100, slow_phase_timeout_s=0.5)
+
+    class Tiny(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(2, 1)
+
+        def training_step(self, batch, batch_idx):
+            return self.layer(batch).sum()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    class HangsAtTheEnd(pl.Callback):  # as a tracker's finish or an upload that never ends
+        def on_train_end(self, trainer, pl_module):
+            done.wait(10)
+
+    trainer = pl.Trainer(
+        max_steps=2,
+        callbacks=[StallWatch(watchdog), HangsAtTheEnd()],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(Tiny(), train_dataloaders=torch.utils.data.DataLoader(torch.randn(4, 2), batch_size=2))
+    watchdog.stop()
+    assert len(fired) == 1 and Phase.FINISHING in fired[0] and "run.slow_phase_timeout_s=0.5" in fired[0], fired

@@ -59,15 +59,18 @@ class CheckpointWriter:
         position: DataState,
         history,
         evaluate: bool = False,
+        final: bool = False,
     ) -> float:
-        """:func:`report_with_checkpoint` with this writer's settings: the seconds the training loop waited."""
+        """:func:`report_with_checkpoint` with this writer's settings: the seconds the training loop waited. The final
+        checkpoint is uploaded in the loop (sync) whatever checkpoint.upload says: Ray Train would wait for it after
+        the loop returns anyway, where no stall watchdog watches it (a hung upload hung the job with no message)."""
         return report_with_checkpoint(
             trainer,
             pl_module,
             metrics,
             DataPosition(step, position, self.plan_fingerprint),
             history,
-            self.upload,
+            "sync" if final else self.upload,
             self.staging,
             evaluate,
         )

@@ -160,7 +160,7 @@ class StepReporter(OptimizerStepCallback):
         if with_checkpoint:
             scored = scored_metrics(metrics, self._score_attribute)
             self._checkpoint_stall = self.checkpoints.report(
-                trainer, pl_module, scored, step, position, self.history, evaluate
+                trainer, pl_module, scored, step, position, self.history, evaluate, final=step >= self.train.max_steps
             )
         else:
             ray.train.report(metrics)

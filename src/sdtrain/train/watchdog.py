@@ -45,9 +45,12 @@ class Phase:
     REPORT = "reporting metrics: the barrier with every other rank"
     SAMPLE_GRID = "rendering a sample grid (sample_grid.every_n_steps) and writing the live files"
     RECLAIM = "holding after the last checkpoint before a reclaim deadline, until Ray Train restarts the group there"
+    FINISHING = "finishing: the final report and checkpoint, and the trackers' and live files' last writes"
 
 
-SLOW_PHASES = frozenset({Phase.STARTING, Phase.VALIDATION, Phase.CHECKPOINT, Phase.SAMPLE_GRID, Phase.RECLAIM})
+SLOW_PHASES = frozenset(
+    {Phase.STARTING, Phase.VALIDATION, Phase.CHECKPOINT, Phase.SAMPLE_GRID, Phase.RECLAIM, Phase.FINISHING}
+)
 """Phases whose length grows with the model, the held-out set, the network or a reclaim notice, not with a step:
 bounded on their own (run.slow_phase_timeout_s), and excluded from the step's bound."""
 
@@ -142,7 +145,8 @@ class StallWatchdog:
 
 
 class StallWatch(pl.Callback):
-    """Tells the worker's :class:`StallWatchdog` each optimizer step and when a step starts; stops it at the end.
+    """Tells the worker's :class:`StallWatchdog` each optimizer step, when a step starts, and when training ends (a
+    slow phase); stops it on an exception.
 
     Listed first, so that the other callbacks' phases (validation, reporting, checkpointing) follow the step's.
     """
@@ -164,7 +168,10 @@ class StallWatch(pl.Callback):
         self.watchdog.enter(Phase.BETWEEN_STEPS)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.watchdog.stop()
+        # Watched on, not stopped: the callbacks after this one end the run here (StepReporter's final report and
+        # checkpoint, the trackers' finish), and a hang there hung the job with no message. The worker stops the
+        # watchdog once fit returns.
+        self.watchdog.enter(Phase.FINISHING)
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self.watchdog.stop()

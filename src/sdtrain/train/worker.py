@@ -146,7 +146,11 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         copy = directory if is_copy else None
         launched, prompts = loop_config["launched_at"], loop_config.get("grid_prompts")
         run = WorkerRun(config, plan, layout, start, launched, scratch, copy, watchdog, settings.pin_memory, prompts)
-        _fit(run, module, trainer_kwargs, train_batches)
+        try:
+            _fit(run, module, trainer_kwargs, train_batches)
+        finally:
+            if watchdog is not None:  # watched through the run's end (StallWatch.on_train_end), no further
+                watchdog.stop()
 
 
 def _fit(
