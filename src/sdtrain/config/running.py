@@ -134,8 +134,10 @@ class CheckpointConfig(Section):
     pruned, once it is all there); sync: wait for the upload. The wait shows in the metric checkpoint_stall_s."""
     staging_dir: str | None = None
     """Local directory (each node's own disk) where checkpoints are written before their upload and a restored
-    checkpoint is downloaded to; it needs room for about two checkpoints. null = the system's temporary directory.
-    What a killed worker left there is removed when the run's next worker group starts."""
+    checkpoint is downloaded to. It needs room for about two checkpoints, and, while a worker group restores from
+    object storage, one checkpoint per worker on the node (each rank downloads its own copy, removed once restored:
+    8 GPUs a node are 8 copies at once). null = the system's temporary directory. What a killed worker left there
+    is removed when the run's next worker group starts."""
     record_rows: bool = False
     """Save into each checkpoint, as samples.npy, the sample index (row number in data.train's files, in order) of
     every row trained on since the previous checkpoint, all ranks: an exact record of what the model saw."""
