@@ -67,7 +67,7 @@ class DataConfig(Section):
     """Each epoch reads the training files as a seeded shuffle of chunks of this many consecutive rows of a file."""
     shuffle_window_rows: int = 512
     """Each worker reads its chunks in windows of this many rows (one Ray Data block) and shuffles rows within a
-    window."""
+    window. Not bucketed data's: its rows keep their order within a chunk (docs/data.md, Aspect-ratio buckets)."""
     on_resume_change: Literal["fail", "new_epoch"] = "fail"
     """When data.train, train.seed or the shuffle sizes changed since the checkpoint a run resumes from (its data
     position would read rows twice or never): fail says what changed, before Ray starts; new_epoch resumes the
