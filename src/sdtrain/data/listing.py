@@ -213,7 +213,7 @@ LIST_THREADS = 8
 """Key ranges listed at once (botocore's pool holds 10 connections)."""
 
 
-def _s3_objects(
+def s3_objects(
     client, bucket: str, prefix: str, page_size: int, after: str | None = None, through: str | None = None
 ) -> Iterator[S3Object]:
     """The objects under ``prefix`` (after the key ``after``, up to and including ``through``), one page of
@@ -233,19 +233,19 @@ def _s3_objects(
 def _s3_objects_in_ranges(
     client, bucket: str, prefix: str, page_size: int, known: KnownKeys | None
 ) -> Iterator[S3Object]:
-    """The objects under ``prefix`` in key order, as :func:`_s3_objects`; with ``known`` keys (of a previous
+    """The objects under ``prefix`` in key order, as :func:`s3_objects`; with ``known`` keys (of a previous
     listing), the key space is cut at every few pages' worth of them into ranges (after one split key, through
     the next) listed by ``LIST_THREADS`` threads at once and yielded in order. A range's own listing finds what
     was added in it and leaves out what was deleted (a split key need not exist any more); S3 pages come one after
     another, each waiting for the last one's token, so concurrent ranges are what shortens a large listing."""
     splits = split_keys(known, bucket, prefix, page_size, LIST_THREADS)
     if not splits:
-        yield from _s3_objects(client, bucket, prefix, page_size)
+        yield from s3_objects(client, bucket, prefix, page_size)
         return
     bounds = list(zip([None, *splits], [*splits, None], strict=True))
 
     def one(bound: tuple[str | None, str | None]) -> list[S3Object]:
-        return list(_s3_objects(client, bucket, prefix, page_size, *bound))
+        return list(s3_objects(client, bucket, prefix, page_size, *bound))
 
     from collections import deque
     from concurrent.futures import ThreadPoolExecutor
