@@ -146,11 +146,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         copy = directory if is_copy else None
         launched, prompts = loop_config["launched_at"], loop_config.get("grid_prompts")
         run = WorkerRun(config, plan, layout, start, launched, scratch, copy, watchdog, settings.pin_memory, prompts)
-        try:
-            _fit(run, module, trainer_kwargs, train_batches)
-        finally:
-            if watchdog is not None:  # watched through the run's end (StallWatch.on_train_end), no further
-                watchdog.stop()
+        _fit(run, module, trainer_kwargs, train_batches)
 
 
 def _fit(
@@ -179,7 +175,11 @@ def _fit(
         # Ray's check that the strategy and cluster environment are its own; it knows no FSDP2
         # strategy (sdtrain.train.strategy.RayModelParallelStrategy), which needs nothing more from it.
         trainer = prepare_trainer(trainer)
-    trainer.fit(module, train_dataloaders=train_batches, ckpt_path=start.ckpt_path, weights_only=True)
+    try:
+        trainer.fit(module, train_dataloaders=train_batches, ckpt_path=start.ckpt_path, weights_only=True)
+    finally:
+        if run.watchdog is not None:  # watched through the run's end (StallWatch.on_train_end), no further
+            run.watchdog.stop()
 
 
 def _callbacks(run: WorkerRun, module: pl.LightningModule, rank: int, train_batches: TrainStream) -> list[pl.Callback]:
