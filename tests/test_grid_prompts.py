@@ -154,6 +154,54 @@ def test_grid_captions_that_rank_0_could_not_read_are_refused_before_ray(tmp_pat
     assert not ray.is_initialized()
 
 
+def test_grid_captions_storage_could_not_read_fail_the_attempt_not_the_run(tmp_path, monkeypatch):
+    """Rank 0 reads the grid's captions at every start, restarts included, from data.val by default: a storage failure
+    that outlasted the S3 client's retries (the OSError pyarrow's S3 filesystem raises), even where the parquet
+    footer's reader wrapped it in a DataError, is an OSError naming the key and the source, which the controller's
+    failure callback leaves to Ray Train's restarts; a ConfigError would stop the run. A missing file is still a
+    ConfigError naming the key and the file, and an error that is not about the input passes as itself."""
+    import re
+
+    import sdtrain.sampling.captions as captions_module
+    import sdtrain.train.sample_grids as sample_grids
+    from sdtrain.errors import find_sdtrain_error
+    from sdtrain.storage.s3 import is_transient
+
+    def storage_failed(message):
+        def fail(*args, **kwargs):
+            raise OSError(message)
+
+        return fail
+
+    val = _data(tmp_path / "val")
+    with monkeypatch.context() as patch:  # data.val's footer: HeadObject throttled past the client's retries
+        patch.setattr(pq, "read_metadata", storage_failed("AWS Error SLOW_DOWN during HeadObject operation"))
+        with pytest.raises(OSError, match=rf"data\.val: {re.escape(val)}: storage failed after retries") as failed:
+            grid_captions(_config(tmp_path, val, f"data.val={val}"), 32)
+    assert is_transient(failed.value) and find_sdtrain_error(failed.value) is None
+
+    local = captions_module.filesystem_for
+    flaky = type("FlakyS3", (), {"open_input_file": storage_failed("AWS Error NETWORK_CONNECTION: curlCode: 28")})
+    monkeypatch.setattr(
+        captions_module, "filesystem_for", lambda uri: (flaky(), uri[5:]) if uri.startswith("s3://") else local(uri)
+    )
+    grid = "s3://bucket/grid.npy"
+    retried = rf"sample_grid\.captions: {re.escape(grid)}: storage failed after retries"
+    with pytest.raises(OSError, match=retried) as failed:
+        grid_captions(_config(tmp_path, val, f"sample_grid.captions={grid}"), 32)
+    assert is_transient(failed.value) and find_sdtrain_error(failed.value) is None
+
+    with pytest.raises(ConfigError, match=r"sample_grid\.captions: cannot read .* from .*nowhere\.npy"):
+        grid_captions(_config(tmp_path, val, f"sample_grid.captions={tmp_path}/nowhere.npy"), 32)
+
+    def out_of_memory(*args, **kwargs):  # the text encoder, encoding token ids on the GPU
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(sample_grids, "read_captions", out_of_memory)
+    with pytest.raises(torch.OutOfMemoryError):
+        grid_captions(_config(tmp_path, val, f"data.val={val}"), 32)
+
+
 def test_a_grid_draws_the_prompts_a_row_each_labelled_with_their_text(tiny_sd, tmp_path):
     grid = ("sample_grid.columns=2", "sample_grid.steps=2", f"sample_grid.prompts={PROMPTS}")
     cfg = tiny_config("data.train=/unused", *grid)

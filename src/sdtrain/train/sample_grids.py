@@ -18,13 +18,15 @@ import torch
 from sdtrain.artifacts.checkpoint_format import CheckpointMeta
 from sdtrain.artifacts.run_outputs import write_whole
 from sdtrain.config.schema import Config
-from sdtrain.errors import ConfigError
+from sdtrain.data.rows import raise_if_transient
+from sdtrain.errors import ConfigError, DataError
 from sdtrain.model.unet import default_guidance_rescale
 from sdtrain.sampling.captions import Captions, Encode, read_captions
 from sdtrain.sampling.images import grid_image, latent_preview
 from sdtrain.sampling.sampler import sample_latents
 from sdtrain.storage.filesystems import filesystem_for
 from sdtrain.storage.run_layout import SAMPLES_DIR, sample_grid_file
+from sdtrain.storage.s3 import is_transient
 from sdtrain.train.strategy import uncompiled
 
 
@@ -69,10 +71,31 @@ def grid_captions(
             encode=encode,
             pooled_column=config.data.pooled_caption_column if pooled else None,
         )
-    except Exception as error:
-        raise ConfigError(
-            f"sample_grid.captions: cannot read the sample grid's captions from {source}: {error}"
-        ) from None
+    except (OSError, ValueError, EOFError, DataError) as error:  # a missing or damaged file, the wrong width or column
+        transient = _transient_cause(error)
+        if transient is None:
+            raise ConfigError(
+                f"sample_grid.captions: cannot read the sample grid's captions from {source}: {error}"
+            ) from None
+    # Rank 0 reads these at every start, restarts included (data.val on S3 by default): a storage failure that outlasted
+    # the client's retries fails the attempt, and Ray Train restarts it. Raised outside the handler: the controller's
+    # failure callback finds a DataError in an exception's __context__ too, and would stop the run on it.
+    raise_if_transient(transient, source, "sample_grid.captions" if config.sample_grid.captions else "data.val")
+    raise AssertionError("unreachable: raise_if_transient raises for a transient error")
+
+
+def _transient_cause(error: BaseException) -> BaseException | None:
+    """``error``, or what it was raised from, when that is a storage failure that outlasted the client's retries
+    (:func:`sdtrain.storage.s3.is_transient`): the parquet footer and first-row reads turn every failed read into a
+    DataError ``from None``, which keeps the storage failure only as its __context__."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        if is_transient(current):
+            return current
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return None
 
 
 def check_grid_captions(config: Config, caption_dim: int, pooled: bool) -> None:
