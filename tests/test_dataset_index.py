@@ -300,6 +300,20 @@ def test_s3_listing_is_paginated_and_records_etags(s3_bucket, tmp_path, capsys):
     changed = _start_and_write([f"{s3_bucket}/data"], index_uri, page_size=7)
     assert (changed.stats.from_index, changed.stats.footers_read) == (29, 1)
     assert changed.spec.content_digest != restart.spec.content_digest
+    # Many files of a folder named one by one: its listing finds them (pages of 7 keys here), not a HEAD each.
+    from sdtrain.data.file_lists import FOLDER_LISTING_MIN
+    from sdtrain.data.listing import listing_client
+
+    _upload_many(s3, bucket, "many", tmp_path / "part.parquet", FOLDER_LISTING_MIN + 6)
+    named = [f"{s3_bucket}/many/part-{i:03d}.parquet" for i in range(FOLDER_LISTING_MIN + 6) if i % 13][::-1]
+    heads: list[str] = []
+    listing_client().meta.events.register("before-call.s3.HeadObject", lambda params, **_: heads.append(params))
+    assert len(named) >= FOLDER_LISTING_MIN and list_dataset(named, "data.train", page_size=7).paths == named
+    assert heads == []  # in the specs' order, with no HEAD
+    gone = f"{s3_bucket}/many/part-999.parquet"
+    with pytest.raises(DataError, match=rf"^data\.train: {gone} matches no parquet files"):
+        list_dataset([*named, gone], "data.train", page_size=7)
+    assert len(heads) == 1  # the one the folder's listing did not find
     # Globs list the same way.
     globbed = list_dataset([f"{s3_bucket}/data/part-00?.parquet"], "data.train", page_size=7)
     assert globbed.paths == [f"{s3_bucket}/data/part-{i:03d}.parquet" for i in range(10)]
@@ -658,3 +672,22 @@ def test_the_largest_row_group_read_is_recorded_and_warned_of_once_when_far_larg
     with caplog.at_level("WARNING", logger="sdtrain"):
         check_data(tiny_config(f"data.train={tmp_path}/data", "data.shuffle_chunk_rows=150"), str(tmp_path / "r2"))
     assert not [r for r in caplog.records if r.levelname == "WARNING"]  # 600 rows: 4 chunks of 150
+
+
+def test_a_folders_listing_finds_the_files_named_in_it_within_its_scan_bound():
+    """data.train as a list of many files of one S3 folder: listed from the first named key to the last, reading at
+    most SCAN_PER_FILE keys a file before the rest are HEADed (a folder of many files not named)."""
+    from sdtrain.data.file_lists import FOLDER_LISTING_MIN, folders_to_list, found_keys, listing_bounds
+
+    few = [("b", f"small/{i}.parquet") for i in range(FOLDER_LISTING_MIN - 1)]
+    many = [("b", f"big/{i:04d}.parquet") for i in range(FOLDER_LISTING_MIN)][::-1]
+    assert folders_to_list([*few, *many, ("c", f"big/{0:04d}.parquet")]) == {("b", "big"): sorted(k for _, k in many)}
+    keys = sorted(k for _, k in many)
+    assert listing_bounds("big", keys) == ("big/", "big/0000.parque", "big/0063.parquet")
+    assert listing_bounds("", ["a.parquet"]) == ("", "a.parque", "a.parquet")
+    listed = [(f"big/{i:04d}.parquet", i, f"etag{i}") for i in range(0, 200, 2)]  # every other file exists
+    found = found_keys(iter(listed), keys)
+    assert found == {f"big/{i:04d}.parquet": (i, f"etag{i}") for i in range(0, FOLDER_LISTING_MIN, 2)}
+    # A folder of far more files than named: the scan stops at its bound, and the rest are HEADed.
+    crowded = ((f"big/{i:09d}", 0, "") for i in range(10**9))
+    assert found_keys(crowded, keys[:1]) == {}  # after SCAN_PER_FILE keys, not 1e9

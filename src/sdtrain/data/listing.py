@@ -19,6 +19,7 @@ from typing import NamedTuple
 
 import pyarrow.fs as pafs
 
+from sdtrain.data.file_lists import folders_to_list, found_keys, listing_bounds
 from sdtrain.data.known_keys import KnownKeys, split_keys
 from sdtrain.errors import DataError
 from sdtrain.storage.filesystems import filesystem_for
@@ -94,14 +95,35 @@ def list_specs(
         return [list_spec(spec, key, page_size, known) for spec in specs]
     from concurrent.futures import ThreadPoolExecutor
 
+    listed = _files_in_listed_folders(specs, page_size)
     with ThreadPoolExecutor(min(LIST_THREADS, len(specs)), thread_name_prefix="sdtrain-specs") as pool:
-        futures = [pool.submit(list_spec, spec, key, page_size, known) for spec in specs]
+        futures = [pool.submit(list_spec, spec, key, page_size, known) for spec in specs if spec not in listed]
         try:
-            return [future.result() for future in futures]
+            ahead = iter(futures)
+            return [listed[spec] if spec in listed else next(ahead).result() for spec in specs]
         except BaseException:
             for future in futures:
                 future.cancel()
             raise
+
+
+def _files_in_listed_folders(specs: Sequence[str], page_size: int) -> dict[str, Listing]:
+    """The S3 objects among ``specs`` found by listing their folders (sdtrain.data.file_lists), each spec's own
+    listing."""
+    named = [split_s3(s) for s in specs if s.startswith("s3://") and not s.endswith("/") and not _has_glob(s)]
+    found: dict[str, Listing] = {}
+    for (bucket, folder), keys in folders_to_list([(b, k) for b, k in named if k]).items():
+        prefix, after, through = listing_bounds(folder, keys)
+        listed = s3_objects(listing_client(), bucket, prefix, page_size, after, through)
+        for found_key, (size, version) in found_keys(listed, keys).items():
+            uri = f"s3://{bucket}/{found_key}"
+            found[uri] = Listing()
+            found[uri].add(uri, size, version)
+    return found
+
+
+def _has_glob(spec: str) -> bool:
+    return any(c in spec for c in _GLOB_CHARS)
 
 
 def list_spec(
