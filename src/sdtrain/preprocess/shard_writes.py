@@ -181,7 +181,8 @@ def write_shards(
             for entry, part in zip(bundle.blocks, bundle.slices, strict=True):
                 start, end = (part.start_offset, part.end_offset) if part is not None else (0, None)
                 counting[count.remote(start, end, entry.ref)] = Piece(entry.ref, start, end)
-            settle(ray.wait(list(counting), num_returns=len(counting), timeout=0)[0])
+            if counting:  # the censuses done so far, without waiting for the rest
+                settle(ray.wait(list(counting), num_returns=len(counting), timeout=0)[0])
         settle(list(counting))
         writes.wait(keep=0)
     finally:
