@@ -9,14 +9,18 @@ import shutil
 import subprocess
 import sys
 
+import fsspec
 import lightning.pytorch as pl
 import numpy as np
+import pyarrow as pa
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import pytest
 import torch
 from conftest import REPO
 from diffusers import AutoencoderKL, DDIMScheduler, DDPMScheduler, StableDiffusionPipeline, UNet2DConditionModel
 from PIL import Image
+from pyarrow.fs import FSSpecHandler
 from support.datasets import inspect_dataset
 
 from sdtrain.artifacts.checkpoint_format import CheckpointMeta
@@ -142,6 +146,124 @@ def test_export_round_trips_through_from_pretrained(trained, tmp_path):
     (run / "sdtrain.json").write_text("{}")  # even were it an export: the model is inside it
     with pytest.raises(SdtrainError, match=r"holds the model it would export"):
         export_checkpoint(str(run / "checkpoint_000000004"), str(run))
+
+
+class _KilledWritingWeights(FSSpecHandler):
+    """Local disk as an export's copy sees it when the driver is killed while the weights are written: the weights
+    land half written and the copy stops (pyarrow's copy_files finishes the other files first, as the small files
+    of a real copy land long before the weights). Records what is written and deleted, in order."""
+
+    def __init__(self, root: str, events: list[tuple[str, str]]):
+        super().__init__(fsspec.filesystem("file"))
+        self.root, self.events = root, events
+
+    def _note(self, what: str, path: str) -> None:
+        self.events.append((what, os.path.relpath(path, self.root)))
+
+    def open_output_stream(self, path, metadata):
+        self._note("write", path)
+        if not path.endswith(".safetensors"):
+            return super().open_output_stream(path, metadata)
+        target = self.fs.open(path, mode="wb")
+
+        class Cut(io.RawIOBase):
+            def writable(self) -> bool:
+                return True
+
+            def write(self, data) -> int:
+                target.write(bytes(data)[: len(data) // 2])
+                target.close()
+                raise OSError("killed")
+
+        return pa.PythonFile(Cut(), mode="w")
+
+    def delete_file(self, path):
+        self._note("delete", path)
+        super().delete_file(path)
+
+    def delete_dir(self, path):
+        self._note("delete", path + "/")
+        super().delete_dir(path)
+
+    def delete_dir_contents(self, path, missing_dir_ok):
+        self._note("delete", path + "/*")
+        super().delete_dir_contents(path, missing_dir_ok)
+
+
+def test_an_export_cut_short_is_no_export_and_the_next_replaces_it(trained, tmp_path, monkeypatch):
+    """sdtrain.json is an export's commit: written alone after every other file, and an earlier export's deleted before
+    any other file of it, so a driver killed while it exports (its weights half written) leaves no export that
+    export_source names (the re-run's finish would skip the export for good), and the next export replaces it."""
+    from sdtrain.artifacts import export
+
+    out = str(tmp_path / "export")
+    earlier = export.export_checkpoint(trained["checkpoint"], out)
+    assert export.export_source(earlier) == trained["checkpoint"]  # a completed export is found
+    whole = (tmp_path / "export" / "unet" / "diffusion_pytorch_model.safetensors").stat().st_size
+    later = str(tmp_path / "run" / "checkpoint_000000008")
+    shutil.copytree(trained["checkpoint"], later)
+    events: list[tuple[str, str]] = []
+    real_filesystem_for, real_write, real_delete = export.filesystem_for, export.write_bytes, export.delete_file
+    with monkeypatch.context() as patched:
+        killed = pafs.PyFileSystem(_KilledWritingWeights(out, events))
+        patched.setattr(export, "filesystem_for", lambda p: (killed, out) if p == out else real_filesystem_for(p))
+        patched.setattr(
+            export,
+            "write_bytes",
+            lambda uri, data: (events.append(("write", os.path.relpath(uri, out))), real_write(uri, data)),
+        )
+        patched.setattr(
+            export, "delete_file", lambda uri: (events.append(("delete", os.path.relpath(uri, out))), real_delete(uri))
+        )
+        with pytest.raises(OSError, match="killed"):
+            export.export_checkpoint(later, out)
+    weights = tmp_path / "export" / "unet" / "diffusion_pytorch_model.safetensors"
+    assert (tmp_path / "export" / "unet" / "config.json").is_file() and 0 < weights.stat().st_size < whole
+    assert export.export_source(out) is None
+    # The earlier export's sdtrain.json went before any other file was touched; the new one was never written.
+    touched = [event for event in events if event != ("write", export.EXPORT_INCOMPLETE_FILE)]
+    assert touched[0] == ("delete", "sdtrain.json") and ("write", "sdtrain.json") not in touched
+
+    # The re-run's export replaces what was cut short (no refusal: it is an export's, unfinished), and is found.
+    assert export.export_checkpoint(later, out) == out
+    assert export.export_source(out) == later
+    files = sorted(str(p.relative_to(out)) for p in (tmp_path / "export").rglob("*") if p.is_file())
+    assert files == [
+        "scheduler/scheduler_config.json",
+        "sdtrain.json",
+        "unconditional_caption.npy",
+        "unet/config.json",
+        "unet/diffusion_pytorch_model.safetensors",
+    ]
+    UNet2DConditionModel.from_pretrained(out, subfolder="unet")  # whole weights
+
+
+def test_an_export_to_s3_replaces_one_cut_short_and_commits_with_sdtrain_json(trained, s3_bucket):
+    """On S3 too (single-request writes and deletes, no multipart upload left behind): an export cut short (its
+    sdtrain.incomplete mark, no sdtrain.json) is no export and is replaced; the export's objects are its files alone."""
+    import boto3
+
+    from sdtrain.artifacts.export import EXPORT_INCOMPLETE_FILE, export_source
+
+    client, bucket = boto3.client("s3"), s3_bucket[len("s3://") :]
+    for key in (EXPORT_INCOMPLETE_FILE, "unet/config.json", "unet/diffusion_pytorch_model.safetensors"):
+        client.put_object(Bucket=bucket, Key=f"run/export/{key}", Body=b"{}")
+    out = f"{s3_bucket}/run/export"
+    assert export_source(out) is None
+    assert export_checkpoint(trained["checkpoint"], out) == out
+    assert export_source(out) == trained["checkpoint"]
+    keys = sorted(o["Key"] for o in client.list_objects_v2(Bucket=bucket, Prefix="run/")["Contents"])
+    assert [key for key in keys if not key.endswith("/")] == [
+        f"run/export/{name}"
+        for name in (
+            "scheduler/scheduler_config.json",
+            "sdtrain.json",
+            "unconditional_caption.npy",
+            "unet/config.json",
+            "unet/diffusion_pytorch_model.safetensors",
+        )
+    ]
+    assert not client.list_multipart_uploads(Bucket=bucket).get("Uploads")
 
 
 def test_exported_unet_works_inside_a_stable_diffusion_pipeline(trained, tmp_path):

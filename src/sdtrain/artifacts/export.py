@@ -8,7 +8,8 @@
     <destination>/unconditional_caption.npy                               the empty-prompt embedding trained with
                                                                           (L x D)
     <destination>/sdtrain.json                                            where it came from: checkpoint, step, weights
-                                                                          (ema or raw), data shapes, latent scaling
+                                                                          (ema or raw), data shapes, latent scaling;
+                                                                          written last: without it there is no export
 
 ``UNet2DConditionModel.from_pretrained(destination, subfolder="unet")`` loads it, and it drops into a
 ``StableDiffusionPipeline`` as its ``unet`` (with a matching VAE and text encoder). Weights are
@@ -50,13 +51,21 @@ from sdtrain.artifacts.pipelines import (
 from sdtrain.data.metadata import EncoderSources, encoder_sources
 from sdtrain.data.parquet_files import resolve_parquet_files
 from sdtrain.errors import SdtrainError
-from sdtrain.storage.filesystems import filesystem_for
+from sdtrain.storage.filesystems import delete_file, filesystem_for, write_bytes
 from sdtrain.storage.run_layout import (
     EXPORT_INFO_FILE,
     EXPORT_SAMPLE_GRID_FILE,
     UNCONDITIONAL_FILE,
 )
 from sdtrain.storage.uris import is_uri
+
+EXPORT_INCOMPLETE_FILE = "sdtrain.incomplete"
+"""Beside an export while it is written (and after an export killed while writing): the directory is an export's
+that the next one may replace, though without EXPORT_INFO_FILE it is none (:func:`export_source`)."""
+_INCOMPLETE_NOTE = (
+    f"An sdtrain export is being written here, or its writing was interrupted: it is complete only once "
+    f"{EXPORT_INFO_FILE} is here. Exporting again replaces it.\n"
+).encode()
 
 
 def export_checkpoint(checkpoint: str, destination: str, weights: Weights = "auto") -> str:
@@ -106,25 +115,47 @@ def write_export(loaded: LoadedModel, destination: str, base_model: str | None =
             loaded.noise_scheduler.save_pretrained(os.path.join(local, "scheduler"))
         if loaded.unconditional_caption is not None:
             np.save(os.path.join(local, UNCONDITIONAL_FILE), loaded.unconditional_caption.float().numpy())
-        with open(os.path.join(local, EXPORT_INFO_FILE), "w") as f:
-            json.dump(info, f, indent=2)
-        if fs.get_file_info(path).type == pafs.FileType.Directory:
-            fs.delete_dir_contents(path)
-        fs.create_dir(path)
-        pafs.copy_files(local, path, destination_filesystem=fs)
+        _publish(local, fs, path, destination, json.dumps(info, indent=2).encode())
     return destination
+
+
+def _publish(local: str, fs: pafs.FileSystem, path: str, destination: str, info: bytes) -> None:
+    """Replace what ``destination`` holds with the export staged in ``local`` and then ``info`` as EXPORT_INFO_FILE.
+
+    EXPORT_INFO_FILE is the export's commit: a driver killed at any point leaves a complete export (old or new) or a
+    directory without it, which export_source takes for no export (the driver's finish exports again, rather than
+    keep truncated weights, or none: an S3 upload killed mid-way never completes) and _check_replaceable lets the
+    next export replace (EXPORT_INCOMPLETE_FILE, there before the old export is touched and until the new one is
+    whole). Hence the order: that mark, the old EXPORT_INFO_FILE out before any other old file, then the rest of the
+    old, the staged files (one threaded copy: small ones land long before the weights), EXPORT_INFO_FILE alone.
+    """
+    incomplete = posixpath.join(destination, EXPORT_INCOMPLETE_FILE)
+    fs.create_dir(path)  # a local file:// URI's writes need it (write_bytes makes a plain path's own)
+    write_bytes(incomplete, _INCOMPLETE_NOTE)
+    delete_file(posixpath.join(destination, EXPORT_INFO_FILE))
+    for item in fs.get_file_info(pafs.FileSelector(path, allow_not_found=True)):
+        if item.base_name == EXPORT_INCOMPLETE_FILE:
+            continue
+        if item.type == pafs.FileType.Directory:
+            fs.delete_dir(item.path)
+        else:
+            fs.delete_file(item.path)
+    pafs.copy_files(local, path, destination_filesystem=fs)
+    write_bytes(posixpath.join(destination, EXPORT_INFO_FILE), info)
+    delete_file(incomplete)
 
 
 def _check_replaceable(fs: pafs.FileSystem, path: str, destination: str, source: str) -> None:
     """An export replaces what ``destination`` holds: refused for a directory that holds anything but an earlier
-    export (a typo naming a run directory would delete its checkpoints), or the model being exported."""
+    export, whole or cut short (a typo naming a run directory would delete its checkpoints), or the model being
+    exported."""
     info = fs.get_file_info(path)
     if info.type == pafs.FileType.File:
         raise SdtrainError(f"export: {destination} is a file; name a directory to write the export into")
     if info.type != pafs.FileType.Directory:
         return
     inside = {item.base_name for item in fs.get_file_info(pafs.FileSelector(path))}
-    if inside and EXPORT_INFO_FILE not in inside:
+    if inside and not inside & {EXPORT_INFO_FILE, EXPORT_INCOMPLETE_FILE}:
         raise SdtrainError(
             f"export: {destination} holds {len(inside)} file(s) or folder(s) (e.g. {min(inside)}) and is no export "
             f"(no {EXPORT_INFO_FILE}); an export replaces what its directory holds: name a new or empty directory"
@@ -216,7 +247,12 @@ def _is_file(fs: pafs.FileSystem, path: str) -> bool:
 
 
 def export_source(path: str) -> str | None:
-    """The checkpoint the export at ``path`` was written from; None if there is no complete export."""
+    """The checkpoint the export at ``path`` was written from; None if there is no complete export.
+
+    An export is complete when its EXPORT_INFO_FILE is there: :func:`write_export` writes that file alone, after every
+    other file of the export is whole, and deletes an earlier export's before it touches any other file of it. A
+    directory cut short at any point (the driver killed while it wrote it) thus holds no EXPORT_INFO_FILE.
+    """
     fs, fs_path = filesystem_for(path)
     info_path = os.path.join(fs_path, EXPORT_INFO_FILE)
     if not is_export(path) or fs.get_file_info(info_path).type != pafs.FileType.File:
