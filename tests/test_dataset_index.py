@@ -691,3 +691,15 @@ def test_a_folders_listing_finds_the_files_named_in_it_within_its_scan_bound():
     # A folder of far more files than named: the scan stops at its bound, and the rest are HEADed.
     crowded = ((f"big/{i:09d}", 0, "") for i in range(10**9))
     assert found_keys(crowded, keys[:1]) == {}  # after SCAN_PER_FILE keys, not 1e9
+    # Data shared for s3:GetObject alone (no s3:ListBucket): the folder's files are asked for one by one, as before.
+    from botocore.exceptions import ClientError
+
+    from sdtrain.data.file_lists import files_in_listed_folders
+
+    def denied(bucket, prefix, after, through):
+        raise ClientError({"Error": {"Code": "AccessDenied", "Message": "Access Denied"}}, "ListObjectsV2")
+
+    uris = [f"s3://b/{key}" for key in keys]
+    assert files_in_listed_folders(uris, denied) == {}
+    listed = iter([(key, 7, "v") for key in keys])
+    assert files_in_listed_folders(uris, lambda *bounds: listed) == {uri: (7, "v") for uri in uris}

@@ -6,7 +6,13 @@ decides which folders to list and what their listings found."""
 from __future__ import annotations
 
 import posixpath
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+
+from sdtrain.logs import log
+from sdtrain.storage.uris import split_s3
+
+ListFolder = Callable[[str, str, str, str], Iterator[tuple[str, int, str]]]
+"""(bucket, prefix, after, through) -> the folder's objects (key, size, version) in key order (listing.s3_objects)."""
 
 FOLDER_LISTING_MIN = 64
 """Files of one folder, named one by one, from which the folder is listed instead of a HEAD each."""
@@ -40,4 +46,26 @@ def found_keys(listed: Iterable[tuple[str, int, str]], keys: Sequence[str]) -> d
             break
         if key in wanted:
             found[key] = (size, version)
+    return found
+
+
+def files_in_listed_folders(uris: Sequence[str], list_folder: ListFolder) -> dict[str, tuple[int, str]]:
+    """(size, version) of each of ``uris`` (s3:// objects named one by one) found by listing its folder, where the
+    folder holds FOLDER_LISTING_MIN or more of them; the others are left to a HEAD each.
+
+    Args:
+        uris: the specs that name one S3 object each (no glob, no trailing '/').
+        list_folder: lists a folder's objects between two keys.
+    """
+    from botocore.exceptions import ClientError
+
+    found: dict[str, tuple[int, str]] = {}
+    named = [split_s3(uri) for uri in uris]
+    for (bucket, folder), keys in folders_to_list([(b, k) for b, k in named if k]).items():
+        try:
+            in_folder = found_keys(list_folder(bucket, *listing_bounds(folder, keys)), keys)
+        except ClientError as e:  # no s3:ListBucket (data shared for GetObject alone): a HEAD each, as before
+            log.info(f"cannot list s3://{bucket}/{folder} ({e}): its {len(keys)} files are asked for one by one")
+            continue
+        found.update({f"s3://{bucket}/{key}": value for key, value in in_folder.items()})
     return found

@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 import pyarrow.fs as pafs
 
-from sdtrain.data.file_lists import folders_to_list, found_keys, listing_bounds
+from sdtrain.data.file_lists import files_in_listed_folders
 from sdtrain.data.known_keys import KnownKeys, split_keys
 from sdtrain.errors import DataError
 from sdtrain.storage.filesystems import filesystem_for
@@ -95,7 +95,14 @@ def list_specs(
         return [list_spec(spec, key, page_size, known) for spec in specs]
     from concurrent.futures import ThreadPoolExecutor
 
-    listed = _files_in_listed_folders(specs, page_size)
+    def folder(bucket: str, prefix: str, after: str, through: str) -> Iterator[S3Object]:
+        return s3_objects(listing_client(), bucket, prefix, page_size, after, through)
+
+    listed: dict[str, Listing] = {}  # many S3 files of one folder: found with its listing (sdtrain.data.file_lists)
+    s3_files = [s for s in specs if s.startswith("s3://") and not s.endswith("/") and not _has_glob(s)]
+    for uri, (size, version) in files_in_listed_folders(s3_files, folder).items():
+        listed[uri] = Listing()
+        listed[uri].add(uri, size, version)
     with ThreadPoolExecutor(min(LIST_THREADS, len(specs)), thread_name_prefix="sdtrain-specs") as pool:
         futures = [pool.submit(list_spec, spec, key, page_size, known) for spec in specs if spec not in listed]
         try:
@@ -105,25 +112,6 @@ def list_specs(
             for future in futures:
                 future.cancel()
             raise
-
-
-def _files_in_listed_folders(specs: Sequence[str], page_size: int) -> dict[str, Listing]:
-    """The S3 objects among ``specs`` found by listing their folders (sdtrain.data.file_lists), each spec's own
-    listing."""
-    named = [split_s3(s) for s in specs if s.startswith("s3://") and not s.endswith("/") and not _has_glob(s)]
-    found: dict[str, Listing] = {}
-    for (bucket, folder), keys in folders_to_list([(b, k) for b, k in named if k]).items():
-        prefix, after, through = listing_bounds(folder, keys)
-        listed = s3_objects(listing_client(), bucket, prefix, page_size, after, through)
-        for found_key, (size, version) in found_keys(listed, keys).items():
-            uri = f"s3://{bucket}/{found_key}"
-            found[uri] = Listing()
-            found[uri].add(uri, size, version)
-    return found
-
-
-def _has_glob(spec: str) -> bool:
-    return any(c in spec for c in _GLOB_CHARS)
 
 
 def list_spec(
@@ -393,3 +381,7 @@ def _expand_pyarrow(spec: str, found: Listing) -> None:
                 found.indexes.append(FoundIndex(prefix + i.path, prefix + path.rstrip("/"), i.size, version(i)))
             if i.path.endswith(".parquet") and not _hidden(i.path, path):
                 found.add(prefix + i.path, i.size, version(i))
+
+
+def _has_glob(spec: str) -> bool:
+    return any(c in spec for c in _GLOB_CHARS)
