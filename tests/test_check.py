@@ -95,6 +95,11 @@ def test_a_phase_trains_the_runs_micro_batch_and_is_measured_by_a_window_of_trai
     for workers, accumulation in ((1, 3), (4, 3)):
         layout = phase_config(None, elastic, workers, micro_batch=8).batch_layout(workers)
         assert (layout.micro_batch, layout.accumulation) == (8, accumulation)  # the run's, at its 4 workers
+    # Under FSDP with auto, a phase on fewer GPUs than the run fits its own: the run's size assumes sharded state.
+    from sdtrain.driver.check import _pinned
+
+    sharded = load_config(None, [*cpu_auto, "train.strategy=fsdp", "scaling.use_gpu=auto"])
+    assert (_pinned(sharded, 1, 8), _pinned(sharded, 4, 8), _pinned(load_config(None, elastic), 1, 8)) == (None, 8, 8)
     for steps in (8, 40, 41, 42, 101):
         cadence = ReportCadence(phase_config(None, ["data.val=/v", *elastic], 1, steps=steps))
         end = measured_step(steps)

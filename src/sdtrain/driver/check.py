@@ -196,7 +196,9 @@ def check(
     micro = run_micro_batch(config)
     phases = [
         _run_phase(
-            phase_config(config_file, overrides, workers, steps, stamp, compile_unet, micro), workers, compile_unet
+            phase_config(config_file, overrides, workers, steps, stamp, compile_unet, _pinned(config, workers, micro)),
+            workers,
+            compile_unet,
         )
         for workers, compile_unet in runs
     ]
@@ -300,6 +302,14 @@ def run_micro_batch(config: Config) -> int:
     precision = driver_precision(config.train, use_gpu, gpu)
     fitted, _ = fit_micro_batch(config, gpu, spec.largest_latent_shape, captions, precision, encoders)
     return fitted.batch_layout(config.scaling.min_workers).micro_batch
+
+
+def _pinned(config: Config, workers: int, micro: int) -> int | None:
+    """The micro-batch a phase on ``workers`` pins: the run's, but under FSDP with auto on fewer workers than the
+    run's fewest, none (the phase fits its own): FSDP shards the model's state over the ranks, so the run's size
+    (sdxl-base: 32 a rank over 64, 34 GiB) need not fit one GPU holding all of it (81 GiB)."""
+    fewer = config.train.strategy == "fsdp" and config.train.micro_batch_size == "auto"
+    return None if fewer and workers < config.scaling.min_workers else micro
 
 
 def _train_shapes(config: Config) -> tuple[Any, tuple[int, int], tuple[Any, ...]]:
