@@ -109,9 +109,14 @@ def test_writes_in_flight_scale_with_the_machine_that_writes():
 
 
 @pytest.mark.slow
-def test_ray_tasks_write_each_shard_from_the_blocks_that_hold_its_rows(tmp_path, ray_cluster):
-    """The encode stage's blocks each mix shards; the driver runs the dataset, and tasks write the shards."""
+def test_ray_tasks_write_each_shard_from_the_blocks_that_hold_its_rows(tmp_path, ray_cluster, monkeypatch):
+    """The encode stage's blocks each mix shards; the driver runs the dataset, and tasks write the shards (the
+    writes' limit read again from the cluster at each shard here, as an autoscaling cluster grows)."""
     import ray.data
+
+    from sdtrain.preprocess import shard_writes
+
+    monkeypatch.setattr(shard_writes, "LIMIT_REFRESH_S", -1.0)
 
     stream = _stream()
     dataset = ray.data.from_items(stream, override_num_blocks=4).map_batches(lambda batch: batch, batch_size=3)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -191,6 +192,10 @@ def write_shards(
         log.warning(f"{len(gathering.waiting())} shards did not get all their rows: {gathering.waiting()[:5]}")
 
 
+LIMIT_REFRESH_S = 60.0
+"""Seconds between two reads of the cluster's CPUs for the writes' limit."""
+
+
 class _Writes:
     """The write tasks in flight, at most write_limit of them."""
 
@@ -198,8 +203,8 @@ class _Writes:
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        local = not is_uri(files.output)
-        self.limit = write_limit(local, ray.cluster_resources().get("CPU", 0))
+        local = self.local = not is_uri(files.output)
+        self.limit, self.limit_at = write_limit(local, ray.cluster_resources().get("CPU", 0)), time.monotonic()
         # A local output is on the driver's machine: its writes run there (with no CPU asked, as on a head node
         # that runs no tasks); a bucket's run where their blocks are.
         where = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False) if local else None
@@ -209,6 +214,10 @@ class _Writes:
         self.in_flight: dict[Any, tuple[str, dict[str, Any]]] = {}
 
     def submit(self, name: str, stats: dict[str, Any], pieces: list[Piece]) -> None:
+        if time.monotonic() - self.limit_at > LIMIT_REFRESH_S:  # an autoscaling cluster grows after the job starts
+            import ray
+
+            self.limit, self.limit_at = write_limit(self.local, ray.cluster_resources().get("CPU", 0)), time.monotonic()
         self.wait(keep=self.limit - 1)
         spans = [(piece.start, piece.end) for piece in pieces]
         ref = self.task.remote(self.files, name, stats, spans, *[piece.ref for piece in pieces])
