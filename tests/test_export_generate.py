@@ -39,6 +39,16 @@ GENERATE = [sys.executable, str(REPO / "entrypoints" / "generate.py")]
 ENV = {**os.environ, "PYTHONPATH": str(REPO / "src")}  # this checkout's package, whatever the cwd
 
 
+EXPORT_FILES = [
+    "scheduler/scheduler_config.json",
+    "sdtrain.json",
+    "unconditional_caption.npy",
+    "unet/config.json",
+    "unet/diffusion_pytorch_model.safetensors",
+]
+"""What an export without a pipeline holds (no VAE or text encoder found)."""
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """A checkpoint of the tiny UNet after 4 steps on the digits demo, with EMA and caption dropout."""
@@ -95,13 +105,7 @@ def _tiny_vae(path):
 def test_export_round_trips_through_from_pretrained(trained, tmp_path):
     out = export_checkpoint(trained["checkpoint"], str(tmp_path / "export"))
     files = sorted(str(p.relative_to(tmp_path / "export")) for p in (tmp_path / "export").rglob("*") if p.is_file())
-    assert files == [
-        "scheduler/scheduler_config.json",
-        "sdtrain.json",
-        "unconditional_caption.npy",
-        "unet/config.json",
-        "unet/diffusion_pytorch_model.safetensors",
-    ]
+    assert files == EXPORT_FILES
     unet = UNet2DConditionModel.from_pretrained(out, subfolder="unet").eval()
     scheduler = DDPMScheduler.from_pretrained(out, subfolder="scheduler")
     assert scheduler.config.prediction_type == "v_prediction" and scheduler.config.clip_sample is False
@@ -228,13 +232,7 @@ def test_an_export_cut_short_is_no_export_and_the_next_replaces_it(trained, tmp_
     assert export.export_checkpoint(later, out) == out
     assert export.export_source(out) == later
     files = sorted(str(p.relative_to(out)) for p in (tmp_path / "export").rglob("*") if p.is_file())
-    assert files == [
-        "scheduler/scheduler_config.json",
-        "sdtrain.json",
-        "unconditional_caption.npy",
-        "unet/config.json",
-        "unet/diffusion_pytorch_model.safetensors",
-    ]
+    assert files == EXPORT_FILES
     UNet2DConditionModel.from_pretrained(out, subfolder="unet")  # whole weights
 
 
