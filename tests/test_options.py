@@ -395,7 +395,9 @@ def compile_with_eager_backend(monkeypatch) -> list[tuple[int, ...]]:
     return runs
 
 
-def test_validation_and_the_sample_grid_run_a_compiled_unet_eager_past_its_recompile_limit(tmp_path, monkeypatch):
+def test_validation_and_the_sample_grid_run_a_compiled_unet_eager_past_its_recompile_limit(
+    tmp_path, monkeypatch, request
+):
     """Without an EMA, validation and the sample grid run the compiled training UNet (module.eval_unet) in eval mode
     under no_grad, at every (N, H, W) data.val holds: compiled, each is one more static graph, and past the limit
     strategy.compile_unet sets (buckets + 8) fullgraph=True makes dynamo raise FailOnRecompileLimitHit, which ended
@@ -405,7 +407,11 @@ def test_validation_and_the_sample_grid_run_a_compiled_unet_eager_past_its_recom
     from torch._dynamo.utils import counters
 
     runs = compile_with_eager_backend(monkeypatch)
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)  # torch's default, whatever earlier tests raised
+    # torch's default, whatever earlier tests raised; through dynamo's own patch (monkeypatch's undo hid the key from
+    # dynamo's config module, and the next compile in the session failed on it).
+    limit = torch._dynamo.config.patch(recompile_limit=8)
+    limit.__enter__()
+    request.addfinalizer(lambda: limit.__exit__(None, None, None))
     buckets = (LATENTS, (4, 12, 20))
     cfg = tiny_config(
         *FIT,
