@@ -9,7 +9,8 @@ import pytest
 from conftest import REPO, committed_checkpoints, write_latents
 
 from sdtrain.config.loader import load_config
-from sdtrain.driver.check import CheckReport, Phase, communication_share, phase_config
+from sdtrain.driver.check import phase_config
+from sdtrain.driver.check_report import CheckReport, Phase, communication_share
 from sdtrain.driver.cli import check_main
 
 
