@@ -150,6 +150,11 @@ def test_the_phases_train_as_configured_and_the_table_nets_out_data_wait_and_pri
     config = load_config(None, compiled)
     table = CheckReport(config, [one, four, eager], 0.0, 2.5, None).table()
     assert "compile: 100.0 images/s per GPU compiled, 80.0 eager (+25%) on one GPU" in table, table
+    assert not any("graph(s)" in line for line in table), table  # graphs_compiled None (eager) or 0: nothing to say
+    # A rare bucket first drawn in the one-GPU phase's measured window: its figures hold the compilation.
+    drawn_late = [dataclasses.replace(one, graphs_compiled=3), dataclasses.replace(four, graphs_compiled=0)]
+    (late,) = [line for line in CheckReport(config, drawn_late, 0.0, 2.5, None).table() if "graph(s)" in line]
+    assert late.startswith("1 GPU: compiled 3 graph(s) in its measured window"), late
     assert any(
         line.endswith("(no cost: set run.gpu_hour_cost, a worker's price an hour, as check_job.yaml does)")
         for line in table
@@ -188,6 +193,7 @@ def test_the_check_trains_on_one_worker_then_all_and_reports_what_it_measured(ra
     saved = json.loads(record.read_text())
     assert saved["table"] == lines[:-1] and [phase["workers"] for phase in saved["phases"]] == [1, 2]
     assert saved["phases"][0]["images_per_s_per_gpu"] > 0 and saved["phases"][0]["compiled"] is False
+    assert saved["phases"][0]["graphs_compiled"] is None  # eager: no count
     assert saved["gpu_hour_cost"] == 2.5 and saved["projected_cost"] > 0
     # Each phase is its own run beside the configured one's, checkpointed halfway and at the end, not exported.
     runs = sorted(p.name for p in (tmp_path / "runs/checks").iterdir() if p.is_dir())

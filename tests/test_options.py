@@ -24,6 +24,7 @@ from sdtrain.sampling.captions import Captions
 from sdtrain.train.build import build_training, checkpoint_meta, fit_without_ray
 from sdtrain.train.cadence import OptimizerStepCallback, ReportCadence
 from sdtrain.train.device_settings import training_autocast
+from sdtrain.train.reporting import StepReporter
 from sdtrain.train.sample_grids import SampleGrids
 from sdtrain.train.strategy import CompiledGraphs, fsdp_units
 from sdtrain.train.validation import Validation
@@ -186,6 +187,18 @@ def test_each_gpu_option_trains_the_same_function(options, tmp_path):
     assert steps[0]["loss"] == pytest.approx(plain[0]["loss"], rel=1e-4)
 
 
+class ReportRows(StepReporter):
+    """The worker's reporter, its rows kept instead of sent to Ray Train (none here): what each report would send."""
+
+    def __init__(self, config):
+        super().__init__(ReportCadence(config), config.train, None, [], lambda: 0.0, 0.0)  # type: ignore[arg-type]
+        self.rows = []
+
+    def _report(self, trainer, pl_module, step, with_checkpoint):
+        self.rows.append(self._metrics(trainer, pl_module, step, 0))
+        self._reported_step = step
+
+
 class Graphs(OptimizerStepCallback):
     """Dynamo's counters after each optimizer step: graphs compiled so far and graph breaks; and the validation loss
     every ``validate_every`` steps (the EMA's weights, as the worker's validation computes it)."""
@@ -324,7 +337,7 @@ def test_the_shipped_gpu_configs_options_train_compiled_one_graph_a_bucket_witho
     batch, and nothing compiled after (accumulation, the optimizer step, the clipping and a bucket met again do not
     recompile); the limit is raised to hold them (sdtrain.train.strategy), and the log says how many shapes there
     are and how many graphs were compiled. (One fit for both: each compiled option set costs a fresh machine over a
-    minute of inductor's C++ compiles.)"""
+    minute of inductor's C++ compiles.) The report rows count each window's graphs, a bucket's first step's."""
     from conftest import REPO
     from torch._dynamo.utils import counters
 
@@ -346,7 +359,12 @@ def test_the_shipped_gpu_configs_options_train_compiled_one_graph_a_bucket_witho
     overrides[0] = "train.precision=bf16-mixed"  # auto on a GPU with bf16 (sdtrain.train.build.resolve_precision)
     accumulation = shipped[0].batch_layout(shipped[0].scaling.max_workers).accumulation
     cfg = tiny_config(
-        *FIT, *overrides, f"train.global_batch_size={2 * accumulation}", "train.micro_batch_size=2", steps=4
+        *FIT,
+        *overrides,
+        f"train.global_batch_size={2 * accumulation}",
+        "train.micro_batch_size=2",
+        "run.log_every_n_steps=1",
+        steps=4,
     )
     g = torch.Generator().manual_seed(0)
     data = [
@@ -356,11 +374,12 @@ def test_the_shipped_gpu_configs_options_train_compiled_one_graph_a_bucket_witho
     ]
     counters.clear()
     graphs = Graphs(batches(1), validate_every=100)  # compiled validation: the every-other-option test's
+    reports = ReportRows(cfg)
     with caplog.at_level("INFO", logger="sdtrain"):
         module, trainer, steps = fit(
             cfg,
             data,
-            callbacks=[graphs, CompiledGraphs()],
+            callbacks=[graphs, CompiledGraphs(), reports],
             bucket_shapes=[list(shape) for shape in BUCKETS],
             default_root_dir=str(tmp_path),
         )
@@ -371,6 +390,7 @@ def test_the_shipped_gpu_configs_options_train_compiled_one_graph_a_bucket_witho
     # Step 1 compiled the first bucket's graphs in its first micro-batch, its other micro-batches nothing.
     assert compiled[0] >= 1 and compiled[:2] == [compiled[0], 2 * compiled[0]], compiled
     assert compiled[2:] == [compiled[1]] * 2, compiled
+    assert [row["graphs_compiled"] for row in reports.rows] == [compiled[0]] * 2 + [0] * 2, reports.rows
     assert "train.compile: 2 bucket shapes, one static graph each" in caplog.text
     assert f"train.compile: rank 0 compiled {compiled[3]} graphs in all, with 0 graph breaks" in caplog.text
     assert all(0 < s["loss"] < 10 for s in steps) and not torch.equal(steps[0]["weight"], steps[-1]["weight"])

@@ -209,6 +209,7 @@ def _run_phase(config: Config, workers: int, compile_unet: bool | None) -> Phase
         memory_capacity_gb=last.get("memory_capacity_gb"),
         predicted_memory_gb=_predicted_memory(config, workers, on_gpu) / 1e9,
         steps_per_s=measured["steps_per_s"],
+        graphs_compiled=int(measured["graphs_compiled"]) if "graphs_compiled" in measured else None,
     )
 
 

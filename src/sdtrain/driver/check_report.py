@@ -34,6 +34,8 @@ class Phase:
         predicted_memory_gb: the memory model's peak for a rank of this phase, with its allowance for the CUDA
             runtime (sdtrain.model.memory; an eager step's: compiled ones usually hold less).
         steps_per_s: optimizer steps per second in that window.
+        graphs_compiled: graphs compiled in that window (compiled phases; None: eager). Above 0, its figures hold
+            their compilation: a bucket first drawn in it.
     """
 
     name: str
@@ -50,6 +52,7 @@ class Phase:
     memory_capacity_gb: float | None = None
     predicted_memory_gb: float | None = None
     steps_per_s: float | None = None
+    graphs_compiled: int | None = None
 
     @property
     def training_images_per_s_per_gpu(self) -> float | None:
@@ -102,6 +105,13 @@ class CheckReport:
                 f"{memory:>43}"
             )
         lines += [f"{phase.name} failed: {phase.error}" for phase in self.phases if phase.error]
+        lines += [
+            f"{phase.name}: compiled {phase.graphs_compiled} graph(s) in its measured window (a bucket first drawn "
+            "there), so its figures include compilation and understate the run's; a longer --steps draws more buckets "
+            "in the first window, which is not measured"
+            for phase in self.phases
+            if phase.graphs_compiled
+        ]
         if self.config.eval.enabled:
             lines.append(
                 f"evaluation: off in the check's phases (the run evaluates {', '.join(self.config.eval.metrics)}), "

@@ -24,6 +24,7 @@ from sdtrain.artifacts.run_totals import hours_so_far, money
 from sdtrain.config.schema import TrainConfig
 from sdtrain.errors import NonFiniteTraining, TrainingFailed
 from sdtrain.logs import log
+from sdtrain.private import torch as torch_private
 from sdtrain.train.cadence import OptimizerStepCallback, ReportCadence
 from sdtrain.train.checkpointing import CheckpointWriter
 from sdtrain.train.efficiency import Efficiency
@@ -90,10 +91,13 @@ class StepReporter(OptimizerStepCallback):
         self._hours = 0.0
         """Rank 0: the run's workers x wall hours of training so far, over the steps the checkpoint kept."""
         self._window_s = 0.0
+        self._graphs = 0
+        """With train.compile: the graphs dynamo had compiled in this process at the latest report."""
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
         self._window = (trainer.global_step, time.perf_counter())
+        self._graphs = torch_private.compiled_graphs()[0] if self.train.compile else 0
         self._reported_step = self._start_step = trainer.global_step
         if trainer.is_global_zero and trainer.global_step:
             log.info("resumed from step %d", trainer.global_step)
@@ -182,8 +186,11 @@ class StepReporter(OptimizerStepCallback):
         self._window = (step, now)
         self._window_s = elapsed
         # The slowest rank's (a rank that waits holds every other one at the next all-reduce) and, negated,
-        # the slowest step rate, which sets the steps between preemption checks: the same on every rank.
-        slowest = torch.tensor([self.data_wait_s() / elapsed, -steps_per_s], device=pl_module.device)
+        # the slowest step rate, which sets the steps between preemption checks: the same on every rank; and the
+        # most graphs a rank compiled in the window (a rank compiling holds every other one too).
+        graphs = torch_private.compiled_graphs()[0] if self.train.compile else 0
+        compiled, self._graphs = graphs - self._graphs, graphs
+        slowest = torch.tensor([self.data_wait_s() / elapsed, -steps_per_s, compiled], device=pl_module.device)
         slowest = trainer.strategy.reduce(slowest, reduce_op="max")
         data_wait_fraction = float(slowest[0])
         self.slowest_steps_per_s = -float(slowest[1])
@@ -206,6 +213,9 @@ class StepReporter(OptimizerStepCallback):
             # From the driver's start (train()) to this worker group's first optimizer step; after a
             # restart it includes the time the failure cost.
             "time_to_first_step_s": self._time_to_first_step,
+            # With train.compile: graphs compiled in the window (its first, a bucket's first draw, a recompile), whose
+            # compilation its step rate holds.
+            **({"graphs_compiled": float(slowest[2])} if self.train.compile else {}),
         }
 
     @staticmethod
@@ -260,6 +270,7 @@ def _progress_line(metrics: dict[str, float], max_steps: int) -> str:
         *([f"MFU {100 * metrics['mfu']:.1f}%"] if "mfu" in metrics else []),
         *([f"{money(metrics['cost_per_million_images'])}/M images"] if "cost_per_million_images" in metrics else []),
         f"data wait {100 * metrics['data_wait_fraction']:.1f}%",
+        *([f"compiled {metrics['graphs_compiled']:.0f} graph(s)"] if metrics.get("graphs_compiled") else []),
         f"ETA {format_duration(remaining)}",
     ]
     return " | ".join(parts)
