@@ -185,4 +185,10 @@ def raise_if_transient(error: BaseException, file: str, key: str = "data.train")
     stop the run as one nor drop rows under data.on_read_error=skip. It fails this attempt, and Ray
     Train restarts the workers from the latest checkpoint (failure.max_failures)."""
     if is_transient(error):
-        raise OSError(f"{key}: {file}: storage failed after retries: {' '.join(str(error).split())}") from error
+        raise storage_failure(error, file, key) from error
+
+
+def storage_failure(error: BaseException, file: str, key: str) -> OSError:
+    """The error that fails an attempt for ``error``, a storage failure that outlasted the client's retries
+    (:func:`raise_if_transient`), reading ``file`` of config key ``key``."""
+    return OSError(f"{key}: {file}: storage failed after retries: {' '.join(str(error).split())}")

@@ -18,7 +18,7 @@ import torch
 from sdtrain.artifacts.checkpoint_format import CheckpointMeta
 from sdtrain.artifacts.run_outputs import write_whole
 from sdtrain.config.schema import Config
-from sdtrain.data.rows import raise_if_transient
+from sdtrain.data.rows import storage_failure
 from sdtrain.errors import ConfigError, DataError
 from sdtrain.model.unet import default_guidance_rescale
 from sdtrain.sampling.captions import Captions, Encode, read_captions
@@ -80,8 +80,8 @@ def grid_captions(
     # Rank 0 reads these at every start, restarts included (data.val on S3 by default): a storage failure that outlasted
     # the client's retries fails the attempt, and Ray Train restarts it. Raised outside the handler: the controller's
     # failure callback finds a DataError in an exception's __context__ too, and would stop the run on it.
-    raise_if_transient(transient, source, "sample_grid.captions" if config.sample_grid.captions else "data.val")
-    raise AssertionError("unreachable: raise_if_transient raises for a transient error")
+    key = "sample_grid.captions" if config.sample_grid.captions else "data.val"
+    raise storage_failure(transient, source, key) from transient
 
 
 def _transient_cause(error: BaseException) -> BaseException | None:
