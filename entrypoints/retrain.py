@@ -30,9 +30,8 @@ RETRAIN_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "retrain.y
 
 def rollback_main(argv: list[str]) -> int:
     from sdtrain.config.loader import load_config
-    from sdtrain.driver.cli import exit_code
+    from sdtrain.driver.cli import REPORTED, exit_code
     from sdtrain.driver.retrain import rollback
-    from sdtrain.errors import SdtrainError
 
     parser = argparse.ArgumentParser(prog="retrain.py --rollback", description="Move production back, logged.")
     parser.add_argument("--rollback", nargs="?", const="", metavar="vNNNN", help="the version to go back to")
@@ -45,9 +44,9 @@ def rollback_main(argv: list[str]) -> int:
         args.rollback = None
     try:
         source, target = rollback(load_config(args.config, args.overrides), args.rollback or None, args.reason)
-    except SdtrainError as e:
+    except REPORTED as e:
         print(f"error: {e}", file=sys.stderr)
-        return exit_code(e)  # 75 while a retrain run holds the lock
+        return exit_code(e)  # 75 while a retrain run holds the lock, or object storage fails for now
     print(f"[sdtrain] rolled back: production now names {target}, not {source} (recorded in the pointer log)")
     return 0
 

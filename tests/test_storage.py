@@ -16,6 +16,7 @@ import boto3
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
+from botocore.exceptions import ClientError, ConnectionClosedError, EndpointConnectionError, ReadTimeoutError
 from conftest import REPO, tiny_config, write_latents
 from support.datasets import inspect_dataset
 
@@ -23,7 +24,7 @@ from sdtrain.config.learning import Columns
 from sdtrain.data.listing import list_dataset
 from sdtrain.data.parquet_files import resolve_parquet_files
 from sdtrain.driver.preflight import check_s3, preflight
-from sdtrain.errors import ConfigError, DataError
+from sdtrain.errors import ConfigError, DataError, StorageUnavailable
 from sdtrain.storage import s3
 from sdtrain.storage.filesystems import filesystem_for
 from sdtrain.storage.s3 import configure_s3, is_transient, s3_client, s3_endpoint
@@ -433,9 +434,14 @@ def test_transient_faults_are_retried_and_fail_clearly_without_retries(
                 pq.read_table(path, filesystem=fs)
             assert is_transient(failed.value)  # a failure for now, not a damaged file
         else:
-            with pytest.raises(ConfigError) as e:
+            # Throttling and a dropped connection fail for now (exit 75); a refused connect may be a wrong endpoint.
+            failure = StorageUnavailable if mode == "throttle" else (StorageUnavailable, ConfigError)
+            with pytest.raises(failure) as e:
                 check_s3(uri, "data.train", write=False)
             message = str(e.value)
+            assert isinstance(e.value, StorageUnavailable) == (
+                "connection was dropped" in message or mode == "throttle"
+            )
             assert message.startswith(f"data.train: {uri}: ") and endpoint in message and "1 attempt(s)" in message, (
                 message
             )
@@ -448,6 +454,119 @@ def test_transient_faults_are_retried_and_fail_clearly_without_retries(
             }[mode]
             assert any(cause in message for cause in causes), message
         assert log.read_text().split() == [mode], client
+
+
+def _answer(code: str, status: int) -> dict:
+    """An S3 error answer as botocore parses it (a HEAD's has no body: its code is the status)."""
+    return {"Error": {"Code": code, "Message": ""}, "ResponseMetadata": {"HTTPStatusCode": status}}
+
+
+@pytest.mark.parametrize(
+    "error, transient",
+    [
+        pytest.param(ClientError(_answer("SlowDown", 503), "ListObjectsV2"), True, id="SlowDown"),
+        pytest.param(ClientError(_answer("503", 503), "HeadObject"), True, id="HEAD-503"),
+        pytest.param(ClientError(_answer("ThrottlingException", 400), "ListObjectsV2"), True, id="Throttling"),
+        pytest.param(ClientError(_answer("RequestLimitExceeded", 400), "ListObjectsV2"), True, id="RequestLimit"),
+        pytest.param(ClientError(_answer("InternalError", 500), "GetObject"), True, id="InternalError"),
+        pytest.param(ClientError(_answer("ServiceUnavailable", 503), "GetObject"), True, id="ServiceUnavailable"),
+        pytest.param(EndpointConnectionError(endpoint_url="http://127.0.0.1:9"), True, id="cannot-connect"),
+        pytest.param(ConnectionClosedError(endpoint_url="http://127.0.0.1:9"), True, id="connection-dropped"),
+        pytest.param(ReadTimeoutError(endpoint_url="http://127.0.0.1:9"), True, id="read-timeout"),
+        pytest.param(
+            OSError("AWS Error SLOW_DOWN during GetObject operation: Reduce your rate."), True, id="SLOW_DOWN"
+        ),
+        pytest.param(OSError("AWS Error INTERNAL_FAILURE during HeadObject operation"), True, id="INTERNAL_FAILURE"),
+        pytest.param(StorageUnavailable("data.train: cannot read s3://b/k: ..."), True, id="StorageUnavailable"),
+        pytest.param(ClientError(_answer("NoSuchKey", 404), "GetObject"), False, id="NoSuchKey"),
+        pytest.param(ClientError(_answer("404", 404), "HeadObject"), False, id="HEAD-404"),
+        pytest.param(ClientError(_answer("AccessDenied", 403), "ListObjectsV2"), False, id="AccessDenied"),
+        pytest.param(FileNotFoundError("Path does not exist 'b/k'"), False, id="FileNotFoundError"),
+        pytest.param(OSError("Parquet magic bytes not found in footer."), False, id="not-parquet"),
+        pytest.param(DataError("data.train: cannot read s3://b/k as parquet"), False, id="DataError"),
+    ],
+)
+def test_storage_failing_for_now_is_told_from_bad_input(error, transient):
+    from sdtrain.driver.cli import exit_code
+    from sdtrain.storage.s3 import raise_if_unavailable
+
+    assert is_transient(error) is transient
+    if not transient:  # returns: the caller's DataError says what is wrong with the input
+        raise_if_unavailable(error, "data.train: cannot read s3://b/k")
+        return
+    with pytest.raises(StorageUnavailable, match=r"^data.train: cannot read s3://b/k: object storage failed") as raised:
+        raise_if_unavailable(error, "data.train: cannot read s3://b/k")
+    assert exit_code(raised.value) == 75  # run again; 2 would say "fix the input, do not retry"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", ["drop", "throttle"])
+def test_storage_failing_past_its_retries_on_the_driver_is_no_bad_input(flaky_proxy, s3_bucket, tmp_path, capsys, mode):
+    """The driver's footer reads, HEADs and listings under more faults than storage.max_attempts: no DataError (exit
+    2, "fix your input, do not retry") but a StorageUnavailable naming the key and the file (exit 75, run again)."""
+    from sdtrain.data.file_lists import FOLDER_LISTING_MIN
+    from sdtrain.data.footer import read_footer
+    from sdtrain.driver.cli import exit_code, index_main
+
+    _upload(tmp_path, "data/part.parquet", rows=5)
+    uri = f"{s3_bucket}/data/part.parquet"
+    failing = "object storage failed after 2 attempt(s) with backoff ("
+    endpoint, log = flaky_proxy(mode, 10**6)
+    configure_s3(endpoint, 2)
+    with pytest.raises(OSError) as raised:
+        read_footer(uri, "data.train")
+    assert isinstance(raised.value, StorageUnavailable) and exit_code(raised.value) == 75
+    assert str(raised.value).startswith(f"data.train: cannot read {uri}: {failing}"), raised.value
+    assert len(log.read_text().split()) >= 2  # the client's retries really ran
+    for spec in (uri, f"{s3_bucket}/data/"):  # a file's HEAD, a directory's listing
+        with pytest.raises(StorageUnavailable) as raised:
+            list_dataset([spec], "data.val")
+        assert str(raised.value).startswith(f"data.val: cannot list {spec}: {failing}"), raised.value
+
+    # Many files named one by one: their folder's listing fails, and no HEAD each follows (they would fail too).
+    before = len(log.read_text().split())
+    named = [f"{s3_bucket}/many/{i:03d}.parquet" for i in range(FOLDER_LISTING_MIN)]
+    with pytest.raises(StorageUnavailable) as raised:
+        list_dataset(named, "data.train")
+    assert str(raised.value).startswith(
+        f"data.train: cannot list {s3_bucket}/many (for the {FOLDER_LISTING_MIN} files named in it): {failing}"
+    ), raised.value
+    assert len(log.read_text().split()) - before == 2  # one request, two attempts
+
+    # The command line: one paragraph, exit 75, not 2.
+    assert index_main([f"{s3_bucket}/data"]) == 75
+    stderr = capsys.readouterr().err
+    assert stderr.startswith(f"error: index.py: cannot list {s3_bucket}/data: {failing}"), stderr
+    assert "not bad input: run again later, or raise storage.max_attempts" in stderr and "Traceback" not in stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_a_missing_denied_or_non_parquet_file_on_s3_stays_bad_input(s3_auth, monkeypatch, capsys):
+    from sdtrain.data.footer import read_footer
+    from sdtrain.driver.cli import index_main
+
+    def as_user(name: str) -> None:
+        monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3_auth.keys[name][0])
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3_auth.keys[name][1])
+
+    as_user("admin")
+    _s3().put_object(Bucket="sdtrain-test", Key="text/notes.parquet", Body=b"not parquet")
+    for name in ("data/gone.parquet", "text/notes.parquet"):
+        with pytest.raises(DataError, match=f"^data.train: cannot read s3://sdtrain-test/{name} as parquet: "):
+            read_footer(f"s3://sdtrain-test/{name}", "data.train")
+    with pytest.raises(DataError, match="^data.train: s3://sdtrain-test/data/gone.parquet matches no parquet files"):
+        list_dataset(["s3://sdtrain-test/data/gone.parquet"], "data.train")
+    assert index_main(["s3://sdtrain-test/text"]) == 2
+    assert capsys.readouterr().err.startswith("error: index.py: cannot read s3://sdtrain-test/text/notes.parquet as")
+
+    as_user("nobody")  # may not read: AccessDenied (403)
+    part = "s3://sdtrain-test/data/part.parquet"
+    with pytest.raises(DataError, match=f"^data.train: cannot read {part} as parquet: .*ACCESS_DENIED"):
+        read_footer(part, "data.train")
+    with pytest.raises(DataError, match=f"^data.train: cannot list {part}: An error occurred \\(403\\)"):
+        list_dataset([part], "data.train")
 
 
 # --- secrets ---------------------------------------------------------------------------------

@@ -31,6 +31,13 @@ class NonFiniteTraining(SdtrainError):
     """Too many consecutive optimizer steps had NaN/inf gradients: training has diverged."""
 
 
+class StorageUnavailable(OSError):
+    """Object storage failed for now, past its client's retries (throttling, a 5xx answer, a dropped or timed-out
+    connection): no SdtrainError, whose exit status 2 says "fix the input, do not retry" and which stops a Ray Train
+    run without restarts, but an OSError as a failed read is. The message names the config key and the file; the
+    command lines print it as one paragraph and exit EX_TEMPFAIL (75): running again may succeed."""
+
+
 def find_sdtrain_error(error: BaseException) -> "SdtrainError | None":
     """Our own error inside ``error``, however Ray wrapped it (task errors, worker failures of a
     Ray Train run, a controller failure, exception chains); None if there is none."""

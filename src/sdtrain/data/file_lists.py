@@ -9,6 +9,7 @@ import posixpath
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from sdtrain.logs import log
+from sdtrain.storage.s3 import raise_if_unavailable
 from sdtrain.storage.uris import split_s3
 
 ListFolder = Callable[[str, str, str, str], Iterator[tuple[str, int, str]]]
@@ -49,13 +50,16 @@ def found_keys(listed: Iterable[tuple[str, int, str]], keys: Sequence[str]) -> d
     return found
 
 
-def files_in_listed_folders(uris: Sequence[str], list_folder: ListFolder) -> dict[str, tuple[int, str]]:
+def files_in_listed_folders(
+    uris: Sequence[str], list_folder: ListFolder, key: str = "data.train"
+) -> dict[str, tuple[int, str]]:
     """(size, version) of each of ``uris`` (s3:// objects named one by one) found by listing its folder, where the
     folder holds FOLDER_LISTING_MIN or more of them; the others are left to a HEAD each.
 
     Args:
         uris: the specs that name one S3 object each (no glob, no trailing '/').
         list_folder: lists a folder's objects between two keys.
+        key: the config key that names ``uris`` (for errors).
     """
     from botocore.exceptions import ClientError
 
@@ -64,8 +68,15 @@ def files_in_listed_folders(uris: Sequence[str], list_folder: ListFolder) -> dic
     for (bucket, folder), keys in folders_to_list([(b, k) for b, k in named if k]).items():
         try:
             in_folder = found_keys(list_folder(bucket, *listing_bounds(folder, keys)), keys)
-        except ClientError as e:  # no s3:ListBucket (data shared for GetObject alone): a HEAD each, as before
+        except Exception as e:
+            # A store throttling or failing would fail a HEAD each too, after many more requests.
+            raise_if_unavailable(
+                e, f"{key}: cannot list s3://{bucket}/{folder} (for the {len(keys)} files named in it)"
+            )
+            if not isinstance(e, ClientError):
+                raise
+            # No s3:ListBucket (data shared for GetObject alone): a HEAD each, as before.
             log.info(f"cannot list s3://{bucket}/{folder} ({e}): its {len(keys)} files are asked for one by one")
             continue
-        found.update({f"s3://{bucket}/{key}": value for key, value in in_folder.items()})
+        found.update({f"s3://{bucket}/{name}": value for name, value in in_folder.items()})
     return found

@@ -12,12 +12,14 @@ import pyarrow.parquet as pq
 
 from sdtrain.errors import DataError
 from sdtrain.storage.filesystems import filesystem_for
+from sdtrain.storage.s3 import raise_if_unavailable
 
 
 def read_footer(
     file: str, key: str, source: Callable[[str], tuple[pafs.FileSystem, str]] = filesystem_for
 ) -> pq.FileMetaData:
-    """The footer of ``file``; a DataError naming ``key`` and the file if it is no parquet.
+    """The footer of ``file``; a DataError naming ``key`` and the file if it is no parquet (or missing, or denied), a
+    StorageUnavailable naming both if storage failed past its retries.
 
     Args:
         source: the file's filesystem and path (a shared one per bucket, where many footers are read).
@@ -26,6 +28,7 @@ def read_footer(
     try:
         return pq.read_metadata(path, filesystem=fs)
     except (OSError, pa.ArrowException) as e:
+        raise_if_unavailable(e, f"{key}: cannot read {file}")
         raise DataError(f"{key}: cannot read {file} as parquet: {e}") from None
 
 

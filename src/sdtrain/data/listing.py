@@ -23,6 +23,7 @@ from sdtrain.data.file_lists import files_in_listed_folders
 from sdtrain.data.known_keys import KnownKeys, split_keys
 from sdtrain.errors import DataError
 from sdtrain.storage.filesystems import filesystem_for
+from sdtrain.storage.s3 import is_transient, raise_if_unavailable
 from sdtrain.storage.uris import split_s3, uri_prefix
 
 DIRECTORY_INDEX = "_sdtrain_index.parquet"  # '_': outside the parquet listing
@@ -100,7 +101,7 @@ def list_specs(
 
     listed: dict[str, Listing] = {}  # many S3 files of one folder: found with its listing (sdtrain.data.file_lists)
     s3_files = [s for s in specs if s.startswith("s3://") and not s.endswith("/") and not _has_glob(s)]
-    for uri, (size, version) in files_in_listed_folders(s3_files, folder).items():
+    for uri, (size, version) in files_in_listed_folders(s3_files, folder, key).items():
         listed[uri] = Listing()
         listed[uri].add(uri, size, version)
     with ThreadPoolExecutor(min(LIST_THREADS, len(specs)), thread_name_prefix="sdtrain-specs") as pool:
@@ -119,7 +120,11 @@ def list_spec(
 ) -> Listing:
     """The files one spec names, in the order listed (:func:`list_dataset` without the merging)."""
     found = Listing()
-    _expand(spec, found, page_size, KnownKeys.of(known))
+    try:
+        _expand(spec, key, found, page_size, KnownKeys.of(known))
+    except Exception as e:  # boto3's errors are no OSErrors (and botocore is imported only to list S3)
+        raise_if_unavailable(e, f"{key}: cannot list {spec}")
+        raise
     if not found.paths:
         raise DataError(
             f"{key}: {spec} matches no parquet files; expected a .parquet file, a directory "
@@ -156,10 +161,10 @@ def strictly_increasing(paths: Sequence[str]) -> bool:
     return all(a < b for a, b in zip(paths, itertools.islice(paths, 1, None), strict=False))
 
 
-def _expand(spec: str, found: Listing, page_size: int, known: KnownKeys | None = None) -> None:
+def _expand(spec: str, key: str, found: Listing, page_size: int, known: KnownKeys | None = None) -> None:
     prefix = uri_prefix(spec)
     if spec.startswith("s3://"):
-        _expand_s3(spec, found, page_size, known)
+        _expand_s3(spec, key, found, page_size, known)
     elif not prefix:
         _expand_local(spec, found)
     else:
@@ -295,7 +300,7 @@ def _etag(obj: Mapping) -> str:
     return str(obj.get("ETag", "")).strip('"')
 
 
-def _expand_s3(spec: str, found: Listing, page_size: int, known: KnownKeys | None = None) -> None:
+def _expand_s3(spec: str, config_key: str, found: Listing, page_size: int, known: KnownKeys | None = None) -> None:
     import fnmatch
 
     from botocore.exceptions import ClientError
@@ -316,8 +321,10 @@ def _expand_s3(spec: str, found: Listing, page_size: int, known: KnownKeys | Non
             found.add(spec, int(head["ContentLength"]), _etag(head))
             return
         except ClientError as e:
+            if is_transient(e):
+                raise  # list_spec: a storage failure, not bad input
             if e.response.get("Error", {}).get("Code") not in ("404", "NoSuchKey", "NotFound"):
-                raise DataError(f"cannot list {spec}: {e}") from None
+                raise DataError(f"{config_key}: cannot list {spec}: {e}") from None
     root = f"s3://{bucket}/{key}" if key else f"s3://{bucket}"
     list_prefix = f"{key}/" if key else ""
     directory_index = list_prefix + DIRECTORY_INDEX
@@ -331,12 +338,15 @@ def _expand_s3(spec: str, found: Listing, page_size: int, known: KnownKeys | Non
 def object_version(uri: str) -> tuple[int, str] | None:
     """(size, version) of one object as a listing records them (S3: one HEAD), or None if it is gone."""
     if uri.startswith("s3://"):
-        from botocore.exceptions import ClientError
+        from botocore.exceptions import BotoCoreError, ClientError
 
         bucket, key = split_s3(uri)
         try:
             head = listing_client().head_object(Bucket=bucket, Key=key)
-        except ClientError as e:
+        except (ClientError, BotoCoreError) as e:
+            raise_if_unavailable(e, f"cannot read {uri}")
+            if not isinstance(e, ClientError):
+                raise
             if e.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
                 return None
             raise DataError(f"cannot read {uri}: {e}") from None

@@ -11,26 +11,32 @@ from pathlib import Path
 from sdtrain.config.keys import help_text
 from sdtrain.config.loader import load_config
 from sdtrain.config.schema import Config
-from sdtrain.errors import SdtrainError, TrainingFailed
+from sdtrain.errors import SdtrainError, StorageUnavailable, TrainingFailed
 from sdtrain.logs import configure_logging, log
 
 EX_TEMPFAIL = 75
-"""The exit status of a command that did nothing because another holds what it needs (the registry's lock): a retry
-later may succeed. The training watchdog's is the same (sdtrain.train.watchdog)."""
+"""The exit status of a command that did nothing because another holds what it needs (the registry's lock), or
+because object storage kept failing past its client's retries: a retry later may succeed. The training watchdog's is
+the same (sdtrain.train.watchdog)."""
+
+REPORTED = (SdtrainError, StorageUnavailable)
+"""The errors a command prints as their one-paragraph message, without a traceback, and exits with
+:func:`exit_code` of."""
 
 
-def exit_code(error: SdtrainError) -> int:
+def exit_code(error: SdtrainError | StorageUnavailable) -> int:
     """A command's exit status for ``error``: 1 for a run that failed after it started, EX_TEMPFAIL (75) when the
-    registry is busy, 2 for bad input."""
+    registry is busy or object storage failed for now (neither is the input's fault), 2 for bad input."""
     from sdtrain.artifacts.registry_lock import RegistryBusy
 
     if isinstance(error, TrainingFailed):
         return 1
-    return EX_TEMPFAIL if isinstance(error, RegistryBusy) else 2
+    return EX_TEMPFAIL if isinstance(error, RegistryBusy | StorageUnavailable) else 2
 
 
 def train_main(argv: Sequence[str] | None, default_config: Path) -> int:
-    """Run the training job; the exit code is 0 on success, 2 for bad input, 1 for a failed run."""
+    """Run the training job; the exit code is 0 on success, 2 for bad input, 1 for a failed run, 75 when object storage
+    failed past its retries before the run started (run again)."""
     return _main(
         argv,
         default_config,
@@ -62,7 +68,7 @@ def _main(argv, default_config: Path, prog: str, description: str, job: Callable
     configure_logging()
     try:
         lines = job(load_config(args.config, args.overrides))
-    except SdtrainError as e:
+    except REPORTED as e:
         print(f"error: {e}", file=sys.stderr)
         return exit_code(e)
     for line in lines:
@@ -125,7 +131,7 @@ def check_main(argv: Sequence[str] | None, default_config: Path | None) -> int:
         from sdtrain.driver.check import check
 
         report = check(args.config, args.overrides, steps=args.steps, compare_compile=args.compare_compile)
-    except SdtrainError as e:
+    except REPORTED as e:
         print(f"error: {e}", file=sys.stderr)
         return exit_code(e)
     for line in report.table():
@@ -155,9 +161,9 @@ def preprocess_main(argv: Sequence[str] | None, default_config: Path) -> int:
         from sdtrain.preprocess.job import run_preprocess
 
         summary = run_preprocess(load_config(args.config, args.overrides, PreprocessConfig), max_shards=args.max_shards)
-    except SdtrainError as e:
+    except REPORTED as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return exit_code(e)
     manifest = summary.manifest
     log.info(
         f"{len(summary.shards_written)} shard(s) written this run, {summary.shards_done_before} done "
@@ -173,7 +179,8 @@ def preprocess_main(argv: Sequence[str] | None, default_config: Path) -> int:
 
 
 def index_main(argv: Sequence[str] | None) -> int:
-    """Write the dataset index beside directories of parquet latents; 0 on success, 2 for bad input."""
+    """Write the dataset index beside directories of parquet latents; 0 on success, 2 for bad input, 75 when object
+    storage failed past its retries (run again)."""
     import json
     import re
 
@@ -220,9 +227,9 @@ def index_main(argv: Sequence[str] | None) -> int:
                 f"{directory}: {stats.files} files ({stats.from_index} from its index, "
                 f"{stats.footers_read} footers read); {done}"
             )
-    except SdtrainError as e:
+    except REPORTED as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return exit_code(e)
     return 0
 
 
@@ -371,9 +378,9 @@ def generate_main(argv=None) -> int:
             width=args.width,
         )
         written = generate(request)
-    except (SdtrainError, ValueError) as e:
+    except (*REPORTED, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return exit_code(e) if isinstance(e, REPORTED) else 2
     for note in request.notes:
         log.info(f"note: {note}")
     for line in request.results:

@@ -26,7 +26,7 @@ from botocore.exceptions import (
 from botocore.exceptions import ConnectionError as BotoConnectionError
 
 from sdtrain.config.schema import Config
-from sdtrain.errors import ConfigError, DataError
+from sdtrain.errors import ConfigError, DataError, StorageUnavailable
 from sdtrain.storage.s3 import CONNECT_TIMEOUT_S, configure_s3, s3_client, s3_endpoint, s3_max_attempts
 from sdtrain.storage.uris import has_userinfo, redact, split_s3
 
@@ -150,7 +150,10 @@ class _Where:
                 "can, the failure was transient: run again, or raise storage.max_attempts"
             ) from None
         except (ConnectionClosedError, ReadTimeoutError) as e:
-            raise ConfigError(self._transient(action, f"the connection was dropped ({type(e).__name__})")) from None
+            # Not bad input (exit 2): a failure for now (exit 75, sdtrain.errors.StorageUnavailable).
+            raise StorageUnavailable(
+                self._transient(action, f"the connection was dropped ({type(e).__name__})")
+            ) from None
         except ClientError as e:
             raise self._client_error(action, e) from None
         except (BotoCoreError, ValueError) as e:  # ValueError: e.g. an endpoint URL botocore cannot parse
@@ -185,7 +188,7 @@ class _Where:
                 "use credentials that have it"
             )
         if code in _TRANSIENT or status in _TRANSIENT:
-            return ConfigError(self._transient(action, f"{code or status}: the server is throttling or failing"))
+            return StorageUnavailable(self._transient(action, f"{code or status}: the server is throttling or failing"))
         return ConfigError(
             f"{self.key}: {self.uri}: cannot {action}{self.at()}: {code}: "
             f"{error.response.get('Error', {}).get('Message', '')}"

@@ -6,9 +6,12 @@ AWS chain: nothing here reads or stores a secret.
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 
 import pyarrow.fs as pafs
+
+from sdtrain.errors import StorageUnavailable
 
 # Attempts per S3 request when nothing configured them (the storage.max_attempts default).
 DEFAULT_MAX_ATTEMPTS = 5
@@ -156,7 +159,59 @@ _TRANSIENT_MARKERS = (
 )
 
 
+# What boto3's standard retry mode retries, by the code or HTTP status of the answer (botocore.retries.standard's
+# throttled and transient lists): past the client's retries it is still a failure for now, not an answer about the
+# object. Anything else (404, 403 AccessDenied, ...) is about the object or the credentials.
+_TRANSIENT_CODES = frozenset(
+    {
+        "SlowDown",
+        "Throttling",
+        "ThrottlingException",
+        "ThrottledException",
+        "RequestThrottled",
+        "RequestThrottledException",
+        "TooManyRequestsException",
+        "RequestLimitExceeded",
+        "BandwidthLimitExceeded",
+        "LimitExceededException",
+        "ProvisionedThroughputExceededException",
+        "PriorRequestNotComplete",
+        "RequestTimeout",
+        "RequestTimeoutException",
+        "InternalError",
+        "ServiceUnavailable",
+    }
+)
+_TRANSIENT_STATUSES = frozenset({429, 500, 502, 503, 504})
+
+
 def is_transient(error: BaseException) -> bool:
-    """Whether ``error`` (from reading an object, after the client's own retries) is a storage or
-    network failure that a later attempt can get past, rather than a damaged object."""
-    return isinstance(error, OSError) and any(marker in str(error) for marker in _TRANSIENT_MARKERS)
+    """Whether ``error`` (from reading, listing or asking for an object, after the client's own retries) is a
+    storage or network failure that a later attempt can get past, rather than a damaged or missing object or a
+    denied request: the AWS SDK's errors under pyarrow (OSErrors) and boto3's alike."""
+    if isinstance(error, StorageUnavailable):
+        return True
+    if isinstance(error, OSError) and any(marker in str(error) for marker in _TRANSIENT_MARKERS):
+        return True
+    # botocore is not imported here: Ray Data's read tasks call this, light on purpose. An error of botocore's
+    # comes from a process that imported it.
+    botocore = sys.modules.get("botocore.exceptions")
+    if botocore is None:
+        return False
+    if isinstance(error, botocore.ClientError):
+        status = error.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        return error.response.get("Error", {}).get("Code") in _TRANSIENT_CODES or status in _TRANSIENT_STATUSES
+    # Refused, reset or timed-out connections and dropped answers: what boto3's standard retry mode retries.
+    return isinstance(error, (botocore.ConnectionError, botocore.HTTPClientError))
+
+
+def raise_if_unavailable(error: BaseException, what: str) -> None:
+    """Raise the StorageUnavailable naming ``what`` (the config key and the file or folder) if ``error`` is
+    transient (:func:`is_transient`); else return, and the caller says what is wrong with the input."""
+    if not is_transient(error):
+        return
+    reason = " ".join(str(error).split()) or type(error).__name__
+    raise StorageUnavailable(
+        f"{what}: object storage failed after {s3_max_attempts()} attempt(s) with backoff ({reason}). This is "
+        "throttling, a server error or the network, not bad input: run again later, or raise storage.max_attempts"
+    ) from error
