@@ -30,14 +30,32 @@ def test_each_rank_of_each_run_gets_an_emptied_directory_under_checkpoint_stagin
     assert worker_scratch(default, "s3://b/runs/a", 0).startswith(os.path.join(os.sep, "tmp"))
 
 
+def _restore_on_a_node(rank: int, checkpoint: Checkpoint, node_dir: str, init: str, seen) -> None:
+    """One of two ranks of one node, in a gloo process group: restores, reads, and drops the copy as a worker does."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    try:
+        with restored_directory(checkpoint, node_dir, local_rank=rank) as (directory, is_copy):
+            file = os.path.join(directory, "checkpoint.ckpt")
+            seen.put((rank, directory, is_copy, os.stat(file).st_ino, sorted(os.listdir(directory))))
+            DropRestoreCopy(directory, local_rank=rank).on_train_start(None, None)  # both restored: the copy goes
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.mark.slow
-@pytest.mark.timeout(60)
-def test_a_checkpoint_in_object_storage_is_copied_once_and_dropped_after_the_restore(s3_bucket, tmp_path):
+@pytest.mark.timeout(120)
+def test_a_checkpoint_in_object_storage_is_copied_once_a_node_and_dropped_after_the_restore(s3_bucket, tmp_path):
+    """A real S3-protocol server and two ranks of one node in a gloo process group, as Ray Train's workers: local
+    rank 0 downloads, both read the one copy (the same file on disk), and it goes once both have restored."""
+    import multiprocessing
+
     source = tmp_path / "checkpoint_000000004"
     source.mkdir()
     (source / "checkpoint.ckpt").write_bytes(b"x" * 1000)
     local = Checkpoint.from_directory(str(source))
-    with restored_directory(local, str(tmp_path / "scratch")) as (directory, is_copy):
+    with restored_directory(local, str(tmp_path / "node"), local_rank=0) as (directory, is_copy):
         assert (directory, is_copy) == (str(source), False)  # on this disk: read in place, never deleted
     assert source.exists()
 
@@ -46,13 +64,20 @@ def test_a_checkpoint_in_object_storage_is_copied_once_and_dropped_after_the_res
     with fs.open_output_stream(f"{path}/checkpoint.ckpt") as f:
         f.write(b"x" * 1000)
     remote = Checkpoint(path, filesystem=fs)
-    scratch = tmp_path / "scratch"
-    scratch.mkdir()
-    with restored_directory(remote, str(scratch)) as (directory, is_copy):
-        assert is_copy and directory.startswith(str(scratch))
-        assert open(os.path.join(directory, "checkpoint.ckpt"), "rb").read() == b"x" * 1000
-        DropRestoreCopy(directory).on_train_start(None, None)  # Lightning has restored: the copy goes
-        assert not os.path.exists(directory)
-    with restored_directory(remote, str(scratch)) as (directory, _):
-        pass
-    assert not os.path.exists(directory)  # and it goes at the end whatever happened
+    node = tmp_path / "node"
+    os.makedirs(node / "restored" / "stale")  # a killed worker group's copy: replaced
+    context = multiprocessing.get_context("spawn")
+    seen = context.Queue()
+    init = f"file://{tmp_path / 'rendezvous'}"
+    ranks = [context.Process(target=_restore_on_a_node, args=(r, remote, str(node), init, seen)) for r in (0, 1)]
+    for process in ranks:
+        process.start()
+    (_, directory, is_copy, inode, files), (_, other, _, other_inode, other_files) = sorted(
+        seen.get(timeout=100) for _ in ranks
+    )
+    for process in ranks:
+        process.join(timeout=30)
+    assert [process.exitcode for process in ranks] == [0, 0]
+    assert is_copy and directory == other == str(node / "restored") and inode == other_inode  # one copy
+    assert files == other_files == ["checkpoint.ckpt"]  # the stale copy went first
+    assert not os.path.exists(directory)

@@ -135,9 +135,9 @@ class CheckpointConfig(Section):
     staging_dir: str | None = None
     """Local directory (each node's own disk) where checkpoints are written before their upload and a restored
     checkpoint is downloaded to. It needs room for about two checkpoints, and, while a worker group restores from
-    object storage, one checkpoint per worker on the node (each rank downloads its own copy, removed once restored:
-    8 GPUs a node are 8 copies at once). null = the system's temporary directory. What a killed worker left there
-    is removed when the run's next worker group starts."""
+    object storage, one more: the node's local rank 0 downloads it once for the node's ranks and removes it once all
+    have restored. null = the system's temporary directory. What a killed worker left there is removed when the
+    run's next worker group starts (a restore copy, by the next download)."""
     record_rows: bool = False
     """Save into each checkpoint, as samples.npy, the sample index (row number in data.train's files, in order) of
     every row trained on since the previous checkpoint, all ranks: an exact record of what the model saw."""

@@ -132,47 +132,81 @@ def report_with_checkpoint(
 
 
 def worker_scratch(config: Config, run_dir: str, rank: int) -> str:
-    """An empty local directory for this rank of this run: staged checkpoints and restore copies.
+    """An empty local directory for this rank of this run: staged checkpoints.
 
     Emptied at every worker-group start: a worker killed mid-upload (SIGKILL: no clean-up runs)
     leaves a whole checkpoint there, and the rank that takes its place on the node removes it.
     Named by the run's directory, so two runs on one node never touch each other's files.
     """
-    run_key = hashlib.sha256(run_dir.encode()).hexdigest()[:12]
-    scratch = os.path.join(
-        config.checkpoint.staging_dir or tempfile.gettempdir(),
-        "sdtrain-staging",
-        f"{config.run.name}-{run_key}",
-        f"rank{rank}",
-    )
+    scratch = os.path.join(_run_scratch(config, run_dir), f"rank{rank}")
     shutil.rmtree(scratch, ignore_errors=True)
     os.makedirs(scratch)
     return scratch
 
 
+def node_scratch(config: Config, run_dir: str) -> str:
+    """The local directory this run's ranks on one node share: the one download of a restored checkpoint
+    (:func:`restored_directory`, which empties it)."""
+    return os.path.join(_run_scratch(config, run_dir), "node")
+
+
+def _run_scratch(config: Config, run_dir: str) -> str:
+    run_key = hashlib.sha256(run_dir.encode()).hexdigest()[:12]
+    staging = config.checkpoint.staging_dir or tempfile.gettempdir()
+    return os.path.join(staging, "sdtrain-staging", f"{config.run.name}-{run_key}")
+
+
 @contextlib.contextmanager
-def restored_directory(checkpoint: ray.train.Checkpoint, scratch: str) -> Iterator[tuple[str, bool]]:
+def restored_directory(checkpoint: ray.train.Checkpoint, node_dir: str, local_rank: int) -> Iterator[tuple[str, bool]]:
     """(directory holding ``checkpoint``'s files, whether it is a copy). A checkpoint on this node's
-    disk is read in place; one in object storage is downloaded into ``scratch``, and the copy is
-    removed on exit if :class:`DropRestoreCopy` has not removed it once Lightning restored from it."""
+    disk is read in place; one in object storage is downloaded once a node, by its local rank 0, into
+    ``node_dir`` (:func:`node_scratch`): a rank each would take 8 downloads and 8 checkpoints of disk on an
+    8-GPU node (an SDXL checkpoint with its EMA and optimizer is ~40 GB). Every rank (all of them: a collective)
+    waits for the copies before reading. Local rank 0 removes the copy on exit if :class:`DropRestoreCopy` has not
+    removed it once Lightning restored from it."""
     if isinstance(checkpoint.filesystem, pafs.LocalFileSystem) and os.path.isdir(checkpoint.path):
         yield checkpoint.path, False
         return
-    copy = os.path.join(scratch, "restored")
-    checkpoint.to_directory(copy)
+    copy = os.path.join(node_dir, "restored")
+    if local_rank == 0:
+        shutil.rmtree(node_dir, ignore_errors=True)  # a killed worker group's copy, whole or not
+        checkpoint.to_directory(copy)
+    barrier()  # the node's copy is whole before any rank reads it
     try:
         yield copy, True
     finally:
-        shutil.rmtree(copy, ignore_errors=True)
+        if local_rank == 0:
+            shutil.rmtree(copy, ignore_errors=True)
+
+
+def barrier() -> None:
+    """Wait for every rank of the worker group (none to wait for outside a process group)."""
+    import ray.train.torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    if dist.get_backend() == "nccl":  # NCCL's barrier runs on a device: this rank's, not the current one (GPU 0)
+        dist.barrier(device_ids=[ray.train.torch.get_device().index])
+    else:
+        dist.barrier()
 
 
 class DropRestoreCopy(pl.Callback):
-    """Removes the downloaded copy of the restored checkpoint once Lightning has restored from it
+    """Removes the downloaded copy of the restored checkpoint once Lightning has restored from it on every rank
     (weights, optimizer and loop state are read before training starts): it would otherwise take a
-    checkpoint's size of local disk for the whole run."""
+    checkpoint's size of local disk for the whole run. The node's local rank 0 removes it, after the others.
 
-    def __init__(self, copy: str):
+    Args:
+        copy: the node's copy (:func:`restored_directory`).
+        local_rank: this rank's on its node.
+    """
+
+    def __init__(self, copy: str, local_rank: int):
         self.copy = copy
+        self.local_rank = local_rank
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        shutil.rmtree(self.copy, ignore_errors=True)
+        barrier()  # every rank of the node has read the copy
+        if self.local_rank == 0:
+            shutil.rmtree(self.copy, ignore_errors=True)

@@ -31,7 +31,13 @@ from sdtrain.storage.run_layout import CHECKPOINT_FILE, HISTORY_FILE
 from sdtrain.storage.s3 import apply_s3_settings
 from sdtrain.train.build import build_training, run_device_settings
 from sdtrain.train.cadence import ReportCadence
-from sdtrain.train.checkpointing import CheckpointWriter, DropRestoreCopy, restored_directory, worker_scratch
+from sdtrain.train.checkpointing import (
+    CheckpointWriter,
+    DropRestoreCopy,
+    node_scratch,
+    restored_directory,
+    worker_scratch,
+)
 from sdtrain.train.device_settings import training_autocast
 from sdtrain.train.evaluations import CheckpointEvaluations
 from sdtrain.train.preemption import PreemptionCheck
@@ -130,13 +136,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         record_samples=config.checkpoint.record_rows,
     )
 
-    checkpoint = ray.train.get_checkpoint()
     scratch = worker_scratch(config, _run_dir(config), rank)
-    # Restored: read in place, or downloaded into scratch (Lightning reads its file when fit starts).
-    restored = (
-        restored_directory(checkpoint, scratch) if checkpoint is not None else contextlib.nullcontext((None, False))
-    )
-    with restored as (directory, is_copy):
+    with _restored(config) as (directory, is_copy):
         plan: ReadPlan = loop_config["plan"]
         start = (
             StartPoint()
@@ -147,6 +148,16 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         launched, prompts = loop_config["launched_at"], loop_config.get("grid_prompts")
         run = WorkerRun(config, plan, layout, start, launched, scratch, copy, watchdog, settings.pin_memory, prompts)
         _fit(run, module, trainer_kwargs, train_batches)
+
+
+def _restored(config: Config) -> contextlib.AbstractContextManager[tuple[str | None, bool]]:
+    """The checkpoint Ray Train restores this worker group from: (its directory, whether a copy), read in place or
+    downloaded once a node (Lightning reads its file when fit starts); (None, False) for a fresh run."""
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is None:
+        return contextlib.nullcontext((None, False))
+    local_rank = ray.train.get_context().get_local_rank()
+    return restored_directory(checkpoint, node_scratch(config, _run_dir(config)), local_rank)
 
 
 def _fit(
@@ -216,7 +227,7 @@ def _callbacks(run: WorkerRun, module: pl.LightningModule, rank: int, train_batc
         callbacks.append(validation)
     callbacks.append(reporter)
     if run.restore_copy is not None:
-        callbacks.append(DropRestoreCopy(run.restore_copy))
+        callbacks.append(DropRestoreCopy(run.restore_copy, ray.train.get_context().get_local_rank()))
     if config.train.compile:
         callbacks.append(CompiledGraphs())
     return callbacks
