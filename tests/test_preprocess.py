@@ -229,6 +229,29 @@ def test_encoders_match_the_diffusers_pipeline(tiny_model):
     assert not torch.allclose(sampled, latents)
 
 
+def test_a_batch_all_of_one_non_square_bucket_is_encoded_at_its_own_shape(tiny_model):
+    """Ray Data hands a batch whose rows are all one shape as a plain uint8 array, not an array of arrays: with
+    aspect buckets its latents are its bucket's size, not the square's (they raised, failing the whole job)."""
+    from sdtrain.preprocess.encode_stage import Encoder
+
+    encoder = Encoder(tiny_model, "mean", 0, "float32", RESOLUTION, buckets="aspect")
+    pixels = np.random.default_rng(0).integers(0, 256, (3, 40, 24, 3), dtype=np.uint8)  # bucket 0 of 32 (step 8)
+    pixels[2] = 0  # the shard's counts row, of bucket 0's shape as the CPU stage makes it
+    out = encoder(
+        {
+            "pixels": pixels,
+            "caption": np.array(["a fox", "a cat", ""]),
+            "valid": np.array([True, True, False]),
+            "key": np.array(["a", "b", ""]),
+        }
+    )
+    expected = encode_images(encoder.vae, pixels[:2], "mean").flatten(1).numpy().astype(np.float16)
+    assert expected.shape == (2, 4 * 20 * 12)
+    assert [np.asarray(row).shape for row in out["latents"]] == [(960,), (960,), (0,)]
+    np.testing.assert_array_equal(np.stack(out["latents"][:2]), expected)
+    assert out["embeddings"].shape == (3, 77 * 32) and not out["embeddings"][2].any()
+
+
 def test_a_text_file_that_cannot_be_read_names_the_setting_and_the_file(tmp_path):
     """input.captions_file and generate.py's --prompts-file read through one function (storage.filesystems)."""
     from sdtrain.sampling.prompts import read_prompts_file

@@ -29,8 +29,9 @@ def row_seed(seed: int, key: str) -> int:
 class Encoder:
     """Ray Data callable class (one per actor): loads the models once, then encodes batches.
 
-    Input columns: pixels (N, H, W, 3 uint8), caption (str), valid (bool), key (str), plus any others, passed
-    through. Output: the same without pixels and caption, plus ``latents`` as flat float16 rows and, by
+    Input columns: pixels (N, H, W, 3 uint8; with ``buckets`` aspect, each row of its bucket's shape), caption
+    (str), valid (bool), key (str), plus any others, passed through. Output: the same without pixels and caption,
+    plus ``latents`` as flat float16 rows (with aspect buckets, each of its own bucket's length) and, by
     ``captions`` (output.captions), ``embeddings`` as flat float16 rows (L x D: the text encoders' hidden states,
     as sdtrain.model.encoders.TextEncoders.encode makes them) with, for SDXL, ``pooled`` (P float16 a row), and/or
     each tokenizer's ids as int32 rows of L (``token_ids``, then SDXL's second's ``token_ids_2``:
@@ -47,6 +48,7 @@ class Encoder:
         resolution: int,
         s3: S3Settings | None = None,
         captions: Literal["embeddings", "token_ids", "both"] = "embeddings",
+        buckets: Literal["square", "aspect"] = "square",
     ):
         if s3 is not None:  # the driver's endpoint and retries, for a model on s3://
             apply_s3_settings(s3)
@@ -60,7 +62,7 @@ class Encoder:
         else:
             self.text_encoders = load_text_encoders(model, self.device, torch_dtype)
             self.tokenizers = self.text_encoders.tokenizers
-        self.latent, self.seed = latent, seed
+        self.latent, self.seed, self.buckets = latent, seed, buckets
         # Fixed row widths, also for a batch with no valid row (every batch's columns must have one shape).
         side = resolution // 2 ** (len(self.vae.config.block_out_channels) - 1)
         self.latent_width = self.vae.config.latent_channels * side * side
@@ -87,11 +89,14 @@ class Encoder:
             if self.text_encoders is not None:
                 hidden, pooled = self.text_encoders.encode(prompts)
             ids = tokenize_each(self.tokenizers, prompts).numpy()
-        if isinstance(pixels, np.ndarray) and pixels.dtype != object:  # one shape: one pass of the VAE
-            if len(keep):
+        # Aspect-ratio buckets take the per-shape path whatever the batch holds: Ray Data hands a batch of several
+        # shapes as an array of arrays, but one of a single shape (all one non-square bucket) as a plain uint8
+        # array, whose latents are not latent_width (the square's) wide.
+        if self.buckets == "square" and isinstance(pixels, np.ndarray) and pixels.dtype != object:
+            if len(keep):  # one shape: one pass of the VAE
                 latents = self._latents(pixels[keep], keep, batch)
             batch["latents"] = _scatter(latents, keep, n, self.latent_width, np.float16)
-        else:  # aspect-ratio buckets: Ray Data hands a batch of several shapes as an array of arrays
+        else:
             batch["latents"] = self._bucketed_latents(pixels, keep, batch, n)
         if self.text_encoders is not None and self.captions != "token_ids":
             batch["embeddings"] = _scatter(_flat(hidden), keep, n, self.embedding_width, np.float16)

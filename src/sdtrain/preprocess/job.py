@@ -234,6 +234,7 @@ def _pipeline(config: PreprocessConfig, pending: list[Shard]) -> Any:
             resolution=config.image.resolution,
             s3=s3,
             captions=config.output.captions,
+            buckets=config.image.buckets,
         ),
         batch_size=config.encode.batch_size,
         batch_format="numpy",
@@ -280,6 +281,8 @@ class _Prepare:
         except Exception as e:  # an unreadable file (truncated tar, vanished object): the shard fails, not the job
             stats["error"] = f"{type(e).__name__}: {e}"
         stats["skipped"] = dict(sorted(skipped.items()))
+        # Square: the one shape, so a batch stays one array. Aspect: any shape (the encoder takes each row's shape,
+        # and a batch of bucket 0's rows and this one is all one shape, which it handles too).
         height, width = self.buckets[0]
         empty = np.zeros((height, width, 3), np.uint8)
         yield _row(shard, -1, "", empty, "", None, json.dumps(stats))
