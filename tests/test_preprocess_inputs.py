@@ -129,6 +129,33 @@ def test_footers_and_markers_are_read_many_at_a_time_in_order(tmp_path, monkeypa
     assert markers.calls == 40 and markers.most > 4
 
 
+def test_markers_are_read_128_at_a_time_on_as_many_s3_connections(tmp_path, monkeypatch):
+    """A re-run reads every done shard's marker (2e6 at 2e9 rows): 16 at a time took 2 h at 30 ms a request. Their
+    filesystem is made while pyarrow's IO threads number MARKER_READS: its S3 client keeps max(those, 25)
+    connections, and 128 threads on 25 connections were no faster than 25 (bench/results/2026-11-29-markers.md)."""
+    import pyarrow as pa
+
+    from sdtrain.preprocess import outputs
+    from sdtrain.preprocess.outputs import read_shard_stats
+    from sdtrain.preprocess.planning import MARKER_READS
+
+    (tmp_path / "_shards").mkdir()
+    for i in range(300):
+        (tmp_path / "_shards" / f"s{i:03d}.json").write_text(json.dumps({"shard": f"s{i:03d}"}))
+    markers, io_threads = _InFlight(), []
+    counting = pafs.PyFileSystem(_CountingFs(markers))
+
+    def filesystem_for(path: str):
+        io_threads.append(pa.io_thread_count())
+        return counting, path
+
+    monkeypatch.setattr(outputs, "filesystem_for", filesystem_for)
+    before = pa.io_thread_count()
+    assert [r["shard"] for r in read_shard_stats(str(tmp_path))] == [f"s{i:03d}" for i in range(300)]
+    assert markers.calls == 300 and markers.most > 32, markers.most
+    assert MARKER_READS >= 128 and io_threads == [max(before, MARKER_READS)] and pa.io_thread_count() == before
+
+
 def test_in_order_keeps_the_order_raises_the_first_failure_and_starts_no_more():
     from sdtrain.preprocess.planning import in_order
 
@@ -201,6 +228,36 @@ def test_a_hugging_face_image_column_is_read_and_columns_of_other_types_are_refu
         message = str(failure.value)
         assert message.startswith(key) and f"{name}.parquet" in message and expected in message, message
         assert "expected" in message and ("binary" in message if key == "input.image_column" else "string" in message)
+
+
+def test_a_webdataset_tar_on_s3_is_read_in_a_few_requests(s3_bucket, tmp_path):
+    """tarfile's stream mode reads 10 KiB at a time: unbuffered, each read was a ranged GET of its own (~300 for this
+    3 MB tar, ~50,000 for a 500 MB one). moto's server logs every request it answers."""
+    import tarfile
+
+    import boto3
+
+    from sdtrain.preprocess.sources import list_shards, read_shard
+
+    rng, buffer = np.random.default_rng(0), io.BytesIO()
+    images = [rng.integers(0, 256, 50_000, dtype=np.uint8).tobytes() for _ in range(60)]
+    with tarfile.open(fileobj=buffer, mode="w") as tar:
+        for i, image in enumerate(images):
+            for ext, data in ((".jpg", image), (".txt", f"caption {i}".encode())):
+                member = tarfile.TarInfo(f"{i:06d}{ext}")
+                member.size = len(data)
+                tar.addfile(member, io.BytesIO(data))
+    boto3.client("s3").put_object(Bucket="sdtrain-test", Key="tars/00000.tar", Body=buffer.getvalue())
+    config = InputConfig(format="webdataset", paths=[f"{s3_bucket}/tars"])
+    shard = list_shards(config)[0]
+
+    def gets() -> int:
+        return (tmp_path / "moto.log").read_text().count("GET /sdtrain-test/tars/00000.tar")
+
+    before = gets()
+    rows = list(read_shard(shard, config))
+    assert [row.image for row in rows] == images and rows[-1].caption == "caption 59"
+    assert gets() - before <= 3
 
 
 # --- C. every mode's pixels on their own scale ---
