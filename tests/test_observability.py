@@ -121,8 +121,31 @@ def test_mlflow_without_a_tracking_server_is_refused_before_ray_starts(monkeypat
         ConfigError, match=r"tracking.trackers: mlflow needs a tracking server: set tracking.mlflow_tracking_uri"
     ):
         check_trackers(config)
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:1")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:1")  # nothing answers there: no bad input
     check_trackers(config)
+    for wrong, problem in (("mlflow:5000", "unsupported URI"), ("http://", "it names no host")):
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", wrong)
+        with pytest.raises(ConfigError, match=rf"tracking.mlflow_tracking_uri .*'{wrong}': MLflow cannot .*{problem}"):
+            check_trackers(config)
+
+
+def test_mlflow_down_at_the_end_of_a_run_is_warned_about_and_fails_nothing(tmp_path, monkeypatch, caplog):
+    """The driver's last calls to MLflow (the final checkpoint's evaluation, the export) after training succeeded."""
+    from sdtrain.driver.trackers import log_evaluations, log_export
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # fail at once, not after MLflow's minutes of retries
+    config = tiny_config(
+        "data.train=unused", "tracking.trackers=[mlflow]", "tracking.mlflow_tracking_uri=http://127.0.0.1:9"
+    )
+    (tmp_path / "export").mkdir()
+    (tmp_path / TRACKERS_FILE).write_text('{"ids": {"mlflow": "0123"}, "logged_through": 4}')
+    log_evaluations(config, str(tmp_path), [(4, {"fd_dinov2": 3.0})])
+    log_export(config, str(tmp_path), str(tmp_path / "export"))
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert [w.split(":")[0] for w in warned] == [
+        "MLflow did not take the final checkpoint's evaluation (it is in metrics.csv)",
+        "MLflow did not take the export (the run is done, its export in the run directory)",
+    ], warned
 
 
 @pytest.mark.slow
@@ -226,6 +249,91 @@ def test_trackers_hold_each_step_once_across_a_restart(tmp_path, monkeypatch):
         (step, int(row["evaluated_step"]), float(row["fd_dinov2"])) for step, row in rows if "fd_dinov2" in row
     ] == [(8, 4, 3.0)]
     assert (run_dir / TRACKERS_FILE).exists()
+
+
+@pytest.mark.slow  # a real MLflow server in its own process, stopped and started again
+@pytest.mark.timeout(300)
+def test_an_mlflow_outage_fails_no_training_call_and_mlflow_catches_up_each_step_once(tmp_path, monkeypatch, caplog):
+    """MLflow's server stops while a worker group reports, and a restarted group opens while it is still down: no call
+    of training's raises, each group warns once, and once the server is back (same backend store, same address) MLflow
+    holds every step once, in order, the re-done step with the second group's value, and each evaluation once."""
+    import mlflow
+    import numpy as np
+    import support.mlflow_server
+    from PIL import Image
+    from support.ray_head import free_ports
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # MLflow down: fail at once, not after minutes
+    port = free_ports(1)[0]
+    monkeypatch.setattr(support.mlflow_server, "free_ports", lambda count: [port])  # back at the same address
+    run_dir = tmp_path / "runs" / "outage"
+    config = tiny_config(
+        "data.train=unused",
+        "tracking.trackers=[tensorboard, mlflow]",
+        f"tracking.mlflow_tracking_uri=http://127.0.0.1:{port}",
+        tmp_path=tmp_path,
+        name="outage",
+    )
+    history: list[dict[str, float]] = []
+
+    def report(trackers: Trackers, step: int, value: float, **extra: float) -> bool:
+        history.append({"step": step, "loss": value, **extra})
+        return trackers.log_metrics(history[-1], step, history)
+
+    def warned(text: str) -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and text in r.getMessage()]
+
+    with mlflow_server(tmp_path):
+        first = Trackers(config, str(run_dir), [], retry_s=0)
+        for step in (1, 2):
+            assert report(first, step, 1.0 / step)
+    caplog.clear()
+    for step in (3, 4, 5):  # the server is down: TensorBoard takes each step, MLflow none, and nothing raises
+        assert report(first, step, 1.0 / step)
+    assert first.held == {"tensorboard": 5, "mlflow": 2} and "mlflow" in first.down
+    first.finish("failed")
+    assert len(warned("MLflow failed")) == 1 and len(warned("MLflow was not told")) == 1, caplog.text
+
+    # The next worker group resumes from the checkpoint of step 4 while MLflow is still down: it cannot ask MLflow
+    # which steps it holds, and opens anyway.
+    del history[4:]
+    caplog.clear()
+    second = Trackers(config, str(run_dir), history, retry_s=0)
+    assert "mlflow" in second.down and second.held == {"tensorboard": 4}
+    second.log_evaluation({"fd_dinov2": 3.0}, 2)  # MLflow holds step 2: sent when it answers
+    history[3]["fd_dinov2"] = 2.0  # merged into its row first (sdtrain.train.evaluations); MLflow lacks step 4
+    second.log_evaluation({"fd_dinov2": 2.0}, 4)
+    grid = np.full((16, 24, 3), 200, np.uint8)
+    (run_dir / SAMPLES_DIR).mkdir(parents=True, exist_ok=True)
+    Image.fromarray(grid).save(run_dir / SAMPLES_DIR / "step_6.png")
+    second.log_image("samples", grid, 6)
+    for step in (5, 6):
+        assert report(second, step, 10.0 / step, **({"sample_grid_s": 0.1} if step == 6 else {}))
+    assert len(warned("MLflow failed")) == 1, caplog.text
+
+    with mlflow_server(tmp_path) as uri:
+        step, deadline = 6, time.monotonic() + 120
+        while "mlflow" in second.down:  # tried in the background: it catches up at the report after its answer
+            assert time.monotonic() < deadline, caplog.text
+            time.sleep(0.2)
+            step += 1
+            assert report(second, step, 10.0 / step)
+        assert second.held == {"tensorboard": step, "mlflow": step}
+        assert report(second, step + 1, 10.0 / (step + 1))
+        second.finish("success")
+        assert len(warned("MLflow failed")) == 1 and len(warned("MLflow answers again")) == 1, caplog.text
+
+        client = mlflow.MlflowClient(uri)
+        run_id = read_state(str(run_dir))["ids"]["mlflow"]
+        points = client.get_metric_history(run_id, "loss")
+        logged = [(m.step, round(m.value, 4)) for m in sorted(points, key=lambda m: m.timestamp)]
+        expected = [(s, round((1.0 if s <= 4 else 10.0) / s, 4)) for s in range(1, step + 2)]
+        assert logged == expected  # each step once, in order; 5 with the second group's value
+        assert sorted((m.step, m.value) for m in client.get_metric_history(run_id, "fd_dinov2")) == [(2, 3.0), (4, 2.0)]
+        images = [a.path for a in client.list_artifacts(run_id, "images")]
+        assert any("+step+6+" in path for path in images), images  # its saved grid
+        assert client.get_run(run_id).info.status == "FINISHED"
+        assert len(client.search_runs([client.get_run(run_id).info.experiment_id])) == 1
 
 
 def cut_wandb_file_after(run_dir: Path, run_id: str, step: int) -> None:

@@ -1,11 +1,18 @@
 """The driver's side of the experiment trackers (rank 0's side: :mod:`sdtrain.train.trackers`): the checks before
 any worker starts, the tracker settings of the driver's environment handed to the workers, and the final export
-attached to the run's tracker runs after it is written."""
+attached to the run's tracker runs after it is written.
+
+A tracker is a view of the run, never a condition of it: the checks before Ray refuse what no waiting mends (a missing
+package, no MLflow URI, one MLflow cannot use) without asking the server anything, so a server that is down when the
+run starts delays nothing (rank 0 logs to it once it answers); after training, a tracker that fails is warned about
+and the run still succeeds."""
 
 from __future__ import annotations
 
 import importlib
 import os
+import time
+from urllib.parse import urlsplit
 
 from sdtrain.config.schema import Config
 from sdtrain.errors import ConfigError
@@ -23,7 +30,7 @@ def tracker_env() -> dict[str, str]:
 
 def check_trackers(config: Config) -> None:
     """Refuse tracking.trackers this process cannot serve, before any worker starts: a tracker's package
-    missing (the ``trackers`` extra), or MLflow without a tracking URI."""
+    missing (the ``trackers`` extra), or MLflow without a tracking URI or with one it cannot use."""
     modules = {"tensorboard": "lightning.pytorch.loggers.tensorboard", "mlflow": "mlflow", "wandb": "wandb"}
     for name in config.tracking.trackers:
         try:
@@ -40,6 +47,31 @@ def check_trackers(config: Config) -> None:
             "tracking.trackers: mlflow needs a tracking server: set tracking.mlflow_tracking_uri (or "
             "MLFLOW_TRACKING_URI)"
         )
+    if "mlflow" in config.tracking.trackers:
+        _check_mlflow_uri(config.tracking.mlflow_tracking_uri or os.environ["MLFLOW_TRACKING_URI"])
+
+
+def _check_mlflow_uri(uri: str) -> None:
+    """Refuse a tracking URI MLflow cannot use (no request: a server that is down is no bad input)."""
+    parts = urlsplit(uri)
+    scheme = parts.scheme.split("+")[0]
+    if scheme in ("http", "https"):
+        problem = None if parts.hostname else "it names no host"
+    elif scheme in ("sqlite", "postgresql", "mysql", "mssql"):
+        return  # a database: MLflow's client would connect to it here, and one that is down is no bad input either
+    else:
+        import mlflow
+
+        try:
+            mlflow.MlflowClient(uri)  # checks the scheme (and builds a local store), without a request
+            problem = None
+        except Exception as error:
+            problem = str(error)
+    if problem is not None:
+        raise ConfigError(
+            f"tracking.mlflow_tracking_uri (or MLFLOW_TRACKING_URI) {uri!r}: MLflow cannot track to it: {problem}; "
+            "give the tracking server's address (e.g. http://mlflow:5000)"
+        )
 
 
 def log_export(config: Config, run_dir: str, export_uri: str) -> None:
@@ -53,20 +85,25 @@ def log_export(config: Config, run_dir: str, export_uri: str) -> None:
     """
     ids = read_state(run_dir)["ids"]
     if "mlflow" in config.tracking.trackers and "mlflow" in ids:
-        attach_export_to_mlflow(config, mlflow_client(config), ids["mlflow"], export_uri)
+        try:
+            attach_export_to_mlflow(config, mlflow_client(config), ids["mlflow"], export_uri)
+        except Exception as error:  # the run and its export are done: a tracker's failure must not undo that
+            log.warning(f"MLflow did not take the export (the run is done, its export in the run directory): {error}")
     if "wandb" in config.tracking.trackers and "wandb" in ids:
-        import wandb
+        try:
+            _attach_export_to_wandb(config, run_dir, ids["wandb"], export_uri)
+        except Exception as error:
+            log.warning(f"W&B did not take the export (the run is done, its export in the run directory): {error}")
 
-        run = wandb.init(
-            project=config.tracking.wandb_project,
-            id=ids["wandb"],
-            resume="allow",
-            dir=wandb_save_dir(run_dir),
-        )
-        artifact = wandb.Artifact(f"{config.run.name}-export", type="model")
-        artifact.add_dir(_local(export_uri))
-        run.log_artifact(artifact)
-        run.finish()
+
+def _attach_export_to_wandb(config: Config, run_dir: str, run_id: str, export_uri: str) -> None:
+    import wandb
+
+    run = wandb.init(project=config.tracking.wandb_project, id=run_id, resume="allow", dir=wandb_save_dir(run_dir))
+    artifact = wandb.Artifact(f"{config.run.name}-export", type="model")
+    artifact.add_dir(_local(export_uri))
+    run.log_artifact(artifact)
+    run.finish()
 
 
 def mlflow_client(config: Config):
@@ -99,7 +136,8 @@ def _local(export_uri: str) -> str:
 
 def log_evaluations(config: Config, run_dir: str, results: list[tuple[int, dict[str, float]]]) -> None:
     """Evaluations that finished after the workers stopped (the final checkpoint's), from the driver: to the run's
-    MLflow run at their steps. TensorBoard and W&B get the evaluations that finish while training runs.
+    MLflow run at their steps, in one request; MLflow failing is warned about (the results are in metrics.csv).
+    TensorBoard and W&B get the evaluations that finish while training runs.
 
     Args:
         results: (step, metrics) each.
@@ -107,7 +145,11 @@ def log_evaluations(config: Config, run_dir: str, results: list[tuple[int, dict[
     ids = read_state(run_dir)["ids"]
     if not results or "mlflow" not in config.tracking.trackers or "mlflow" not in ids:
         return
-    client = mlflow_client(config)
-    for step, metrics in results:
-        for key, value in metrics.items():
-            client.log_metric(ids["mlflow"], key, value, step=step)
+    from mlflow.entities import Metric
+
+    now = int(time.time() * 1000)
+    metrics = [Metric(key, value, now, step) for step, values in results for key, value in values.items()]
+    try:
+        mlflow_client(config).log_batch(ids["mlflow"], metrics=metrics)
+    except Exception as error:  # training succeeded: a tracker's failure must not fail the run
+        log.warning(f"MLflow did not take the final checkpoint's evaluation (it is in metrics.csv): {error}")

@@ -1,9 +1,11 @@
 """Rank 0's live view of a training run: metrics.csv and loss_curve.png in the run directory, rewritten
-in a background thread after every report, so the training loop only hands over a copy of the rows."""
+in a background thread after every report, so the training loop only hands over a copy of the rows; and the
+background tries of a view that failed (:class:`Outage`, the experiment trackers')."""
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 
 from sdtrain.artifacts.run_outputs import LossLabels, write_run_outputs
@@ -65,6 +67,56 @@ class BackgroundWriter:
                 with self._cond:
                     self._busy = False
                     self._cond.notify_all()
+
+
+class Outage:
+    """A view (an experiment tracker) that raised and has not caught up since: warned about once, when it starts and
+    when it ends. Whether it answers again is tried in a daemon thread, one try at a time and ``retry_s`` apart: the
+    training thread never waits on one."""
+
+    def __init__(self, view: str, retry_s: float):
+        """Args:
+        view: its name, for the log.
+        retry_s: seconds from a failure to the next try.
+        """
+        self.view = view
+        self.since = time.monotonic()
+        self.retry_s = retry_s
+        self._answered = False
+        self._next_try = self.since + retry_s
+        self._thread: threading.Thread | None = None
+
+    def warn(self, error: Exception) -> None:
+        log.warning(
+            f"{self.view} failed: {error}. Training goes on without it: what it misses stays in the run's history and "
+            f"is sent to it in order once it answers again (tried every {self.retry_s:g} s, in the background)"
+        )
+
+    def over(self, held: str) -> None:
+        log.warning(f"{self.view} answers again after {time.monotonic() - self.since:.0f} s: it holds {held} now")
+
+    def again(self) -> None:
+        """It failed again after a try found it answering: the same outage, tried again later."""
+        self._answered, self._next_try = False, time.monotonic() + self.retry_s
+
+    def answered(self, attempt: Callable[[], None]) -> bool:
+        """Whether a try (``attempt``, which raises while the view does not answer) went through; else starts one when
+        it is due."""
+        if self._answered:
+            return True
+        if self._thread is not None and not self._thread.is_alive():
+            self._thread, self._next_try = None, time.monotonic() + self.retry_s
+        if self._thread is None and time.monotonic() >= self._next_try:
+            self._thread = threading.Thread(target=self._try, args=(attempt,), name="sdtrain-view-try", daemon=True)
+            self._thread.start()
+        return False
+
+    def _try(self, attempt: Callable[[], None]) -> None:
+        try:
+            attempt()
+            self._answered = True
+        except Exception as error:
+            log.debug(f"{self.view} still does not answer: {error}")
 
 
 class LiveOutputs:

@@ -94,8 +94,8 @@ class RunView:
         self.live.update(history)
         if self.gauges is not None:
             self.gauges.set(metrics)
-        if self.trackers is not None:
-            self.trackers.log_metrics(metrics, int(metrics["step"]))
+        if self.trackers is not None:  # with the rows a tracker that did not answer missed, from history
+            self.trackers.log_metrics(metrics, step, history)
             if checkpoint:
                 self.trackers.before_checkpoint()
 

@@ -17,12 +17,14 @@ at the end) is in :mod:`sdtrain.driver.trackers`.
 
 from __future__ import annotations
 
+import bisect
+import functools
 import io
 import json
 import os
 import posixpath
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -35,7 +37,7 @@ from sdtrain.logs import log
 from sdtrain.storage.filesystems import filesystem_for
 from sdtrain.storage.run_layout import SAMPLES_DIR, TENSORBOARD_DIR, TRACKERS_FILE, sample_grid_file
 from sdtrain.storage.uris import is_uri
-from sdtrain.train.live_files import BackgroundWriter
+from sdtrain.train.live_files import BackgroundWriter, Outage
 from sdtrain.train.wandb_files import STEP_KEY, run_files
 
 HELD_KEY = "loss"  # in every report: the steps a tracker holds are those it has this metric at
@@ -76,63 +78,74 @@ def wandb_save_dir(run_dir: str) -> str:
     return run_dir
 
 
+# Seconds from a tracker's failure to the next try of it, in the background (its client's retries come on top:
+# MLflow's give up on a server that is down after about 4 minutes).
+RETRY_S = 30.0
+
+NAMES = {"tensorboard": "TensorBoard", "mlflow": "MLflow", "wandb": "W&B"}
+
+
+class _Outage(Outage):
+    """A tracker's outage, and what tries got of it: its logger, its hyperparameters logged, the last step it holds."""
+
+    def __init__(self, name: str, retry_s: float, logger: Any = None):
+        super().__init__(NAMES[name], retry_s)
+        self.logger, self.params_logged = logger, logger is not None
+        self.held: int | None = None  # then it is sent the rows after it, from the run's history
+        # Evaluations it missed: those of steps it holds are sent when it answers (a later step's row holds its own).
+        self.evaluations: list[tuple[int, dict[str, float]]] = []
+
+
 class Trackers:
     """Rank 0's tracker runs for one worker group: hyperparameters once per tracker run, metrics and
-    images at their steps, each step once across restarts."""
+    images at their steps, each step once across restarts. A tracker that raises is a view that failed, as a live file
+    is: warned about once, left out until it answers again, then sent what it missed in order (:class:`_Outage`)."""
 
-    def __init__(self, config: Config, run_dir: str, history: list[dict[str, float]]):
+    def __init__(self, config: Config, run_dir: str, history: list[dict[str, float]], retry_s: float = RETRY_S):
         """Args:
         config: the run's config (logged in full as hyperparameters).
         run_dir: the run's directory (run.storage_path/run.name), local or s3://.
         history: the rows of the checkpoint this worker group starts from ([] for a fresh run).
+        retry_s: seconds from a tracker's failure to the next try of it.
         """
-        self.run_dir = run_dir
+        self.config, self.run_dir, self.retry_s = config, run_dir, retry_s
         self.state = read_state(run_dir)
         self.logged_through: int = self.state["logged_through"]
-        ids: dict[str, str] = self.state["ids"]
-        resumed_step = int(history[-1]["step"]) if history else 0
+        self.ids: dict[str, str] = dict(self.state["ids"])
+        self._known = set(self.ids)  # the tracker runs earlier worker groups started
+        self.resumed_step = int(history[-1]["step"]) if history else 0
         self._state_writer = BackgroundWriter("sdtrain-tracker-state")
         # TensorBoard writes through fsspec, which needs s3fs for s3://: on object storage it writes
         # on this node's disk, and the event files are copied to run_dir/tensorboard after each flush.
         self._tensorboard_local = tempfile.mkdtemp(prefix="sdtrain-tensorboard-") if is_uri(run_dir) else None
         self._mirror_writer = BackgroundWriter("sdtrain-tensorboard-mirror")
-        # Any: each tracker's extras (experiment, run_id, log_image) are its own logger class's.
-        self.loggers: dict[str, Any] = {}
-        # tracker -> the last step it holds: it is sent only later ones.
-        self.held: dict[str, int] = {}
+        self.loggers: dict[str, Any] = {}  # the trackers that answer (Any: each logger class has its own extras)
+        self.held: dict[str, int] = {}  # tracker -> the last step it holds: it is sent only later ones
+        self.down: dict[str, _Outage] = {}  # the trackers that raised and have not caught up since
+        self._imaged: dict[str, int] = {}  # tracker -> the step of the last image log_image sent it
         for name in config.tracking.trackers:
-            known = name in ids
-            where = self._tensorboard_local if name == "tensorboard" and self._tensorboard_local else run_dir
-            # From step 1 too: a group that started fresh and was killed before its first checkpoint logged steps
-            # the next one re-does.
-            purge_step = resumed_step + 1 if name == "tensorboard" and known else None
-            logger = _build_logger(name, config, where, ids.get(name), purge_step)
-            # MLflow refuses a param changed on resume (W&B keeps the first); TensorBoard's hparams.yaml
-            # is rewritten from what this worker group logged, so it gets them at every start.
-            if not known or name == "tensorboard":
-                logger.log_hyperparams(config.to_dict())
-            ids[name] = _run_id(name, logger)
-            self.loggers[name] = logger
-            self.held[name] = self._held_step(name, logger, resumed_step) if known else -1
-        self._catch_up(history)
+            opening = _Outage(name, retry_s)
+            try:
+                self._open(name, opening)
+            except Exception as error:  # e.g. MLflow's server down: the history lookup is tried again later
+                self._failed(name, error, opening)
+                continue
+            self._adopt(name, opening)
+        for tracker in list(self.loggers):  # the checkpoint's rows it lacks, with their grids (samples/step_<N>.png)
+            held = self.held[tracker]
+            if self._send(tracker, _rows_after(history, held)):
+                log.info(f"{NAMES[tracker]} held the run up to step {held}: logged the checkpoint's later rows again")
         self._save_state()
 
-    def log_metrics(self, metrics: Mapping[str, float], step: int) -> bool:
-        """Log ``metrics`` at ``step`` to every tracker that does not hold that step yet; returns whether
-        any did not."""
-        values = {key: float(value) for key, value in metrics.items() if key != "step"}
-        behind = [name for name, held in self.held.items() if step > held]
-        for name in behind:
-            logger = self.loggers[name]
-            logger.log_metrics(values, step)
-            if name == "tensorboard":  # its writer flushes every 2 minutes: a killed worker would lose them
-                logger.experiment.flush()
-                self._mirror_tensorboard()
-            self.held[name] = step
-        if behind:
-            self.logged_through = max(self.logged_through, step)
+    def log_metrics(self, metrics: Mapping[str, float], step: int, history: Sequence[Mapping[str, float]] = ()) -> bool:
+        """Log ``metrics`` at ``step`` to every tracker that answers and does not hold that step yet, after the rows of
+        ``history`` (the run's rows so far, in step order) it missed while it did not; returns whether any took it."""
+        self._answering()
+        row = {**metrics, "step": step}
+        took = [name for name in list(self.loggers) if self._send(name, [*_rows_after(history, self.held[name]), row])]
+        if took:
             self._save_state()
-        return bool(behind)
+        return bool(took)
 
     def log_evaluation(self, metrics: Mapping[str, float], step: int) -> None:
         """An evaluation's ``metrics`` at its checkpoint's ``step``, which the trackers already hold (it finished
@@ -142,31 +155,19 @@ class Trackers:
         if step in evaluated:
             return
         values = {key: float(value) for key, value in metrics.items()}
-        for name, logger in self.loggers.items():
-            if name == "wandb":
-                logger.experiment.log({**values, "evaluated_step": step}, commit=False)
-                continue
-            logger.log_metrics(values, step)
-            if name == "tensorboard":
-                logger.experiment.flush()
-                self._mirror_tensorboard()
+        for name in list(self.loggers):
+            self._call(name, self._evaluate, name, values, step)
+        for name in self.down.keys() - self.loggers.keys():  # sent when it answers again
+            self.down[name].evaluations.append((step, values))
         self.state["evaluated"] = sorted(evaluated | {step})
         self._save_state()
 
     def log_image(self, key: str, image: np.ndarray, step: int) -> None:
         """Send an H x W x 3 uint8 image to every tracker at ``step`` (call before :meth:`log_metrics` of
         that step: a step a tracker holds is skipped)."""
-        for name, logger in self.loggers.items():
-            if step <= self.held[name]:
-                continue
-            if name == "tensorboard":
-                logger.experiment.add_image(key, image, step, dataformats="HWC")
-            elif name == "mlflow":
-                logger.experiment.log_image(logger.run_id, image, key=key, step=step)
-            elif name == "wandb":  # in the row of the step's metrics: a row is written whole or not at all
-                import wandb
-
-                logger.experiment.log({key: wandb.Image(image)}, commit=False)
+        for name in list(self.loggers):
+            if step > self.held[name]:
+                self._call(name, self._image, name, key, image, step)
 
     def before_checkpoint(self, timeout: float = 300) -> None:
         """Wait until TensorBoard's event files are in the run directory: a restart from the checkpoint
@@ -184,24 +185,132 @@ class Trackers:
         Args:
             status: success or failed.
         """
-        for name, logger in self.loggers.items():
-            logger.finalize(status)
-            if name == "wandb":  # Lightning's finalize leaves the W&B run open: its files would not be complete
-                logger.experiment.finish(exit_code=0 if status == "success" else 1)
-                # finish returns once W&B's service has the run's last records, and only tells it to close the run's
-                # transaction log: shut the service down, which closes it, so the file is whole on disk when this
-                # returns, for the next worker group to read (sdtrain.train.wandb_files). A CI run read the header only.
-                import wandb
-
-                wandb.teardown()
+        for name in self.down.keys() - self.loggers.keys():
+            log.warning(f"{NAMES[name]} was not told that the worker group ended ({status}): it does not answer")
+        for name in list(self.loggers):
+            self._call(name, self._finalize, name, status)
         self._mirror_tensorboard()
         self._mirror_writer.close(timeout=60)
         self._state_writer.close(timeout=60)
 
-    def _held_step(self, name: str, logger: Any, resumed_step: int) -> int:
+    def _finalize(self, name: str, status: str) -> None:
+        logger = self.loggers[name]
+        logger.finalize(status)
+        if name == "wandb":  # Lightning's finalize leaves the W&B run open: its files would not be complete
+            logger.experiment.finish(exit_code=0 if status == "success" else 1)
+            # finish returns once W&B's service has the run's last records, and only tells it to close the run's
+            # transaction log: shut the service down, which closes it, so the file is whole on disk when this
+            # returns, for the next worker group to read (sdtrain.train.wandb_files). A CI run read the header only.
+            import wandb
+
+            wandb.teardown()
+
+    def _open(self, name: str, outage: _Outage) -> None:
+        """Bring a tracker as far as it goes (at the start, or in a try's thread): its logger built, its
+        hyperparameters logged, and ``outage.held`` the last step it holds."""
+        known = name in self._known
+        if outage.logger is None:
+            tensorboard = name == "tensorboard"
+            where = self._tensorboard_local if tensorboard and self._tensorboard_local else self.run_dir
+            # From step 1 too: a group that started fresh and was killed before its first checkpoint logged steps
+            # the next one re-does.
+            purge_step = self.resumed_step + 1 if tensorboard and known else None
+            outage.logger = _build_logger(name, self.config, where, self.ids.get(name), purge_step)
+        if not outage.params_logged:
+            # MLflow refuses a param changed on resume (W&B keeps the first); TensorBoard's hparams.yaml
+            # is rewritten from what this worker group logged, so it gets them at every start.
+            if not known or name == "tensorboard":
+                outage.logger.log_hyperparams(self.config.to_dict())
+            outage.params_logged = True
+        # Failed after holding that (MLflow's server may have taken a request whose answer was lost):
+        if name in self.held:
+            outage.held = max(self.held[name], self._held_step(name, outage.logger) if name == "mlflow" else -1)
+        else:
+            outage.held = self._held_step(name, outage.logger) if known else -1
+
+    def _adopt(self, name: str, outage: _Outage) -> None:
+        assert outage.held is not None
+        self.loggers[name], self.held[name] = outage.logger, outage.held
+        self.ids[name] = _run_id(name, outage.logger)
+
+    def _answering(self) -> None:
+        """Take back the trackers a try found answering; the evaluations they missed at steps they hold go first."""
+        for name, outage in self.down.items():
+            if name in self.loggers or not outage.answered(functools.partial(self._open, name, outage)):
+                continue
+            self._adopt(name, outage)
+            while outage.evaluations and name in self.loggers:
+                step, values = outage.evaluations[0]
+                if step > self.held[name] or self._call(name, self._evaluate, name, values, step):
+                    outage.evaluations.pop(0)
+
+    def _failed(self, name: str, error: Exception, opening: _Outage | None = None) -> None:
+        """``name`` raised ``error``: left out until a try finds it answering; warned about once an outage."""
+        logger = self.loggers.pop(name, None)
+        if name in self.down:
+            self.down[name].again()
+            return
+        self.down[name] = opening or _Outage(name, self.retry_s, logger)
+        self.down[name].warn(error)
+
+    def _call(self, name: str, action: Callable[..., None], *args: Any) -> bool:
+        """``action(*args)``, a call to tracker ``name``; False when it raised (a view: training goes on)."""
+        try:
+            action(*args)
+        except Exception as error:
+            self._failed(name, error)
+            return False
+        return True
+
+    def _send(self, name: str, rows: Sequence[Mapping[str, float]]) -> bool:
+        """Log the ``rows`` (in step order) after the step the tracker holds, each with its saved sample grid unless
+        log_image sent that; returns whether it took any (False when it raised: it holds the rows before)."""
+        took = False
+        for row in rows:
+            step = int(row["step"])
+            if step <= self.held[name]:
+                continue
+            wants_grid = "sample_grid_s" in row and step > self._imaged.get(name, -1)
+            grid = _saved_grid(self.run_dir, step) if wants_grid else None
+            if grid is not None and not self._call(name, self._image, name, "samples", grid, step):
+                return False
+            if not self._call(name, self._metrics, name, row, step):
+                return False
+            self.held[name], self.logged_through, took = step, max(self.logged_through, step), True
+        outage = self.down.pop(name, None)
+        if outage is not None:
+            outage.over(f"every step up to {self.held[name]}")
+        return took
+
+    def _metrics(self, name: str, row: Mapping[str, float], step: int) -> None:
+        logger = self.loggers[name]
+        logger.log_metrics({key: float(value) for key, value in row.items() if key != "step"}, step)
+        if name == "tensorboard":  # its writer flushes every 2 minutes: a killed worker would lose them
+            logger.experiment.flush()
+            self._mirror_tensorboard()
+
+    def _evaluate(self, name: str, values: dict[str, float], step: int) -> None:
+        if name == "wandb":
+            self.loggers[name].experiment.log({**values, "evaluated_step": step}, commit=False)
+        else:
+            self._metrics(name, values, step)
+
+    def _image(self, name: str, key: str, image: np.ndarray, step: int) -> None:
+        logger = self.loggers[name]
+        if name == "tensorboard":
+            logger.experiment.add_image(key, image, step, dataformats="HWC")
+        elif name == "mlflow":
+            logger.experiment.log_image(logger.run_id, image, key=key, step=step)
+        elif name == "wandb":  # in the row of the step's metrics: a row is written whole or not at all
+            import wandb
+
+            logger.experiment.log({key: wandb.Image(image)}, commit=False)
+        self._imaged[name] = step
+
+    def _held_step(self, name: str, logger: Any) -> int:
         """The last step a tracker run continued from an earlier worker group holds."""
         if name == "tensorboard":
-            return resumed_step  # what came after is purged by the new event file
+            return self.resumed_step  # what came after is purged by the new event file
         if name == "mlflow":
             points = logger.experiment.get_metric_history(logger.run_id, HELD_KEY)
             return max((point.step for point in points), default=-1)
@@ -212,21 +321,6 @@ class Trackers:
             return self.logged_through
         steps = [step for file in run_files(self.run_dir, run.id) for step in file.steps(HELD_KEY)]
         return max(steps, default=-1)
-
-    def _catch_up(self, history: list[dict[str, float]]) -> None:
-        """Log the checkpoint's rows a tracker lacks, with their sample grids (samples/step_<N>.png)."""
-        lacking = {name: held for name, held in self.held.items() if history and held < int(history[-1]["step"])}
-        for row in history:
-            step = int(row["step"])
-            if all(step <= held for held in self.held.values()):
-                continue
-            if "sample_grid_s" in row:
-                grid = _saved_grid(self.run_dir, step)
-                if grid is not None:
-                    self.log_image("samples", grid, step)
-            self.log_metrics(row, step)
-        for name, held in lacking.items():
-            log.info("%s held the run up to step %d: logged the checkpoint's later rows again", name, held)
 
     def _mirror_tensorboard(self) -> None:
         local = self._tensorboard_local
@@ -239,11 +333,15 @@ class Trackers:
         )
 
     def _save_state(self) -> None:
-        ids = {**self.state["ids"], **{name: _run_id(name, lg) for name, lg in self.loggers.items()}}
-        state = {"ids": ids, "logged_through": self.logged_through}
+        state = {"ids": dict(self.ids), "logged_through": self.logged_through}
         if self.state.get("evaluated"):  # only a run with eval has any
             state["evaluated"] = self.state["evaluated"]
         self._state_writer.submit(lambda: _write_state(self.run_dir, state))
+
+
+def _rows_after(history: Sequence[Mapping[str, float]], held: int) -> list[Mapping[str, float]]:
+    """The rows of ``history`` (in step order) after step ``held``."""
+    return list(history[bisect.bisect_right(history, held, key=lambda row: int(row["step"])) :])
 
 
 def _saved_grid(run_dir: str, step: int) -> np.ndarray | None:
