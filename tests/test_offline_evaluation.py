@@ -344,3 +344,129 @@ def test_frechet_distance_and_clip_score_agree_with_torchmetrics(evaluated, tmp_
             per_pair.append(float(metric.compute()))
         np.testing.assert_allclose(ours, per_pair, atol=tolerance, err_msg=f"{height}x{width}")
         assert 0 < np.count_nonzero(ours) < len(ours)  # some pairs clamped to 0, some not
+
+
+def _bucketed_set(root, files: int = 2, rows: int = 24, row_group: int = 2) -> str:
+    """Parquet rows as preprocessing writes them, in ``files`` files of ``rows`` rows: two aspect-ratio buckets (sorted
+    by bucket within each file, so a bucket's rows lie apart in the set), random latents and caption embeddings of
+    SD2's width (~158 KB a row, as COCO-30k's), a text and a label each, ``row_group`` rows a row group."""
+    from sdtrain.data.metadata import BUCKET_SHAPES
+    from sdtrain.preprocess.outputs import parquet_bytes, shard_table
+
+    rng, shapes = np.random.default_rng(0), [[4, 16, 16], [4, 16, 24]]
+    (root / "set").mkdir()
+    for f in range(files):
+        made = [
+            {
+                "latents": rng.standard_normal(shapes[i % 3 == 2]),
+                "embeddings": rng.standard_normal((77, 1024)),
+                "bucket": int(i % 3 == 2),
+                "caption": f"file {f} row {i}",
+                "key": f"{f}-{i}",
+            }
+            for i in range(rows)
+        ]
+        columns = {"latents": "image_latents_256", "embeddings": "caption_latents"}
+        table = shard_table(made, columns, {BUCKET_SHAPES: json.dumps(shapes)})
+        table = table.append_column("label", pa.array(np.arange(rows) + 100 * f))
+        (root / "set" / f"part-{f}.parquet").write_bytes(parquet_bytes(table, row_group))
+    return str(root / "set")
+
+
+def _bytes_read() -> int:
+    """What this process has read from files so far (Linux's /proc/self/io: every read call's bytes)."""
+    with open("/proc/self/io") as f:
+        return int(next(line for line in f if line.startswith("rchar:")).split()[1])
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/io"), reason="Linux's /proc/self/io")
+def test_a_task_reads_and_holds_only_its_part_of_the_set_and_the_parts_are_the_whole_sets_rows(tmp_path):
+    """--tasks N: each task used to read all eval.num_samples rows and hold them (and a copy), sampling 1/N of them
+    (COCO-30k's 30k rows of SD2 embeddings: ~9.5 GB a task). Each now reads only the row groups that hold its share of
+    each shape group and holds only those rows; together the parts are the whole set's rows, each at its place in its
+    group (what its noise is drawn by: the same samples as before)."""
+    val = _bucketed_set(tmp_path)
+    measured = ["eval.clip=unused", "eval.class_agreement=true", "eval.num_samples=36"]  # texts and labels read
+    config = tiny_config(f"data.train=[{val}]", f"data.val=[{val}]", *measured)
+    shapes = ((4, 16, 16), (77, 1024))
+    read_eval_rows(config, *shapes)  # anything a first read loads, loaded
+    before = _bytes_read()
+    whole = read_eval_rows(config, *shapes)
+    whole_bytes = _bytes_read() - before
+    parts, part_bytes = [], []
+    for k in range(3):
+        before = _bytes_read()
+        parts.append(read_eval_rows(config, *shapes, part=(k, 3)))
+        part_bytes.append(_bytes_read() - before)
+    assert len(whole) == 36 and [(g.shape, len(g.rows)) for g in whole.groups] == [((4, 16, 16), 28), ((4, 16, 24), 8)]
+    assert whole.files == parts[0].files and len(whole.files) == 2
+    # Each part holds its share alone: 12 of the 36 rows' 5.7 MB of embeddings, not all of them...
+    assert [len(part) for part in parts] == [11, 12, 13]
+    for part in parts:
+        assert len(part.captions) == len(part.texts) == len(part.labels) == len(part)
+    # ...and read about that share of the files (their footers too), where each read all of it.
+    assert all(read < 0.5 * whole_bytes for read in part_bytes) and sum(part_bytes) < 1.4 * whole_bytes, part_bytes
+    for group in whole.groups:
+        for k, part in enumerate(parts):
+            (own,) = [g for g in part.groups if g.shape == group.shape]
+            taken, within = group.share((k, 3))
+            assert own.share((k, 3)) == (slice(0, len(own.rows)), within) and (own.first, own.size) == within
+            rows = group.rows[taken]
+            np.testing.assert_array_equal(part.captions[own.rows], whole.captions[rows])
+            np.testing.assert_array_equal(own.latents, group.latents[taken])
+            assert [part.texts[i] for i in own.rows] == [whole.texts[i] for i in rows]
+            np.testing.assert_array_equal(part.labels[own.rows], whole.labels[rows])
+            with pytest.raises(ValueError, match=f"part {(k + 1) % 3} of 3 takes rows"):
+                own.share(((k + 1) % 3, 3))  # rows read for one part give no other
+    # More tasks than rows: a part without rows reads none and holds none.
+    two = tiny_config(f"data.train=[{val}]", f"data.val=[{val}]", *measured[:2], "eval.num_samples=2")
+    empty = read_eval_rows(two, *shapes, part=(0, 3))
+    assert (len(empty), empty.groups, empty.captions.shape, empty.texts) == (0, [], (0, 77, 1024), [])
+    assert empty.labels is not None and len(empty.labels) == 0
+
+
+def test_each_task_samples_and_measures_what_it_did_from_the_whole_sets_rows(evaluated):
+    """A task of --tasks 3 (measure_part, reading only its part's rows, of the set and of the reference) samples the
+    rows with the noise it did when it read every row and took its share: the same measures, and merged, the metrics
+    of the whole set."""
+    from sdtrain.artifacts.loading import load_model
+    from sdtrain.evaluation.offline import OfflineSet, measure_part, merge_parts, set_rows
+
+    config = tiny_config(*test_evaluation._eval_keys(evaluated["config"]), *test_evaluation._rest(evaluated["config"]))
+    checkpoint = str(evaluated["checkpoint"])
+    task = OfflineSet(config.to_dict(), [checkpoint], "auto", evaluated["sd"], captions=config.data.val[0])
+    parts = [measure_part(task, (k, 3)) for k in range(3)]
+    evaluator, loaded = Evaluator(config, None, evaluated["sd"]), load_model(checkpoint)
+    rows = read_eval_rows(config, (4, 16, 16), (77, 32))
+    for k, part in enumerate(parts):
+        (measured,), before = part.measures, evaluator.measure(loaded, rows, (k, 3))
+        first, stop = part_range(8, (k, 3))
+        assert measured.samples == before.samples == stop - first == len(set_rows(task, config, loaded, (k, 3)))
+        np.testing.assert_allclose(measured.clip_scores, before.clip_scores, rtol=1e-6)
+        np.testing.assert_allclose(measured.generated["fd_dinov2"].mean, before.generated["fd_dinov2"].mean, rtol=1e-6)
+        reference = evaluator.reference_stats(rows, loaded, (k, 3))["fd_dinov2"]
+        assert part.reference["fd_dinov2"].count == reference.count == measured.samples
+        np.testing.assert_allclose(part.reference["fd_dinov2"].mean, reference.mean, rtol=1e-6)
+    merged = merge_parts(parts)
+    ours, whole = metrics_of(config, merged.measures[0], merged.reference), evaluator.evaluate(loaded)
+    for metric in ("fd_dinov2", "clip_score"):
+        assert ours[metric] == pytest.approx(whole[metric], rel=1e-4), metric
+
+
+def test_the_rows_a_part_samples_are_taken_from_the_caption_embeddings_by_index_not_a_copy_of_all():
+    """Sampling used to copy every row's caption embeddings first (torch.tensor of the whole array, held while the
+    rows were sampled), whatever share of them a task samples; now only the rows asked for are copied."""
+    import psutil
+
+    from sdtrain.evaluation.eval_rows import EvalRows, ShapeGroup
+
+    captions = np.ones((500, 77, 1024), np.float16)  # 79 MB, written: in memory
+    rows = EvalRows([ShapeGroup((4, 16, 16), np.arange(500), None)], captions, None, None, [], [])
+    evaluator = Evaluator(tiny_config("data.train=[x]"), None, None)  # no metric: no model loaded
+    process = psutil.Process()
+    before = process.memory_info().rss
+    captions_of = evaluator._captions_of(rows)
+    chosen = captions_of(None, np.array([3, 5]))
+    grown = process.memory_info().rss - before
+    assert grown < 40e6, f"{grown / 1e6:.0f} MB"
+    np.testing.assert_array_equal(chosen.hidden.numpy(), captions[[3, 5]].astype(np.float32))

@@ -39,7 +39,7 @@ from sdtrain.errors import DataError
 from sdtrain.evaluation.cpu_priority import cpu_policy
 from sdtrain.evaluation.eval_rows import EvalRows, read_eval_rows
 from sdtrain.evaluation.image_metrics import ClipScore, DinoFeatures, FeatureStats, InceptionFeatures
-from sdtrain.evaluation.measures import Measures, metrics_of, part_range
+from sdtrain.evaluation.measures import Measures, metrics_of
 from sdtrain.evaluation.results import measured_with, write_evaluation
 from sdtrain.model.conditioning import Conditioning
 from sdtrain.model.encoders import load_vae
@@ -111,11 +111,10 @@ class Evaluator:
         unet = loaded.unet.to(self.device)
         measures = Measures(generated={metric: FeatureStats(f.dim) for metric, f in self.features.items()})
         for group in rows.groups:  # each at its own shape: one group, or a bucket each
-            first, stop = part_range(len(group.rows), part)
-            if first == stop:
+            taken, within = group.share(part)  # rows read for one part (read_eval_rows' part) give only it
+            positions = group.rows[taken]
+            if not len(positions):
                 continue
-            positions = group.rows[first:stop]
-            within = (first, len(group.rows))
             latents = self._sample(unet, loaded, captions_of(loaded, positions), group.shape, within)
             self._measure_samples(measures, loaded, latents, rows, positions)
         return measures
@@ -140,19 +139,19 @@ class Evaluator:
 
     def _captions_of(self, rows: EvalRows) -> CaptionsOf:
         """rows.captions by position; token ids encoded, all at once, by each model's text encoder."""
-        assert rows.captions is not None
-        stored = torch.tensor(rows.captions)  # a copy: arrow's buffers are read-only
-        pooled = None if rows.pooled is None else torch.tensor(rows.pooled, dtype=torch.float32)
+        stored, pooled = rows.captions, rows.pooled
+        assert stored is not None
         encoded: dict[str, Conditioning] = {}
 
         def captions_of(loaded: LoadedModel, positions: np.ndarray) -> Conditioning:
-            index = torch.from_numpy(positions)
-            if stored.dtype != torch.int32:
-                return Conditioning(stored[index].float(), None if pooled is None else pooled[index])
+            if stored.dtype != np.int32:
+                # Only these rows copied (numpy's indexing copies them): never the whole set's embeddings.
+                chosen = None if pooled is None else torch.from_numpy(pooled[positions]).float()
+                return Conditioning(torch.from_numpy(stored[positions]).float(), chosen)
             if loaded.source not in encoded:
                 encoded.clear()  # one model's at a time
-                encoded[loaded.source] = self._encode(loaded, stored)
-            return encoded[loaded.source].rows(index)
+                encoded[loaded.source] = self._encode(loaded, torch.tensor(stored))  # ids: a few hundred bytes a row
+            return encoded[loaded.source].rows(torch.from_numpy(positions))
 
         return captions_of
 
@@ -243,11 +242,11 @@ class Evaluator:
         metrics = list(self.features) if metrics is None else metrics
         stats = {metric: FeatureStats(self.features[metric].dim) for metric in metrics}
         for group in rows.groups:
-            first, stop = part_range(len(group.rows), part)
-            if first == stop:
+            taken, _ = group.share(part)
+            if taken.start == taken.stop:
                 continue
             assert group.latents is not None
-            stored = torch.from_numpy(group.latents[first:stop].astype(np.float32))
+            stored = torch.from_numpy(group.latents[taken].astype(np.float32))
             images = self._decode(stored * (self.config.data.latent_scaling_factor or 1.0), loaded)
             for metric in metrics:
                 stats[metric].add(self.features[metric](images, self.config.eval.batch_size))

@@ -84,7 +84,8 @@ class PartResult:
 
 def measure_part(task: OfflineSet, part: tuple[int, int], loaded: list[LoadedModel] | None = None) -> PartResult:
     """Part k of n = ``part`` of the set, sampled by each model and measured (the whole set: (0, 1)); its share of
-    the reference rows measured too, unless the reference's statistics were given.
+    the reference rows measured too, unless the reference's statistics were given. Only the part's rows of the set
+    and of the reference are read and held (a task of --tasks n: 1/n of each).
 
     Args:
         loaded: the models, if already loaded (in-process); else loaded here (a Ray task).
@@ -92,11 +93,11 @@ def measure_part(task: OfflineSet, part: tuple[int, int], loaded: list[LoadedMod
     config = Config.from_dict(task.config)
     models = loaded or [load_model(model, task.weights) for model in task.models]
     evaluator = Evaluator(config, None, task.vae)
-    rows = set_rows(task, config, models[0])
+    rows = set_rows(task, config, models[0], part)
     captions_of = _prompt_captions(task, rows, evaluator.device) if task.prompts is not None else None
     result = PartResult([evaluator.measure(model, rows, part, captions_of) for model in models])
     if evaluator.features and task.measure_reference:
-        reference = rows if task.reference is None else _reference_rows(task, config, models[0])
+        reference = rows if task.reference is None else _reference_rows(task, config, models[0], part)
         result.reference = evaluator.reference_stats(reference, models[0], part)
     return result
 
@@ -109,12 +110,13 @@ def merge_parts(parts: list[PartResult]) -> PartResult:
     return merged
 
 
-def set_rows(task: OfflineSet, config: Config, first: LoadedModel) -> EvalRows:
-    """The set's rows: the first eval.num_samples of the parquet set, or of the prompts."""
+def set_rows(task: OfflineSet, config: Config, first: LoadedModel, part: tuple[int, int] = (0, 1)) -> EvalRows:
+    """The set's rows: the first eval.num_samples of the parquet set (only those part k of n = ``part`` takes), or of
+    the prompts (all: a few bytes each)."""
     if task.prompts is None:
         assert task.captions is not None and first.latent_shape is not None and first.caption_shape is not None
-        shapes = (first.latent_shape, first.caption_shape)
-        return read_eval_rows(config, *shapes, [task.captions], "--captions", pooled_width=first.pooled_width)
+        shapes, pooled = (first.latent_shape, first.caption_shape), first.pooled_width
+        return read_eval_rows(config, *shapes, [task.captions], "--captions", pooled_width=pooled, part=part)
     assert task.latent_shape is not None
     prompts = task.prompts[: config.eval.num_samples]
     return EvalRows(
@@ -127,10 +129,11 @@ def set_rows(task: OfflineSet, config: Config, first: LoadedModel) -> EvalRows:
     )
 
 
-def _reference_rows(task: OfflineSet, config: Config, first: LoadedModel) -> EvalRows:
+def _reference_rows(task: OfflineSet, config: Config, first: LoadedModel, part: tuple[int, int]) -> EvalRows:
+    """The rows of --reference DATA that part k of n = ``part`` measures."""
     assert task.reference is not None and task.reference_width is not None and first.latent_shape is not None
-    width = (task.reference_width,)
-    return read_eval_rows(config, first.latent_shape, width, [task.reference], "--reference", measured=False)
+    width, source = (task.reference_width,), [task.reference]
+    return read_eval_rows(config, first.latent_shape, width, source, "--reference", measured=False, part=part)
 
 
 def _prompt_captions(task: OfflineSet, rows: EvalRows, device: str) -> CaptionsOf:
