@@ -3,6 +3,7 @@ tiny VAE, with tiny DINOv2 and CLIP models built from configs; rank 0's choice o
 Ray. The evaluation beside a real Ray run is in tests/test_train_ray.py."""
 
 import json
+import logging
 import os
 import sys
 
@@ -496,6 +497,48 @@ def _rest(config) -> list[str]:
     return [f"eval.dinov2={config.eval.dinov2}", "eval.num_samples=8", "eval.batch_size=4", "sample_grid.steps=2"]
 
 
+def test_a_registry_version_loads_and_is_gated_like_the_checkpoint_it_was_written_from(evaluated, tmp_path):
+    """A version kept only unet/ and scheduler/: loaded, it had no trained shapes or empty-prompt embedding, and the
+    gate with eval died on an assert scoring production (from the second day on)."""
+    from sdtrain.artifacts.export import write_export
+    from sdtrain.artifacts.loading import load_model
+    from sdtrain.artifacts.registry import ModelRegistry
+    from sdtrain.driver.retrain_gate import gate_scores
+    from sdtrain.errors import SdtrainError
+
+    config = tiny_config(*_eval_keys(evaluated["config"]), *_rest(evaluated["config"]), "retrain.metric=fd_dinov2")
+    trained = load_model(str(evaluated["checkpoint"]))
+    registry = ModelRegistry(str(tmp_path / "models"))
+    manifest = {"schedule_date": "2026-11-01", "promoted": True, "parent": None, "checkpoint": "/gone/checkpoint"}
+    version = registry.write_version(trained.unet, trained.noise_scheduler, manifest, trained=trained)
+    production = load_model(registry.location(version))
+    assert (production.latent_shape, production.caption_shape) == ((4, 16, 16), (77, 32)) == trained.trained_shapes("")
+    assert production.unconditional_caption is not None and trained.unconditional_caption is not None
+    assert torch.equal(production.unconditional_caption, trained.unconditional_caption.float())
+    assert (production.weights, production.global_step) == ("raw", 2)
+    new, scored = gate_scores(config, trained, production)
+    for metric in ("val_loss", "fd_dinov2", "clip_score"):  # the same weights, samples and reference
+        assert scored[metric] == pytest.approx(new[metric], rel=1e-5), metric
+    with pytest.raises(SdtrainError, match=r"is a registry version \(manifest.json\), which an export must not"):
+        write_export(production, registry.location(version))  # it records what an export does, and is none
+
+    # A version written before versions recorded them: given them by the checkpoint its manifest names...
+    old = registry.write_version(trained.unet, trained.noise_scheduler, {"checkpoint": str(evaluated["checkpoint"])})
+    loaded = load_model(registry.location(old))
+    assert (loaded.latent_shape, loaded.caption_shape, loaded.weights) == ((4, 16, 16), (77, 32), "raw")
+    assert torch.equal(loaded.unconditional_caption, trained.unconditional_caption)
+    # ...and where that is gone, an evaluation says so, naming the version, instead of a bare assert.
+    gone = load_model(registry.location(registry.write_version(trained.unet, trained.noise_scheduler, manifest)))
+    assert gone.latent_shape is None and gone.unconditional_caption is None
+    with pytest.raises(SdtrainError) as refused:
+        Evaluator(config, None, None).evaluate(gone)
+    assert str(refused.value).startswith(
+        f"model: evaluation needs the latent and caption shape {registry.location('v0003')} was trained at, which it "
+        "does not record: it is a registry version written before versions recorded sdtrain.json and "
+        "unconditional_caption.npy, and the checkpoint its manifest.json names (/gone/checkpoint) could not be read"
+    )
+
+
 def test_bucketed_validation_rows_are_sampled_and_compared_each_at_its_own_bucket(evaluated, tmp_path):
     """data.val of two aspect-ratio buckets (photographs square and 3:2, as preprocessing writes them: rows sorted by
     bucket, the buckets in the footer): each sample is generated at its row's bucket and the reference images are the
@@ -561,3 +604,58 @@ def test_bucketed_validation_rows_are_sampled_and_compared_each_at_its_own_bucke
         assert stored.shape[1:] == group.shape
         reference.add(features(decode(vae, stored, vae.config.scaling_factor)))
     assert metrics["fd_dinov2"] == pytest.approx(frechet_distance(generated, reference), rel=1e-5)
+
+
+class _Lines(logging.Handler):
+    """The sdtrain logger's messages while it is attached (whatever the logger's propagation)."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+    def __enter__(self):
+        logging.getLogger("sdtrain").addHandler(self)
+        return self
+
+    def __exit__(self, *_):
+        logging.getLogger("sdtrain").removeHandler(self)
+
+
+@pytest.mark.slow
+def test_the_retraining_gate_scores_in_a_ray_task_that_loads_both_models_and_raises_our_errors_as_they_are(
+    evaluated, tmp_path, ray_cluster
+):
+    """The gate used to score on the retraining job's driver (a CPU-only head node): both models loaded there, and
+    eval.num_samples images sampled with each on its CPUs, hours after the GPUs finished. It runs in a Ray task of
+    eval's resources (a GPU where training had them) that loads both from their paths, and gives what gate_scores
+    gives in this process; an error of ours in it reaches the command line as itself, not as Ray's wrapper."""
+    import re
+
+    from sdtrain.artifacts.loading import load_model
+    from sdtrain.driver.retrain_gate import gate_resources, gate_scores, scores_in_task
+
+    keys = [*_eval_keys(evaluated["config"]), *_rest(evaluated["config"])]
+    config = tiny_config(*keys, "eval.num_cpus=0", "retrain.metric=fd_dinov2")
+    assert gate_resources(config) == {"num_cpus": 0, "num_gpus": 0}  # this cluster has no GPU: CPUs alone
+    assert gate_resources(tiny_config(*keys, "scaling.use_gpu=true"))["num_gpus"] == 1  # as training's workers
+    assert gate_resources(tiny_config(*keys, "scaling.use_gpu=true", "eval.num_gpus=0.5"))["num_gpus"] == 0.5
+    checkpoint = str(evaluated["checkpoint"])
+    with _Lines() as lines:
+        new, production = scores_in_task(config, checkpoint, checkpoint)
+    here, _ = gate_scores(config, load_model(checkpoint), None)
+    assert set(new) == set(production) == set(here) == {"val_loss", "fd_dinov2", "clip_score"}
+    for metric, value in here.items():
+        assert new[metric] == pytest.approx(value, rel=1e-5) and production[metric] == pytest.approx(value, rel=1e-5)
+    (placed,) = [m for m in lines.messages if m.startswith("gate: scored in Ray task sdtrain-retrain-gate on node ")]
+    assert int(re.search(r"\(pid (\d+)\)$", placed)[1]) != os.getpid(), placed  # not in this (the driver's) process
+
+    (tmp_path / "val").mkdir()
+    (tmp_path / "val" / "part-0.parquet").write_bytes(b"not parquet")
+    broken = tiny_config(f"data.train=[{tmp_path / 'val'}]", f"data.val=[{tmp_path / 'val'}]")
+    with pytest.raises(DataError) as raised:
+        scores_in_task(broken, checkpoint, None)
+    assert type(raised.value) is DataError, type(raised.value)  # what the retrain command prints in one line
+    assert re.match(r"data\.val: cannot read \S+part-0\.parquet as parquet: ", str(raised.value)), raised.value

@@ -1,5 +1,6 @@
 """The model registry on a local directory and on a real S3-protocol server."""
 
+import dataclasses
 import datetime
 import functools
 import hashlib
@@ -27,7 +28,7 @@ from sdtrain.artifacts.registry import (
 from sdtrain.config.schema import ModelConfig
 from sdtrain.errors import ConfigError, DataError
 from sdtrain.model.presets import PRESETS
-from sdtrain.model.unet import build_unet, noise_scheduler_config
+from sdtrain.model.unet import RAW_UNET_SUBFOLDER, build_unet, noise_scheduler_config, unet_config
 
 
 def _exercise(root: str) -> None:
@@ -298,3 +299,74 @@ def test_a_run_whose_lease_lapsed_during_a_long_evaluation_writes_no_version(tmp
         with pytest.raises(RegistryConflict, match=r"lease on .*retrain.lock expired at .* nothing more is written"):
             registry.write_version(unet, scheduler, {"n": 2}, lock=lock)
     assert registry.versions() == ["v0001"] and not (tmp_path / "models" / "versions" / "v0002").exists()
+
+
+def _trained_with_an_ema(tmp_path, config) -> str:
+    """A checkpoint of the tiny UNet trained 3 steps with an EMA (decay 0.5), whose EMA and weights differ."""
+    import lightning.pytorch as pl
+
+    from sdtrain.artifacts.checkpoint_format import CheckpointMeta
+    from sdtrain.train.module import DiffusionModule
+
+    meta = CheckpointMeta(
+        "test", unet_config(config.model), noise_scheduler_config(config.model), (4, 16, 16), (77, 32)
+    )
+    torch.manual_seed(0)
+    module = DiffusionModule(build_unet(config.model), meta.noise_scheduler_config, config.train, meta)
+    batch = {"latents": torch.randn(2, 4, 16, 16), "captions": torch.randn(2, 77, 32)}
+    trainer = pl.Trainer(
+        max_steps=3, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False
+    )
+    trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader([batch] * 3, batch_size=None))
+    checkpoint = tmp_path / "run" / "checkpoint_000000003" / "checkpoint.ckpt"
+    trainer.save_checkpoint(checkpoint, weights_only=False)
+    return str(checkpoint.parent)
+
+
+def test_a_warm_start_from_a_version_continues_its_trained_weights_and_their_ema(tmp_path):
+    """A version kept only the EMA weights, and the next day's run started both its weights and its EMA from them:
+    of each day's training only the share its EMA had taken in (1 - decay^steps) was kept."""
+    from conftest import tiny_config
+
+    from sdtrain.artifacts.loading import load_model, load_trained
+    from sdtrain.driver.retrain import record_and_promote
+    from sdtrain.train.module import DiffusionModule
+
+    config = tiny_config("data.train=[x]", "train.ema_decay=0.5", "train.ema_start_step=0", "train.warmup_steps=0")
+    checkpoint = _trained_with_an_ema(tmp_path, config)
+    trained, raw = load_trained(checkpoint)
+    assert raw is not None and trained.weights == "ema"
+    for name, weights in (("ema", trained.unet), ("raw", raw)):  # what load_model reads of the checkpoint
+        for a, b in zip(weights.parameters(), load_model(checkpoint, name).unet.parameters(), strict=True):
+            assert torch.equal(a, b), name
+    assert not torch.equal(trained.unet.conv_in.weight, raw.conv_in.weight)
+
+    registry = ModelRegistry(str(tmp_path / "models"))
+    manifest = {"schedule_date": "2026-11-01", "parent": None, "promoted": True, "reason": "first"}
+    with registry.lock({"run": "retrain-2026-11-01"}) as lock:
+        assert record_and_promote(registry, lock, trained, manifest, raw).status == "promoted"
+    version = registry.location("v0001")
+    served = load_model(version)  # served, evaluated and gated: the EMA weights
+    assert served.weights == "ema" and torch.equal(served.unet.conv_in.weight, trained.unet.conv_in.weight)
+    assert torch.equal(load_model(version, "raw").unet.conv_in.weight, raw.conv_in.weight)
+
+    # The next day's run (model.pretrained = the version): its weights from the trained ones, its EMA from the EMA's.
+    warm = dataclasses.replace(config.model, pretrained=version)
+    module = DiffusionModule(build_unet(warm), noise_scheduler_config(warm), config.train, trained.meta)
+    assert module.ema_unet is not None
+    for ours, theirs in ((module.unet, raw), (module.ema_unet, trained.unet)):
+        state = theirs.state_dict()
+        assert all(torch.equal(tensor, state[name]) for name, tensor in ours.state_dict().items())
+    assert {n for n in module.state_dict() if n.startswith("unet.")} == {f"unet.{n}" for n in raw.state_dict()}
+    # Without an EMA in the run, it trains on from the trained weights, and holds no second UNet.
+    plain = DiffusionModule(
+        build_unet(warm), noise_scheduler_config(warm), dataclasses.replace(config.train, ema_decay=None), trained.meta
+    )
+    assert plain.ema_unet is None and torch.equal(plain.unet.conv_in.weight, raw.conv_in.weight)
+    assert "_sdtrain_ema_start" not in vars(plain.unet)
+    # A version of a run without an EMA (or written before versions kept both) starts both from its one set.
+    (tmp_path / "models" / "versions" / "v0001" / RAW_UNET_SUBFOLDER / "config.json").unlink()
+    older = DiffusionModule(build_unet(warm), noise_scheduler_config(warm), config.train, trained.meta)
+    assert older.ema_unet is not None
+    assert torch.equal(older.unet.conv_in.weight, trained.unet.conv_in.weight)
+    assert torch.equal(older.ema_unet.conv_in.weight, trained.unet.conv_in.weight)

@@ -2,6 +2,9 @@
 
 import datetime
 import json
+import logging
+import os
+import re
 import shutil
 
 import pytest
@@ -37,6 +40,24 @@ def partitions(tmp_path):
     (root / "date=2026-12-31" / "_SUCCESS").touch()
     (root / "notes").mkdir()
     return root, demo / "val"
+
+
+class _Lines(logging.Handler):
+    """The sdtrain logger's messages while it is attached (whatever the logger's propagation)."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+    def __enter__(self):
+        logging.getLogger("sdtrain").addHandler(self)
+        return self
+
+    def __exit__(self, *_):
+        logging.getLogger("sdtrain").removeHandler(self)
 
 
 def _config(tmp_path, root, val, *overrides):
@@ -100,8 +121,12 @@ def test_retrain_promotes_better_keeps_production_on_worse_and_is_idempotent(
     sd = write_tiny_sd_model(str(tmp_path / "tiny-sd"))
     dinov2 = write_tiny_dinov2(str(tmp_path / "dinov2"))
     by_fd = [f"eval.dinov2={dinov2}", f"eval.vae={sd}", "eval.num_samples=4", "eval.num_cpus=0"]
-    first = retrain(_config(tmp_path, root, val, *by_fd, "retrain.metric=fd_dinov2"), DAY1)
+    with _Lines() as lines:
+        first = retrain(_config(tmp_path, root, val, *by_fd, "retrain.metric=fd_dinov2"), DAY1)
     assert (first.status, first.version, registry.production()) == ("promoted", "v0001", "v0001")
+    # The gate scored in a Ray task of its own (a GPU where training had them), not on the driver: this process.
+    (placed,) = [m for m in lines.messages if m.startswith("gate: scored in Ray task sdtrain-retrain-gate on node ")]
+    assert int(re.search(r"\(pid (\d+)\)$", placed)[1]) != os.getpid(), placed
     manifest = registry.manifest("v0001")
     assert manifest["gate_metric"] == "fd_dinov2" and manifest["reason"].startswith("first version (fd_dinov2 ")
     assert manifest["metrics"]["fd_dinov2"] > 0 and manifest["metrics"]["val_loss"] > 0

@@ -15,7 +15,7 @@ from diffusers import DDPMScheduler, UNet2DConditionModel
 
 from sdtrain.artifacts.registry import ModelRegistry
 from sdtrain.driver.retrain import JOB_ID_VAR, retrain, schedule_date_for
-from sdtrain.driver.retrain_gate import best_served, decide
+from sdtrain.driver.retrain_gate import HELDOUT_KEY, best_served, decide, heldout_fingerprint
 from sdtrain.driver.retrain_partitions import find_partitions, new_partitions
 from sdtrain.errors import ConfigError
 from sdtrain.model.presets import PRESETS
@@ -217,7 +217,7 @@ def _rules_config(tmp_path, *overrides):
     )
 
 
-def _version(registry, day, parent, loss, promoted=True, val=None, seed=0):
+def _version(registry, day, parent, loss, promoted=True, val=None, seed=0, heldout=None):
     manifest = {
         "schedule_date": day,
         "parent": parent,
@@ -225,6 +225,7 @@ def _version(registry, day, parent, loss, promoted=True, val=None, seed=0):
         "reason": "test",
         "metrics": {"val_loss": loss},
         "config": {"data": {"val": val}, "train": {"seed": seed}},
+        **({HELDOUT_KEY: heldout} if heldout is not None else {}),
     }
     torch.manual_seed(0)
     return registry.write_version(UNet2DConditionModel(**PRESETS["tiny"]), DDPMScheduler(), manifest)
@@ -314,6 +315,36 @@ def test_the_best_ever_bar_is_what_production_named_measured_on_the_same_val_set
     assert decide(0.20, 0.30, "v0006", best, 0.05)[0] is True
 
 
+def test_a_value_measured_on_data_val_before_its_files_changed_in_place_is_no_bar(tmp_path):
+    """data.val's prefix refreshed or extended in place keeps its config value: the best-ever bar compared today's
+    val_loss with one measured on other rows."""
+    config = _rules_config(tmp_path)
+    file = tmp_path / "val" / "part-0.parquet"
+    write_latents(file, rows=6)
+    unet = UNet2DConditionModel(**PRESETS["tiny"]).config
+    then = heldout_fingerprint(config, unet)
+    assert then == heldout_fingerprint(config, unet) and (then["files"], then["rows"]) == (1, 6)
+    registry = ModelRegistry(str(tmp_path / "models"))
+    val = config.data.val
+    for day, parent, loss, heldout in (("2026-11-01", None, 0.1, None), ("2026-11-02", "v0001", 0.2, then)):
+        version = _version(registry, day, parent, loss, val=val, heldout=heldout)
+        registry.set_production(version, expected=parent, kind="promote")
+    assert best_served(registry, config, "val_loss", then) == (("v0001", 0.1), [])
+
+    write_latents(file, rows=6, seed=1)  # rewritten in place: the same name and row count, other rows
+    now = heldout_fingerprint(config, unet)
+    assert now["digest"] != then["digest"] and (now["files"], now["rows"]) == (1, 6)
+    best, not_compared = best_served(registry, config, "val_loss", now)
+    # v0001 recorded no fingerprint (written before versions did): compared, as a config key it predates.
+    assert best == ("v0001", 0.1)
+    assert not_compared == [
+        f"v0002's 0.20000 was measured with data.val's files as they were then (1 files, 6 rows, digest "
+        f"{then['digest']}), now 1 files, 6 rows, digest {now['digest']}"
+    ]
+    write_latents(tmp_path / "val" / "part-1.parquet", rows=3)  # extended
+    assert heldout_fingerprint(config, unet)["rows"] == 9
+
+
 def test_a_metric_is_compared_only_with_values_measured_by_the_same_model(tmp_path):
     # One definition of what a value depends on (sdtrain.evaluation.results.measured_with): an fd_inception measured
     # with another Inception file is no bar, as an fd_dinov2 of another DINOv2 is not.
@@ -346,6 +377,7 @@ _RECORD_STEP = """
 import json, sys
 import torch
 from diffusers import DDPMScheduler, UNet2DConditionModel
+from sdtrain.artifacts.loading import LoadedModel
 from sdtrain.artifacts.registry import ModelRegistry
 from sdtrain.model.presets import PRESETS
 from sdtrain.driver.retrain import record_and_promote
@@ -354,7 +386,8 @@ registry = ModelRegistry(sys.argv[1])
 torch.manual_seed(1)
 with registry.lock({"run": "retrain-2026-11-02", "date": "2026-11-02", "job": "prodjob_chaos"}) as lock:
     unet = UNet2DConditionModel(**PRESETS["tiny"])
-    print(record_and_promote(registry, lock, unet, DDPMScheduler(), json.loads(sys.argv[2])).status)
+    trained = LoadedModel(unet, DDPMScheduler(), None, "ckpt", "raw", 2, (4, 16, 16), (77, 32), None, None, None)
+    print(record_and_promote(registry, lock, trained, json.loads(sys.argv[2])).status)
 """
 
 

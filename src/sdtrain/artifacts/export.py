@@ -38,7 +38,7 @@ import numpy as np
 import pyarrow.fs as pafs
 
 from sdtrain import __version__
-from sdtrain.artifacts.loading import LoadedModel, Weights, is_export, load_model
+from sdtrain.artifacts.loading import VERSION_MANIFEST_FILE, LoadedModel, Weights, is_export, load_model
 from sdtrain.artifacts.model_card import render_grid, sampling_guidance, training_grid, write_model_card
 from sdtrain.artifacts.pipelines import (
     BASE_MODEL_KEY,
@@ -86,6 +86,28 @@ def write_export(loaded: LoadedModel, destination: str, base_model: str | None =
     _check_replaceable(fs, path, destination, loaded.source)
     pipeline = _export_sources(loaded, base_model)
     sources = pipeline[1] if pipeline is not None else None
+    side = square_side(loaded)
+    if side is not None:
+        # A pipeline's default size is its UNet's sample_size: the trained one, not the preset's (sd2-base's 64 is
+        # 512 px; configs/sd2-base.yaml trains at 256). A model of non-square latents alone keeps it: diffusers'
+        # pipelines take an int there.
+        loaded.unet.register_to_config(sample_size=side)
+    with tempfile.TemporaryDirectory() as local:
+        if pipeline is not None:
+            _write_pipeline(loaded, *pipeline, local)
+        else:
+            loaded.unet.save_pretrained(os.path.join(local, "unet"), safe_serialization=True)
+            loaded.noise_scheduler.save_pretrained(os.path.join(local, "scheduler"))
+        _publish(local, fs, path, destination, write_model_record(loaded, local, sources))
+    return destination
+
+
+def write_model_record(loaded: LoadedModel, local: str, sources: EncoderSources | None = None) -> bytes:
+    """What an export (or a registry version) keeps of ``loaded`` besides its weights, for
+    :func:`sdtrain.artifacts.loading.load_model` to give back: the empty-prompt embedding written into the local
+    directory ``local`` (UNCONDITIONAL_FILE), and the content of EXPORT_INFO_FILE returned (where it came from, data
+    shapes, latent scaling; ``sources``: the VAE and text encoder its pipeline takes), for the caller to write last.
+    """
     info = {
         "sdtrain_version": __version__,
         "source_checkpoint": loaded.source,
@@ -101,22 +123,9 @@ def write_export(loaded: LoadedModel, destination: str, base_model: str | None =
         "vae_source": sources.vae if sources else None,
         "text_encoder_source": sources.text_encoder if sources else None,
     }
-    side = square_side(loaded)
-    if side is not None:
-        # A pipeline's default size is its UNet's sample_size: the trained one, not the preset's (sd2-base's 64 is
-        # 512 px; configs/sd2-base.yaml trains at 256). A model of non-square latents alone keeps it: diffusers'
-        # pipelines take an int there.
-        loaded.unet.register_to_config(sample_size=side)
-    with tempfile.TemporaryDirectory() as local:
-        if pipeline is not None:
-            _write_pipeline(loaded, *pipeline, local)
-        else:
-            loaded.unet.save_pretrained(os.path.join(local, "unet"), safe_serialization=True)
-            loaded.noise_scheduler.save_pretrained(os.path.join(local, "scheduler"))
-        if loaded.unconditional_caption is not None:
-            np.save(os.path.join(local, UNCONDITIONAL_FILE), loaded.unconditional_caption.float().numpy())
-        _publish(local, fs, path, destination, json.dumps(info, indent=2).encode())
-    return destination
+    if loaded.unconditional_caption is not None:
+        np.save(os.path.join(local, UNCONDITIONAL_FILE), loaded.unconditional_caption.float().numpy())
+    return json.dumps(info, indent=2).encode()
 
 
 def _publish(local: str, fs: pafs.FileSystem, path: str, destination: str, info: bytes) -> None:
@@ -155,6 +164,11 @@ def _check_replaceable(fs: pafs.FileSystem, path: str, destination: str, source:
     if info.type != pafs.FileType.Directory:
         return
     inside = {item.base_name for item in fs.get_file_info(pafs.FileSelector(path))}
+    if VERSION_MANIFEST_FILE in inside:  # it records what an export does, and is no export to replace
+        raise SdtrainError(
+            f"export: {destination} is a registry version ({VERSION_MANIFEST_FILE}), which an export must not "
+            "replace: name a new or empty directory"
+        )
     if inside and not inside & {EXPORT_INFO_FILE, EXPORT_INCOMPLETE_FILE}:
         raise SdtrainError(
             f"export: {destination} holds {len(inside)} file(s) or folder(s) (e.g. {min(inside)}) and is no export "

@@ -4,7 +4,9 @@
 - a checkpoint directory or its ``checkpoint.ckpt`` (:mod:`sdtrain.artifacts.checkpoint_format`),
 - an export (:mod:`sdtrain.artifacts.export`) or a registry version (``ModelRegistry.location``),
 
-local or on object storage; no config file is needed.
+local or on object storage; no config file is needed. A registry version records what an export does (its
+EXPORT_INFO_FILE and empty-prompt embedding); one written before versions did is given them from the checkpoint its
+manifest names, where that is still readable.
 """
 
 from __future__ import annotations
@@ -24,14 +26,16 @@ from diffusers import DDPMScheduler, UNet2DConditionModel
 
 from sdtrain.artifacts.checkpoint_format import CHECKPOINT_META_KEY, CheckpointMeta
 from sdtrain.errors import SdtrainError
+from sdtrain.logs import log
 from sdtrain.model.conditioning import pooled_width
-from sdtrain.model.unet import build_noise_scheduler
+from sdtrain.model.unet import RAW_UNET_SUBFOLDER, build_noise_scheduler
 from sdtrain.storage.filesystems import filesystem_for, local_copy, ray_storage, uri_for
 from sdtrain.storage.run_layout import CHECKPOINT_FILE, EXPORT_INFO_FILE, UNCONDITIONAL_FILE
 from sdtrain.storage.uris import is_uri
 
 Weights = Literal["auto", "ema", "raw"]
-# An export's files besides unet/ and scheduler/ (written by sdtrain.artifacts.export).
+VERSION_MANIFEST_FILE = "manifest.json"
+"""In a registry version's directory (sdtrain.artifacts.registry), beside unet/ and scheduler/."""
 
 
 @dataclass
@@ -43,7 +47,7 @@ class LoadedModel:
     source: str
     """The checkpoint or export the weights were read from."""
     weights: Literal["ema", "raw"] | None
-    """Which weights of the run these are; None for a registry version (not recorded)."""
+    """Which weights of the run these are; None where the export or version does not record it."""
     global_step: int | None
     latent_shape: tuple[int, ...] | None
     """(C, H, W) the model was trained at: the data's one shape, or the aspect-ratio bucket most rows had."""
@@ -58,6 +62,22 @@ class LoadedModel:
     """The latent shape of each aspect-ratio bucket the model trained on; None: one shape (latent_shape)."""
     vae_downsampling: int = 8
     """Pixels per latent side of the VAE its data was encoded with (SDXL's size conditioning is in pixels)."""
+    unrecorded: str | None = None
+    """Why the trained shapes and empty-prompt embedding are unknown, where a registry version cannot tell them."""
+
+    def trained_shapes(self, needed_by: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(latent_shape, caption_shape); an SdtrainError naming the model and what is missing where either is
+        unknown. ``needed_by``: what needs them (for the message)."""
+        if self.latent_shape is not None and self.caption_shape is not None:
+            return self.latent_shape, self.caption_shape
+        missing = " and ".join(
+            name for name, value in (("latent", self.latent_shape), ("caption", self.caption_shape)) if value is None
+        )
+        why = self.unrecorded or f"it holds no {EXPORT_INFO_FILE} recording them"
+        raise SdtrainError(
+            f"model: {needed_by} needs the {missing} shape {self.source} was trained at, which it does not record: "
+            f"{why}"
+        )
 
     @property
     def pooled_width(self) -> int | None:
@@ -83,12 +103,20 @@ def load_model(path: str, weights: Weights = "auto") -> LoadedModel:
     if info.type == pafs.FileType.File or _is_file(fs, posixpath.join(fs_path, CHECKPOINT_FILE)):
         return _from_checkpoint(path, weights)
     if is_export(path):
-        if weights == "raw":
-            raise SdtrainError(
-                f"model: {path} is an export, which holds one set of weights; weights=raw needs a checkpoint"
-            )
-        return _from_export(path)
+        return _from_export(path, weights)
     return _from_checkpoint(_latest_reported_checkpoint(path), weights)
+
+
+def load_trained(checkpoint: str) -> tuple[LoadedModel, UNet2DConditionModel | None]:
+    """``load_model(checkpoint)`` (the EMA weights if the run kept an EMA, else the trained ones), and with an EMA
+    the trained (raw) weights too, from one read of the checkpoint (None without an EMA): what a registry version
+    keeps, so that the next warm start continues both."""
+    data = read_checkpoint(checkpoint)
+    loaded = _from_checkpoint(checkpoint, "auto", data)
+    if loaded.weights != "ema":
+        return loaded, None
+    assert loaded.meta is not None  # loaded from a checkpoint
+    return loaded, _unet_of(loaded.meta, data["state_dict"], "unet.")
 
 
 def read_checkpoint(path: str) -> dict[str, Any]:
@@ -115,26 +143,40 @@ def is_export(path: str) -> bool:
     return _is_file(fs, posixpath.join(fs_path, "unet", "config.json"))
 
 
-def _from_checkpoint(path: str, weights: Weights) -> LoadedModel:
-    checkpoint = read_checkpoint(path)
-    if CHECKPOINT_META_KEY not in checkpoint:
-        raise SdtrainError(f"model: {path} is a Lightning checkpoint without sdtrain's metadata")
-    meta = CheckpointMeta.from_dict(checkpoint[CHECKPOINT_META_KEY], path)
+def _from_checkpoint(path: str, weights: Weights, checkpoint: dict[str, Any] | None = None) -> LoadedModel:
+    checkpoint = read_checkpoint(path) if checkpoint is None else checkpoint
+    meta = _meta_of(path, checkpoint)
     state = checkpoint["state_dict"]
     has_ema = any(k.startswith("ema_unet.") for k in state)
     if weights == "ema" and not has_ema:
         raise SdtrainError(f"model: {path} holds no EMA weights (the run had train.ema_decay: null); use raw")
     chosen: Literal["ema", "raw"] = "ema" if weights == "ema" or (weights == "auto" and has_ema) else "raw"
-    prefix = "ema_unet." if chosen == "ema" else "unet."
-    unet = UNet2DConditionModel(**meta.unet_config)
-    unet.load_state_dict({k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)})
     return LoadedModel(
-        unet=unet.eval(),
+        unet=_unet_of(meta, state, "ema_unet." if chosen == "ema" else "unet."),
         noise_scheduler=build_noise_scheduler(meta.noise_scheduler_config),
         unconditional_caption=state.get("unconditional_caption"),
         source=path,
         weights=chosen,
         global_step=int(checkpoint["global_step"]),
+        **_recorded_in(meta),
+    )
+
+
+def _meta_of(path: str, checkpoint: dict[str, Any]) -> CheckpointMeta:
+    if CHECKPOINT_META_KEY not in checkpoint:
+        raise SdtrainError(f"model: {path} is a Lightning checkpoint without sdtrain's metadata")
+    return CheckpointMeta.from_dict(checkpoint[CHECKPOINT_META_KEY], path)
+
+
+def _unet_of(meta: CheckpointMeta, state: dict[str, Any], prefix: str) -> UNet2DConditionModel:
+    unet = UNet2DConditionModel(**meta.unet_config)
+    unet.load_state_dict({k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)})
+    return unet.eval()
+
+
+def _recorded_in(meta: CheckpointMeta) -> dict[str, Any]:
+    """The LoadedModel fields a checkpoint's metadata gives."""
+    return dict(
         latent_shape=meta.latent_shape,
         caption_shape=meta.caption_shape,
         latent_scaling_factor=meta.latent_scaling_factor,
@@ -145,18 +187,25 @@ def _from_checkpoint(path: str, weights: Weights) -> LoadedModel:
     )
 
 
-def _from_export(path: str) -> LoadedModel:
-    local = local_copy(path) if is_uri(path) else path
-    unet = UNet2DConditionModel.from_pretrained(local, subfolder="unet").eval()
-    scheduler = DDPMScheduler.from_pretrained(local, subfolder="scheduler")
-    info: dict[str, Any] = {}
-    if os.path.isfile(os.path.join(local, EXPORT_INFO_FILE)):
-        with open(os.path.join(local, EXPORT_INFO_FILE)) as f:
-            info = json.load(f)
-    uncond = None
-    if os.path.isfile(os.path.join(local, UNCONDITIONAL_FILE)):
-        with open(os.path.join(local, UNCONDITIONAL_FILE), "rb") as f:
-            uncond = torch.from_numpy(np.load(io.BytesIO(f.read()), allow_pickle=False))
+def _from_export(path: str, weights: Weights) -> LoadedModel:
+    """An export or a registry version: its unet/ (raw_unet/ for weights=raw, where a version holds the trained
+    weights beside the EMA ones), scheduler/ and what EXPORT_INFO_FILE and UNCONDITIONAL_FILE record."""
+    fs, root = filesystem_for(path)
+    unet_dir = "unet"
+    if weights == "raw":
+        if not _is_file(fs, posixpath.join(root, RAW_UNET_SUBFOLDER, "config.json")):
+            raise SdtrainError(
+                f"model: {path} is an export or version that holds one set of weights; weights=raw needs a checkpoint"
+            )
+        unet_dir = RAW_UNET_SUBFOLDER
+    unet = UNet2DConditionModel.from_pretrained(_local_dir(path, unet_dir)).eval()
+    scheduler = DDPMScheduler.from_pretrained(_local_dir(path, "scheduler"))
+    info_text = _read_small(fs, posixpath.join(root, EXPORT_INFO_FILE))
+    if info_text is None and _is_file(fs, posixpath.join(root, VERSION_MANIFEST_FILE)):
+        return _unrecorded_version(path, fs, root, unet, scheduler)
+    info: dict[str, Any] = json.loads(info_text) if info_text is not None else {}
+    uncond_bytes = _read_small(fs, posixpath.join(root, UNCONDITIONAL_FILE))
+    uncond = torch.from_numpy(np.load(io.BytesIO(uncond_bytes), allow_pickle=False)) if uncond_bytes else None
     shape = info.get("latent_shape")
     caption_shape = info.get("caption_shape")
     return LoadedModel(
@@ -164,7 +213,7 @@ def _from_export(path: str) -> LoadedModel:
         noise_scheduler=scheduler,
         unconditional_caption=uncond,
         source=path,
-        weights=info.get("weights"),
+        weights="raw" if unet_dir == RAW_UNET_SUBFOLDER else info.get("weights"),
         global_step=info.get("global_step"),
         latent_shape=tuple(shape) if shape else None,
         caption_shape=tuple(caption_shape) if caption_shape else None,
@@ -174,6 +223,61 @@ def _from_export(path: str) -> LoadedModel:
         bucket_shapes=tuple(tuple(b) for b in info["bucket_shapes"]) if info.get("bucket_shapes") else None,
         vae_downsampling=int(info.get("vae_downsampling") or 8),
     )
+
+
+def _unrecorded_version(
+    path: str, fs: pafs.FileSystem, root: str, unet: UNet2DConditionModel, scheduler: DDPMScheduler
+) -> LoadedModel:
+    """A registry version written before versions recorded EXPORT_INFO_FILE: its weights, with what the checkpoint
+    its manifest names records (data shapes, empty-prompt embedding), where that checkpoint is still readable; else
+    without them, saying why (:meth:`LoadedModel.trained_shapes` raises it where they are needed)."""
+    manifest = json.loads(_read_small(fs, posixpath.join(root, VERSION_MANIFEST_FILE)) or b"{}")
+    checkpoint = manifest.get("checkpoint")
+    loaded = LoadedModel(
+        unet=unet,
+        noise_scheduler=scheduler,
+        unconditional_caption=None,
+        source=path,
+        weights=None,
+        global_step=manifest.get("steps"),
+        latent_shape=None,
+        caption_shape=None,
+        latent_scaling_factor=None,
+        latent_classifier=None,
+        meta=None,
+    )
+    try:
+        if not isinstance(checkpoint, str):
+            raise SdtrainError(f"its {VERSION_MANIFEST_FILE} names no checkpoint")
+        data = read_checkpoint(checkpoint)
+        meta, state, step = _meta_of(checkpoint, data), data["state_dict"], int(data["global_step"])
+    except (OSError, SdtrainError, KeyError, ValueError) as e:
+        loaded.unrecorded = (
+            f"it is a registry version written before versions recorded {EXPORT_INFO_FILE} and {UNCONDITIONAL_FILE}, "
+            f"and the checkpoint its {VERSION_MANIFEST_FILE} names ({checkpoint}) could not be read for them ({e})"
+        )
+        log.warning(f"model: {path}: {loaded.unrecorded}")
+        return loaded
+    # What load_model(checkpoint) gave when the version was written: the EMA weights if the run kept an EMA.
+    loaded.weights = "ema" if any(k.startswith("ema_unet.") for k in state) else "raw"
+    loaded.unconditional_caption = state.get("unconditional_caption")
+    loaded.global_step = step
+    for field, value in _recorded_in(meta).items():
+        setattr(loaded, field, value)
+    return loaded
+
+
+def _local_dir(path: str, subfolder: str) -> str:
+    """``path``'s ``subfolder``, downloaded first from object storage (that folder alone)."""
+    return local_copy(posixpath.join(path, subfolder)) if is_uri(path) else os.path.join(path, subfolder)
+
+
+def _read_small(fs: pafs.FileSystem, path: str) -> bytes | None:
+    """A small file's bytes; None where there is none."""
+    if not _is_file(fs, path):
+        return None
+    with fs.open_input_stream(path) as f:
+        return f.read()
 
 
 def _latest_reported_checkpoint(path: str) -> str:

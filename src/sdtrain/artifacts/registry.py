@@ -3,8 +3,13 @@
     production.json              {"version": "v0002"}: replaced whole, never edited in place
     retrain.lock                 held by the one retrain run allowed at a time (owner and lease inside)
     jobs/<job id>.json           the schedule date a job's first attempt pinned, for its retries
-    versions/v0001/unet/         UNet2DConditionModel.save_pretrained (safetensors)
+    versions/v0001/unet/         UNet2DConditionModel.save_pretrained (safetensors): the weights served (the EMA's
+                                 if the run kept an EMA)
+    versions/v0001/raw_unet/     only if the run kept an EMA: its trained weights, which a warm start continues
     versions/v0001/scheduler/    the noise schedule
+    versions/v0001/sdtrain.json, unconditional_caption.npy
+                                 what an export records of its model (sdtrain.artifacts.export): data shapes, latent
+                                 scaling, the empty-prompt embedding, for load_model
     versions/v0001/manifest.json written last, whole: a version directory without it is incomplete
     production_log/00000001.json append-only: one entry per move of the pointer (from, to, kind, why, who)
 
@@ -42,8 +47,12 @@ from sdtrain.artifacts.conditional_writes import (
     _whoami,
     wrote,
 )
+from sdtrain.artifacts.export import model_sources, write_model_record
+from sdtrain.artifacts.loading import VERSION_MANIFEST_FILE, LoadedModel
 from sdtrain.artifacts.registry_lock import LOCK_FILE, LOCK_LEASE_S, RegistryBusy, RegistryLock
 from sdtrain.errors import ConfigError, DataError, SdtrainError
+from sdtrain.model.unet import RAW_UNET_SUBFOLDER
+from sdtrain.storage.run_layout import EXPORT_INFO_FILE
 
 __all__ = [
     "LOCK_FILE",
@@ -56,7 +65,7 @@ __all__ = [
 ]
 
 PRODUCTION_FILE = "production.json"
-MANIFEST_FILE = "manifest.json"
+MANIFEST_FILE = VERSION_MANIFEST_FILE
 JOBS_DIR = "jobs"
 LOG_DIR = "production_log"
 _LOG_ENTRY = re.compile(r"\d{8}\.json")
@@ -107,8 +116,9 @@ class ModelRegistry(ConditionalStore):
         return version, tag
 
     def location(self, version: str) -> str:
-        """The version's directory (unet/ and scheduler/ inside): usable as ``model.pretrained``, and
-        loaded by ``sdtrain.artifacts.loading.load_model``."""
+        """The version's directory (unet/ and scheduler/ inside): usable as ``model.pretrained`` (a warm start: the
+        trained weights of raw_unet/ where there is one, their EMA starting from unet/), and loaded by
+        ``sdtrain.artifacts.loading.load_model`` (unet/)."""
         return posixpath.join(self.root_uri, "versions", version)
 
     def write_version(
@@ -117,15 +127,25 @@ class ModelRegistry(ConditionalStore):
         scheduler: DDPMScheduler,
         manifest: dict[str, Any],
         lock: RegistryLock | None = None,
+        *,
+        trained: LoadedModel | None = None,
+        raw_unet: UNet2DConditionModel | None = None,
     ) -> str:
         """Write a new version (weights first, manifest last) and return its name. The next number
         is claimed exclusively: a writer that numbered from the same listing as another gets an
         error, never the other's directory. With ``lock`` (the run's), the lock is checked still
         held before the directory is claimed and before the manifest makes the version complete:
-        a run whose lease lapsed during a long evaluation writes nothing (RegistryConflict)."""
+        a run whose lease lapsed during a long evaluation writes nothing (RegistryConflict).
+
+        Args:
+            trained: the model ``unet`` and ``scheduler`` are of (load_model's): what an export records of it goes
+                with them, so that load_model gives the version's data shapes and empty-prompt embedding.
+            raw_unet: a run that kept an EMA (``unet`` is the EMA's): its trained weights, for warm starts.
+        """
         if lock is not None:
             lock.ensure_held()
-        return self._write_version_as(self.next_version(), unet, scheduler, manifest, lock)
+        version = self.next_version()
+        return self._write_version_as(version, unet, scheduler, manifest, lock, trained=trained, raw_unet=raw_unet)
 
     def next_version(self) -> str:
         """The name the next version gets: one past the highest version directory, complete or not."""
@@ -139,12 +159,21 @@ class ModelRegistry(ConditionalStore):
         scheduler: DDPMScheduler,
         manifest: dict[str, Any],
         lock: RegistryLock | None = None,
+        *,
+        trained: LoadedModel | None = None,
+        raw_unet: UNet2DConditionModel | None = None,
     ) -> str:
         destination = self._path("versions", version)
         self._claim_dir(destination)
         with tempfile.TemporaryDirectory() as local:
             unet.save_pretrained(posixpath.join(local, "unet"))
             scheduler.save_pretrained(posixpath.join(local, "scheduler"))
+            if raw_unet is not None:
+                raw_unet.save_pretrained(posixpath.join(local, RAW_UNET_SUBFOLDER))
+            if trained is not None:
+                record = write_model_record(trained, local, model_sources(trained))
+                with open(posixpath.join(local, EXPORT_INFO_FILE), "wb") as f:
+                    f.write(record)
             pafs.copy_files(local, destination, destination_filesystem=self.fs)
         wrote()
         manifest_path = posixpath.join(destination, MANIFEST_FILE)

@@ -68,11 +68,11 @@ def _check_captions(prepared: Prepared, captions: str) -> None:
     _need_columns(schema.names, wanted, f"--captions: {first}")
     token_ids, width = _caption_width(first, schema, config.data.caption_column, "--captions")
     for loaded in prepared.loaded:
-        assert loaded.caption_shape is not None
-        expected = loaded.caption_shape[0] if token_ids else _product(loaded.caption_shape)
+        caption_shape = loaded.trained_shapes("--captions")[1]
+        expected = caption_shape[0] if token_ids else _product(caption_shape)
         if width != expected:
             what = "token ids" if token_ids else "caption embedding values"
-            shape = "x".join(map(str, loaded.caption_shape))
+            shape = "x".join(map(str, caption_shape))
             raise DataError(
                 f"--captions: {first}'s column {config.data.caption_column!r} holds {width} {what} a row; "
                 f"{loaded.source} was trained on captions of shape {shape} ({expected} a row)"
@@ -112,8 +112,8 @@ def _check_prompts(prepared: Prepared, path: str, text_encoder: str | None) -> N
                 f"{loaded.source} trained at latents {loaded.latent_shape}; both models are sampled at the first's, "
                 f"{first.latent_shape}"
             )
-    assert first.latent_shape is not None
-    shape3 = (int(first.latent_shape[0]), int(first.latent_shape[1]), int(first.latent_shape[2]))
+    latent_shape = first.trained_shapes("--prompts")[0]
+    shape3 = (int(latent_shape[0]), int(latent_shape[1]), int(latent_shape[2]))
     task = replace(prepared.task, prompts=prompts, prompts_file=path, text_encoder=text_encoder, latent_shape=shape3)
     prepared.task = task
 

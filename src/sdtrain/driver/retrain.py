@@ -22,12 +22,12 @@ import os
 from dataclasses import dataclass
 
 from sdtrain import __version__
-from sdtrain.artifacts.loading import LoadedModel, load_model
+from sdtrain.artifacts.loading import LoadedModel, load_trained
 from sdtrain.artifacts.provenance import code_version
 from sdtrain.artifacts.registry import ModelRegistry, PointerMoved, RegistryLock
 from sdtrain.config.schema import Config
 from sdtrain.driver.preflight import preflight
-from sdtrain.driver.retrain_gate import best_served, decide, gate_scores
+from sdtrain.driver.retrain_gate import HELDOUT_KEY, best_served, decide, heldout_fingerprint, scores_in_task
 from sdtrain.driver.retrain_mlflow import publish
 from sdtrain.driver.retrain_partitions import find_partitions, new_partitions
 from sdtrain.driver.run import RunSummary, train
@@ -141,7 +141,7 @@ def _retrain_locked(
     run_config = _run_config(config, registry, day, production, [partitions[d] for d in new], new)
     summary = train(run_config)
     lock.ensure_held()
-    trained = load_model(summary.checkpoint_path)
+    trained, raw_unet = load_trained(summary.checkpoint_path)  # the EMA weights and, with an EMA, the trained ones
     manifest = {
         "parent": production,
         "schedule_date": day,
@@ -149,7 +149,7 @@ def _retrain_locked(
         "partitions_seen": sorted(seen + new + empty),
         **_judged(run_config, registry, trained, summary, production),
     }
-    return record_and_promote(registry, lock, trained.unet, trained.noise_scheduler, manifest)
+    return record_and_promote(registry, lock, trained, manifest, raw_unet)
 
 
 def _finish_date(
@@ -209,7 +209,11 @@ def _run_config(
 ) -> Config:
     """The training run's config: the new partitions' ``files``, warm-started from production if there is one."""
     model = config.model
-    if production:  # warm start: the production weights, a fresh optimizer and the configured short warmup
+    # Warm start: the production weights, a fresh optimizer and the configured short warmup. A version of a run that
+    # kept an EMA serves its EMA and keeps its trained weights beside it: the run trains on from those, its EMA from
+    # the served ones (sdtrain.model.unet.build_unet), rather than both from the EMA, which would keep of each day's
+    # training only the share its EMA took in (1 - ema_decay^steps).
+    if production:
         model = dataclasses.replace(model, pretrained=registry.location(production), unet={})
     return dataclasses.replace(
         config,
@@ -224,10 +228,11 @@ def _judged(
 ) -> dict:
     """The new version's manifest past its parent, date and partitions: both models scored by the gate, the decision
     and why, what was trained and with which code."""
-    current = load_model(registry.location(production)) if production else None
-    new_scores, production_scores = gate_scores(run_config, trained, current)
+    current = registry.location(production) if production else None  # loaded by the gate's Ray task, not here
+    new_scores, production_scores = scores_in_task(run_config, summary.checkpoint_path, current)
     metric = run_config.retrain.metric
-    best, not_compared = best_served(registry, run_config, metric)
+    heldout = heldout_fingerprint(run_config, trained.unet.config)
+    best, not_compared = best_served(registry, run_config, metric, heldout)
     promote, reason = decide(
         new_scores[metric],
         production_scores.get(metric) if production else None,
@@ -250,6 +255,7 @@ def _judged(
             "train_loss": _finite_or_none(summary.final_loss),
         },
         "gate_metric": metric,
+        HELDOUT_KEY: heldout,
         "promoted": promote,
         "reason": reason,
         "config": run_config.to_dict(),
@@ -258,13 +264,18 @@ def _judged(
     }
 
 
-def record_and_promote(registry: ModelRegistry, lock: RegistryLock, unet, scheduler, manifest: dict) -> RetrainOutcome:
-    """A run's writes once its model is trained and judged: the version (weights, then its manifest), then, if
-    ``manifest["promoted"]``, the pointer's move from ``manifest["parent"]`` and its log entry. A run killed between
-    any two of them is finished or left safely by the next run for the date (bench/retrain_chaos.py)."""
+def record_and_promote(
+    registry: ModelRegistry, lock: RegistryLock, trained: LoadedModel, manifest: dict, raw_unet=None
+) -> RetrainOutcome:
+    """A run's writes once its model is trained and judged: the version (``trained``, with ``raw_unet``, its run's
+    trained weights where ``trained`` holds the EMA's; then its manifest), then, if ``manifest["promoted"]``, the
+    pointer's move from ``manifest["parent"]`` and its log entry. A run killed between any two of them is finished or
+    left safely by the next run for the date (bench/retrain_chaos.py)."""
     day, production, reason = manifest["schedule_date"], manifest["parent"], manifest["reason"]
     # The evaluation may have outlasted the lease: checked again before each write.
-    version = registry.write_version(unet, scheduler, manifest, lock=lock)
+    version = registry.write_version(
+        trained.unet, trained.noise_scheduler, manifest, lock=lock, trained=trained, raw_unet=raw_unet
+    )
     if manifest["promoted"]:
         lock.ensure_held()
         try:

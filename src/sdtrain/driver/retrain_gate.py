@@ -4,39 +4,101 @@ metrics), the bar of the best version that served, and the promotion decision.""
 from __future__ import annotations
 
 import functools
+import hashlib
 import math
+import os
+from typing import Any
 
+import ray
 import torch
 
-from sdtrain.artifacts.loading import LoadedModel
+from sdtrain.artifacts.loading import LoadedModel, load_model
 from sdtrain.artifacts.registry import ModelRegistry
 from sdtrain.config.running import HIGHER_IS_BETTER
 from sdtrain.config.schema import Config
 from sdtrain.data.local_read import iter_local_batches
 from sdtrain.data.parquet_files import resolve_parquet_files
 from sdtrain.driver.data_check import dataset_spec
+from sdtrain.driver.paths import with_absolute_paths
+from sdtrain.errors import StorageUnavailable, find_sdtrain_error
 from sdtrain.evaluation.results import measured_with
+from sdtrain.logs import log
 from sdtrain.model.conditioning import Conditioner
 from sdtrain.model.token_captions import CaptionEncoder
 from sdtrain.model.validation import validation_loss
 from sdtrain.storage.filesystems import filesystem_for
+from sdtrain.storage.s3 import S3Settings, apply_s3_settings, resolved_s3_settings
+from sdtrain.storage.uris import absolute
 
 EVAL_BATCH_SIZE = 32
+GATE_TASK = "sdtrain-retrain-gate"
+"""The name of the Ray task that scores a retraining's models (:func:`scores_in_task`)."""
+
+
+def scores_in_task(config: Config, new: str, production: str | None) -> tuple[dict, dict]:
+    """:func:`gate_scores` of the models at ``new`` (the run's final checkpoint) and ``production`` (its registry
+    version; None: there is none yet), in a Ray task that loads both itself (:func:`gate_resources`: a GPU where
+    training had them), not on the driver: a job's driver runs on the head node, CPU-only, where eval.num_samples
+    samples of two UNets take hours and two large UNets its memory. Our error in the task (an SdtrainError, a
+    StorageUnavailable) is raised here as itself, for the command line to report."""
+    if not ray.is_initialized():  # a retry after training ended trains nothing, and so started no Ray
+        ray.init()  # the job's cluster (RAY_ADDRESS), else a local one
+    resources = gate_resources(config)
+    paths = absolute(new), absolute(production) if production is not None else None
+    # A worker or node lost (a spot node taken back) scores again from the start; an error raised is not retried.
+    remote = ray.remote(_scores_here).options(name=GATE_TASK, max_retries=3, **resources)
+    log.info(f"gate: scoring {' and '.join(p for p in paths if p)} in a Ray task with {resources}")
+    try:
+        new_scores, production_scores, where = ray.get(
+            remote.remote(with_absolute_paths(config).to_dict(), *paths, resolved_s3_settings())
+        )
+    except ray.exceptions.RayTaskError as error:
+        cause = getattr(error, "cause", None)
+        ours = find_sdtrain_error(error) or (cause if isinstance(cause, StorageUnavailable) else None)
+        if ours is None:
+            raise
+        raise ours from error
+    log.info(f"gate: scored in Ray task {GATE_TASK} on node {where['node']} (pid {where['pid']})")
+    return new_scores, production_scores
+
+
+def gate_resources(config: Config) -> dict[str, float]:
+    """The gate task's resources: eval.num_cpus, and eval.num_gpus, else one GPU when training used GPUs
+    (scaling.use_gpu true, or auto on a cluster that has GPUs); on a CPU-only cluster, CPUs alone."""
+    gpus = config.eval.num_gpus
+    use_gpu = config.scaling.use_gpu
+    if not gpus and (use_gpu is True or (use_gpu == "auto" and ray.cluster_resources().get("GPU", 0) > 0)):
+        gpus = 1
+    return {"num_cpus": config.eval.num_cpus, "num_gpus": gpus}
+
+
+def _scores_here(
+    config: dict[str, Any], new: str, production: str | None, s3: S3Settings
+) -> tuple[dict, dict, dict[str, Any]]:
+    """The gate task: both models loaded here, scored by :func:`gate_scores`; with where it ran."""
+    apply_s3_settings(s3)  # the checkpoint, the registry and data.val may be on s3:// at the driver's endpoint
+    loaded = load_model(new), load_model(production) if production is not None else None
+    new_scores, production_scores = gate_scores(Config.from_dict(config), *loaded)
+    return new_scores, production_scores, {"node": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
 
 
 def gate_scores(config: Config, new: LoadedModel, production: LoadedModel | None) -> tuple[dict, dict]:
     """The gate's measures of the new model and of production (empty without one): the held-out val_loss, and with
     eval each of its metrics, both models sampled from the same data.val captions and seeds by one Evaluator (its
     reference statistics computed once)."""
-    models = [new] if production is None else [new, production]
-    scores: list[dict[str, float]] = [{"val_loss": heldout_loss(config, m.unet, m.noise_scheduler)} for m in models]
-    if config.eval.enabled:
-        from sdtrain.evaluation.checkpoint_eval import Evaluator
+    from sdtrain.evaluation.checkpoint_eval import Evaluator
 
-        evaluator = Evaluator(config, None, _eval_vae(config))
-        for model, score in zip(models, scores, strict=True):
+    models = [new] if production is None else [new, production]
+    evaluator: Evaluator | None = None
+    scores: list[dict[str, float]] = []
+    for model in models:
+        score = {"val_loss": heldout_loss(config, model.unet, model.noise_scheduler)}  # data.val checked first
+        if config.eval.enabled:
+            evaluator = evaluator or Evaluator(config, None, _eval_vae(config))
             measured = evaluator.evaluate(model)
             score.update({key: measured[key] for key in config.eval.metrics})
+        model.unet.to("cpu")  # one UNet on the GPU at a time: two SDXL UNets in float32 fill a 24 GB one
+        scores.append(score)
     return scores[0], scores[1] if production is not None else {}
 
 
@@ -55,14 +117,17 @@ def _eval_vae(config: Config) -> str | None:
 
 
 _UNRECORDED = object()
+HELDOUT_KEY = "heldout_data"
+"""In a version's manifest: :func:`heldout_fingerprint` of data.val as its metrics were measured on it."""
 
 
 def best_served(
-    registry: ModelRegistry, config: Config, metric: str = "val_loss"
+    registry: ModelRegistry, config: Config, metric: str = "val_loss", heldout: dict[str, Any] | None = None
 ) -> tuple[tuple[str, float] | None, list[str]]:
     """(the version with the best ``metric`` among those production named and was not rolled back from, with that
     value; the versions left out because theirs was measured on another data.val or seed (or, for an eval metric,
-    with other eval models or samples), and why).
+    with other eval models or samples), or on data.val's files as they were before they changed in place (``heldout``:
+    this run's :func:`heldout_fingerprint`), and why).
 
     The pointer log, not the manifests' ``promoted`` flag, says what served: a version decided for promotion may
     have been superseded, interrupted or rolled back, and must not be the bar."""
@@ -81,6 +146,9 @@ def best_served(
             for k, v in measured_on.items()
             if theirs[k] is not _UNRECORDED and theirs[k] != v
         ]
+        data = manifest.get(HELDOUT_KEY)  # none: written before versions recorded it
+        if heldout is not None and data is not None and data != heldout:
+            differ.append(f"data.val's files as they were then ({_described(data)}), now {_described(heldout)}")
         if differ:
             not_compared.append(f"{version}'s {value:.5f} was measured with " + " and ".join(differ))
             continue
@@ -89,6 +157,21 @@ def best_served(
         return None, not_compared
     key, version = min(scored)
     return (version, -key if metric in HIGHER_IS_BETTER else key), not_compared
+
+
+def heldout_fingerprint(config: Config, unet: Any) -> dict[str, Any]:
+    """data.val as the gate reads it, for a version's manifest (:data:`HELDOUT_KEY`): its files and rows, and a
+    digest of each file's path, size, version (ETag or mtime) and rows, from one listing and the run's dataset index
+    (``unet``: the UNet config the data is checked against). Files refreshed, added or removed in place change it."""
+    config = with_absolute_paths(config)  # as the gate's task reads it
+    spec = dataset_spec(config, "data.val", config.data.val, unet)
+    digest = hashlib.sha256((spec.content_digest or "\n".join(spec.files)).encode())
+    digest.update(",".join(map(str, spec.rows_per_file)).encode())
+    return {"files": len(spec.files), "rows": spec.num_rows, "digest": digest.hexdigest()[:16]}
+
+
+def _described(fingerprint: dict[str, Any]) -> str:
+    return f"{fingerprint.get('files')} files, {fingerprint.get('rows')} rows, digest {fingerprint.get('digest')}"
 
 
 @functools.lru_cache(maxsize=1)

@@ -86,7 +86,7 @@ class Evaluator:
         and eval_samples with them."""
         started = time.perf_counter()
         loaded = load_model(model) if isinstance(model, str) else model
-        assert loaded.latent_shape is not None and loaded.caption_shape is not None
+        loaded.trained_shapes("evaluation")  # an SdtrainError naming the model where it records none
         measures = self.measure(loaded, self._rows(loaded))
         metrics = metrics_of(self.config, measures, self._references(loaded))
         metrics["eval_s"] = time.perf_counter() - started

@@ -23,13 +23,26 @@ import torch
 from torch import nn
 
 M = TypeVar("M", bound=nn.Module)
+_EMA_START = "_sdtrain_ema_start"
 
 
-def make_ema(model: M) -> M:
-    """A frozen copy of ``model``: its parameters require no grad, so DDP neither reduces nor broadcasts them."""
-    ema = copy.deepcopy(model)
+def make_ema(model: M, start: M | None = None) -> M:
+    """A frozen copy of ``model`` (or ``start``, taken as it is: the EMA weights a warm start continues, of the same
+    architecture): its parameters require no grad, so DDP neither reduces nor broadcasts them."""
+    ema = copy.deepcopy(model) if start is None else start
     ema.requires_grad_(False)  # left in train mode like the UNet: the UNet has no dropout or batch norm by default
-    return ema
+    return ema.train(model.training)
+
+
+def set_ema_start(model: nn.Module, start: nn.Module) -> None:
+    """Attach to ``model`` (trained weights) the EMA weights its run's EMA is to start from, until
+    :func:`take_ema_start`: a plain attribute, not a submodule, so it is in no state dict, optimizer or copy."""
+    model.__dict__[_EMA_START] = start
+
+
+def take_ema_start(model: nn.Module) -> nn.Module | None:
+    """The EMA start :func:`set_ema_start` attached to ``model``, detached from it; None if none."""
+    return model.__dict__.pop(_EMA_START, None)
 
 
 @torch.no_grad()

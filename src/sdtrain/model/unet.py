@@ -13,9 +13,13 @@ from diffusers import DDPMScheduler, UNet2DConditionModel
 from sdtrain.config.schema import ModelConfig
 from sdtrain.errors import ConfigError
 from sdtrain.model.conditioning import dummy_conditioning
+from sdtrain.model.ema import set_ema_start
 from sdtrain.model.presets import PRESETS
 from sdtrain.storage.filesystems import local_copy
 from sdtrain.storage.uris import is_uri
+
+RAW_UNET_SUBFOLDER = "raw_unet"
+"""Beside unet/ in a registry version of a run that kept an EMA: the trained (raw) weights, unet/ holding the EMA's."""
 
 
 def unet_config(model: ModelConfig) -> dict[str, Any]:
@@ -56,9 +60,17 @@ def check_unet(model: ModelConfig, latent_shape: tuple[int, ...], caption_shape:
 
 
 def build_unet(model: ModelConfig) -> UNet2DConditionModel:
+    """The run's initial UNet. From a model.pretrained that holds trained weights beside its EMA ones (a registry
+    version, RAW_UNET_SUBFOLDER beside unet/): the trained weights, with the EMA's attached for the run's EMA to
+    start from (sdtrain.model.ema.take_ema_start), so that a warm start continues both."""
     if model.pretrained is not None:
         path, subfolder = _pretrained_location(model.pretrained, "unet")
-        return UNet2DConditionModel.from_pretrained(path, subfolder=subfolder)
+        unet = UNet2DConditionModel.from_pretrained(path, subfolder=subfolder)
+        if subfolder == "unet" and (Path(path) / RAW_UNET_SUBFOLDER / "config.json").is_file():
+            raw = UNet2DConditionModel.from_pretrained(path, subfolder=RAW_UNET_SUBFOLDER)
+            set_ema_start(raw, unet)
+            return raw
+        return unet
     return UNet2DConditionModel(**unet_config(model))
 
 

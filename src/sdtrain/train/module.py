@@ -18,7 +18,7 @@ from sdtrain.artifacts.checkpoint_format import CHECKPOINT_META_KEY, CheckpointM
 from sdtrain.config.schema import TrainConfig
 from sdtrain.errors import ConfigError
 from sdtrain.model.conditioning import Conditioner, Conditioning
-from sdtrain.model.ema import ema_update_, local_tensor, make_ema
+from sdtrain.model.ema import ema_update_, local_tensor, make_ema, take_ema_start
 from sdtrain.model.recipe import diffusion_loss, step_inputs
 from sdtrain.model.token_captions import CaptionEncoder
 from sdtrain.model.unet import build_noise_scheduler
@@ -82,7 +82,9 @@ class DiffusionModule(pl.LightningModule):
             unconditional_caption = torch.zeros(checkpoint_meta.caption_shape)
         # A frozen parameter rather than a buffer: saved in the checkpoint, but not broadcast by DDP every step.
         self.unconditional_caption = torch.nn.Parameter(unconditional_caption.float(), requires_grad=False)
-        self.ema_unet = make_ema(unet) if train.ema_decay is not None else None
+        # A warm start from weights kept beside their EMA (sdtrain.model.unet.build_unet) continues that EMA.
+        ema_start = take_ema_start(unet)
+        self.ema_unet = make_ema(unet, ema_start) if train.ema_decay is not None else None
         # Summed on the device and read only when a log line is due: no per-step host sync.
         self.register_buffer("loss_sum", torch.zeros(()), persistent=False)
         self.register_buffer("loss_count", torch.zeros(()), persistent=False)
