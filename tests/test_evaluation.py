@@ -3,7 +3,6 @@ tiny VAE, with tiny DINOv2 and CLIP models built from configs; rank 0's choice o
 Ray. The evaluation beside a real Ray run is in tests/test_train_ray.py."""
 
 import json
-import logging
 import os
 import sys
 
@@ -15,6 +14,7 @@ import pytest
 import ray.train
 import torch
 from conftest import tiny_config
+from support.log_lines import LogLines
 from support.tiny_models import write_tiny_clip, write_tiny_dinov2, write_tiny_inception, write_tiny_sd_model
 
 from sdtrain.artifacts.checkpoint_format import CheckpointMeta
@@ -606,24 +606,6 @@ def test_bucketed_validation_rows_are_sampled_and_compared_each_at_its_own_bucke
     assert metrics["fd_dinov2"] == pytest.approx(frechet_distance(generated, reference), rel=1e-5)
 
 
-class _Lines(logging.Handler):
-    """The sdtrain logger's messages while it is attached (whatever the logger's propagation)."""
-
-    def __init__(self):
-        super().__init__(logging.INFO)
-        self.messages: list[str] = []
-
-    def emit(self, record):
-        self.messages.append(record.getMessage())
-
-    def __enter__(self):
-        logging.getLogger("sdtrain").addHandler(self)
-        return self
-
-    def __exit__(self, *_):
-        logging.getLogger("sdtrain").removeHandler(self)
-
-
 @pytest.mark.slow
 def test_the_retraining_gate_scores_in_a_ray_task_that_loads_both_models_and_raises_our_errors_as_they_are(
     evaluated, tmp_path, ray_cluster
@@ -643,7 +625,7 @@ def test_the_retraining_gate_scores_in_a_ray_task_that_loads_both_models_and_rai
     assert gate_resources(tiny_config(*keys, "scaling.use_gpu=true"))["num_gpus"] == 1  # as training's workers
     assert gate_resources(tiny_config(*keys, "scaling.use_gpu=true", "eval.num_gpus=0.5"))["num_gpus"] == 0.5
     checkpoint = str(evaluated["checkpoint"])
-    with _Lines() as lines:
+    with LogLines() as lines:
         new, production = scores_in_task(config, checkpoint, checkpoint)
     here, _ = gate_scores(config, load_model(checkpoint), None)
     assert set(new) == set(production) == set(here) == {"val_loss", "fd_dinov2", "clip_score"}

@@ -2,7 +2,6 @@
 
 import datetime
 import json
-import logging
 import os
 import re
 import shutil
@@ -10,6 +9,7 @@ import shutil
 import pytest
 import torch
 from conftest import tiny_config
+from support.log_lines import LogLines
 from support.tiny_models import write_tiny_dinov2, write_tiny_sd_model
 
 from sdtrain.artifacts.loading import load_model
@@ -40,24 +40,6 @@ def partitions(tmp_path):
     (root / "date=2026-12-31" / "_SUCCESS").touch()
     (root / "notes").mkdir()
     return root, demo / "val"
-
-
-class _Lines(logging.Handler):
-    """The sdtrain logger's messages while it is attached (whatever the logger's propagation)."""
-
-    def __init__(self):
-        super().__init__(logging.INFO)
-        self.messages: list[str] = []
-
-    def emit(self, record):
-        self.messages.append(record.getMessage())
-
-    def __enter__(self):
-        logging.getLogger("sdtrain").addHandler(self)
-        return self
-
-    def __exit__(self, *_):
-        logging.getLogger("sdtrain").removeHandler(self)
 
 
 def _config(tmp_path, root, val, *overrides):
@@ -121,7 +103,7 @@ def test_retrain_promotes_better_keeps_production_on_worse_and_is_idempotent(
     sd = write_tiny_sd_model(str(tmp_path / "tiny-sd"))
     dinov2 = write_tiny_dinov2(str(tmp_path / "dinov2"))
     by_fd = [f"eval.dinov2={dinov2}", f"eval.vae={sd}", "eval.num_samples=4", "eval.num_cpus=0"]
-    with _Lines() as lines:
+    with LogLines() as lines:
         first = retrain(_config(tmp_path, root, val, *by_fd, "retrain.metric=fd_dinov2"), DAY1)
     assert (first.status, first.version, registry.production()) == ("promoted", "v0001", "v0001")
     # The gate scored in a Ray task of its own (a GPU where training had them), not on the driver: this process.
