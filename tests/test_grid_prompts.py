@@ -62,6 +62,16 @@ def _by_hand(text_encoder: str, prompts: list[str]) -> torch.Tensor:
     return encode_prompts(tokenizer, model, prompts)
 
 
+@pytest.fixture
+def without_ray():
+    """No Ray in this process, so that a test shows the driver's checks start none: a cluster an earlier test left
+    (ray_cluster keeps the session's) is stopped, and the next test that needs one starts it again."""
+    import ray
+
+    ray.shutdown()
+    yield
+
+
 def test_prompts_are_a_list_or_a_file_and_name_at_least_one_prompt():
     assert tiny_config("data.train=/d", "sample_grid.prompts=[a red fox, a lighthouse]").sample_grid.prompts == [
         "a red fox",
@@ -80,7 +90,9 @@ def test_prompts_are_a_list_or_a_file_and_name_at_least_one_prompt():
         tiny_config("data.train=/d", "sample_grid.prompts=[a fox]", "sample_grid.captions=c.npy")
 
 
-def test_the_driver_encodes_the_prompts_once_with_the_encoder_the_data_or_model_pretrained_names(tiny_sd, tmp_path):
+def test_the_driver_encodes_the_prompts_once_with_the_encoder_the_data_or_model_pretrained_names(
+    tiny_sd, tmp_path, without_ray
+):
     """From a file (comments and blank lines left out), with the encoder data.train's files record: exactly what the
     encoder gives by hand. Token-id data: the encoder its ids are for. Data that records none: model.pretrained's."""
     import ray
@@ -110,7 +122,9 @@ def test_the_driver_encodes_the_prompts_once_with_the_encoder_the_data_or_model_
     assert check_run(_config(tmp_path / "plain", plain)).grid_prompts is None
 
 
-def test_prompts_that_cannot_be_encoded_are_refused_before_ray_naming_the_key_and_the_fix(tiny_sd, tmp_path):
+def test_prompts_that_cannot_be_encoded_are_refused_before_ray_naming_the_key_and_the_fix(
+    tiny_sd, tmp_path, without_ray
+):
     import ray
 
     plain = _data(tmp_path / "plain")
@@ -136,7 +150,7 @@ def test_prompts_that_cannot_be_encoded_are_refused_before_ray_naming_the_key_an
     assert not ray.is_initialized()
 
 
-def test_grid_captions_that_rank_0_could_not_read_are_refused_before_ray(tmp_path):
+def test_grid_captions_that_rank_0_could_not_read_are_refused_before_ray(tmp_path, without_ray):
     """sample_grid.captions is read on the driver as rank 0 reads it: a missing file, or embeddings of another width
     than the UNet's, stop the run naming the key before a worker starts (a worker would fail on them after Ray's
     start and the model's build, every restart alike). Token ids are read there too, not encoded."""
