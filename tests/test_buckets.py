@@ -44,6 +44,33 @@ def test_buckets_are_about_the_area_in_multiples_of_the_step_and_an_image_goes_t
     assert buckets[wide.bucket] == (768, 1344)
 
 
+# Every setting the review checked: image.resolution 256-2048, image.bucket_step 8-64, image.max_aspect 1.5-4.
+SETTINGS = [(r, s, a) for s in (8, 16, 32, 64) for a in (1.5, 2.0, 3.0, 4.0) for r in range(256, 2049, 64)]
+IMAGES = [(1000, w) for w in (200, 333, 499, 500, 501, 577, 666, 700, 750, 800, 875, 950, 999, 1000)]
+
+
+def test_every_bucket_has_its_transpose_and_a_ratio_of_its_own_and_an_image_and_its_transpose_go_to_transposes():
+    """The tall and the wide shapes were thinned each by height on their own: one could lose its height to another
+    while its transpose kept its own (229 of these settings; at 1024 px, step 32, a 1:2 image had a 1:2 bucket and a
+    2:1 image only 1.91:1), and with small steps buckets of one ratio were kept, the larger never chosen."""
+    from sdtrain.preprocess.buckets import nearest_bucket
+
+    for resolution, step, max_aspect in SETTINGS:
+        setting = (resolution, step, max_aspect)
+        buckets = aspect_buckets(resolution, step, max_aspect)
+        assert (resolution, resolution) in buckets and set(buckets) == {(w, h) for h, w in buckets}, setting
+        ratios = [h / w for h, w in buckets]
+        assert ratios == sorted(set(ratios), reverse=True), setting  # tallest to widest, no ratio twice
+        assert all(h % step == 0 and w % step == 0 for h, w in buckets), setting
+        assert all(0.9 * resolution**2 <= h * w <= resolution**2 for h, w in buckets), setting
+        assert all(max(h, w) / min(h, w) <= max_aspect + 1e-9 for h, w in buckets), setting
+        for h, w in IMAGES:
+            tall, wide = buckets[nearest_bucket(h, w, buckets)], buckets[nearest_bucket(w, h, buckets)]
+            assert tall == wide[::-1], (setting, (h, w), tall, wide)
+    assert aspect_buckets(1024, 32, 2.0)[-1] == (736, 1408)  # 1408 x 736's transpose; 704 x 1408 was kept alone
+    assert aspect_buckets(512, 8, 2.0)[-1] == (360, 720)  # of 344 x 688, 352 x 704 and 360 x 720, the largest
+
+
 def _bucketed(directory, files=((0, 14), (1, 9), (2, 7)), seed=0):
     """Parquet files as preprocessing writes bucketed output (its shard_table): rows sorted by bucket, each bucket's
     latents of its shape, the buckets and each file's runs in the schema metadata. ``files``: a file's rows by

@@ -12,8 +12,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import numpy as np
-
 
 @dataclass(frozen=True)
 class Placement:
@@ -32,7 +30,10 @@ class Placement:
 def aspect_buckets(resolution: int, step: int, max_aspect: float) -> list[tuple[int, int]]:
     """The (height, width) buckets of about ``resolution``² pixels (never more, at least 90% of it), sides multiples of
     ``step``, ratios up to ``max_aspect`` either way, from the tallest to the widest; the square ``resolution`` x
-    ``resolution`` is one of them, and every bucket's transpose is one too.
+    ``resolution`` is one of them, every bucket's transpose is one too, and no two share a ratio.
+
+    The tall ones (and the square) are made, the wide ones are their transposes: made separately, a tall shape could
+    lose its height to another while its transpose kept its own, and a 1:2 image be cropped more than a 2:1.
 
     Args:
         resolution: image.resolution, a multiple of ``step``.
@@ -40,25 +41,40 @@ def aspect_buckets(resolution: int, step: int, max_aspect: float) -> list[tuple[
         max_aspect: image.max_aspect (>= 1).
     """
     area = resolution * resolution
-    found = {(resolution, resolution)}
+    tall = [(resolution, resolution)]
     for width in range(step, resolution + 1, step):
         height = (area // width) // step * step  # the largest multiple of step within the area
         if height / width > max_aspect + 1e-9:  # too tall: the tallest allowed, if it is still about the area
             height = int(width * max_aspect) // step * step
         if height * width >= 0.9 * area:
-            found |= {(height, width), (width, height)}
-    # Of the shapes that share a height, keep the one nearest the area (the others are the same ratio, smaller).
-    best: dict[int, tuple[int, int]] = {}
-    for height, width in found:
-        if height not in best or height * width > best[height][0] * best[height][1]:
-            best[height] = (height, width)
-    return sorted(best.values(), key=lambda hw: hw[0] / hw[1], reverse=True)
+            tall.append((height, width))
+    # Largest first: a shape is kept unless a larger one has its height or its ratio (of two 2:1 shapes, or two of
+    # one height, the one nearest the area).
+    kept: list[tuple[int, int]] = []
+    heights: set[int] = set()
+    ratios: set[tuple[int, int]] = set()
+    for height, width in sorted(set(tall), key=lambda hw: (hw[0] * hw[1], hw[0]), reverse=True):
+        ratio = (height // math.gcd(height, width), width // math.gcd(height, width))
+        if height not in heights and ratio not in ratios:
+            kept.append((height, width))
+            heights.add(height)
+            ratios.add(ratio)
+    # The only one of ratio 1 is the square (the largest): the transposes, all wider, share no ratio with the others.
+    found = set(kept) | {(width, height) for height, width in kept}
+    return sorted(found, key=lambda hw: hw[0] / hw[1], reverse=True)
 
 
 def nearest_bucket(height: int, width: int, buckets: list[tuple[int, int]]) -> int:
-    """The bucket whose aspect ratio is nearest ``height``/``width`` in log ratio (ties: the first)."""
-    ratio = math.log(height / width)
-    return int(np.argmin([abs(ratio - math.log(h / w)) for h, w in buckets]))
+    """The bucket whose aspect ratio is nearest ``height``/``width`` in log ratio; of two as near, the one nearer
+    square (then the first). Computed alike for an image and its transpose (log height - log width, which negates
+    exactly), so of buckets closed under transposition, an image's transpose goes to its bucket's transpose."""
+    ratio = math.log(height) - math.log(width)
+
+    def distance(index: int) -> tuple[float, float]:
+        bucket = math.log(buckets[index][0]) - math.log(buckets[index][1])
+        return abs(ratio - bucket), abs(bucket)
+
+    return min(range(len(buckets)), key=distance)
 
 
 def place(height: int, width: int, buckets: list[tuple[int, int]]) -> tuple[Placement, tuple[int, int]]:
