@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -228,6 +229,30 @@ def s3_bucket(monkeypatch, tmp_path, clean_storage_settings):
             monkeypatch.setenv(key, value)
         boto3.client("s3").create_bucket(Bucket="sdtrain-test")
         yield "s3://sdtrain-test"
+
+
+@pytest.fixture
+def flaky_proxy(s3_bucket, tmp_path):
+    """Start tests/flaky_proxy.py in front of the moto server (s3_bucket): (endpoint, fault log) per call, the proxy
+    failing its first ``faults`` connections by ``mode`` (drop, throttle) and forwarding the rest."""
+    target = int(os.environ["AWS_ENDPOINT_URL"].rsplit(":", 1)[1])
+    proxies = []
+
+    def start(mode: str, faults: int):
+        log = tmp_path / f"faults-{len(proxies)}.log"
+        log.write_text("")
+        proxy = subprocess.Popen(
+            [sys.executable, str(REPO / "tests" / "flaky_proxy.py"), str(target), mode, str(faults), str(log)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        proxies.append(proxy)
+        return f"http://127.0.0.1:{proxy.stdout.readline().strip()}", log
+
+    yield start
+    for proxy in proxies:
+        proxy.kill()
+        proxy.wait(timeout=10)
 
 
 @dataclass

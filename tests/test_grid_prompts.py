@@ -171,15 +171,14 @@ def test_grid_captions_that_rank_0_could_not_read_are_refused_before_ray(tmp_pat
 def test_grid_captions_storage_could_not_read_fail_the_attempt_not_the_run(tmp_path, monkeypatch):
     """Rank 0 reads the grid's captions at every start, restarts included, from data.val by default: a storage failure
     that outlasted the S3 client's retries (the OSError pyarrow's S3 filesystem raises), even where the parquet
-    footer's reader wrapped it in a DataError, is an OSError naming the key and the source, which the controller's
-    failure callback leaves to Ray Train's restarts; a ConfigError would stop the run. A missing file is still a
-    ConfigError naming the key and the file, and an error that is not about the input passes as itself."""
+    footer's reader named it for --captions, is a StorageUnavailable (an OSError) naming the key and the source, which
+    the controller's failure callback leaves to Ray Train's restarts; a ConfigError would stop the run. A missing file
+    is still a ConfigError naming the key and the file, and an error that is not about the input passes as itself."""
     import re
 
     import sdtrain.sampling.captions as captions_module
     import sdtrain.train.sample_grids as sample_grids
-    from sdtrain.errors import find_sdtrain_error
-    from sdtrain.storage.s3 import is_transient
+    from sdtrain.errors import StorageUnavailable, find_sdtrain_error
 
     def storage_failed(message):
         def fail(*args, **kwargs):
@@ -190,9 +189,10 @@ def test_grid_captions_storage_could_not_read_fail_the_attempt_not_the_run(tmp_p
     val = _data(tmp_path / "val")
     with monkeypatch.context() as patch:  # data.val's footer: HeadObject throttled past the client's retries
         patch.setattr(pq, "read_metadata", storage_failed("AWS Error SLOW_DOWN during HeadObject operation"))
-        with pytest.raises(OSError, match=rf"data\.val: {re.escape(val)}: storage failed after retries") as failed:
+        failing = rf"^data\.val: {re.escape(val)}: object storage failed after \d+ attempt\(s\) with backoff \(AWS "
+        with pytest.raises(StorageUnavailable, match=failing) as failed:
             grid_captions(_config(tmp_path, val, f"data.val={val}"), 32)
-    assert is_transient(failed.value) and find_sdtrain_error(failed.value) is None
+    assert find_sdtrain_error(failed.value) is None and "--captions" not in str(failed.value)  # named once, for its key
 
     local = captions_module.filesystem_for
     flaky = type("FlakyS3", (), {"open_input_file": storage_failed("AWS Error NETWORK_CONNECTION: curlCode: 28")})
@@ -200,10 +200,10 @@ def test_grid_captions_storage_could_not_read_fail_the_attempt_not_the_run(tmp_p
         captions_module, "filesystem_for", lambda uri: (flaky(), uri[5:]) if uri.startswith("s3://") else local(uri)
     )
     grid = "s3://bucket/grid.npy"
-    retried = rf"sample_grid\.captions: {re.escape(grid)}: storage failed after retries"
-    with pytest.raises(OSError, match=retried) as failed:
+    retried = rf"^sample_grid\.captions: {re.escape(grid)}: object storage failed after \d+ attempt\(s\)"
+    with pytest.raises(StorageUnavailable, match=retried) as failed:
         grid_captions(_config(tmp_path, val, f"sample_grid.captions={grid}"), 32)
-    assert is_transient(failed.value) and find_sdtrain_error(failed.value) is None
+    assert find_sdtrain_error(failed.value) is None
 
     with pytest.raises(ConfigError, match=r"sample_grid\.captions: cannot read .* from .*nowhere\.npy"):
         grid_captions(_config(tmp_path, val, f"sample_grid.captions={tmp_path}/nowhere.npy"), 32)

@@ -231,6 +231,31 @@ def test_bad_input_is_refused_in_one_line_naming_it(evaluated, offline, tmp_path
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_storage_failing_past_its_retries_exits_75_in_one_line_not_as_bad_input(
+    evaluated, offline, flaky_proxy, s3_bucket, tmp_path, capsys
+):
+    """--captions on S3 throttled past the client's retries: the one-paragraph StorageUnavailable the training
+    command lines print and exit 75 (run again), not a traceback and exit 1, nor exit 2 ("fix your input")."""
+    import boto3
+
+    from sdtrain.storage.s3 import configure_s3
+
+    val = evaluated["root"] / "val" / "part-0.parquet"
+    boto3.client("s3").upload_file(str(val), "sdtrain-test", "val/part-0.parquet")
+    endpoint, log = flaky_proxy("throttle", 10**6)
+    configure_s3(endpoint, 2)
+    argv = [str(evaluated["checkpoint"]), *offline["options"], "--captions", f"{s3_bucket}/val/"]
+    code, err = _run([*argv, "--out", str(tmp_path / "out")], capsys)
+    assert code == 75 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, (code, err)
+    assert err.startswith(
+        f"error: --captions: cannot list {s3_bucket}/val/: object storage failed after 2 attempt(s) with backoff ("
+    ), err
+    assert "not bad input: run again later, or raise storage.max_attempts" in err
+    assert log.read_text().split() and not (tmp_path / "out").exists()
+
+
 def test_the_entrypoint_as_users_run_it(evaluated, offline, tmp_path):
     trained, val = str(evaluated["checkpoint"]), str(evaluated["root"] / "val")
     command = [sys.executable, str(REPO / "entrypoints" / "evaluate.py"), trained, *offline["options"]]

@@ -234,14 +234,13 @@ def test_unconditional_caption_from_zeros_or_a_file(tmp_path):
 
 def test_an_unconditional_caption_storage_could_not_read_fails_the_attempt_not_the_run(tmp_path, monkeypatch):
     """Every worker reads data.unconditional_caption at every start, restarts included: a storage failure that
-    outlasted the S3 client's retries (the OSError pyarrow's S3 filesystem raises) is an OSError naming the key and
-    the file, which the controller's failure callback leaves to Ray Train's restarts; a ConfigError would stop the
-    run. A missing or empty file is still a ConfigError naming both."""
+    outlasted the S3 client's retries (the OSError pyarrow's S3 filesystem raises) is a StorageUnavailable (an
+    OSError) naming the key and the file, which the controller's failure callback leaves to Ray Train's restarts; a
+    ConfigError would stop the run. A missing or empty file is still a ConfigError naming both."""
     import re
 
     import sdtrain.storage.filesystems as filesystems
-    from sdtrain.errors import find_sdtrain_error
-    from sdtrain.storage.s3 import is_transient
+    from sdtrain.errors import StorageUnavailable, find_sdtrain_error
 
     timeout = (
         "When reading information for key 'prep/unconditional_caption.npy' in bucket 'latents': AWS Error "
@@ -257,10 +256,10 @@ def test_an_unconditional_caption_storage_could_not_read_fails_the_attempt_not_t
         filesystems, "filesystem_for", lambda uri: (FlakyS3(), uri[5:]) if uri.startswith("s3://") else local(uri)
     )
     uri = "s3://latents/prep/unconditional_caption.npy"
-    retried = rf"data\.unconditional_caption: {re.escape(uri)}: storage failed after retries"
-    with pytest.raises(OSError, match=retried) as failed:
+    retried = rf"^data\.unconditional_caption: {re.escape(uri)}: object storage failed after \d+ attempt\(s\)"
+    with pytest.raises(StorageUnavailable, match=retried) as failed:
         recipe.load_unconditional_caption(uri, CAPTION_SHAPE)
-    assert is_transient(failed.value) and find_sdtrain_error(failed.value) is None
+    assert find_sdtrain_error(failed.value) is None
     for name, content in (("missing.npy", None), ("empty.npy", b"")):
         if content is not None:
             (tmp_path / name).write_bytes(content)

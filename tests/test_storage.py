@@ -24,7 +24,7 @@ from sdtrain.config.learning import Columns
 from sdtrain.data.listing import list_dataset
 from sdtrain.data.parquet_files import resolve_parquet_files
 from sdtrain.driver.preflight import check_s3, preflight
-from sdtrain.errors import ConfigError, DataError, StorageUnavailable
+from sdtrain.errors import ConfigError, DataError, StorageUnavailable, find_sdtrain_error
 from sdtrain.storage import s3
 from sdtrain.storage.filesystems import filesystem_for
 from sdtrain.storage.s3 import configure_s3, is_transient, s3_client, s3_endpoint
@@ -378,29 +378,6 @@ def test_tokens_in_a_query_are_refused_naming_the_variable_to_use_instead(clean_
 # --- transient faults, retried ---------------------------------------------------------------
 
 
-@pytest.fixture
-def flaky_proxy(s3_bucket, tmp_path):
-    """Start tests/flaky_proxy.py in front of the moto server: (endpoint, fault log) per call."""
-    target = int(os.environ["AWS_ENDPOINT_URL"].rsplit(":", 1)[1])
-    proxies = []
-
-    def start(mode: str, faults: int):
-        log = tmp_path / f"faults-{len(proxies)}.log"
-        log.write_text("")
-        proxy = subprocess.Popen(
-            [sys.executable, str(REPO / "tests" / "flaky_proxy.py"), str(target), mode, str(faults), str(log)],
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        proxies.append(proxy)
-        return f"http://127.0.0.1:{proxy.stdout.readline().strip()}", log
-
-    yield start
-    for proxy in proxies:
-        proxy.kill()
-        proxy.wait(timeout=10)
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
@@ -542,9 +519,63 @@ def test_storage_failing_past_its_retries_on_the_driver_is_no_bad_input(flaky_pr
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", ["drop", "throttle"])
+def test_a_first_row_read_failing_past_its_retries_is_no_bad_input(flaky_proxy, s3_bucket, tmp_path, mode):
+    """The driver reads a file's first row for the values a row of a variable-length column holds (the data checks,
+    the dataset index, evaluate.py's and generate.py's captions): storage failing past its retries there is a
+    StorageUnavailable naming the key and the file (exit 75, run again), not a damaged file's DataError (exit 2)."""
+    from sdtrain.data.inspection import first_row
+    from sdtrain.driver.cli import exit_code
+
+    _upload(tmp_path, "data/part.parquet", rows=5)
+    uri = f"{s3_bucket}/data/part.parquet"
+    moto = os.environ["AWS_ENDPOINT_URL"]  # configure_s3 exports the proxy's
+    endpoint, log = flaky_proxy(mode, 10**6)
+    configure_s3(endpoint, 2)
+    with pytest.raises(OSError) as raised:
+        first_row(uri, "data.train", ["caption_latents"])
+    assert isinstance(raised.value, StorageUnavailable) and exit_code(raised.value) == 75, raised.value
+    failing = f"data.train: cannot read the first row of {uri}: object storage failed after 2 attempt(s) with backoff ("
+    assert str(raised.value).startswith(failing), raised.value
+    assert len(log.read_text().split()) >= 2  # the client's retries really ran
+    configure_s3(moto, 3)
+    assert first_row(uri, "data.train", ["caption_latents"]).num_rows == 1  # the file itself is fine
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", ["drop", "throttle"])
+def test_a_dataset_index_read_failing_past_its_retries_is_no_bad_input(flaky_proxy, s3_bucket, tmp_path, mode):
+    """A start reads a directory's and its run's dataset index (one GET each): storage failing past its retries there
+    is a StorageUnavailable naming the index (exit 75, run again), not botocore's own error and a traceback (exit 1).
+    A missing index is none (the footers are read), as before."""
+    from sdtrain.data.index_format import read_index
+    from sdtrain.data.listing import DIRECTORY_INDEX
+    from sdtrain.driver.cli import exit_code
+
+    _s3().put_object(Bucket="sdtrain-test", Key=f"data/{DIRECTORY_INDEX}", Body=b"an index")
+    uri = f"{s3_bucket}/data/{DIRECTORY_INDEX}"
+    moto = os.environ["AWS_ENDPOINT_URL"]  # configure_s3 exports the proxy's
+    endpoint, log = flaky_proxy(mode, 10**6)
+    configure_s3(endpoint, 2)
+    with pytest.raises(OSError) as raised:
+        read_index(uri)
+    assert isinstance(raised.value, StorageUnavailable) and exit_code(raised.value) == 75, repr(raised.value)
+    failing = f"cannot read the dataset index {uri}: object storage failed after 2 attempt(s) with backoff ("
+    assert str(raised.value).startswith(failing), raised.value
+    assert len(log.read_text().split()) >= 2  # the client's retries really ran
+    configure_s3(moto, 3)
+    assert read_index(f"{s3_bucket}/nowhere/{DIRECTORY_INDEX}") is None
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_a_missing_denied_or_non_parquet_file_on_s3_stays_bad_input(s3_auth, monkeypatch, capsys):
     from sdtrain.data.footer import read_footer
+    from sdtrain.data.index_format import read_index
+    from sdtrain.data.inspection import first_row
+    from sdtrain.data.listing import DIRECTORY_INDEX
     from sdtrain.driver.cli import index_main
 
     def as_user(name: str) -> None:
@@ -553,9 +584,12 @@ def test_a_missing_denied_or_non_parquet_file_on_s3_stays_bad_input(s3_auth, mon
 
     as_user("admin")
     _s3().put_object(Bucket="sdtrain-test", Key="text/notes.parquet", Body=b"not parquet")
+    _s3().put_object(Bucket="sdtrain-test", Key=f"indexed/{DIRECTORY_INDEX}", Body=b"an index")
     for name in ("data/gone.parquet", "text/notes.parquet"):
         with pytest.raises(DataError, match=f"^data.train: cannot read s3://sdtrain-test/{name} as parquet: "):
             read_footer(f"s3://sdtrain-test/{name}", "data.train")
+        with pytest.raises(DataError, match=f"^data.train: cannot read the first row of s3://sdtrain-test/{name}: "):
+            first_row(f"s3://sdtrain-test/{name}", "data.train", ["caption_latents"])
     with pytest.raises(DataError, match="^data.train: s3://sdtrain-test/data/gone.parquet matches no parquet files"):
         list_dataset(["s3://sdtrain-test/data/gone.parquet"], "data.train")
     assert index_main(["s3://sdtrain-test/text"]) == 2
@@ -567,6 +601,12 @@ def test_a_missing_denied_or_non_parquet_file_on_s3_stays_bad_input(s3_auth, mon
         read_footer(part, "data.train")
     with pytest.raises(DataError, match=f"^data.train: cannot list {part}: An error occurred \\(403\\)"):
         list_dataset([part], "data.train")
+    with pytest.raises(DataError, match=f"^data.train: cannot read the first row of {part}: .*ACCESS_DENIED"):
+        first_row(part, "data.train", ["caption_latents"])
+    index = f"s3://sdtrain-test/indexed/{DIRECTORY_INDEX}"
+    denied = rf"^cannot read the dataset index {index} \(An error occurred \(AccessDenied\) .*\): let these credentials"
+    with pytest.raises(DataError, match=denied):
+        read_index(index)
 
 
 # --- secrets ---------------------------------------------------------------------------------
@@ -685,9 +725,11 @@ def test_a_storage_failure_mid_run_is_neither_a_damaged_file_nor_skipped(flaky_p
         configure_s3(endpoint, 1)
         reader = WindowReader(spec, DataConfig(train=["x"], on_read_error=on_read_error), plan)
         # Not the DataError that stops a run without retries, and no rows dropped under skip: the
-        # attempt fails, and Ray Train restarts it from the latest checkpoint.
-        with pytest.raises(OSError, match=r"data.train: s3://sdtrain-test/data/part.parquet: storage failed after"):
+        # attempt fails (an OSError, no SdtrainError), and Ray Train restarts it from the latest checkpoint.
+        failed = r"^data.train: s3://sdtrain-test/data/part.parquet: object storage failed after 1 attempt\(s\)"
+        with pytest.raises(StorageUnavailable, match=failed) as raised:
             reader.read(window)
+        assert find_sdtrain_error(raised.value) is None
         assert log.read_text().split(), "the proxy dropped no connection"
     configure_s3(moto, 3)
     assert WindowReader(spec, DataConfig(train=["x"]), plan).read(window).num_rows == 8  # the data itself is fine

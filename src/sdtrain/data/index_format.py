@@ -29,9 +29,11 @@ import pyarrow.parquet as pq
 from sdtrain.config.learning import Columns
 from sdtrain.data.inspection import CheckedSchema
 from sdtrain.data.listing import Listing, listing_client
+from sdtrain.errors import DataError
 from sdtrain.logs import log
 from sdtrain.storage.filesystems import read_bytes, write_bytes
 from sdtrain.storage.run_layout import DATASET_INDEX_DIR
+from sdtrain.storage.s3 import raise_if_unavailable
 from sdtrain.storage.uris import is_uri, split_s3
 
 INDEX_FORMAT = 1
@@ -197,17 +199,34 @@ def _shape(meta: dict, key: str) -> tuple[int, ...]:
 
 
 def _read_object(uri: str) -> bytes | None:
-    if uri.startswith("s3://"):
-        from botocore.exceptions import ClientError
-
-        bucket, key = split_s3(uri)
+    """The index object at ``uri`` whole (one GET on S3), or None if there is none; a StorageUnavailable naming it if
+    storage failed past its retries, a DataError naming it if it is there but cannot be read (denied)."""
+    if not uri.startswith("s3://"):
         try:
-            return listing_client().get_object(Bucket=bucket, Key=key)["Body"].read()
-        except ClientError as e:
-            if e.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
-                return None
+            return read_bytes(uri)
+        except OSError as e:
+            raise_if_unavailable(e, f"cannot read the dataset index {uri}")
+            raise _unreadable(uri, e) from None
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    bucket, key = split_s3(uri)
+    try:
+        return listing_client().get_object(Bucket=bucket, Key=key)["Body"].read()
+    except (ClientError, BotoCoreError) as e:
+        raise_if_unavailable(e, f"cannot read the dataset index {uri}")
+        if not isinstance(e, ClientError):
             raise
-    return read_bytes(uri)
+        if e.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+            return None
+        raise _unreadable(uri, e) from None
+
+
+def _unreadable(uri: str, error: BaseException) -> DataError:
+    reason = " ".join(str(error).split()) or type(error).__name__
+    return DataError(
+        f"cannot read the dataset index {uri} ({reason}): let these credentials read it (s3:GetObject on S3), or "
+        "delete it and the files' footers are read instead"
+    )
 
 
 def run_index_uri(run_dir: str, key: str) -> str:

@@ -43,6 +43,7 @@ from sdtrain.data.metadata import (
 )
 from sdtrain.errors import DataError
 from sdtrain.storage.filesystems import filesystem_for
+from sdtrain.storage.s3 import raise_if_unavailable
 from sdtrain.storage.uris import split_s3
 
 # Footers read at once: a bounded number of requests in flight, whatever the number of files.
@@ -346,10 +347,14 @@ class _Sources:
 
 
 def first_row(file: str, key: str, columns: list[str]) -> pa.Table:
+    """The first row of ``file``'s ``columns``; a DataError naming ``key`` and the file if it cannot be read (missing,
+    denied, damaged pages under a footer that reads), a StorageUnavailable naming both if storage failed past its
+    retries."""
     fs, path = filesystem_for(file)
     try:
         with fs.open_input_file(path) as handle:
             batch = next(pq.ParquetFile(handle).iter_batches(batch_size=1, columns=columns))
     except (OSError, pa.ArrowException, StopIteration) as e:  # a footer that reads, over damaged pages
+        raise_if_unavailable(e, f"{key}: cannot read the first row of {file}")
         raise DataError(f"{key}: cannot read the first row of {file}: {type(e).__name__}: {e}") from None
     return pa.Table.from_batches([batch.slice(0, 1)])

@@ -22,7 +22,7 @@ from sdtrain.data.decode import caption_array, to_array
 from sdtrain.data.inspection import DatasetSpec
 from sdtrain.errors import DataError
 from sdtrain.storage.filesystems import filesystem_for
-from sdtrain.storage.s3 import is_transient
+from sdtrain.storage.s3 import raise_if_unavailable
 
 
 @dataclass(frozen=True)
@@ -105,7 +105,7 @@ class RowReader:
     ) -> Iterator[RowBatch]:
         """One file's rows (``source``: its filesystem and path, when made elsewhere; see :meth:`batches`). A file that
         cannot be read, or rows that do not decode, are a DataError naming ``key`` and the file; a storage failure that
-        outlasted its retries is an OSError (a retry may get through)."""
+        outlasted its retries is a StorageUnavailable naming both (an OSError: a retry may get through)."""
         fs, path = source if source is not None else filesystem_for(file)
         try:
             with fs.open_input_file(path) as handle:
@@ -113,7 +113,7 @@ class RowReader:
         except DataError as error:  # rows that do not decode to the checked shapes, or ids past the vocabulary
             raise DataError(f"{key}: {file}: {error}") from None
         except (OSError, pa.ArrowException) as error:
-            raise_if_transient(error, file, key)
+            raise_if_unavailable(error, f"{key}: {file}")
             reason = " ".join(str(error).split())
             raise DataError(
                 f"{key}: {file} cannot be read ({reason}). The file is damaged or changed since the run started: "
@@ -178,17 +178,3 @@ def _tables(
         table = table.slice(0, left)
         left -= table.num_rows
         yield table
-
-
-def raise_if_transient(error: BaseException, file: str, key: str = "data.train") -> None:
-    """A storage failure that outlasted the client's retries is not a damaged file: it must neither
-    stop the run as one nor drop rows under data.on_read_error=skip. It fails this attempt, and Ray
-    Train restarts the workers from the latest checkpoint (failure.max_failures)."""
-    if is_transient(error):
-        raise storage_failure(error, file, key) from error
-
-
-def storage_failure(error: BaseException, file: str, key: str) -> OSError:
-    """The error that fails an attempt for ``error``, a storage failure that outlasted the client's retries
-    (:func:`raise_if_transient`), reading ``file`` of config key ``key``."""
-    return OSError(f"{key}: {file}: storage failed after retries: {' '.join(str(error).split())}")

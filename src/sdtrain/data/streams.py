@@ -27,12 +27,12 @@ from sdtrain.data.decode import TokenIdOutOfRange, caption_array, to_array
 from sdtrain.data.inspection import DatasetSpec
 from sdtrain.data.pacing import paced
 from sdtrain.data.read_order import FILE, ReadPlan, Window, slice_rows, window_sample_indices
-from sdtrain.data.rows import RowReader, raise_if_transient
+from sdtrain.data.rows import RowReader
 from sdtrain.errors import DataError
 from sdtrain.logs import log
 from sdtrain.private import ray as ray_private
 from sdtrain.storage.filesystems import filesystem_for, filesystems_for
-from sdtrain.storage.s3 import s3_filesystem
+from sdtrain.storage.s3 import raise_if_unavailable, s3_filesystem
 from sdtrain.storage.uris import split_s3
 
 NODE_ID_LABEL = "ray.io/node-id"
@@ -174,7 +174,7 @@ class WindowRead:
                 files[file_index] = pq.ParquetFile(fs.open_input_file(path))
             meta = files[file_index].metadata
         except (OSError, pa.ArrowException) as error:
-            raise_if_transient(error, file)
+            raise_if_unavailable(error, f"data.train: {file}")
             return [self._unreadable(file, start, stop, error, latent_shape)]
         offsets = np.cumsum([0] + [meta.row_group(i).num_rows for i in range(meta.num_row_groups)])
         # A file cut short since the run planned its reads: as an IndexError (no error of ours) every restart of
@@ -199,7 +199,7 @@ class WindowRead:
             except TokenIdOutOfRange as error:  # the file is readable, its ids are wrong: skipping would hide that
                 raise DataError(f"data.train: {file}: {error}") from None
             except (OSError, pa.ArrowException, DataError) as error:
-                raise_if_transient(error, file)
+                raise_if_unavailable(error, f"data.train: {file}")
                 pieces.append(self._unreadable(file, lo, hi, error, latent_shape))
         return pieces
 

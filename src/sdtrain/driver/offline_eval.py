@@ -11,7 +11,6 @@ import sys
 from collections.abc import Sequence
 
 from sdtrain.driver.offline_checks import Prepared, prepare
-from sdtrain.errors import SdtrainError
 from sdtrain.evaluation.offline import PartResult
 from sdtrain.logs import configure_logging, log
 
@@ -59,8 +58,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def evaluate_main(argv: Sequence[str] | None = None) -> int:
-    """The command line of entrypoints/evaluate.py; exit code 0 on success, 2 for bad input, 1 for a failed task."""
-    from sdtrain.driver.cli import exit_code
+    """The command line of entrypoints/evaluate.py; exit code 0 on success, 2 for bad input, 1 for a failed task, 75
+    when object storage failed past its retries (run again)."""
+    from sdtrain.driver.cli import REPORTED, exit_code
     from sdtrain.driver.offline_report import report
 
     parser = _parser()
@@ -77,10 +77,10 @@ def evaluate_main(argv: Sequence[str] | None = None) -> int:
         prepared = prepare(args, models, overrides)
         merged = _measured(prepared, args.tasks)
         written = report(prepared, merged, args.out, args.tasks or 1)
-    except (SdtrainError, ValueError) as e:
+    except (*REPORTED, ValueError) as e:
         error = getattr(e, "cause", None) or e  # a Ray task's error: what the task raised
         print(f"error: {error}", file=sys.stderr)
-        return exit_code(error) if isinstance(error, SdtrainError) else 2
+        return exit_code(error) if isinstance(error, REPORTED) else 2
     for note in prepared.notes:
         log.info(f"note: {note}")
     for path in written:

@@ -19,10 +19,11 @@ from sdtrain.data.decode import caption_array, column_layout, to_array
 from sdtrain.data.footer import read_schema
 from sdtrain.data.listing import list_dataset
 from sdtrain.data.metadata import bucket_shapes, token_id_columns
-from sdtrain.data.rows import RowBatch, RowReader, raise_if_transient
+from sdtrain.data.rows import RowBatch, RowReader
 from sdtrain.errors import DataError
 from sdtrain.evaluation.measures import part_range
 from sdtrain.storage.filesystems import filesystem_for
+from sdtrain.storage.s3 import raise_if_unavailable
 
 READ_BATCH = 1024
 """Rows decoded at a time: a data.val file may hold gigabytes of caption embeddings."""
@@ -210,7 +211,7 @@ Layout = list[tuple[str, np.ndarray, pq.FileMetaData]]
 @contextlib.contextmanager
 def _parquet(file: str, where: str, footer: pq.FileMetaData | None = None) -> Iterator[pq.ParquetFile]:
     """``file`` open as parquet (``footer``: its footer, read before); what fails in it a DataError naming ``where``
-    and the file (a storage failure past its retries an OSError: a retry may get through)."""
+    and the file (a storage failure past its retries a StorageUnavailable: a retry may get through)."""
     fs, path = filesystem_for(file)
     try:
         with fs.open_input_file(path) as handle:
@@ -218,7 +219,7 @@ def _parquet(file: str, where: str, footer: pq.FileMetaData | None = None) -> It
     except DataError as error:
         raise DataError(f"{where}: {file}: {error}") from None
     except (OSError, pa.ArrowException) as error:
-        raise_if_transient(error, file, where)
+        raise_if_unavailable(error, f"{where}: {file}")
         reason = " ".join(str(error).split())
         raise DataError(f"{where}: {file} cannot be read ({reason}): damaged, or changed since checked") from None
 

@@ -166,8 +166,8 @@ def load_unconditional_caption(
     shape = tuple(int(n) for n in caption_shape)
     if source == "zeros":
         return torch.zeros(shape)
-    from sdtrain.data.rows import raise_if_transient
     from sdtrain.storage.filesystems import filesystem_for
+    from sdtrain.storage.s3 import raise_if_unavailable
 
     fs, path = filesystem_for(source)
     try:
@@ -176,7 +176,7 @@ def load_unconditional_caption(
     except (OSError, ValueError, EOFError) as e:  # EOFError: an empty file
         # Every worker reads this at every start, restarts included: a storage failure that outlasted the client's
         # retries must fail the attempt (Ray Train restarts it), not stop the run as a ConfigError would.
-        raise_if_transient(e, source, "data.unconditional_caption")
+        raise_if_unavailable(e, f"data.unconditional_caption: {source}")
         raise ConfigError(f"data.unconditional_caption: cannot read {source} as a .npy array: {e}") from None
     if array.ndim in (2, 3) and array.shape[0] == 1:
         array = array[0]

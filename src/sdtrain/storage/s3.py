@@ -207,11 +207,23 @@ def is_transient(error: BaseException) -> bool:
 
 def raise_if_unavailable(error: BaseException, what: str) -> None:
     """Raise the StorageUnavailable naming ``what`` (the config key and the file or folder) if ``error`` is
-    transient (:func:`is_transient`); else return, and the caller says what is wrong with the input."""
-    if not is_transient(error):
-        return
+    transient (:func:`is_transient`); else return, and the caller says what is wrong with the input.
+
+    Wherever it is raised it is no bad input: on the driver the command lines exit 75 (run again), in a Ray Train
+    worker it fails the attempt (an OSError, no SdtrainError: the run restarts from its latest checkpoint), and a read
+    under data.on_read_error=skip drops no rows for it."""
+    if is_transient(error):
+        raise storage_unavailable(error, what) from error
+
+
+def storage_unavailable(error: BaseException, what: str) -> StorageUnavailable:
+    """The StorageUnavailable naming ``what`` for ``error``, a transient failure (:func:`is_transient`), for a caller
+    that raises it itself (:func:`raise_if_unavailable` raises it where ``error`` is transient). One named for another
+    key is named for ``what`` instead, with the storage's own words once."""
+    if isinstance(error, StorageUnavailable) and isinstance(error.__cause__, BaseException):
+        error = error.__cause__
     reason = " ".join(str(error).split()) or type(error).__name__
-    raise StorageUnavailable(
+    return StorageUnavailable(
         f"{what}: object storage failed after {s3_max_attempts()} attempt(s) with backoff ({reason}). This is "
         "throttling, a server error or the network, not bad input: run again later, or raise storage.max_attempts"
-    ) from error
+    )

@@ -18,7 +18,6 @@ import torch
 from sdtrain.artifacts.checkpoint_format import CheckpointMeta
 from sdtrain.artifacts.run_outputs import write_whole
 from sdtrain.config.schema import Config
-from sdtrain.data.rows import storage_failure
 from sdtrain.errors import ConfigError, DataError
 from sdtrain.model.unet import default_guidance_rescale
 from sdtrain.sampling.captions import Captions, Encode, read_captions
@@ -26,7 +25,7 @@ from sdtrain.sampling.images import grid_image, latent_preview
 from sdtrain.sampling.sampler import sample_latents
 from sdtrain.storage.filesystems import filesystem_for
 from sdtrain.storage.run_layout import SAMPLES_DIR, sample_grid_file
-from sdtrain.storage.s3 import is_transient
+from sdtrain.storage.s3 import is_transient, storage_unavailable
 from sdtrain.train.strategy import uncompiled
 
 
@@ -81,13 +80,14 @@ def grid_captions(
     # the client's retries fails the attempt, and Ray Train restarts it. Raised outside the handler: the controller's
     # failure callback finds a DataError in an exception's __context__ too, and would stop the run on it.
     key = "sample_grid.captions" if config.sample_grid.captions else "data.val"
-    raise storage_failure(transient, source, key) from transient
+    raise storage_unavailable(transient, f"{key}: {source}") from transient
 
 
 def _transient_cause(error: BaseException) -> BaseException | None:
     """``error``, or what it was raised from, when that is a storage failure that outlasted the client's retries
-    (:func:`sdtrain.storage.s3.is_transient`): the parquet footer and first-row reads turn every failed read into a
-    DataError ``from None``, which keeps the storage failure only as its __context__."""
+    (:func:`sdtrain.storage.s3.is_transient`): a .npy file's read fails with the storage's own OSError, the parquet
+    reads with a StorageUnavailable named for --captions (named for the key here), and a DataError raised ``from None``
+    keeps a storage failure only as its __context__."""
     seen: set[int] = set()
     current: BaseException | None = error
     while current is not None and id(current) not in seen:
