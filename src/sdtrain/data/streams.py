@@ -26,7 +26,7 @@ from sdtrain.data.added_columns import AddedColumns
 from sdtrain.data.decode import TokenIdOutOfRange, caption_array, to_array
 from sdtrain.data.inspection import DatasetSpec
 from sdtrain.data.pacing import paced
-from sdtrain.data.read_order import FILE, ReadPlan, Window, slice_rows, window_sample_indices
+from sdtrain.data.read_order import FILE, START, STOP, ReadPlan, Window, slice_rows, window_sample_indices
 from sdtrain.data.rows import RowReader
 from sdtrain.errors import DataError
 from sdtrain.logs import log
@@ -115,7 +115,7 @@ class WindowRead:
         window, settings = self.window, self.settings
         assert settings.bucket_shapes is not None
         files: dict[int, pq.ParquetFile] = {}
-        row_groups: dict[tuple[int, int], pa.Table] = {}
+        row_groups: dict[tuple[int, int], tuple[pa.Table, int]] = {}  # each with its rows left to read
         indices = window_sample_indices(window.spans, self.first_index)
         tables, first = [], 0
         for bucket, rows in window.blocks:
@@ -133,7 +133,7 @@ class WindowRead:
     def read(self) -> pa.Table:
         window = self.window
         files: dict[int, pq.ParquetFile] = {}
-        row_groups: dict[tuple[int, int], pa.Table] = {}  # chunks of a window often share row groups
+        row_groups: dict[tuple[int, int], tuple[pa.Table, int]] = {}  # chunks of a window often share row groups
         pieces = [
             piece
             for file_index, start, stop in window.spans
@@ -166,8 +166,7 @@ class WindowRead:
         """The batch arrays (latents, captions, added conditioning, valid) of rows [start, stop) of a file, one piece
         per row group, so an unreadable row group costs only its own rows under data.on_read_error=skip.
         ``latent_shape``: a bucket's, else the data's one."""
-        settings = self.settings
-        latent_shape = latent_shape or settings.latent_shape
+        latent_shape = latent_shape or self.settings.latent_shape
         file, fs, path = self.sources[file_index]
         try:
             if file_index not in files:
@@ -191,17 +190,27 @@ class WindowRead:
         for group in range(first, last):
             lo, hi = max(start, int(offsets[group])), min(stop, int(offsets[group + 1]))
             try:
-                if (file_index, group) not in row_groups:
-                    columns = settings.columns.names() + (settings.added.names() if settings.added else [])
-                    row_groups[file_index, group] = files[file_index].read_row_group(group, columns=columns)
-                table = row_groups[file_index, group].slice(lo - int(offsets[group]), hi - lo)
-                pieces.append(self._decode(table, latent_shape, lo))
+                table = self._row_group(files[file_index], row_groups, (file_index, group), offsets, hi - lo)
+                pieces.append(self._decode(table.slice(lo - int(offsets[group]), hi - lo), latent_shape, lo))
             except TokenIdOutOfRange as error:  # the file is readable, its ids are wrong: skipping would hide that
                 raise DataError(f"data.train: {file}: {error}") from None
             except (OSError, pa.ArrowException, DataError) as error:
                 raise_if_unavailable(error, f"data.train: {file}")
                 pieces.append(self._unreadable(file, lo, hi, error, latent_shape))
         return pieces
+
+    def _row_group(self, file: pq.ParquetFile, row_groups: dict, key: tuple[int, int], offsets: np.ndarray, rows: int):
+        """Row group ``key`` (file, group), ``rows`` of it taken now: read once a task and held until the window's last
+        rows of it, so a task holds about one step's row groups, not its window's (bucketed, ~10x the rows used)."""
+        if key not in row_groups:
+            columns = self.settings.columns.names() + (self.settings.added.names() if self.settings.added else [])
+            spans, (lo, hi) = self.window.spans[self.window.spans[:, FILE] == key[0]], offsets[key[1] : key[1] + 2]
+            uses = np.maximum(np.minimum(spans[:, STOP], hi) - np.maximum(spans[:, START], lo), 0).sum()
+            row_groups[key] = file.read_row_group(key[1], columns=columns), int(uses)
+        table, left = row_groups.pop(key)
+        if left > rows:  # more of it to read in this window
+            row_groups[key] = table, left - rows
+        return table
 
     def _decode(self, table: pa.Table, latent_shape: tuple[int, ...], first_row: int) -> dict[str, np.ndarray]:
         settings, columns = self.settings, self.settings.columns
@@ -236,15 +245,8 @@ class WindowRead:
 def _block(arrays: dict[str, np.ndarray], sample_index: np.ndarray) -> pa.Table:
     """One block of a training stream: rows of one latent shape; tensors as Ray tensor columns, ``valid`` and
     ``sample_index`` plain."""
-    return pa.table(
-        {
-            **{
-                key: ArrowTensorArray.from_numpy(values) if values.ndim > 1 else values
-                for key, values in arrays.items()
-            },
-            "sample_index": sample_index,
-        }
-    )
+    columns = {k: ArrowTensorArray.from_numpy(v) if v.ndim > 1 else v for k, v in arrays.items()}
+    return pa.table({**columns, "sample_index": sample_index})
 
 
 class WindowReader:

@@ -35,6 +35,7 @@ def check_data(config: Config, run_dir: str) -> tuple[IndexedDataset, IndexedDat
     val_data = indexed_dataset(config, "data.val", config.data.val, unet, run_dir) if config.data.val else None
     train = train_data.spec
     warn_of_large_row_groups(train_data.stats, config.data.shuffle_chunk_rows)
+    warn_of_small_shares(train_data.stats, train, config)
     _check_shapes_agree(train, val_data.spec if val_data is not None else None)
     captions = train.embedding_shape(unet["cross_attention_dim"])
     check_unet(config.model, train.latent_shape, captions)  # on the meta device, in a second
@@ -151,6 +152,28 @@ def warn_of_large_row_groups(stats: IndexStats, chunk_rows: int) -> None:
         f"{chunk_rows} rows reads its whole row group: about {rows / chunk_rows:.0f}x the data the chunk needs. "
         f"Rewrite the files with pyarrow.parquet.write_table(..., row_group_size={chunk_rows}) (sdtrain's "
         f"preprocessing: output.row_group_rows={chunk_rows}), or raise data.shuffle_chunk_rows"
+    )
+
+
+def warn_of_small_shares(stats: IndexStats, spec: DatasetSpec, config: Config) -> None:
+    """One warning when bucketed data.train's row groups (of the footers read at this start) hold more rows than a rank
+    reads of a step at the most workers: each rank's share of a step is a few consecutive rows of its bucket's order,
+    and each read of them reads the row groups they touch whole (sdtrain.data.bucket_order)."""
+    if spec.bucket_shapes is None or stats.largest_row_group is None:
+        return
+    (group, file), batch, workers = stats.largest_row_group, config.train.global_batch_size, config.scaling.max_workers
+    share = batch // workers
+    if share >= group:
+        return
+    # A share of s consecutive rows at a random place touches 1 + (s - 1) / g row groups of g rows on average.
+    amplification = (group + share - 1) / share
+    log.warning(
+        f"data.train: {file} has row groups of {group} rows, but on {workers} workers (scaling.num_workers) each "
+        f"reads {share} rows of a step (train.global_batch_size={batch} / {workers}), and every read of bucketed data "
+        f"reads the row groups its rows are in whole: about {amplification:.0f}x the rows training uses, in "
+        "object-storage reads and in each read task's memory. Rewrite the files with row groups of at most "
+        f"{share} rows (sdtrain's preprocessing: output.row_group_rows={share}; "
+        f"pyarrow.parquet.write_table(..., row_group_size={share}))"
     )
 
 
