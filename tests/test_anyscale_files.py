@@ -1,6 +1,7 @@
 """job.yaml, schedule.yaml, check_job.yaml and preprocess_job.yaml, validated offline by the Anyscale SDK's own
 config models (the Containerfile they build their image from: test_installs.py)."""
 
+import posixpath
 import shlex
 
 import pytest
@@ -10,7 +11,9 @@ from conftest import REPO
 
 from sdtrain.artifacts.provenance import COMMIT_ENV
 from sdtrain.config.loader import load_config
+from sdtrain.errors import ConfigError
 from sdtrain.model.hardware import NODE_TYPES
+from sdtrain.storage.run_layout import EXPORT_DIR
 
 
 def _job(name):
@@ -103,6 +106,67 @@ def test_the_preprocessing_job_is_valid_and_consistent_with_its_config():
     )
 
 
+def _entrypoint_config(job, storage="s3://artifacts/org/cld_1/"):
+    """The job's config as its shell hands it over: $ANYSCALE_ARTIFACT_STORAGE expanded (here with the trailing '/'
+    a storage URI may have)."""
+    argv = shlex.split(job.entrypoint.replace("$ANYSCALE_ARTIFACT_STORAGE", storage))
+    return load_config(REPO / argv[argv.index("--config") + 1], argv[argv.index("--config") + 2 :])
+
+
+def _overrides(job) -> dict[str, str]:
+    argv = shlex.split(job.entrypoint)
+    return dict(arg.split("=", 1) for arg in argv[argv.index("--config") + 2 :])
+
+
+def test_the_training_jobs_train_on_what_the_preprocessing_job_writes_and_none_on_a_placeholder():
+    """job.yaml and check_job.yaml named no data.train, so they trained on configs/small.yaml's s3://YOUR-BUCKET
+    placeholder while preprocess_job.yaml wrote latents nothing read. Now data.train is its output.path, with the
+    columns and row groups it writes; sdxl_job.yaml, which has no preprocessing job, keeps the placeholder, which a
+    run refuses before anything starts, naming the key."""
+    from sdtrain.preprocess.config import PreprocessConfig
+
+    preprocess = JobConfig.from_yaml(str(REPO / "preprocess_job.yaml"))
+    argv = shlex.split(preprocess.entrypoint)
+    written = load_config(REPO / argv[argv.index("--config") + 1], argv[argv.index("--config") + 2 :], PreprocessConfig)
+    for name in ("job.yaml", "check_job.yaml"):
+        job = _job(name)
+        assert _overrides(job)["data.train"] == written.output.path
+        config = _entrypoint_config(job)
+        assert config.data.train == ["s3://artifacts/org/cld_1/sdtrain/latents-256"]
+        assert (config.data.latent_column, config.data.caption_column) == (
+            written.output.latent_column,
+            written.output.caption_column,
+        )
+        assert config.data.shuffle_chunk_rows == written.output.row_group_rows
+        assert config.run.storage_path == "s3://artifacts/org/cld_1/sdtrain/runs"  # no '//'
+    for name in ("job.yaml", "check_job.yaml", "schedule.yaml"):
+        _entrypoint_config(_job(name)).refuse_placeholders()
+    with pytest.raises(ConfigError, match=r"^data\.train\[0\]: s3://YOUR-BUCKET/\S+ names the shipped configs'"):
+        _entrypoint_config(_job("sdxl_job.yaml")).refuse_placeholders()
+
+
+def test_the_schedule_starts_from_job_yamls_export_and_holds_its_data_with_the_artifacts():
+    """Its first run used to train configs/retrain.yaml's preset from random weights (840 steps at fine-tuning
+    settings) and promote it with nothing to compare: it now starts from what job.yaml's run exports, at the path
+    the driver writes it to (<run.storage_path>/<run.name>/export)."""
+    schedule, job = _job("schedule.yaml"), _job("job.yaml")
+    trained = _entrypoint_config(job)
+    config = _entrypoint_config(schedule)
+    assert config.model.pretrained == posixpath.join(trained.run.storage_path, trained.run.name, EXPORT_DIR)
+    assert trained.export.enabled
+    assert config.model.preset == trained.model.preset and config.model.prediction_type == trained.model.prediction_type
+    assert (config.data.latent_column, config.data.caption_column) == (
+        trained.data.latent_column,
+        trained.data.caption_column,
+    )
+    overrides = _overrides(schedule)
+    for key in ("retrain.data_root", "data.val"):
+        assert overrides[key].startswith("$ANYSCALE_ARTIFACT_STORAGE/sdtrain/")
+    # The held-out set, the daily partitions and pretraining's data: none inside another (a directory is read whole).
+    places = [config.retrain.data_root, *config.data.val, *trained.data.train]
+    assert all(not a.startswith(b.rstrip("/") + "/") for a in places for b in places if a != b), places
+
+
 def test_the_check_job_checks_what_job_yaml_runs():
     """The same config on the same nodes: what the check measured is what the real run will do."""
     check, job = _job("check_job.yaml"), _job("job.yaml")
@@ -119,7 +183,9 @@ NCCL_ENV = {
 }
 
 
-@pytest.mark.parametrize("name", ["job.yaml", "check_job.yaml", "schedule.yaml", "runtime_env/gpu.yaml"])
+@pytest.mark.parametrize(
+    "name", ["job.yaml", "check_job.yaml", "sdxl_job.yaml", "schedule.yaml", "runtime_env/gpu.yaml"]
+)
 def test_every_gpu_job_keeps_nccls_flight_record_of_a_hang_and_names_no_interface(name):
     """A collective that times out aborts (Ray Train restarts the group) after writing each rank's last collectives
     to /tmp (docs/multi-node.md#a-hang). No interface name: it differs by image and instance type, and a wrong one
@@ -152,3 +218,18 @@ def test_the_shipped_micro_batch_fits_the_nodes_gpu_at_every_world_size(name):
     for world in range(config.scaling.min_workers, config.scaling.max_workers + 1):
         memory = predict_run_memory(config, *shapes, world, "bf16-mixed")
         assert memory.with_runtime_margin <= AUTO_FILL * node.gpu_device_bytes, (name, world, memory)
+
+
+EFA_ENV = {"FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1"}
+
+
+def test_the_sdxl_job_sends_nccl_over_efa_as_docs_multi_node_says_for_p5():
+    """64 H100s whose FSDP all-gathers and reduce-scatters cross the nodes: over EFA, not TCP. FI_PROVIDER=efa makes
+    a missing device fail the start; p5 has RDMA reads. The g5 jobs (TCP) set neither."""
+    job = _job("sdxl_job.yaml")
+    assert job.compute_config.worker_nodes[0].instance_type.startswith("p5.")
+    assert {key: job.env_vars.get(key) for key in EFA_ENV} == EFA_ENV
+    doc = (REPO / "docs" / "multi-node.md").read_text()
+    assert "`FI_PROVIDER: efa`" in doc and '`FI_EFA_USE_DEVICE_RDMA: "1"`' in doc and "aws-ofi-nccl" in doc
+    for name in ("job.yaml", "check_job.yaml", "schedule.yaml"):
+        assert not set(EFA_ENV) & set(_job(name).env_vars)

@@ -143,6 +143,93 @@ def test_shipped_configs_load(name):
     assert re.fullmatch(r"[a-z0-9-]+", config.run.name)
 
 
+@pytest.mark.parametrize("name", ["demo.yaml", "small.yaml", "sd2-base.yaml", "sdxl-base.yaml", "retrain.yaml"])
+def test_no_shipped_config_restarts_without_end(name):
+    """Each restart resumes from the latest checkpoint and replays the same steps, so a failure that recurs there (a
+    CUDA OOM, an NCCL error) would restart forever under -1: on 64 H100s for sdxl-base. Preemptions are counted
+    apart (failure.max_preemptions), so a finite bound costs a spot run nothing."""
+    overrides = ["retrain.data_root=/d", "retrain.models_root=/m"] if name == "retrain.yaml" else []
+    assert 0 <= load_config(REPO / "configs" / name, overrides).failure.max_failures <= 10
+
+
+PLACEHOLDER_MESSAGE = (
+    "data.train[1]: s3://Your-Bucket/latents names the shipped configs' placeholder bucket (YOUR-BUCKET), not a real "
+    "one; set data.train to the training latents: parquet files (a file, a directory or a glob, local or s3://), "
+    "such as what entrypoints/preprocess.py wrote to its output.path, in the config or on the command line "
+    "(data.train=s3://<bucket>/<prefix>)"
+)
+
+
+def test_a_placeholder_bucket_is_refused_naming_the_key_its_value_and_what_to_set():
+    config = load_config(None, ["data.train=[/data/a, s3://Your-Bucket/latents]"])  # loads: --help, the reports
+    with pytest.raises(ConfigError) as refused:
+        config.refuse_placeholders()
+    assert str(refused.value) == PLACEHOLDER_MESSAGE
+    for key, value, more in [
+        ("data.val[0]", "s3://YOUR-BUCKET/heldout/", []),
+        ("run.storage_path", "s3://your-bucket/runs", []),
+        ("model.pretrained", "s3://YOUR-BUCKET/models/export", []),
+        ("retrain.data_root", "/mnt/YOUR-BUCKET/daily", ["retrain.models_root=/m", "data.val=/v"]),
+    ]:
+        config = load_config(None, [*BASE, f"{key.partition('[')[0]}={value}", *more])
+        with pytest.raises(ConfigError, match=rf"^{re.escape(key)}: {re.escape(value)} names the shipped"):
+            config.refuse_placeholders()
+    load_config(None, [*BASE, "data.val=s3://my-bucket/your/bucket"]).refuse_placeholders()  # not the placeholder
+
+
+@pytest.mark.parametrize("command", ["train", "retrain", "check"])
+def test_every_command_refuses_the_shipped_placeholder_before_it_reads_anything_or_starts_ray(
+    command, tmp_path, capsys, monkeypatch
+):
+    """configs/small.yaml and configs/retrain.yaml as shipped: one line naming the key, exit 2, instead of whatever
+    the store answers for a bucket that does not exist (a timeout, access denied) on the driver or every worker."""
+    import ray
+
+    from sdtrain.driver import check, cli
+
+    def no_phase(*args):
+        raise AssertionError("a check phase ran")
+
+    monkeypatch.setattr(check, "_run_phase", no_phase)
+    main = {"train": cli.train_main, "retrain": cli.retrain_main, "check": cli.check_main}[command]
+    config = REPO / "configs" / ("retrain.yaml" if command == "retrain" else "small.yaml")
+    assert main(["--config", str(config), f"run.storage_path={tmp_path}/runs"], config) == 2
+    key = {
+        "retrain": "data.val[0]: s3://YOUR-BUCKET/stable-diffusion/256-heldout/",
+        "train": "data.train[0]: s3://YOUR-BUCKET/stable-diffusion/256/",
+        "check": "data.train[0]: s3://YOUR-BUCKET/stable-diffusion/256/",
+    }[command]
+    assert f"error: {key} names the shipped configs' placeholder bucket (YOUR-BUCKET)" in capsys.readouterr().err
+    assert not ray.is_initialized()
+    assert not (tmp_path / "runs").exists()
+
+
+def test_an_env_var_ending_in_a_slash_leaves_no_empty_path_component_in_an_s3_uri():
+    """$ANYSCALE_ARTIFACT_STORAGE/sdtrain/runs, expanded by the job's shell from a value that ends in '/': pyarrow
+    refuses s3://bucket/prefix//sdtrain/runs (ArrowInvalid: Empty path component) on the driver and every worker."""
+    storage = "s3://bucket/org/artifact_storage/"  # $ANYSCALE_ARTIFACT_STORAGE
+    config = load_config(
+        None,
+        [
+            f"data.train=[{storage}/sdtrain/latents-256, s3://bucket//a///b/]",
+            f"data.val={storage}/sdtrain/heldout",
+            f"run.storage_path={storage}/sdtrain/runs",
+            f"model.pretrained={storage}/sdtrain/runs/sd-small-256/export",
+            f"retrain.data_root={storage}/sdtrain/daily",
+            f"retrain.models_root={storage}/sdtrain/models",
+            "tracking.mlflow_tracking_uri=http://mlflow//x",  # not an s3:// URI: as given
+        ],
+    )
+    assert config.data.train == ["s3://bucket/org/artifact_storage/sdtrain/latents-256", "s3://bucket/a/b/"]
+    assert config.data.val == ["s3://bucket/org/artifact_storage/sdtrain/heldout"]
+    assert config.run.storage_path == "s3://bucket/org/artifact_storage/sdtrain/runs"
+    assert config.model.pretrained == "s3://bucket/org/artifact_storage/sdtrain/runs/sd-small-256/export"
+    assert config.retrain.data_root == "s3://bucket/org/artifact_storage/sdtrain/daily"
+    assert config.retrain.models_root == "s3://bucket/org/artifact_storage/sdtrain/models"
+    assert config.tracking.mlflow_tracking_uri == "http://mlflow//x"
+    assert load_config(None, ["data.train=/local//path"]).data.train == ["/local//path"]  # a local path: as given
+
+
 def test_retrain_keys():
     config = load_config(
         None, ["retrain.data_root=/d", "retrain.models_root=/m", "data.val=/v", "retrain.date=2026-11-22"]

@@ -204,6 +204,66 @@ def test_a_complete_partition_whose_parquet_files_hold_no_rows_is_passed_over(tm
     assert not (tmp_path / "runs").exists()
 
 
+class _Trained(Exception):
+    """Raised by a stand-in for training, once it has the run's config."""
+
+
+def test_a_first_version_starts_from_model_pretrained_and_warns_without_it_and_later_ones_from_production(
+    tmp_path, monkeypatch, caplog
+):
+    """schedule.yaml's first run used to train model.preset from random weights (840 steps at fine-tuning settings) and
+    promote it with nothing to compare: it now starts from model.pretrained (job.yaml's export) and warns where that is
+    unset. Once production exists it replaces model.pretrained, which is then neither used nor checked up front."""
+    from sdtrain.driver import retrain as retrain_module
+
+    root = tmp_path / "daily"
+    for day in ("01", "02"):
+        write_latents(root / f"date=2026-11-{day}" / "part-00000.parquet", rows=8)
+        (root / f"date=2026-11-{day}" / "_SUCCESS").touch()
+    trained, checked = [], []
+
+    def train(run_config):
+        trained.append(run_config)
+        raise _Trained
+
+    def preflight(config):
+        checked.append(config.model.pretrained)
+
+    monkeypatch.setattr(retrain_module, "train", train)
+    monkeypatch.setattr(retrain_module, "preflight", preflight)
+    caplog.set_level("INFO", logger="sdtrain")
+    exported = str(tmp_path / "runs" / "sd-small-256" / "export")  # job.yaml's export, not written yet: never read
+    for pretrained in (None, exported):
+        caplog.clear()
+        config = _rules_config(tmp_path, *([f"model.pretrained={pretrained}"] if pretrained else []))
+        with pytest.raises(_Trained):
+            retrain(config, datetime.date(2026, 11, 1))
+        assert trained[-1].model.pretrained == pretrained
+        warned = [r.getMessage() for r in caplog.records if r.name == "sdtrain" and r.levelname == "WARNING"]
+        if pretrained is None:
+            assert warned == [
+                "no production model and model.pretrained is unset: this first version trains model.preset=tiny "
+                "from random weights, for train.max_steps=550000 steps at retraining's settings (lr 0.0001, warmup "
+                "10000 steps), and the gate promotes it with nothing to compare it to. Set model.pretrained to a "
+                "trained model (schedule.yaml: job.yaml's export)"
+            ]
+        else:
+            assert warned == []
+    assert checked == [None, None]  # the retraining's own preflight; the training run's checks what it uses
+
+    registry = ModelRegistry(str(tmp_path / "models"))
+    manifest = {"schedule_date": "2026-11-01", "parent": None, "promoted": True, "reason": "test"}
+    manifest |= {"metrics": {"val_loss": 0.3}, "partitions_seen": ["2026-11-01"]}
+    first = registry.write_version(UNet2DConditionModel(**PRESETS["tiny"]), DDPMScheduler(), manifest)
+    registry.set_production(first, expected=None, kind="promote")
+    caplog.clear()
+    with pytest.raises(_Trained):
+        retrain(_rules_config(tmp_path, f"model.pretrained={exported}"), datetime.date(2026, 11, 2))
+    assert trained[-1].model.pretrained == registry.location(first)
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
+    assert checked[-1] is None  # job.yaml's export, gone or not, does not stop a run that starts from production
+
+
 def _rules_config(tmp_path, *overrides):
     root = tmp_path / "daily"
     (root / "date=2026-11-01").mkdir(parents=True, exist_ok=True)

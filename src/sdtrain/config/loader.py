@@ -12,6 +12,7 @@ import yaml
 from sdtrain.config.coercion import ConfigTree, Tree
 from sdtrain.config.schema import Config
 from sdtrain.errors import ConfigError
+from sdtrain.storage.uris import collapse_slashes
 
 
 @typing.overload
@@ -58,7 +59,20 @@ def load_config(
                 raise ConfigError(f"{key}: {part} is a value, not a section")
             node = child
         node[parts[-1]] = value
-    return tree.from_dict(raw)
+    return tree.from_dict(_collapsed(raw))
+
+
+def _collapsed(value: Any) -> Any:
+    """``value`` with every s3:// URI in it, however deep, without repeated slashes in its key: the shell expands
+    ``$ANYSCALE_ARTIFACT_STORAGE/sdtrain/runs`` in a job's entrypoint, and a variable that ends in '/' leaves
+    ``//``, which pyarrow refuses (``Empty path component``) on the driver and on every worker."""
+    if isinstance(value, str):
+        return collapse_slashes(value)
+    if isinstance(value, dict):
+        return {key: _collapsed(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_collapsed(item) for item in value]
+    return value
 
 
 def _example(tree: type[ConfigTree]) -> str:

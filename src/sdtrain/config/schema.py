@@ -15,6 +15,7 @@ from typing import ClassVar
 
 from sdtrain.config.coercion import ConfigTree, Section
 from sdtrain.config.learning import PRESETS, DataConfig, ModelConfig, TrainConfig
+from sdtrain.config.placeholders import refuse_placeholder
 from sdtrain.config.running import (
     EVAL_METRICS,
     CheckpointConfig,
@@ -192,6 +193,13 @@ class Config(ConfigTree):
         batch = self.train.global_batch_size
         allowed = range(self.scaling.min_workers, self.scaling.max_workers + 1)
         return math.gcd(*(batch // n for n in allowed if batch % n == 0))
+
+    def refuse_placeholders(self) -> None:
+        """Raise a ConfigError naming the first path that still holds the shipped configs' placeholder bucket
+        (:mod:`sdtrain.config.placeholders`). Called by every command that runs the config (train, retrain, check)
+        before it lists anything or starts Ray, not at load: the shipped configs load as they are."""
+        for key, path in self.storage_uris():
+            refuse_placeholder(key, path)
 
     def storage_uris(self) -> list[tuple[str, str]]:
         """(key, path) for every path or URI the config names: data, models and storage."""

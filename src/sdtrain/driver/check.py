@@ -40,6 +40,7 @@ def check(
         compare_compile: then one more worker-phase with train.compile the other way.
     """
     config = load_config(config_file, overrides)
+    config.refuse_placeholders()  # before run_micro_batch, which may start Ray and read data.train
     most = config.scaling.max_workers
     stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
     runs: list[tuple[int, bool | None]] = [(workers, None) for workers in sorted({1, most})]

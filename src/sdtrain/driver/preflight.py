@@ -58,8 +58,10 @@ def preflight(config: Config) -> None:
     """Apply ``config.storage`` to this process, then check every s3:// URI the config names.
 
     Data (data.train, data.val, model.pretrained, retrain.data_root) must be readable and hold
-    objects; run.storage_path and retrain.models_root must be listable and writable.
+    objects; run.storage_path and retrain.models_root must be listable and writable. A path that still names the
+    shipped configs' placeholder bucket is refused first, local or not.
     """
+    config.refuse_placeholders()  # s3://YOUR-BUCKET/...: one line naming the key, not the store's answer for it
     configure_s3(config.storage.endpoint_url, config.storage.max_attempts)
     writable = {"run.storage_path", "retrain.models_root"}
     data_buckets = set()

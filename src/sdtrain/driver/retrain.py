@@ -52,7 +52,9 @@ def retrain(config: Config, schedule_date: datetime.date | None = None) -> Retra
     data_root, models_root = config.retrain.data_root, config.retrain.models_root
     if data_root is None or models_root is None:
         raise ConfigError("retrain.data_root and retrain.models_root are required for retraining")
-    preflight(config)  # retrain.data_root, retrain.models_root and the rest, before anything is read
+    # retrain.data_root, retrain.models_root and the rest, before anything is read. Not model.pretrained: only a first
+    # version starts from it (later ones from production), and the training run's own preflight checks what it uses.
+    preflight(dataclasses.replace(config, model=dataclasses.replace(config.model, pretrained=None)))
     registry = ModelRegistry(models_root)
     if schedule_date is None:
         schedule_date, source = schedule_date_for(config, registry)
@@ -215,6 +217,15 @@ def _run_config(
     # training only the share its EMA took in (1 - ema_decay^steps).
     if production:
         model = dataclasses.replace(model, pretrained=registry.location(production), unet={})
+    elif model.pretrained is None:
+        log.warning(
+            f"no production model and model.pretrained is unset: this first version trains model.preset="
+            f"{model.preset} from random weights, for train.max_steps={config.train.max_steps} steps at retraining's "
+            f"settings (lr {config.train.lr:g}, warmup {config.train.warmup_steps} steps), and the gate promotes it "
+            "with nothing to compare it to. Set model.pretrained to a trained model (schedule.yaml: job.yaml's export)"
+        )
+    else:
+        log.info(f"no production model yet: the first version starts from model.pretrained={model.pretrained}")
     return dataclasses.replace(
         config,
         data=dataclasses.replace(config.data, train=files),

@@ -83,3 +83,18 @@ def split_s3(uri: str) -> tuple[str, str]:
     """(bucket, key prefix) of ``s3://bucket/prefix``; the prefix has no leading or trailing '/'."""
     bucket, _, key = uri[len("s3://") :].partition("/")
     return bucket, key.strip("/")
+
+
+def collapse_slashes(uri: str) -> str:
+    """``s3://bucket/a//b/`` as ``s3://bucket/a/b/``: repeated slashes in an s3:// URI's key collapsed to one (the
+    scheme's ``//`` and any query kept). An environment variable that ends in '/' doubles the slash after it
+    (``$ANYSCALE_ARTIFACT_STORAGE/sdtrain/runs``), and pyarrow refuses an empty path component. Anything else, and
+    a URI without a bucket (``s3:///x``, refused where it is used), is returned as it is."""
+    if not uri.startswith("s3://"):
+        return uri
+    rest = uri[len("s3://") :]
+    cut = _first(rest, "?#")
+    bucket, slash, key = rest[:cut].partition("/")
+    if not bucket or not slash:
+        return uri
+    return "s3://" + bucket + "/" + re.sub(r"/{2,}", "/", key.lstrip("/")) + rest[cut:]
