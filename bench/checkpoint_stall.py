@@ -41,10 +41,11 @@ def main() -> None:
         "--width", type=int, help="block_out_channels of the widened tiny UNet: (w, 2w) (default 192; smoke 32)"
     )
     parser.add_argument("--checkpoints", type=int, help="checkpoints per run (default 4; smoke 2)")
-    parser.add_argument("--every", type=int, default=4, help="checkpoint.every_n_steps (default %(default)s)")
+    parser.add_argument("--every", type=int, help="checkpoint.every_n_steps (default 4; smoke 2)")
     args = parser.parse_args()
     width = args.width or (32 if args.smoke else 192)
     checkpoints = args.checkpoints or (2 if args.smoke else 4)
+    args.every = args.every or (2 if args.smoke else 4)
 
     import boto3
     import ray

@@ -5,7 +5,7 @@ size (their architectures, random weights: the speed is the same), at 256 and 51
 the end-to-end figure on this machine is bench/preprocess_throughput.py's.
 
     python bench/encoder_throughput.py                       # 256 and 512 px, batch 32, on the GPU if there is one
-    python bench/encoder_throughput.py --smoke               # 64 px, batches of 2: checks that it runs
+    python bench/encoder_throughput.py --smoke               # 64 px, batches of 1: checks that it runs
 Figures: bench/results/.
 """
 
@@ -47,10 +47,10 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--batches", type=int, default=5, help="timed batches per resolution (after one warm-up)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
-    parser.add_argument("--smoke", action="store_true", help="64 px, 1 batch of 2: seconds, the figure means nothing")
+    parser.add_argument("--smoke", action="store_true", help="64 px, 1 batch of 1: seconds, the figure means nothing")
     args = parser.parse_args()
     if args.smoke:
-        args.resolutions, args.batch_size, args.batches = [64], 2, 1
+        args.resolutions, args.batch_size, args.batches = [64], 1, 1
 
     import numpy as np
     import torch

@@ -17,7 +17,7 @@ predicts it does not fit this GPU, the largest power-of-two fraction of it that 
     python bench/gpu_throughput.py --presets sd2-base --resolutions 256 --variants compile
     python bench/gpu_throughput.py --config configs/small.yaml      # one worker's share of that config, as configured
     python bench/gpu_throughput.py --presets small --resolutions 512 --variants eager --profile  # time by kind of op
-    python bench/gpu_throughput.py --smoke [--config ...]           # CPU, tiny UNet at 128 px, 3 steps (CI)
+    python bench/gpu_throughput.py --smoke [--config ...]           # CPU, tiny UNet at 128 px, 2 steps (CI)
 
 With --config, one variant, "config": the config's own options at the micro-batch and accumulation its workers run
 at its most workers: the work of the check job's one-GPU phase (entrypoints/check.py), without Ray and its data.
@@ -81,7 +81,7 @@ def main() -> None:
     start = time.monotonic()
     if args.smoke:
         use_gpu, presets, resolutions = False, ["tiny"], [128]
-        args.steps, args.warmup = 3, 1
+        args.steps, args.warmup = 2, 1
         gpu, device_name, peak = None, "CPU (smoke: not a GPU figure)", args.peak_tflops or 1.0
         memory_gib = 80.0
     else:
@@ -126,7 +126,7 @@ def main() -> None:
 
 def _arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--smoke", action="store_true", help="CPU, tiny UNet at 128 px, 3 steps: checks that it runs")
+    parser.add_argument("--smoke", action="store_true", help="CPU, tiny UNet at 128 px, 2 steps: checks that it runs")
     parser.add_argument("--presets", default="small,sd2-base")
     parser.add_argument("--resolutions", default="256,512", help="image sizes in px (latents are 1/8 of it)")
     parser.add_argument(

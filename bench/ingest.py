@@ -17,7 +17,8 @@ an earlier run), which this script samples from outside. The files are read once
 so every path reads from the page cache. Throughput runs are repeated (--repeat, default 3) in
 interleaved rounds (pyarrow, pandas, sdtrain, then again), and each figure is the median of its
 runs: on a shared machine one run of each can be 20-30% off. Their memory sampler reads the tree
-every 0.5 s (reading PSS costs CPU the runs would otherwise have); --scale samples every 0.1 s.
+every 0.5 s (reading PSS costs CPU the runs would otherwise have); --scale samples every 0.1 s, --smoke
+every run every 0.5 s.
 
     python bench/ingest.py            # throughput, float16 and float32, median of 3 rounds
     python bench/ingest.py --scale    # memory at 1x, 4x, 16x
@@ -42,6 +43,7 @@ PATHS = ("pyarrow", "pandas", "sdtrain")
 THROUGHPUT_TARGET = 0.8  # x the pyarrow limit
 MEMORY_TARGET = 1.25  # 16x (largest) within this factor of 1x
 RAM_SHARE = 0.75  # a baseline run projected to need more RSS than this share of RAM is skipped, not swapped
+SMOKE_INTERVAL = 0.5  # --smoke: every run's tree sampled this often (its figures mean nothing; sampling costs CPU)
 
 
 def main() -> None:
@@ -138,7 +140,7 @@ def throughput_benchmark(workdir: Path, rows, rows_per_file, dtypes, paths, args
         for round_ in range(args.repeat):
             for path in paths:
                 # --smoke reuses these runs as the memory benchmark's 1x: sample them as densely as its others
-                r = run_child(path, files, dtype, args, interval=0.1 if args.smoke else 0.5)
+                r = run_child(path, files, dtype, args, interval=SMOKE_INTERVAL if args.smoke else 0.5)
                 runs[path].append(r)
                 if args.repeat > 1:
                     print(
@@ -202,11 +204,12 @@ def throughput_benchmark(workdir: Path, rows, rows_per_file, dtypes, paths, args
 def scale_benchmark(workdir: Path, rows, rows_per_file, dtype, scales, paths, args, known=None) -> None:
     """``known``: results already measured on the same 1x files, by (path, 1)."""
     known = known or {}
+    interval = SMOKE_INTERVAL if args.smoke else 0.1
     base = benchlib.write_dataset(workdir / "base", rows, rows_per_file, dtype)
     mib = sum(os.path.getsize(f) for f in base) / 2**20
     print(
         f"# memory at scale: 1x = {rows} rows ({mib:.0f} MiB of {dtype} parquet, {len(base)} files), "
-        f"batch {args.batch_size}; peak of the summed PSS (and RSS) of the process tree, sampled every 0.1 s"
+        f"batch {args.batch_size}; peak of the summed PSS (and RSS) of the process tree, sampled every {interval:g} s"
     )
     print(
         f"{'path':8} {'scale':>5} {'rows':>7} {'peak PSS MiB':>13} {'peak RSS MiB':>13} {'processes':>9} "
@@ -226,7 +229,7 @@ def scale_benchmark(workdir: Path, rows, rows_per_file, dtype, scales, paths, ar
                     flush=True,
                 )
                 continue
-            r = known.get((path, scale)) or run_child(path, files, dtype, args)
+            r = known.get((path, scale)) or run_child(path, files, dtype, args, interval)
             results[path, scale] = r
             print(
                 f"{path:8} {scale:4}x {r['samples']:7} {r['peak_pss'] / 2**20:13.0f} {r['peak_rss'] / 2**20:13.0f} "

@@ -151,9 +151,9 @@ def _predicted_shares(gap_s: float) -> list[tuple[str, int, float]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--smoke", action="store_true", help="6 steps, no prediction")
+    parser.add_argument("--smoke", action="store_true", help="3 steps, no prediction")
     args = parser.parse_args()
-    steps = 6 if args.smoke else args.steps
+    steps = 3 if args.smoke else args.steps
 
     import torch.multiprocessing as mp
 

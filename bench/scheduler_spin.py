@@ -39,13 +39,14 @@ def main() -> None:
     parser.add_argument(
         "--rows", type=int, help="rows of 4x16x16 latents and 77x32 captions (default 8192; smoke 2048)"
     )
-    parser.add_argument("--work", type=int, default=30, help="matmuls of 256x256 per step (default %(default)s)")
+    parser.add_argument("--work", type=int, help="matmuls of 256x256 per step (default 30; smoke 5)")
     parser.add_argument("--budget-mib", type=float, help="Ray Data's object-store budget (default 10; smoke 1)")
     parser.add_argument("--child", choices=["paced", "unpaced"], help=argparse.SUPPRESS)
     parser.add_argument("--data", help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.rows = args.rows or (2048 if args.smoke else 8192)
     args.budget_mib = args.budget_mib or (1 if args.smoke else 10)
+    args.work = args.work or (5 if args.smoke else 30)
     if args.child:
         return child(args)
 
