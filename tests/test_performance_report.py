@@ -233,3 +233,22 @@ def test_a_checkpointed_step_recomputes_its_forward_in_the_backward_pass():
     assert flops(checkpointed, False) == flops(plain, False)
     recomputed = flops(checkpointed, True) - flops(plain, True)
     assert 0.5 * flops(plain, False) < recomputed <= flops(plain, False)
+
+
+def test_a_third_micro_batch_of_a_step_is_the_line_through_two_traces():
+    """tools/step_ops.py traces two micro-batches of a step and draws any other from their line (affine_step_ops):
+    every op's FLOPs and bytes, the fused bytes and the gradients' readiness as a trace of that micro-batch counts
+    them; two different steps draw no line."""
+    from sdtrain.config.schema import ModelConfig
+    from sdtrain.model.op_costs import count_step_ops
+    from sdtrain.model.unet import unet_config
+    from tools.step_ops import affine_step_ops
+
+    unet = unet_config(ModelConfig(preset="tiny"))
+    two, six = model.step_ops("tiny", 128, 2), model.step_ops("tiny", 128, 6)
+    three = count_step_ops(unet, (4, 16, 16), (77, unet["cross_attention_dim"]), 3)
+    assert affine_step_ops((2, two), (6, six), 3) == three
+    assert model.step_ops("tiny", 128, 3) == three
+    # Another step (checkpointed: its forward recomputed in the backward pass) has other ops: no line.
+    checkpointed = model.step_ops("tiny", 128, 2, gradient_checkpointing=True)
+    assert affine_step_ops((2, two), (6, checkpointed), 3) is None

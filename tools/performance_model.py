@@ -5,12 +5,12 @@ Every figure here is a prediction until a GPU run measures it (``entrypoints/che
 ``bench/gpu_session.sh`` on a lent GPU; ../shared/GPU.md).
 
 **Compute**, one micro-batch on one GPU: the ops of :mod:`sdtrain.model.op_costs` (forward, loss and backward of the
-real UNet under CUDA's bf16 autocast rules, counted on fake tensors), each at a share of the GPU's datasheet peaks
-(:class:`Efficiency`): a matmul, convolution or attention op takes the longer of its FLOPs at its kind's share of the
-bf16 peak and its bytes at the memory share of the bandwidth; a memory-bound op (casts, GroupNorm, LayerNorm, SiLU,
-GELU, adds, copies) its bytes, each op its own kernel (eager) or, compiled, only the bytes that cross between fused
-code and the library kernels (op_costs' stated fusion assumption). Once an optimizer step, memory-bound passes over
-the float32 parameters (:func:`optimizer_seconds`).
+real UNet under CUDA's bf16 autocast rules, counted on fake tensors: tools/step_ops.py), each at a share of the GPU's
+datasheet peaks (:class:`Efficiency`): a matmul, convolution or attention op takes the longer of its FLOPs at its
+kind's share of the bf16 peak and its bytes at the memory share of the bandwidth; a memory-bound op (casts, GroupNorm,
+LayerNorm, SiLU, GELU, adds, copies) its bytes, each op its own kernel (eager) or, compiled, only the bytes that cross
+between fused code and the library kernels (op_costs' stated fusion assumption). Once an optimizer step, memory-bound
+passes over the float32 parameters (:func:`optimizer_seconds`).
 
 **Calibration**: MosaicML trained the SD 2 UNet on precomputed 256 px latents at ~137 images/s per A100 (8 A100s;
 ../shared/GPU.md). The memory share is fixed at :data:`MEMORY_EFFICIENCY`; the one compute share (matmul, convolution
@@ -32,14 +32,18 @@ NCCL's latency per bucket, and the data pipeline (the check job measures data wa
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cache
 from typing import Any, cast
 
+import numpy as np
+
 from sdtrain.model.hardware import A100, H200_SXM, Gpu
 from sdtrain.model.op_costs import KINDS, StepOps
+from tools.step_ops import step_ops
 
 MEMORY_EFFICIENCY = 0.8
 """The share of the datasheet memory bandwidth a memory-bound kernel is assumed to reach (stream-like kernels reach
@@ -216,24 +220,6 @@ def _minimize(f: Callable[[float], float], low: float, high: float, iterations: 
     return (low + high) / 2
 
 
-def step_ops(preset: str, resolution: int, micro_batch: int, gradient_checkpointing: bool = False) -> StepOps:
-    """The ops of one micro-batch of ``preset`` at ``resolution`` (sdtrain.model.op_costs), traced once."""
-    # One cache key however the flag is passed (functools.cache keys a defaulted argument apart from a given one).
-    return _step_ops(preset, resolution, micro_batch, gradient_checkpointing)
-
-
-@cache
-def _step_ops(preset: str, resolution: int, micro_batch: int, gradient_checkpointing: bool) -> StepOps:
-    from sdtrain.config.schema import ModelConfig
-    from sdtrain.model.op_costs import count_step_ops
-    from sdtrain.model.unet import unet_config
-
-    unet = unet_config(ModelConfig(preset=cast(Any, preset)))
-    side = resolution // 8
-    caption = (77, unet["cross_attention_dim"])
-    return count_step_ops(unet, (4, side, side), caption, micro_batch, gradient_checkpointing=gradient_checkpointing)
-
-
 @cache
 def ops_parameters(preset: str) -> tuple[int, ...]:
     """Each parameter's elements, in registration order."""
@@ -294,15 +280,14 @@ def micro_batch(
         host_s: the host's seconds an eager op (default: :func:`host_s_per_op`).
     """
     seconds = op_seconds(ops, gpu, memory_gib, shares, compiled)
-    device_forward = sum(t for t, op in zip(seconds, ops.ops, strict=True) if not op.backward)
-    elapsed = [0.0]
-    for t in seconds:
-        elapsed.append(elapsed[-1] + t)
+    columns = _columns(ops)
+    device_forward = sum(itertools.compress(seconds, columns.forward))
+    elapsed = list(itertools.accumulate(seconds, initial=0.0))
     forward, backward = device_forward, elapsed[-1] - device_forward
     stretch = 1.0
     if not compiled:
         host = host_s_per_op() if host_s is None else host_s
-        forward_ops = sum(1 for op in ops.ops if not op.backward)
+        forward_ops = columns.forward_ops
         if backward:
             stretch = max(1.0, (len(ops.ops) - forward_ops) * host / backward)
         forward = max(forward, forward_ops * host)
@@ -312,19 +297,73 @@ def micro_batch(
 
 def op_seconds(ops: StepOps, gpu: Gpu, memory_gib: float, shares: Efficiency, compiled: bool) -> list[float]:
     """Each op's predicted seconds on the GPU (the host floor aside): the longer of its FLOPs and its bytes at
-    ``shares``; compiled, a memory-bound op's share of its pass's fused bytes (:func:`micro_batch`)."""
+    ``shares``; compiled, a memory-bound op's share of its pass's fused bytes (:func:`micro_batch`).
+
+    Computed on the ops' columns (:func:`_columns`), each op's figure by the same float operations in the same order
+    as one op at a time (the fits evaluate thousands of steps of thousands of ops)."""
     peak, bandwidth = gpu.bf16_peak, gpu.bandwidth_bytes(memory_gib) * shares.memory
+    columns = _columns(ops)
     scale = [1.0, 1.0]
     if compiled:
         for phase in (0, 1):
-            eager = sum(op.bytes for op in ops.ops if op.kind == "memory" and op.backward == phase)
+            eager = columns.memory_bytes[phase]
             scale[phase] = ops.fused_memory_bytes[phase] / eager if eager else 0.0
-    return [
-        op.bytes * scale[op.backward] / bandwidth
-        if op.kind == "memory"
-        else max(op.flops / (peak * getattr(shares, op.kind)), op.bytes / bandwidth)
-        for op in ops.ops
-    ]
+    memory = columns.bytes * np.where(columns.backward, scale[1], scale[0]) / bandwidth
+    # A memory op's FLOPs (0) at any share: a placeholder its own figure replaces.
+    kind_peak = np.array([peak * getattr(shares, kind) if kind != "memory" else 1.0 for kind in KINDS])
+    compute = np.maximum(columns.flops / kind_peak[columns.kind], columns.bytes / bandwidth)
+    return np.where(columns.is_memory, memory, compute).tolist()
+
+
+@dataclass(frozen=True)
+class _Columns:
+    """A traced step's ops as arrays, for :func:`op_seconds`, and what :func:`micro_batch` counts of them.
+
+    Args:
+        flops: each op's FLOPs (float64: as a FLOP count divides).
+        bytes: each op's bytes (float64).
+        kind: each op's index in KINDS.
+        is_memory: each op is memory-bound.
+        backward: each op runs in the backward pass.
+        forward: each op runs in the forward pass (a list: itertools.compress's selectors).
+        forward_ops: the forward pass's ops.
+        memory_bytes: the eager bytes of the memory-bound ops of the forward and of the backward pass.
+    """
+
+    flops: np.ndarray
+    bytes: np.ndarray
+    kind: np.ndarray
+    is_memory: np.ndarray
+    backward: np.ndarray
+    forward: list[bool]
+    forward_ops: int
+    memory_bytes: tuple[int, int]
+
+
+_COLUMNS: dict[int, tuple[StepOps, _Columns]] = {}
+
+
+def _columns(ops: StepOps) -> _Columns:
+    """``ops`` as columns, made once per StepOps (kept with it: an id is only reused once its object is gone)."""
+    held = _COLUMNS.get(id(ops))
+    if held is None or held[0] is not ops:
+        kinds = [KINDS.index(op.kind) for op in ops.ops]
+        backward = [op.backward for op in ops.ops]
+        memory_bytes = tuple(
+            sum(op.bytes for op in ops.ops if op.kind == "memory" and op.backward == phase) for phase in (0, 1)
+        )
+        columns = _Columns(
+            flops=np.array([op.flops for op in ops.ops], dtype=np.int64).astype(np.float64),
+            bytes=np.array([op.bytes for op in ops.ops], dtype=np.int64).astype(np.float64),
+            kind=np.array(kinds, dtype=np.intp),
+            is_memory=np.array(kinds, dtype=np.intp) == KINDS.index("memory"),
+            backward=np.array(backward, dtype=bool),
+            forward=[not b for b in backward],
+            forward_ops=backward.count(False),
+            memory_bytes=(memory_bytes[0], memory_bytes[1]),
+        )
+        held = _COLUMNS[id(ops)] = (ops, columns)
+    return held[1]
 
 
 def kind_seconds(ops: StepOps, gpu: Gpu, memory_gib: float, shares: Efficiency, compiled: bool) -> dict[str, float]:
