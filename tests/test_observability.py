@@ -129,6 +129,32 @@ def test_mlflow_without_a_tracking_server_is_refused_before_ray_starts(monkeypat
             check_trackers(config)
 
 
+def test_a_workers_mlflow_client_gives_up_on_a_server_that_is_down_in_seconds_not_minutes(monkeypatch):
+    """Rank 0's tracker call that meets an outage holds every rank until MLflow's client gives up (the later tries are
+    the background's): the workers get fewer retries than MLflow's default unless the driver's environment sets them,
+    and a call to a closed port then fails well inside what the default's backoff alone sleeps (2 + 4 + ... + 128 s)."""
+    import mlflow
+    from mlflow.environment_variables import MLFLOW_HTTP_REQUEST_MAX_RETRIES, MLFLOW_HTTP_REQUEST_TIMEOUT
+
+    from sdtrain.driver.trackers import WORKER_MLFLOW_RETRIES, tracker_env
+    from sdtrain.train.trackers import apply_tracker_env
+
+    for name in WORKER_MLFLOW_RETRIES:  # restored as they were after the test
+        monkeypatch.setenv(name, "0")
+        monkeypatch.delenv(name)
+    env = tracker_env()
+    assert env["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] == "2" and env["MLFLOW_HTTP_REQUEST_TIMEOUT"] == "15"
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "5")  # the cluster's own setting wins
+    assert tracker_env()["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] == "5"
+    monkeypatch.delenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES")
+    apply_tracker_env(env)  # as a worker does
+    assert MLFLOW_HTTP_REQUEST_MAX_RETRIES.get() == 2 and MLFLOW_HTTP_REQUEST_TIMEOUT.get() == 15
+    start = time.monotonic()
+    with pytest.raises(mlflow.exceptions.MlflowException, match="Max retries exceeded"):
+        mlflow.MlflowClient("http://127.0.0.1:9").get_experiment_by_name("nothing-answers")
+    assert time.monotonic() - start < 60  # MLflow's default: over 254 s of backoff
+
+
 def test_mlflow_down_at_the_end_of_a_run_is_warned_about_and_fails_nothing(tmp_path, monkeypatch, caplog):
     """The driver's last calls to MLflow (the final checkpoint's evaluation, the export) after training succeeded."""
     from sdtrain.driver.trackers import log_evaluations, log_export

@@ -21,11 +21,18 @@ from sdtrain.storage.filesystems import local_copy
 from sdtrain.storage.uris import is_uri
 from sdtrain.train.trackers import FORWARDED_ENV, read_state, wandb_save_dir
 
+WORKER_MLFLOW_RETRIES = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_TIMEOUT": "15"}
+"""MLflow's client retries on the workers unless this process's environment sets them. Rank 0's call that meets an
+outage waits them out, and every other rank waits for rank 0 at its next collective: MLflow's own (7 retries 2 s to
+128 s apart, 120 s a request) hold the whole job about 4 minutes, 20 if the server hangs; these, seconds (a server
+that hangs: under a minute). The outage's later tries run in the background (sdtrain.train.trackers)."""
+
 
 def tracker_env() -> dict[str, str]:
     """The tracker settings of this process's environment, for :func:`sdtrain.train.trackers.apply_tracker_env` on a
-    worker."""
-    return {key: os.environ[key] for key in FORWARDED_ENV if key in os.environ}
+    worker, with :data:`WORKER_MLFLOW_RETRIES` where it sets none."""
+    forwarded = (*FORWARDED_ENV, *WORKER_MLFLOW_RETRIES)
+    return {**WORKER_MLFLOW_RETRIES, **{key: os.environ[key] for key in forwarded if key in os.environ}}
 
 
 def check_trackers(config: Config) -> None:
