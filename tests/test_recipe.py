@@ -97,6 +97,28 @@ def test_targets_are_the_noise_or_the_schedulers_velocity():
     torch.testing.assert_close(velocity, a.sqrt() * noise - (1 - a).sqrt() * latents)  # Salimans & Ho
 
 
+def test_every_valid_row_of_a_step_weighs_the_same_wherever_its_skipped_neighbours_are():
+    """2 ranks x 2 micro-batches of 4 rows, some skipped (valid=False): DDP averages the ranks and accumulation the
+    micro-batches, so each valid row's squared error must weigh 1/16 and a skipped one 0, as over the whole step's
+    rows with the skipped ones as zeros (over the valid rows of each micro-batch, the one survivor of a micro-batch
+    weighed 1/4 and the rows of a fully skipped one's neighbours 1/16 of a smaller total)."""
+    scheduler = _scheduler("epsilon")
+    valid = torch.tensor([[1, 0, 0, 0], [1, 1, 1, 1], [0, 0, 0, 0], [1, 1, 1, 0]], dtype=torch.bool)
+    errors = torch.rand(4, 4, requires_grad=True)  # each row's squared error, as a 1x1x1 prediction's with target 0
+    step = (
+        sum(
+            recipe.diffusion_loss(
+                errors[m].sqrt().view(4, 1, 1, 1), torch.zeros(4, 1, 1, 1), scheduler, torch.zeros(4), None, valid[m]
+            )
+            for m in range(4)
+        )
+        / 4
+    )
+    step.backward()
+    assert errors.grad is not None
+    torch.testing.assert_close(errors.grad, valid.float() / 16)
+
+
 @pytest.mark.parametrize("prediction_type", ["epsilon", "v_prediction"])
 def test_min_snr_weights_match_the_paper_and_diffusers(prediction_type):
     scheduler = _scheduler(prediction_type)

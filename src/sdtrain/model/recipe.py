@@ -74,8 +74,11 @@ def diffusion_loss(
     snr_gamma: float | None = None,
     valid: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Mean squared error, each sample weighted by min-SNR-gamma when ``snr_gamma`` is set, over
-    the samples ``valid`` marks (all when None)."""
+    """Mean squared error, each sample weighted by min-SNR-gamma when ``snr_gamma`` is set; a sample ``valid`` marks
+    False (a row skipped under data.on_read_error=skip) counts as a zero. Divided by the micro-batch's rows, not its
+    valid ones: DDP and accumulation average the micro-batches' losses, so every valid row of a step weighs 1/global
+    batch wherever it is (over the valid rows alone, a micro-batch's few survivors would outweigh another's rows, and a
+    fully skipped micro-batch would still count in the average)."""
     if snr_gamma is None and valid is None:
         return F.mse_loss(prediction.float(), target.float())
     per_sample = F.mse_loss(prediction.float(), target.float(), reduction="none").mean(
@@ -86,7 +89,7 @@ def diffusion_loss(
     if valid is None:
         return per_sample.mean()
     valid = valid.to(per_sample.dtype)
-    return (per_sample * valid).sum() / valid.sum().clamp(min=1)
+    return (per_sample * valid).sum() / valid.numel()
 
 
 def offset_noise(noise: torch.Tensor, offset: float, generator: torch.Generator) -> torch.Tensor:
