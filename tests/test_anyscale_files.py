@@ -13,7 +13,7 @@ from sdtrain.artifacts.provenance import COMMIT_ENV
 from sdtrain.config.loader import load_config
 from sdtrain.errors import ConfigError
 from sdtrain.model.hardware import NODE_TYPES
-from sdtrain.storage.run_layout import EXPORT_DIR
+from sdtrain.storage.run_layout import EXPORT_DIR, UNCONDITIONAL_FILE
 
 
 def _job(name):
@@ -139,6 +139,10 @@ def test_the_training_jobs_train_on_what_the_preprocessing_job_writes_and_none_o
         )
         assert config.data.shuffle_chunk_rows == written.output.row_group_rows
         assert config.run.storage_path == "s3://artifacts/org/cld_1/sdtrain/runs"  # no '//'
+        # Guidance's unconditional prediction is trained on the empty prompt as the text encoder the data was made
+        # with encodes it (what the exported pipeline guides against), not on zeros.
+        assert config.train.caption_dropout_prob > 0 and written.output.captions in ("embeddings", "both")
+        assert config.data.unconditional_caption == posixpath.join(config.data.train[0], UNCONDITIONAL_FILE)
     for name in ("job.yaml", "check_job.yaml", "schedule.yaml"):
         _entrypoint_config(_job(name)).refuse_placeholders()
     with pytest.raises(ConfigError, match=r"^data\.train\[0\]: s3://YOUR-BUCKET/\S+ names the shipped configs'"):
@@ -163,6 +167,10 @@ def test_the_schedule_starts_from_job_yamls_export_and_holds_its_data_with_the_a
     for key in ("retrain.data_root", "data.val"):
         assert overrides[key].startswith("$ANYSCALE_ARTIFACT_STORAGE/sdtrain/")
     # The held-out set, the daily partitions and pretraining's data: none inside another (a directory is read whole).
+    assert (
+        config.train.caption_dropout_prob > 0
+        and config.data.unconditional_caption == trained.data.unconditional_caption
+    )
     places = [config.retrain.data_root, *config.data.val, *trained.data.train]
     assert all(not a.startswith(b.rstrip("/") + "/") for a in places for b in places if a != b), places
 
