@@ -289,7 +289,7 @@ def test_batch_layout_keeps_the_global_batch_at_every_world_size():
         ),
         (["train.attention=flash"], r"train\.attention: must be one of sdpa, eager"),
         (["train.compile=3"], r"train\.compile: expected bool"),
-        (["model.prediction_type=sample"], r"model\.prediction_type: must be one of epsilon, v_prediction"),
+        (["model.prediction_type=sample"], r"model\.prediction_type: expected epsilon \| v_prediction \| null"),
         (["data.latent_scaling_factor=0"], r"data\.latent_scaling_factor: must be > 0 or null"),
         (
             ["data.unconditional_caption=empty.txt"],
@@ -336,7 +336,9 @@ def test_recipe_defaults_change_nothing_and_options_reach_the_model():
         False,
         "sdpa",
     )
-    assert config.model.prediction_type == "epsilon" and config.export.enabled is True
+    # Unset: model.pretrained's scheduler's, else epsilon (resolved on the driver: tests/test_prediction_type.py).
+    assert config.model.prediction_type is None and config.export.enabled is True
+    assert noise_scheduler_config(config.model)["prediction_type"] == "epsilon"
     v = load_config(None, BASE + ["model.prediction_type=v_prediction", "model.preset=tiny"])
     scheduler = noise_scheduler_config(v.model)
     assert scheduler["prediction_type"] == "v_prediction" and scheduler["clip_sample"] is False

@@ -610,9 +610,10 @@ def test_an_sdxl_model_exports_as_an_sdxl_pipeline_that_answers_a_prompt_and_gen
 @pytest.mark.timeout(600)
 def test_the_shipped_sdxl_config_trains_its_recipe_on_the_tiny_sdxl_unet(sdxl):
     """configs/sdxl-base.yaml's model and train options as they are (compiled, FSDP, gradient checkpointing,
-    zero-terminal SNR with v-prediction, min-SNR, caption dropout to zeros, EMA, micro-batch auto) on the tiny SDXL
-    layout: a real Lightning fit from the two tokenizers' ids for three steps, each FSDP unit compiled without a graph
-    break (the pooled embedding and time ids go through the root unit), the loss finite."""
+    zero-terminal SNR with v-prediction and no min-SNR, which would drop its terminal timesteps, caption dropout to
+    zeros, EMA, micro-batch auto) on the tiny SDXL layout: a real Lightning fit from the two tokenizers' ids for three
+    steps, each FSDP unit compiled without a graph break (the pooled embedding and time ids go through the root unit),
+    the loss finite."""
     from conftest import REPO
     from torch._dynamo.utils import counters
 

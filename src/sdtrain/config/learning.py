@@ -122,9 +122,12 @@ class ModelConfig(Section):
     pretrained: str | None = None
     """Local directory, s3:// URI or hub id of a diffusers model (unet/ and scheduler/ subfolders, or a bare UNet) to
     start from."""
-    prediction_type: Literal["epsilon", "v_prediction"] = "epsilon"
+    prediction_type: Literal["epsilon", "v_prediction"] | None = None
     """What the UNet predicts: epsilon (the noise) or v_prediction (velocity, from the scheduler's get_velocity).
-    Written into the noise scheduler config, so validation, the exported scheduler and sampling all follow it."""
+    null = model.pretrained's scheduler's (a v-prediction model keeps training as one), else epsilon. Written into the
+    noise scheduler config, so validation, the exported scheduler and sampling all follow it. A value other than
+    model.pretrained's changes the model's objective: allowed, with a warning naming both. A zero-terminal-SNR
+    schedule (train.zero_terminal_snr, or model.pretrained's) needs v_prediction."""
 
     def __post_init__(self):
         from diffusers import UNet2DConditionModel

@@ -138,10 +138,13 @@ class Config(ConfigTree):
             raise ConfigError(
                 "data.val: retraining needs a fixed held-out set to compare the new and production models on"
             )
-        if self.train.zero_terminal_snr and self.model.prediction_type != "v_prediction":
+        # Unset with model.pretrained, prediction_type is its scheduler's: checked once that is read
+        # (sdtrain.model.unet.noise_scheduler_config, which also refuses a pretrained zero-terminal-SNR schedule).
+        prediction_type = self.model.prediction_type or ("epsilon" if self.model.pretrained is None else None)
+        if self.train.zero_terminal_snr and prediction_type not in (None, "v_prediction"):
             raise ConfigError(
                 "train.zero_terminal_snr: the last timestep is then pure noise, where an epsilon prediction recovers "
-                f"nothing of the image; it needs model.prediction_type: v_prediction, got {self.model.prediction_type}"
+                f"nothing of the image; it needs model.prediction_type: v_prediction, got {prediction_type}"
             )
         if self.train.precision == "16-mixed" and self.scaling.use_gpu is False:
             raise ConfigError(

@@ -47,7 +47,7 @@ from sdtrain.evaluation.checks import check_evaluation
 from sdtrain.evaluation.results import final_results, merge_results
 from sdtrain.logs import log
 from sdtrain.model.conditioning import pooled_width
-from sdtrain.model.unet import unet_config
+from sdtrain.model.unet import resolve_prediction_type, unet_config
 from sdtrain.sampling.prompts import GridPrompts, grid_prompts
 from sdtrain.storage.filesystems import ray_storage, set_aside, uri_for
 from sdtrain.storage.run_layout import EXPORT_DIR
@@ -126,6 +126,7 @@ def check_run(config: Config) -> CheckedRun:
     """
     config = with_absolute_paths(config)
     preflight(config)  # object storage: endpoint, credentials, buckets, permissions (sdtrain.driver.preflight)
+    config = resolve_prediction_type(config)  # unset: model.pretrained's; the workers get it concrete
     check_trackers(config)
     run_dir = posixpath.join(config.run.storage_path, config.run.name)
     if config.run.start_fresh:
@@ -337,7 +338,7 @@ def finish(config: Config, result: ray.train.Result) -> RunSummary:
         # Evaluations that finished after their rows were saved (the final checkpoint's: Ray Train waits for it).
         evaluated = merge_results(history, final_results(uri_for(checkpoint.filesystem, result.path), history))
         log_evaluations(config, uri_for(checkpoint.filesystem, result.path), evaluated)
-    labels = LossLabels(config.model.prediction_type, config.train.snr_gamma)
+    labels = LossLabels(config.model.prediction_type or "epsilon", config.train.snr_gamma)  # check_run resolved it
     outputs = write_run_outputs(history, checkpoint.filesystem, result.path, labels)
     if config.export.enabled:
         export_path = posixpath.join(result.path, EXPORT_DIR)

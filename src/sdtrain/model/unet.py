@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from importlib import resources
@@ -10,11 +11,13 @@ from typing import Any
 
 from diffusers import DDPMScheduler, UNet2DConditionModel
 
-from sdtrain.config.schema import ModelConfig
+from sdtrain.config.schema import Config, ModelConfig
 from sdtrain.errors import ConfigError
+from sdtrain.logs import log
 from sdtrain.model.conditioning import dummy_conditioning
 from sdtrain.model.ema import set_ema_start
 from sdtrain.model.presets import PRESETS
+from sdtrain.model.recipe import PREDICTION_TYPES
 from sdtrain.storage.filesystems import local_copy
 from sdtrain.storage.uris import is_uri
 
@@ -76,25 +79,80 @@ def build_unet(model: ModelConfig) -> UNet2DConditionModel:
 
 def noise_scheduler_config(model: ModelConfig, zero_terminal_snr: bool = False) -> dict[str, Any]:
     """The DDPM training schedule: SD 2 base's (shipped), or the pretrained model's scheduler/;
-    with ``prediction_type`` from model.prediction_type in either case, and ``clip_sample`` off
-    (diffusers' DDPMScheduler default, taken when a config omits it, clips each predicted sample to
-    [-1, 1]: right for pixels, wrong for latents, whose values go well past 1, and it wrecks samples).
-    ``zero_terminal_snr`` (train.zero_terminal_snr): the betas rescaled so the last timestep is pure noise
+    with ``prediction_type`` from model.prediction_type, or where that is unset the pretrained scheduler's (else
+    epsilon), and ``clip_sample`` off (diffusers' DDPMScheduler default, taken when a config omits it, clips each
+    predicted sample to [-1, 1]: right for pixels, wrong for latents, whose values go well past 1, and it wrecks
+    samples). ``zero_terminal_snr`` (train.zero_terminal_snr): the betas rescaled so the last timestep is pure noise
     (diffusers' ``rescale_betas_zero_snr``), and timesteps spaced from the last one ("trailing") wherever the
-    config makes a sampler: what the schedule's samplers and an exported pipeline need."""
-    config = None
-    if model.pretrained is not None:
-        location = _pretrained_location(model.pretrained, "scheduler", required=False)
-        if location is not None:
-            path, subfolder = location
-            config = DDPMScheduler.load_config(path, subfolder=subfolder)
+    config makes a sampler: what the schedule's samplers and an exported pipeline need. A zero-terminal-SNR
+    schedule, set here or inherited from the pretrained one, with any prediction_type but v_prediction is refused."""
+    config = pretrained_scheduler_config(model)
+    inherited = config is not None
     if config is None:
         shipped = resources.files("sdtrain").joinpath("assets/scheduler_config.json").read_text()
         config = {k: v for k, v in json.loads(shipped).items() if not k.startswith("_")}
-    config = {**config, "prediction_type": model.prediction_type, "clip_sample": False}
+    prediction_type = model.prediction_type or config.get("prediction_type") or "epsilon"
+    config = {**config, "prediction_type": prediction_type, "clip_sample": False}
     if zero_terminal_snr:
         config = {**config, "rescale_betas_zero_snr": True, "timestep_spacing": "trailing"}
-    return json_safe(dict(DDPMScheduler.from_config(config).config))
+    config = json_safe(dict(DDPMScheduler.from_config(config).config))
+    _refuse_unusable_schedule(model, config, zero_terminal_snr, inherited)
+    return config
+
+
+def pretrained_scheduler_config(model: ModelConfig) -> dict[str, Any] | None:
+    """The scheduler config of model.pretrained as it is stored, or None: no model.pretrained, or a bare UNet."""
+    location = _pretrained_location(model.pretrained, "scheduler", required=False) if model.pretrained else None
+    if location is None:
+        return None
+    return dict(DDPMScheduler.load_config(location[0], subfolder=location[1]))
+
+
+def _refuse_unusable_schedule(model: ModelConfig, config: dict[str, Any], zero_terminal_snr: bool, inherited: bool):
+    """``inherited``: the schedule is model.pretrained's scheduler/ (its prediction_type too, where unset)."""
+    prediction_type = config["prediction_type"]
+    if model.prediction_type is not None:
+        given = prediction_type
+    else:
+        source = "model.pretrained's" if inherited else "the default"
+        given = f"unset, so {source} {prediction_type}"
+    if prediction_type not in PREDICTION_TYPES:
+        raise ConfigError(
+            f"model.prediction_type: {given}, which sdtrain does not train; set one of {', '.join(PREDICTION_TYPES)}"
+        )
+    if config.get("rescale_betas_zero_snr") and prediction_type != "v_prediction":
+        schedule = f"model.pretrained={model.pretrained}'s scheduler"
+        schedule = "train.zero_terminal_snr" if zero_terminal_snr else schedule
+        raise ConfigError(
+            f"model.prediction_type: {given} cannot train on a zero-terminal-SNR schedule (rescale_betas_zero_snr, "
+            f"from {schedule}): its last timestep is pure noise, where an epsilon prediction recovers nothing of the "
+            "image; set model.prediction_type: v_prediction"
+        )
+
+
+def resolve_prediction_type(config: Config) -> Config:
+    """``config`` with model.prediction_type concrete: the value noise_scheduler_config trains with (refusing what it
+    refuses), so that everything downstream (workers, loss plots, checkpoints) reads one value. On the driver, once
+    per run, after model.pretrained is located: it also warns of an explicit prediction_type that changes the
+    pretrained model's objective, and of min-SNR weighting on a zero-terminal-SNR schedule."""
+    model = config.model
+    scheduler = noise_scheduler_config(model, config.train.zero_terminal_snr)
+    pretrained = pretrained_scheduler_config(model)
+    inherited = pretrained.get("prediction_type", "epsilon") if pretrained is not None else None
+    if model.prediction_type is not None and inherited not in (None, model.prediction_type):
+        log.warning(
+            f"model.prediction_type: {model.prediction_type} retrains model.pretrained ({model.pretrained}), whose "
+            f"scheduler predicts {inherited}: the run changes its objective (fine when meant); unset "
+            f"model.prediction_type to keep {inherited}"
+        )
+    if config.train.snr_gamma is not None and scheduler.get("rescale_betas_zero_snr"):
+        log.warning(
+            f"train.snr_gamma: {config.train.snr_gamma:g} on a zero-terminal-SNR schedule: v-prediction's min-SNR "
+            "weight min(SNR, gamma) / (SNR + 1) goes to 0 with the SNR, so the terminal timesteps (pure noise), which "
+            "zero-terminal SNR exists to train, get about no weight (under 2e-5 at t=990 of 1000, 0 at the last); "
+            "unset train.snr_gamma"
+        )
+    return dataclasses.replace(config, model=dataclasses.replace(model, prediction_type=scheduler["prediction_type"]))
 
 
 def default_guidance_rescale(noise_scheduler_config: dict[str, Any]) -> float:

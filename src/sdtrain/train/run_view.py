@@ -71,7 +71,9 @@ class RunView:
         """
         self.config = config
         self.run_dir = run_dir
-        self.live = LiveOutputs(run_dir, LossLabels(config.model.prediction_type, config.train.snr_gamma))
+        # model.prediction_type: concrete in a run's config (sdtrain.model.unet.resolve_prediction_type, on the driver)
+        labels = LossLabels(config.model.prediction_type or "epsilon", config.train.snr_gamma)
+        self.live = LiveOutputs(run_dir, labels)
         self.trackers: Trackers | None = None  # opened by started(), which knows where the run resumes
         self.gauges = RayGauges(config.run.name) if ray_metrics else None
 
