@@ -312,12 +312,17 @@ def test_validation_follows_the_prediction_type():
 def test_ema_update_formula_start_step_and_skip():
     ema, weights = [torch.zeros(3)], [torch.ones(3)]
     ema_update_(ema, weights, step=1, decay=0.9, start_step=2)
-    assert torch.equal(ema[0], torch.ones(3))  # before the start step: a copy
-    weights = [torch.full((3,), 3.0)]
-    ema_update_(ema, weights, step=3, decay=0.9, start_step=2, skipped=torch.tensor(0.0))
-    torch.testing.assert_close(ema[0], torch.full((3,), 0.9 * 1 + 0.1 * 3))
-    ema_update_(ema, [torch.full((3,), 100.0)], step=4, decay=0.9, start_step=2, skipped=torch.tensor(1.0))
-    torch.testing.assert_close(ema[0], torch.full((3,), 1.2))  # a skipped step leaves the EMA alone
+    assert torch.equal(ema[0], torch.ones(3))  # through the start step + 1: a copy
+    ema_update_(ema, [torch.full((3,), 2.0)], step=3, decay=0.9, start_step=2, skipped=torch.tensor(0.0))
+    assert torch.equal(ema[0], torch.full((3,), 2.0))
+    weights = [torch.full((3,), 13.0)]
+    ema_update_(ema, weights, step=4, decay=0.9, start_step=2, skipped=torch.tensor(0.0))
+    # n = 1 step past it: the ramp's decay, min(0.9, 2 / 11), as diffusers' EMAModel's
+    torch.testing.assert_close(ema[0], torch.full((3,), 2 / 11 * 2 + 9 / 11 * 13))
+    ema_update_(ema, [torch.full((3,), 100.0)], step=5, decay=0.9, start_step=2, skipped=torch.tensor(1.0))
+    torch.testing.assert_close(ema[0], torch.full((3,), 11.0))  # a skipped step leaves the EMA alone
+    ema_update_(ema, [torch.full((3,), 1.0)], step=10**4, decay=0.9, start_step=2, skipped=torch.tensor(0.0))
+    torch.testing.assert_close(ema[0], torch.full((3,), 0.9 * 11 + 0.1 * 1))  # the ramp done: the decay
 
 
 def test_the_ema_update_never_reads_the_skip_flag_back_to_the_host():
@@ -329,13 +334,15 @@ def test_the_ema_update_never_reads_the_skip_flag_back_to_the_host():
         ema_update_(ema, weights, step=3, decay=0.5, start_step=0, skipped=torch.tensor(0.0))
     syncs = {e.name for e in prof.events()} & {"aten::item", "aten::_local_scalar_dense"}
     assert not syncs, f"a host sync per step: {syncs}"
-    assert torch.equal(ema[0], torch.full((3,), 0.5)) and torch.equal(
-        ema[1], torch.full((2,), 0.5, dtype=torch.bfloat16)
+    # step 3, n = 2: the ramp's decay min(0.5, 3 / 12) = 0.25
+    assert torch.equal(ema[0], torch.full((3,), 0.75)) and torch.equal(
+        ema[1], torch.full((2,), 0.75, dtype=torch.bfloat16)
     )
 
 
 def test_ema_tracks_training_and_is_used_for_validation_and_loading(tmp_path):
-    module = _module(lr=1e-2, warmup_steps=0, ema_decay=0.5, ema_start_step=1)
+    module = _module(lr=1e-2, warmup_steps=0, ema_decay=0.5, ema_start_step=0)
+    assert not module.ema_warm_start  # from the weights trained: the ramp
     batches = _batches(3, seed=1)
     snapshots = []
 
@@ -353,8 +360,8 @@ def test_ema_tracks_training_and_is_used_for_validation_and_loading(tmp_path):
         callbacks=[Snap()],
     )
     trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(batches, batch_size=None))
-    # step 1: copy; steps 2, 3: ema = 0.5 ema + 0.5 w
-    expected = 0.5 * (0.5 * snapshots[0] + 0.5 * snapshots[1]) + 0.5 * snapshots[2]
+    # step 1: copy; steps 2, 3: ema = d ema + (1 - d) w, d = min(0.5, (1 + n) / (10 + n)) for n = 1, 2 (the ramp)
+    expected = 3 / 12 * (2 / 11 * snapshots[0] + 9 / 11 * snapshots[1]) + 9 / 12 * snapshots[2]
     torch.testing.assert_close(module.ema_unet.conv_in.weight, expected)
     assert not torch.equal(module.ema_unet.conv_in.weight, module.unet.conv_in.weight)
     assert not any(p.requires_grad for p in module.ema_unet.parameters())

@@ -353,7 +353,7 @@ def test_a_warm_start_from_a_version_continues_its_trained_weights_and_their_ema
     # The next day's run (model.pretrained = the version): its weights from the trained ones, its EMA from the EMA's.
     warm = dataclasses.replace(config.model, pretrained=version)
     module = DiffusionModule(build_unet(warm), noise_scheduler_config(warm), config.train, trained.meta)
-    assert module.ema_unet is not None
+    assert module.ema_unet is not None and module.ema_warm_start  # that EMA averages at the full decay: no ramp
     for ours, theirs in ((module.unet, raw), (module.ema_unet, trained.unet)):
         state = theirs.state_dict()
         assert all(torch.equal(tensor, state[name]) for name, tensor in ours.state_dict().items())
@@ -367,6 +367,6 @@ def test_a_warm_start_from_a_version_continues_its_trained_weights_and_their_ema
     # A version of a run without an EMA (or written before versions kept both) starts both from its one set.
     (tmp_path / "models" / "versions" / "v0001" / RAW_UNET_SUBFOLDER / "config.json").unlink()
     older = DiffusionModule(build_unet(warm), noise_scheduler_config(warm), config.train, trained.meta)
-    assert older.ema_unet is not None
+    assert older.ema_unet is not None and not older.ema_warm_start  # a copy of the weights trained: it ramps
     assert torch.equal(older.unet.conv_in.weight, trained.unet.conv_in.weight)
     assert torch.equal(older.ema_unet.conv_in.weight, trained.unet.conv_in.weight)

@@ -192,9 +192,13 @@ class TrainConfig(Section):
     unconditional prediction that classifier-free guidance needs (0.1 typical)."""
     ema_decay: float | None = None
     """Keep an exponential moving average of the UNet weights with this decay (e.g. 0.9999), saved in checkpoints and
-    used for validation, export and generation; null = no EMA."""
+    used for validation, export and generation; null = no EMA. The decay ramps up to it as diffusers' EMAModel's
+    does: min(ema_decay, (1 + n) / (10 + n)), n steps after the EMA starts (train.ema_start_step); except a warm
+    start that continues a registry version's EMA (retraining) with ema_start_step 0, which averages at ema_decay
+    from step 1."""
     ema_start_step: int = 0
-    """Until this step the EMA copies the weights; after it, it averages them with train.ema_decay."""
+    """Through step ema_start_step + 1 the EMA copies the weights; after it, it averages them with a decay that ramps
+    up to train.ema_decay (diffusers' EMAModel with update_after_step = ema_start_step)."""
     strategy: Literal["ddp", "fsdp"] = "ddp"
     """Distributed strategy: ddp (Ray's RayDDPStrategy: every worker holds the whole model) or fsdp (FSDP2, torch's
     fully_shard: weights, gradients, optimizer state and EMA sharded over the workers, for UNets too large for ddp;

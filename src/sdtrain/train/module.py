@@ -85,6 +85,8 @@ class DiffusionModule(pl.LightningModule):
         # A warm start from weights kept beside their EMA (sdtrain.model.unet.build_unet) continues that EMA.
         ema_start = take_ema_start(unet)
         self.ema_unet = make_ema(unet, ema_start) if train.ema_decay is not None else None
+        # That EMA keeps the full decay, no ramp (sdtrain.model.ema): from the config, so the same on resume.
+        self.ema_warm_start = ema_start is not None
         # Summed on the device and read only when a log line is due: no per-step host sync.
         self.register_buffer("loss_sum", torch.zeros(()), persistent=False)
         self.register_buffer("loss_count", torch.zeros(()), persistent=False)
@@ -241,6 +243,7 @@ class DiffusionModule(pl.LightningModule):
                 decay,
                 self.train_config.ema_start_step,
                 self.step_skipped,
+                warm_start=self.ema_warm_start,
             )
 
     @property
