@@ -528,6 +528,10 @@ def test_a_pipeline_exports_card_shows_the_latest_training_grid_or_one_rendered_
     assert (rendered / "model_index.json").is_file()
     card = (rendered / "README.md").read_text()
     assert f"![Samples]({SAMPLE_GRID_FILE})" in card and "1. a red fox; 2. a blue bird; 3. a green frog" in card
+    # What it was trained as: from scratch, its recipe as configured (the prediction type the scheduler's).
+    assert (
+        "trained from scratch" in card and "- Prediction type: v_prediction; recipe: caption_dropout_prob=0.2\n" in card
+    )
     # The card shows how to guide as training did: against the empty prompt it trained with (zeros here), which a
     # Stable Diffusion pipeline would encode from "" instead. Its code runs as written.
     code = card.split("```python\n")[1].split("```")[0]
@@ -549,6 +553,12 @@ def test_a_pipeline_exports_card_shows_the_latest_training_grid_or_one_rendered_
     assert (shown / SAMPLE_GRID_FILE).read_bytes() == _grid_png("green")
     card = (shown / "README.md").read_text()
     assert f"![Samples]({SAMPLE_GRID_FILE})" in card and "at step 4 (`samples/step_4.png`" in card
+
+    # A model started from another says so.
+    model = {**config.get("model", {}), "pretrained": "stabilityai/stable-diffusion-2-base"}
+    tuned = dataclasses.replace(loaded, meta=dataclasses.replace(loaded.meta, config={**config, "model": model}))
+    write_export(tuned, str(tmp_path / "tuned"))
+    assert "fine-tuned from `stabilityai/stable-diffusion-2-base`" in (tmp_path / "tuned" / "README.md").read_text()
 
     # An export of that export keeps its grid.
     again = tmp_path / "again"

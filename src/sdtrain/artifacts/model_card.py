@@ -172,13 +172,16 @@ def write_model_card(
 
     config = loaded.meta.config if loaded.meta is not None else {}
     train = config.get("train", {})
+    # The prediction type is the scheduler's (its own line): the config's may be unset, meaning model.pretrained's.
     recipe = ", ".join(
         f"{key}={train[key]}"
-        for key in ("prediction_type", "lr", "global_batch_size", "snr_gamma", "caption_dropout_prob", "ema_decay")
+        for key in ("lr", "global_batch_size", "snr_gamma", "caption_dropout_prob", "ema_decay")
         if train.get(key) is not None
     )
+    pretrained = config.get("model", {}).get("pretrained")
+    origin = f"fine-tuned from `{pretrained}`" if pretrained else "trained from scratch"
     lines = [
-        f"A Stable Diffusion UNet trained from scratch with sdtrain {__version__}, step {loaded.global_step} "
+        f"A Stable Diffusion UNet {origin} with sdtrain {__version__}, step {loaded.global_step} "
         f"({loaded.weights} weights), in a pipeline with the VAE of `{sources.vae}` and the text encoder of "
         f"`{sources.text_encoder}`.",
         "",
