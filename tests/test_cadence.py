@@ -1,6 +1,9 @@
 """The one schedule of reports, validations and checkpoints every rank follows (sdtrain.train.cadence)."""
 
+import pytest
+
 from sdtrain.config.loader import load_config
+from sdtrain.errors import ConfigError
 from sdtrain.train.cadence import ReportCadence
 
 
@@ -21,5 +24,21 @@ def test_reports_validations_and_checkpoints_fall_on_the_same_steps_for_every_ra
     # Validation defaults to the checkpoint interval, and happens only at a report.
     default = _cadence(12, "checkpoint.every_n_steps=6", "run.log_every_n_steps=4")
     assert [s for s in range(1, 13) if default.validation_due(s)] == [6, 12]
-    off_schedule = _cadence(16, "checkpoint.every_n_steps=8", "run.log_every_n_steps=8", "run.val_every_n_steps=3")
-    assert [s for s in range(1, 17) if off_schedule.validation_due(s)] == [16]  # 3, 6, ... are not reports
+    # An interval off the reports would run less often than it says (3, 6, ... are not reports): refused.
+    off_schedule = ("checkpoint.every_n_steps=8", "run.log_every_n_steps=8", "run.val_every_n_steps=3")
+    with pytest.raises(ConfigError, match=r"^run\.val_every_n_steps: 3 is a multiple of neither .* every 24 steps"):
+        _cadence(16, *off_schedule)
+    # A multiple of the checkpoint interval is always a report, whatever the log interval.
+    at_checkpoints = _cadence(16, "checkpoint.every_n_steps=4", "run.log_every_n_steps=3", "run.val_every_n_steps=8")
+    assert [s for s in range(1, 17) if at_checkpoints.validation_due(s)] == [8, 16]
+
+
+@pytest.mark.parametrize("key", ["run.val_every_n_steps", "sample_grid.every_n_steps"])
+def test_an_interval_that_falls_between_reports_is_refused_naming_what_it_would_become(key):
+    """Validation and sample grids run only at report steps: every 30 with reports every 50 ran every 150."""
+    with pytest.raises(
+        ConfigError, match=rf"^{key}: 30 is a multiple of neither run\.log_every_n_steps=50 .* every 150"
+    ):
+        _cadence(1000, "run.log_every_n_steps=50", f"{key}=30")
+    _cadence(1000, "run.log_every_n_steps=50", f"{key}=100")  # a multiple of the reports
+    _cadence(1000, "run.log_every_n_steps=50", f"{key}=1000")  # at the last step only, as it says

@@ -438,6 +438,34 @@ def test_an_impossible_unet_or_a_missing_pretrained_directory_fails_on_the_drive
             unet_config(ModelConfig(pretrained=missing))
 
 
+@pytest.mark.parametrize("out_channels", [8, 1])
+def test_a_unet_whose_prediction_is_not_of_the_latents_shape_fails_on_the_driver(out_channels):
+    """8 channels fail the first step's loss; 1 used to train silently, broadcast against the 4 of the latents."""
+    from sdtrain.config.schema import ModelConfig
+    from sdtrain.errors import ConfigError
+    from sdtrain.model.unet import check_unet
+
+    with pytest.raises(
+        ConfigError,
+        match=rf"^model.unet: .* predicts tensors of shape \({out_channels}, 16, 16\) "
+        r"for latents of shape \(4, 16, 16\).*set model.unet.out_channels to 4",
+    ):
+        check_unet(ModelConfig(preset="tiny", unet={"out_channels": out_channels}), (4, 16, 16), (77, 32))
+
+
+def test_a_unet_with_parameters_the_loss_never_reaches_fails_on_the_driver():
+    """An LCM-distilled UNet's guidance embedding (time_cond_proj_dim) is never fed: every worker's DDP refused the
+    unused parameter at its first step; the driver's meta-device backward names it."""
+    from sdtrain.config.schema import ModelConfig
+    from sdtrain.errors import ConfigError
+    from sdtrain.model.unet import check_unet
+
+    with pytest.raises(
+        ConfigError, match=r"never reaches \(time_embedding\.cond_proj\.weight\).*time_cond_proj_dim=16"
+    ):
+        check_unet(ModelConfig(preset="tiny", unet={"time_cond_proj_dim": 16}), (4, 16, 16), (77, 32))
+
+
 def _numeric_keys(sections):
     """(section.key, annotation) of every int or float key of the config sections (unions with null included)."""
     import dataclasses
@@ -489,6 +517,8 @@ def test_every_numeric_key_refuses_non_finite_and_negative_values_naming_the_key
         ("scaling.cpus_per_worker=1e300", r"scaling\.cpus_per_worker: must be .* got 1e\+300$"),
         ("eval.num_cpus=0.00001", r"eval\.num_cpus: must be 0 or in \[0\.0001, 1000000\], got 1e-05$"),
         ("eval.num_gpus=1e300", r"eval\.num_gpus: must be 0 or in \[0\.0001, 1000000\], got 1e\+300$"),
+        # Lightning's seed_everything in each worker refuses a seed past an unsigned 32-bit integer.
+        ("train.seed=4294967296", r"train\.seed: must be in \[0, 2\*\*32\) .*, got 4294967296$"),
     ],
 )
 def test_numbers_a_worker_converts_are_bounded_naming_the_key_value_and_range(override, message):
@@ -498,7 +528,7 @@ def test_numbers_a_worker_converts_are_bounded_naming_the_key_value_and_range(ov
         load_config(None, [*BASE, override])
     key = override.partition("=")[0]
     section, name = key.split(".")
-    highest = {"data.val_memory_gb": 1e6, "train.ddp_bucket_mb": 2**20}.get(key, 1e6)
+    highest = {"data.val_memory_gb": 1e6, "train.ddp_bucket_mb": 2**20, "train.seed": 2**32 - 1}.get(key, 1e6)
     config = load_config(None, [*BASE, f"{key}={highest}"])  # the bounds themselves are allowed
     assert getattr(getattr(config, section), name) == highest
 
@@ -567,3 +597,35 @@ def test_every_local_path_the_config_names_is_made_absolute_for_the_workers(tmp_
     kept = with_absolute_paths(load_config(None, overrides))
     assert kept.model.pretrained == hub and kept.data.train == ["s3://bucket/latents"] and is_uri(kept.data.train[0])
     assert kept.sample_grid.prompts == str(tmp_path / "models" / "prompts.txt")
+
+
+@pytest.mark.parametrize(
+    "uri, absolute",
+    [
+        ("sqlite:///mlflow.db", "sqlite:///{cwd}/mlflow.db"),
+        ("sqlite+pysqlite:///db/m.db?mode=rwc", "sqlite+pysqlite:///{cwd}/db/m.db?mode=rwc"),
+        ("file:mlruns", "file://{cwd}/mlruns"),
+        ("./mlruns", "{cwd}/mlruns"),
+        ("sqlite:////abs/m.db", "sqlite:////abs/m.db"),
+        ("sqlite://", "sqlite://"),
+        ("file:///abs/mlruns", "file:///abs/mlruns"),
+        ("http://mlflow:5000", "http://mlflow:5000"),
+        ("databricks", "databricks"),
+    ],
+)
+def test_a_relative_staging_dir_and_local_mlflow_store_are_made_absolute_on_the_driver(
+    tmp_path, monkeypatch, uri, absolute
+):
+    """checkpoint.staging_dir and a local MLflow store named relatively (in the config or MLFLOW_TRACKING_URI, which
+    the workers get from the driver's environment) resolved in each worker's own directory (Ray Train V2 changes into
+    it): checkpoints staged and MLflow runs written there, not where the driver's export and evaluations look."""
+    from sdtrain.driver.paths import with_absolute_paths
+    from sdtrain.driver.trackers import tracker_env
+
+    monkeypatch.chdir(tmp_path)
+    overrides = ["data.train=/x", "checkpoint.staging_dir=scratch/staging", f"tracking.mlflow_tracking_uri={uri}"]
+    config = with_absolute_paths(load_config(None, overrides))
+    assert config.checkpoint.staging_dir == str(tmp_path / "scratch" / "staging")
+    assert config.tracking.mlflow_tracking_uri == absolute.format(cwd=tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    assert tracker_env()["MLFLOW_TRACKING_URI"] == absolute.format(cwd=tmp_path)

@@ -168,6 +168,25 @@ def test_grid_captions_that_rank_0_could_not_read_are_refused_before_ray(tmp_pat
     assert not ray.is_initialized()
 
 
+@pytest.mark.parametrize("sampler", ["ddim", "dpm"])
+def test_grid_steps_the_noise_schedule_cannot_take_are_refused_before_ray(tmp_path, without_ray, sampler):
+    """sample_grid.steps (the grids' and evaluations' denoising steps) at or past the schedule's 1000 timesteps:
+    DDIM refuses more, and at 1000 both samplers index past the schedule, at the first grid (a checkpoint step,
+    before the checkpoint: every restart alike). The driver refuses it naming the key and the schedule's length."""
+    import ray
+
+    plain = _data(tmp_path / "plain")
+    options = (f"sample_grid.sampler={sampler}", "sample_grid.steps=1000")
+    with pytest.raises(
+        ConfigError,
+        match=rf"^sample_grid\.steps: 1000 steps with sample_grid\.sampler={sampler} on a "
+        r"noise schedule of 1000 timesteps .* set sample_grid\.steps below 1000",
+    ):
+        check_run(_config(tmp_path, plain, *options))
+    check_run(_config(tmp_path, plain, f"sample_grid.sampler={sampler}", "sample_grid.steps=999"))
+    assert not ray.is_initialized()
+
+
 def test_grid_captions_storage_could_not_read_fail_the_attempt_not_the_run(tmp_path, monkeypatch):
     """Rank 0 reads the grid's captions at every start, restarts included, from data.val by default: a storage failure
     that outlasted the S3 client's retries (the OSError pyarrow's S3 filesystem raises), even where the parquet

@@ -235,8 +235,8 @@ class TrainConfig(Section):
             self._fail("micro_batch_size", f"must be > 0, auto or null, got {self.micro_batch_size}")
         if not self.lr > 0:
             self._fail("lr", f"must be > 0, got {self.lr}")
-        if not 0 <= self.seed < 2**63:  # numpy's generators (the read order, noise) take no negative seed
-            self._fail("seed", f"must be in [0, 2**63), got {self.seed}")
+        if not 0 <= self.seed < 2**32:  # numpy takes no negative seed; Lightning's seed_everything none >= 2**32
+            self._fail("seed", f"must be in [0, 2**32) (an unsigned 32-bit seed, as Lightning takes), got {self.seed}")
         for key in (
             "warmup_steps",
             "weight_decay",

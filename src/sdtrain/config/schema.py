@@ -160,6 +160,7 @@ class Config(ConfigTree):
                     f"run.val_every_n_steps={every} does not divide "
                     f"checkpoint.every_n_steps={self.checkpoint.every_n_steps}"
                 )
+        self._refuse_intervals_between_reports()
         if self.eval.enabled and not self.data.val:
             raise ConfigError("eval: evaluating checkpoints needs data.val (its captions and images are the reference)")
         for key, metric in (
@@ -170,6 +171,30 @@ class Config(ConfigTree):
                 raise ConfigError(f"{key}: {metric} needs eval.{EVAL_METRICS[metric]}, which measures it")
         for world_size in range(self.scaling.min_workers, self.scaling.max_workers + 1):
             self.batch_layout(world_size)
+
+    def _refuse_intervals_between_reports(self) -> None:
+        """Validation and sample grids run only at report steps (sdtrain.train.cadence: every run.log_every_n_steps,
+        and each checkpoint): an interval that is a multiple of neither would silently run less often than it says.
+        One of train.max_steps or more runs at the last step only, as it says."""
+        log_every, checkpoint_every = self.run.log_every_n_steps, self.checkpoint.every_n_steps
+        for key, every, what in (
+            ("run.val_every_n_steps", self.run.val_every_n_steps, "the validation loss is computed"),
+            ("sample_grid.every_n_steps", self.sample_grid.every_n_steps, "sample grids are drawn"),
+        ):
+            if (
+                every is None
+                or every >= self.train.max_steps
+                or every % log_every == 0
+                or every % checkpoint_every == 0
+            ):
+                continue
+            raise ConfigError(
+                f"{key}: {every} is a multiple of neither run.log_every_n_steps={log_every} nor "
+                f"checkpoint.every_n_steps={checkpoint_every}, and {what} only at those report steps: it would run "
+                f"every {math.lcm(every, log_every)} steps, not {every}; set {key} to a multiple of "
+                f"run.log_every_n_steps (e.g. {max(log_every, every // log_every * log_every)}) or "
+                "run.log_every_n_steps to a divisor of it"
+            )
 
     def batch_layout(self, world_size: int) -> BatchLayout:
         """How train.global_batch_size falls on ``world_size`` workers: the one derivation the driver, the data

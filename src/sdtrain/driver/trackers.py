@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import os
 import time
+from pathlib import Path
 from urllib.parse import urlsplit
 
 from sdtrain.config.schema import Config
@@ -32,7 +33,30 @@ def tracker_env() -> dict[str, str]:
     """The tracker settings of this process's environment, for :func:`sdtrain.train.trackers.apply_tracker_env` on a
     worker, with :data:`WORKER_MLFLOW_RETRIES` where it sets none."""
     forwarded = (*FORWARDED_ENV, *WORKER_MLFLOW_RETRIES)
-    return {**WORKER_MLFLOW_RETRIES, **{key: os.environ[key] for key in forwarded if key in os.environ}}
+    env = {**WORKER_MLFLOW_RETRIES, **{key: os.environ[key] for key in forwarded if key in os.environ}}
+    if env.get("MLFLOW_TRACKING_URI"):
+        env["MLFLOW_TRACKING_URI"] = absolute_mlflow_uri(env["MLFLOW_TRACKING_URI"])
+    return env
+
+
+def absolute_mlflow_uri(uri: str) -> str:
+    """``uri`` (tracking.mlflow_tracking_uri or MLFLOW_TRACKING_URI) with a relative local store made absolute against
+    this process's working directory: a SQLite database (sqlite:///mlflow.db), a file: URI (file:mlruns) or a plain
+    path (mlruns), which Ray Train's workers, in a directory of their own, would otherwise create there. Servers,
+    other databases, absolute paths and Databricks are kept as they are."""
+    parts = urlsplit(uri)
+    if uri in ("databricks", "databricks-uc"):
+        return uri
+    if parts.scheme.split("+")[0] == "sqlite":
+        prefix = f"{parts.scheme}:///"
+        path = uri[len(prefix) :] if uri.startswith(prefix) else ""
+        relative = path and not path.startswith("/") and not path.startswith(":memory:")
+        return prefix + os.path.abspath(path) if relative else uri
+    if parts.scheme == "file" and not parts.netloc and not parts.path.startswith("/"):
+        return Path(os.path.abspath(os.path.expanduser(parts.path))).as_uri()
+    if not parts.scheme and uri:
+        return os.path.abspath(os.path.expanduser(uri))
+    return uri
 
 
 def check_trackers(config: Config) -> None:

@@ -42,24 +42,67 @@ def unet_config(model: ModelConfig) -> dict[str, Any]:
 
 
 def check_unet(model: ModelConfig, latent_shape: tuple[int, ...], caption_shape: tuple[int, ...]) -> None:
-    """Build the run's UNet on the meta device (no memory) and run one forward pass with the data's
-    shapes, on the driver: a model.unet combination diffusers refuses, or one that cannot take
-    these latents and captions, fails here in a second instead of on every worker."""
+    """Build the run's UNet on the meta device (no memory) and run one forward and backward pass with the data's
+    shapes, on the driver: a model.unet combination diffusers refuses, one that cannot take these latents and
+    captions, one whose prediction is not of the latents' shape, or one with parameters the loss does not reach (which
+    DDP refuses on every worker) fails here in a second instead of on every worker."""
     import torch
 
     config = unet_config(model)
+    source = f"model.pretrained={model.pretrained}" if model.pretrained else f"model.preset={model.preset}"
+    source += f" with model.unet={model.unet}" if model.unet and not model.pretrained else ""
     try:
         with torch.device("meta"):
             unet = UNet2DConditionModel(**config)
             conditioning = dummy_conditioning(config, 1, caption_shape)
-            unet(torch.zeros(1, *latent_shape), torch.zeros(1, dtype=torch.long), **conditioning.kwargs())
+            latents = torch.zeros(1, *latent_shape)
+            prediction = unet(latents, torch.zeros(1, dtype=torch.long), **conditioning.kwargs()).sample
     except Exception as e:  # diffusers raises ValueError, TypeError, RuntimeError, AssertionError...
-        source = f"model.pretrained={model.pretrained}" if model.pretrained else f"model.preset={model.preset}"
-        overrides = f" with model.unet={model.unet}" if model.unet and not model.pretrained else ""
         raise ConfigError(
-            f"model.unet: {source}{overrides} does not give a UNet2DConditionModel that takes latents of shape "
+            f"model.unet: {source} does not give a UNet2DConditionModel that takes latents of shape "
             f"{tuple(latent_shape)} and captions of shape {tuple(caption_shape)}: {type(e).__name__}: {e}"
         ) from None
+    if tuple(prediction.shape) != tuple(latents.shape):
+        raise ConfigError(
+            f"model.unet: {source} predicts tensors of shape {tuple(prediction.shape[1:])} for latents of shape "
+            f"{tuple(latent_shape)} (out_channels={config.get('out_channels')}, the data's latents have "
+            f"{latent_shape[0]} channels); the loss compares the two, so they must match: "
+            + (
+                f"use a model.pretrained of {latent_shape[0]} out_channels"
+                if model.pretrained
+                else f"set model.unet.out_channels to {latent_shape[0]} or remove it"
+            )
+        )
+    try:
+        prediction.sum().backward()
+    except Exception as e:  # a backward the meta device lacks: no verdict on the parameters, the workers will tell
+        log.debug(f"check_unet: no meta-device backward ({type(e).__name__}: {e}); unused parameters not checked")
+        return
+    _refuse_unused_parameters(unet, config, source, bool(model.pretrained))
+
+
+def _refuse_unused_parameters(unet: UNet2DConditionModel, config: dict[str, Any], source: str, pretrained: bool):
+    """After the meta-device backward: parameters no gradient reached, which every worker's DDP would refuse at the
+    first step ("parameters that were not used in producing the loss")."""
+    unused = [name for name, parameter in unet.named_parameters() if parameter.grad is None]
+    if not unused:
+        return
+    named = ", ".join(unused[:5]) + (f" and {len(unused) - 5} more" if len(unused) > 5 else "")
+    cause = (
+        f"time_cond_proj_dim={config['time_cond_proj_dim']}, a guidance-embedding input (an LCM-distilled model's) "
+        "that sdtrain's training step does not feed: "
+        + (
+            "start from a model.pretrained without it (the base model)"
+            if pretrained
+            else "remove model.unet.time_cond_proj_dim"
+        )
+        if config.get("time_cond_proj_dim")
+        else "an input of the UNet's config that sdtrain's training step does not feed: use a UNet without it"
+    )
+    raise ConfigError(
+        f"model.unet: {source} has parameters the training loss never reaches ({named}), which DDP refuses on every "
+        f"worker; likely cause: {cause}"
+    )
 
 
 def build_unet(model: ModelConfig) -> UNet2DConditionModel:

@@ -15,7 +15,7 @@ from typing import Any, Literal
 import torch
 from diffusers import DDIMScheduler, DPMSolverMultistepScheduler, UNet2DConditionModel
 
-from sdtrain.errors import DataError
+from sdtrain.errors import ConfigError, DataError
 from sdtrain.model.conditioning import Conditioning, pooled_width, time_ids
 
 SAMPLERS = ("ddim", "dpm")
@@ -29,6 +29,20 @@ def make_sampler(noise_scheduler_config: dict[str, Any], name: Literal["ddim", "
     scheduler = cls.from_config({**noise_scheduler_config, "clip_sample": False})
     scheduler.set_timesteps(steps)
     return scheduler
+
+
+def check_sampler_steps(steps: int, sampler: str, noise_scheduler_config: dict[str, Any], key: str) -> None:
+    """Refuse ``steps`` (the config's ``key``) that ``sampler`` cannot take on the training schedule: a sampler
+    takes fewer steps than the schedule has timesteps (DDIM refuses more, and at as many both index past the
+    schedule's end), which fails only when a grid or evaluation samples, at a checkpoint step, on every restart."""
+    timesteps = int(noise_scheduler_config["num_train_timesteps"])
+    if steps >= timesteps:
+        raise ConfigError(
+            f"{key}: {steps} steps with sample_grid.sampler={sampler} on a noise schedule of {timesteps} timesteps "
+            f"(num_train_timesteps): a sampler takes fewer steps than the schedule has, and the sample grids and "
+            f"evaluations that sample with it would fail at the first checkpoint step; set {key} below {timesteps} "
+            "(20 to 50 is usual)"
+        )
 
 
 def guided_prediction(

@@ -19,10 +19,10 @@ from sdtrain.artifacts.checkpoint_format import CheckpointMeta
 from sdtrain.artifacts.run_outputs import write_whole
 from sdtrain.config.schema import Config
 from sdtrain.errors import ConfigError, DataError
-from sdtrain.model.unet import default_guidance_rescale
+from sdtrain.model.unet import default_guidance_rescale, noise_scheduler_config
 from sdtrain.sampling.captions import Captions, Encode, read_captions
 from sdtrain.sampling.images import grid_image, latent_preview
-from sdtrain.sampling.sampler import sample_latents
+from sdtrain.sampling.sampler import check_sampler_steps, sample_latents
 from sdtrain.storage.filesystems import filesystem_for
 from sdtrain.storage.run_layout import SAMPLES_DIR, sample_grid_file
 from sdtrain.storage.s3 import is_transient, storage_unavailable
@@ -101,7 +101,10 @@ def _transient_cause(error: BaseException) -> BaseException | None:
 def check_grid_captions(config: Config, caption_dim: int, pooled: bool) -> None:
     """On the driver before Ray starts: sample_grid.captions, when it names the grid's rows, read as rank 0 reads it
     (its width against the UNet's, an SDXL-shaped UNet's pooled embeddings), so a wrong file stops the run before a
-    worker starts instead of after. Token ids are read, not encoded: that takes the text encoder the workers load."""
+    worker starts instead of after. Token ids are read, not encoded: that takes the text encoder the workers load.
+    Also sample_grid.steps against the training schedule, which the grids and evaluations sample on."""
+    schedule = noise_scheduler_config(config.model, config.train.zero_terminal_snr)
+    check_sampler_steps(config.sample_grid.steps, config.sample_grid.sampler, schedule, "sample_grid.steps")
     if config.sample_grid.captions is None or config.sample_grid.prompts is not None:
         return
 
