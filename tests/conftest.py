@@ -232,6 +232,16 @@ def s3_bucket(monkeypatch, tmp_path, clean_storage_settings):
 
 
 @pytest.fixture
+def without_ray():
+    """No Ray in this process, so that a test shows the driver's checks start none: a cluster an earlier test left
+    (ray_cluster keeps the session's) is stopped, and the next test that needs one starts it again."""
+    import ray
+
+    ray.shutdown()
+    yield
+
+
+@pytest.fixture
 def flaky_proxy(s3_bucket, tmp_path):
     """Start tests/flaky_proxy.py in front of the moto server (s3_bucket): (endpoint, fault log) per call, the proxy
     failing its first ``faults`` connections by ``mode`` (drop, throttle) and forwarding the rest."""

@@ -179,7 +179,7 @@ def test_a_placeholder_bucket_is_refused_naming_the_key_its_value_and_what_to_se
 
 @pytest.mark.parametrize("command", ["train", "retrain", "check"])
 def test_every_command_refuses_the_shipped_placeholder_before_it_reads_anything_or_starts_ray(
-    command, tmp_path, capsys, monkeypatch
+    command, tmp_path, capsys, monkeypatch, without_ray
 ):
     """configs/small.yaml and configs/retrain.yaml as shipped: one line naming the key, exit 2, instead of whatever
     the store answers for a bucket that does not exist (a timeout, access denied) on the driver or every worker."""

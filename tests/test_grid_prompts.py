@@ -62,16 +62,6 @@ def _by_hand(text_encoder: str, prompts: list[str]) -> torch.Tensor:
     return encode_prompts(tokenizer, model, prompts)
 
 
-@pytest.fixture
-def without_ray():
-    """No Ray in this process, so that a test shows the driver's checks start none: a cluster an earlier test left
-    (ray_cluster keeps the session's) is stopped, and the next test that needs one starts it again."""
-    import ray
-
-    ray.shutdown()
-    yield
-
-
 def test_prompts_are_a_list_or_a_file_and_name_at_least_one_prompt():
     assert tiny_config("data.train=/d", "sample_grid.prompts=[a red fox, a lighthouse]").sample_grid.prompts == [
         "a red fox",
