@@ -5,7 +5,8 @@ resize and center-crop, skip and count bad rows) feeds an actor pool that runs t
 actors where the cluster has GPUs). Once a shard's last row is encoded, a Ray task where its rows are writes its
 file whole (sdtrain.preprocess.shard_writes: the driver holds references, never rows), so an interrupted job loses
 at most the shards in flight, and a re-run does only the shards without a file. A done shard is matched by its
-source (sdtrain.preprocess.sources), not its name alone: one whose source changed is refused, naming both.
+source (sdtrain.preprocess.sources), not its name alone: one whose source changed is refused, naming both; so is a
+re-run that would cut images to other buckets than the output's shards (sdtrain.preprocess.recorded_buckets).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from sdtrain.preprocess.outputs import (
     settle_shards,
     summarize,
 )
+from sdtrain.preprocess.recorded_buckets import check_buckets
 from sdtrain.preprocess.shard_writes import ShardFiles, write_shards
 from sdtrain.preprocess.sources import Shard, changed_source, list_shards, read_shard, shard_prefix
 from sdtrain.storage.filesystems import write_bytes
@@ -77,6 +79,7 @@ def run_preprocess(config: PreprocessConfig, max_shards: int | None = None) -> P
     summary = PreprocessSummary(len(shards), len(shards) - len([s for s in shards if s.name not in done]))
     settings = config.to_dict()
     check_settings(config.output.path, {k: settings[k.split(".")[0]][k.split(".")[1]] for k in RESUME_KEYS})
+    check_buckets(config.output.path, config.image, done)
     check_sources(config.output.path, shards, done)
     settle_shards(config.output.path, done, shard_prefix(config.input))
     scaling_factor, latent_channels, downsampling = vae_geometry(config.encode.model)

@@ -15,7 +15,8 @@ sdtrain.data.metadata.encoder_sources).
     <output.path>/unconditional_caption_ids.npy  the tokenizer's ids of "" (L int32): data.unconditional_caption for
                                              token-id data (UNCONDITIONAL_IDS_FILE; token_ids and both)
     <output.path>/manifest.json              totals: inputs read, rows written, rows skipped by reason
-    <output.path>/_settings.json             the settings every run into this directory must share (RESUME_KEYS)
+    <output.path>/_settings.json             the settings every run into this directory must share (RESUME_KEYS),
+                                             and the buckets they cut images to (sdtrain.preprocess.recorded_buckets)
     <output.path>/_sdtrain_index.parquet     the dataset index (rows, sizes, versions, schema): training reads no
                                              footer of this output (sdtrain.data.dataset_index)
 
