@@ -204,6 +204,42 @@ def test_every_command_refuses_the_shipped_placeholder_before_it_reads_anything_
     assert not (tmp_path / "runs").exists()
 
 
+WARMUP_MESSAGE = (
+    "train.warmup_steps: 30 is more than train.max_steps=20: the learning rate warms up linearly to train.lr=0.001 "
+    "over train.warmup_steps, so the run ends at about 0.000667, never reaching train.lr; set "
+    "train.warmup_steps to at most train.max_steps (a few percent of it is usual), or raise train.max_steps"
+)
+
+
+@pytest.mark.parametrize("name", ["demo.yaml", "small.yaml", "sd2-base.yaml", "sdxl-base.yaml", "retrain.yaml"])
+def test_every_shipped_config_reaches_its_learning_rate(name):
+    overrides = ["retrain.data_root=/d", "retrain.models_root=/m"] if name == "retrain.yaml" else []
+    assert load_config(REPO / "configs" / name, overrides).train.unreached_lr() is None
+
+
+@pytest.mark.parametrize("command", ["train", "check"])
+def test_a_warmup_past_the_runs_end_is_warned_of_before_anything_runs(command, tmp_path, capfd, without_ray):
+    """A constant schedule with warmup never reaches train.lr when warmup_steps > max_steps: the whole run trains at
+    a fraction of the learning rate it names. Warned of (tests and demos shorten max_steps where the lr does not
+    matter), naming both keys, before the first check of the data (here: missing, so nothing starts)."""
+    import ray
+
+    from sdtrain.driver import cli
+
+    keys = ["train.max_steps=20", "train.warmup_steps=30", "train.lr=1e-3", f"run.storage_path={tmp_path}/runs"]
+    keys = [*keys, f"data.train={tmp_path}/missing"]
+    main = {"train": cli.train_main, "check": cli.check_main}[command]
+    (tmp_path / "tiny.yaml").write_text("model:\n  preset: tiny\n")
+    assert (
+        main(["--config", str(tmp_path / "tiny.yaml"), *keys], tmp_path / "tiny.yaml")
+        == {"train": 2, "check": 1}[command]
+    )  # the missing data: bad input to train; a failed phase to the check, which runs them all
+    printed = capfd.readouterr()
+    assert (printed.out + printed.err).count(f"WARNING [sdtrain] {WARMUP_MESSAGE}") == 1
+    assert not ray.is_initialized()
+    assert load_config(None, [*BASE, "train.max_steps=20", "train.warmup_steps=20"]).train.unreached_lr() is None
+
+
 def test_an_env_var_ending_in_a_slash_leaves_no_empty_path_component_in_an_s3_uri():
     """$ANYSCALE_ARTIFACT_STORAGE/sdtrain/runs, expanded by the job's shell from a value that ends in '/': pyarrow
     refuses s3://bucket/prefix//sdtrain/runs (ArrowInvalid: Empty path component) on the driver and every worker."""

@@ -159,7 +159,8 @@ class TrainConfig(Section):
     lr: float = 1e-4
     """AdamW peak learning rate, reached after train.warmup_steps and then held."""
     warmup_steps: int = 10_000
-    """Steps of linear learning-rate warmup from 0."""
+    """Steps of linear learning-rate warmup from 0; at most train.max_steps (more never reaches train.lr: the driver
+    warns)."""
     weight_decay: float = 1e-2
     """AdamW decoupled weight decay."""
     grad_clip_norm: float = 1.0
@@ -226,6 +227,18 @@ class TrainConfig(Section):
     """The dtype FSDP2 all-gathers and computes the UNet's parameters in (MixedPrecisionPolicy.param_dtype; the
     sharded weights, the optimizer and the EMA stay float32): auto = bfloat16 when train.precision resolves to
     bf16-mixed, else float32. bfloat16 halves the all-gather bytes; fsdp only."""
+
+    def unreached_lr(self) -> str | None:
+        """What a warmup longer than the run costs, or None. The driver warns of it before Ray starts (not refused:
+        tests, demos and the check's phases shorten max_steps where the learning rate does not matter)."""
+        if self.warmup_steps <= self.max_steps:
+            return None
+        return (
+            f"train.warmup_steps: {self.warmup_steps} is more than train.max_steps={self.max_steps}: the learning "
+            f"rate warms up linearly to train.lr={self.lr:g} over train.warmup_steps, so the run ends at about "
+            f"{self.lr * self.max_steps / self.warmup_steps:.3g}, never reaching train.lr; set train.warmup_steps "
+            "to at most train.max_steps (a few percent of it is usual), or raise train.max_steps"
+        )
 
     def __post_init__(self):
         for key in ("max_steps", "global_batch_size", "max_nonfinite_steps"):

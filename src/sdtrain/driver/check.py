@@ -25,6 +25,7 @@ from sdtrain.config.loader import load_config
 from sdtrain.config.running import EVAL_METRICS
 from sdtrain.config.schema import Config
 from sdtrain.driver.check_report import CheckReport, Phase, communication_share, record_report
+from sdtrain.logs import log
 
 
 def check(
@@ -41,6 +42,8 @@ def check(
     """
     config = load_config(config_file, overrides)
     config.refuse_placeholders()  # before run_micro_batch, which may start Ray and read data.train
+    if unreached := config.train.unreached_lr():  # the run's: its phases train fewer steps, warmup capped at them
+        log.warning(unreached)
     most = config.scaling.max_workers
     stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
     runs: list[tuple[int, bool | None]] = [(workers, None) for workers in sorted({1, most})]
@@ -93,6 +96,8 @@ def phase_config(
         f"run.val_every_n_steps={steps}",
         f"sample_grid.every_n_steps={steps}",
         f"train.max_steps={steps}",
+        # Measured for speed, not learning: a warmup longer than the phase would be warned of (TrainConfig).
+        f"train.warmup_steps={min(config.train.warmup_steps, steps)}",
         f"train.global_batch_size={batch}",
         *([] if micro_batch is None else [f"train.micro_batch_size={micro_batch}"]),
         f"scaling.num_workers={workers}",
