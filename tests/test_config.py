@@ -111,6 +111,18 @@ def test_round_trip_through_dict():
         (BASE + ["train.micro_batch_size=0"], r"train\.micro_batch_size: must be > 0, auto or null, got 0"),
         (BASE + ["data.shuffle_window_rows=0"], r"data\.shuffle_window_rows: must be >= 1, got 0"),
         (BASE + ["data.on_read_error=ignore"], r"data\.on_read_error: .*ignore"),
+        (
+            BASE + ["tracking.mlflow_register_as=unet"],
+            r"^tracking\.mlflow_register_as: 'unet' registers the export from the run's MLflow run, but "
+            r"tracking\.trackers=\['tensorboard'\] has no mlflow, so nothing would be registered; add mlflow to "
+            r"tracking\.trackers, or set tracking\.mlflow_register_as to null$",
+        ),
+        (
+            BASE + ["tracking.mlflow_register_as=unet", "tracking.trackers=[mlflow]", "export.enabled=false"],
+            r"^tracking\.mlflow_register_as: 'unet' registers the run's final export, but export\.enabled is false "
+            r"and writes none, so nothing would be registered; set export\.enabled to true, or "
+            r"tracking\.mlflow_register_as to null$",
+        ),
         (BASE + ["train"], r"override 'train' must look like key\.sub=value"),
         (BASE + ["train.lr.x=1"], r"train\.lr\.x: lr is a value, not a section|train\.lr: unknown|train\.lr: expected"),
     ],
@@ -118,6 +130,12 @@ def test_round_trip_through_dict():
 def test_bad_values_name_the_key(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, overrides)
+
+
+def test_an_mlflow_model_to_register_needs_the_mlflow_tracker_and_an_export():
+    keys = [*BASE, "tracking.mlflow_register_as=unet", "tracking.trackers=[tensorboard, mlflow]"]
+    assert load_config(None, keys).tracking.mlflow_register_as == "unet"
+    assert load_config(None, [*BASE, "tracking.trackers=[]", "export.enabled=false"]).tracking.trackers == []
 
 
 def test_unreadable_config_file(tmp_path):

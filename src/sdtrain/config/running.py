@@ -279,7 +279,8 @@ class TrackingConfig(Section):
     mlflow_experiment: str = "sdtrain"
     """MLflow experiment the run is logged under."""
     mlflow_register_as: str | None = None
-    """Register the final export as a new version of this MLflow model; null = only attach it to the run."""
+    """Register the final export as a new version of this MLflow model (needs mlflow in tracking.trackers and
+    export.enabled); null = only attach it to the run."""
     wandb_project: str = "sdtrain"
     """W&B project the run is logged under."""
 

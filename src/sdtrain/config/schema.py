@@ -161,6 +161,7 @@ class Config(ConfigTree):
                     f"checkpoint.every_n_steps={self.checkpoint.every_n_steps}"
                 )
         self._refuse_intervals_between_reports()
+        self._refuse_registering_nothing()
         if self.eval.enabled and not self.data.val:
             raise ConfigError("eval: evaluating checkpoints needs data.val (its captions and images are the reference)")
         for key, metric in (
@@ -194,6 +195,25 @@ class Config(ConfigTree):
                 f"every {math.lcm(every, log_every)} steps, not {every}; set {key} to a multiple of "
                 f"run.log_every_n_steps (e.g. {max(log_every, every // log_every * log_every)}) or "
                 "run.log_every_n_steps to a divisor of it"
+            )
+
+    def _refuse_registering_nothing(self) -> None:
+        """The export is registered from the MLflow run that tracked it (sdtrain.driver.trackers.log_export): without
+        that run or without an export, tracking.mlflow_register_as would register nothing, without a word."""
+        name, trackers = self.tracking.mlflow_register_as, self.tracking.trackers
+        if name is None:
+            return
+        if "mlflow" not in trackers:
+            raise ConfigError(
+                f"tracking.mlflow_register_as: {name!r} registers the export from the run's MLflow run, but "
+                f"tracking.trackers={trackers} has no mlflow, so nothing would be registered; add mlflow to "
+                "tracking.trackers, or set tracking.mlflow_register_as to null"
+            )
+        if not self.export.enabled:
+            raise ConfigError(
+                f"tracking.mlflow_register_as: {name!r} registers the run's final export, but export.enabled is "
+                "false and writes none, so nothing would be registered; set export.enabled to true, or "
+                "tracking.mlflow_register_as to null"
             )
 
     def batch_layout(self, world_size: int) -> BatchLayout:

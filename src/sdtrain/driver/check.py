@@ -108,6 +108,7 @@ def phase_config(
         "checkpoint.score_attribute=null",
         "export.enabled=false",
         "tracking.trackers=[]",
+        "tracking.mlflow_register_as=null",  # registers nothing without a tracker: refused (Config)
         *([] if compile_unet is None else [f"train.compile={str(compile_unet).lower()}"]),
         *_without_evaluation(config),
     ]
