@@ -48,6 +48,23 @@ def test_an_unset_prediction_type_is_the_pretrained_schedulers_and_reaches_the_w
     assert resolve_prediction_type(tiny_config("data.train=/d")).model.prediction_type == "epsilon"
 
 
+def test_resolving_the_prediction_type_reads_the_pretrained_scheduler_once(tmp_path, monkeypatch):
+    """An s3:// model.pretrained is downloaded by each location lookup: resolving reads its scheduler/ once."""
+    from sdtrain.model import unet
+
+    looked_up = []
+    lookup = unet._pretrained_location
+
+    def counted(pretrained, subfolder, required=True):
+        looked_up.append(subfolder)
+        return lookup(pretrained, subfolder, required)
+
+    monkeypatch.setattr(unet, "_pretrained_location", counted)
+    pretrained = _pretrained(tmp_path, "v_prediction")
+    resolved = resolve_prediction_type(tiny_config("data.train=/d", f"model.pretrained={pretrained}"))
+    assert resolved.model.prediction_type == "v_prediction" and looked_up == ["scheduler"]
+
+
 def test_epsilon_on_a_pretrained_zero_terminal_snr_schedule_is_refused(tmp_path):
     pretrained = _pretrained(tmp_path, "v_prediction", zero_terminal_snr=True)
     config = tiny_config("data.train=/d", f"model.pretrained={pretrained}", "model.prediction_type=epsilon")

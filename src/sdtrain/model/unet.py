@@ -129,7 +129,11 @@ def noise_scheduler_config(model: ModelConfig, zero_terminal_snr: bool = False) 
     (diffusers' ``rescale_betas_zero_snr``), and timesteps spaced from the last one ("trailing") wherever the
     config makes a sampler: what the schedule's samplers and an exported pipeline need. A zero-terminal-SNR
     schedule, set here or inherited from the pretrained one, with any prediction_type but v_prediction is refused."""
-    config = pretrained_scheduler_config(model)
+    return _training_schedule(model, pretrained_scheduler_config(model), zero_terminal_snr)
+
+
+def _training_schedule(model: ModelConfig, config: dict[str, Any] | None, zero_terminal_snr: bool) -> dict[str, Any]:
+    """noise_scheduler_config from ``config``, model.pretrained's scheduler config as already read (None: none)."""
     inherited = config is not None
     if config is None:
         shipped = resources.files("sdtrain").joinpath("assets/scheduler_config.json").read_text()
@@ -179,8 +183,8 @@ def resolve_prediction_type(config: Config) -> Config:
     per run, after model.pretrained is located: it also warns of an explicit prediction_type that changes the
     pretrained model's objective, and of min-SNR weighting on a zero-terminal-SNR schedule."""
     model = config.model
-    scheduler = noise_scheduler_config(model, config.train.zero_terminal_snr)
-    pretrained = pretrained_scheduler_config(model)
+    pretrained = pretrained_scheduler_config(model)  # read once: an s3:// model.pretrained is a download
+    scheduler = _training_schedule(model, pretrained, config.train.zero_terminal_snr)
     inherited = pretrained.get("prediction_type", "epsilon") if pretrained is not None else None
     if model.prediction_type is not None and inherited not in (None, model.prediction_type):
         log.warning(
