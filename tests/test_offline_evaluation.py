@@ -223,6 +223,12 @@ def test_bad_input_is_refused_in_one_line_naming_it(evaluated, offline, tmp_path
             r"--reference: .*stats's fd_dinov2 statistics are of the feature model /another/dinov2, not .*dinov2",
         ),
         ([trained, "--captions", val], r"eval: nothing to measure: set eval.dinov2"),
+        (
+            [trained, *options, "sample_grid.steps=1000", "--captions", val],
+            r"sample_grid\.steps: 1000 steps with sample_grid\.sampler=ddim on .*checkpoint_000000002's noise "
+            r"schedule of 1000 timesteps \(num_train_timesteps\): .*every evaluation task would fail when it samples; "
+            r"set sample_grid\.steps below 1000",
+        ),
     ]
     for argv, message in cases:
         code, err = _run([*argv, *out], capsys)

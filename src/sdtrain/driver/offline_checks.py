@@ -14,6 +14,7 @@ from sdtrain.artifacts.loading import LoadedModel
 from sdtrain.config.schema import Config
 from sdtrain.errors import ConfigError, DataError
 from sdtrain.evaluation.offline import FRECHET, OfflineSet
+from sdtrain.sampling.sampler import check_sampler_steps
 
 
 @dataclass
@@ -43,6 +44,7 @@ def prepare(args: argparse.Namespace, models: list[str], overrides: list[str]) -
             "(in --config or as key=value)"
         )
     loaded = [load_model(model, args.weights) for model in models]
+    _check_sampler_steps(config, loaded)
     task = OfflineSet(config=config.to_dict(), models=models, weights=args.weights, vae=None)
     prepared = Prepared(task, config, loaded)
     if args.captions:
@@ -52,6 +54,19 @@ def prepare(args: argparse.Namespace, models: list[str], overrides: list[str]) -
     _check_reference(prepared, args.reference)
     _check_vae(prepared)
     return prepared
+
+
+def _check_sampler_steps(config: Config, loaded: list[LoadedModel]) -> None:
+    """sample_grid.steps against each model's own noise schedule, which training's driver check never saw."""
+    for model in loaded:
+        check_sampler_steps(
+            config.sample_grid.steps,
+            config.sample_grid.sampler,
+            dict(model.noise_scheduler.config),
+            "sample_grid.steps",
+            schedule=f"{model.source}'s noise schedule",
+            fails="every evaluation task would fail when it samples",
+        )
 
 
 def _check_captions(prepared: Prepared, captions: str) -> None:

@@ -31,17 +31,23 @@ def make_sampler(noise_scheduler_config: dict[str, Any], name: Literal["ddim", "
     return scheduler
 
 
-def check_sampler_steps(steps: int, sampler: str, noise_scheduler_config: dict[str, Any], key: str) -> None:
-    """Refuse ``steps`` (the config's ``key``) that ``sampler`` cannot take on the training schedule: a sampler
-    takes fewer steps than the schedule has timesteps (DDIM refuses more, and at as many both index past the
-    schedule's end), which fails only when a grid or evaluation samples, at a checkpoint step, on every restart."""
+def check_sampler_steps(
+    steps: int,
+    sampler: str,
+    noise_scheduler_config: dict[str, Any],
+    key: str,
+    schedule: str = "a noise schedule",
+    fails: str = "the sample grids and evaluations that sample with it would fail at the first checkpoint step",
+) -> None:
+    """Refuse ``steps`` (the config's ``key``) that ``sampler`` cannot take on ``schedule`` (the training one, or a
+    loaded model's): a sampler takes fewer steps than the schedule has timesteps (DDIM refuses more, and at as many
+    both index past the schedule's end), which fails only when something samples (``fails``)."""
     timesteps = int(noise_scheduler_config["num_train_timesteps"])
     if steps >= timesteps:
         raise ConfigError(
-            f"{key}: {steps} steps with sample_grid.sampler={sampler} on a noise schedule of {timesteps} timesteps "
-            f"(num_train_timesteps): a sampler takes fewer steps than the schedule has, and the sample grids and "
-            f"evaluations that sample with it would fail at the first checkpoint step; set {key} below {timesteps} "
-            "(20 to 50 is usual)"
+            f"{key}: {steps} steps with sample_grid.sampler={sampler} on {schedule} of {timesteps} timesteps "
+            f"(num_train_timesteps): a sampler takes fewer steps than the schedule has, and {fails}; set {key} "
+            f"below {timesteps} (20 to 50 is usual)"
         )
 
 
