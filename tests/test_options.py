@@ -325,21 +325,10 @@ GPU_OPTIONS = (
 BUCKETS = (LATENTS, (4, 12, 20))
 
 
-@pytest.mark.slow  # inductor's CPU backend compiles the tiny UNet's step once a bucket: ~1 minute each cold on 2 cores
-@pytest.mark.timeout(900)
-def test_the_shipped_gpu_configs_options_train_compiled_one_graph_a_bucket_without_a_graph_break(tmp_path, caplog):
-    """What a GPU worker of each shipped config runs, but the tiny UNet on CPU: its train options as they are (compile
-    on, the clipping folded into the fused AdamW, ...), precision auto as a GPU with bf16 resolves it, micro-batches
-    accumulated as on its nodes (train.gradient_compression, DDP's hook between ranks, is test_ddp_settings'). The
-    three configs share one set of options, so one compiled fit covers them. It trains two aspect-ratio buckets,
-    a step's micro-batches all of one bucket as the bucketed reader makes them, four steps (each bucket twice).
-    Dynamo's counters: no graph break; one static graph set per bucket shape, compiled in that bucket's first micro-
-    batch, and nothing compiled after (accumulation, the optimizer step, the clipping and a bucket met again do not
-    recompile); the limit is raised to hold them (sdtrain.train.strategy), and the log says how many shapes there
-    are and how many graphs were compiled. (One fit for both: each compiled option set costs a fresh machine over a
-    minute of inductor's C++ compiles.) The report rows count each window's graphs, a bucket's first step's."""
+def shipped_gpu_options() -> tuple[list[str], int]:
+    """The train options of every shipped GPU config, as overrides (they share one set, so one compiled fit covers
+    them all; precision auto as a GPU with bf16 resolves it), and the accumulation of its nodes' micro-batches."""
     from conftest import REPO
-    from torch._dynamo.utils import counters
 
     shipped = [
         load_config(
@@ -358,6 +347,47 @@ def test_the_shipped_gpu_configs_options_train_compiled_one_graph_a_bucket_witho
     ]
     overrides[0] = "train.precision=bf16-mixed"  # auto on a GPU with bf16 (sdtrain.train.build.resolve_precision)
     accumulation = shipped[0].batch_layout(shipped[0].scaling.max_workers).accumulation
+    assert accumulation > 1
+    return overrides, accumulation
+
+
+@pytest.mark.slow  # inductor's CPU backend compiles the tiny UNet's step: over a minute cold on 2 cores
+@pytest.mark.timeout(900)
+def test_the_shipped_gpu_configs_options_train_inductor_compiled_without_a_graph_break(tmp_path):
+    """What a GPU worker of each shipped config runs, but the tiny UNet on CPU and inductor's CPU backend: its train
+    options as they are (compile on, the clipping folded into the fused AdamW, ...), micro-batches accumulated as on
+    its nodes (train.gradient_compression, DDP's hook between ranks, is test_ddp_settings'). Two steps of one shape:
+    the forward and backward compile in the first micro-batch, with no graph break, and nothing compiles after
+    (accumulation, the optimizer step and the clipping do not recompile). Each further shape costs another minute
+    of C++ compiles, so a graph set per aspect-ratio bucket is the next test's, on dynamo's eager backend."""
+    from torch._dynamo.utils import counters
+
+    overrides, accumulation = shipped_gpu_options()
+    cfg = tiny_config(
+        *FIT, *overrides, f"train.global_batch_size={2 * accumulation}", "train.micro_batch_size=2", steps=2
+    )
+    counters.clear()
+    graphs = Graphs(batches(1), validate_every=100)
+    module, trainer, steps = fit(cfg, batches(2 * accumulation), callbacks=[graphs], default_root_dir=str(tmp_path))
+    assert trainer.global_step == 2 and trainer.precision == "bf16-mixed"
+    assert module.unet._compiled_call_impl is not None  # nn.Module.compile: the whole UNet
+    compiled, breaks = graphs.after[1]
+    assert compiled >= 1 and breaks == 0, "\n".join(counters["graph_break"])
+    assert graphs.after[2] == (compiled, 0), graphs.after
+    assert all(0 < s["loss"] < 10 for s in steps) and not torch.equal(steps[0]["weight"], steps[-1]["weight"])
+
+
+def test_the_shipped_gpu_configs_options_compile_one_graph_set_a_bucket(tmp_path, caplog, monkeypatch):
+    """The shipped configs' options (the test above) on two aspect-ratio buckets, a step's micro-batches all of one
+    bucket as the bucketed reader makes them, four steps (each bucket twice), on dynamo's eager backend, which traces,
+    guards and caches as inductor does. Dynamo's counters: no graph break; one static graph set per bucket shape,
+    compiled in that bucket's first micro-batch, and nothing compiled after (a bucket met again does not recompile);
+    the limit is raised to hold them (sdtrain.train.strategy), and the log says how many shapes there are and how
+    many graphs were compiled. The report rows count each window's graphs, a bucket's first step's."""
+    from torch._dynamo.utils import counters
+
+    runs = compile_with_eager_backend(monkeypatch)
+    overrides, accumulation = shipped_gpu_options()
     cfg = tiny_config(
         *FIT,
         *overrides,
@@ -373,7 +403,7 @@ def test_the_shipped_gpu_configs_options_train_compiled_one_graph_a_bucket_witho
         for _ in range(accumulation)
     ]
     counters.clear()
-    graphs = Graphs(batches(1), validate_every=100)  # compiled validation: the every-other-option test's
+    graphs = Graphs(batches(1), validate_every=100)
     reports = ReportRows(cfg)
     with caplog.at_level("INFO", logger="sdtrain"):
         module, trainer, steps = fit(
@@ -383,13 +413,13 @@ def test_the_shipped_gpu_configs_options_train_compiled_one_graph_a_bucket_witho
             bucket_shapes=[list(shape) for shape in BUCKETS],
             default_root_dir=str(tmp_path),
         )
-    assert trainer.global_step == 4 and trainer.precision == "bf16-mixed" and accumulation > 1
-    assert module.unet._compiled_call_impl is not None  # nn.Module.compile: the whole UNet
+    assert trainer.global_step == 4 and module.unet._compiled_call_impl is not None
     assert [graphs.after[step][1] for step in range(1, 5)] == [0] * 4, "\n".join(counters["graph_break"])
     compiled = [graphs.after[step][0] for step in range(1, 5)]
     # Step 1 compiled the first bucket's graphs in its first micro-batch, its other micro-batches nothing.
     assert compiled[0] >= 1 and compiled[:2] == [compiled[0], 2 * compiled[0]], compiled
     assert compiled[2:] == [compiled[1]] * 2, compiled
+    assert runs == [(2, *BUCKETS[step % 2]) for step in range(4) for _ in range(accumulation)]  # all compiled
     assert [row["graphs_compiled"] for row in reports.rows] == [compiled[0]] * 2 + [0] * 2, reports.rows
     assert "train.compile: 2 bucket shapes, one static graph each" in caplog.text
     assert f"train.compile: rank 0 compiled {compiled[3]} graphs in all, with 0 graph breaks" in caplog.text
