@@ -44,6 +44,7 @@ from sdtrain.preprocess.outputs import (
     summarize,
 )
 from sdtrain.preprocess.recorded_buckets import check_buckets
+from sdtrain.preprocess.shard_size import check_shard_size
 from sdtrain.preprocess.shard_writes import ShardFiles, write_shards
 from sdtrain.preprocess.sources import Shard, changed_source, list_shards, read_shard, shard_prefix
 from sdtrain.storage.filesystems import write_bytes
@@ -73,6 +74,8 @@ def run_preprocess(config: PreprocessConfig, max_shards: int | None = None) -> P
     started = time.perf_counter()
     config = with_absolute_paths(config)
     configure_s3(config.storage.endpoint_url, config.storage.max_attempts)
+    # First: check_settings records input.rows_per_shard in the output, after which it could not be lowered.
+    check_shard_size(config)
     done = {record["shard"]: record for record in read_shard_stats(config.output.path)}
     shards = list_shards(config.input, done)
     pending = [s for s in shards if s.name not in done][:max_shards]
