@@ -330,6 +330,32 @@ def test_the_encode_stage_stores_both_encoders_hidden_states_the_pooled_embeddin
     assert np.array_equal(np.concatenate([out["token_ids"], out["token_ids_2"]], axis=1)[:2], ids)
 
 
+def test_sdxls_vae_encodes_in_float32_where_float16_is_asked_and_other_vaes_keep_it(sdxl, tmp_path):
+    """SDXL's VAE (force_upcast in its config) overflows in float16 on some images, its latents inf or NaN: its
+    pipelines decode in float32, diffusers' SDXL training script encodes in float32, and so does preprocessing
+    where encode.dtype is float16 (auto on a GPU). The fp16-fix VAE (force_upcast false) and SD 2's keep float16."""
+    import json
+    import shutil
+
+    from support.tiny_models import write_tiny_sd_model
+
+    from sdtrain.model.encoders import vae_dtype
+    from sdtrain.preprocess.encode_stage import Encoder
+
+    root, _ = sdxl
+    assert json.loads((Path(root) / "vae" / "config.json").read_text())["force_upcast"] is True
+    stage = Encoder(root, "mean", 0, "float16", 32, captions="token_ids")
+    assert stage.vae.dtype == torch.float32
+    assert np.isfinite(stage(_encode_batch(TEXTS[:2]))["latents"][:2]).all()
+    assert vae_dtype(root, torch.bfloat16) == torch.bfloat16  # float32's range: nothing overflows
+    fixed = tmp_path / "fp16-fix"
+    shutil.copytree(root, fixed)
+    config = json.loads((fixed / "vae" / "config.json").read_text())
+    (fixed / "vae" / "config.json").write_text(json.dumps({**config, "force_upcast": False}))
+    assert vae_dtype(str(fixed), torch.float16) == torch.float16
+    assert vae_dtype(write_tiny_sd_model(str(tmp_path / "sd2")), torch.float16) == torch.float16
+
+
 def test_the_second_tokenizers_ids_column_takes_no_other_outputs_name(tmp_path):
     from sdtrain.config.loader import load_config
     from sdtrain.preprocess.config import PreprocessConfig

@@ -97,6 +97,21 @@ def load_vae(source: str, device: str = "cpu", dtype: torch.dtype = torch.float3
     return vae.to(device).eval()
 
 
+def vae_dtype(source: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype to encode images with ``source``'s VAE when ``dtype`` is asked for: float32 for an SDXL-shaped
+    model's VAE whose config says force_upcast (SDXL's own), else ``dtype``. In float16 that VAE's activations
+    overflow on some images and their latents come out inf or NaN; SDXL's pipelines decode with it in float32 and
+    diffusers' SDXL training script encodes in float32. A VAE made for float16 (force_upcast false, as the
+    community's fp16-fix VAE) and SD 1/2's VAEs, which every SD pipeline runs in float16, keep ``dtype``."""
+    if dtype != torch.float16 or not has_second_encoder(source):
+        return dtype
+    from diffusers import AutoencoderKL
+
+    path, subfolder = _vae_location(source)
+    upcast = AutoencoderKL.load_config(path, subfolder=subfolder).get("force_upcast", True)  # diffusers' default
+    return torch.float32 if upcast else dtype
+
+
 def vae_downsampling(source: str) -> int:
     """Pixels to a latent's side of the VAE at ``source`` (see :func:`load_vae`), from its config alone."""
     from diffusers import AutoencoderKL

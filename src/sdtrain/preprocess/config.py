@@ -114,7 +114,8 @@ class EncodeConfig(Section):
     num_gpus: Literal["auto"] | float = "auto"
     """GPUs per encoder actor; auto = 1 when the cluster has GPUs, else 0 (CPU actors)."""
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
-    """Encoder weights and activations: auto = float16 on GPU, float32 on CPU."""
+    """Encoder weights and activations: auto = float16 on GPU, float32 on CPU. An SDXL VAE whose config says
+    force_upcast (SDXL's own) encodes in float32 where float16 is asked: in float16 it overflows on some images."""
 
     def __post_init__(self):
         _refuse_credentials(self, [("model", self.model)])

@@ -17,6 +17,7 @@ from sdtrain.model.encoders import (
     load_vae,
     resolve_dtype,
     tokenize_each,
+    vae_dtype,
 )
 from sdtrain.preprocess.model_outputs import ids_key
 from sdtrain.storage.s3 import S3Settings, apply_s3_settings
@@ -54,7 +55,7 @@ class Encoder:
             apply_s3_settings(s3)
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
         torch_dtype = resolve_dtype(dtype, self.device)
-        self.vae = load_vae(model, self.device, torch_dtype)
+        self.vae = load_vae(model, self.device, vae_dtype(model, torch_dtype))  # SDXL's in float32 (vae_dtype)
         self.captions = captions
         self.text_encoders: TextEncoders | None = None
         if captions == "token_ids":
