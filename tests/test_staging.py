@@ -9,25 +9,75 @@ from ray.train import Checkpoint
 
 from sdtrain.config.schema import CheckpointConfig, Config, DataConfig, RunConfig
 from sdtrain.storage.filesystems import filesystem_for
-from sdtrain.train.checkpointing import DropRestoreCopy, restored_directory, worker_scratch
+from sdtrain.train.checkpointing import DropRestoreCopy, node_scratch, restored_directory, worker_scratch
 
 
-def test_each_rank_of_each_run_gets_an_emptied_directory_under_checkpoint_staging_dir(tmp_path):
-    run = Config(
+def _config(tmp_path) -> Config:
+    return Config(
         data=DataConfig(train=["x"]),
         run=RunConfig(name="a"),
         checkpoint=CheckpointConfig(staging_dir=str(tmp_path / "disk")),
     )
-    scratch = worker_scratch(run, "s3://b/runs/a", rank=0)
+
+
+def _files(root) -> list[str]:
+    return sorted(os.path.relpath(os.path.join(d, f), root) for d, _, fs in os.walk(root) for f in fs)
+
+
+def _stage(scratch: str, name: str) -> None:
+    """A checkpoint staged in ``scratch``, as rank 0 leaves it when killed mid-upload."""
+    os.makedirs(os.path.join(scratch, name))
+    with open(os.path.join(scratch, name, "checkpoint.ckpt"), "wb") as f:
+        f.write(b"x" * 1000)
+
+
+def test_each_worker_of_each_run_gets_an_emptied_directory_under_checkpoint_staging_dir(tmp_path):
+    run = _config(tmp_path)
+    scratch = worker_scratch(run, "s3://b/runs/a", local_rank=0, local_world_size=2)
     assert scratch.startswith(str(tmp_path / "disk" / "sdtrain-staging" / "a-")) and os.listdir(scratch) == []
     # A worker killed mid-upload left a whole staged checkpoint; the next worker group clears it.
     os.makedirs(os.path.join(scratch, "checkpoint_000000004-x1"))
-    assert worker_scratch(run, "s3://b/runs/a", rank=0) == scratch and os.listdir(scratch) == []
-    # Another rank, or another run of the same name elsewhere, never touches these files.
-    assert worker_scratch(run, "s3://b/runs/a", rank=1) != scratch
-    assert worker_scratch(run, "s3://other/runs/a", rank=0) != scratch
+    assert worker_scratch(run, "s3://b/runs/a", 0, 2) == scratch and os.listdir(scratch) == []
+    # Another worker of the node, or another run of the same name elsewhere, never touches these files.
+    assert worker_scratch(run, "s3://b/runs/a", 1, 2) != scratch
+    assert worker_scratch(run, "s3://other/runs/a", 0, 2) != scratch
     default = Config(data=DataConfig(train=["x"]), run=RunConfig(name="a"))
-    assert worker_scratch(default, "s3://b/runs/a", 0).startswith(os.path.join(os.sep, "tmp"))
+    assert worker_scratch(default, "s3://b/runs/a", 0, 1).startswith(os.path.join(os.sep, "tmp"))
+
+
+def test_what_a_killed_rank_0_staged_goes_when_other_ranks_of_the_next_group_start_on_its_node(tmp_path):
+    """World rank 0 (local rank 0 of node A's 4 workers) is killed mid-upload; after the restart node A runs
+    world ranks 4-7, rank 0 another node: node A's next workers, local ranks 0-3, leave none of its files."""
+    run, disk = _config(tmp_path), tmp_path / "disk"
+    _stage(worker_scratch(run, "s3://b/runs/a", local_rank=0, local_world_size=4), "checkpoint_000004000-x1")
+    for local_rank in range(4):  # world ranks 4-7: no world rank 0 on the node to clear its old directory
+        worker_scratch(run, "s3://b/runs/a", local_rank, local_world_size=4)
+    assert _files(disk) == []
+
+
+def test_a_node_that_hosts_fewer_workers_drops_the_extra_ones_directories_and_a_killed_groups_restore_copy(
+    tmp_path,
+):
+    run, disk = _config(tmp_path), tmp_path / "disk"
+    for local_rank in range(8):  # 8 workers on the node, each killed with a checkpoint staged
+        _stage(worker_scratch(run, "s3://b/runs/a", local_rank, 8), f"checkpoint_00000400{local_rank}-x")
+    node = node_scratch(run, "s3://b/runs/a")
+    _stage(os.path.join(node, "restored"), "stale")  # a restore copy its killed group never dropped
+    for local_rank in range(4):  # the resized group runs 4 workers there
+        worker_scratch(run, "s3://b/runs/a", local_rank, 4)
+    run_scratch = os.path.dirname(node)
+    assert _files(disk) == [] and sorted(os.listdir(run_scratch)) == ["rank0", "rank1", "rank2", "rank3"]
+
+
+def test_starting_workers_leave_the_directories_of_the_other_workers_of_their_node_alone(tmp_path):
+    """Local rank 0's clean-up runs while the node's other workers start and stage: it must not remove them."""
+    run = _config(tmp_path)
+    others = [worker_scratch(run, "s3://b/runs/a", local_rank, 4) for local_rank in (1, 2, 3)]
+    for scratch in others:
+        _stage(scratch, "checkpoint_000000008-in-progress")
+    worker_scratch(run, "s3://b/runs/a", 0, 4)
+    for scratch in others:
+        assert _files(scratch) == [os.path.join("checkpoint_000000008-in-progress", "checkpoint.ckpt")]
 
 
 def _restore_on_a_node(rank: int, checkpoint: Checkpoint, node_dir: str, init: str, seen) -> None:

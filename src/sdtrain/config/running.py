@@ -136,8 +136,9 @@ class CheckpointConfig(Section):
     """Local directory (each node's own disk) where checkpoints are written before their upload and a restored
     checkpoint is downloaded to. It needs room for about two checkpoints, and, while a worker group restores from
     object storage, one more: the node's local rank 0 downloads it once for the node's ranks and removes it once all
-    have restored. null = the system's temporary directory. What a killed worker left there is removed when the
-    run's next worker group starts (a restore copy, by the next download)."""
+    have restored. null = the system's temporary directory. What a killed worker left there (a staged checkpoint,
+    a restore copy) is removed when a worker group of the run next starts on that node, however many workers it
+    runs there and whichever ranks they hold."""
     record_rows: bool = False
     """Save into each checkpoint, as samples.npy, the sample index (row number in data.train's files, in order) of
     every row trained on since the previous checkpoint, all ranks: an exact record of what the model saw."""

@@ -11,6 +11,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -34,6 +35,7 @@ from sdtrain.storage.run_layout import (
     checkpoint_dir_name,
 )
 
+_NODE_DIR = "node"
 _UPLOAD_MODES = {"async": ray.train.CheckpointUploadMode.ASYNC, "sync": ray.train.CheckpointUploadMode.SYNC}
 
 
@@ -131,23 +133,45 @@ def report_with_checkpoint(
     return time.perf_counter() - started
 
 
-def worker_scratch(config: Config, run_dir: str, rank: int) -> str:
-    """An empty local directory for this rank of this run: staged checkpoints.
+def worker_scratch(config: Config, run_dir: str, local_rank: int, local_world_size: int) -> str:
+    """An empty local directory for this worker of this run: staged checkpoints.
 
-    Emptied at every worker-group start: a worker killed mid-upload (SIGKILL: no clean-up runs)
-    leaves a whole checkpoint there, and the rank that takes its place on the node removes it.
-    Named by the run's directory, so two runs on one node never touch each other's files.
+    Named by the worker's rank on its node, not in the group: a worker killed mid-upload (SIGKILL: no clean-up
+    runs) leaves a whole checkpoint there, and the next worker group's workers on that node, whichever world ranks
+    they hold, cover the same local ranks and empty their own. Local rank 0 also removes what none of them owns:
+    the directories of local ranks past ``local_world_size`` (the node hosted more workers before a restart or
+    resize) and a killed group's restore copy (:func:`node_scratch`). Named by the run's directory, so two runs
+    on one node never touch each other's files.
     """
-    scratch = os.path.join(_run_scratch(config, run_dir), f"rank{rank}")
+    run_scratch = _run_scratch(config, run_dir)
+    if local_rank == 0:
+        _drop_unowned(run_scratch, local_world_size)
+    scratch = os.path.join(run_scratch, f"rank{local_rank}")
     shutil.rmtree(scratch, ignore_errors=True)
     os.makedirs(scratch)
     return scratch
 
 
+def _drop_unowned(run_scratch: str, local_world_size: int) -> None:
+    """Remove the rank directories of local ranks at or past ``local_world_size`` and the restore copy.
+
+    Needs no barrier: no worker of the group writes these while this runs. Each lower local rank's directory is
+    its own worker's (left alone here), and the restore copy is written only by this worker, afterwards
+    (:func:`restored_directory` downloads afresh, so a leftover copy is never reused)."""
+    try:
+        names = os.listdir(run_scratch)
+    except FileNotFoundError:
+        return
+    for name in names:
+        index = re.fullmatch(r"rank(\d+)", name)
+        if name == _NODE_DIR or (index is not None and int(index.group(1)) >= local_world_size):
+            shutil.rmtree(os.path.join(run_scratch, name), ignore_errors=True)
+
+
 def node_scratch(config: Config, run_dir: str) -> str:
     """The local directory this run's ranks on one node share: the one download of a restored checkpoint
     (:func:`restored_directory`, which empties it)."""
-    return os.path.join(_run_scratch(config, run_dir), "node")
+    return os.path.join(_run_scratch(config, run_dir), _NODE_DIR)
 
 
 def _run_scratch(config: Config, run_dir: str) -> str:

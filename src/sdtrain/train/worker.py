@@ -136,7 +136,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         record_samples=config.checkpoint.record_rows,
     )
 
-    scratch = worker_scratch(config, _run_dir(config), rank)
+    context = ray.train.get_context()
+    scratch = worker_scratch(config, _run_dir(config), context.get_local_rank(), context.get_local_world_size())
     with _restored(config) as (directory, is_copy):
         plan: ReadPlan = loop_config["plan"]
         start = (
