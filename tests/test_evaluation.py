@@ -366,6 +366,23 @@ def test_a_score_not_known_yet_ranks_last_in_ray_trains_own_checkpoint_manager(t
     assert kept("clip_score", [(1000, {}), (2000, {})]) == [2000]
 
 
+def test_a_score_that_is_not_finite_is_reported_to_ray_train_as_the_worst():
+    """Loss is NaN for a report window whose steps all were, and val_loss is as computed: Ray Train's snapshot wrote
+    such a score null, and the next controller failed on it. Ray Train gets the worst finite score instead (mode min:
+    the largest float; max: its negation); the row the run keeps has the real value."""
+    worst = sys.float_info.max
+    for value in (float("nan"), float("inf"), float("-inf")):
+        for attribute, expected in (("loss", worst), ("val_loss", worst), ("fd_dinov2", worst), ("clip_score", -worst)):
+            row = {"step": 10.0, "loss": 0.5, attribute: value}
+            scored = scored_metrics(row, attribute)
+            assert scored == {**row, attribute: expected}, (attribute, value)
+            assert row[attribute] is value  # the run's own row is not changed
+    for attribute, finite in (("loss", 0.25), ("val_loss", 1e300), ("clip_score", -3.0), ("class_agreement", 0.0)):
+        row = {"step": 10.0, attribute: finite}
+        assert scored_metrics(row, attribute) is row
+    assert np.isnan(scored_metrics({"loss": float("nan")}, None)["loss"])  # no score attribute: nothing ranks by it
+
+
 _PRIORITY_PROBE = """
 import json, os, sys, threading
 import sdtrain.evaluation.eval_task  # what Ray imports to call the task

@@ -10,6 +10,11 @@ restarts (ray-project/ray#37633); the position lives in our checkpoints instead.
 
 from __future__ import annotations
 
+import json
+import math
+import posixpath
+from typing import Any
+
 import pyarrow.fs as pafs
 import ray
 import ray.train
@@ -19,8 +24,10 @@ from sdtrain.data.position import DataPosition
 from sdtrain.data.read_order import DataState
 from sdtrain.data.streams import WindowReader, rank_dataset
 from sdtrain.errors import SdtrainError
+from sdtrain.logs import log
 from sdtrain.private import ray as ray_private
-from sdtrain.storage.filesystems import ray_storage
+from sdtrain.storage.filesystems import ray_storage, read_bytes, uri_for, write_bytes
+from sdtrain.train.evaluations import SCORE_ATTRIBUTES, worst_score
 
 
 class PlannedStreams(ray.train.DataConfig):
@@ -34,7 +41,8 @@ class PlannedStreams(ray.train.DataConfig):
     def configure(self, datasets, world_size, worker_handles, worker_node_ids, **kwargs):
         if "train" not in datasets:  # validation: every worker gets the whole set, in file order
             return super().configure(datasets, world_size, worker_handles, worker_node_ids, **kwargs)
-        result = committed_run(*self.run_storage)
+        # Not repaired here: Ray Train's controller holds the record in memory and rewrites it at every checkpoint.
+        result = committed_run(*self.run_storage, repair_scores=False)
         step, state = (0, DataState())
         if result is not None:
             assert result.checkpoint is not None  # committed_run returns only runs with a committed checkpoint
@@ -58,8 +66,13 @@ class PlannedStreams(ray.train.DataConfig):
         return output
 
 
-def committed_run(filesystem: pafs.FileSystem | None, run_dir: str) -> ray.train.Result | None:
-    """Ray Train's record of the run in ``run_dir``, if it has committed a checkpoint."""
+def committed_run(
+    filesystem: pafs.FileSystem | None, run_dir: str, repair_scores: bool = True
+) -> ray.train.Result | None:
+    """Ray Train's record of the run in ``run_dir``, if it has committed a checkpoint; with ``repair_scores`` (the
+    driver, before Ray Train starts), its null scores are repaired first (:func:`repair_null_scores`)."""
+    if repair_scores:
+        repair_null_scores(filesystem, run_dir)
     try:
         result = ray.train.Result.from_path(run_dir, storage_filesystem=filesystem)
     except ray_private.checkpoint_record_error() as e:
@@ -72,3 +85,52 @@ def committed_run(filesystem: pafs.FileSystem | None, run_dir: str) -> ray.train
     except RuntimeError:  # no run directory or no committed checkpoint yet: a fresh run
         return None
     return result if result.checkpoint is not None else None
+
+
+def repair_null_scores(filesystem: pafs.FileSystem | None, run_dir: str) -> list[str]:
+    """Rewrite, in Ray Train's record of the run's checkpoints, every score (a metric checkpoint.score_attribute may
+    name) that is not a finite number to the worst score (sdtrain.train.evaluations.worst_score); returns what was
+    repaired, as ``<checkpoint dir> <metric>=<value>``.
+
+    Why: a NaN or infinite score (reported before scored_metrics replaced them) is written null there, as JSON has
+    neither, and Ray Train's next controller of the run failed on it at its first new checkpoint (``-1.0 * None``),
+    on every re-run. The worst score keeps its ranking: Ray Train ranks NaN last too. A record that does not parse
+    is left as it is, for Ray Train's own reading to name."""
+    path = posixpath.join(run_dir, ray_private.checkpoint_record_file())
+    uri = path if filesystem is None else uri_for(filesystem, path)
+    data = read_bytes(uri)
+    if data is None:
+        return []
+    try:
+        record = json.loads(data)
+    except ValueError:  # UnicodeDecodeError is one
+        return []
+    repaired = _repair_entries(record) if isinstance(record, dict) else []
+    if repaired:
+        # Compact, key order kept: the bytes Ray Train's pydantic model writes, but for the scores repaired.
+        write_bytes(uri, json.dumps(record, separators=(",", ":")).encode("utf-8"))
+        log.warning(
+            "%s: repaired checkpoint scores that Ray Train recorded as null (a NaN or infinite metric; its JSON has "
+            "neither), which fail the run at its next checkpoint when checkpoint.score_attribute names them, to "
+            "the worst score: %s",
+            uri,
+            ", ".join(repaired),
+        )
+    return repaired
+
+
+def _repair_entries(record: dict[str, Any]) -> list[str]:
+    entries: list[Any] = [record.get("latest_checkpoint_result")]
+    for key in ("checkpoint_results", "pending_training_results"):
+        entries += record.get(key) or []
+    repaired = []
+    for entry in entries:
+        metrics = entry.get("metrics") if isinstance(entry, dict) else None
+        if not isinstance(metrics, dict):
+            continue
+        for attribute in SCORE_ATTRIBUTES:
+            value = metrics.get(attribute, 0.0)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                metrics[attribute] = worst_score(attribute)
+                repaired.append(f"{entry.get('checkpoint_dir_name')} {attribute}={json.dumps(value)}")
+    return list(dict.fromkeys(repaired))  # the latest is also one of the checkpoint results
