@@ -490,7 +490,7 @@ def _grid_png(colour: str) -> bytes:
     return buffer.getvalue()
 
 
-def test_a_pipeline_exports_card_shows_the_latest_training_grid_or_one_rendered_at_export(trained, tmp_path):
+def test_a_pipeline_exports_card_shows_the_latest_training_grid_or_one_rendered_at_export(trained, tmp_path, caplog):
     """Data that names its VAE and text encoder makes the export a pipeline; its card shows sample_grid.png:
     training's latest grid at or before the exported step, else one the pipeline draws from the data's captions."""
     from support.tiny_models import write_tiny_sd_model
@@ -519,12 +519,20 @@ def test_a_pipeline_exports_card_shows_the_latest_training_grid_or_one_rendered_
     shutil.copytree(trained["checkpoint"], run / "checkpoint_000000004")
     loaded = load_model(str(run / "checkpoint_000000004"))
     assert loaded.meta is not None and loaded.global_step == 4
-    config = {**loaded.meta.config, "data": {"train": [str(tmp_path / "latents")]}}
+    config = {
+        **loaded.meta.config,
+        "data": {"train": [str(tmp_path / "latents")]},
+        "sample_grid": {"guidance_scale": 2.5},
+    }
     loaded = dataclasses.replace(loaded, meta=dataclasses.replace(loaded.meta, config=config))
 
     # The run drew no grid: the pipeline renders one, a tile per distinct caption.
     rendered = tmp_path / "rendered"
-    write_export(loaded, str(rendered))
+    with caplog.at_level("WARNING", logger="sdtrain"):
+        write_export(loaded, str(rendered))
+    # It trained on zeros as its empty prompt, which a plain pipe(prompt) does not guide against: the export says so.
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert "data.unconditional_caption: zeros" in warning and "negative_prompt_embeds" in warning
     assert (rendered / "model_index.json").is_file()
     card = (rendered / "README.md").read_text()
     assert f"![Samples]({SAMPLE_GRID_FILE})" in card and "1. a red fox; 2. a blue bird; 3. a green frog" in card
@@ -533,12 +541,14 @@ def test_a_pipeline_exports_card_shows_the_latest_training_grid_or_one_rendered_
         "trained from scratch" in card and "- Prediction type: v_prediction; recipe: caption_dropout_prob=0.2\n" in card
     )
     # The card shows how to guide as training did: against the empty prompt it trained with (zeros here), which a
-    # Stable Diffusion pipeline would encode from "" instead. Its code runs as written.
+    # Stable Diffusion pipeline would encode from "" instead, at its sample grids' scale. Its code runs as written,
+    # for a list of prompts (the empty prompt a row per prompt).
     code = card.split("```python\n")[1].split("```")[0]
     assert "negative_prompt_embeds=empty" in code and "guidance_rescale" not in code  # no zero-terminal SNR here
+    assert "guidance_scale=2.5" in code and "add_watermarker" not in code
     scope: dict = {}
     exec(code.replace('path = "."', f"path = {str(rendered)!r}"), scope)  # noqa: S102 - the card's own example
-    assert scope["image"].size == (32, 32)
+    assert len(scope["prompts"]) == 2 and [image.size for image in scope["images"]] == [(32, 32)] * 2
     with Image.open(rendered / SAMPLE_GRID_FILE) as image:
         assert image.format == "PNG" and image.size == (3 * (32 + 2) + 2, 32 + 4)
         image.verify()
@@ -559,13 +569,67 @@ def test_a_pipeline_exports_card_shows_the_latest_training_grid_or_one_rendered_
     tuned = dataclasses.replace(loaded, meta=dataclasses.replace(loaded.meta, config={**config, "model": model}))
     write_export(tuned, str(tmp_path / "tuned"))
     assert "fine-tuned from `stabilityai/stable-diffusion-2-base`" in (tmp_path / "tuned" / "README.md").read_text()
+    # So does an export of that export (it has no run config: its sdtrain.json records what the card says).
+    write_export(load_model(str(tmp_path / "tuned")), str(tmp_path / "tuned-again"))
+    card = (tmp_path / "tuned-again" / "README.md").read_text()
+    assert "fine-tuned from `stabilityai/stable-diffusion-2-base`" in card
+    assert f"- Data: {tmp_path / 'latents'}\n" in card and "recipe: caption_dropout_prob=0.2\n" in card
+    assert "guidance_scale=2.5" in card
 
-    # An export of that export keeps its grid.
+    # An export of an export keeps its grid; one written before exports recorded how they were trained says so.
+    info = json.loads((shown / "sdtrain.json").read_text())
+    (shown / "sdtrain.json").write_text(json.dumps({k: v for k, v in info.items() if k != "trained_as"}))
     again = tmp_path / "again"
     write_export(load_model(str(shown)), str(again))
-    assert (again / SAMPLE_GRID_FILE).read_bytes() == _grid_png("green") and SAMPLE_GRID_FILE in (
-        again / "README.md"
-    ).read_text()
+    card = (again / "README.md").read_text()
+    assert (again / SAMPLE_GRID_FILE).read_bytes() == _grid_png("green") and SAMPLE_GRID_FILE in card
+    assert "origin not recorded" in card and "trained from scratch" not in card and "- Data: not recorded" in card
+
+
+def test_an_sdxl_exports_card_loads_it_without_the_watermark_diffusers_does_not_record(tmp_path, monkeypatch):
+    """An SDXL pipeline is assembled without the invisible watermark, which model_index.json cannot keep: the model
+    card's example loads it with add_watermarker=False, so that it stays off where invisible-watermark is installed."""
+    import diffusers.pipelines.stable_diffusion_xl.pipeline_stable_diffusion_xl as sdxl_pipeline
+    from support.tiny_models import write_tiny_sdxl_model
+
+    from sdtrain.artifacts.export import write_export
+    from sdtrain.artifacts.loading import LoadedModel
+    from sdtrain.model.unet import build_noise_scheduler
+
+    base = write_tiny_sdxl_model(str(tmp_path / "tiny-sdxl"))
+    model = ModelConfig(preset="tiny-sdxl", prediction_type="v_prediction")
+    loaded = LoadedModel(
+        unet=build_unet(model).eval(),
+        noise_scheduler=build_noise_scheduler(noise_scheduler_config(model)),
+        unconditional_caption=torch.zeros(77, 80),
+        source=str(tmp_path / "no-checkpoint"),
+        weights="ema",
+        global_step=4,
+        latent_shape=(4, 16, 16),
+        caption_shape=(77, 80),
+        latent_scaling_factor=0.18215,
+        latent_classifier=None,
+        meta=None,
+        vae_downsampling=2,
+    )
+    export = tmp_path / "export"
+    write_export(loaded, str(export), base_model=base)
+    code = (export / "README.md").read_text().split("```python\n")[1].split("```")[0]
+    assert "add_watermarker=False" in code and "negative_prompt_embeds" not in code  # SDXL's empty prompt is zeros
+
+    # As where `pip install invisible-watermark` was run: diffusers would add its watermarker.
+    class Watermarker:
+        pass
+
+    monkeypatch.setattr(sdxl_pipeline, "is_invisible_watermark_available", lambda: True)
+    monkeypatch.setattr(sdxl_pipeline, "StableDiffusionXLWatermarker", Watermarker, raising=False)
+    load = code.split("\nprompts = ")[0].replace('path = "."', f"path = {str(export)!r}")
+    scope: dict = {}
+    exec(load, scope)  # noqa: S102 - the card's own example, up to its pipeline
+    assert scope["pipe"].watermark is None
+    from diffusers import DiffusionPipeline
+
+    assert isinstance(DiffusionPipeline.from_pretrained(str(export)).watermark, Watermarker)  # what it guards against
 
 
 def _checkpoint_of_latents_made_elsewhere(trained, tmp_path, metadata=None, scaling=None, **export) -> str:

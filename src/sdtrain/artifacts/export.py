@@ -39,9 +39,17 @@ import pyarrow.fs as pafs
 
 from sdtrain import __version__
 from sdtrain.artifacts.loading import VERSION_MANIFEST_FILE, LoadedModel, Weights, is_export, load_model
-from sdtrain.artifacts.model_card import render_grid, sampling_guidance, training_grid, write_model_card
+from sdtrain.artifacts.model_card import (
+    TRAINED_AS_KEY,
+    render_grid,
+    sampling_guidance,
+    trained_as,
+    training_grid,
+    write_model_card,
+)
 from sdtrain.artifacts.pipelines import (
     BASE_MODEL_KEY,
+    STABLE_DIFFUSION_XL,
     PipelineKind,
     assemble_pipeline,
     check_pipeline_sources,
@@ -51,6 +59,7 @@ from sdtrain.artifacts.pipelines import (
 from sdtrain.data.metadata import EncoderSources, encoder_sources
 from sdtrain.data.parquet_files import resolve_parquet_files
 from sdtrain.errors import SdtrainError
+from sdtrain.logs import log
 from sdtrain.storage.filesystems import delete_file, filesystem_for, write_bytes
 from sdtrain.storage.run_layout import (
     EXPORT_INFO_FILE,
@@ -106,7 +115,8 @@ def write_model_record(loaded: LoadedModel, local: str, sources: EncoderSources 
     """What an export (or a registry version) keeps of ``loaded`` besides its weights, for
     :func:`sdtrain.artifacts.loading.load_model` to give back: the empty-prompt embedding written into the local
     directory ``local`` (UNCONDITIONAL_FILE), and the content of EXPORT_INFO_FILE returned (where it came from, data
-    shapes, latent scaling; ``sources``: the VAE and text encoder its pipeline takes), for the caller to write last.
+    shapes, latent scaling; ``sources``: the VAE and text encoder its pipeline takes; how it was trained, for the card
+    of an export written from it), for the caller to write last.
     """
     info = {
         "sdtrain_version": __version__,
@@ -122,6 +132,7 @@ def write_model_record(loaded: LoadedModel, local: str, sources: EncoderSources 
         "latent_classifier": loaded.latent_classifier,
         "vae_source": sources.vae if sources else None,
         "text_encoder_source": sources.text_encoder if sources else None,
+        TRAINED_AS_KEY: trained_as(loaded),
     }
     if loaded.unconditional_caption is not None:
         np.save(os.path.join(local, UNCONDITIONAL_FILE), loaded.unconditional_caption.float().numpy())
@@ -249,11 +260,26 @@ def _write_pipeline(loaded: LoadedModel, kind: PipelineKind, sources: EncoderSou
     pipeline = assemble_pipeline(kind, sources, loaded.unet, scheduler, loaded.latent_scaling_factor)
     pipeline.save_pretrained(local, safe_serialization=True)
     guidance = sampling_guidance(loaded, kind)
+    _warn_of_zeros_empty_prompt(loaded, kind)
     grid = training_grid(loaded) or render_grid(loaded, pipeline, guidance)
     if grid is not None:
         with open(os.path.join(local, EXPORT_SAMPLE_GRID_FILE), "wb") as f:
             f.write(grid[0])
-    write_model_card(loaded, sources, os.path.join(local, "README.md"), grid[1] if grid else None, guidance)
+    write_model_card(loaded, sources, os.path.join(local, "README.md"), grid[1] if grid else None, guidance, kind)
+
+
+def _warn_of_zeros_empty_prompt(loaded: LoadedModel, kind: PipelineKind) -> None:
+    """A Stable Diffusion pipeline guides a plain ``pipe(prompt)`` against its text encoder's output for "", which a
+    model that trained on zeros as its empty prompt never saw: its images are guided wrongly, with no error. The
+    config's default stays: SDXL wants it, and a run's sample grids guide against zeros as they should."""
+    uncond = loaded.unconditional_caption
+    if kind is STABLE_DIFFUSION_XL or uncond is None or bool(uncond.any()):
+        return
+    log.warning(
+        f"export of {loaded.source}: it trained with data.unconditional_caption: zeros, which its pipeline does not "
+        f'use by itself (a plain call guides against the encoded ""): callers must pass the model card\'s '
+        f"negative_prompt_embeds ({UNCONDITIONAL_FILE}, a row per prompt), or guidance goes wrong"
+    )
 
 
 def _is_file(fs: pafs.FileSystem, path: str) -> bool:

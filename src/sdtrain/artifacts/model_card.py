@@ -20,6 +20,7 @@ from sdtrain.errors import SdtrainError
 from sdtrain.model.unet import default_guidance_rescale
 from sdtrain.storage.filesystems import filesystem_for
 from sdtrain.storage.run_layout import (
+    EXPORT_INFO_FILE,
     EXPORT_SAMPLE_GRID_FILE,
     HISTORY_FILE,
     SAMPLE_GRID_STEP,
@@ -31,6 +32,32 @@ from sdtrain.storage.run_layout import (
 # A grid rendered at export (the run drew none): this many captions of the data, sampled in this many steps.
 RENDER_PROMPTS = 4
 RENDER_STEPS = 20
+TRAINED_AS_KEY = "trained_as"
+"""The key of EXPORT_INFO_FILE under which an export keeps what its card says of the training (:func:`trained_as`):
+an export's or registry version's model has no run config, and a card written from it would otherwise lose it."""
+_RECIPE_KEYS = ("lr", "global_batch_size", "snr_gamma", "caption_dropout_prob", "ema_decay")
+
+
+def trained_as(loaded: LoadedModel) -> dict[str, Any] | None:
+    """How the model was trained, as its card says: ``pretrained`` (model.pretrained), ``data`` (data.train),
+    ``recipe`` (train keys) and ``guidance_scale`` (sample_grid's). From the run's config; for an export or registry
+    version, from what its EXPORT_INFO_FILE recorded; None where that records nothing (written before it did)."""
+    if loaded.meta is not None:
+        config = loaded.meta.config
+        train, data = config.get("train", {}), config.get("data", {}).get("train") or []
+        return {
+            "pretrained": config.get("model", {}).get("pretrained"),
+            "data": [data] if isinstance(data, str) else list(data),
+            "recipe": {key: train[key] for key in _RECIPE_KEYS if train.get(key) is not None},
+            "guidance_scale": config.get("sample_grid", {}).get("guidance_scale"),
+        }
+    fs, root = filesystem_for(loaded.source)
+    path = posixpath.join(root, EXPORT_INFO_FILE)
+    if not _is_file(fs, path):
+        return None
+    with fs.open_input_stream(path) as f:
+        recorded = json.loads(f.read()).get(TRAINED_AS_KEY)
+    return recorded if isinstance(recorded, dict) else None
 
 
 def training_grid(loaded: LoadedModel) -> tuple[bytes, str] | None:
@@ -70,8 +97,12 @@ def training_grid(loaded: LoadedModel) -> tuple[bytes, str] | None:
 def sampling_guidance(loaded: LoadedModel, kind: PipelineKind) -> dict[str, Any]:
     """The pipeline's call arguments that guide as training's sampling and generate.py do: a Stable Diffusion pipeline
     guides against its text encoder's output for "" where the model trained on its own empty prompt (zeros, by
-    default), while SDXL's has force_zeros_for_empty_prompt; a zero-terminal-SNR model samples with guidance rescale."""
+    default), while SDXL's has force_zeros_for_empty_prompt; a zero-terminal-SNR model samples with guidance rescale;
+    the scale is sample_grid's (the pipeline's default, 7.5, is not what training's grids showed)."""
     arguments: dict[str, Any] = {}
+    scale = (trained_as(loaded) or {}).get("guidance_scale")
+    if scale is not None:
+        arguments["guidance_scale"] = scale
     if kind is not STABLE_DIFFUSION_XL and loaded.unconditional_caption is not None:
         arguments["negative_prompt_embeds"] = loaded.unconditional_caption.float()[None]
     rescale = default_guidance_rescale(dict(loaded.noise_scheduler.config))
@@ -80,26 +111,34 @@ def sampling_guidance(loaded: LoadedModel, kind: PipelineKind) -> dict[str, Any]
     return arguments
 
 
-def _usage(guidance: dict[str, Any]) -> list[str]:
+def _usage(guidance: dict[str, Any], kind: PipelineKind) -> list[str]:
     """The model card's lines on calling the pipeline with ``guidance`` (:func:`sampling_guidance`)."""
-    if not guidance:
+    sdxl = kind is STABLE_DIFFUSION_XL
+    if not guidance and not sdxl:
         return []
     code = ["import numpy as np, torch", "from diffusers import DiffusionPipeline", "", 'path = "."  # this directory']
-    code.append("pipe = DiffusionPipeline.from_pretrained(path)")
-    call = []
+    # diffusers writes no add_watermarker into model_index.json: only the loading call can keep the watermark off.
+    code.append(f"pipe = DiffusionPipeline.from_pretrained(path{', add_watermarker=False' if sdxl else ''})")
+    code.append('prompts = ["a red fox", "a blue bird"]')
+    call = ["prompts"]
     if "negative_prompt_embeds" in guidance:
-        code.append(f'empty = torch.from_numpy(np.load(f"{{path}}/{UNCONDITIONAL_FILE}"))[None]')
+        # A row per prompt: the pipeline concatenates it with the prompts' embeddings, batch by batch.
+        load = f'np.load(f"{{path}}/{UNCONDITIONAL_FILE}")'
+        code.append(f"empty = torch.from_numpy({load})[None].expand(len(prompts), -1, -1)")
         call.append("negative_prompt_embeds=empty")
-    if "guidance_rescale" in guidance:
-        call.append(f"guidance_rescale={guidance['guidance_rescale']}")
-    code.append(f'image = pipe("a red fox", {", ".join(call)}).images[0]')
+    call += [f"{key}={guidance[key]}" for key in ("guidance_scale", "guidance_rescale") if key in guidance]
+    code.append(f"images = pipe({', '.join(call)}).images")
     why = ["Sample as training did"]
+    if "guidance_scale" in guidance:
+        why.append("at its sample grids' guidance scale")
     if "negative_prompt_embeds" in guidance:
         why.append(
             f'guiding against the empty prompt it trained with (`{UNCONDITIONAL_FILE}`; the pipeline would encode "")'
         )
     if "guidance_rescale" in guidance:
         why.append("with guidance rescale (a zero-terminal-SNR schedule)")
+    if sdxl:
+        why.append("without the invisible watermark (diffusers does not record that it is off)")
     return ["", ", ".join(why) + ":", "", "```python", *code, "```"]
 
 
@@ -165,27 +204,29 @@ def _data_captions(loaded: LoadedModel, n: int) -> list[str]:
 
 
 def write_model_card(
-    loaded: LoadedModel, sources: EncoderSources, path: str, grid: str | None, guidance: dict[str, Any]
+    loaded: LoadedModel,
+    sources: EncoderSources,
+    path: str,
+    grid: str | None,
+    guidance: dict[str, Any],
+    kind: PipelineKind,
 ) -> None:
     from diffusers.utils.hub_utils import MODEL_CARD_TEMPLATE_PATH, populate_model_card
     from huggingface_hub import ModelCard, ModelCardData
 
-    config = loaded.meta.config if loaded.meta is not None else {}
-    train = config.get("train", {})
+    record = trained_as(loaded)
     # The prediction type is the scheduler's (its own line): the config's may be unset, meaning model.pretrained's.
-    recipe = ", ".join(
-        f"{key}={train[key]}"
-        for key in ("lr", "global_batch_size", "snr_gamma", "caption_dropout_prob", "ema_decay")
-        if train.get(key) is not None
-    )
-    pretrained = config.get("model", {}).get("pretrained")
+    recipe = ", ".join(f"{key}={value}" for key, value in (record or {}).get("recipe", {}).items())
+    pretrained = (record or {}).get("pretrained")
     origin = f"fine-tuned from `{pretrained}`" if pretrained else "trained from scratch"
+    if record is None:  # an export written before exports recorded it: from scratch or not is unknown
+        origin = "(origin not recorded) trained"
     lines = [
         f"A Stable Diffusion UNet {origin} with sdtrain {__version__}, step {loaded.global_step} "
         f"({loaded.weights} weights), in a pipeline with the VAE of `{sources.vae}` and the text encoder of "
         f"`{sources.text_encoder}`.",
         "",
-        f"- Data: {', '.join(config.get('data', {}).get('train', [])) or 'not recorded'}",
+        f"- Data: {', '.join((record or {}).get('data', [])) or 'not recorded'}",
         f"- Latents {list(loaded.latent_shape or [])}, captions {list(loaded.caption_shape or [])}, "
         f"latent scaling factor {loaded.latent_scaling_factor}",
         *(
@@ -197,7 +238,7 @@ def write_model_card(
         f"- Final losses: {_final_losses(loaded.source) or 'not recorded'}",
         f"- Source checkpoint: `{loaded.source}`",
     ]
-    lines += _usage(guidance)
+    lines += _usage(guidance, kind)
     if grid is not None:
         lines += ["", f"![Samples]({EXPORT_SAMPLE_GRID_FILE})", "", grid]
     # diffusers' training-script card, from its template: load_or_create_model_card would first look the

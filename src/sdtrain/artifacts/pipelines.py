@@ -63,7 +63,9 @@ STABLE_DIFFUSION_XL = PipelineKind(
     components=("vae", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2"),
     text_encoders=("text_encoder", "text_encoder_2"),
     # The empty prompt as zeros: how sdtrain drops SDXL captions (data.unconditional_caption: zeros). No invisible
-    # watermark: an optional package, and a model trained here is not Stability's.
+    # watermark (an optional package, and a model trained here is not Stability's) for this pipeline only: diffusers
+    # writes add_watermarker into no file, so a reload watermarks wherever invisible-watermark is installed unless
+    # it passes add_watermarker=False to from_pretrained, as the model card's example does.
     options={"force_zeros_for_empty_prompt": True, "add_watermarker": False},
 )
 
