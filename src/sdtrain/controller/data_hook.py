@@ -20,6 +20,13 @@ import ray
 import ray.train
 
 from sdtrain.config.schema import Config
+from sdtrain.controller.snapshot_copy import (
+    COPY_FILE,
+    checkpoint_step,
+    restore_snapshot,
+    run_entries,
+    warn_unregistered,
+)
 from sdtrain.data.position import DataPosition
 from sdtrain.data.read_order import DataState
 from sdtrain.data.streams import WindowReader, rank_dataset
@@ -69,22 +76,44 @@ class PlannedStreams(ray.train.DataConfig):
 def committed_run(
     filesystem: pafs.FileSystem | None, run_dir: str, repair_scores: bool = True
 ) -> ray.train.Result | None:
-    """Ray Train's record of the run in ``run_dir``, if it has committed a checkpoint; with ``repair_scores`` (the
-    driver, before Ray Train starts), its null scores are repaired first (:func:`repair_null_scores`)."""
+    """Ray Train's record of the run in ``run_dir``, if it has committed a checkpoint. With ``repair_scores`` (the
+    driver, before Ray Train starts) the record is repaired first: restored from sdtrain's copy when cut short
+    (:func:`sdtrain.controller.snapshot_copy.restore_snapshot`), its null scores repaired (:func:`repair_null_scores`);
+    and checkpoint directories it never registered are warned of."""
+    entries = None
     if repair_scores:
+        entries = run_entries(filesystem or pafs.LocalFileSystem(), run_dir)
+        restore_snapshot(filesystem or pafs.LocalFileSystem(), run_dir, entries)
         repair_null_scores(filesystem, run_dir)
     try:
         result = ray.train.Result.from_path(run_dir, storage_filesystem=filesystem)
     except ray_private.checkpoint_record_error() as e:
+        record = ray_private.checkpoint_record_file()
         raise SdtrainError(
-            f"run: {run_dir}: Ray Train's record of the run's checkpoints ({ray_private.checkpoint_record_file()}) "
-            f"cannot be read: {' '.join(str(e).split())[:300]}. Ray Train writes it whole, so it was damaged or cut "
-            "short outside the run, or written by another Ray version. Restore it from a copy, or set "
-            "run.start_fresh=true to move the run aside and start over"
+            f"run: {run_dir}: Ray Train's record of the run's checkpoints ({record}) cannot be read: "
+            f"{' '.join(str(e).split())[:300]}. On local or NFS storage Ray Train rewrites it in place, so a "
+            "controller or head node killed during that write leaves it empty or cut short (the checkpoints are "
+            f"intact); sdtrain then restores it from its copy, {COPY_FILE}, but that is missing, does not parse or "
+            "names checkpoints that are gone. A record written by another Ray version is another cause. Restore "
+            f"{record} from a copy, or set run.start_fresh=true to move the run aside and start over"
         ) from None
     except RuntimeError:  # no run directory or no committed checkpoint yet: a fresh run
-        return None
-    return result if result.checkpoint is not None else None
+        result = None
+    committed = result if result is not None and result.checkpoint is not None else None
+    if entries:
+        _warn_unregistered(run_dir, entries, committed)
+    return committed
+
+
+def _warn_unregistered(run_dir: str, entries: dict[str, pafs.FileType], result: ray.train.Result | None) -> None:
+    recorded = set()
+    step = 0
+    if result is not None and result.checkpoint is not None:
+        recorded = {posixpath.basename(checkpoint.path) for checkpoint, _ in result.best_checkpoints or []}
+        latest = posixpath.basename(result.checkpoint.path)
+        recorded.add(latest)
+        step = checkpoint_step(latest) or 0
+    warn_unregistered(run_dir, entries, recorded, step)
 
 
 def repair_null_scores(filesystem: pafs.FileSystem | None, run_dir: str) -> list[str]:

@@ -29,6 +29,7 @@ from sdtrain.config.running import HIGHER_IS_BETTER
 from sdtrain.config.schema import Config, ScalingConfig
 from sdtrain.controller.data_hook import PlannedStreams, committed_run
 from sdtrain.controller.failures import StopOnDeterministicErrors
+from sdtrain.controller.snapshot_copy import SnapshotCopy
 from sdtrain.data.index_format import run_index_uri, write_index
 from sdtrain.data.inspection import DatasetSpec
 from sdtrain.data.metadata import latent_classifier
@@ -274,7 +275,7 @@ def _ray_run_config(config: Config) -> ray.train.RunConfig:
         # logging_config and types callbacks as v1 (Tune) callbacks.
         # Ray Train logs every report at INFO; our own progress line already says it all.
         logging_config=ray.train.LoggingConfig(log_level="WARNING"),  # type: ignore[call-arg]
-        callbacks=[StopOnDeterministicErrors()],  # type: ignore[list-item]
+        callbacks=[StopOnDeterministicErrors(), SnapshotCopy.of(config)],  # type: ignore[list-item]
     )
 
 
