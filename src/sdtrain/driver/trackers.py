@@ -20,7 +20,8 @@ from sdtrain.errors import ConfigError
 from sdtrain.logs import log
 from sdtrain.storage.filesystems import local_copy
 from sdtrain.storage.uris import is_uri
-from sdtrain.train.trackers import FORWARDED_ENV, read_state, wandb_save_dir
+from sdtrain.train.tracker_loggers import wandb_save_dir
+from sdtrain.train.trackers import FORWARDED_ENV, read_state
 
 WORKER_MLFLOW_RETRIES = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_TIMEOUT": "15"}
 """MLflow's client retries on the workers unless this process's environment sets them. Rank 0's call that meets an

@@ -29,7 +29,6 @@ from typing import Any
 
 import numpy as np
 import pyarrow.fs as pafs
-from lightning.pytorch.loggers import Logger
 
 from sdtrain.artifacts.run_outputs import write_whole
 from sdtrain.config.schema import Config
@@ -38,6 +37,7 @@ from sdtrain.storage.filesystems import filesystem_for
 from sdtrain.storage.run_layout import SAMPLES_DIR, TENSORBOARD_DIR, TRACKERS_FILE, sample_grid_file
 from sdtrain.storage.uris import is_uri
 from sdtrain.train.live_files import BackgroundWriter, Outage
+from sdtrain.train.tracker_loggers import build_logger, run_id_of
 from sdtrain.train.wandb_files import STEP_KEY, run_files
 
 HELD_KEY = "loss"  # in every report: the steps a tracker holds are those it has this metric at
@@ -69,13 +69,6 @@ def read_state(run_dir: str) -> dict[str, Any]:
 def _write_state(run_dir: str, state: dict[str, Any]) -> None:
     fs, path = filesystem_for(posixpath.join(run_dir, TRACKERS_FILE))
     write_whole(fs, path, json.dumps(state).encode())
-
-
-def wandb_save_dir(run_dir: str) -> str:
-    # W&B writes its run files locally and syncs them itself: a local run directory holds them.
-    if is_uri(run_dir):
-        return tempfile.mkdtemp(prefix="sdtrain-wandb-")
-    return run_dir
 
 
 # Seconds from a tracker's failure to the next try of it, in the background (its client's retries come on top:
@@ -215,7 +208,7 @@ class Trackers:
             # From step 1 too: a group that started fresh and was killed before its first checkpoint logged steps
             # the next one re-does.
             purge_step = self.resumed_step + 1 if tensorboard and known else None
-            outage.logger = _build_logger(name, self.config, where, self.ids.get(name), purge_step)
+            outage.logger = build_logger(name, self.config, where, self.ids.get(name), purge_step)
         if not outage.params_logged:
             # MLflow refuses a param changed on resume (W&B keeps the first); TensorBoard's hparams.yaml
             # is rewritten from what this worker group logged, so it gets them at every start.
@@ -231,7 +224,7 @@ class Trackers:
     def _adopt(self, name: str, outage: _Outage) -> None:
         assert outage.held is not None
         self.loggers[name], self.held[name] = outage.logger, outage.held
-        self.ids[name] = _run_id(name, outage.logger)
+        self.ids[name] = run_id_of(name, outage.logger)
 
     def _answering(self) -> None:
         """Take back the trackers a try found answering; the evaluations they missed at steps they hold go first."""
@@ -353,47 +346,3 @@ def _saved_grid(run_dir: str, step: int) -> np.ndarray | None:
             return np.asarray(Image.open(io.BytesIO(f.read())).convert("RGB"))
     except FileNotFoundError:
         return None
-
-
-def _build_logger(name: str, config: Config, run_dir: str, run_id: str | None, purge_step: int | None) -> Logger:
-    if name == "tensorboard":
-        from lightning.pytorch.loggers import TensorBoardLogger
-
-        # version="": event files straight in run_dir/tensorboard, one directory across restarts.
-        # purge_step: TensorBoard drops the earlier files' events from that step on (steps re-done).
-        return TensorBoardLogger(
-            run_dir, name=TENSORBOARD_DIR, version="", default_hp_metric=False, purge_step=purge_step
-        )
-    if name == "mlflow":
-        from lightning.pytorch.loggers import MLFlowLogger
-
-        logger = MLFlowLogger(
-            experiment_name=config.tracking.mlflow_experiment,
-            run_name=config.run.name,
-            tracking_uri=config.tracking.mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI"),
-            run_id=run_id,
-            log_model=False,
-        )
-        logger.experiment  # noqa: B018 -- creates the run now, so that its id can be saved
-        return logger
-    if name == "wandb":
-        from lightning.pytorch.loggers import WandbLogger
-        from wandb.sdk.lib.runid import generate_id
-
-        return WandbLogger(
-            project=config.tracking.wandb_project,
-            name=config.run.name,
-            id=run_id or generate_id(),
-            resume="allow",
-            save_dir=wandb_save_dir(run_dir),
-            log_model=False,
-        )
-    raise ValueError(f"unknown tracker {name!r}")
-
-
-def _run_id(name: str, logger: Any) -> str:
-    if name == "tensorboard":
-        return TENSORBOARD_DIR
-    if name == "mlflow":
-        return str(logger.run_id)
-    return str(logger.experiment.id)
