@@ -156,8 +156,8 @@ def test_a_workers_mlflow_client_gives_up_on_a_server_that_is_down_in_seconds_no
 
 
 def test_mlflow_down_at_the_end_of_a_run_is_warned_about_and_fails_nothing(tmp_path, monkeypatch, caplog):
-    """The driver's last calls to MLflow (the final checkpoint's evaluation, the export) after training succeeded."""
-    from sdtrain.driver.trackers import log_evaluations, log_export
+    """The driver's last calls to MLflow (the catch-up with the last rows, the export) after training succeeded."""
+    from sdtrain.driver.trackers import log_export, log_final
 
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # fail at once, not after MLflow's minutes of retries
     config = tiny_config(
@@ -165,13 +165,85 @@ def test_mlflow_down_at_the_end_of_a_run_is_warned_about_and_fails_nothing(tmp_p
     )
     (tmp_path / "export").mkdir()
     (tmp_path / TRACKERS_FILE).write_text('{"ids": {"mlflow": "0123"}, "logged_through": 4}')
-    log_evaluations(config, str(tmp_path), [(4, {"fd_dinov2": 3.0})])
+    log_final(config, str(tmp_path), [{"step": 4, "loss": 0.5}])
     log_export(config, str(tmp_path), str(tmp_path / "export"))
     warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert [w.split(":")[0] for w in warned] == [
-        "MLflow did not take the final checkpoint's evaluation (it is in metrics.csv)",
+        "MLflow did not take the run's last steps or its final evaluation (the run succeeded; they are in metrics.csv)",
         "MLflow did not take the export (the run is done, its export in the run directory)",
     ], warned
+
+
+def test_the_driver_catches_mlflow_up_with_the_runs_last_steps_each_once(tmp_path, monkeypatch, caplog):
+    """MLflow was down when the workers ended: it holds the run up to step 4, the final checkpoint's history goes to 8.
+    The driver's end of the run (also that of a re-run of the finished run) sends MLflow steps 6 and 8 and the final
+    checkpoint's evaluation, once each however often it runs, and leaves TensorBoard alone; with MLflow down, it warns
+    that re-running catches it up, and raises nothing."""
+    import dataclasses
+
+    import mlflow
+
+    import sdtrain.driver.trackers
+    from sdtrain.driver.trackers import log_final
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"  # a server's backend store, in this process (its file store is retired)
+    config = tiny_config(
+        "data.train=unused",
+        "data.val=unused",
+        "eval.dinov2=unused",
+        "tracking.trackers=[tensorboard, mlflow]",
+        f"tracking.mlflow_tracking_uri={uri}",
+        tmp_path=tmp_path,
+        name="ended",
+    )
+    # The final checkpoint's evaluation, which finished after the workers stopped (sdtrain.evaluation.results).
+    monkeypatch.setattr(sdtrain.driver.trackers, "final_results", lambda run_dir, rows: {8: {"fd_dinov2": 3.0}})
+    run_dir = tmp_path / "runs" / "ended"
+    earlier = set(threading.enumerate())  # an earlier test's may outlive it
+
+    def final_history() -> list[dict[str, float]]:  # as finish reads it from the final checkpoint, each time
+        return [{"step": step, "loss": 1.0 / step} for step in (2, 4, 6, 8)]
+
+    def warned() -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and r.name == "sdtrain"]
+
+    workers = Trackers(config, str(run_dir), [])
+    for row in final_history()[:2]:
+        assert workers.log_metrics(row, int(row["step"]))
+    workers.finish("success")
+    run_id = read_state(str(run_dir))["ids"]["mlflow"]
+    event_files = sorted((run_dir / TENSORBOARD_DIR).glob("events.*"))
+
+    client = mlflow.MlflowClient(uri)
+    for _ in range(2):  # the end of the run, then a re-run of the finished run: each step once
+        history = final_history()
+        log_final(config, str(run_dir), history)
+        assert history[-1] == {"step": 8, "loss": 0.125, "fd_dinov2": 3.0}  # for metrics.csv
+        loss = [(m.step, m.value) for m in client.get_metric_history(run_id, "loss")]
+        assert sorted(loss) == [(2, 0.5), (4, 0.25), (6, 1 / 6), (8, 0.125)]
+        assert [(m.step, m.value) for m in client.get_metric_history(run_id, "fd_dinov2")] == [(8, 3.0)]
+        assert read_state(str(run_dir)) == {
+            "ids": {"tensorboard": TENSORBOARD_DIR, "mlflow": run_id},
+            "logged_through": 8,
+            "evaluated": [8],
+        }
+    assert client.get_run(run_id).info.status == "FINISHED"
+    assert sorted((run_dir / TENSORBOARD_DIR).glob("events.*")) == event_files
+    assert not warned(), caplog.text
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # fail at once, not after MLflow's minutes of retries
+    down = tmp_path / "runs" / "down"
+    down.mkdir()
+    (down / TRACKERS_FILE).write_text('{"ids": {"mlflow": "0123"}, "logged_through": 4}')
+    config = dataclasses.replace(
+        config, tracking=dataclasses.replace(config.tracking, mlflow_tracking_uri="http://127.0.0.1:9")
+    )
+    start = time.monotonic()
+    log_final(config, str(down), final_history())
+    assert time.monotonic() - start < 60
+    assert len(warned()) == 1 and "Re-running the same command catches MLflow up" in warned()[0], warned()
+    assert not [thread.name for thread in set(threading.enumerate()) - earlier if thread.name.startswith("sdtrain-")]
+    assert "evaluated" not in read_state(str(down))  # sent when it answers: the re-run's log_final sends it
 
 
 @pytest.mark.slow

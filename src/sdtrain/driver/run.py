@@ -42,10 +42,9 @@ from sdtrain.driver.paths import with_absolute_paths
 from sdtrain.driver.preflight import preflight
 from sdtrain.driver.ray_data_startup import warm_up_ray_data
 from sdtrain.driver.resume_model import check_resume_model
-from sdtrain.driver.trackers import check_trackers, log_evaluations, log_export, tracker_env
+from sdtrain.driver.trackers import check_trackers, log_export, log_final, tracker_env
 from sdtrain.errors import TrainingFailed, find_sdtrain_error
 from sdtrain.evaluation.checks import check_evaluation
-from sdtrain.evaluation.results import final_results, merge_results
 from sdtrain.logs import log
 from sdtrain.model.conditioning import pooled_width
 from sdtrain.model.unet import resolve_prediction_type, unet_config
@@ -335,10 +334,7 @@ def finish(config: Config, result: ray.train.Result) -> RunSummary:
     # A committed run at train.max_steps, or a fit() that returned: its final step reported a checkpoint.
     assert checkpoint is not None
     history = read_history(checkpoint)
-    if config.eval.enabled:
-        # Evaluations that finished after their rows were saved (the final checkpoint's: Ray Train waits for it).
-        evaluated = merge_results(history, final_results(uri_for(checkpoint.filesystem, result.path), history))
-        log_evaluations(config, uri_for(checkpoint.filesystem, result.path), evaluated)
+    log_final(config, uri_for(checkpoint.filesystem, result.path), history)  # late evaluations, MLflow caught up
     labels = LossLabels(config.model.prediction_type or "epsilon", config.train.snr_gamma)  # check_run resolved it
     outputs = write_run_outputs(history, checkpoint.filesystem, result.path, labels)
     if config.export.enabled:

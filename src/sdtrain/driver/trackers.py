@@ -9,19 +9,20 @@ and the run still succeeds."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import os
-import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
 from sdtrain.config.schema import Config
 from sdtrain.errors import ConfigError
+from sdtrain.evaluation.results import final_results, merge_results
 from sdtrain.logs import log
 from sdtrain.storage.filesystems import local_copy
 from sdtrain.storage.uris import is_uri
 from sdtrain.train.tracker_loggers import wandb_save_dir
-from sdtrain.train.trackers import FORWARDED_ENV, read_state
+from sdtrain.train.trackers import FORWARDED_ENV, TrackerOutage, Trackers, read_state
 
 WORKER_MLFLOW_RETRIES = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_TIMEOUT": "15"}
 """MLflow's client retries on the workers unless this process's environment sets them. Rank 0's call that meets an
@@ -166,22 +167,68 @@ def _local(export_uri: str) -> str:
     return local_copy(export_uri) if is_uri(export_uri) else export_uri
 
 
-def log_evaluations(config: Config, run_dir: str, results: list[tuple[int, dict[str, float]]]) -> None:
-    """Evaluations that finished after the workers stopped (the final checkpoint's), from the driver: to the run's
-    MLflow run at their steps, in one request; MLflow failing is warned about (the results are in metrics.csv).
-    TensorBoard and W&B get the evaluations that finish while training runs.
+class _EndOutage(TrackerOutage):
+    """MLflow not answering the driver's catch-up at the end of a run: nothing in this process tries again, and a
+    re-run of the command does (a finished run goes straight to :func:`sdtrain.driver.run.finish`, which calls
+    :func:`log_final` again)."""
+
+    def warn(self, error: Exception) -> None:
+        log.warning(
+            f"{self.view} did not take the run's last steps or its final evaluation (the run succeeded; they are in "
+            f"metrics.csv): {error}. Re-running the same command catches {self.view} up once it answers"
+        )
+
+    def untold(self, status: str) -> None:
+        pass  # warn said what it lacks
+
+
+class _EndTrackers(Trackers):
+    outage = _EndOutage
+
+
+def log_final(config: Config, run_dir: str, history: list[dict[str, float]]) -> None:
+    """The end of a run, from the driver (at each re-run of a finished run too): merge into ``history`` the evaluations
+    that finished after their rows were saved (the final checkpoint's: Ray Train waits for it), and catch MLflow up
+    through :class:`sdtrain.train.trackers.Trackers`: the rows after the last step it holds (the workers' last ones
+    when it was down at their end), then those evaluations, each once (trackers.json). MLflow failing is warned about.
+
+    TensorBoard and W&B are left to the workers. TensorBoard holds every step up to the final checkpoint (flushed and
+    mirrored before it was taken): the driver would only add an event file. W&B's client queues what it was given and
+    sends it itself, and online the step it holds is its server's summary, which can lag that queue: rows sent again
+    from here would be dropped by W&B (its steps only grow), or held twice.
 
     Args:
-        results: (step, metrics) each.
+        config: the run's config.
+        run_dir: the run's directory.
+        history: the final checkpoint's rows, in step order.
     """
-    ids = read_state(run_dir)["ids"]
-    if not results or "mlflow" not in config.tracking.trackers or "mlflow" not in ids:
+    evaluated = merge_results(history, final_results(run_dir, history)) if config.eval.enabled else []
+    if "mlflow" not in config.tracking.trackers or not history:
         return
-    from mlflow.entities import Metric
-
-    now = int(time.time() * 1000)
-    metrics = [Metric(key, value, now, step) for step, values in results for key, value in values.items()]
+    tracking = dataclasses.replace(config.tracking, trackers=["mlflow"])
     try:
-        mlflow_client(config).log_batch(ids["mlflow"], metrics=metrics)
+        trackers = _EndTrackers(dataclasses.replace(config, tracking=tracking), run_dir, [])
+        try:
+            _catch_up(trackers, history, evaluated)
+        finally:
+            trackers.finish("success")
     except Exception as error:  # training succeeded: a tracker's failure must not fail the run
-        log.warning(f"MLflow did not take the final checkpoint's evaluation (it is in metrics.csv): {error}")
+        log.warning(
+            f"MLflow was not caught up (the run's rows are in metrics.csv): {error}; re-running the same "
+            "command catches it up"
+        )
+
+
+def _catch_up(trackers: Trackers, history: list[dict[str, float]], evaluated: list[tuple[int, dict]]) -> None:
+    if "mlflow" not in trackers.loggers:  # down: _EndOutage warned
+        return
+    held = trackers.held["mlflow"]
+    late = dict(evaluated)
+    # The late evaluations go through log_evaluation, which sends each once across re-runs: not in their rows as well.
+    rows = [{k: v for k, v in row.items() if k not in late.get(int(row["step"]), {})} for row in history]
+    if int(rows[-1]["step"]) > held:
+        trackers.log_metrics(rows[-1], int(rows[-1]["step"]), rows[:-1])
+        log.info(f"MLflow held the run up to step {held}: logged the run's later rows")
+    for step, values in evaluated:
+        if "mlflow" in trackers.loggers:  # one that failed since would mark the evaluation sent (trackers.json)
+            trackers.log_evaluation(values, step)

@@ -78,7 +78,7 @@ RETRY_S = 30.0
 NAMES = {"tensorboard": "TensorBoard", "mlflow": "MLflow", "wandb": "W&B"}
 
 
-class _Outage(Outage):
+class TrackerOutage(Outage):
     """A tracker's outage, and what tries got of it: its logger, its hyperparameters logged, the last step it holds."""
 
     def __init__(self, name: str, retry_s: float, logger: Any = None):
@@ -88,11 +88,16 @@ class _Outage(Outage):
         # Evaluations it missed: those of steps it holds are sent when it answers (a later step's row holds its own).
         self.evaluations: list[tuple[int, dict[str, float]]] = []
 
+    def untold(self, status: str) -> None:
+        log.warning(f"{self.view} was not told that the worker group ended ({status}): it does not answer")
+
 
 class Trackers:
     """Rank 0's tracker runs for one worker group: hyperparameters once per tracker run, metrics and
     images at their steps, each step once across restarts. A tracker that raises is a view that failed, as a live file
-    is: warned about once, left out until it answers again, then sent what it missed in order (:class:`_Outage`)."""
+    is: warned about once, left out until it answers again, then sent what it missed in order (TrackerOutage)."""
+
+    outage = TrackerOutage  # the driver's catch-up at the end of a run says what an outage means there
 
     def __init__(self, config: Config, run_dir: str, history: list[dict[str, float]], retry_s: float = RETRY_S):
         """Args:
@@ -110,14 +115,15 @@ class Trackers:
         self._state_writer = BackgroundWriter("sdtrain-tracker-state")
         # TensorBoard writes through fsspec, which needs s3fs for s3://: on object storage it writes
         # on this node's disk, and the event files are copied to run_dir/tensorboard after each flush.
-        self._tensorboard_local = tempfile.mkdtemp(prefix="sdtrain-tensorboard-") if is_uri(run_dir) else None
+        mirrored = is_uri(run_dir) and "tensorboard" in config.tracking.trackers
+        self._tensorboard_local = tempfile.mkdtemp(prefix="sdtrain-tensorboard-") if mirrored else None
         self._mirror_writer = BackgroundWriter("sdtrain-tensorboard-mirror")
         self.loggers: dict[str, Any] = {}  # the trackers that answer (Any: each logger class has its own extras)
         self.held: dict[str, int] = {}  # tracker -> the last step it holds: it is sent only later ones
-        self.down: dict[str, _Outage] = {}  # the trackers that raised and have not caught up since
+        self.down: dict[str, TrackerOutage] = {}  # the trackers that raised and have not caught up since
         self._imaged: dict[str, int] = {}  # tracker -> the step of the last image log_image sent it
         for name in config.tracking.trackers:
-            opening = _Outage(name, retry_s)
+            opening = self.outage(name, retry_s)
             try:
                 self._open(name, opening)
             except Exception as error:  # e.g. MLflow's server down: the history lookup is tried again later
@@ -179,7 +185,7 @@ class Trackers:
             status: success or failed.
         """
         for name in self.down.keys() - self.loggers.keys():
-            log.warning(f"{NAMES[name]} was not told that the worker group ended ({status}): it does not answer")
+            self.down[name].untold(status)
         for name in list(self.loggers):
             self._call(name, self._finalize, name, status)
         self._mirror_tensorboard()
@@ -198,7 +204,7 @@ class Trackers:
 
             wandb.teardown()
 
-    def _open(self, name: str, outage: _Outage) -> None:
+    def _open(self, name: str, outage: TrackerOutage) -> None:
         """Bring a tracker as far as it goes (at the start, or in a try's thread): its logger built, its
         hyperparameters logged, and ``outage.held`` the last step it holds."""
         known = name in self._known
@@ -221,7 +227,7 @@ class Trackers:
         else:
             outage.held = self._held_step(name, outage.logger) if known else -1
 
-    def _adopt(self, name: str, outage: _Outage) -> None:
+    def _adopt(self, name: str, outage: TrackerOutage) -> None:
         assert outage.held is not None
         self.loggers[name], self.held[name] = outage.logger, outage.held
         self.ids[name] = run_id_of(name, outage.logger)
@@ -237,13 +243,13 @@ class Trackers:
                 if step > self.held[name] or self._call(name, self._evaluate, name, values, step):
                     outage.evaluations.pop(0)
 
-    def _failed(self, name: str, error: Exception, opening: _Outage | None = None) -> None:
+    def _failed(self, name: str, error: Exception, opening: TrackerOutage | None = None) -> None:
         """``name`` raised ``error``: left out until a try finds it answering; warned about once an outage."""
         logger = self.loggers.pop(name, None)
         if name in self.down:
             self.down[name].again()
             return
-        self.down[name] = opening or _Outage(name, self.retry_s, logger)
+        self.down[name] = opening or self.outage(name, self.retry_s, logger)
         self.down[name].warn(error)
 
     def _call(self, name: str, action: Callable[..., None], *args: Any) -> bool:
