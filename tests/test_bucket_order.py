@@ -165,3 +165,27 @@ def test_the_rows_carried_in_are_the_ones_the_recursive_walk_back_found():
     got = [_order_spans_digest(plan, epochs) for plan, epochs in ((_plan(), 8), (small, 20), (several, 24))]
     assert got == ORDER_SPANS_DIGESTS
     assert window_sample_indices(small.order_spans(7, 1, 0, 8), small.file_offsets).tolist() == [40] * 8
+
+
+def test_the_runs_digest_is_the_whole_tables_worked_out_once_a_plan_and_not_pickled(monkeypatch):
+    import pickle
+
+    import sdtrain.data.bucket_order as bucket_order
+
+    plan = _plan(seed=9)
+    whole = hashlib.sha256(plan.run_table().tobytes()).hexdigest()[:16]
+    monkeypatch.setattr(bucket_order, "_DIGEST_BLOCK", 2)  # hashed block by block: the same bytes
+    hashed = []
+    real = bucket_order.hashlib.sha256
+    monkeypatch.setattr(bucket_order.hashlib, "sha256", lambda *a: hashed.append(a) or real(*a))
+    assert plan.fingerprint()["rows_digest"] == whole
+    assert plan.fingerprint()["rows_digest"] == whole and len(hashed) == 1
+    plan.seed = 10  # what is not the runs is read as it is now
+    assert plan.fingerprint()["seed"] == 10 and len(hashed) == 1
+    # A pickled plan sends no digest: its copy works it out from the runs it rebuilds.
+    assert "_runs_digest" not in plan.__getstate__()
+    again = pickle.loads(pickle.dumps(plan))
+    assert again._runs_digest is None
+    assert again.fingerprint()["rows_digest"] == whole and len(hashed) == 2
+    other = pickle.loads(pickle.dumps(_plan()))
+    assert other.fingerprint()["rows_digest"] == whole  # the same runs; a different seed only

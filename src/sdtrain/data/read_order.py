@@ -178,11 +178,7 @@ class SamplePlan:
         """
         intervals = np.array([[0, self.num_rows]], np.int64)
         for segment, (world_size, consumed) in enumerate(state.segments):
-            parts, tail = split_equal(intervals, world_size)
-            intervals = np.concatenate(
-                [self._unconsumed(part, (state.epoch, segment, rank), consumed) for rank, part in enumerate(parts)]
-                + [tail]
-            )
+            intervals = self._unconsumed(intervals, (state.epoch, segment), world_size, consumed)
         return intervals
 
     def rank_stretches(self, state: DataState, world_size: int, rows_per_step: int, steps: int) -> list[list[Stretch]]:
@@ -280,17 +276,28 @@ class SamplePlan:
         """The sample index of every row ``window`` reads, in read order."""
         return window_sample_indices(window.spans, self.file_offsets)[window.order()]
 
-    def _unconsumed(self, part: np.ndarray, key: tuple[int, int, int], consumed: int) -> np.ndarray:
-        """``part`` minus the first ``consumed`` rows its rank read (in window order)."""
+    def _unconsumed(self, intervals: np.ndarray, key: tuple[int, int], world_size: int, consumed: int) -> np.ndarray:
+        """``intervals`` split equally over ``world_size`` ranks, minus the first ``consumed`` rows each rank read (in
+        window order): each rank's partial window's leftover rows then the rest of its part, then the tail.
+
+        Every rank's window and rest are cut from ``intervals`` in one pass (they are ranges of it at offsets of the
+        part size): a slice per rank made a start after many world-size changes cost ranks x intervals.
+        """
+        total = span_rows(intervals)
+        each = total // world_size
+        part = np.arange(world_size, dtype=np.int64) * each
         full, partial = divmod(consumed, self.window_rows)
         start = full * self.window_rows
-        rest = slice_rows(part, start + (self.window_rows if partial else 0), span_rows(part))
+        skip = start + (self.window_rows if partial else 0)
+        rests = slice_many(intervals, np.append(part + skip, world_size * each), np.append(part + each, total))
         if not partial:
-            return rest
-        window = slice_rows(part, start, start + self.window_rows)
-        order = np.random.default_rng((self.seed, *key, full)).permutation(span_rows(window))
-        left = np.sort(order[partial:])
-        return np.concatenate([positions_to_intervals(window, left), rest])
+            return np.concatenate(rests)
+        windows = slice_many(intervals, part + start, part + min(start + self.window_rows, each))
+        out = []
+        for rank, (window, rest) in enumerate(zip(windows, rests[:-1], strict=True)):
+            order = np.random.default_rng((self.seed, *key, rank, full)).permutation(span_rows(window))
+            out += [positions_to_intervals(window, np.sort(order[partial:])), rest]
+        return np.concatenate([*out, rests[-1]])
 
 
 # The version of the order's algorithm, in the fingerprint: a checkpoint of another order resumes as a change.
@@ -304,9 +311,31 @@ def span_rows(spans: np.ndarray) -> int:
 
 def split_equal(spans: np.ndarray, parts: int) -> tuple[list[np.ndarray], np.ndarray]:
     """``parts`` contiguous runs of equal row count, and the < ``parts`` rows left over."""
-    each = span_rows(spans) // parts
-    pieces = [slice_rows(spans, i * each, (i + 1) * each) for i in range(parts)]
-    return pieces, slice_rows(spans, parts * each, span_rows(spans))
+    total = span_rows(spans)
+    cuts = np.arange(parts + 1, dtype=np.int64) * (total // parts)
+    pieces = slice_many(spans, cuts, np.append(cuts[1:], total))
+    return pieces[:parts], pieces[parts]
+
+
+def slice_many(spans: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> list[np.ndarray]:
+    """:func:`slice_rows` of each range [lo[i], hi[i]) (none where lo[i] >= hi[i]), all cut in one pass: a
+    worker-group start cuts every rank's part of what an epoch has left, which grows with each world-size change."""
+    lengths = spans[:, STOP] - spans[:, START]
+    ends = np.cumsum(lengths)
+    begins = ends - lengths
+    lo = np.asarray(lo, np.int64)
+    hi = np.minimum(np.asarray(hi, np.int64), int(ends[-1]) if len(ends) else 0)
+    # slice_rows keeps the spans with ends > lo and begins < hi: a contiguous range, as neither decreases (empty
+    # spans strictly inside are kept, those at the edges not).
+    first = np.searchsorted(ends, lo, side="right")
+    counts = np.where(lo < hi, np.maximum(np.searchsorted(begins, hi, side="left") - first, 0), 0)
+    offsets = np.cumsum(counts) - counts
+    owner = np.repeat(np.arange(len(lo)), counts)
+    which = first[owner] + np.arange(int(counts.sum())) - offsets[owner]
+    out = spans[which]  # fancy indexing copies: the clipping below leaves ``spans`` as it was
+    out[:, START] += np.maximum(lo[owner] - begins[which], 0)
+    out[:, STOP] -= np.maximum(ends[which] - hi[owner], 0)
+    return np.split(out, np.cumsum(counts)[:-1])
 
 
 def slice_rows(spans: np.ndarray, lo: int, hi: int) -> np.ndarray:
