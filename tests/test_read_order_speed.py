@@ -3,27 +3,23 @@
 import numpy as np
 import pytest
 
-from sdtrain.data.read_order import START, STOP, DataState, SamplePlan, positions_to_intervals, split_equal
-
-
-def _old_slice_rows(spans, lo, hi):
-    # The slice_rows that split_equal called once per rank before it cut all ranks at once (kept as the reference).
-    lengths = spans[:, STOP] - spans[:, START]
-    ends = np.cumsum(lengths)
-    begins = ends - lengths
-    hi = min(hi, int(ends[-1]) if len(ends) else 0)
-    keep = (ends > lo) & (begins < hi)
-    out = spans[keep].copy()
-    out[:, START] += np.maximum(lo - begins[keep], 0)
-    out[:, STOP] -= np.maximum(ends[keep] - hi, 0)
-    return out
+from sdtrain.data.read_order import (
+    START,
+    STOP,
+    DataState,
+    SamplePlan,
+    positions_to_intervals,
+    slice_rows,
+    split_equal,
+)
 
 
 def _old_split_equal(spans, parts):
+    # split_equal before it cut all ranks at once: slice_rows (unchanged, still the one-range cut) once per rank.
     total = int((spans[:, STOP] - spans[:, START]).sum())
     each = total // parts
-    pieces = [_old_slice_rows(spans, i * each, (i + 1) * each) for i in range(parts)]
-    return pieces, _old_slice_rows(spans, parts * each, total)
+    pieces = [slice_rows(spans, i * each, (i + 1) * each) for i in range(parts)]
+    return pieces, slice_rows(spans, parts * each, total)
 
 
 def _random_spans(rng, columns):
@@ -72,9 +68,9 @@ def _old_remaining(plan, state):
             full, partial = divmod(consumed, plan.window_rows)
             start = full * plan.window_rows
             part_rows = int((part[:, STOP] - part[:, START]).sum())
-            rest = _old_slice_rows(part, start + (plan.window_rows if partial else 0), part_rows)
+            rest = slice_rows(part, start + (plan.window_rows if partial else 0), part_rows)
             if partial:
-                window = _old_slice_rows(part, start, start + plan.window_rows)
+                window = slice_rows(part, start, start + plan.window_rows)
                 window_rows = int((window[:, STOP] - window[:, START]).sum())
                 order = np.random.default_rng((plan.seed, state.epoch, segment, rank, full)).permutation(window_rows)
                 rest = np.concatenate([positions_to_intervals(window, np.sort(order[partial:])), rest])
