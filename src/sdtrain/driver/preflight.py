@@ -27,7 +27,6 @@ from botocore.exceptions import ConnectionError as BotoConnectionError
 
 from sdtrain.config.schema import Config
 from sdtrain.errors import ConfigError, DataError, StorageUnavailable
-from sdtrain.logs import log
 from sdtrain.storage.s3 import CONNECT_TIMEOUT_S, configure_s3, s3_client, s3_endpoint, s3_max_attempts
 from sdtrain.storage.uris import has_userinfo, redact, split_s3
 
@@ -60,12 +59,9 @@ def preflight(config: Config) -> None:
 
     Data (data.train, data.val, model.pretrained, retrain.data_root) must be readable and hold
     objects; run.storage_path and retrain.models_root must be listable and writable. A path that still names the
-    shipped configs' placeholder bucket is refused first, local or not; a train.warmup_steps past the run's end is
-    warned of.
+    shipped configs' placeholder bucket is refused first, local or not.
     """
     config.refuse_placeholders()  # s3://YOUR-BUCKET/...: one line naming the key, not the store's answer for it
-    if unreached := config.train.unreached_lr():
-        log.warning(unreached)
     configure_s3(config.storage.endpoint_url, config.storage.max_attempts)
     writable = {"run.storage_path", "retrain.models_root"}
     data_buckets = set()

@@ -126,6 +126,8 @@ def check_run(config: Config) -> CheckedRun:
     """
     config = with_absolute_paths(config)
     preflight(config)  # object storage: endpoint, credentials, buckets, permissions (sdtrain.driver.preflight)
+    if unreached := config.train.unreached_lr():  # here, not in preflight: a retrain runs that twice
+        log.warning(unreached)
     config = resolve_prediction_type(config)  # unset: model.pretrained's; the workers get it concrete
     check_trackers(config)
     run_dir = posixpath.join(config.run.storage_path, config.run.name)
