@@ -93,6 +93,39 @@ def test_each_ranks_dataset_carries_a_reference_to_the_reader_not_the_reader():
     assert carried > len(ray.cloudpickle.dumps(reader)) > 20 * len(files) and referenced < carried // 20
 
 
+@ray.remote(num_cpus=0)
+def _in_a_rank(refs: list, source_blob: bytes) -> tuple[bool, bool, int]:
+    from ray.data.context import DataContext
+
+    from sdtrain.data.object_store import fetched
+
+    (shared,) = refs  # in a list: Ray passes a bare reference's object, as it does the train loop's config
+
+    plan = fetched(shared).plan  # the worker's own planning (sdtrain.train.worker)
+    source = ray.cloudpickle.loads(source_blob)  # its dataset's source, as Ray Train hands it over
+    tasks = source.get_read_tasks(1, data_context=DataContext.get_current())
+    return source.reader.plan is plan, fetched(shared) is source.reader, len(tasks)
+
+
+@pytest.mark.usefixtures("ray_cluster")
+def test_a_rank_holds_one_copy_of_the_reader_for_its_planning_and_its_read_tasks(tmp_path):
+    """ray.get deserializes anew at every call, and a bucketed plan is rebuilt from its runs into ~100 MB at 2e5
+    files: a rank asked for it twice (its planning, its read tasks) and held two."""
+    from sdtrain.data.streams import RankWindows
+
+    write_latents(tmp_path / "a.parquet", rows=48, seed=0, row_group_size=8)
+    files = [str(tmp_path / "a.parquet")]
+    spec = inspect_dataset(files, "data.train", Columns("image_latents_256", "caption_latents"), 4, 32)
+    plan = SamplePlan(spec.rows_per_file, seed=0, chunk_rows=8, window_rows=16)
+    (stretches,) = plan.rank_stretches(DataState(), 1, 8, 6)
+    reader = WindowReader(spec, DataConfig(train=files), plan)
+    shared = ray.put(reader)
+    source = RankWindows(reader, stretches, shared)
+    same_plan, same_reader, tasks = ray.get(_in_a_rank.remote([shared], ray.cloudpickle.dumps(source)))
+    assert same_plan and same_reader
+    assert tasks == source.count == 3
+
+
 @pytest.mark.usefixtures("ray_cluster")
 def test_a_workers_stream_starts_reading_before_it_is_iterated_and_hands_over_every_batch_once(tmp_path):
     """The worker starts its stream before building its model; Lightning iterates it later."""

@@ -27,6 +27,7 @@ from sdtrain.controller.snapshot_copy import (
     run_entries,
     warn_unregistered,
 )
+from sdtrain.data.object_store import fetched
 from sdtrain.data.position import DataPosition
 from sdtrain.data.read_order import DataState
 from sdtrain.data.streams import WindowReader, rank_dataset
@@ -38,12 +39,19 @@ from sdtrain.train.evaluations import SCORE_ATTRIBUTES, worst_score
 
 
 class PlannedStreams(ray.train.DataConfig):
-    def __init__(self, reader: WindowReader, run_dir: str, config: Config):
+    def __init__(self, reader: ray.ObjectRef, run_dir: str, config: Config):
+        """Args:
+        reader: the run's :class:`WindowReader`, in Ray's object store.
+        """
         super().__init__(datasets_to_split=["train"])
-        self.reader = reader
+        self.shared = reader
         # (filesystem, path) made here on the driver: it carries the S3 endpoint to the controller.
         self.run_storage = ray_storage(run_dir)
         self.config = config
+
+    @property
+    def reader(self) -> WindowReader:
+        return fetched(self.shared)
 
     def configure(self, datasets, world_size, worker_handles, worker_node_ids, **kwargs):
         if "train" not in datasets:  # validation: every worker gets the whole set, in file order
@@ -59,13 +67,12 @@ class PlannedStreams(ray.train.DataConfig):
         stretches = self.reader.plan.rank_stretches(
             state, world_size, layout.rows_per_step, self.config.train.max_steps - step
         )
-        # Put once, and each rank's dataset carries its reference: pickled into every rank's dataset, the reader
-        # (~9 MB at 2e5 files) left this process world-size times at every worker group's start.
-        shared = ray.put(self.reader)
+        # Each rank's dataset carries the reader's reference: pickled into every rank's dataset, the reader (~9 MB at
+        # 2e5 files) left this process world-size times at every worker group's start.
         output = []
         for rank in range(world_size):
             node = worker_node_ids[rank] if worker_node_ids else None
-            dataset = rank_dataset(self.reader, stretches[rank], node, shared)
+            dataset = rank_dataset(self.reader, stretches[rank], node, self.shared)
             options = self.default_ingest_options()
             options.preserve_order = True  # the plan's order is what makes resumption exact
             dataset.context.execution_options = options

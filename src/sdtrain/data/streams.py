@@ -25,6 +25,7 @@ from sdtrain.config.schema import DataConfig
 from sdtrain.data.added_columns import AddedColumns
 from sdtrain.data.decode import TokenIdOutOfRange, caption_array, to_array
 from sdtrain.data.inspection import DatasetSpec
+from sdtrain.data.object_store import fetched
 from sdtrain.data.pacing import paced
 from sdtrain.data.read_order import FILE, START, STOP, ReadPlan, Window, slice_rows, window_sample_indices
 from sdtrain.data.rows import RowReader
@@ -250,9 +251,8 @@ def _block(arrays: dict[str, np.ndarray], sample_index: np.ndarray) -> pa.Table:
 
 
 class WindowReader:
-    """The training data as the ranks read it: the read plan, the files and the read settings. Made on the
-    driver, put in Ray's object store once a worker group, and fetched by each rank (once a node), which turns its
-    windows into :class:`WindowRead` tasks."""
+    """The training data as the ranks read it: the read plan, the files, the read settings. Put in Ray's object store
+    once by the driver; a rank fetches it once (``object_store.fetched``) and reads its windows as WindowReads."""
 
     def __init__(self, spec: DatasetSpec, data: DataConfig, plan: ReadPlan):
         self.plan = plan
@@ -292,7 +292,7 @@ class WindowReader:
 
 class RankWindows(Datasource):
     """One rank's windows as a Ray Data source: a read task per window, in order. ``shared``: the reader in Ray's
-    object store, which the source then carries instead of the reader (~45 B a file)."""
+    object store, carried instead of the reader (~45 B a file) and fetched once a process."""
 
     def __init__(self, reader: WindowReader, stretches: Sequence[Any], shared: ray.ObjectRef | None = None):
         self._reader: WindowReader | ray.ObjectRef = shared if shared is not None else reader
@@ -301,7 +301,7 @@ class RankWindows(Datasource):
 
     @property
     def reader(self) -> WindowReader:
-        return self._reader if isinstance(self._reader, WindowReader) else ray.get(self._reader)
+        return self._reader if isinstance(self._reader, WindowReader) else fetched(self._reader)
 
     def estimate_inmemory_data_size(self) -> int | None:
         return None

@@ -208,13 +208,15 @@ def build_trainer(run: CheckedRun, launched_at: float) -> TorchTrainer:
     }
     if run.val is not None:
         datasets["val"] = file_order_dataset(run.val, config.data, "data.val")
+    # Put once a run: the controller and each rank fetch it once a process (sdtrain.data.object_store).
+    reader = ray.put(WindowReader(run.train, config.data, run.plan))
     return TorchTrainer(
         train_loop_per_worker,
         train_loop_config={
             "config": config.to_dict(),
             "use_gpu": use_gpu,
             "checkpoint_meta": _run_meta(run, config, captions),
-            "plan": run.plan,
+            "reader": reader,
             "s3": resolved_s3_settings(),
             "launched_at": launched_at,
             "tracker_env": tracker_env(),
@@ -228,7 +230,7 @@ def build_trainer(run: CheckedRun, launched_at: float) -> TorchTrainer:
         ),
         run_config=_ray_run_config(config),
         datasets=datasets,
-        dataset_config=PlannedStreams(WindowReader(run.train, config.data, run.plan), run.run_dir, config),
+        dataset_config=PlannedStreams(reader, run.run_dir, config),
         # With eval, Ray Train evaluates the checkpoints rank 0 asks for, once committed, in a task of their own.
         validation_config=_validation_config(config, run.run_dir, run.eval_vae) if config.eval.enabled else None,
     )

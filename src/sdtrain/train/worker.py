@@ -21,6 +21,7 @@ import torch
 from ray.train.lightning import RayDDPStrategy, prepare_trainer
 
 from sdtrain.config.schema import BatchLayout, Config
+from sdtrain.data.object_store import fetched
 from sdtrain.data.position import DataPosition
 from sdtrain.data.read_order import DataState, ReadPlan
 from sdtrain.model.conditioning import pooled_width
@@ -139,7 +140,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     context = ray.train.get_context()
     scratch = worker_scratch(config, _run_dir(config), context.get_local_rank(), context.get_local_world_size())
     with _restored(config) as (directory, is_copy):
-        plan: ReadPlan = loop_config["plan"]
+        plan: ReadPlan = fetched(loop_config["reader"]).plan
         start = (
             StartPoint()
             if directory is None
