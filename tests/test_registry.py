@@ -58,7 +58,8 @@ def _exercise(root: str) -> None:
 
 def test_registry_on_local_disk(tmp_path):
     _exercise(str(tmp_path / "models"))
-    assert json.loads((tmp_path / "models" / "production.json").read_text()) == {"version": "v0001"}
+    pointer = json.loads((tmp_path / "models" / "production.json").read_text())
+    assert pointer["version"] == "v0001" and (pointer["move"]["from"], pointer["move"]["to"]) == (None, "v0001")
     (tmp_path / "models" / "versions" / "v0003" / "unet").mkdir(parents=True)  # a write cut short: no manifest
     registry = ModelRegistry(str(tmp_path / "models"))
     assert registry.versions() == ["v0001", "v0002"]
@@ -101,7 +102,7 @@ def test_registry_on_s3(s3_bucket):
     # What landed in the bucket: the pointer object, and complete versions (manifest included).
     s3 = boto3.client("s3")
     pointer = s3.get_object(Bucket="sdtrain-test", Key="models/production.json")["Body"].read()
-    assert json.loads(pointer) == {"version": "v0001"}
+    assert json.loads(pointer)["version"] == "v0001" and json.loads(pointer)["move"]["kind"] == "set"
     keys = {o["Key"] for o in s3.list_objects_v2(Bucket="sdtrain-test", Prefix="models/")["Contents"]}
     for version in ("v0001", "v0002"):
         assert {f"models/versions/{version}/manifest.json", f"models/versions/{version}/unet/config.json"} <= keys
@@ -276,6 +277,89 @@ def test_the_pointer_moves_only_from_the_version_it_was_compared_with(models_roo
     assert lost.value.current == "v0003" and registry.production() == "v0003"
     registry.set_production(v1)  # by hand (a rollback): no expectation, still one conditional write
     assert registry.production() == "v0001"
+
+
+def _promoted(registry: ModelRegistry, count: int) -> list[str]:
+    """``count`` complete versions (a manifest, no weights: the pointer and its log read only that), each promoted
+    over what production names."""
+    names = []
+    for n in range(1, count + 1):
+        name, parent = registry.next_version(), registry.production()
+        manifest = {"version": name, "parent": parent, "promoted": True, "reason": f"day {n}"}
+        assert registry._create(registry._path("versions", name, "manifest.json"), json.dumps(manifest))
+        registry.set_production(name, expected=parent, kind="promote")
+        names.append(name)
+    return names
+
+
+@pytest.mark.timeout(120)
+def test_a_rollback_abandons_every_version_that_served_since_its_target(models_root):
+    registry = ModelRegistry(models_root)
+    v1, v2, v3, v4, v5 = _promoted(registry, 5)
+    # v0003 brought in a bad partition: v0003..v0005 all trained on it, whatever the latest one's metric.
+    assert registry.rollback(v2, reason="bad partition since v0003") == (v5, v2)
+    assert registry.served() == [v1, v2]  # no bar left that only the abandoned versions set
+    v6 = _promoted(registry, 1)[0]  # ...the next day's run, warm-started from v0002 and promoted over it
+    registry.set_production(v4, expected=v6, kind="promote")  # abandoned, then serving again: a bar again
+    assert registry.served() == [v1, v2, v4, v6]
+    assert registry.rollback(v6, reason="v0004 again") == (v4, v6)  # abandoned again
+    assert registry.served() == [v1, v2, v6]
+    # A plain rollback goes to the latest version that no rollback abandoned: back, never forward to v0004.
+    assert registry.rollback(reason="v0006 too") == (v6, v2)
+    assert registry.served() == [v1, v2]
+    assert registry.rollback(reason="all of it") == (v2, v1)  # v0001's last time ends before everything since
+    assert registry.served() == [v1]
+    with pytest.raises(ConfigError, match="nothing to roll back to"):
+        registry.rollback()
+    kinds = [(e["from"], e["to"], e["kind"]) for e in registry.pointer_log()[5:]]
+    assert kinds == [
+        (v5, v2, "rollback"),
+        (v2, v6, "promote"),
+        (v6, v4, "promote"),
+        (v4, v6, "rollback"),
+        (v6, v2, "rollback"),
+        (v2, v1, "rollback"),
+    ]
+
+
+@pytest.mark.timeout(120)
+def test_a_rollback_killed_between_the_swap_and_its_log_entry_is_logged_as_that_rollback(tmp_path):
+    root = str(tmp_path / "models")
+    registry = ModelRegistry(root)
+    v1, v2, v3, v4 = _promoted(registry, 4)
+    script = (
+        "from sdtrain.artifacts.registry import ModelRegistry\n"
+        f"ModelRegistry({root!r}).rollback({v2!r}, reason='blurry since v0003', by={{'run': 'rollback'}})\n"
+    )
+    env = {**os.environ, "SDTRAIN_CHAOS_KILL_AFTER_WRITES": "1"}  # its first write is the pointer's swap
+    assert subprocess.run([sys.executable, "-c", script], env=env, timeout=100).returncode == -signal.SIGKILL
+    assert registry.production() == v2 and registry.pointer_log()[-1]["to"] == v4  # swapped, not logged
+    entry = registry.settle_log(by={"run": "next-day"})
+    assert entry is not None and entry["seq"] == 5
+    assert (entry["from"], entry["to"], entry["kind"], entry["reason"]) == (v4, v2, "rollback", "blurry since v0003")
+    assert entry["by"]["run"] == "rollback" and entry["by"]["pid"] != os.getpid()  # the killed writer's, not ours
+    assert registry.settle_log() is None and registry.pointer_log()[-1] == entry
+    # A rollback takes no lock: had it lived on after a run settled its move, its own entry would not log it twice.
+    assert registry._append_log(registry._pointer()[2]) == entry and len(registry.pointer_log()) == 5
+    assert registry.served() == [v1, v2]
+    assert registry.rollback(reason="v0002 too") == (v2, v1)  # back, not forward to the version rolled back from
+
+
+def test_a_pointer_without_its_move_is_settled_from_the_manifests(tmp_path):
+    """production.json written before pointers recorded their move, or edited by hand."""
+    registry = ModelRegistry(str(tmp_path / "models"))
+    v1, v2, v3 = _promoted(registry, 3)
+    pointer = registry._path("production.json")
+    _, tag = registry._production()
+    assert registry._replace(pointer, json.dumps({"version": v2}), tag)  # an older writer's pointer
+    assert registry.production() == v2
+    entry = registry.settle_log(by={"run": "next-day"})
+    assert (entry["from"], entry["to"], entry["kind"]) == (v3, v2, "unlogged") and entry["by"]["run"] == "next-day"
+    # A hand edit that changed the version and left the move beside it: that move is not about this version.
+    text, tag = registry._read_tagged(pointer)
+    assert registry._replace(pointer, json.dumps({**json.loads(text), "version": v3}), tag)
+    entry = registry.settle_log()
+    assert (entry["from"], entry["to"], entry["kind"]) == (v2, v3, "promote")  # v0003 was promoted over v0002
 
 
 def test_a_job_pins_its_schedule_date_on_its_first_attempt(tmp_path):

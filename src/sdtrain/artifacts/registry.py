@@ -1,6 +1,7 @@
 """Model versions and the production pointer, under ``retrain.models_root``::
 
-    production.json              {"version": "v0002"}: replaced whole, never edited in place
+    production.json              {"version": "v0002", "move": {from, to, kind, reason, by, at}}: replaced whole,
+                                 never edited in place; the move that set it, for the log if its writer died
     retrain.lock                 held by the one retrain run allowed at a time (owner and lease inside)
     jobs/<job id>.json           the schedule date a job's first attempt pinned, for its retries
     versions/v0001/unet/         UNet2DConditionModel.save_pretrained (safetensors): the weights served (the EMA's
@@ -99,21 +100,30 @@ class ModelRegistry(ConditionalStore):
 
     def _production(self) -> tuple[str | None, str | None]:
         """(the version production names or None, the pointer's tag for a conditional replace)."""
+        version, tag, _ = self._pointer()
+        return version, tag
+
+    def _pointer(self) -> tuple[str | None, str | None, dict[str, Any] | None]:
+        """(the version production names or None, the pointer's tag, the move that set it: None where the pointer
+        predates recording it, or a hand edit left one that is not about this version)."""
         pointer = self._path(PRODUCTION_FILE)
         text, tag = self._read_tagged(pointer)
         if text is None:
-            return None, None
+            return None, None, None
         try:
-            version = json.loads(text)["version"]
-        except (json.JSONDecodeError, KeyError, TypeError):
-            version = None
+            record = json.loads(text)
+            version, move = record["version"], record.get("move")
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
+            version, move = None, None
         # The name is joined into paths: anything but vNNNN could point outside the registry.
         if not isinstance(version, str) or not _VERSION.fullmatch(version):
             raise DataError(
                 f'retrain.models_root: {pointer} must hold {{"version": "vNNNN"}}, not {text[:80]!r}; '
                 "point it at a complete version under versions/"
             )
-        return version, tag
+        if not isinstance(move, dict) or move.get("to") != version or not isinstance(move.get("kind"), str):
+            move = None
+        return version, tag, move
 
     def location(self, version: str) -> str:
         """The version's directory (unet/ and scheduler/ inside): usable as ``model.pretrained`` (a warm start: the
@@ -195,7 +205,15 @@ class ModelRegistry(ConditionalStore):
         """Point production at ``version``, only if it still names ``expected`` (a version, or None
         for no pointer yet); raises PointerMoved otherwise. Without ``expected`` (by hand), whatever
         it names is replaced, still as one conditional write. The move is then appended to the
-        pointer log (``kind``: promote, rollback or set; ``reason``; ``by``: who moved it)."""
+        pointer log.
+
+        Args:
+            version: the complete version production is to name.
+            expected: what production must name now for the swap to happen (unchecked if not given).
+            kind: the move's kind in the log: promote, rollback or set.
+            reason: why it moved, for the log.
+            by: who moved it (run, job), besides host and pid.
+        """
         if version not in self.versions():
             raise ValueError(f"version {version} is not a complete version under {self.root_uri}")
         pointer = self._path(PRODUCTION_FILE)
@@ -203,12 +221,22 @@ class ModelRegistry(ConditionalStore):
         current, tag = self._production()
         if expected is not _UNCHECKED and current != expected:
             raise PointerMoved(self._moved(pointer, expected, current), current)
-        text = json.dumps({"version": version})
+        move = {
+            "from": current,
+            "to": version,
+            "kind": kind,
+            "reason": reason,
+            "by": {**_whoami(), **(by or {})},
+            "at": _now().isoformat(),
+        }
+        # The move goes in the same write as the version: a writer killed before its log entry leaves it to be
+        # logged as it was (a rollback stays a rollback, with its reason), not guessed from the manifests.
+        text = json.dumps({"version": version, "move": move})
         swapped = self._create(pointer, text) if tag is None else self._replace(pointer, text, tag)
         if swapped is None:
             now = self.production()
             raise PointerMoved(self._moved(pointer, current, now), now)
-        self._append_log(current, version, kind, reason, by)
+        self._append_log(move)
 
     # --- the pointer log: every version production has named, in order ---------------------------
 
@@ -229,64 +257,69 @@ class ModelRegistry(ConditionalStore):
     def settle_log(self, by: dict[str, Any] | None = None) -> dict[str, Any] | None:
         """Record a move of the pointer the log does not have yet, and return its entry (None if the
         log agrees with the pointer): a writer that died between the swap and the log entry, or a
-        hand edit of production.json. A promoted version whose parent the log last named is recorded
-        as its promotion; anything else as ``unlogged``."""
-        current = self.production()
+        hand edit of production.json. The move production.json records with its version is logged as
+        it was; a pointer without one (written before pointers recorded it, or by hand) is recorded as
+        the promotion of a promoted version whose parent the log last named, anything else as ``unlogged``.
+
+        Args:
+            by: who settles (run, job), for a move the pointer does not record.
+        """
+        current, _, move = self._pointer()
         log = self.pointer_log()
         last = log[-1]["to"] if log else None
         if current == last or current is None:
             return None
+        if move is not None:
+            return self._append_log(move)
         manifest = self.manifest(current) if current in self.versions() else {}
         if manifest.get("promoted") and manifest.get("parent") == last:
             kind, reason = "promote", "the promotion's writer stopped between moving the pointer and logging it"
         else:
             kind, reason = "unlogged", f"production.json named {current} without a log entry (changed by hand?)"
-        return self._append_log(last, current, kind, reason, by)
+        by = {**_whoami(), **(by or {})}
+        return self._append_log({"from": last, "to": current, "kind": kind, "reason": reason, "by": by})
 
-    def _append_log(
-        self, source: str | None, target: str, kind: str, reason: str, by: dict[str, Any] | None
-    ) -> dict[str, Any]:
+    def _append_log(self, move: dict[str, Any]) -> dict[str, Any]:
+        """Append ``move`` ({from, to, kind, reason, by, at}; ``at`` now if absent) as the next log entry, unless
+        it already is the last one."""
+        move = {**move, "at": move.get("at") or _now().isoformat()}
         for _ in range(5):  # a writer without the lock may take a number first: the next one
-            seq = len(self.pointer_log()) + 1
-            entry = {
-                "seq": seq,
-                "from": source,
-                "to": target,
-                "kind": kind,
-                "reason": reason,
-                "by": {**_whoami(), **(by or {})},
-                "at": _now().isoformat(),
-            }
-            if self._create(self._path(LOG_DIR, f"{seq:08d}.json"), json.dumps(entry)) is not None:
+            log = self.pointer_log()
+            # A rollback takes no lock: a run may have settled its move from the pointer between its swap and here.
+            if log and {k: v for k, v in log[-1].items() if k != "seq"} == move:
+                return log[-1]
+            entry = {"seq": len(log) + 1, **move}
+            if self._create(self._path(LOG_DIR, f"{entry['seq']:08d}.json"), json.dumps(entry)) is not None:
                 return entry
         raise RegistryConflict(f"retrain.models_root: could not append to {self._uri(self._path(LOG_DIR))}")
 
     def served(self) -> list[str]:
-        """The versions production has named and not been rolled back from, oldest first (the current one included)."""
+        """The versions production has named and no rollback abandoned since (see :func:`_abandoned`), oldest first;
+        the one it names now always."""
         log = self.pointer_log()
-        rolled_back = {e["from"] for e in log if e["kind"] == "rollback"}
+        abandoned = _abandoned(log)
         named = [e["to"] for e in log]
         current = self.production()
-        if current is not None and current not in named:
+        if current is not None:
             named.append(current)
-        return [v for v in dict.fromkeys(named) if v not in rolled_back]
+        return [v for v in dict.fromkeys(named) if v not in abandoned or v == current]
 
     def rollback(self, to: str | None = None, reason: str = "", by: dict[str, Any] | None = None) -> tuple[str, str]:
-        """Move production back to ``to`` (default: the latest other version it named and was not rolled back from),
-        recorded in the pointer log as a rollback; returns (from, to). A retrain run never moves
-        production back to a version that was rolled back from."""
+        """Move production back to ``to`` (default: the latest other version it named that no rollback abandoned,
+        see :func:`_abandoned`), recorded in the pointer log as a rollback; returns (from, to). A retrain run never
+        moves production back to a version that was rolled back from."""
         self.settle_log(by)
         current = self.production()
         if current is None:
             raise ConfigError(f"{self.root_uri}: production names no version: nothing to roll back")
         if to is None:
             log = self.pointer_log()
-            rolled_back = {e["from"] for e in log if e["kind"] == "rollback"}
-            earlier = [e["to"] for e in log if e["to"] != current and e["to"] not in rolled_back]
+            abandoned = _abandoned(log)
+            earlier = [e["to"] for e in log if e["to"] != current and e["to"] not in abandoned]
             if not earlier:
                 raise ConfigError(
-                    f"{self.root_uri}: production never named a version before {current} that was not rolled back "
-                    "from: nothing to roll back to (name one: --rollback vNNNN)"
+                    f"{self.root_uri}: production never named a version before {current} that a rollback did not "
+                    "abandon: nothing to roll back to (name one: --rollback vNNNN)"
                 )
             to = earlier[-1]  # the latest other version production named
         if not _VERSION.fullmatch(to) or to not in self.versions():
@@ -341,3 +374,23 @@ class ModelRegistry(ConditionalStore):
         infos = self.fs.get_file_info(pafs.FileSelector(self._path("versions"), allow_not_found=True))
         names = [posixpath.basename(i.path) for i in infos if i.type == pafs.FileType.Directory]
         return sorted((n for n in names if _VERSION.fullmatch(n)), key=lambda n: int(n[1:]))
+
+
+def _abandoned(log: list[dict[str, Any]]) -> set[str]:
+    """The versions a rollback moved production off and that it has not named again since, from the pointer log
+    (oldest first). A rollback abandons every version that served after its target's last time in production, up to
+    the one rolled back from (all trained on from the target, whatever was wrong with the latest): a target that
+    never served abandons the one rolled back from alone. A later move to an abandoned version (a re-promotion, a
+    rollback to it) makes it served again."""
+    abandoned: set[str] = set()
+    last_named: dict[str, int] = {}
+    for i, entry in enumerate(log):
+        if entry["kind"] == "rollback":
+            start = last_named.get(entry["to"])
+            if start is not None:
+                abandoned.update(e["to"] for e in log[start + 1 : i])
+            if entry["from"] is not None:
+                abandoned.add(entry["from"])
+        abandoned.discard(entry["to"])
+        last_named[entry["to"]] = i
+    return abandoned
