@@ -7,9 +7,10 @@ model, warm-started from it, and promote the result only if it is at least as go
 Running twice for the same date does not train twice. Without retrain.date, the retries of an Anyscale
 job keep its first attempt's date. One run at a time: a run that finds <models_root>/retrain.lock held
 exits 75 at once (busy: try later; docs/retraining.md). --rollback moves production back (default: to the latest other
-version it named and was not rolled back from) under the same lock, recorded in the pointer log, so
-no later run promotes the version rolled back from again. With tracking.mlflow_register_as (and mlflow in
-tracking.trackers), both move the MLflow model's production alias too (docs/retraining.md#in-mlflow).
+version it named that no rollback abandoned) without waiting for that lock (a run going on reports `superseded`),
+recorded in the pointer log, so no later run promotes the version rolled back from again. With
+tracking.mlflow_register_as (and mlflow in tracking.trackers), both move the MLflow model's production alias too
+(docs/retraining.md#in-mlflow).
 Every config key: --help
 """
 
@@ -46,7 +47,7 @@ def rollback_main(argv: list[str]) -> int:
         source, target = rollback(load_config(args.config, args.overrides), args.rollback or None, args.reason)
     except REPORTED as e:
         print(f"error: {e}", file=sys.stderr)
-        return exit_code(e)  # 75 while a retrain run holds the lock, or object storage fails for now
+        return exit_code(e)  # 2: nothing to roll back to, or production moved meanwhile; 75: storage failing for now
     print(f"[sdtrain] rolled back: production now names {target}, not {source} (recorded in the pointer log)")
     return 0
 

@@ -162,11 +162,14 @@ def test_retrain_promotes_better_keeps_production_on_worse_and_is_idempotent(
     for version in registry.versions():  # every version stays loadable
         load_model(registry.location(version))
 
-    # A run that fails (here: an unreadable file in the new partition) writes no version and
-    # leaves production alone, saying what is wrong.
+    # A new partition training cannot read (here its only one) is left out before training: no version, production
+    # left alone, the outcome saying which file and why (an error would only have Anyscale retry it every day).
     (root / "date=2026-11-04").mkdir()
     (root / "date=2026-11-04" / "part.parquet").write_bytes(b"not parquet")
     (root / "date=2026-11-04" / "_SUCCESS").touch()
-    with pytest.raises(DataError, match=r"data\.train: cannot read .*date=2026-11-04/part\.parquet as parquet"):
-        retrain(_config(tmp_path, root, val), datetime.date(2026, 11, 4))
+    outcome = retrain(_config(tmp_path, root, val), datetime.date(2026, 11, 4))
+    assert (outcome.status, outcome.production) == ("no-usable-data", "v0003"), outcome
+    assert re.match(
+        r"retrain\.data_root: cannot read .*date=2026-11-04/part\.parquet as parquet", outcome.left_out["2026-11-04"]
+    )
     assert registry.production() == "v0003" and registry.versions() == ["v0001", "v0002", "v0003"]

@@ -3,6 +3,7 @@
 import datetime
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -134,7 +135,8 @@ def test_a_run_that_finds_the_lock_held_stops_before_ray_and_a_retry_keeps_its_j
             timeout=170,
         )
         assert json.loads((models / "retrain.lock").read_text())["token"] == held.token  # not taken, not removed
-        # A rollback waits for the lock the same way.
+        # A rollback does not wait for it (an emergency must not wait out an hour of training): here it finds
+        # nothing to roll back, past the lock.
         rollback = subprocess.run(
             [sys.executable, str(REPO / "entrypoints" / "retrain.py"), "--rollback", f"retrain.models_root={models}"],
             env={**os.environ, "PYTHONPATH": str(REPO / "src")},
@@ -144,7 +146,9 @@ def test_a_run_that_finds_the_lock_held_stops_before_ray_and_a_retry_keeps_its_j
         )
     # Busy, try later (EX_TEMPFAIL): neither bad input nor a failed run, and Ray never started.
     assert result.returncode == 75, result.stderr[-3000:]
-    assert rollback.returncode == 75 and "is held by run retrain-2026-11-01" in rollback.stderr, rollback.stderr
+    assert rollback.returncode == 2 and "production names no version: nothing to roll back" in rollback.stderr, (
+        rollback.stderr
+    )
     assert "schedule date 2026-11-02 (pinned by the first attempt of job prodjob_day2 at" in result.stdout
     assert result.stderr.startswith(
         f"error: {models}/retrain.lock is held by run retrain-2026-11-01, date 2026-11-01, job prodjob_day1"
@@ -232,7 +236,9 @@ def test_a_first_version_starts_from_model_pretrained_and_warns_without_it_and_l
     monkeypatch.setattr(retrain_module, "train", train)
     monkeypatch.setattr(retrain_module, "preflight", preflight)
     caplog.set_level("INFO", logger="sdtrain")
-    exported = str(tmp_path / "runs" / "sd-small-256" / "export")  # job.yaml's export, not written yet: never read
+    # job.yaml's export: a first version's new partitions are checked against its UNet before training.
+    exported = str(tmp_path / "runs" / "sd-small-256" / "export")
+    UNet2DConditionModel(**PRESETS["tiny"]).save_config(f"{exported}/unet")
     for pretrained in (None, exported):
         caplog.clear()
         config = _rules_config(tmp_path, *([f"model.pretrained={pretrained}"] if pretrained else []))
@@ -257,6 +263,7 @@ def test_a_first_version_starts_from_model_pretrained_and_warns_without_it_and_l
     first = registry.write_version(UNet2DConditionModel(**PRESETS["tiny"]), DDPMScheduler(), manifest)
     registry.set_production(first, expected=None, kind="promote")
     caplog.clear()
+    shutil.rmtree(exported)
     with pytest.raises(_Trained):
         retrain(_rules_config(tmp_path, f"model.pretrained={exported}"), datetime.date(2026, 11, 2))
     assert trained[-1].model.pretrained == registry.location(first)
@@ -611,7 +618,23 @@ def test_mlflow_shows_what_the_registry_promoted_and_a_rollback_and_catches_up_a
         assert len(client.search_model_versions(f"name='{name}'")) == 3
 
         # A rollback moves the alias back with the pointer, and what serving fetches by it is v0001's run's export.
-        assert rollback(config, reason="blurry samples") == ("v0003", "v0001")
+        # It takes no lock, so here it lands while a re-run of the date sets the alias from its earlier read of the
+        # pointer (v0003): set after the rollback's, that stale alias would stand unless the run reads the pointer
+        # again.
+        from sdtrain.driver import retrain_mlflow
+
+        point_alias, rolled = retrain_mlflow._point_alias, []
+
+        def rollback_first(*args):
+            if not rolled:  # the run's first alias: the rollback (whose own publish sets the alias) goes first
+                rolled.append(None)
+                rolled[0] = rollback(config, reason="blurry samples")
+            point_alias(*args)
+
+        monkeypatch.setattr(retrain_mlflow, "_point_alias", rollback_first)
+        assert retrain(config, datetime.date(2026, 11, 3)).status == "already-done"
+        monkeypatch.setattr(retrain_mlflow, "_point_alias", point_alias)
+        assert rolled == [("v0003", "v0001")] and registry.production() == "v0001"
         assert client.get_registered_model(name).aliases == {"production": one.version}
         # models:/ URIs are resolved by the process's registry: set, over what an earlier test's MLflow logger left
         # there (set_tracking_uri wins over the environment; CI fetched from that test's server, long stopped).

@@ -5,7 +5,9 @@ run that died between writing its version and moving the production pointer is f
 pointer moved) by the next run for that date, without training; a version production named and
 was moved off since (a rollback: ``rollback``, recorded in the registry's pointer log) is not.
 One run at a time: a run holds the registry's lock from before it reads the registry until it is
-done, and moves the pointer only if it still names the version it compared against.
+done, and moves the pointer only if it still names the version it compared against. A rollback takes no lock: it
+must not wait an hour for a run's training, and that compare and swap is what keeps it standing (the run reports
+``superseded``, and says a rollback happened during it).
 
 What a run trains on is found by :mod:`sdtrain.driver.retrain_partitions`; how the new model is scored against
 production and whether it is promoted, by :mod:`sdtrain.driver.retrain_gate`.
@@ -25,14 +27,22 @@ from sdtrain import __version__
 from sdtrain.artifacts.loading import LoadedModel, load_trained
 from sdtrain.artifacts.provenance import code_version
 from sdtrain.artifacts.registry import ModelRegistry, PointerMoved, RegistryLock
-from sdtrain.config.schema import Config
+from sdtrain.config.schema import Config, ModelConfig
 from sdtrain.driver.preflight import preflight
-from sdtrain.driver.retrain_gate import HELDOUT_KEY, best_served, decide, heldout_fingerprint, scores_in_task
+from sdtrain.driver.retrain_gate import (
+    HELDOUT_KEY,
+    best_served,
+    decide,
+    gate_baseline,
+    heldout_fingerprint,
+    scores_in_task,
+)
 from sdtrain.driver.retrain_mlflow import publish
-from sdtrain.driver.retrain_partitions import find_partitions, new_partitions
+from sdtrain.driver.retrain_partitions import described_left_out, find_partitions, new_partitions, usable_partitions
 from sdtrain.driver.run import RunSummary, train
 from sdtrain.errors import ConfigError
 from sdtrain.logs import log
+from sdtrain.model.unet import unet_config
 from sdtrain.train.trackers import read_state
 
 # The ID of the Anyscale job (the same for every attempt of it), which Anyscale sets for jobs.
@@ -41,10 +51,14 @@ JOB_ID_VAR = "ANYSCALE_PRODJOB_ID"
 
 @dataclass
 class RetrainOutcome:
-    status: str  # promoted | rejected | already-done | completed-promotion | superseded | rolled-back | no-new-data
+    # promoted | rejected | already-done | completed-promotion | superseded | rolled-back | no-new-data |
+    # no-usable-data (every new partition left out: its files fail training's data check)
+    status: str
     version: str | None
     production: str | None
     message: str
+    left_out: dict[str, str] = dataclasses.field(default_factory=dict)
+    """{date: why} of the new partitions left out of the run (:func:`usable_partitions`)."""
 
 
 def retrain(config: Config, schedule_date: datetime.date | None = None) -> RetrainOutcome:
@@ -63,25 +77,36 @@ def retrain(config: Config, schedule_date: datetime.date | None = None) -> Retra
     owner = {"run": f"{config.run.name}-{day}", "date": day, "job": os.environ.get(JOB_ID_VAR)}
     # Taken before Ray starts: a second run fails here, in seconds, without spending a restart.
     with registry.lock(owner) as lock:
-        outcome = _retrain_locked(config, registry, schedule_date, lock)
-        publish(config, registry, outcome.version)  # under the lock: a rollback moves the alias after, never before
+        registry.settle_log(by=lock.owner)  # a move the log lacks (a writer died between swap and log entry)
+        moves_before = len(registry.pointer_log())  # the moves logged after it were made during this run
+        outcome = _with_rollbacks_since(registry, moves_before, _retrain_locked(config, registry, schedule_date, lock))
+        publish(config, registry, outcome.version)  # re-reads production until it holds still: a rollback may run
         return outcome
 
 
 def rollback(config: Config, to: str | None = None, reason: str = "") -> tuple[str, str]:
-    """Move production back (to ``to``, default the latest other version it named and was not rolled back from)
-    under the registry's lock, recorded in the pointer log; returns (from, to). A later retrain run for the date of
-    the version rolled back from reports it ``rolled-back`` instead of promoting it again, and the best-ever gate
-    no longer counts it."""
+    """Move production back (to ``to``, default the latest other version it named that no rollback abandoned),
+    recorded in the pointer log; returns (from, to). A later run for the rolled-back version's date reports it
+    ``rolled-back`` rather than promote it again; the best-ever gate no longer counts the versions it abandoned.
+
+    Takes no lock: an emergency rollback must not wait for a retrain run's training. The pointer's compare and swap
+    orders them: a run compared with the version rolled back from reports ``superseded``, and of two rollbacks from
+    one version the second fails (PointerMoved) rather than going back a second step."""
     if config.retrain.models_root is None:
         raise ConfigError("retrain.models_root is required for a rollback")
     registry = ModelRegistry(config.retrain.models_root)
     owner = {"run": "rollback", "job": os.environ.get(JOB_ID_VAR)}
-    with registry.lock(owner) as lock:
-        lock.ensure_held()
+    try:
         moved = registry.rollback(to, reason=reason, by=owner)
-        publish(config, registry, None)
-        return moved
+    except PointerMoved as e:
+        raise PointerMoved(
+            f"rollback not made: {e}. Another rollback, or a retrain run's promotion, moved production while this "
+            f"rollback was deciding; production names {e.current or 'nothing'} now: check that, then run again if it "
+            "still needs rolling back",
+            e.current,
+        ) from None
+    publish(config, registry, None)
+    return moved
 
 
 def schedule_date_for(config: Config, registry: ModelRegistry) -> tuple[datetime.date, str]:
@@ -115,7 +140,6 @@ def _retrain_locked(
     assert data_root is not None  # retrain() refuses a config without it
     day = schedule_date.isoformat()
     lock.ensure_held()
-    registry.settle_log(by=lock.owner)  # a move the log lacks (a writer died between swap and log entry)
     production = registry.production()
     done = _finish_date(registry, lock, day, production)
     if done is not None:
@@ -130,14 +154,12 @@ def _retrain_locked(
         # seen with the next version, rather than failing every later run on "matches no parquet files" or "hold no
         # rows".
         log.info(f"{passed_over}")
+    left_out: dict[str, str] = {}
+    if new:
+        model = _run_model(config, registry, production)
+        new, left_out = usable_partitions(dataclasses.replace(config, model=model), unet_config(model), partitions, new)
     if not new:
-        return RetrainOutcome(
-            "no-new-data",
-            None,
-            production,
-            f"{day}: no partitions with data since {production or 'the start'}; nothing to train"
-            + (f" ({passed_over})" if empty else ""),
-        )
+        return _nothing_to_train(day, production, passed_over if empty else None, left_out)
     log.info(f"retraining on {len(new)} new partition(s): {', '.join(new)}; production is {production or 'none yet'}")
 
     run_config = _run_config(config, registry, day, production, [partitions[d] for d in new], new)
@@ -148,10 +170,54 @@ def _retrain_locked(
         "parent": production,
         "schedule_date": day,
         "partitions": new,
+        # Left out: not seen, so that a later run checks them again and takes them once their files are fixed.
         "partitions_seen": sorted(seen + new + empty),
+        **({"partitions_left_out": left_out} if left_out else {}),
         **_judged(run_config, registry, trained, summary, production),
     }
-    return record_and_promote(registry, lock, trained, manifest, raw_unet)
+    outcome = record_and_promote(registry, lock, trained, manifest, raw_unet)
+    note = f"; {described_left_out(left_out)}" if left_out else ""
+    return dataclasses.replace(outcome, message=outcome.message + note, left_out=left_out)
+
+
+def _nothing_to_train(
+    day: str, production: str | None, passed_over: str | None, left_out: dict[str, str]
+) -> RetrainOutcome:
+    """A run's outcome without a new partition to train. Every one left out is no error (exit 0): Anyscale would retry
+    (schedule.yaml's max_retries) on fresh clusters what fails the same way; the next day trains its own partition."""
+    if left_out:
+        return RetrainOutcome(
+            "no-usable-data",
+            None,
+            production,
+            f"{day}: every new partition since {production or 'the start'} was left out, nothing to train: "
+            f"{described_left_out(left_out)}" + (f" ({passed_over})" if passed_over else ""),
+            left_out,
+        )
+    return RetrainOutcome(
+        "no-new-data",
+        None,
+        production,
+        f"{day}: no partitions with data since {production or 'the start'}; nothing to train"
+        + (f" ({passed_over})" if passed_over else ""),
+    )
+
+
+def _with_rollbacks_since(registry: ModelRegistry, moves_before: int, outcome: RetrainOutcome) -> RetrainOutcome:
+    """``outcome``, saying so where production was rolled back while the run went on (a rollback takes no lock): its
+    message would otherwise name the production it compared with, or promoted, as serving."""
+    rollbacks = [e for e in registry.pointer_log()[moves_before:] if e["kind"] == "rollback"]
+    if not rollbacks:
+        return outcome
+    production = registry.production()
+    during = "; ".join(
+        f"{e['from']} -> {e['to']} (pointer log entry {e['seq']}, {e['reason']!r}, by {e['by'].get('run')} on "
+        f"{e['by'].get('host')} at {e['at']})"
+        for e in rollbacks
+    )
+    note = f"production was rolled back during this run: {during}; production names {production or 'nothing'} now"
+    log.warning(note)
+    return dataclasses.replace(outcome, production=production, message=f"{outcome.message}; {note}")
 
 
 def _finish_date(
@@ -210,14 +276,27 @@ def _run_config(
     config: Config, registry: ModelRegistry, day: str, production: str | None, files: list[str], new: list[str]
 ) -> Config:
     """The training run's config: the new partitions' ``files``, warm-started from production if there is one."""
+    return dataclasses.replace(
+        config,
+        data=dataclasses.replace(config.data, train=files),
+        model=_run_model(config, registry, production, announce=True),
+        run=dataclasses.replace(config.run, name=retrain_run_name(config.run.name, day, production, new)),
+    )
+
+
+def _run_model(config: Config, registry: ModelRegistry, production: str | None, announce: bool = False) -> ModelConfig:
+    """The run's model.* keys: warm-started from production if there is one, else model.pretrained (``announce``:
+    log where the first version starts from)."""
     model = config.model
     # Warm start: the production weights, a fresh optimizer and the configured short warmup. A version of a run that
     # kept an EMA serves its EMA and keeps its trained weights beside it: the run trains on from those, its EMA from
     # the served ones (sdtrain.model.unet.build_unet), rather than both from the EMA, which would keep of each day's
     # training only the share its EMA took in (1 - ema_decay^steps).
     if production:
-        model = dataclasses.replace(model, pretrained=registry.location(production), unet={})
-    elif model.pretrained is None:
+        return dataclasses.replace(model, pretrained=registry.location(production), unet={})
+    if not announce:
+        return model
+    if model.pretrained is None:
         log.warning(
             f"no production model and model.pretrained is unset: this first version trains model.preset="
             f"{model.preset} from random weights, for train.max_steps={config.train.max_steps} steps at retraining's "
@@ -226,12 +305,7 @@ def _run_config(
         )
     else:
         log.info(f"no production model yet: the first version starts from model.pretrained={model.pretrained}")
-    return dataclasses.replace(
-        config,
-        data=dataclasses.replace(config.data, train=files),
-        model=model,
-        run=dataclasses.replace(config.run, name=retrain_run_name(config.run.name, day, production, new)),
-    )
+    return model
 
 
 def _judged(
@@ -239,22 +313,27 @@ def _judged(
 ) -> dict:
     """The new version's manifest past its parent, date and partitions: both models scored by the gate, the decision
     and why, what was trained and with which code."""
-    current = registry.location(production) if production else None  # loaded by the gate's Ray task, not here
+    current, label = gate_baseline(run_config, registry, production)  # loaded by the gate's Ray task, not here
     new_scores, production_scores = scores_in_task(run_config, summary.checkpoint_path, current)
     metric = run_config.retrain.metric
     heldout = heldout_fingerprint(run_config, trained.unet.config)
     best, not_compared = best_served(registry, run_config, metric, heldout)
     promote, reason = decide(
         new_scores[metric],
-        production_scores.get(metric) if production else None,
-        production,
+        production_scores.get(metric) if current else None,
+        label,
         best,
         run_config.retrain.tolerance,
         metric,
     )
+    if current is None:
+        reason += "; no baseline: no production model, and no model.pretrained the gate can load"
+    elif production is None:
+        reason = f"first version, compared with model.pretrained={current} (no production model yet): {reason}"
     if not_compared:
         reason += "; not compared: " + "; ".join(not_compared)
     return {
+        **({"baseline": current} if current and production is None else {}),
         "steps": summary.final_step,
         "checkpoint": summary.checkpoint_path,
         "run_dir": summary.run_dir,
@@ -295,7 +374,10 @@ def record_and_promote(
             return _superseded(day, version, e)
         return RetrainOutcome("promoted", version, version, f"{day}: promoted {version}: {reason}")
     return RetrainOutcome(
-        "rejected", version, production, f"{day}: kept {production} in production, {version} not promoted: {reason}"
+        "rejected",
+        version,
+        production,
+        f"{day}: kept {production or 'no version'} in production, {version} not promoted: {reason}",
     )
 
 

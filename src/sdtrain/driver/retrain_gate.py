@@ -12,7 +12,7 @@ from typing import Any
 import ray
 import torch
 
-from sdtrain.artifacts.loading import LoadedModel, load_model
+from sdtrain.artifacts.loading import LoadedModel, is_export, load_model
 from sdtrain.artifacts.registry import ModelRegistry
 from sdtrain.config.running import HIGHER_IS_BETTER
 from sdtrain.config.schema import Config
@@ -116,6 +116,30 @@ def _eval_vae(config: Config) -> str | None:
     return check_evaluation(config, schema.metadata or {}, schema.names)
 
 
+def gate_baseline(config: Config, registry: ModelRegistry, production: str | None) -> tuple[str | None, str | None]:
+    """(the model the gate scores the new one against, its name in the reason): production's version; for a first
+    version, model.pretrained, the model it was fine-tuned from (a first version no better than that must not serve
+    either); None where there is neither, or model.pretrained is nothing load_model reads."""
+    if production:
+        return registry.location(production), production
+    pretrained = config.model.pretrained
+    if pretrained is None:
+        return None, None
+    if not is_export(absolute(pretrained)):
+        # A hub id or a bare UNet directory: training takes it, load_model does not (an export, a registry version or
+        # a saved pipeline: unet/ and scheduler/).
+        log.warning(
+            f"gate: model.pretrained={pretrained} holds no unet/config.json that the gate can load (an export, a "
+            "registry version or a diffusers pipeline directory): this first version is promoted with no baseline "
+            "to compare it to"
+        )
+        return None, None
+    log.info(
+        f"gate: no production model yet: model.pretrained={pretrained} is the baseline the first version must beat"
+    )
+    return absolute(pretrained), "model.pretrained"
+
+
 _UNRECORDED = object()
 HELDOUT_KEY = "heldout_data"
 """In a version's manifest: :func:`heldout_fingerprint` of data.val as its metrics were measured on it."""
@@ -203,15 +227,18 @@ def decide(
     metric: str = "val_loss",
 ) -> tuple[bool, str]:
     """Promote within ``tolerance`` of production and of the best model production ever named: a gate on
-    production alone would let each promotion drift up to (1 + tolerance) worse than the last. ``metric``: what the
-    values are (clip_score and class_agreement are higher the better, the others lower)."""
+    production alone would let each promotion drift up to (1 + tolerance) worse than the last. ``production``: the
+    name of what ``production_loss`` was measured on (a first version's: model.pretrained; None: nothing was).
+    ``metric``: what the values are (clip_score and class_agreement are higher the better, the others lower)."""
     if not math.isfinite(new_loss):
         return False, f"the new model's {metric} is {new_loss}: training diverged"
-    if production_loss is None:
+    gates: list[tuple[str | None, float]] = [] if production_loss is None else [(production, production_loss)]
+    # Without a production value (no production, nor a baseline) the best that served still holds.
+    best_gate = best if best is not None and best[0] != production else None
+    if best_gate is not None:
+        gates.append(best_gate)
+    if not gates:
         return True, f"first version ({metric} {new_loss:.5f}); there is no production model to compare with"
-    gates = [(production, production_loss)]
-    if best is not None and best[0] != production:
-        gates.append(best)
     higher = metric in HIGHER_IS_BETTER
     verdicts = []
     for name, loss in gates:
@@ -225,6 +252,6 @@ def decide(
             verdicts.append((ok, f"{'<=' if ok else '>'} {name}'s {loss:.5f}"))
     sign = "-" if higher else "+"
     reason = f"{metric} {new_loss:.5f} " + " and ".join(v for _, v in verdicts) + f" x (1 {sign} {tolerance:g})"
-    if len(gates) > 1:
-        reason += f" ({gates[1][0]} is the best that served)"
+    if best_gate is not None:
+        reason += f" ({best_gate[0]} is the best that served)"
     return all(ok for ok, _ in verdicts), reason

@@ -4,7 +4,8 @@ A retrain run's training registers its export as a version of that model, like a
 (:func:`sdtrain.driver.trackers.log_export`), before the gate has judged it. The registry version's manifest records
 the training run's MLflow run id (``mlflow_run_id``), so a registry version's MLflow version is the one registered
 from that run. After each retrain run and rollback, :func:`publish` tags the MLflow version of the version judged and
-of production with the gate's numbers, and points the model's ``production`` alias at production's. Each call sets
+of production with the gate's numbers, and points the model's ``production`` alias at production's, reading the
+pointer again after (a rollback takes no lock, and may move it meanwhile). Each call sets
 all of it again from the registry, which stays the source of truth: MLflow's failures are warnings, and the next run
 (a re-run of the same date too) catches up.
 """
@@ -24,6 +25,8 @@ from sdtrain.storage.filesystems import filesystem_for
 from sdtrain.storage.run_layout import EXPORT_DIR
 
 ALIAS = "production"
+PUBLISH_ROUNDS = 5
+"""Times :func:`publish` sets the alias again when production moved meanwhile, before it leaves it to the next run."""
 
 
 def publish(config: Config, registry: ModelRegistry, judged: str | None) -> None:
@@ -37,7 +40,20 @@ def publish(config: Config, registry: ModelRegistry, judged: str | None) -> None
     try:
         client = mlflow_client(config)
         found = {v: _tagged(client, config, registry, v) for v in dict.fromkeys((judged, production)) if v}
-        _point_alias(client, name, production, found[production] if production else None)
+        for _ in range(PUBLISH_ROUNDS):
+            _point_alias(client, name, production, found[production] if production else None)
+            # A rollback takes no lock and may move the pointer while this sets the alias: set last from a stale
+            # read, the alias would name the version rolled back from. Whoever sets it last reads the pointer after.
+            now = registry.production()
+            if now == production:
+                return
+            production = now
+            if production and production not in found:
+                found[production] = _tagged(client, config, registry, production)
+        log.warning(
+            f"MLflow: production kept moving while model {name}'s {ALIAS} alias was set; the next retrain run or "
+            "rollback sets it again"
+        )
     except Exception as error:  # the promotion or rollback is done: MLflow's trouble must not undo it
         log.warning(
             f"MLflow: could not show the registry's production ({production or 'none'}) on model {name} ({error}); "
@@ -58,7 +74,8 @@ def gate_tags(registry: ModelRegistry, version: str, manifest: dict[str, Any]) -
         "sdtrain.gate.metric": metric,
         "sdtrain.gate.value": _text(metrics.get(metric)),
         "sdtrain.gate.production_value": _text(metrics.get(f"production_{metric}")),
-        "sdtrain.gate.production_version": manifest["parent"] or "none",
+        # A first version's baseline: the model.pretrained it was fine-tuned from (sdtrain.driver.retrain_gate).
+        "sdtrain.gate.production_version": manifest["parent"] or manifest.get("baseline") or "none",
         "sdtrain.gate.tolerance": _text(manifest.get("config", {}).get("retrain", {}).get("tolerance")),
         "sdtrain.gate.reason": manifest["reason"],
     }

@@ -1,19 +1,22 @@
 """Retraining's new data: the complete ``date=YYYY-MM-DD`` partitions under ``retrain.data_root`` and, among those
-production has not seen, the ones that hold rows."""
+production has not seen, the ones that hold rows and that training's data check accepts."""
 
 from __future__ import annotations
 
 import datetime
 import posixpath
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+from sdtrain.config.schema import Config
 from sdtrain.data.listing import list_dataset
+from sdtrain.driver.data_check import dataset_spec
 from sdtrain.errors import DataError
+from sdtrain.logs import log
 from sdtrain.storage.filesystems import filesystem_for
 from sdtrain.storage.uris import absolute, uri_prefix
 
@@ -69,8 +72,8 @@ def new_partitions(partitions: dict[str, str], seen: list[str]) -> tuple[list[st
 def _holds_rows(files: list[str], sizes: Sequence[int]) -> bool:
     """Whether any of ``files`` holds a row, by their footers, largest file first: a partition with data answers with
     one footer, however many files it has (training's start reads them all anyway); only a day without rows, whose
-    files are schema-only and small, has each read. A footer that cannot be read counts as rows: training's data
-    check then names the file."""
+    files are schema-only and small, has each read. A footer that cannot be read counts as rows:
+    :func:`usable_partitions` then names the file and leaves the partition out."""
     for i in sorted(range(len(files)), key=lambda i: -sizes[i]):
         fs, path = filesystem_for(files[i])
         try:
@@ -79,3 +82,36 @@ def _holds_rows(files: list[str], sizes: Sequence[int]) -> bool:
         except (OSError, pa.ArrowException):
             return True
     return False
+
+
+def usable_partitions(
+    config: Config, unet: Mapping, partitions: dict[str, str], dates: list[str]
+) -> tuple[list[str], dict[str, str]]:
+    """(the dates among ``dates`` whose files training's data check accepts, {date: why} of the others), each
+    partition checked on its own by the check training starts with (:func:`sdtrain.driver.data_check.dataset_spec`:
+    every footer readable, the columns and shapes ``unet``, the run's UNet config, takes), before Ray starts.
+
+    One corrupt file (a truncated upload) used to fail training's data check at every run, and every retry of it, so
+    that no later day was trained either. A partition left out is not marked seen: a later run checks it again, and
+    takes it once its files are fixed. Storage failing for now (StorageUnavailable) is raised, not taken for a bad
+    partition."""
+    usable: list[str] = []
+    left_out: dict[str, str] = {}
+    for date in dates:
+        try:
+            dataset_spec(config, "retrain.data_root", [partitions[date]], unet)
+        except DataError as error:
+            left_out[date] = str(error)
+            log.warning(
+                f"retrain.data_root: left partition {date} ({partitions[date]}) out of this run: {error}. It is not "
+                "marked seen: a later run checks it again, and trains on it once its files are fixed"
+            )
+            continue
+        usable.append(date)
+    return usable, left_out
+
+
+def described_left_out(left_out: dict[str, str]) -> str:
+    return f"left out {len(left_out)} partition(s) whose files training cannot read: " + "; ".join(
+        f"{date}: {why}" for date, why in left_out.items()
+    )
