@@ -6,8 +6,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import tiny_config, write_latents
+from conftest import write_latents
 from diffusers import DDPMScheduler, UNet2DConditionModel
+from test_retrain_rules import _rules_config
 
 from sdtrain.artifacts.loading import LoadedModel
 from sdtrain.artifacts.registry import ModelRegistry, PointerMoved
@@ -17,23 +18,13 @@ from sdtrain.driver.retrain import retrain, rollback
 from sdtrain.driver.retrain_gate import decide
 from sdtrain.model.presets import PRESETS
 
-
-def _config(tmp_path, *overrides):
-    (tmp_path / "daily").mkdir(exist_ok=True)
-    (tmp_path / "val").mkdir(exist_ok=True)
-    return tiny_config(
-        f"retrain.data_root={tmp_path}/daily",
-        f"retrain.models_root={tmp_path}/models",
-        f"data.val={tmp_path}/val",
-        *overrides,
-        tmp_path=tmp_path,
-    )
+_config = _rules_config  # date=2026-11-01 made, with no _SUCCESS: no partition until _partition completes it
 
 
 def _partition(tmp_path, day, corrupt=False):
     folder = tmp_path / "daily" / f"date={day}"
     if corrupt:  # a truncated upload: parquet's leading magic, no footer
-        folder.mkdir(parents=True)
+        folder.mkdir(parents=True, exist_ok=True)
         (folder / "part-00000.parquet").write_bytes(b"PAR1 truncated upload")
     else:
         write_latents(folder / "part-00000.parquet", rows=8)

@@ -93,6 +93,17 @@ def test_each_ranks_dataset_carries_a_reference_to_the_reader_not_the_reader():
     assert carried > len(ray.cloudpickle.dumps(reader)) > 20 * len(files) and referenced < carried // 20
 
 
+def _one_rank_of_one_file(tmp_path) -> tuple[SamplePlan, list, WindowReader]:
+    """48 rows in one file, windows of 16, 6 steps of 8 rows on one rank: (the plan, the rank's stretches, the
+    reader)."""
+    write_latents(tmp_path / "a.parquet", rows=48, seed=0, row_group_size=8)
+    files = [str(tmp_path / "a.parquet")]
+    spec = inspect_dataset(files, "data.train", Columns("image_latents_256", "caption_latents"), 4, 32)
+    plan = SamplePlan(spec.rows_per_file, seed=0, chunk_rows=8, window_rows=16)
+    (stretches,) = plan.rank_stretches(DataState(), 1, 8, 6)
+    return plan, stretches, WindowReader(spec, DataConfig(train=files), plan)
+
+
 @ray.remote(num_cpus=0)
 def _in_a_rank(refs: list, source_blob: bytes) -> tuple[bool, bool, int]:
     from ray.data.context import DataContext
@@ -113,12 +124,7 @@ def test_a_rank_holds_one_copy_of_the_reader_for_its_planning_and_its_read_tasks
     files: a rank asked for it twice (its planning, its read tasks) and held two."""
     from sdtrain.data.streams import RankWindows
 
-    write_latents(tmp_path / "a.parquet", rows=48, seed=0, row_group_size=8)
-    files = [str(tmp_path / "a.parquet")]
-    spec = inspect_dataset(files, "data.train", Columns("image_latents_256", "caption_latents"), 4, 32)
-    plan = SamplePlan(spec.rows_per_file, seed=0, chunk_rows=8, window_rows=16)
-    (stretches,) = plan.rank_stretches(DataState(), 1, 8, 6)
-    reader = WindowReader(spec, DataConfig(train=files), plan)
+    plan, stretches, reader = _one_rank_of_one_file(tmp_path)
     shared = ray.put(reader)
     source = RankWindows(reader, stretches, shared)
     same_plan, same_reader, tasks = ray.get(_in_a_rank.remote([shared], ray.cloudpickle.dumps(source)))
@@ -129,12 +135,7 @@ def test_a_rank_holds_one_copy_of_the_reader_for_its_planning_and_its_read_tasks
 @pytest.mark.usefixtures("ray_cluster")
 def test_a_workers_stream_starts_reading_before_it_is_iterated_and_hands_over_every_batch_once(tmp_path):
     """The worker starts its stream before building its model; Lightning iterates it later."""
-    write_latents(tmp_path / "a.parquet", rows=48, seed=0, row_group_size=8)
-    files = [str(tmp_path / "a.parquet")]
-    spec = inspect_dataset(files, "data.train", Columns("image_latents_256", "caption_latents"), 4, 32)
-    plan = SamplePlan(spec.rows_per_file, seed=0, chunk_rows=8, window_rows=16)
-    (stretches,) = plan.rank_stretches(DataState(), 1, 8, 6)
-    reader = WindowReader(spec, DataConfig(train=files), plan)
+    plan, stretches, reader = _one_rank_of_one_file(tmp_path)
     dataset = rank_dataset(
         reader, stretches, None, ray.put(reader)
     )  # the reader in the object store, as PlannedStreams
