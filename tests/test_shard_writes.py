@@ -101,6 +101,26 @@ def test_a_shard_is_written_once_its_counts_and_all_its_rows_are_in_from_every_b
     assert [record["shard"] for record in read_shard_stats(str(tmp_path))] == ["a", "b", "c"]
 
 
+def test_shards_whose_rows_did_not_all_arrive_are_failures_not_a_warning():
+    """After the dataset's last block, a shard still waiting lost rows on the way: it was only warned of, so it was
+    neither written nor failed and the job exited 0 with shards missing."""
+    stream = _stream()
+    short = [row for row in stream if not (row["shard"] == "a" and row["index"] == 2)]  # one of a's 5 rows lost
+    gathering = ShardGathering(["a", "b", "c", "d", "e"])  # e: not even its counts row came
+    for block in _blocks(short, 4):
+        for name in gathering.add(Piece(block, 0, None), census_task(0, None, block)):
+            gathering.take(name)
+    assert gathering.lost() == {
+        "a": "rows lost in the pipeline: 4 of 5 arrived",
+        "e": "rows lost in the pipeline: 0 (no counts) arrived",
+    }
+    ready = ShardGathering(["a", "b", "c", "d"])
+    for block in _blocks(stream, 4):
+        for name in ready.add(Piece(block, 0, None), census_task(0, None, block)):
+            ready.take(name)
+    assert ready.lost() == {}
+
+
 def test_writes_in_flight_scale_with_the_machine_that_writes():
     assert write_limit(local=False, cluster_cpus=2) == 4
     assert write_limit(local=False, cluster_cpus=512) == 128  # 128 GPU nodes' CPUs: a quarter write at once

@@ -18,7 +18,6 @@ from typing import Any
 
 import numpy as np
 
-from sdtrain.logs import log
 from sdtrain.preprocess.outputs import PLACEMENT_COLUMNS, shard_table, write_shard
 from sdtrain.storage.s3 import S3Settings, apply_s3_settings
 from sdtrain.storage.uris import is_uri
@@ -94,6 +93,15 @@ class ShardGathering:
         """The shards not ready (after the last block: rows lost on the way)."""
         return sorted(self.rows)
 
+    def lost(self) -> dict[str, str]:
+        """After the last block: each shard not ready, with what came of it (its failure, for the job's report)."""
+        lost = {}
+        for name in self.waiting():
+            counted = self.stats.get(name)
+            arrived = f"{self.rows[name]} of {counted['rows_written']}" if counted else f"{self.rows[name]} (no counts)"
+            lost[name] = f"rows lost in the pipeline: {arrived} arrived"
+        return lost
+
 
 def _batch(block: Any, start: int, end: int | None, columns: list[str | None] | None = None) -> dict[str, np.ndarray]:
     from ray.data.block import BlockAccessor
@@ -157,8 +165,8 @@ def write_shards(
 
     Args:
         written: called with a shard's name and counts once its file and record are written.
-        failed: called with a shard's name and error when its input could not be read (it is not marked done: a
-            re-run tries it again).
+        failed: called with a shard's name and error when its input could not be read, or when the dataset ended
+            without all its rows (it is not marked done: a re-run tries it again).
     """
     import ray
 
@@ -188,8 +196,9 @@ def write_shards(
         writes.wait(keep=0)
     finally:
         writes.drain()
-    if gathering.waiting():  # not marked done: a re-run does them
-        log.warning(f"{len(gathering.waiting())} shards did not get all their rows: {gathering.waiting()[:5]}")
+    # Only warned of, they were neither written nor failed: the job exited 0 with shards missing.
+    for name, error in gathering.lost().items():
+        failed(name, error)
 
 
 LIMIT_REFRESH_S = 60.0
