@@ -563,7 +563,7 @@ def test_bucketed_validation_rows_are_sampled_and_compared_each_at_its_own_bucke
     from sdtrain.artifacts.loading import load_model
     from sdtrain.data.metadata import BUCKET_SHAPES
     from sdtrain.preprocess.outputs import parquet_bytes, shard_table
-    from sdtrain.sampling.sampler import sample_latents
+    from sdtrain.sampling.sampler import initial_noise, sample_latents, shape_seed
 
     vae, (tokenizer, text_encoder) = evaluated["vae"], load_text_encoder(evaluated["sd"])
     square, wide = _photo_crops(6), np.stack([np.concatenate([c, c[:, :16]], axis=1) for c in _photo_crops(4)])
@@ -595,6 +595,9 @@ def test_bucketed_validation_rows_are_sampled_and_compared_each_at_its_own_bucke
     metrics = evaluator.evaluate(str(evaluated["checkpoint"]))
     groups = evaluator.rows.groups
     assert [(g.shape, g.rows.tolist()) for g in groups] == [((4, 16, 16), [0, 1, 2, 3, 4, 5]), ((4, 16, 24), [6, 7])]
+    # Each bucket's noise seeded by (train.seed, its shape): row 0 of one no longer starts from row 0 of the other's.
+    first, second = (initial_noise(g.shape, 1, shape_seed(config.train.seed, g.shape))[0].flatten() for g in groups)
+    assert not torch.equal(first, second[: len(first)])
     assert metrics["eval_samples"] == 8 and 0 <= metrics["clip_score"] <= 100
 
     # The same numbers by hand: each bucket's rows sampled at its shape, both buckets' images pooled.
@@ -612,7 +615,7 @@ def test_bucketed_validation_rows_are_sampled_and_compared_each_at_its_own_bucke
             sampler=config.sample_grid.sampler,
             steps=config.sample_grid.steps,
             guidance_scale=config.sample_grid.guidance_scale,
-            seed=config.train.seed,
+            seed=shape_seed(config.train.seed, group.shape),
             batch_size=4,
         )
         assert sampled.shape[1:] == group.shape
@@ -658,3 +661,124 @@ def test_the_retraining_gate_scores_in_a_ray_task_that_loads_both_models_and_rai
         scores_in_task(broken, checkpoint, None)
     assert type(raised.value) is DataError, type(raised.value)  # what the retrain command prints in one line
     assert re.match(r"data\.val: cannot read \S+part-0\.parquet as parquet: ", str(raised.value)), raised.value
+
+
+def test_a_shape_group_is_sampled_decoded_and_measured_a_few_batches_at_a_time(evaluated):
+    """What an evaluation holds at once (latents, images, caption embeddings) does not grow with eval.num_samples: 9
+    rows at eval.batch_size 2 are sampled, decoded and embedded at most CHUNK_BATCHES batches at a time, samples and
+    reference alike."""
+    from sdtrain.artifacts.loading import load_model
+
+    dinov2 = f"eval.dinov2={evaluated['config'].eval.dinov2}"
+    config = tiny_config(
+        *_eval_keys(evaluated["config"]), dinov2, "eval.num_samples=9", "eval.batch_size=2", "sample_grid.steps=2"
+    )
+    evaluator = Evaluator(config, None, evaluated["sd"])
+    rows: dict[str, list[int]] = {"sampled": [], "decoded": [], "embedded": []}
+    sample, decode_, features = evaluator._sample, evaluator._decode, evaluator.features["fd_dinov2"]
+    evaluator._sample = lambda unet, loaded, captions, *rest: (
+        rows["sampled"].append(len(captions)) or sample(unet, loaded, captions, *rest)
+    )
+    evaluator._decode = lambda latents, loaded: rows["decoded"].append(len(latents)) or decode_(latents, loaded)
+
+    class Counted:  # the real feature model, called through
+        dim = features.dim
+
+        def __call__(self, images: np.ndarray, batch_size: int) -> np.ndarray:
+            rows["embedded"].append(len(images))
+            return features(images, batch_size)
+
+    evaluator.features["fd_dinov2"] = Counted()  # type: ignore[assignment]
+    metrics = evaluator.evaluate(load_model(str(evaluated["checkpoint"])))
+    assert metrics["eval_samples"] == 9
+    chunk = 4 * 2  # CHUNK_BATCHES batches of eval.batch_size
+    assert rows["sampled"] == [chunk, 9 - chunk]
+    assert rows["decoded"] == rows["embedded"] == [chunk, 9 - chunk] * 2  # the samples, then the reference's rows
+
+
+def test_chunks_measure_bit_for_bit_what_the_whole_group_at_once_measures(evaluated):
+    """Each row sampled from the noise it has in its whole group, the feature statistics being sums: a group
+    measured in chunks is the group sampled, decoded and measured whole, to the bit."""
+    from sdtrain.artifacts.loading import load_model
+    from sdtrain.sampling.sampler import sample_latents, shape_seed
+
+    config = tiny_config(
+        *_eval_keys(evaluated["config"]),
+        f"eval.dinov2={evaluated['config'].eval.dinov2}",
+        "eval.num_samples=8",
+        "eval.batch_size=1",
+        "sample_grid.steps=2",
+    )
+    evaluator = Evaluator(config, None, evaluated["sd"])
+    loaded = load_model(str(evaluated["checkpoint"]))
+    rows = evaluator._rows(loaded)
+    measures = evaluator.measure(loaded, rows)  # chunks of CHUNK_BATCHES x 1 rows: 2
+    group = rows.groups[0]
+    grid = config.sample_grid
+    whole = sample_latents(
+        loaded.unet,
+        dict(loaded.noise_scheduler.config),
+        torch.from_numpy(rows.captions).float(),
+        loaded.unconditional_caption,
+        group.shape,
+        sampler=grid.sampler,
+        steps=grid.steps,
+        guidance_scale=grid.guidance_scale,
+        seed=shape_seed(config.train.seed, group.shape),
+        batch_size=1,
+    )
+    images = decode(evaluator.vae, whole, evaluator.vae.config.scaling_factor, 1)
+    expected = FeatureStats(evaluator.features["fd_dinov2"].dim)
+    expected.add(evaluator.features["fd_dinov2"](images, 1))
+    assert measures.generated["fd_dinov2"].to_bytes() == expected.to_bytes()
+    texts = [rows.texts[i] for i in group.rows]
+    np.testing.assert_array_equal(measures.clip_scores, np.asarray(evaluator.clip(images, texts, 1)))
+
+
+def test_a_sample_that_diverged_is_counted_and_makes_the_evaluation_the_worst(evaluated):
+    """NaN latents used to decode to a black image that was scored as one; now such samples are counted
+    (eval_nonfinite_samples), not measured, and the model's metrics are the worst each can be."""
+    import sys
+
+    from sdtrain.artifacts.loading import load_model
+    from sdtrain.evaluation.measures import Measures, metrics_of
+
+    config = tiny_config(*_eval_keys(evaluated["config"]), *_rest(evaluated["config"]))
+    evaluator = Evaluator(config, None, evaluated["sd"])
+    loaded = load_model(str(evaluated["checkpoint"]))
+    rows = evaluator._rows(loaded)
+    group = rows.groups[0]
+    latents = torch.from_numpy(group.latents.astype(np.float32)) * evaluator.vae.config.scaling_factor
+    latents[1] = float("nan")
+    latents[2, 0, 0, 0] = float("inf")
+    measures = Measures(generated={m: FeatureStats(f.dim) for m, f in evaluator.features.items()})
+    evaluator._measure_samples(measures, loaded, latents, rows, group.rows)
+    assert measures.samples == 8 and measures.nonfinite == 2
+    assert measures.generated["fd_dinov2"].count == len(measures.clip_scores) == 6
+    metrics = metrics_of(config, measures, evaluator._references(loaded))
+    assert metrics["fd_dinov2"] == sys.float_info.max and metrics["clip_score"] == 0.0
+    assert metrics["eval_nonfinite_samples"] == 2 and metrics["eval_samples"] == 8
+    clean = Measures(generated={m: FeatureStats(f.dim) for m, f in evaluator.features.items()})
+    evaluator._measure_samples(clean, loaded, latents[[0, 3, 4, 5]], rows, group.rows[[0, 3, 4, 5]])
+    assert metrics_of(config, clean, evaluator.references)["eval_nonfinite_samples"] == 0
+
+
+def test_a_null_caption_text_is_refused_naming_its_file_column_and_row_before_sampling(evaluated, tmp_path):
+    """clip_score scores each sample against its caption's text: a null one used to become the caption "None"."""
+    table = pq.read_table(evaluated["root"] / "val" / "part-0.parquet")
+    texts = table.column("caption").to_pylist()
+    texts[5] = None
+    table = table.set_column(table.schema.get_field_index("caption"), "caption", pa.array(texts, pa.string()))
+    (tmp_path / "val").mkdir()
+    pq.write_table(table, tmp_path / "val" / "part-0.parquet")
+    val = tmp_path / "val"
+    config = tiny_config(
+        f"data.train=[{val}]",
+        f"data.val=[{val}]",
+        f"eval.clip={evaluated['config'].eval.clip}",
+        *_rest(evaluated["config"]),
+    )
+    evaluator = Evaluator(config, None, evaluated["sd"])
+    evaluator._sample = None  # nothing may sample before the refusal
+    with pytest.raises(DataError, match=r"eval.text_column: .*part-0.parquet, column 'caption', row 5 is null"):
+        evaluator.evaluate(str(evaluated["checkpoint"]))

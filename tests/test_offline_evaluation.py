@@ -28,6 +28,7 @@ from sdtrain.evaluation.image_metrics import ClipScore, DinoFeatures, FeatureSta
 from sdtrain.evaluation.measures import Measures, metrics_of, part_range
 from sdtrain.model.encoders import encode_prompts, load_text_encoder
 from sdtrain.model.unet import build_unet
+from sdtrain.sampling.sampler import initial_noise, shape_seed
 
 evaluated = test_evaluation.evaluated  # the module fixture: data.val, the tiny models, a checkpoint of 2 steps
 METRICS = ("fd_dinov2", "fd_inception", "clip_score")
@@ -92,7 +93,8 @@ def test_two_models_are_scored_side_by_side_as_training_scores_each(evaluated, o
     for model in (trained, untrained):
         alone = Evaluator(evaluated["config"], None, evaluated["sd"]).evaluate(model)
         metrics = next(m["metrics"] for m in results["models"] if m["model"] == model)
-        assert set(metrics) == {*METRICS, "eval_samples"} and metrics["eval_samples"] == 8
+        assert set(metrics) == {*METRICS, "eval_samples", "eval_nonfinite_samples"} and metrics["eval_samples"] == 8
+        assert metrics["eval_nonfinite_samples"] == 0
         for metric in METRICS:
             assert metrics[metric] == pytest.approx(alone[metric], rel=1e-6), (model, metric)
     first, second = (m["metrics"] for m in results["models"])
@@ -104,6 +106,7 @@ def test_two_models_are_scored_side_by_side_as_training_scores_each(evaluated, o
     assert row == f"| fd_dinov2 | lower is better | {first['fd_dinov2']:.5g} | {second['fd_dinov2']:.5g} |"
     assert any(line.startswith("| clip_score | higher is better |") for line in table)
     info = json.loads((out / "reference" / "reference.json").read_text())
+    assert info["vae"] == evaluated["sd"] and info["latent_scaling_factor"] is None  # what a later call checks
     assert info["models"] == {
         "fd_dinov2": evaluated["config"].eval.dinov2,
         "fd_inception": evaluated["config"].eval.inception,
@@ -168,7 +171,8 @@ def test_a_set_measured_in_parts_adds_up_to_the_whole_set(evaluated):
     alone = Evaluator(config, None, evaluated["sd"])
     part = Measures(generated={m: FeatureStats(f.dim) for m, f in alone.features.items()})
     group = rows.groups[0]
-    latents = alone._sample(loaded.unet, loaded, torch.from_numpy(rows.captions[5:8]), group.shape, (0, 3))
+    noise = initial_noise(group.shape, 3, shape_seed(config.train.seed, group.shape))
+    latents = alone._sample(loaded.unet, loaded, torch.from_numpy(rows.captions[5:8]), group.shape, noise)
     alone._measure_samples(part, loaded, latents, rows, group.rows[5:8])
     assert not np.allclose(part.clip_scores, parts[2].clip_scores)
 
@@ -198,6 +202,11 @@ def test_bad_input_is_refused_in_one_line_naming_it(evaluated, offline, tmp_path
     pq.write_table(narrow, tmp_path / "narrow" / "part-0.parquet")
     (tmp_path / "stats").mkdir()
     (tmp_path / "stats" / "reference.json").write_text(json.dumps({"models": {"fd_dinov2": "/another/dinov2"}}))
+    models = {"fd_dinov2": evaluated["config"].eval.dinov2, "fd_inception": evaluated["config"].eval.inception}
+    for name, recorded in (("vae", {"vae": "/another/vae"}), ("scaled", {"latent_scaling_factor": 0.5})):
+        (tmp_path / name).mkdir()
+        info = {"models": models, "vae": evaluated["sd"], "latent_scaling_factor": None, **recorded}
+        (tmp_path / name / "reference.json").write_text(json.dumps(info))
     out = ["--out", str(tmp_path / "out")]
     cases = [
         ([str(tmp_path / "nowhere"), *options, "--captions", val], r"model: .*nowhere does not exist"),
@@ -221,6 +230,21 @@ def test_bad_input_is_refused_in_one_line_naming_it(evaluated, offline, tmp_path
         (
             [trained, *options, "--captions", val, "--reference", str(tmp_path / "stats")],
             r"--reference: .*stats's fd_dinov2 statistics are of the feature model /another/dinov2, not .*dinov2",
+        ),
+        (
+            [trained, *options, "data.latent_scaling_factor=0.18215", "--captions", val],
+            r"data\.latent_scaling_factor: .*part-0\.parquet records that its latents are already multiplied by "
+            r"[0-9.]+ \(parquet metadata sdtrain\.latent_scaling_factor\); scaling them by 0\.18215 again",
+        ),
+        (
+            [trained, *options, f"eval.vae={evaluated['sd']}", "--captions", val, "--reference", str(tmp_path / "vae")],
+            r"eval\.vae: .*sd, but --reference: .*vae's statistics \(reference\.json\) are of images decoded by "
+            r"/another/vae",
+        ),
+        (
+            [trained, *options, "--captions", val, "--reference", str(tmp_path / "scaled")],
+            r"data\.latent_scaling_factor: None, but --reference: .*scaled's statistics \(reference\.json\) were "
+            r"measured from latents scaled by data\.latent_scaling_factor 0\.5",
         ),
         ([trained, "--captions", val], r"eval: nothing to measure: set eval.dinov2"),
         (

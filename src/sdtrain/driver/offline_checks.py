@@ -52,6 +52,7 @@ def prepare(args: argparse.Namespace, models: list[str], overrides: list[str]) -
     else:
         _check_prompts(prepared, args.prompts, args.text_encoder)
     _check_reference(prepared, args.reference)
+    _check_stored_scaling(prepared)
     _check_vae(prepared)
     return prepared
 
@@ -153,7 +154,9 @@ def _check_reference(prepared: Prepared, reference: str | None) -> None:
             )
         prepared.reference_info = {"source": prepared.task.captions, "kind": "the set's own images"}
         return
-    if read_bytes(f"{reference.rstrip('/')}/{REFERENCE_INFO}") is not None:
+    recorded = read_bytes(f"{reference.rstrip('/')}/{REFERENCE_INFO}")
+    if recorded is not None:
+        _check_recorded(reference, json.loads(recorded), config)
         prepared.given_reference, info = read_reference(reference, asked)
         prepared.reference_info = {
             "source": reference,
@@ -177,6 +180,44 @@ def _check_reference_rows(prepared: Prepared, reference: str) -> None:
     _, width = _caption_width(first, schema, config.data.caption_column, "--reference")
     prepared.task = replace(prepared.task, reference=reference, reference_width=width)
     prepared.reference_info = {"source": reference, "kind": "images of parquet rows"}
+
+
+def _check_recorded(reference: str, info: dict, config: Config) -> None:
+    """Statistics --reference DIR recorded as made with another VAE than eval.vae names, or from latents scaled by
+    another data.latent_scaling_factor, are refused: they are of other images. A reference.json from before these
+    were recorded is taken as it is."""
+    from sdtrain.evaluation.offline import REFERENCE_INFO
+
+    where = f"--reference: {reference}'s statistics ({REFERENCE_INFO})"
+    if config.eval.vae is not None and info.get("vae") is not None and info["vae"] != config.eval.vae:
+        raise ConfigError(
+            f"eval.vae: {config.eval.vae}, but {where} are of images decoded by {info['vae']}; leave eval.vae unset, "
+            "or measure the reference again with this VAE"
+        )
+    if "latent_scaling_factor" in info and info["latent_scaling_factor"] != config.data.latent_scaling_factor:
+        raise ConfigError(
+            f"data.latent_scaling_factor: {config.data.latent_scaling_factor}, but {where} were measured from latents "
+            f"scaled by data.latent_scaling_factor {info['latent_scaling_factor']}: give the --config they were "
+            "measured with, or measure the reference again"
+        )
+
+
+def _check_stored_scaling(prepared: Prepared) -> None:
+    """The reference rows' latents (--reference DATA, else --captions) are multiplied by data.latent_scaling_factor
+    before they are decoded, as training multiplies them: refused, as training refuses it
+    (:func:`sdtrain.model.recipe.stored_latent_scaling`), where their files record that they carry a factor already."""
+    from sdtrain.data.footer import read_schema
+    from sdtrain.data.listing import list_dataset
+    from sdtrain.model.recipe import stored_latent_scaling
+
+    task = prepared.task
+    if not prepared.reference_info or not task.measure_reference:
+        return
+    data, key = (task.reference, "--reference") if task.reference is not None else (task.captions, "--captions")
+    if data is None:
+        return
+    first = list_dataset([data], key).paths[0]
+    stored_latent_scaling([(first, read_schema(first, key).metadata)], prepared.config.data)
 
 
 def _check_vae(prepared: Prepared) -> None:

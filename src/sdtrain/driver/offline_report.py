@@ -29,7 +29,8 @@ def report(prepared: Prepared, merged: PartResult, out: str, tasks: int) -> list
     if merged.reference:
         directory = posixpath.join(out, REFERENCE_DIR)
         models = {metric: getattr(prepared.config.eval, FRECHET[metric]) for metric in merged.reference}
-        info = {**results["reference"], "vae": prepared.task.vae, "models": models}
+        scaling = prepared.config.data.latent_scaling_factor  # what read_reference's caller checks a later call's by
+        info = {**results["reference"], "vae": prepared.task.vae, "latent_scaling_factor": scaling, "models": models}
         write_reference(directory, merged.reference, info)
         written.append(directory)
     table = markdown(results)
@@ -102,7 +103,7 @@ def markdown(results: dict[str, Any]) -> str:
 
 
 def _better(metric: str) -> str:
-    if metric == "eval_samples":
+    if metric in ("eval_samples", "eval_nonfinite_samples"):
         return ""
     return "higher is better" if metric in HIGHER_IS_BETTER else "lower is better"
 

@@ -46,9 +46,13 @@ from sdtrain.model.encoders import load_vae
 from sdtrain.model.unet import default_guidance_rescale
 from sdtrain.sampling.images import decode
 from sdtrain.sampling.latent_classifier import load_latent_classifier
-from sdtrain.sampling.sampler import sample_latents
+from sdtrain.sampling.sampler import initial_noise, sample_latents, shape_seed
 from sdtrain.storage.filesystems import filesystem_for, write_bytes
 from sdtrain.storage.run_layout import EVALUATION_DIR
+
+CHUNK_BATCHES = 4
+"""A shape group is sampled, decoded and measured this many eval.batch_size batches at a time: what an evaluation
+holds (latents, images, caption embeddings) does not grow with eval.num_samples (the feature statistics are sums)."""
 
 CaptionsOf = Callable[[LoadedModel, np.ndarray], torch.Tensor | Conditioning]
 """The caption embeddings (n, L, D) a model samples the rows at the given positions with."""
@@ -110,20 +114,39 @@ class Evaluator:
         captions_of = captions_of or self._captions_of(rows)
         unet = loaded.unet.to(self.device)
         measures = Measures(generated={metric: FeatureStats(f.dim) for metric, f in self.features.items()})
+        dtype = next(unet.parameters()).dtype
         for group in rows.groups:  # each at its own shape: one group, or a bucket each
-            taken, within = group.share(part)  # rows read for one part (read_eval_rows' part) give only it
+            taken, (first, total) = group.share(part)  # rows read for one part (read_eval_rows' part) give only it
             positions = group.rows[taken]
             if not len(positions):
                 continue
-            latents = self._sample(unet, loaded, captions_of(loaded, positions), group.shape, within)
-            self._measure_samples(measures, loaded, latents, rows, positions)
+            # The whole group's noise drawn once (each row's is what it is in the whole set), then only these rows'
+            # kept: a chunk samples from its slice of it.
+            seed = shape_seed(self.config.train.seed, group.shape)  # each bucket's noise its own
+            noise = initial_noise(group.shape, total, seed, dtype)[first : first + len(positions)]
+            noise = noise.clone()
+            for chunk in self._chunks(len(positions)):
+                captions = captions_of(loaded, positions[chunk])
+                latents = self._sample(unet, loaded, captions, group.shape, noise[chunk])
+                self._measure_samples(measures, loaded, latents, rows, positions[chunk])
         return measures
+
+    def _chunks(self, count: int) -> list[slice]:
+        size = CHUNK_BATCHES * self.config.eval.batch_size
+        return [slice(start, start + size) for start in range(0, count, size)]
 
     def _measure_samples(
         self, measures: Measures, loaded: LoadedModel, latents: torch.Tensor, rows: EvalRows, positions: np.ndarray
     ) -> None:
-        """Add the samples ``latents`` of the rows at ``positions`` to ``measures``."""
+        """Add the samples ``latents`` of the rows at ``positions`` to ``measures``: those that diverged (NaN or inf,
+        which would decode to black images and be scored as such) counted, not measured."""
         measures.samples += len(positions)
+        finite = torch.isfinite(latents).flatten(1).all(dim=1)
+        if not bool(finite.all()):
+            measures.nonfinite += int((~finite).sum())
+            latents, positions = latents[finite], positions[finite.numpy()]
+            if not len(positions):
+                return
         if rows.labels is not None:
             reader = load_latent_classifier(loaded.latent_classifier or "", f"eval.class_agreement: {loaded.source}")
             measures.agreeing += int(reader.class_agreement(latents.numpy(), rows.labels[positions])["agreeing"])
@@ -138,20 +161,20 @@ class Evaluator:
             measures.clip_scores = np.concatenate([measures.clip_scores, scores])
 
     def _captions_of(self, rows: EvalRows) -> CaptionsOf:
-        """rows.captions by position; token ids encoded, all at once, by each model's text encoder."""
+        """rows.captions by position; token ids encoded, only the rows asked for, by each model's text encoder."""
         stored, pooled = rows.captions, rows.pooled
         assert stored is not None
-        encoded: dict[str, Conditioning] = {}
+        encoders: dict[str, Any] = {}
 
         def captions_of(loaded: LoadedModel, positions: np.ndarray) -> Conditioning:
             if stored.dtype != np.int32:
                 # Only these rows copied (numpy's indexing copies them): never the whole set's embeddings.
                 chosen = None if pooled is None else torch.from_numpy(pooled[positions]).float()
                 return Conditioning(torch.from_numpy(stored[positions]).float(), chosen)
-            if loaded.source not in encoded:
-                encoded.clear()  # one model's at a time
-                encoded[loaded.source] = self._encode(loaded, torch.tensor(stored))  # ids: a few hundred bytes a row
-            return encoded[loaded.source].rows(torch.from_numpy(positions))
+            if loaded.source not in encoders:
+                encoders.clear()  # one model's at a time
+                encoders[loaded.source] = self._text_encoder(loaded)
+            return _encode(encoders[loaded.source], torch.from_numpy(stored[positions]))
 
         return captions_of
 
@@ -161,10 +184,10 @@ class Evaluator:
         loaded: LoadedModel,
         captions: torch.Tensor | Conditioning,
         shape: tuple[int, int, int],
-        within: tuple[int, int],
+        noise: torch.Tensor,
     ) -> torch.Tensor:
-        """Latents of ``captions`` at ``shape``: sample_grid's sampler, steps and guidance, the run's seed; ``within``:
-        (first, total), where the rows are in their shape group."""
+        """Latents of ``captions`` at ``shape``: sample_grid's sampler, steps and guidance, from ``noise`` (the rows'
+        slice of their shape group's :func:`initial_noise`)."""
         grid = self.config.sample_grid
         scheduler = dict(loaded.noise_scheduler.config)
         return sample_latents(
@@ -177,10 +200,9 @@ class Evaluator:
             steps=grid.steps,
             guidance_scale=grid.guidance_scale,
             guidance_rescale=default_guidance_rescale(scheduler),
-            seed=self.config.train.seed,
             batch_size=self.config.eval.batch_size,
-            within=within,
             vae_downsampling=loaded.vae_downsampling,
+            noise=noise,
         )
 
     def _rows(self, loaded: LoadedModel) -> EvalRows:
@@ -191,18 +213,13 @@ class Evaluator:
             )
         return self.rows
 
-    def _encode(self, loaded: LoadedModel, ids: torch.Tensor) -> Conditioning:
+    def _text_encoder(self, loaded: LoadedModel) -> Any:
         from sdtrain.model.token_captions import CaptionEncoder
 
         source = text_encoder_of(loaded)
         if source is None:
             raise DataError(f"eval: data.val holds token ids, but {loaded.source} records no text encoder for them")
-        encoder = CaptionEncoder.load(source, use_gpu=False).to(self.device)
-        parts = [encoder.encode(ids[i : i + 64]) for i in range(0, len(ids), 64)]
-        hidden = torch.cat([part[0].float().cpu() for part in parts])
-        pooled_parts = [part[1].float().cpu() for part in parts if part[1] is not None]
-        pooled = torch.cat(pooled_parts) if pooled_parts else None
-        return Conditioning(hidden, pooled)
+        return CaptionEncoder.load(source, use_gpu=False).to(self.device)
 
     def _decode(self, latents: torch.Tensor, loaded: LoadedModel) -> np.ndarray:
         """Model-space latents -> images, divided by the scaling factor the model was trained with (else the VAE's)."""
@@ -246,10 +263,12 @@ class Evaluator:
             if taken.start == taken.stop:
                 continue
             assert group.latents is not None
-            stored = torch.from_numpy(group.latents[taken].astype(np.float32))
-            images = self._decode(stored * (self.config.data.latent_scaling_factor or 1.0), loaded)
-            for metric in metrics:
-                stats[metric].add(self.features[metric](images, self.config.eval.batch_size))
+            latents = group.latents[taken]
+            for chunk in self._chunks(len(latents)):  # a chunk's images at a time, as measure's
+                stored = torch.from_numpy(latents[chunk].astype(np.float32))
+                images = self._decode(stored * (self.config.data.latent_scaling_factor or 1.0), loaded)
+                for metric in metrics:
+                    stats[metric].add(self.features[metric](images, self.config.eval.batch_size))
         return stats
 
     def reference_key(self, metric: str) -> str:
@@ -270,6 +289,15 @@ def text_encoder_of(loaded: LoadedModel) -> str | None:
         return loaded.meta.text_encoder  # token ids, encoded in the step
     sources = model_sources(loaded)
     return sources.text_encoder if sources is not None else None
+
+
+def _encode(encoder: Any, ids: torch.Tensor) -> Conditioning:
+    """Token ids -> caption embeddings, 64 rows at a time."""
+    parts = [encoder.encode(ids[i : i + 64]) for i in range(0, len(ids), 64)]
+    hidden = torch.cat([part[0].float().cpu() for part in parts])
+    pooled_parts = [part[1].float().cpu() for part in parts if part[1] is not None]
+    pooled = torch.cat(pooled_parts) if pooled_parts else None
+    return Conditioning(hidden, pooled)
 
 
 def evaluate_checkpoint(checkpoint: Any, config: dict[str, Any], run_dir: str, vae: str | None) -> dict[str, float]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -139,12 +139,29 @@ def read_eval_rows(
     return EvalRows(
         groups=_groups(chosen, selected, batches),
         captions=_joined([batch.captions for batch in batches], reader.caption_shape),
-        texts=[str(t) for t in extra_column(config.eval.text_column).to_pylist()] if texts else None,
+        texts=_texts(extra_column, layout, selected, config.eval.text_column) if texts else None,
         labels=extra_column("label").to_numpy() if labels else None,
         files=[listing.paths[i] for i in used],
         versions=[(listing.sizes[i], listing.versions[i]) for i in used],
         pooled=_joined([batch.added["pooled"] for batch in batches], (pooled_width or 0,)) if added else None,
     )
+
+
+def _texts(column: Callable[[str], pa.ChunkedArray], layout: Layout, selected: np.ndarray, name: str) -> list[str]:
+    """The caption texts of the rows at ``selected`` (in order) in ``column(name)``; a null refused naming its file
+    and row, before any sample is made (str() would score it as the caption "None")."""
+    texts = column(name).to_pylist()
+    if None in texts:
+        position, files = int(selected[texts.index(None)]), iter(layout)
+        file, buckets, _ = next(files)
+        while position >= len(buckets):  # to the file it is in, and its row there
+            position -= len(buckets)
+            file, buckets, _ = next(files)
+        raise DataError(
+            f"eval.text_column: {file}, column {name!r}, row {position} is null: clip_score scores each sample against "
+            "its caption's text; fill it in, or leave out eval.clip"
+        )
+    return [str(t) for t in texts]
 
 
 def _joined(arrays: list[np.ndarray], shape: tuple[int, ...]) -> np.ndarray:

@@ -8,10 +8,12 @@ The metrics themselves are :func:`metrics_of` these sums and the reference stati
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from sdtrain.config.running import HIGHER_IS_BETTER
 from sdtrain.config.schema import Config
 from sdtrain.evaluation.image_metrics import FeatureStats, frechet_distance
 
@@ -36,6 +38,8 @@ class Measures:
     """Each sample's CLIP score against its caption, in the order sampled."""
     agreeing: int = 0
     """Samples the latent classifier reads as their caption's label."""
+    nonfinite: int = 0
+    """Samples whose latents hold NaN or inf (the sampling diverged): counted, not measured."""
 
     def merged(self, other: Measures) -> Measures:
         """The measures of both parts' rows (disjoint)."""
@@ -46,6 +50,7 @@ class Measures:
             generated={m: merged_stats(self.generated[m], other.generated[m]) for m in self.generated},
             clip_scores=np.concatenate([self.clip_scores, other.clip_scores]),
             agreeing=self.agreeing + other.agreeing,
+            nonfinite=self.nonfinite + other.nonfinite,
         )
 
 
@@ -72,5 +77,17 @@ def metrics_of(config: Config, measures: Measures, references: dict[str, Feature
         metrics[metric] = frechet_distance(measures.generated[metric], references[metric])
     if config.eval.clip is not None:
         metrics["clip_score"] = float(np.mean(measures.clip_scores))
+    if measures.nonfinite:
+        # A diverged sample has no image to score (decoded, NaN became a black picture that scored as one): a model
+        # that diverges on any row is worse than every model that does not, whatever its other rows score.
+        metrics = {metric: WORST_LOW if metric in HIGHER_IS_BETTER else WORST_HIGH for metric in metrics}
     metrics["eval_samples"] = float(measures.samples)
+    metrics["eval_nonfinite_samples"] = float(measures.nonfinite)
     return metrics
+
+
+WORST_HIGH = sys.float_info.max
+"""A lower-is-better metric (a Frechet distance) of a model with a diverged sample: the largest finite float (JSON
+writes infinity as a non-standard token; Ray Train's checkpoint ranking ranks an unknown score the same)."""
+WORST_LOW = 0.0
+"""A higher-is-better metric (clip_score, class_agreement) of a model with a diverged sample: its lowest value."""

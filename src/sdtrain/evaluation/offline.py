@@ -143,12 +143,16 @@ def _prompt_captions(task: OfflineSet, rows: EvalRows, device: str) -> CaptionsO
 
     assert rows.texts is not None
     texts = rows.texts
+    loaded_encoders: dict[str, Any] = {}  # asked a chunk at a time (Evaluator.measure): loaded once, not per chunk
 
     def captions_of(loaded: LoadedModel, positions: np.ndarray) -> Conditioning:
         source = task.text_encoder or text_encoder_of(loaded)
         if source is None:  # the driver refuses this before any work
             raise DataError(f"--prompts: {loaded.source} records no text encoder; give --text-encoder")
-        encoders = load_text_encoders(source, device)
+        if source not in loaded_encoders:
+            loaded_encoders.clear()  # one model's at a time
+            loaded_encoders[source] = load_text_encoders(source, device)
+        encoders = loaded_encoders[source]
         chosen = [texts[i] for i in positions]
         parts = [encoders.encode(chosen[i : i + 64]) for i in range(0, len(chosen), 64)]
         embeddings = torch.cat([hidden for hidden, _ in parts])

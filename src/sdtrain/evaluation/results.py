@@ -16,11 +16,16 @@ from sdtrain.logs import log
 from sdtrain.storage.filesystems import read_bytes, write_bytes
 from sdtrain.storage.run_layout import EVALUATION_DIR, evaluation_file
 
-RESULT_KEYS = (*EVAL_METRICS, "eval_s")
+RESULT_KEYS = (*EVAL_METRICS, "eval_nonfinite_samples", "eval_s")
 """What an evaluation adds to its checkpoint's row (eval_failed instead when it failed)."""
 NO_RESULT = "no result: the evaluation task ended without one (timeout or killed)"
 """The error recorded for an evaluation asked for whose task wrote no result (Ray Train cancels one past
 eval.timeout_s with force; a task killed with its node or driver writes none either)."""
+
+
+INITIAL_NOISE = "seeded by train.seed and the latent shape"
+"""How an evaluation's initial noise is drawn (sdtrain.sampling.sampler.shape_seed), in :func:`measured_with`: values
+measured with noise drawn otherwise (before, every shape from train.seed alone) are not compared."""
 
 
 def measured_with(config: Config, metric: str) -> dict[str, Any]:
@@ -39,6 +44,7 @@ def measured_with(config: Config, metric: str) -> dict[str, Any]:
         for key in ("eval.vae", "eval.num_samples", "sample_grid.sampler", "sample_grid.steps"):
             settings[key] = _value(config, key)
         settings["sample_grid.guidance_scale"] = config.sample_grid.guidance_scale
+        settings["eval.initial_noise"] = INITIAL_NOISE
     return settings
 
 

@@ -54,11 +54,14 @@ def grid_image(tiles: np.ndarray, names: list[str], zoom: int = 1):
 def decode(vae, latents: torch.Tensor, scaling_factor: float, batch_size: int = 8) -> np.ndarray:
     """Model-space latents -> (N, H, W, 3) uint8 images: divided by the scaling factor once, then decoded."""
     device = next(vae.parameters()).device
-    images = []
+    images: np.ndarray | None = None  # each batch written into place: the images are held once, not twice
     for start in range(0, len(latents), batch_size):
         batch = latents[start : start + batch_size].to(device, vae.dtype) / scaling_factor
-        images.append(((vae.decode(batch).sample.float().cpu() / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8))
-    return torch.cat(images).permute(0, 2, 3, 1).numpy()
+        decoded = ((vae.decode(batch).sample.float().cpu() / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8)
+        if images is None:
+            images = np.empty((len(latents), *decoded.shape[2:], decoded.shape[1]), np.uint8)
+        images[start : start + len(batch)] = decoded.permute(0, 2, 3, 1).numpy()
+    return images if images is not None else np.zeros((0, 0, 0, 3), np.uint8)
 
 
 def decode_shape(latents: torch.Tensor, vae) -> tuple[int, int, int]:

@@ -10,6 +10,8 @@ size conditioning beside the hidden states, zeros for the unconditional text).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 from typing import Any, Literal
 
 import torch
@@ -83,6 +85,37 @@ def _rescaled(guided: torch.Tensor, conditional: torch.Tensor, rescale: float) -
     return rescale * matched + (1 - rescale) * guided
 
 
+def shape_seed(seed: int, latent_shape: tuple[int, ...]) -> int:
+    """The seed of the initial noise of a set sampled at ``latent_shape`` with the run's ``seed``: each aspect-ratio
+    bucket's own, so row i of one bucket does not start from the same values as row i of another (one generator
+    seeded alike fills both from the same stream).
+
+    Args:
+        seed: the run's seed (train.seed).
+        latent_shape: (C, H, W) of the set's samples.
+    """
+    digest = hashlib.sha256(json.dumps([int(seed), [int(side) for side in latent_shape]]).encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1  # below 2**63: what torch.Generator.manual_seed takes
+
+
+def initial_noise(
+    latent_shape: tuple[int, ...], total: int, seed: int, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """The initial noise (unscaled) of a set of ``total`` samples at ``latent_shape`` (C, H, W), seeded ``seed``.
+
+    All of it drawn at once from one CPU generator: a row's noise does not depend on batch size or device, nor (the
+    whole set's drawn, then sliced) on how the set is split or chunked.
+
+    Args:
+        latent_shape: (C, H, W) of one sample.
+        total: the rows in the set.
+        seed: the generator's seed.
+        dtype: the noise's dtype (the UNet's: the same values sample_latents has always drawn).
+    """
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn((total, *latent_shape), generator=generator, dtype=dtype)
+
+
 @torch.no_grad()
 def sample_latents(
     unet: UNet2DConditionModel,
@@ -99,6 +132,7 @@ def sample_latents(
     batch_size: int = 64,
     within: tuple[int, int] | None = None,
     vae_downsampling: int = 8,
+    noise: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One sample per row of ``captions`` (N, L, D) (or a :class:`Conditioning`: an SDXL-shaped UNet also needs the
     pooled embeddings; without time ids, each sample is of original size = target size = ``latent_shape`` in pixels,
@@ -109,19 +143,22 @@ def sample_latents(
         within: (first, total): the captions are rows first.. of a set of ``total`` sampled with ``seed``, and each
             gets the noise it gets there (a set split among tasks samples what it samples whole); None: (0, N).
         vae_downsampling: pixels per latent side, for SDXL's size conditioning.
+        noise: the rows' initial noise, unscaled (their rows of :func:`initial_noise`); None: drawn here (``within``).
     """
     device = next(unet.parameters()).device
     dtype = next(unet.parameters()).dtype
     conditioning = _conditioning(unet, captions, latent_shape, vae_downsampling)
     scheduler = make_sampler(noise_scheduler_config, sampler, steps)
-    generator = torch.Generator().manual_seed(seed)
-    first, total = within or (0, len(conditioning))
-    if first < 0 or first + len(conditioning) > total:
-        raise ValueError(f"sample_latents: rows {first}..{first + len(conditioning)} are not within a set of {total}")
-    # All the initial noise first, from one CPU generator: the result does not depend on batch_size or device, nor
-    # (the whole set's noise drawn, then sliced) on how the set is split.
-    noise = torch.randn((total, *latent_shape), generator=generator, dtype=dtype)[first : first + len(conditioning)]
-    noise = noise * scheduler.init_noise_sigma
+    if noise is None:
+        first, total = within or (0, len(conditioning))
+        if first < 0 or first + len(conditioning) > total:
+            raise ValueError(
+                f"sample_latents: rows {first}..{first + len(conditioning)} are not within a set of {total}"
+            )
+        noise = initial_noise(latent_shape, total, seed, dtype)[first : first + len(conditioning)]
+    elif noise.shape != (len(conditioning), *latent_shape):
+        raise ValueError(f"sample_latents: noise {tuple(noise.shape)} for {len(conditioning)} rows of {latent_shape}")
+    noise = noise.to(dtype) * scheduler.init_noise_sigma
     out = []
     for start in range(0, len(conditioning), batch_size):
         scheduler = make_sampler(noise_scheduler_config, sampler, steps)  # multistep solvers keep state
