@@ -583,13 +583,7 @@ def test_bucketed_validation_rows_are_sampled_and_compared_each_at_its_own_bucke
     table = shard_table(rows, {"latents": "image_latents_256", "embeddings": "caption_latents"}, metadata)
     (tmp_path / "val").mkdir()
     (tmp_path / "val" / "part-0.parquet").write_bytes(parquet_bytes(table, 4))
-    val = tmp_path / "val"
-    config = tiny_config(
-        f"data.train=[{val}]",
-        f"data.val=[{val}]",
-        f"eval.clip={evaluated['config'].eval.clip}",
-        *_rest(evaluated["config"]),
-    )
+    config = _on_val(evaluated, tmp_path / "val")
 
     evaluator = Evaluator(config, None, evaluated["sd"])
     metrics = evaluator.evaluate(str(evaluated["checkpoint"]))
@@ -771,14 +765,18 @@ def test_a_null_caption_text_is_refused_naming_its_file_column_and_row_before_sa
     table = table.set_column(table.schema.get_field_index("caption"), "caption", pa.array(texts, pa.string()))
     (tmp_path / "val").mkdir()
     pq.write_table(table, tmp_path / "val" / "part-0.parquet")
-    val = tmp_path / "val"
-    config = tiny_config(
+    config = _on_val(evaluated, tmp_path / "val")
+    evaluator = Evaluator(config, None, evaluated["sd"])
+    evaluator._sample = None  # nothing may sample before the refusal
+    with pytest.raises(DataError, match=r"eval.text_column: .*part-0.parquet, column 'caption', row 5 is null"):
+        evaluator.evaluate(str(evaluated["checkpoint"]))
+
+
+def _on_val(evaluated, val):
+    """The evaluated run's config, trained and evaluated on ``val``."""
+    return tiny_config(
         f"data.train=[{val}]",
         f"data.val=[{val}]",
         f"eval.clip={evaluated['config'].eval.clip}",
         *_rest(evaluated["config"]),
     )
-    evaluator = Evaluator(config, None, evaluated["sd"])
-    evaluator._sample = None  # nothing may sample before the refusal
-    with pytest.raises(DataError, match=r"eval.text_column: .*part-0.parquet, column 'caption', row 5 is null"):
-        evaluator.evaluate(str(evaluated["checkpoint"]))
