@@ -191,6 +191,7 @@ def test_a_corrupt_partition_is_left_out_and_the_newer_days_train(tmp_path, monk
     assert any(w.startswith(f"retrain.data_root: left partition 2026-11-01 ({bad}) out of this run: ") for w in warned)
 
 
+@pytest.mark.usefixtures("without_ray")  # the session's cluster stopped: the run must start none
 def test_a_run_whose_every_new_partition_is_corrupt_ends_without_training_or_an_error(tmp_path, monkeypatch):
     import ray
 
