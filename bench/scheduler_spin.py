@@ -125,7 +125,9 @@ def child(args) -> None:
             steps += 1
             try:
                 last = (time.perf_counter(), _thread_cpu(scheduler.native_id), time.thread_time(), steps)
-            except FileNotFoundError:  # the stream has read its last window: its scheduler thread is gone
+            # The stream has read its last window: its scheduler thread is gone (before the open, or between the
+            # open and the read).
+            except (FileNotFoundError, ProcessLookupError):
                 break
     finally:
         # Before Ray's own exit hook: an iterator finalized after ray.shutdown() restarts Ray and hangs.
