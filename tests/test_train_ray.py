@@ -17,6 +17,7 @@ from support.tiny_models import write_tiny_dinov2, write_tiny_sd_model
 
 from sdtrain.artifacts.loading import load_model, read_checkpoint
 from sdtrain.config.learning import Columns
+from sdtrain.data.horizons import HORIZON_READS_VAR
 from sdtrain.data.rows import RowReader
 from sdtrain.driver.run import check_run, train
 from sdtrain.errors import ConfigError, DataError, TrainingFailed
@@ -377,12 +378,15 @@ def _trained_ids(run_dir):
 
 
 @pytest.mark.timeout(900)
-def test_every_sample_once_per_epoch_across_a_restart_and_bitwise_resume(ray_cluster, tmp_path):
+def test_every_sample_once_per_epoch_across_a_restart_and_bitwise_resume(
+    ray_cluster, tmp_path, monkeypatch, run_attempts
+):
     """96 rows, 8 per step: one epoch = 12 steps, micro-batches of 2 accumulated 2 on each of 2 workers.
 
-    A: 12 steps straight. B: 5 steps (stopping inside a shuffle window), then resumed to 12: the same rows in the
-    same order as A, and bitwise the same weights. A resume mid-epoch at another world size, every row once, is
-    test_elastic's (2 workers, 1, 2 again) and test_buckets' (bucketed data).
+    A: 12 steps straight, one dataset a rank. B: 5 steps (stopping inside a shuffle window), then resumed to 12, each
+    rank's stream a chain of datasets of 3 steps each (sdtrain.data.horizons; after the resume they cut windows): the
+    same rows in the same order as A, and bitwise the same weights. A resume mid-epoch at another world size, every
+    row once, is test_elastic's (2 workers, 1, 2 again) and test_buckets' (bucketed data).
     """
     write_latents(tmp_path / "train/a.parquet", rows=40, seed=1, row_group_size=8)
     write_latents(tmp_path / "train/b.parquet", rows=56, seed=2, row_group_size=8)
@@ -393,6 +397,7 @@ def test_every_sample_once_per_epoch_across_a_restart_and_bitwise_resume(ray_clu
     assert sorted(straight) == every_row
     assert not np.array_equal(straight, every_row)  # shuffled
 
+    monkeypatch.setenv(HORIZON_READS_VAR, "1")  # a read task a horizon: 12-row windows, 4 rows a rank a step
     train(_ids_config(tmp_path, "b", 5, 2))
     saved = json.loads((tmp_path / "runs/b/checkpoint_000000005" / DATA_STATE_FILE).read_text())
     assert (saved["step"], saved["data"]) == (5, {"epoch": 0, "segments": [[2, 20]]})
@@ -401,6 +406,7 @@ def test_every_sample_once_per_epoch_across_a_restart_and_bitwise_resume(ray_clu
 
     summary = train(_ids_config(tmp_path, "b", 12, 2))
     assert summary.final_step == 12
+    assert run_attempts("b") == 1  # each rank went on to its next horizon itself: no restart did
     resumed = _trained_ids(tmp_path / "runs/b")
     assert np.array_equal(resumed, straight)  # the same rows in the same order
     weights_a = read_checkpoint(str(tmp_path / "runs/a/checkpoint_000000012"))["state_dict"]

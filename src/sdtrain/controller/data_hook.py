@@ -4,8 +4,9 @@ Ray Train calls ``DataConfig.configure`` each time it starts a worker group (fir
 restart after a failure, resize, or a new driver on the same run). :class:`PlannedStreams`
 reads the data position from the latest checkpoint Ray Train has committed, the same one the
 workers are restored from, and gives each rank the rows :mod:`sdtrain.data.read_order` assigns it
-from there to ``train.max_steps``. Open-source Ray Data keeps no iterator state across
-restarts (ray-project/ray#37633); the position lives in our checkpoints instead.
+from there for a horizon of steps (:mod:`sdtrain.data.horizons`; the rank goes on to ``train.max_steps``
+itself). Open-source Ray Data keeps no iterator state across restarts (ray-project/ray#37633); the
+position lives in our checkpoints instead.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from sdtrain.controller.snapshot_copy import (
     run_entries,
     warn_unregistered,
 )
+from sdtrain.data.horizons import Horizons
 from sdtrain.data.object_store import fetched
 from sdtrain.data.position import DataPosition
 from sdtrain.data.read_order import DataState
@@ -63,16 +65,17 @@ class PlannedStreams(ray.train.DataConfig):
             assert result.checkpoint is not None  # committed_run returns only runs with a committed checkpoint
             position = DataPosition.read(result.checkpoint.filesystem, result.checkpoint.path)
             step, state = position.resume(self.reader.plan, self.config.data.on_resume_change, result.checkpoint.path)
-        layout = self.config.batch_layout(world_size)
-        stretches = self.reader.plan.rank_stretches(
-            state, world_size, layout.rows_per_step, self.config.train.max_steps - step
+        reader, rows_per_step = self.reader, self.config.batch_layout(world_size).rows_per_step
+        horizons = Horizons.of(
+            reader.plan, reader.horizon_reads, state, world_size, rows_per_step, self.config.train.max_steps - step
         )
+        stretches = horizons.stretches(reader.plan, 0)  # each rank makes its next horizons' datasets itself
         # Each rank's dataset carries the reader's reference: pickled into every rank's dataset, the reader (~9 MB at
         # 2e5 files) left this process world-size times at every worker group's start.
         output = []
         for rank in range(world_size):
             node = worker_node_ids[rank] if worker_node_ids else None
-            dataset = rank_dataset(self.reader, stretches[rank], node, self.shared)
+            dataset = rank_dataset(reader, stretches[rank], node, self.shared)
             options = self.default_ingest_options()
             options.preserve_order = True  # the plan's order is what makes resumption exact
             dataset.context.execution_options = options

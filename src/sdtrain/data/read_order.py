@@ -89,6 +89,7 @@ class ReadPlan(Protocol):
     :class:`sdtrain.data.bucket_order.BucketPlan` for aspect-ratio buckets."""
 
     file_offsets: np.ndarray
+    window_rows: int
 
     @property
     def num_rows(self) -> int: ...

@@ -24,6 +24,7 @@ from sdtrain.config.learning import Columns
 from sdtrain.config.schema import DataConfig
 from sdtrain.data.added_columns import AddedColumns
 from sdtrain.data.decode import TokenIdOutOfRange, caption_array, to_array
+from sdtrain.data.horizons import horizon_reads
 from sdtrain.data.inspection import DatasetSpec
 from sdtrain.data.object_store import fetched
 from sdtrain.data.pacing import paced
@@ -257,6 +258,7 @@ class WindowReader:
     def __init__(self, spec: DatasetSpec, data: DataConfig, plan: ReadPlan):
         self.plan = plan
         self.reads_per_worker = data.reads_per_worker
+        self.horizon_reads = horizon_reads()  # read tasks of a rank's dataset (sdtrain.data.horizons)
         self.files = FileTable(spec.files)
         self.settings = ReadSettings(
             spec.read_columns(data.columns),
@@ -331,19 +333,16 @@ _COUNTED_ONLY = ReadTask(_counted_only, BlockMetadata(None, None, None, None))
 def rank_dataset(
     reader: WindowReader, stretches: Sequence[Any], node_id: str | None, shared: ray.ObjectRef | None = None
 ) -> ray.data.Dataset:
-    """One rank's training stream: its windows in order, each read by one Ray Data task on ``node_id``
-    (the rank's node; None: anywhere); ``shared``: ``reader`` put in Ray's object store once for every rank."""
+    """One rank's training stream (a horizon's: sdtrain.data.horizons): its windows in order, each read by one Ray Data
+    task on ``node_id`` (None: anywhere); ``shared``: ``reader`` in Ray's object store, once for every rank."""
     source = RankWindows(reader, stretches, shared)
     placement = read_placement(reader.reads_per_worker, node_id, source.count)
     return paced(_ordered(ray.data.read_datasource(source, override_num_blocks=source.count, **placement)))
 
 
 def _task_ids(n: int, placement: dict[str, Any]) -> ray.data.Dataset:
-    """Ids 0..n-1, one block each, in order: the input of ``n`` read tasks placed by ``placement``.
-
-    Read by a task that takes no CPU either (ray.data.range's read tasks take 1 CPU), with the same
-    placement, so Ray Data fuses it into each read task.
-    """
+    """Ids 0..n-1, one block each, in order: the input of ``n`` read tasks placed by ``placement``. Read by a task
+    that takes no CPU either (ray.data.range's take 1), with the same placement, so Ray Data fuses it into each."""
     return _ordered(ray.data.read_datasource(ray_private.range_datasource(n), override_num_blocks=n, **placement))
 
 

@@ -1,19 +1,23 @@
 """This rank's planned stream of training micro-batches, read ahead on a thread of its own and checked against
-the plan (sdtrain.data.read_order), as Lightning's one epoch."""
+the plan (sdtrain.data.read_order), as Lightning's one epoch: a chain of datasets, one a horizon of steps
+(sdtrain.data.horizons)."""
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 
 import numpy as np
+import ray.data
 import ray.train
 import torch
 
 from sdtrain.errors import TrainingFailed, find_sdtrain_error
 from sdtrain.train.watchdog import Phase, StallWatchdog
+
+Batches = Iterator[dict[str, torch.Tensor]]
 
 
 class TrainStream:
@@ -44,15 +48,34 @@ class TrainStream:
         self.prefetch_batches = prefetch_batches
         self.device = device
         self.expected_first: np.ndarray | None = None  # set by _fit, before Lightning iterates
-        self._batches: Iterator[dict[str, torch.Tensor]] | None = None
+        self._batches: Batches | None = None
         self._first: Future[dict[str, torch.Tensor] | None] | None = None
+        self._horizons: list[int] = []  # micro-batches of each horizon (follow_with); none set: the first shard only
+        self._next_shard: Callable[[int], ray.data.DataIterator] | None = None
+        self._ahead = 0
         self._started = False
         self._wait_s = 0.0
 
     def start(self) -> Future[dict[str, torch.Tensor] | None]:
         """Fetch the first batch in the background from now on; returns its future (None: no rows)."""
-        batches: Iterator[dict[str, torch.Tensor]] = iter(
-            self.shard.iter_torch_batches(
+        self._first, self._batches = self._begin(self.shard)
+        return self._first
+
+    def follow_with(self, horizon_batches: list[int], next_shard: Callable[[int], ray.data.DataIterator], ahead: int):
+        """Go on, after the first shard's ``horizon_batches[0]`` batches, with the shard of each next horizon.
+
+        Args:
+            horizon_batches: the micro-batches of each horizon (sdtrain.data.horizons.Horizons), the first shard's
+                first.
+            next_shard: makes horizon ``i``'s shard (``i`` from 1).
+            ahead: micro-batches before a horizon's end at which the next one's first batch starts reading, so its
+                dataset's start-up overlaps the last of this one.
+        """
+        self._horizons, self._next_shard, self._ahead = horizon_batches, next_shard, ahead
+
+    def _begin(self, shard: ray.data.DataIterator) -> tuple[Future[dict[str, torch.Tensor] | None], Batches]:
+        batches: Batches = iter(
+            shard.iter_torch_batches(
                 batch_size=self.micro_batch,
                 prefetch_batches=self.prefetch_batches,
                 device=self.device,
@@ -60,7 +83,6 @@ class TrainStream:
             )
         )
         first: Future[dict[str, torch.Tensor] | None] = Future()
-        self._batches, self._first = batches, first
 
         def fetch_first():
             try:
@@ -70,7 +92,33 @@ class TrainStream:
 
         # A daemon thread: a worker that fails while building its model must not wait for it.
         threading.Thread(target=fetch_first, name="sdtrain-first-batch", daemon=True).start()
-        return self._first
+        return first, batches
+
+    def _chained(self) -> Batches:
+        """The batches after the first, across the horizons: each next horizon started ``ahead`` batches early."""
+        assert self._batches is not None
+        batches, index, taken = self._batches, 0, 1  # the first batch is taken
+        while True:
+            upcoming = None
+            following = self._next_shard if index + 1 < len(self._horizons) else None
+            for batch in batches:
+                taken += 1
+                if following is not None and upcoming is None and taken >= self._horizons[index] - self._ahead:
+                    upcoming = self._begin(following(index + 1))
+                yield batch
+            if following is None:
+                return
+            if taken != self._horizons[index]:  # the next horizon would start mid-step: its steps' rows would mix
+                raise TrainingFailed(
+                    f"the training stream's horizon {index} held {taken} micro-batches, its plan "
+                    f"{self._horizons[index]}: Ray Data's batching changed"
+                )
+            first, batches = upcoming or self._begin(following(index + 1))
+            index, taken = index + 1, 1
+            head = first.result()
+            if head is None:
+                return
+            yield head
 
     def take_wait_s(self) -> float:
         """Seconds the training loop waited for its next batch since the previous call. The first
@@ -92,11 +140,12 @@ class TrainStream:
                 return
             self._check_position(batch["sample_index"])
             yield batch
+            batches = self._chained()
             while True:
                 asked = time.perf_counter()
                 self._enter(Phase.NEXT_BATCH)
                 try:
-                    batch = next(self._batches)
+                    batch = next(batches)
                 except StopIteration:
                     return
                 self._enter(Phase.BETWEEN_STEPS)

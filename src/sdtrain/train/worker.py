@@ -15,15 +15,19 @@ from typing import Any
 import lightning.pytorch as pl
 import numpy as np
 import pyarrow.fs as pafs
+import ray
+import ray.data
 import ray.train
 import ray.train.torch
 import torch
 from ray.train.lightning import RayDDPStrategy, prepare_trainer
 
 from sdtrain.config.schema import BatchLayout, Config
+from sdtrain.data.horizons import Horizons
 from sdtrain.data.object_store import fetched
 from sdtrain.data.position import DataPosition
 from sdtrain.data.read_order import DataState, ReadPlan
+from sdtrain.data.streams import WindowReader, rank_dataset
 from sdtrain.model.conditioning import pooled_width
 from sdtrain.model.recipe import load_unconditional_caption
 from sdtrain.private import ray as ray_private
@@ -149,7 +153,26 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         copy = directory if is_copy else None
         launched, prompts = loop_config["launched_at"], loop_config.get("grid_prompts")
         run = WorkerRun(config, plan, layout, start, launched, scratch, copy, watchdog, settings.pin_memory, prompts)
+        _follow_horizons(train_batches, loop_config["reader"], run)
         _fit(run, module, trainer_kwargs, train_batches)
+
+
+def _follow_horizons(stream: TrainStream, shared: ray.ObjectRef, run: WorkerRun) -> None:
+    """The stream goes on past the data hook's first horizon with datasets this rank makes (sdtrain.data.horizons),
+    on its own node. ``shared``: the run's reader in Ray's object store."""
+    reader: WindowReader = fetched(shared)
+    layout, start, rank = run.layout, run.start, ray.train.get_context().get_world_rank()
+    steps, rows_per_step = run.config.train.max_steps - start.step, layout.rows_per_step
+    horizons = Horizons.of(reader.plan, reader.horizon_reads, start.data, layout.world_size, rows_per_step, steps)
+    node = ray.get_runtime_context().get_node_id()
+
+    def shard(index: int) -> ray.data.DataIterator:
+        return rank_dataset(reader, horizons.stretches(reader.plan, index)[rank], node, shared).iterator()
+
+    # The next horizon's first window is read while this one's last is trained on.
+    window_steps = -(-reader.plan.window_rows // rows_per_step)
+    ahead = layout.accumulation * window_steps + stream.prefetch_batches
+    stream.follow_with([horizons.steps_of(i) * layout.accumulation for i in range(len(horizons))], shard, ahead)
 
 
 def _restored(config: Config) -> contextlib.AbstractContextManager[tuple[str | None, bool]]:
