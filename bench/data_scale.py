@@ -11,7 +11,9 @@ nothing here reads a file. Measured at each size:
   after a world-size change mid-epoch and building the read tasks of ``--steps`` steps; time and peak
   Python memory (tracemalloc, which sees numpy's buffers);
 - the driver: the file list, the plan, the reader and every rank's stretches (the controller's share), peak
-  memory.
+  memory;
+- a worker-group start, which plans one horizon (``sdtrain.data.horizons``), for runs of a tenth of
+  ``--run-steps`` and of ``--run-steps`` steps at the largest size: the same cost, however long the run.
 
 Then the start-up of a restart that reads the dataset index against one that reads every footer, from a
 real S3 server process (moto), at 1k and 20k files (``bench/index_startup.py``).
@@ -44,9 +46,12 @@ SIZES = (1_000_000, 10_000_000, 100_000_000, 1_000_000_000, 2_000_000_000)
 MB = 2**20
 
 
-def measure(rows: int, steps: int, tasks: int = 200, buckets: int = 0) -> dict:
+def measure(rows: int, steps: int, tasks: int = 200, buckets: int = 0, horizon_reads: int | None = None) -> dict:
+    """``horizon_reads``: the rank plans one horizon of ``steps`` (sdtrain.data.horizons), as a worker-group start
+    does; None: all ``steps``."""
     from sdtrain.config.schema import DataConfig
     from sdtrain.data.bucket_order import BucketPlan
+    from sdtrain.data.horizons import Horizons
     from sdtrain.data.inspection import DatasetSpec
     from sdtrain.data.read_order import DataState, SamplePlan, files_digest
     from sdtrain.data.streams import WindowReader
@@ -69,7 +74,10 @@ def measure(rows: int, steps: int, tasks: int = 200, buckets: int = 0) -> dict:
         # Mid-epoch: 48 ranks trained, then the group grew to 64 (the replay of a segment is part of planning).
         state = plan.advance(DataState(), 48, 2048 // 48, 300)
     reader = WindowReader(spec, DataConfig(train=["s3://laion/"]), plan)
-    stretches = plan.rank_stretches(state, WORLD_SIZE, ROWS_PER_RANK, steps)  # the controller, for every rank
+    if horizon_reads is None:
+        stretches = plan.rank_stretches(state, WORLD_SIZE, ROWS_PER_RANK, steps)  # the controller, for every rank
+    else:
+        stretches = Horizons.of(plan, horizon_reads, state, WORLD_SIZE, ROWS_PER_RANK, steps).stretches(plan, 0)
     driver_s = time.perf_counter() - started
     driver_mb = tracemalloc.get_traced_memory()[1] / MB
     tracemalloc.stop()
@@ -172,6 +180,22 @@ def ratio_lines(results: list[dict], prefix: str) -> list[str]:
     ]
 
 
+def horizon_lines(rows: int, runs: tuple[int, int], reads: int) -> list[str]:
+    """A worker-group start plans one horizon of ``reads`` read tasks (sdtrain.data.horizons): its cost at a short and
+    a long run."""
+    short, long = (measure(rows, steps, tasks=20, horizon_reads=reads) for steps in runs)
+    lines = [
+        f"# a rank's start, one horizon ({reads} read tasks) of a {steps}-step run at {rows:,} rows: "
+        f"{r['rank_s']:.2f} s, {r['rank_mb']:.0f} MB, {r['rank_windows']} read tasks"
+        for steps, r in zip(runs, (short, long), strict=True)
+    ]
+    for figure in ("rank_s", "rank_mb"):
+        met = long[figure] <= 1.5 * short[figure]
+        name = f"horizon_{figure}_{runs[1]}_steps"
+        lines.append(benchlib.ratio_line(name, long[figure], f"{runs[0]}_steps", short[figure], "<= 1.5", met))
+    return lines
+
+
 def main() -> None:
     from sdtrain.logs import configure_logging
 
@@ -204,11 +228,16 @@ def main() -> None:
     )
     results = table(sizes, steps, 0)
     print("\n".join(ratio_lines(results, "")), flush=True)
+    from sdtrain.data.horizons import HORIZON_READS
+
+    runs = (steps, 10 * steps) if args.smoke else (args.run_steps // 10, args.run_steps)
+    print("\n".join(horizon_lines(sizes[-1], runs, 16 if args.smoke else HORIZON_READS)), flush=True)
     if not args.smoke:
         whole = measure(sizes[-1], args.run_steps, tasks=20)
         print(
-            f"# a rank's start planning a whole run of {args.run_steps} steps at {sizes[-1]:,} rows: "
-            f"{whole['rank_s']:.2f} s, {whole['rank_mb']:.0f} MB, {whole['rank_windows']} read tasks",
+            f"# a rank's start, were it to plan a whole run of {args.run_steps} steps at {sizes[-1]:,} rows (one "
+            f"dataset, not horizons): {whole['rank_s']:.2f} s, {whole['rank_mb']:.0f} MB, {whole['rank_windows']} "
+            "read tasks",
             flush=True,
         )
     if args.buckets:
