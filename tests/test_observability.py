@@ -50,6 +50,28 @@ def test_live_files_follow_the_history_and_are_replaced_whole(tmp_path):
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [LOSS_CURVE_FILE, METRICS_FILE]
 
 
+def test_live_files_are_created_with_the_umasks_permissions(tmp_path):
+    """metrics.csv, loss_curve.png and trackers.json are written through a temporary file (0600): each ends with
+    the permissions a file open() created would have, for the run's readers."""
+    import stat
+
+    from sdtrain.train.trackers import _write_state
+
+    for umask, mode in ((0o022, 0o644), (0o077, 0o600)):
+        previous = os.umask(umask)
+        try:
+            live = LiveOutputs(str(tmp_path / oct(umask)), LossLabels())
+            live.update(_rows([2, 4]))
+            assert live.writer.flush(timeout=60)
+            _write_state(str(tmp_path / oct(umask)), {"ids": {}, "logged_through": 4})
+        finally:
+            os.umask(previous)
+        files = (METRICS_FILE, LOSS_CURVE_FILE, TRACKERS_FILE)
+        assert {f: oct(stat.S_IMODE(os.stat(tmp_path / oct(umask) / f).st_mode)) for f in files} == dict.fromkeys(
+            files, oct(mode)
+        )
+
+
 def test_loss_labels_say_what_is_plotted():
     assert LossLabels("epsilon", None).train == "train loss (unweighted, random noise and timesteps)"
     assert LossLabels("v_prediction", 5.0).train == "train loss (min-SNR-5 weighted, random noise and timesteps)"

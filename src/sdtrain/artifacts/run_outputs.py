@@ -69,11 +69,22 @@ def write_whole(filesystem: pafs.FileSystem, path: str, payload: bytes) -> None:
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(payload)
+            # mkstemp's file is 0600: readable by others as a file open() creates would be (the run's readers)
+            os.fchmod(f.fileno(), 0o666 & ~_umask())
         os.replace(temp, path)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(temp)
         raise
+
+
+def _umask() -> int:
+    # os.umask reads it only by setting it, which would race other threads' file creation: Linux shows it in /proc.
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
+    except (OSError, StopIteration):
+        return 0o022  # the usual umask, where the process's is not to be read safely
 
 
 def loss_curve_png(history: list[dict[str, float]], labels: LossLabels = LossLabels()) -> bytes:
