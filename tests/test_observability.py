@@ -199,8 +199,8 @@ def test_mlflow_down_at_the_end_of_a_run_is_warned_about_and_fails_nothing(tmp_p
 def test_the_driver_catches_mlflow_up_with_the_runs_last_steps_each_once(tmp_path, monkeypatch, caplog):
     """MLflow was down when the workers ended: it holds the run up to step 4, the final checkpoint's history goes to 8.
     The driver's end of the run (also that of a re-run of the finished run) sends MLflow steps 6 and 8 and the final
-    checkpoint's evaluation, once each however often it runs, and leaves TensorBoard alone; with MLflow down, it warns
-    that re-running catches it up, and raises nothing."""
+    checkpoint's evaluation, and TensorBoard that evaluation alone, once each however often it runs; with MLflow down,
+    it warns that re-running catches it up, and raises nothing."""
     import dataclasses
 
     import mlflow
@@ -234,7 +234,7 @@ def test_the_driver_catches_mlflow_up_with_the_runs_last_steps_each_once(tmp_pat
         assert workers.log_metrics(row, int(row["step"]))
     workers.finish("success")
     run_id = read_state(str(run_dir))["ids"]["mlflow"]
-    event_files = sorted((run_dir / TENSORBOARD_DIR).glob("events.*"))
+    event_files = list((run_dir / TENSORBOARD_DIR).glob("events.*"))
 
     client = mlflow.MlflowClient(uri)
     for _ in range(2):  # the end of the run, then a re-run of the finished run: each step once
@@ -249,8 +249,10 @@ def test_the_driver_catches_mlflow_up_with_the_runs_last_steps_each_once(tmp_pat
             "logged_through": 8,
             "evaluated": [8],
         }
+        assert len(list((run_dir / TENSORBOARD_DIR).glob("events.*"))) == len(event_files) + 1  # the driver's, once
     assert client.get_run(run_id).info.status == "FINISHED"
-    assert sorted((run_dir / TENSORBOARD_DIR).glob("events.*")) == event_files
+    scalars, _ = tensorboard_scalars(run_dir / TENSORBOARD_DIR)
+    assert scalars["fd_dinov2"] == [(8, 3.0)] and [s for s, _ in scalars["loss"]] == [2, 4]
     assert not warned(), caplog.text
 
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # fail at once, not after MLflow's minutes of retries
@@ -266,6 +268,29 @@ def test_the_driver_catches_mlflow_up_with_the_runs_last_steps_each_once(tmp_pat
     assert len(warned()) == 1 and "Re-running the same command catches MLflow up" in warned()[0], warned()
     assert not [thread.name for thread in set(threading.enumerate()) - earlier if thread.name.startswith("sdtrain-")]
     assert "evaluated" not in read_state(str(down))  # sent when it answers: the re-run's log_final sends it
+
+
+def test_the_driver_gives_tensorboard_the_final_evaluation_once(tmp_path, monkeypatch):
+    """The final checkpoint's evaluation finishes after the workers' last report: the driver's end of the run writes it
+    to TensorBoard at its step, once however often it runs, without MLflow among the trackers."""
+    import sdtrain.driver.trackers
+    from sdtrain.driver.trackers import log_final
+
+    config = tiny_config(
+        "data.train=unused", "data.val=unused", "eval.dinov2=unused", tmp_path=tmp_path, name="tb-eval"
+    )
+    monkeypatch.setattr(sdtrain.driver.trackers, "final_results", lambda run_dir, rows: {4: {"fd_dinov2": 3.0}})
+    run_dir = tmp_path / "runs" / "tb-eval"
+    history = [{"step": 2, "loss": 0.5}, {"step": 4, "loss": 0.25}]
+    workers = Trackers(config, str(run_dir), [])
+    for row in history:
+        assert workers.log_metrics(row, int(row["step"]))
+    workers.finish("success")
+    for _ in range(2):  # the end of the run, then a re-run of the finished run
+        log_final(config, str(run_dir), [dict(row) for row in history])
+    scalars, _ = tensorboard_scalars(run_dir / TENSORBOARD_DIR)
+    assert scalars["fd_dinov2"] == [(4, 3.0)] and scalars["loss"] == [(2, 0.5), (4, 0.25)]
+    assert read_state(str(run_dir))["evaluated"] == [4]
 
 
 @pytest.mark.slow

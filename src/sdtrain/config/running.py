@@ -277,8 +277,8 @@ class TrackingConfig(Section):
     (project tracking.wandb_project; credentials and WANDB_MODE from the environment). [] = none."""
     mlflow_tracking_uri: str | None = None
     """MLflow tracking server for tracking.trackers' mlflow (e.g. http://mlflow:5000); null = MLFLOW_TRACKING_URI."""
-    mlflow_experiment: str = "sdtrain"
-    """MLflow experiment the run is logged under."""
+    mlflow_experiment: str | None = None
+    """MLflow experiment the run is logged under; null = MLFLOW_EXPERIMENT_NAME, else sdtrain."""
     mlflow_register_as: str | None = None
     """Register the final export as a new version of this MLflow model (needs mlflow in tracking.trackers and
     export.enabled); null = only attach it to the run."""

@@ -22,7 +22,7 @@ from sdtrain.logs import log
 from sdtrain.storage.filesystems import local_copy
 from sdtrain.storage.uris import is_uri
 from sdtrain.train.tracker_loggers import wandb_save_dir
-from sdtrain.train.trackers import FORWARDED_ENV, TrackerOutage, Trackers, read_state
+from sdtrain.train.trackers import FORWARDED_ENV, NAMES, TrackerOutage, Trackers, read_state
 
 WORKER_MLFLOW_RETRIES = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_TIMEOUT": "15"}
 """MLflow's client retries on the workers unless this process's environment sets them. Rank 0's call that meets an
@@ -188,14 +188,16 @@ class _EndTrackers(Trackers):
 
 def log_final(config: Config, run_dir: str, history: list[dict[str, float]]) -> None:
     """The end of a run, from the driver (at each re-run of a finished run too): merge into ``history`` the evaluations
-    that finished after their rows were saved (the final checkpoint's: Ray Train waits for it), and catch MLflow up
-    through :class:`sdtrain.train.trackers.Trackers`: the rows after the last step it holds (the workers' last ones
-    when it was down at their end), then those evaluations, each once (trackers.json). MLflow failing is warned about.
+    that finished after their rows were saved (the final checkpoint's: Ray Train waits for it), catch MLflow up
+    through :class:`sdtrain.train.trackers.Trackers` with the rows after the last step it holds (the workers' last
+    ones when it was down at their end), and send MLflow and TensorBoard those evaluations at their steps, each once
+    (trackers.json). A tracker failing is warned about.
 
-    TensorBoard and W&B are left to the workers. TensorBoard holds every step up to the final checkpoint (flushed and
-    mirrored before it was taken): the driver would only add an event file. W&B's client queues what it was given and
-    sends it itself, and online the step it holds is its server's summary, which can lag that queue: rows sent again
-    from here would be dropped by W&B (its steps only grow), or held twice.
+    TensorBoard holds every step up to the final checkpoint (flushed and mirrored before it was taken): it gets only
+    the evaluations, in an event file of the driver's, written when there is one it lacks. W&B is left to the workers:
+    its client queues what it was given and sends it itself, and online the step it holds is its server's summary,
+    which can lag that queue: rows sent again from here would be dropped by W&B (its steps only grow), or held
+    twice; a final evaluation (which finished after the workers' last W&B row) is not in W&B.
 
     Args:
         config: the run's config.
@@ -203,32 +205,28 @@ def log_final(config: Config, run_dir: str, history: list[dict[str, float]]) -> 
         history: the final checkpoint's rows, in step order.
     """
     evaluated = merge_results(history, final_results(run_dir, history)) if config.eval.enabled else []
-    if "mlflow" not in config.tracking.trackers or not history:
+    sent = set(read_state(run_dir).get("evaluated", []))
+    # TensorBoard only for an evaluation it lacks: each open of it writes an event file.
+    lacking = {*dict(evaluated)} - sent
+    names = [n for n in config.tracking.trackers if n == "mlflow" or (n == "tensorboard" and lacking)]
+    if not names or not history:
         return
-    tracking = dataclasses.replace(config.tracking, trackers=["mlflow"])
+    late = dict(evaluated)
+    # The late evaluations go through log_evaluation, which sends each once across re-runs: not in their rows as well.
+    rows = [{k: v for k, v in row.items() if k not in late.get(int(row["step"]), {})} for row in history]
+    tracking = dataclasses.replace(config.tracking, trackers=list(names))
     try:
-        trackers = _EndTrackers(dataclasses.replace(config, tracking=tracking), run_dir, [])
+        # From the rows: TensorBoard holds them all, MLflow is sent those after the step it holds.
+        trackers = _EndTrackers(dataclasses.replace(config, tracking=tracking), run_dir, rows)
         try:
-            _catch_up(trackers, history, evaluated)
+            for step, values in evaluated:
+                if "mlflow" in names and "mlflow" not in trackers.loggers:
+                    break  # down (_EndOutage warned): a re-run sends it, and TensorBoard with it (each once)
+                trackers.log_evaluation(values, step)
         finally:
             trackers.finish("success")
     except Exception as error:  # training succeeded: a tracker's failure must not fail the run
         log.warning(
-            f"MLflow was not caught up (the run's rows are in metrics.csv): {error}; re-running the same "
-            "command catches it up"
+            f"{' and '.join(NAMES[n] for n in names)} did not take the run's last steps or its final evaluation (the "
+            f"run's rows are in metrics.csv): {error}; re-running the same command catches them up"
         )
-
-
-def _catch_up(trackers: Trackers, history: list[dict[str, float]], evaluated: list[tuple[int, dict]]) -> None:
-    if "mlflow" not in trackers.loggers:  # down: _EndOutage warned
-        return
-    held = trackers.held["mlflow"]
-    late = dict(evaluated)
-    # The late evaluations go through log_evaluation, which sends each once across re-runs: not in their rows as well.
-    rows = [{k: v for k, v in row.items() if k not in late.get(int(row["step"]), {})} for row in history]
-    if int(rows[-1]["step"]) > held:
-        trackers.log_metrics(rows[-1], int(rows[-1]["step"]), rows[:-1])
-        log.info(f"MLflow held the run up to step {held}: logged the run's later rows")
-    for step, values in evaluated:
-        if "mlflow" in trackers.loggers:  # one that failed since would mark the evaluation sent (trackers.json)
-            trackers.log_evaluation(values, step)

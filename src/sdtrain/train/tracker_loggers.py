@@ -21,6 +21,11 @@ def wandb_save_dir(run_dir: str) -> str:
     return run_dir
 
 
+def mlflow_experiment(config: Config) -> str:
+    """tracking.mlflow_experiment, else MLFLOW_EXPERIMENT_NAME (MLflow's own setting), else sdtrain."""
+    return config.tracking.mlflow_experiment or os.environ.get("MLFLOW_EXPERIMENT_NAME") or "sdtrain"
+
+
 def build_logger(name: str, config: Config, run_dir: str, run_id: str | None, purge_step: int | None) -> Logger:
     if name == "tensorboard":
         from lightning.pytorch.loggers import TensorBoardLogger
@@ -34,13 +39,15 @@ def build_logger(name: str, config: Config, run_dir: str, run_id: str | None, pu
         from lightning.pytorch.loggers import MLFlowLogger
 
         logger = MLFlowLogger(
-            experiment_name=config.tracking.mlflow_experiment,
+            experiment_name=mlflow_experiment(config),
             run_name=config.run.name,
             tracking_uri=config.tracking.mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI"),
             run_id=run_id,
             log_model=False,
         )
-        logger.experiment  # noqa: B018 -- creates the run now, so that its id can be saved
+        client = logger.experiment  # creates the run now, so that its id can be saved
+        if run_id is not None:  # an earlier worker group's finish marked it FAILED (or FINISHED): it goes on
+            client.update_run(run_id, status="RUNNING")
         return logger
     if name == "wandb":
         from lightning.pytorch.loggers import WandbLogger

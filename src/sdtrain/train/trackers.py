@@ -24,6 +24,7 @@ import json
 import os
 import posixpath
 import tempfile
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -41,6 +42,7 @@ from sdtrain.train.tracker_loggers import build_logger, run_id_of
 from sdtrain.train.wandb_files import STEP_KEY, run_files
 
 HELD_KEY = "loss"  # in every report: the steps a tracker holds are those it has this metric at
+BATCH_METRICS = 1000  # MLflow takes at most this many metrics in one log_batch request
 
 # Settings the driver's environment gives the trackers, handed to the workers (a cluster started
 # separately does not share it). Credentials are not among them: they belong in the cluster's environment.
@@ -122,6 +124,7 @@ class Trackers:
         self.held: dict[str, int] = {}  # tracker -> the last step it holds: it is sent only later ones
         self.down: dict[str, TrackerOutage] = {}  # the trackers that raised and have not caught up since
         self._imaged: dict[str, int] = {}  # tracker -> the step of the last image log_image sent it
+        self._mlflow_ms = 0  # the timestamp of the last row sent to MLflow
         for name in config.tracking.trackers:
             opening = self.outage(name, retry_s)
             try:
@@ -264,35 +267,66 @@ class Trackers:
     def _send(self, name: str, rows: Sequence[Mapping[str, float]]) -> bool:
         """Log the ``rows`` (in step order) after the step the tracker holds, each with its saved sample grid unless
         log_image sent that; returns whether it took any (False when it raised: it holds the rows before)."""
-        took = False
+        before, pending = self.held[name], list[Mapping[str, float]]()
+        # MLflow takes many rows in one request; the others each row on its own, held as it goes.
+        limit = BATCH_METRICS if name == "mlflow" else 0
         for row in rows:
             step = int(row["step"])
-            if step <= self.held[name]:
+            if step <= (int(pending[-1]["step"]) if pending else self.held[name]):  # a step once, the first row's
                 continue
             wants_grid = "sample_grid_s" in row and step > self._imaged.get(name, -1)
             grid = _saved_grid(self.run_dir, step) if wants_grid else None
+            # A grid goes before its row's metrics (W&B's row takes it), so the rows before it go first.
+            if grid is not None and not self._flush(name, pending):
+                return False
             if grid is not None and not self._call(name, self._image, name, "samples", grid, step):
                 return False
-            if not self._call(name, self._metrics, name, row, step):
+            if sum(len(r) for r in pending) + len(row) > limit and not self._flush(name, pending):
                 return False
-            self.held[name], self.logged_through, took = step, max(self.logged_through, step), True
+            pending.append(row)
+        if not self._flush(name, pending):
+            return False
         outage = self.down.pop(name, None)
         if outage is not None:
             outage.over(f"every step up to {self.held[name]}")
-        return took
+        return self.held[name] > before
 
-    def _metrics(self, name: str, row: Mapping[str, float], step: int) -> None:
+    def _flush(self, name: str, rows: list[Mapping[str, float]]) -> bool:
+        """Log ``rows`` (MLflow: one request) and empty the list; False when the tracker raised."""
+        if rows and not self._call(name, self._metrics, name, rows):
+            return False
+        if rows:
+            step = int(rows[-1]["step"])
+            self.held[name], self.logged_through = step, max(self.logged_through, step)
+        rows.clear()
+        return True
+
+    def _metrics(self, name: str, rows: Sequence[Mapping[str, float]]) -> None:
         logger = self.loggers[name]
-        logger.log_metrics({key: float(value) for key, value in row.items() if key != "step"}, step)
+        if name == "mlflow":  # a catch-up's rows in one request, not one each (on the training thread)
+            logger.experiment.log_batch(logger.run_id, metrics=self._mlflow_metrics(rows))
+            return
+        for row in rows:
+            logger.log_metrics({key: float(value) for key, value in row.items() if key != "step"}, int(row["step"]))
         if name == "tensorboard":  # its writer flushes every 2 minutes: a killed worker would lose them
             logger.experiment.flush()
             self._mirror_tensorboard()
+
+    def _mlflow_metrics(self, rows: Sequence[Mapping[str, float]]) -> list[Any]:
+        from mlflow.entities import Metric
+
+        metrics = []
+        for row in rows:  # timestamps rise row by row: a metric's history in time order is in step order
+            self._mlflow_ms = max(int(time.time() * 1000), self._mlflow_ms + 1)
+            step = int(row["step"])
+            metrics += [Metric(k, float(v), self._mlflow_ms, step) for k, v in row.items() if k != "step"]
+        return metrics
 
     def _evaluate(self, name: str, values: dict[str, float], step: int) -> None:
         if name == "wandb":
             self.loggers[name].experiment.log({**values, "evaluated_step": step}, commit=False)
         else:
-            self._metrics(name, values, step)
+            self._metrics(name, [{**values, "step": step}])
 
     def _image(self, name: str, key: str, image: np.ndarray, step: int) -> None:
         logger = self.loggers[name]
