@@ -217,6 +217,38 @@ def test_clip_sample_stays_off_whatever_a_scheduler_config_says(tmp_path):
     assert make_sampler(old, "ddim", 5).config.clip_sample is False
 
 
+class _GradNorms(pl.Callback):
+    """Each step's global gradient norm as the optimizer step receives them (clipping scales them inside it)."""
+
+    def __init__(self):
+        self.norms: list[float] = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        grads = [p.grad for p in pl_module.unet.parameters() if p.grad is not None]
+        self.norms.append(float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))))
+
+
+def test_the_window_reports_the_mean_and_largest_gradient_norm_before_clipping():
+    module = _module(lr=1e-3, warmup_steps=0, grad_clip_norm=1e-3)  # clips every step
+    watch = _GradNorms()
+    trainer = pl.Trainer(
+        max_steps=3,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[watch],
+    )
+    trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(_batches(3, seed=4), batch_size=None))
+    stats = module.take_window_stats()
+    assert len(watch.norms) == 3 and min(watch.norms) > 1e-3
+    assert stats["grad_norm"].item() == pytest.approx(sum(watch.norms) / 3, rel=1e-5)
+    assert stats["grad_norm_max"].item() == pytest.approx(max(watch.norms), rel=1e-5)
+    empty = module.take_window_stats()  # the window resets
+    assert torch.isnan(empty["grad_norm"]) and torch.isnan(empty["grad_norm_max"])
+
+
 def test_a_non_finite_step_is_skipped_entirely_and_counted():
     module = _module(lr=1e-3, warmup_steps=0)
     good = _batches(3, seed=1)
@@ -231,12 +263,14 @@ def test_a_non_finite_step_is_skipped_entirely_and_counted():
     assert state["step"].item() == 0 and torch.count_nonzero(state["exp_avg"]) == 0  # optimizer state untouched
     stats = module.take_window_stats()
     assert stats["skipped_steps"].item() == 2 and stats["longest_bad_streak"].item() == 2 and torch.isnan(stats["loss"])
+    assert torch.isnan(stats["grad_norm"]) and torch.isnan(stats["grad_norm_max"])  # no finite step: no norm
 
     trainer = _fit(module, 2, [poisoned, good[0]])  # one bad step, then a good one that does update
     stats = module.take_window_stats()
     assert (
         stats["skipped_steps"].item() == 1 and stats["longest_bad_streak"].item() == 3
     )  # 2 + 1 consecutive, across windows
+    assert 0 < stats["grad_norm"].item() == stats["grad_norm_max"].item() < float("inf")  # the good step's alone
     assert not torch.equal(module.unet.conv_in.weight, before["conv_in.weight"])
     assert torch.isfinite(module.unet.conv_in.weight).all()
 

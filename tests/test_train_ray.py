@@ -108,6 +108,7 @@ def test_two_worker_run_checkpoints_reloads_and_resumes(ray_cluster, tmp_path, m
     assert [r["eval_failed"] for r in rows] == ["", "1.0", "", "1.0"]  # both checkpoints' evaluations failed
     assert "Error" in json.loads((run_dir / "evaluation" / "step_3.json").read_text())["error"]
     assert all(0 <= float(r["data_wait_fraction"]) < 1 for r in rows)
+    assert all(0 < float(r["grad_norm"]) <= float(r["grad_norm_max"]) < float("inf") for r in rows)
     # One worker group: the same launch-to-first-step time in every row, within the run's duration.
     assert (
         len({r["time_to_first_step_s"] for r in rows}) == 1 and 0 < float(rows[0]["time_to_first_step_s"]) < run_seconds

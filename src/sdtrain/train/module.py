@@ -26,6 +26,17 @@ from sdtrain.model.validation import validation_loss, validation_sums
 from sdtrain.train.device_settings import LATENT_DTYPE
 from sdtrain.train.strategy import apply_options, is_sharded
 
+_WINDOW_BUFFERS = (
+    "loss_sum",
+    "loss_count",
+    "skipped_steps",
+    "skipped_samples",
+    "grad_norm_sum",
+    "grad_norm_steps",
+    "grad_norm_max",
+)
+"""The buffers a report's window sums (take_window_stats), reset at each report."""
+
 
 class DiffusionModule(pl.LightningModule):
     # The buffers registered in __init__ (register_buffer sets them; declared here for their type).
@@ -37,6 +48,9 @@ class DiffusionModule(pl.LightningModule):
     longest_bad_streak: torch.Tensor
     step_loss_nonfinite: torch.Tensor
     step_skipped: torch.Tensor
+    grad_norm_sum: torch.Tensor
+    grad_norm_steps: torch.Tensor
+    grad_norm_max: torch.Tensor
 
     def __init__(
         self,
@@ -87,16 +101,11 @@ class DiffusionModule(pl.LightningModule):
         self.ema_unet = make_ema(unet, ema_start) if train.ema_decay is not None else None
         # That EMA keeps the full decay, no ramp (sdtrain.model.ema): from the config, so the same on resume.
         self.ema_warm_start = ema_start is not None
-        # Summed on the device and read only when a log line is due: no per-step host sync.
-        self.register_buffer("loss_sum", torch.zeros(()), persistent=False)
-        self.register_buffer("loss_count", torch.zeros(()), persistent=False)
-        self.register_buffer("skipped_steps", torch.zeros(()), persistent=False)
-        self.register_buffer("skipped_samples", torch.zeros(()), persistent=False)
-        self.register_buffer("bad_streak", torch.zeros(()), persistent=False)
-        self.register_buffer("longest_bad_streak", torch.zeros(()), persistent=False)
-        # This step so far: 1.0 once a micro-batch's loss is NaN/inf; and whether the step was skipped.
-        self.register_buffer("step_loss_nonfinite", torch.zeros(()), persistent=False)
-        self.register_buffer("step_skipped", torch.zeros(()), persistent=False)
+        # Summed on the device and read only when a log line is due: no per-step host sync. The gradient norm's are
+        # of the window's finite steps, before clipping. step_*: this step so far (1.0 once a micro-batch's loss is
+        # NaN/inf; whether the step was skipped).
+        for name in (*_WINDOW_BUFFERS, "bad_streak", "longest_bad_streak", "step_loss_nonfinite", "step_skipped"):
+            self.register_buffer(name, torch.zeros(()), persistent=False)
         self._options_applied = False
 
     def configure_model(self) -> None:
@@ -210,7 +219,12 @@ class DiffusionModule(pl.LightningModule):
             scaler.unscale_(optimizer)
         grads = [local_tensor(p.grad) for p in self.unet.parameters() if p.grad is not None]
         norm = _global_norm(grads, sharded=is_sharded(self))
-        nonfinite = (~torch.isfinite(norm)).float()
+        finite = torch.isfinite(norm)
+        nonfinite = (~finite).float()
+        finite_norm = torch.where(finite, norm, 0.0)
+        self.grad_norm_sum += finite_norm
+        self.grad_norm_steps += finite
+        torch.maximum(self.grad_norm_max, finite_norm, out=self.grad_norm_max)
         clip = self.train_config.grad_clip_norm
         factor = torch.clamp(clip / (norm + 1e-6), max=1.0) if clip > 0 else None
         if scaler is None:
@@ -280,16 +294,20 @@ class DiffusionModule(pl.LightningModule):
         return torch.tensor(sums, dtype=torch.float64, device=self.device)
 
     def take_window_stats(self) -> dict[str, torch.Tensor]:
-        """Mean finite training loss, skipped steps and samples, and the longest run of consecutive
-        skipped steps since the last call (tensors on the device), and reset the window."""
+        """Mean finite training loss, skipped steps and samples, the longest run of consecutive skipped
+        steps, and the mean and largest finite gradient norm (before clipping) since the last call (tensors on
+        the device), and reset the window."""
+        stepped = self.grad_norm_steps > 0
         stats = {
             "loss": torch.where(self.loss_count > 0, self.loss_sum / self.loss_count.clamp(min=1), float("nan")),
             "skipped_steps": self.skipped_steps.clone(),
             "skipped_samples": self.skipped_samples.clone(),
             "longest_bad_streak": self.longest_bad_streak.clone(),
+            "grad_norm": torch.where(stepped, self.grad_norm_sum / self.grad_norm_steps.clamp(min=1), float("nan")),
+            "grad_norm_max": torch.where(stepped, self.grad_norm_max, float("nan")),
         }
-        for buffer in (self.loss_sum, self.loss_count, self.skipped_steps, self.skipped_samples):
-            buffer.zero_()
+        for name in _WINDOW_BUFFERS:
+            getattr(self, name).zero_()
         self.longest_bad_streak.copy_(self.bad_streak)
         return stats
 

@@ -203,6 +203,9 @@ class StepReporter(OptimizerStepCallback):
             "skipped_steps": skipped,
             "skipped_samples": skipped_samples,
             "lr": trainer.optimizers[0].param_groups[0]["lr"],
+            # The global norm (all-reduced gradients: the same on every rank) before train.grad_clip_norm clips it.
+            "grad_norm": float(stats["grad_norm"]),
+            "grad_norm_max": float(stats["grad_norm_max"]),
             "samples_per_s": steps_per_s * self.train.global_batch_size,
             "steps_per_s": steps_per_s,
             "time": time.time(),  # wall clock: restarts show as gaps
