@@ -46,7 +46,7 @@ from sdtrain.model.encoders import load_vae
 from sdtrain.model.unet import default_guidance_rescale
 from sdtrain.sampling.images import decode
 from sdtrain.sampling.latent_classifier import load_latent_classifier
-from sdtrain.sampling.sampler import initial_noise, sample_latents, shape_seed
+from sdtrain.sampling.sampler import initial_noise_pieces, sample_latents, shape_seed
 from sdtrain.storage.filesystems import filesystem_for, write_bytes
 from sdtrain.storage.run_layout import EVALUATION_DIR
 
@@ -120,14 +120,14 @@ class Evaluator:
             positions = group.rows[taken]
             if not len(positions):
                 continue
-            # The whole group's noise drawn once (each row's is what it is in the whole set), then only these rows'
-            # kept: a chunk samples from its slice of it.
+            # Each row's noise is what it is in the whole set, drawn a chunk at a time.
             seed = shape_seed(self.config.train.seed, group.shape)  # each bucket's noise its own
-            noise = initial_noise(group.shape, total, seed, dtype)[first : first + len(positions)]
-            noise = noise.clone()
-            for chunk in self._chunks(len(positions)):
+            chunks = self._chunks(len(positions))
+            sizes = [len(positions[chunk]) for chunk in chunks]
+            pieces = initial_noise_pieces(group.shape, total, seed, first, sizes, dtype)
+            for chunk, noise in zip(chunks, pieces, strict=True):
                 captions = captions_of(loaded, positions[chunk])
-                latents = self._sample(unet, loaded, captions, group.shape, noise[chunk])
+                latents = self._sample(unet, loaded, captions, group.shape, noise)
                 self._measure_samples(measures, loaded, latents, rows, positions[chunk])
         return measures
 
@@ -187,7 +187,7 @@ class Evaluator:
         noise: torch.Tensor,
     ) -> torch.Tensor:
         """Latents of ``captions`` at ``shape``: sample_grid's sampler, steps and guidance, from ``noise`` (the rows'
-        slice of their shape group's :func:`initial_noise`)."""
+        of their shape group's :func:`sdtrain.sampling.sampler.initial_noise`)."""
         grid = self.config.sample_grid
         scheduler = dict(loaded.noise_scheduler.config)
         return sample_latents(
