@@ -35,7 +35,7 @@ def _module(**train):
     return DiffusionModule(build_unet(model), meta.noise_scheduler_config, TrainConfig(**train), meta)
 
 
-def _fit(module, steps, batches):
+def _fit(module, steps, batches, callbacks=()):
     trainer = pl.Trainer(
         max_steps=steps,
         accelerator="cpu",
@@ -44,6 +44,7 @@ def _fit(module, steps, batches):
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
+        callbacks=list(callbacks),
     )
     trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(batches, batch_size=None))
     return trainer
@@ -231,16 +232,7 @@ class _GradNorms(pl.Callback):
 def test_the_window_reports_the_mean_and_largest_gradient_norm_before_clipping():
     module = _module(lr=1e-3, warmup_steps=0, grad_clip_norm=1e-3)  # clips every step
     watch = _GradNorms()
-    trainer = pl.Trainer(
-        max_steps=3,
-        accelerator="cpu",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[watch],
-    )
-    trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(_batches(3, seed=4), batch_size=None))
+    _fit(module, 3, _batches(3, seed=4), [watch])
     stats = module.take_window_stats()
     assert len(watch.norms) == 3 and min(watch.norms) > 1e-3
     assert stats["grad_norm"].item() == pytest.approx(sum(watch.norms) / 3, rel=1e-5)
