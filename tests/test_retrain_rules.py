@@ -41,6 +41,22 @@ def test_the_gate_holds_against_production_and_the_best_model_ever_promoted():
     )
 
 
+def test_production_measured_non_finite_is_no_bar_and_the_reason_says_so():
+    """Every comparison with NaN fails: a NaN production score re-measured on the day's data rejected every candidate,
+    with a reason that named no cause. The value the best model served with still holds."""
+    promote, reason = decide(1.04, float("nan"), "v0003", ("v0003", 1.0), 0.05)
+    assert promote is True
+    assert reason == (
+        "val_loss 1.04000 <= v0003's 1.00000 x (1 + 0.05) (v0003 is the best that served); "
+        "v0003's val_loss measured nan on this data: not a bar"
+    )
+    assert decide(1.2, float("nan"), "v0003", ("v0003", 1.0), 0.05)[0] is False  # the best's bar holds
+    assert decide(1.2, float("inf"), "v0003", None, 0.05) == (
+        True,
+        "val_loss 1.20000; v0003's val_loss measured inf on this data: not a bar, and no other model to compare with",
+    )
+
+
 def test_an_interrupted_promotion_is_finished_only_if_production_is_still_its_parent(tmp_path):
     root = tmp_path / "daily"
     (root / "date=2026-11-01").mkdir(parents=True)

@@ -232,11 +232,18 @@ def decide(
     ``metric``: what the values are (clip_score and class_agreement are higher the better, the others lower)."""
     if not math.isfinite(new_loss):
         return False, f"the new model's {metric} is {new_loss}: training diverged"
+    unmeasured = ""
+    if production_loss is not None and not math.isfinite(production_loss):
+        # No bar (every comparison with NaN fails): the value it was promoted with, if the best, stands in for it.
+        unmeasured = f"; {production}'s {metric} measured {production_loss} on this data: not a bar"
+        production_loss, production = None, None
     gates: list[tuple[str | None, float]] = [] if production_loss is None else [(production, production_loss)]
     # Without a production value (no production, nor a baseline) the best that served still holds.
     best_gate = best if best is not None and best[0] != production else None
     if best_gate is not None:
         gates.append(best_gate)
+    if not gates and unmeasured:
+        return True, f"{metric} {new_loss:.5f}{unmeasured}, and no other model to compare with"
     if not gates:
         return True, f"first version ({metric} {new_loss:.5f}); there is no production model to compare with"
     higher = metric in HIGHER_IS_BETTER
@@ -254,4 +261,4 @@ def decide(
     reason = f"{metric} {new_loss:.5f} " + " and ".join(v for _, v in verdicts) + f" x (1 {sign} {tolerance:g})"
     if best_gate is not None:
         reason += f" ({best_gate[0]} is the best that served)"
-    return all(ok for ok, _ in verdicts), reason
+    return all(ok for ok, _ in verdicts), reason + unmeasured
