@@ -314,6 +314,18 @@ def _version(registry, day, parent, loss, promoted=True, val=None, seed=0, heldo
     return registry.write_version(UNet2DConditionModel(**PRESETS["tiny"]), DDPMScheduler(), manifest)
 
 
+def test_a_rerun_of_a_date_whose_version_a_later_promotion_replaced_is_already_done(tmp_path):
+    """Reported rolled-back before, which no rollback was."""
+    config = _rules_config(tmp_path)
+    registry = ModelRegistry(str(tmp_path / "models"))
+    registry.set_production(_version(registry, "2026-11-01", None, 0.3), expected=None, kind="promote")
+    registry.set_production(_version(registry, "2026-11-02", "v0001", 0.2), expected="v0001", kind="promote")
+    outcome = retrain(config, datetime.date(2026, 11, 1))
+    assert (outcome.status, outcome.version, registry.production()) == ("already-done", "v0001", "v0002")
+    assert "moved off it since by the promotion of v0002, now v0002; not promoted again" in outcome.message
+    assert not (tmp_path / "runs").exists()
+
+
 @pytest.mark.slow  # entrypoints/retrain.py --rollback in two subprocesses
 def test_a_rerun_of_a_date_does_not_undo_a_rollback_made_with_the_logged_command(tmp_path):
     config = _rules_config(tmp_path)

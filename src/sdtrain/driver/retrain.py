@@ -51,8 +51,7 @@ JOB_ID_VAR = "ANYSCALE_PRODJOB_ID"
 
 @dataclass
 class RetrainOutcome:
-    # promoted | rejected | already-done | completed-promotion | superseded | rolled-back | no-new-data |
-    # no-usable-data (every new partition left out: its files fail training's data check)
+    # promoted | rejected | already-done | completed-promotion | superseded | rolled-back | no-new-data | no-usable-data
     status: str
     version: str | None
     production: str | None
@@ -66,8 +65,7 @@ def retrain(config: Config, schedule_date: datetime.date | None = None) -> Retra
     data_root, models_root = config.retrain.data_root, config.retrain.models_root
     if data_root is None or models_root is None:
         raise ConfigError("retrain.data_root and retrain.models_root are required for retraining")
-    # retrain.data_root, retrain.models_root and the rest, before anything is read. Not model.pretrained: only a first
-    # version starts from it (later ones from production), and the training run's own preflight checks what it uses.
+    # Before anything is read. Not model.pretrained: only a first version starts from it, and training checks it.
     preflight(dataclasses.replace(config, model=dataclasses.replace(config.model, pretrained=None)))
     registry = ModelRegistry(models_root)
     if schedule_date is None:
@@ -78,7 +76,7 @@ def retrain(config: Config, schedule_date: datetime.date | None = None) -> Retra
     # Taken before Ray starts: a second run fails here, in seconds, without spending a restart.
     with registry.lock(owner) as lock:
         registry.settle_log(by=lock.owner)  # a move the log lacks (a writer died between swap and log entry)
-        moves_before = len(registry.pointer_log())  # the moves logged after it were made during this run
+        moves_before = len(registry.pointer_log())  # those logged after it were made during this run
         outcome = _with_rollbacks_since(registry, moves_before, _retrain_locked(config, registry, schedule_date, lock))
         publish(config, registry, outcome.version)  # re-reads production until it holds still: a rollback may run
         return outcome
@@ -110,9 +108,8 @@ def rollback(config: Config, to: str | None = None, reason: str = "") -> tuple[s
 
 
 def schedule_date_for(config: Config, registry: ModelRegistry) -> tuple[datetime.date, str]:
-    """The date a run is for, and where it came from: retrain.date if set; else, in an Anyscale
-    job, the UTC date of the job's first attempt (recorded in the registry, so a retry after
-    midnight retrains the same date); else today (UTC)."""
+    """The date a run is for, and where it came from: retrain.date if set; else, in an Anyscale job, the UTC date of
+    the job's first attempt (recorded in the registry, so a retry after midnight retrains the same date); else today."""
     today = datetime.datetime.now(datetime.timezone.utc).date()
     if config.retrain.date:
         date = datetime.date.fromisoformat(config.retrain.date)
@@ -236,16 +233,19 @@ def _finish_date(
                 production,
                 f"{day}: already retrained as {version} ({manifest['reason']}); nothing to do",
             )
-        named = [e for e in registry.pointer_log() if e["to"] == version]
+        log = registry.pointer_log()
+        named = [e for e in log if e["to"] == version]
         if named:
-            # It served, and production was moved off it since (a rollback, a later promotion undone): a re-run
-            # must not undo that. Only a promotion that never happened is still pending.
+            # It served, and production was moved off it since: a re-run must not undo that. Only a promotion that
+            # never happened is still pending. Moved off by a later promotion, it is simply done.
+            off = next((e for e in log if e["seq"] > named[-1]["seq"] and e["from"] == version), {})
+            by = f" by the promotion of {off['to']}" if off.get("kind") == "promote" else ""
             return RetrainOutcome(
-                "rolled-back",
+                "already-done" if by else "rolled-back",
                 version,
                 production,
                 f"{day}: {version} was promoted (pointer log entry {named[-1]['seq']}) and production was moved off "
-                f"it since, now {production}; not promoted again",
+                f"it since{by}, now {production}; not promoted again",
             )
         # Pending, and only if production is still its parent: the version was compared with its parent alone.
         if production != manifest["parent"]:
