@@ -74,7 +74,29 @@ def test_a_record_cut_short_is_restored_from_the_copy_and_the_run_resumes(tmp_pa
     assert resumed.latest_checkpoint_result.checkpoint.path.endswith("checkpoint_00000200")
 
 
-@pytest.mark.parametrize("copy", ["none", "cut short", "names a checkpoint that is gone"])
+def test_a_copy_naming_checkpoints_pruned_since_restores_without_them(tmp_path):
+    """An evaluation's result reorders the kept checkpoints and Ray Train prunes one, rewriting its record without a
+    report (no copy then): a copy that names the pruned one, the latest intact, was refused, and every retry failed."""
+    manager = _manager(tmp_path, "val_loss")
+    _report_and_copy(tmp_path, manager, 100, 0.5)
+    _report_and_copy(tmp_path, manager, 200, 0.4)
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoint_00000100" / "model.txt").unlink()  # pruned after the last copy
+    (run_dir / "checkpoint_00000100").rmdir()
+    snapshot = run_dir / CHECKPOINT_MANAGER_SNAPSHOT_FILENAME
+    _cut_short(snapshot)
+
+    with LogLines() as lines:
+        result = committed_run(None, str(run_dir))
+
+    assert result is not None and result.checkpoint is not None
+    assert result.checkpoint.path.endswith("checkpoint_00000200")
+    assert any("less the checkpoints deleted since (checkpoint_00000100)" in line for line in lines.messages)
+    resumed = _manager(tmp_path, "val_loss")  # the next controller loads the restored record: the one left
+    assert [kept.checkpoint.path[-8:] for kept in resumed._checkpoint_results] == ["00000200"]
+
+
+@pytest.mark.parametrize("copy", ["none", "cut short", "names a latest checkpoint that is gone"])
 def test_a_record_cut_short_without_a_usable_copy_is_refused_naming_the_cause(tmp_path, copy):
     manager = _manager(tmp_path, "val_loss")
     _report_and_copy(tmp_path, manager, 100, 0.5)
@@ -85,8 +107,8 @@ def test_a_record_cut_short_without_a_usable_copy_is_refused_naming_the_cause(tm
     elif copy == "cut short":
         _cut_short(run_dir / COPY_FILE)
     else:
-        (run_dir / "checkpoint_00000100" / "model.txt").unlink()
-        (run_dir / "checkpoint_00000100").rmdir()
+        (run_dir / "checkpoint_00000200" / "model.txt").unlink()
+        (run_dir / "checkpoint_00000200").rmdir()
     snapshot = run_dir / CHECKPOINT_MANAGER_SNAPSHOT_FILENAME
     _cut_short(snapshot)
     cut = snapshot.read_bytes()

@@ -64,24 +64,31 @@ def write_copy(filesystem: pafs.FileSystem, run_dir: str, previous: bytes | None
 
 def restore_snapshot(filesystem: pafs.FileSystem, run_dir: str, entries: dict[str, pafs.FileType]) -> None:
     """On the driver, before Ray Train starts: a record that is there but does not parse (empty or cut short) is
-    replaced by sdtrain's copy, if that parses and every checkpoint it names is in the run directory (``entries``:
-    its listing). Otherwise the record is left for Ray Train's reading to refuse."""
+    replaced by sdtrain's copy, if that parses and its latest checkpoint is in the run directory (``entries``: its
+    listing), less the checkpoints it names that are gone. Otherwise the record is left for Ray Train's reading to
+    refuse."""
     record = posixpath.join(run_dir, ray_private.checkpoint_record_file())
     data = _read(filesystem, record) if ray_private.checkpoint_record_file() in entries else None
     if data is None or _parsed(data) is not None:
         return
     copy = _read(filesystem, posixpath.join(run_dir, COPY_FILE)) if COPY_FILE in entries else None
     parsed = _parsed(copy) if copy is not None else None
-    if copy is None or parsed is None or not all(name in entries for name in _recorded(parsed)):
+    if copy is None or parsed is None:
         return
-    _write(filesystem, record, copy)
     latest = str((parsed.get("latest_checkpoint_result") or {}).get("checkpoint_dir_name"))
+    gone = {name for name in _recorded(parsed) if name not in entries}
+    if latest in gone:
+        return
+    if gone:  # pruned since the copy (an evaluation's result reorders the kept ones without a report): left out
+        copy = json.dumps(_without(parsed, gone)).encode()
+    _write(filesystem, record, copy)
     log.warning(
         "%s was empty or cut short (a write interrupted on local or NFS storage, where Ray Train rewrites it in "
-        "place); restored it from sdtrain's copy %s, written after Ray Train's last processed report: the run "
+        "place); restored it from sdtrain's copy %s, written after Ray Train's last processed report%s: the run "
         "resumes from %s",
         record,
         posixpath.join(run_dir, COPY_FILE),
+        f", less the checkpoints deleted since ({', '.join(sorted(gone))})" if gone else "",
         f"step {checkpoint_step(latest)} ({latest})",
     )
 
@@ -120,6 +127,31 @@ def checkpoint_step(name: str) -> int | None:
     """The step in a checkpoint directory's name (sdtrain.storage.run_layout.checkpoint_dir_name), else None."""
     match = _CHECKPOINT_DIR.fullmatch(name)
     return int(match.group(1)) if match else None
+
+
+def _without(record: dict[str, Any], names: set[str]) -> dict[str, Any]:
+    """``record`` less its entries of checkpoints ``names``, with what Ray Train keeps beside each (its list's partner
+    of the same length) and the names it lists."""
+    kept = dict(record)
+    for key, partner in _PAIRED:
+        entries, partners = record.get(key), record.get(partner)
+        if not isinstance(entries, list):
+            continue
+        keep = [not (isinstance(e, dict) and e.get("checkpoint_dir_name") in names) for e in entries]
+        kept[key] = [e for e, k in zip(entries, keep, strict=True) if k]
+        if isinstance(partners, list) and len(partners) == len(entries):
+            kept[partner] = [p for p, k in zip(partners, keep, strict=True) if k]
+    for key in ("validated_checkpoint_dir_names", "timed_out_validation_checkpoint_dir_names"):
+        if isinstance(record.get(key), list):
+            kept[key] = [name for name in record[key] if name not in names]
+    return kept
+
+
+_PAIRED = (
+    ("checkpoint_results", "checkpoint_report_indices"),
+    ("pending_training_results", "pending_validation_specs"),
+)
+"""Ray Train's record (its CheckpointManager's state): lists of checkpoints, each with a list it keeps in step."""
 
 
 def _recorded(record: dict[str, Any]) -> set[str]:
