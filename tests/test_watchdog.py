@@ -3,7 +3,15 @@
 import threading
 import time
 
-from sdtrain.train.watchdog import Phase, StallWatchdog
+import pytest
+
+from sdtrain.config.loader import load_config
+from sdtrain.data.read_order import DataState
+from sdtrain.train.cadence import ReportCadence
+from sdtrain.train.checkpointing import CheckpointWriter
+from sdtrain.train.preemption import HOLD_BEFORE_DEADLINE_S, RESTART_MARGIN_S
+from sdtrain.train.reporting import StepReporter
+from sdtrain.train.watchdog import RECLAIM_BOUND_S, SLOW_PHASES, Phase, StallWatchdog
 
 
 def _watchdog(timeout_s, slow_phase_timeout_s=None):
@@ -99,3 +107,37 @@ def test_the_end_of_training_is_watched_as_a_slow_phase():
     trainer.fit(Tiny(), train_dataloaders=torch.utils.data.DataLoader(torch.randn(4, 2), batch_size=2))
     watchdog.stop()
     assert len(fired) == 1 and Phase.FINISHING in fired[0] and "run.slow_phase_timeout_s=0.5" in fired[0], fired
+
+
+def test_a_reclaim_hold_outlasts_a_short_slow_phase_bound():
+    """A hold after the last checkpoint before a reclaim deadline lasts up to 360 s: ended at a shorter
+    run.slow_phase_timeout_s, the worker's exit was a failure that spent failure.max_failures, not a preemption."""
+    assert RECLAIM_BOUND_S > HOLD_BEFORE_DEADLINE_S + RESTART_MARGIN_S
+    watchdog, fired, _ = _watchdog(timeout_s=100, slow_phase_timeout_s=120)
+    watchdog.enter(Phase.RECLAIM)
+    assert watchdog.stalled(time.monotonic() + HOLD_BEFORE_DEADLINE_S + RESTART_MARGIN_S) is None
+    message = watchdog.stalled(time.monotonic() + RECLAIM_BOUND_S + 1)
+    assert message is not None and Phase.RECLAIM in message
+    watchdog.enter(Phase.CHECKPOINT)  # the other slow phases keep the configured bound
+    assert watchdog.stalled(time.monotonic() + 121) is not None
+    watchdog.stop()
+    assert not fired
+
+
+@pytest.mark.parametrize("upload", ["async", "sync"])
+def test_the_report_after_an_async_checkpoint_waits_for_its_upload_as_a_slow_phase(tmp_path, upload):
+    """Ray Train takes a rank's reports in order: the metrics report after a checkpoint uploaded in the background
+    waits for the upload, on every rank (rank 0's upload, the barrier on the others). As REPORT it was bounded by
+    run.stall_timeout_s: a long upload ended the workers, uncommitted, at every restart."""
+    config = load_config(None, ["data.train=x", "train.max_steps=100", f"checkpoint.upload={upload}"])
+    writer = CheckpointWriter(lambda step: DataState(), {}, config.checkpoint.upload, str(tmp_path))
+    reporter = StepReporter(ReportCadence(config), config.train, writer, [], lambda: 0.0, 0.0)
+    assert reporter.report_phase(False) == Phase.REPORT and reporter.report_phase(True) == Phase.CHECKPOINT
+    reporter.reported(True, final=False)
+    waits = Phase.UPLOAD_WAIT if upload == "async" else Phase.REPORT
+    assert reporter.report_phase(False) == waits and reporter.report_phase(True) == Phase.CHECKPOINT
+    reporter.reported(False, final=False)  # it waited: the next report does not
+    assert reporter.report_phase(False) == Phase.REPORT
+    reporter.reported(True, final=True)  # the final checkpoint is uploaded in the loop whatever the setting
+    assert reporter.report_phase(False) == Phase.REPORT
+    assert Phase.UPLOAD_WAIT in SLOW_PHASES

@@ -86,6 +86,7 @@ class StepReporter(OptimizerStepCallback):
         """The slowest rank's step rate at the latest report (the same on every rank)."""
         self._reported_step = -1
         self._checkpoint_stall = 0.0
+        self._upload_pending = False  # the latest report's checkpoint uploads in the background: the next waits for it
         self._time_to_first_step = math.nan
         self._efficiency: Efficiency | None = None  # rank 0's, from on_train_start
         self._hours = 0.0
@@ -160,15 +161,32 @@ class StepReporter(OptimizerStepCallback):
             if self.view is not None:
                 self.enter(Phase.SAMPLE_GRID)
                 self.view.reported(metrics, self.history, grid, with_checkpoint)
-        self.enter(Phase.CHECKPOINT if with_checkpoint else Phase.REPORT)
+        self.enter(self.report_phase(with_checkpoint))
         if with_checkpoint:
             scored = scored_metrics(metrics, self._score_attribute)
+            final = step >= self.train.max_steps
             self._checkpoint_stall = self.checkpoints.report(
-                trainer, pl_module, scored, step, position, self.history, evaluate, final=step >= self.train.max_steps
+                trainer, pl_module, scored, step, position, self.history, evaluate, final=final
             )
         else:
+            began = time.perf_counter()
             ray.train.report(metrics)
+            if self._upload_pending:  # the checkpoint's upload held this report: the next row's stall shows it
+                self._checkpoint_stall += time.perf_counter() - began
+        self.reported(with_checkpoint, final=step >= self.train.max_steps)
         self._reported_step = step
+
+    def report_phase(self, with_checkpoint: bool) -> str:
+        """The watchdog's phase of the next report: one after an asynchronously uploaded checkpoint waits for its upload
+        (Ray Train takes each rank's reports in order), on rank 0 and at the barrier on the others: a slow phase."""
+        if with_checkpoint:
+            return Phase.CHECKPOINT
+        return Phase.UPLOAD_WAIT if self._upload_pending else Phase.REPORT
+
+    def reported(self, with_checkpoint: bool, final: bool) -> None:
+        """A report was made: with a checkpoint uploaded in the background (checkpoint.upload: async; the final one is
+        uploaded in the loop), the next report waits for it."""
+        self._upload_pending = with_checkpoint and self.checkpoints.upload == "async" and not final
 
     def _metrics(self, trainer: pl.Trainer, pl_module, step: int, epoch: int) -> dict[str, float]:
         stats = pl_module.take_window_stats()

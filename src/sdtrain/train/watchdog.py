@@ -43,16 +43,33 @@ class Phase:
     VALIDATION = "validating (data.val)"
     CHECKPOINT = "reporting a checkpoint: saving it, uploading it, and the barrier with every other rank"
     REPORT = "reporting metrics: the barrier with every other rank"
+    UPLOAD_WAIT = (
+        "reporting metrics after an asynchronously uploaded checkpoint: Ray Train takes reports in order, so this "
+        "waits for rank 0's upload of it (checkpoint.upload: async), then the barrier with every other rank"
+    )
     SAMPLE_GRID = "rendering a sample grid (sample_grid.every_n_steps) and writing the live files"
     RECLAIM = "holding after the last checkpoint before a reclaim deadline, until Ray Train restarts the group there"
     FINISHING = "finishing: the final report and checkpoint, and the trackers' and live files' last writes"
 
 
 SLOW_PHASES = frozenset(
-    {Phase.STARTING, Phase.VALIDATION, Phase.CHECKPOINT, Phase.SAMPLE_GRID, Phase.RECLAIM, Phase.FINISHING}
+    {
+        Phase.STARTING,
+        Phase.VALIDATION,
+        Phase.CHECKPOINT,
+        Phase.UPLOAD_WAIT,
+        Phase.SAMPLE_GRID,
+        Phase.RECLAIM,
+        Phase.FINISHING,
+    }
 )
 """Phases whose length grows with the model, the held-out set, the network or a reclaim notice, not with a step:
 bounded on their own (run.slow_phase_timeout_s), and excluded from the step's bound."""
+
+RECLAIM_BOUND_S = 420.0
+"""The least a reclaim hold is allowed, whatever run.slow_phase_timeout_s: sdtrain.train.preemption holds up to
+HOLD_BEFORE_DEADLINE_S + RESTART_MARGIN_S (360 s) for Ray Train to restart the group at the deadline. A worker
+ended during the hold counts as a failure (failure.max_failures), not a preemption."""
 
 
 def _end_worker(message: str) -> None:
@@ -118,7 +135,10 @@ class StallWatchdog:
             step, progress_at = self._last_step, self._progress_at
         since = "its start" if step is None else f"step {step}"
         if phase in SLOW_PHASES:
-            if self.slow_phase_timeout_s is None or in_phase < self.slow_phase_timeout_s:
+            bound = self.slow_phase_timeout_s
+            if bound is not None and phase == Phase.RECLAIM:
+                bound = max(bound, RECLAIM_BOUND_S)
+            if bound is None or in_phase < bound:
                 return None
             return (
                 f"rank {self.rank} stalled: it has been {phase} for {in_phase:.0f} s (run.slow_phase_timeout_s="
