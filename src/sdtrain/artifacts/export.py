@@ -38,7 +38,14 @@ import numpy as np
 import pyarrow.fs as pafs
 
 from sdtrain import __version__
-from sdtrain.artifacts.loading import VERSION_MANIFEST_FILE, LoadedModel, Weights, is_export, load_model
+from sdtrain.artifacts.loading import (
+    EXPORT_INCOMPLETE_FILE,
+    VERSION_MANIFEST_FILE,
+    LoadedModel,
+    Weights,
+    is_export,
+    load_model,
+)
 from sdtrain.artifacts.model_card import (
     TRAINED_AS_KEY,
     render_grid,
@@ -53,6 +60,7 @@ from sdtrain.artifacts.pipelines import (
     PipelineKind,
     assemble_pipeline,
     check_pipeline_sources,
+    copy_tokenizers,
     pipeline_kind,
     pipeline_sources,
 )
@@ -68,9 +76,6 @@ from sdtrain.storage.run_layout import (
 )
 from sdtrain.storage.uris import is_uri
 
-EXPORT_INCOMPLETE_FILE = "sdtrain.incomplete"
-"""Beside an export while it is written (and after an export killed while writing): the directory is an export's
-that the next one may replace, though without EXPORT_INFO_FILE it is none (:func:`export_source`)."""
 _INCOMPLETE_NOTE = (
     f"An sdtrain export is being written here, or its writing was interrupted: it is complete only once "
     f"{EXPORT_INFO_FILE} is here. Exporting again replaces it.\n"
@@ -259,6 +264,7 @@ def _write_pipeline(loaded: LoadedModel, kind: PipelineKind, sources: EncoderSou
     scheduler = DPMSolverMultistepScheduler.from_config({**loaded.noise_scheduler.config, "clip_sample": False})
     pipeline = assemble_pipeline(kind, sources, loaded.unet, scheduler, loaded.latent_scaling_factor)
     pipeline.save_pretrained(local, safe_serialization=True)
+    copy_tokenizers(kind, sources, local)
     guidance = sampling_guidance(loaded, kind)
     _warn_of_zeros_empty_prompt(loaded, kind)
     grid = training_grid(loaded) or render_grid(loaded, pipeline, guidance)

@@ -36,6 +36,9 @@ from sdtrain.storage.uris import is_uri
 Weights = Literal["auto", "ema", "raw"]
 VERSION_MANIFEST_FILE = "manifest.json"
 """In a registry version's directory (sdtrain.artifacts.registry), beside unet/ and scheduler/."""
+EXPORT_INCOMPLETE_FILE = "sdtrain.incomplete"
+"""Beside an export while it is written (and after an export killed while writing): the directory is an export's
+that the next one may replace, though without EXPORT_INFO_FILE it is none (sdtrain.artifacts.export)."""
 
 
 @dataclass
@@ -191,19 +194,19 @@ def _from_export(path: str, weights: Weights) -> LoadedModel:
     """An export or a registry version: its unet/ (raw_unet/ for weights=raw, where a version holds the trained
     weights beside the EMA ones), scheduler/ and what EXPORT_INFO_FILE and UNCONDITIONAL_FILE record."""
     fs, root = filesystem_for(path)
-    unet_dir = "unet"
-    if weights == "raw":
-        if not _is_file(fs, posixpath.join(root, RAW_UNET_SUBFOLDER, "config.json")):
-            raise SdtrainError(
-                f"model: {path} is an export or version that holds one set of weights; weights=raw needs a checkpoint"
-            )
-        unet_dir = RAW_UNET_SUBFOLDER
-    unet = UNet2DConditionModel.from_pretrained(_local_dir(path, unet_dir)).eval()
-    scheduler = DDPMScheduler.from_pretrained(_local_dir(path, "scheduler"))
+    _check_complete(path, fs, root)
     info_text = _read_small(fs, posixpath.join(root, EXPORT_INFO_FILE))
-    if info_text is None and _is_file(fs, posixpath.join(root, VERSION_MANIFEST_FILE)):
-        return _unrecorded_version(path, fs, root, unet, scheduler)
     info: dict[str, Any] = json.loads(info_text) if info_text is not None else {}
+    has_raw_unet = _is_file(fs, posixpath.join(root, RAW_UNET_SUBFOLDER, "config.json"))
+    unet_dir = _unet_dir(path, weights, info.get("weights"), has_raw_unet)
+    unet = _from_pretrained(UNet2DConditionModel, path, unet_dir).eval()
+    scheduler = _from_pretrained(DDPMScheduler, path, "scheduler")
+    if info_text is None and _is_file(fs, posixpath.join(root, VERSION_MANIFEST_FILE)):
+        loaded = _unrecorded_version(path, fs, root, unet, scheduler)
+        if weights == "ema" and loaded.weights == "raw":
+            raise SdtrainError(_raw_only(path, f"the checkpoint its {VERSION_MANIFEST_FILE} names"))
+        loaded.weights = "raw" if unet_dir == RAW_UNET_SUBFOLDER else loaded.weights
+        return loaded
     uncond_bytes = _read_small(fs, posixpath.join(root, UNCONDITIONAL_FILE))
     uncond = torch.from_numpy(np.load(io.BytesIO(uncond_bytes), allow_pickle=False)) if uncond_bytes else None
     shape = info.get("latent_shape")
@@ -223,6 +226,65 @@ def _from_export(path: str, weights: Weights) -> LoadedModel:
         bucket_shapes=tuple(tuple(b) for b in info["bucket_shapes"]) if info.get("bucket_shapes") else None,
         vae_downsampling=int(info.get("vae_downsampling") or 8),
     )
+
+
+def _check_complete(path: str, fs: pafs.FileSystem, root: str) -> None:
+    """Refuse an export cut short (its writer killed: sdtrain.artifacts.export commits an export by writing
+    EXPORT_INFO_FILE last): loaded anyway, its weights may be half written and what EXPORT_INFO_FILE records (the
+    latents' scaling, the trained shapes) would be missing without a word. A directory of sdtrain's files but no
+    EXPORT_INFO_FILE and no VERSION_MANIFEST_FILE is one too; a diffusers model saved elsewhere (no sdtrain files)
+    loads as it is."""
+    inside = {item.base_name for item in fs.get_file_info(pafs.FileSelector(root))}
+    if EXPORT_INCOMPLETE_FILE in inside:
+        why = f"it holds {EXPORT_INCOMPLETE_FILE}, left while an export is written"
+    elif UNCONDITIONAL_FILE in inside and not inside & {EXPORT_INFO_FILE, VERSION_MANIFEST_FILE}:
+        why = f"it holds sdtrain's {UNCONDITIONAL_FILE} but not {EXPORT_INFO_FILE}, which an export writes last"
+    else:
+        return
+    raise SdtrainError(
+        f"model: {path} is an sdtrain export that was cut short ({why}): its weights may be incomplete. Export it "
+        "again (generate.py CHECKPOINT --export-to the same directory replaces it), or load the checkpoint it was "
+        "exported from"
+    )
+
+
+def _unet_dir(path: str, weights: Weights, recorded: str | None, has_raw_unet: bool) -> str:
+    """The subfolder holding the ``weights`` asked for, where EXPORT_INFO_FILE records which weights unet/ holds
+    (``recorded``: ema, raw, or None where it does not say) and a registry version keeps the trained ones beside
+    the EMA ones (``has_raw_unet``); refused where the export holds other weights than those asked for."""
+    if weights == "raw" and has_raw_unet:
+        return RAW_UNET_SUBFOLDER
+    if weights == "raw" and recorded != "raw":
+        holds = "the EMA weights alone" if recorded == "ema" else "one set of weights, not recorded as the raw ones"
+        raise SdtrainError(
+            f"model: {path} is an export or version that holds {holds} ({EXPORT_INFO_FILE}: weights {recorded}); "
+            "weights=raw needs the checkpoint it was exported from"
+        )
+    if weights == "ema" and recorded == "raw":
+        raise SdtrainError(_raw_only(path, EXPORT_INFO_FILE))
+    return "unet"
+
+
+def _raw_only(path: str, record: str) -> str:
+    return (
+        f"model: {path} holds the raw (trained) weights alone ({record} says so: the run kept no EMA, "
+        "train.ema_decay: null), not the EMA weights asked for; use weights raw or auto"
+    )
+
+
+def _from_pretrained(cls: Any, path: str, subfolder: str) -> Any:
+    """``cls.from_pretrained`` of ``path``'s ``subfolder``, a file there that is unreadable or cut short (an OSError
+    or ValueError from diffusers) refused naming it; object storage failing for now is left to its caller."""
+    local = _local_dir(path, subfolder)
+    try:
+        return cls.from_pretrained(local)
+    except (OSError, ValueError) as e:
+        reason = " ".join(str(e).split())[:300]
+        raise SdtrainError(
+            f"model: {path}: its {subfolder}/ could not be loaded as a diffusers {cls.__name__} "
+            f"({type(e).__name__}: {reason}); a file there is missing, truncated or corrupt (an export or copy cut "
+            "short?): export the model again, or copy it whole"
+        ) from None
 
 
 def _unrecorded_version(

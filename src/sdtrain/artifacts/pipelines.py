@@ -21,9 +21,12 @@ import json
 import os
 import posixpath
 import re
+import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+import pyarrow.fs as pafs
 
 from sdtrain.data.metadata import TEXT_ENCODER_SOURCE, VAE_SOURCE, EncoderSources
 from sdtrain.errors import ConfigError
@@ -255,3 +258,26 @@ def _load_components(kind: PipelineKind, sources: EncoderSources) -> dict[str, A
     if missing:
         raise ConfigError(f"export: {sources.text_encoder} has no {', '.join(missing)} for a {kind.class_name}")
     return {name: parts[name] for name in kind.components}
+
+
+def copy_tokenizers(kind: PipelineKind, sources: EncoderSources, saved: str) -> None:
+    """Replace the tokenizer folders of the pipeline saved in the local directory ``saved`` with the base model's,
+    byte for byte, where they are files (a local directory or a storage URI; a hub id's stay as saved).
+
+    Re-saved through transformers a tokenizer loses files: a fast one writes tokenizer.json alone, without the
+    vocab.json and merges.txt that the slow CLIPTokenizer model_index.json names needs (transformers 4), and what it
+    writes need not be what the captions were tokenized with."""
+    source = sources.text_encoder
+    if not is_uri(source) and _is_hub_id(source):
+        return
+    fs, root = filesystem_for(source)
+    for name in kind.components:
+        if not name.startswith("tokenizer"):
+            continue
+        folder = posixpath.join(root, name)
+        if fs.get_file_info(posixpath.join(folder, _COMPONENT_FILES[name])).type != pafs.FileType.File:
+            continue  # loaded from elsewhere (load_text_encoders), and saved as loaded
+        target = os.path.join(saved, name)
+        shutil.rmtree(target, ignore_errors=True)
+        os.makedirs(target)  # pyarrow's copy makes no local directories
+        pafs.copy_files(folder, target, source_filesystem=fs, destination_filesystem=pafs.LocalFileSystem())

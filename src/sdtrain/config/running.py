@@ -178,7 +178,7 @@ class SampleGridConfig(Section):
     steps: int = 20
     """Denoising steps per sample of the sample grid."""
     guidance_scale: float = 3.0
-    """Classifier-free guidance scale of the sample grid (1 = none)."""
+    """Classifier-free guidance scale of the sample grid (1 or below = none, as in diffusers' pipelines)."""
 
     def __post_init__(self):
         if self.every_n_steps is not None and self.every_n_steps < 1:
@@ -192,7 +192,7 @@ class SampleGridConfig(Section):
             if getattr(self, key) < 1:
                 self._fail(key, f"must be >= 1, got {getattr(self, key)}")
         if self.guidance_scale < 0:
-            self._fail("guidance_scale", f"must be >= 0 (1: no guidance), got {self.guidance_scale}")
+            self._fail("guidance_scale", f"must be >= 0 (1 or below: no guidance), got {self.guidance_scale}")
 
 
 @dataclass

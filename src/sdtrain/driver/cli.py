@@ -284,7 +284,7 @@ def _add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--guidance-scale",
         type=float,
-        help="classifier-free guidance scale; 1 = none (default: 3; 5 for an SDXL-shaped model, as its pipeline)",
+        help="classifier-free guidance scale; 1 or below = none (default: 3; 5 for an SDXL-shaped model, as its pipe)",
     )
     parser.add_argument(
         "--guidance-rescale",

@@ -83,7 +83,7 @@ def generate(request: GenerateRequest) -> list[str]:
         )
     if unconditional is None:
         unconditional = torch.zeros(captions.embeddings.shape[1:])
-    if request.guidance_scale != 1.0 and loaded.caption_dropout_prob == 0:
+    if request.guidance_scale > 1.0 and loaded.caption_dropout_prob == 0:  # at 1 or below there is no guidance
         request.notes.append(
             "the model was trained without caption dropout (train.caption_dropout_prob: 0), so its unconditional "
             "prediction is untrained; guidance may not help (try --guidance-scale 1)"

@@ -2,9 +2,10 @@
 
 The sampling loop is StableDiffusionPipeline's (initial noise ``randn * init_noise_sigma`` from
 one seeded CPU generator, conditional and unconditional halves in one batch, guidance
-``uncond + scale * (cond - uncond)``, optionally rescaled), so a model exported by sdtrain gives the same latents here
-and inside a diffusers pipeline; for an SDXL-shaped UNet, StableDiffusionXLPipeline's (the pooled embedding and the
-size conditioning beside the hidden states, zeros for the unconditional text).
+``uncond + scale * (cond - uncond)`` above scale 1, optionally rescaled; the conditional prediction alone at 1 or
+below), so a model exported by sdtrain gives the same latents here and inside a diffusers pipeline; for an
+SDXL-shaped UNet, StableDiffusionXLPipeline's (the pooled embedding and the size conditioning beside the hidden
+states, zeros for the unconditional text).
 """
 
 from __future__ import annotations
@@ -64,13 +65,15 @@ def guided_prediction(
     scale: float,
     rescale: float = 0.0,
 ) -> torch.Tensor:
-    """Classifier-free guidance: uncond + scale * (cond - uncond); at scale 1, the conditional prediction itself.
-    ``rescale`` blends in the guided prediction rescaled to the conditional one's standard deviation, as diffusers'
-    pipelines do (``guidance_rescale``). The prediction comes back in the latents' dtype: under autocast (sample grids)
-    the UNet answers in bf16 or fp16, and the guidance difference and the scheduler's step want the latents'
-    precision. ``cond`` and ``uncond``: hidden states, or a whole :class:`Conditioning` (an SDXL-shaped UNet)."""
+    """Classifier-free guidance: uncond + scale * (cond - uncond); at scale 1 or below, the conditional prediction
+    itself, without the unconditional half computed: diffusers' pipelines guide only above 1 (their
+    do_classifier_free_guidance), and an export must sample there as here. ``rescale`` blends in the guided
+    prediction rescaled to the conditional one's standard deviation, as diffusers' pipelines do
+    (``guidance_rescale``). The prediction comes back in the latents' dtype: under autocast (sample grids) the UNet
+    answers in bf16 or fp16, and the guidance difference and the scheduler's step want the latents' precision.
+    ``cond`` and ``uncond``: hidden states, or a whole :class:`Conditioning` (an SDXL-shaped UNet)."""
     cond = cond if isinstance(cond, Conditioning) else Conditioning(cond)
-    if scale == 1.0 or uncond is None:
+    if scale <= 1.0 or uncond is None:
         return unet(latents, t, **cond.kwargs()).sample.to(latents.dtype)
     uncond = uncond if isinstance(uncond, Conditioning) else Conditioning(uncond)
     out = unet(torch.cat([latents, latents]), t, **uncond.cat(cond).kwargs()).sample
