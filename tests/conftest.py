@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from s3_server import moto_server
+from support.mlflow_server import mlflow_server
 from support.ray_processes import committed_checkpoints  # noqa: F401  (tests import it from here)
 
 from sdtrain.logs import configure_logging
@@ -166,6 +168,39 @@ def ray_cluster(_ray_session):
     if not ray.is_initialized():
         _start_ray()
     yield
+
+
+_MLFLOW_DIR = pytest.StashKey[Path]()
+
+
+@pytest.fixture(scope="session")
+def mlflow_uri(tmp_path_factory, pytestconfig):
+    """One real MLflow tracking server (support.mlflow_server) for the session's tests that can share it: started by
+    the first test that asks for it, stopped at the session's end. Each test keeps to an experiment of its own
+    (mlflow_experiment_name) and registered model names of its own, so that none sees another's runs or versions.
+    A test that stops its server and starts it again (an outage) has servers of its own."""
+    directory = tmp_path_factory.mktemp("mlflow")
+    with mlflow_server(directory) as uri:
+        pytestconfig.stash[_MLFLOW_DIR] = directory
+        yield uri
+
+
+@pytest.fixture
+def mlflow_experiment_name(request) -> str:
+    """An MLflow experiment of the test's own on the shared server (tracking.mlflow_experiment=...)."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "-", f"{request.module.__name__}.{request.node.name}")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed test on the shared MLflow server shows the server's side (a crash's traceback) in its report, as
+    mlflow_server does for a server of the test's own: the session's tmp directory is not kept on a CI machine."""
+    report = yield
+    directory = item.config.stash.get(_MLFLOW_DIR, None)
+    if report.failed and directory is not None and "mlflow_uri" in getattr(item, "fixturenames", ()):
+        tail = (directory / "mlflow-server.log").read_text(errors="replace")[-3000:]
+        report.sections.append(("mlflow server: the end of its log", tail))
+    return report
 
 
 S3_ENV = {

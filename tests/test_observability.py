@@ -313,7 +313,7 @@ def test_tensorboard_holds_each_step_once_when_a_restart_resumes_from_no_checkpo
     assert [(s, round(v, 4)) for s, v in scalars["loss"]] == [(2, 5.0), (4, 2.5), (6, 1.6667)]
 
 
-def test_trackers_hold_each_step_once_across_a_restart(tmp_path, monkeypatch):
+def test_trackers_hold_each_step_once_across_a_restart(tmp_path, monkeypatch, mlflow_uri, mlflow_experiment_name):
     """Two worker groups of one run: the first logs up to step 6 and is killed; its W&B service had
     written only step 2. The second resumes from the checkpoint of step 4, gives W&B step 4 from the
     checkpoint's history (with its saved grid), re-does steps 5 and 6 and goes on to 8."""
@@ -329,55 +329,56 @@ def test_trackers_hold_each_step_once_across_a_restart(tmp_path, monkeypatch):
     (run_dir / SAMPLES_DIR).mkdir(parents=True)
     Image.fromarray(saved_grid).save(run_dir / SAMPLES_DIR / "step_4.png")
     history = [{"step": 2, "loss": 0.5}, {"step": 4, "loss": 0.25, "sample_grid_s": 0.1}]
-    with mlflow_server(tmp_path) as uri:
-        config = tiny_config(
-            "data.train=unused",
-            "tracking.trackers=[tensorboard, mlflow, wandb]",
-            f"tracking.mlflow_tracking_uri={uri}",
-            tmp_path=tmp_path,
-            name="tracked",
-        )
-        first = Trackers(config, str(run_dir), [])
-        for row in [*history, {"step": 6, "loss": 1 / 6}]:
-            if row["step"] in (4, 6):
-                first.log_image("samples", grid, row["step"])
-            assert first.log_metrics(row, row["step"])
-        first.finish("failed")
-        ids = read_state(str(run_dir))["ids"]
-        assert read_state(str(run_dir))["logged_through"] == 6 and set(ids) == {"tensorboard", "mlflow", "wandb"}
-        cut_wandb_file_after(run_dir, ids["wandb"], 2)  # what a service killed after writing step 2 leaves
+    uri = mlflow_uri
+    config = tiny_config(
+        "data.train=unused",
+        "tracking.trackers=[tensorboard, mlflow, wandb]",
+        f"tracking.mlflow_tracking_uri={uri}",
+        f"tracking.mlflow_experiment={mlflow_experiment_name}",  # its runs alone: the server is the session's
+        tmp_path=tmp_path,
+        name="tracked",
+    )
+    first = Trackers(config, str(run_dir), [])
+    for row in [*history, {"step": 6, "loss": 1 / 6}]:
+        if row["step"] in (4, 6):
+            first.log_image("samples", grid, row["step"])
+        assert first.log_metrics(row, row["step"])
+    first.finish("failed")
+    ids = read_state(str(run_dir))["ids"]
+    assert read_state(str(run_dir))["logged_through"] == 6 and set(ids) == {"tensorboard", "mlflow", "wandb"}
+    cut_wandb_file_after(run_dir, ids["wandb"], 2)  # what a service killed after writing step 2 leaves
 
-        second = Trackers(config, str(run_dir), history)
-        assert second.held == {"tensorboard": 4, "mlflow": 6, "wandb": 4}
-        for step in (6, 8):  # 6 is re-done: MLflow holds it, TensorBoard purged it
-            second.log_image("samples", grid, step)
-            assert second.log_metrics({"step": step, "loss": 10.0 / step}, step)
-            if step == 6:  # the checkpoint of step 4's evaluation comes in (sdtrain.train.evaluations), once
-                second.log_evaluation({"fd_dinov2": 3.0, "eval_s": 1.5}, 4)
-                second.log_evaluation({"fd_dinov2": 3.0, "eval_s": 1.5}, 4)
-        second.finish("success")
-        assert read_state(str(run_dir)) == {"ids": ids, "logged_through": 8, "evaluated": [4]}
+    second = Trackers(config, str(run_dir), history)
+    assert second.held == {"tensorboard": 4, "mlflow": 6, "wandb": 4}
+    for step in (6, 8):  # 6 is re-done: MLflow holds it, TensorBoard purged it
+        second.log_image("samples", grid, step)
+        assert second.log_metrics({"step": step, "loss": 10.0 / step}, step)
+        if step == 6:  # the checkpoint of step 4's evaluation comes in (sdtrain.train.evaluations), once
+            second.log_evaluation({"fd_dinov2": 3.0, "eval_s": 1.5}, 4)
+            second.log_evaluation({"fd_dinov2": 3.0, "eval_s": 1.5}, 4)
+    second.finish("success")
+    assert read_state(str(run_dir)) == {"ids": ids, "logged_through": 8, "evaluated": [4]}
 
-        scalars, images = tensorboard_scalars(run_dir / TENSORBOARD_DIR)
-        assert [(s, round(v, 4)) for s, v in scalars["loss"]] == [(2, 0.5), (4, 0.25), (6, 1.6667), (8, 1.25)]
-        assert images == {"samples": [4, 6, 8]}
-        assert scalars["fd_dinov2"] == [(4, 3.0)]  # at the evaluated checkpoint's step
-        assert (run_dir / TENSORBOARD_DIR / "hparams.yaml").read_text().count("tracked") >= 1
+    scalars, images = tensorboard_scalars(run_dir / TENSORBOARD_DIR)
+    assert [(s, round(v, 4)) for s, v in scalars["loss"]] == [(2, 0.5), (4, 0.25), (6, 1.6667), (8, 1.25)]
+    assert images == {"samples": [4, 6, 8]}
+    assert scalars["fd_dinov2"] == [(4, 3.0)]  # at the evaluated checkpoint's step
+    assert (run_dir / TENSORBOARD_DIR / "hparams.yaml").read_text().count("tracked") >= 1
 
-        client = mlflow.MlflowClient(uri)
-        run = client.get_run(ids["mlflow"])
-        assert run.data.params["run/name"] == "tracked" and run.data.params["model/preset"] == "tiny"
-        assert [(m.step, m.value) for m in client.get_metric_history(ids["mlflow"], "loss")] == [
-            (2, 0.5),
-            (4, 0.25),
-            (6, 1 / 6),
-            (8, 1.25),
-        ]
-        assert [(m.step, m.value) for m in client.get_metric_history(ids["mlflow"], "fd_dinov2")] == [(4, 3.0)]
-        assert len(client.search_runs([run.info.experiment_id])) == 1  # the restart continued the same run
-        assert run.info.status == "FINISHED"
-        artifacts = [a.path for a in client.list_artifacts(ids["mlflow"], "images")]
-        assert len(artifacts) >= 3, artifacts
+    client = mlflow.MlflowClient(uri)
+    run = client.get_run(ids["mlflow"])
+    assert run.data.params["run/name"] == "tracked" and run.data.params["model/preset"] == "tiny"
+    assert [(m.step, m.value) for m in client.get_metric_history(ids["mlflow"], "loss")] == [
+        (2, 0.5),
+        (4, 0.25),
+        (6, 1 / 6),
+        (8, 1.25),
+    ]
+    assert [(m.step, m.value) for m in client.get_metric_history(ids["mlflow"], "fd_dinov2")] == [(4, 3.0)]
+    assert len(client.search_runs([run.info.experiment_id])) == 1  # the restart continued the same run
+    assert run.info.status == "FINISHED"
+    artifacts = [a.path for a in client.list_artifacts(ids["mlflow"], "images")]
+    assert len(artifacts) >= 3, artifacts
 
     runs = run_files(str(run_dir))
     assert [run.run_id for run in runs] == [ids["wandb"], ids["wandb"]]
@@ -564,7 +565,7 @@ def tensorboard_scalars(log_dir: Path) -> tuple[dict[str, list[tuple[int, float]
 @pytest.mark.slow
 @pytest.mark.timeout(500)
 def test_a_killed_and_resumed_run_shows_each_step_once_everywhere(
-    ray_cluster, tmp_path, monkeypatch, run_attempts, capfd
+    ray_cluster, tmp_path, monkeypatch, run_attempts, capfd, mlflow_uri, mlflow_experiment_name
 ):
     """Two workers, one SIGKILLed (no polite exception) once the first checkpoint is committed: Ray Train
     restarts the group, which resumes from that checkpoint and ends exactly at max_steps. The live files
@@ -614,67 +615,68 @@ def test_a_killed_and_resumed_run_shows_each_step_once_everywhere(
             killed.append(pid)
             return
 
-    with mlflow_server(tmp_path) as uri:
-        config = load_config(
-            None,
-            [
-                f"data.train={tmp_path}/train",
-                f"data.val={tmp_path}/val",
-                "model.preset=tiny",
-                f"train.max_steps={max_steps}",
-                "train.global_batch_size=8",
-                "train.ema_decay=0.9",
-                "scaling.num_workers=2",
-                f"run.storage_path={tmp_path}/runs",
-                "run.name=watched",
-                f"checkpoint.every_n_steps={every}",
-                "run.log_every_n_steps=2",
-                "tracking.trackers=[tensorboard, mlflow, wandb]",
-                f"tracking.mlflow_tracking_uri={uri}",
-                "tracking.mlflow_register_as=watched-unet",
-                "sample_grid.steps=4",
-                "failure.max_failures=2",
-                f"export.base_model={sd}",  # the registered version is a pipeline with its VAE and text encoder
-            ],
-        )
-        killer = threading.Thread(target=kill_the_worker_after_the_first_checkpoint)
-        killer.start()
-        summary = train(config)
-        killer.join()
-        assert killed, f"no RayTrainWorker process was killed (live metrics.csv: {seen_live or live_steps()})"
-        assert not psutil.pid_exists(killed[0])
-        assert run_attempts("watched") == 2 and summary.final_step == max_steps
-        assert seen_live and seen_live[-1] >= every and seen_live == sorted(set(seen_live))
+    uri = mlflow_uri
+    config = load_config(
+        None,
+        [
+            f"data.train={tmp_path}/train",
+            f"data.val={tmp_path}/val",
+            "model.preset=tiny",
+            f"train.max_steps={max_steps}",
+            "train.global_batch_size=8",
+            "train.ema_decay=0.9",
+            "scaling.num_workers=2",
+            f"run.storage_path={tmp_path}/runs",
+            "run.name=watched",
+            f"checkpoint.every_n_steps={every}",
+            "run.log_every_n_steps=2",
+            "tracking.trackers=[tensorboard, mlflow, wandb]",
+            f"tracking.mlflow_tracking_uri={uri}",
+            f"tracking.mlflow_experiment={mlflow_experiment_name}",  # its runs alone: the server is the session's
+            "tracking.mlflow_register_as=watched-unet",  # a model name no other test registers
+            "sample_grid.steps=4",
+            "failure.max_failures=2",
+            f"export.base_model={sd}",  # the registered version is a pipeline with its VAE and text encoder
+        ],
+    )
+    killer = threading.Thread(target=kill_the_worker_after_the_first_checkpoint)
+    killer.start()
+    summary = train(config)
+    killer.join()
+    assert killed, f"no RayTrainWorker process was killed (live metrics.csv: {seen_live or live_steps()})"
+    assert not psutil.pid_exists(killed[0])
+    assert run_attempts("watched") == 2 and summary.final_step == max_steps
+    assert seen_live and seen_live[-1] >= every and seen_live == sorted(set(seen_live))
 
-        expected = list(range(2, max_steps + 1, 2))
-        grids = list(range(every, max_steps + 1, every))
-        with open(run_dir / METRICS_FILE) as f:
-            rows = list(csv.DictReader(f))
-        # Steps after the checkpoint the restart resumed from were dropped with the state they described.
-        assert [int(r["step"]) for r in rows] == expected
-        restarted = [(int(r["step"]), int(float(r["start_step"]))) for r in rows if float(r["start_step"]) > 0]
-        assert restarted and restarted[0][1] % every == 0 and restarted[0][0] == restarted[0][1] + 2
-        assert [int(r["step"]) for r in rows if r["sample_grid_s"]] == grids
-        assert {p.name for p in (run_dir / SAMPLES_DIR).iterdir()} == {f"step_{s}.png" for s in grids}
-        assert all(p.read_bytes()[:8] == PNG for p in (run_dir / SAMPLES_DIR).iterdir())
+    expected = list(range(2, max_steps + 1, 2))
+    grids = list(range(every, max_steps + 1, every))
+    with open(run_dir / METRICS_FILE) as f:
+        rows = list(csv.DictReader(f))
+    # Steps after the checkpoint the restart resumed from were dropped with the state they described.
+    assert [int(r["step"]) for r in rows] == expected
+    restarted = [(int(r["step"]), int(float(r["start_step"]))) for r in rows if float(r["start_step"]) > 0]
+    assert restarted and restarted[0][1] % every == 0 and restarted[0][0] == restarted[0][1] + 2
+    assert [int(r["step"]) for r in rows if r["sample_grid_s"]] == grids
+    assert {p.name for p in (run_dir / SAMPLES_DIR).iterdir()} == {f"step_{s}.png" for s in grids}
+    assert all(p.read_bytes()[:8] == PNG for p in (run_dir / SAMPLES_DIR).iterdir())
 
-        state = read_state(str(run_dir))
-        assert state["logged_through"] == max_steps
-        scalars, images = tensorboard_scalars(run_dir / TENSORBOARD_DIR)
-        assert [s for s, _ in scalars["loss"]] == expected
-        assert [s for s, _ in scalars["val_loss"]] == grids
-        assert images == {"samples": grids}
+    state = read_state(str(run_dir))
+    assert state["logged_through"] == max_steps
+    scalars, images = tensorboard_scalars(run_dir / TENSORBOARD_DIR)
+    assert [s for s, _ in scalars["loss"]] == expected
+    assert [s for s, _ in scalars["val_loss"]] == grids
+    assert images == {"samples": grids}
 
-        client = mlflow.MlflowClient(uri)
-        run = client.get_run(state["ids"]["mlflow"])
-        assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == expected
-        assert [m.step for m in client.get_metric_history(run.info.run_id, "sample_grid_s")] == grids
-        assert len(client.search_runs([run.info.experiment_id])) == 1
-        assert run.data.params["train/max_steps"] == str(max_steps)
-        exported = {a.path for a in client.list_artifacts(run.info.run_id, "export")}
-        assert {"export/sdtrain.json", "export/model_index.json", "export/vae"} <= exported, exported
-        versions = client.search_model_versions("name='watched-unet'")
-        assert [(v.version, v.run_id) for v in versions] == [("1", run.info.run_id)]
+    client = mlflow.MlflowClient(uri)
+    run = client.get_run(state["ids"]["mlflow"])
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == expected
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "sample_grid_s")] == grids
+    assert len(client.search_runs([run.info.experiment_id])) == 1
+    assert run.data.params["train/max_steps"] == str(max_steps)
+    exported = {a.path for a in client.list_artifacts(run.info.run_id, "export")}
+    assert {"export/sdtrain.json", "export/model_index.json", "export/vae"} <= exported, exported
+    versions = client.search_model_versions("name='watched-unet'")
+    assert [(v.version, v.run_id) for v in versions] == [("1", run.info.run_id)]
 
     # The false alarms Ray Data raised in every worker are gone from the console (forwarded to the driver).
     out, err = capfd.readouterr()

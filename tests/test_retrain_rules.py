@@ -536,11 +536,13 @@ def _trained(tmp_path, client, config, day, registered=True) -> dict:
     (sdtrain.driver.trackers.log_export) unless MLflow was down then."""
     from sdtrain.driver.trackers import log_export
     from sdtrain.storage.run_layout import TRACKERS_FILE
+    from sdtrain.train.tracker_loggers import mlflow_experiment
 
     run_dir = tmp_path / "runs" / f"retrain-{day}"
     (run_dir / "export").mkdir(parents=True)
     (run_dir / "export" / "sdtrain.json").write_text("{}")
-    experiment = client.get_experiment_by_name("retrain") or client.get_experiment(client.create_experiment("retrain"))
+    name = mlflow_experiment(config)  # the experiment training's MLflow logger would create the run in
+    experiment = client.get_experiment_by_name(name) or client.get_experiment(client.create_experiment(name))
     run_id = client.create_run(experiment.experiment_id).info.run_id
     (run_dir / TRACKERS_FILE).write_text(json.dumps({"ids": {"mlflow": run_id}, "logged_through": 12}))
     if registered:
@@ -551,133 +553,134 @@ def _trained(tmp_path, client, config, day, registered=True) -> dict:
 @pytest.mark.slow  # a real MLflow server in its own process
 @pytest.mark.timeout(300)
 def test_mlflow_shows_what_the_registry_promoted_and_a_rollback_and_catches_up_after_an_outage(
-    tmp_path, monkeypatch, caplog
+    tmp_path, monkeypatch, caplog, mlflow_uri, mlflow_experiment_name
 ):
     """The MLflow model's production alias names the MLflow version of the registry's production version, each
     version judged by the gate is tagged with its numbers, a rollback moves the alias back, and MLflow being down
     neither undoes a promotion nor leaves MLflow behind after the date's re-run. Each version is written as a run
     interrupted before the pointer's move leaves it, so the runs here train nothing."""
     import mlflow
-    from support.mlflow_server import mlflow_server
 
     from sdtrain.driver.retrain import rollback
 
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # MLflow down: fail at once, not after minutes
-    name = "retrained-unet"
-    with mlflow_server(tmp_path) as uri:
-        tracking = ["tracking.trackers=[mlflow]", f"tracking.mlflow_register_as={name}"]
-        config = _rules_config(tmp_path, *tracking, f"tracking.mlflow_tracking_uri={uri}", "retrain.tolerance=0.05")
-        down = _rules_config(
-            tmp_path, *tracking, "tracking.mlflow_tracking_uri=http://127.0.0.1:9", "retrain.tolerance=0.05"
-        )
-        client = mlflow.MlflowClient(uri)
-        registry = ModelRegistry(str(tmp_path / "models"))
+    name = "retrained-unet"  # a model name no other test registers: the server is the session's (mlflow_uri)
+    uri = mlflow_uri
+    tracking = [
+        "tracking.trackers=[mlflow]",
+        f"tracking.mlflow_register_as={name}",
+        f"tracking.mlflow_experiment={mlflow_experiment_name}",  # its runs in an experiment of its own
+    ]
+    config = _rules_config(tmp_path, *tracking, f"tracking.mlflow_tracking_uri={uri}", "retrain.tolerance=0.05")
+    down = _rules_config(
+        tmp_path, *tracking, "tracking.mlflow_tracking_uri=http://127.0.0.1:9", "retrain.tolerance=0.05"
+    )
+    client = mlflow.MlflowClient(uri)
+    registry = ModelRegistry(str(tmp_path / "models"))
 
-        def version(day, parent, promoted, value, production_value, reason, **trained):
-            manifest = {
-                "schedule_date": day,
-                "parent": parent,
-                "promoted": promoted,
-                "reason": reason,
-                "gate_metric": "val_loss",
-                "metrics": {"val_loss": value, "production_val_loss": production_value},
-                "config": config.to_dict(),
-                **trained,
-            }
-            torch.manual_seed(0)
-            return registry.write_version(UNet2DConditionModel(**PRESETS["tiny"]), DDPMScheduler(), manifest)
-
-        def mlflow_version(registry_version):
-            found = client.search_model_versions(
-                f"name='{name}' and tags.`sdtrain.registry_version`='{registry_version}'"
-            )
-            assert len(found) == 1, (registry_version, found)
-            return found[0]
-
-        # The first version: promoted, the alias set on the MLflow version its run registered, the gate's numbers
-        # tagged.
-        first = "first version (val_loss 0.30000); there is no production model to compare with"
-        run_one = _trained(tmp_path, client, config, "2026-11-01")
-        version("2026-11-01", None, True, 0.3, None, first, **run_one)
-        outcome = retrain(config, datetime.date(2026, 11, 1))
-        assert (outcome.status, registry.production()) == ("completed-promotion", "v0001")
-        one = mlflow_version("v0001")
-        assert one.run_id == run_one["mlflow_run_id"]
-        assert client.get_registered_model(name).aliases == {"production": one.version}
-        assert {k: v for k, v in one.tags.items() if k.startswith("sdtrain.")} == {
-            "sdtrain.registry_version": "v0001",
-            "sdtrain.models_root": registry.root_uri,
-            "sdtrain.schedule_date": "2026-11-01",
-            "sdtrain.gate.decision": "promoted",
-            "sdtrain.gate.metric": "val_loss",
-            "sdtrain.gate.value": "0.3",
-            "sdtrain.gate.production_value": "none",
-            "sdtrain.gate.production_version": "none",
-            "sdtrain.gate.tolerance": "0.05",
-            "sdtrain.gate.reason": first,
+    def version(day, parent, promoted, value, production_value, reason, **trained):
+        manifest = {
+            "schedule_date": day,
+            "parent": parent,
+            "promoted": promoted,
+            "reason": reason,
+            "gate_metric": "val_loss",
+            "metrics": {"val_loss": value, "production_val_loss": production_value},
+            "config": config.to_dict(),
+            **trained,
         }
+        torch.manual_seed(0)
+        return registry.write_version(UNet2DConditionModel(**PRESETS["tiny"]), DDPMScheduler(), manifest)
 
-        # A worse model: registered by its run, tagged rejected, the alias left on production's.
-        worse = "val_loss 0.50000 > v0001's 0.30000 x (1 + 0.05)"
-        version("2026-11-02", "v0001", False, 0.5, 0.3, worse, **_trained(tmp_path, client, config, "2026-11-02"))
-        assert retrain(config, datetime.date(2026, 11, 2)).status == "already-done"
-        two = mlflow_version("v0002")
-        assert two.tags["sdtrain.gate.decision"] == "rejected" and two.tags["sdtrain.gate.reason"] == worse
-        assert (two.tags["sdtrain.gate.value"], two.tags["sdtrain.gate.production_value"]) == ("0.5", "0.3")
-        assert client.get_registered_model(name).aliases == {"production": one.version}
+    def mlflow_version(registry_version):
+        found = client.search_model_versions(f"name='{name}' and tags.`sdtrain.registry_version`='{registry_version}'")
+        assert len(found) == 1, (registry_version, found)
+        return found[0]
 
-        # MLflow down from the end of the third day's training on: its export was never registered, and the
-        # promotion goes through anyway, with a warning.
-        better = "val_loss 0.20000 <= v0001's 0.30000 x (1 + 0.05)"
-        trained = _trained(tmp_path, client, config, "2026-11-03", registered=False)
-        version("2026-11-03", "v0001", True, 0.2, 0.3, better, **trained)
-        caplog.clear()
-        outcome = retrain(down, datetime.date(2026, 11, 3))
-        assert (outcome.status, registry.production()) == ("completed-promotion", "v0003")
-        warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
-        assert any("MLflow" in w and "the registry is the source of truth" in w for w in warned), warned
-        assert client.get_registered_model(name).aliases == {"production": one.version}
-        # The date's re-run, MLflow up again, registers the export of v0003's run and catches up; again, nothing more.
-        for _ in range(2):
-            assert retrain(config, datetime.date(2026, 11, 3)).status == "already-done"
-        three = mlflow_version("v0003")
-        assert three.run_id == trained["mlflow_run_id"] and three.tags["sdtrain.gate.decision"] == "promoted"
-        assert client.get_registered_model(name).aliases == {"production": three.version}
-        assert len(client.search_model_versions(f"name='{name}'")) == 3
+    # The first version: promoted, the alias set on the MLflow version its run registered, the gate's numbers
+    # tagged.
+    first = "first version (val_loss 0.30000); there is no production model to compare with"
+    run_one = _trained(tmp_path, client, config, "2026-11-01")
+    version("2026-11-01", None, True, 0.3, None, first, **run_one)
+    outcome = retrain(config, datetime.date(2026, 11, 1))
+    assert (outcome.status, registry.production()) == ("completed-promotion", "v0001")
+    one = mlflow_version("v0001")
+    assert one.run_id == run_one["mlflow_run_id"]
+    assert client.get_registered_model(name).aliases == {"production": one.version}
+    assert {k: v for k, v in one.tags.items() if k.startswith("sdtrain.")} == {
+        "sdtrain.registry_version": "v0001",
+        "sdtrain.models_root": registry.root_uri,
+        "sdtrain.schedule_date": "2026-11-01",
+        "sdtrain.gate.decision": "promoted",
+        "sdtrain.gate.metric": "val_loss",
+        "sdtrain.gate.value": "0.3",
+        "sdtrain.gate.production_value": "none",
+        "sdtrain.gate.production_version": "none",
+        "sdtrain.gate.tolerance": "0.05",
+        "sdtrain.gate.reason": first,
+    }
 
-        # A rollback moves the alias back with the pointer, and what serving fetches by it is v0001's run's export.
-        # It takes no lock, so here it lands while a re-run of the date sets the alias from its earlier read of the
-        # pointer (v0003): set after the rollback's, that stale alias would stand unless the run reads the pointer
-        # again.
-        from sdtrain.driver import retrain_mlflow
+    # A worse model: registered by its run, tagged rejected, the alias left on production's.
+    worse = "val_loss 0.50000 > v0001's 0.30000 x (1 + 0.05)"
+    version("2026-11-02", "v0001", False, 0.5, 0.3, worse, **_trained(tmp_path, client, config, "2026-11-02"))
+    assert retrain(config, datetime.date(2026, 11, 2)).status == "already-done"
+    two = mlflow_version("v0002")
+    assert two.tags["sdtrain.gate.decision"] == "rejected" and two.tags["sdtrain.gate.reason"] == worse
+    assert (two.tags["sdtrain.gate.value"], two.tags["sdtrain.gate.production_value"]) == ("0.5", "0.3")
+    assert client.get_registered_model(name).aliases == {"production": one.version}
 
-        point_alias, rolled = retrain_mlflow._point_alias, []
-
-        def rollback_first(*args):
-            if not rolled:  # the run's first alias: the rollback (whose own publish sets the alias) goes first
-                rolled.append(None)
-                rolled[0] = rollback(config, reason="blurry samples")
-            point_alias(*args)
-
-        monkeypatch.setattr(retrain_mlflow, "_point_alias", rollback_first)
+    # MLflow down from the end of the third day's training on: its export was never registered, and the
+    # promotion goes through anyway, with a warning.
+    better = "val_loss 0.20000 <= v0001's 0.30000 x (1 + 0.05)"
+    trained = _trained(tmp_path, client, config, "2026-11-03", registered=False)
+    version("2026-11-03", "v0001", True, 0.2, 0.3, better, **trained)
+    caplog.clear()
+    outcome = retrain(down, datetime.date(2026, 11, 3))
+    assert (outcome.status, registry.production()) == ("completed-promotion", "v0003")
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any("MLflow" in w and "the registry is the source of truth" in w for w in warned), warned
+    assert client.get_registered_model(name).aliases == {"production": one.version}
+    # The date's re-run, MLflow up again, registers the export of v0003's run and catches up; again, nothing more.
+    for _ in range(2):
         assert retrain(config, datetime.date(2026, 11, 3)).status == "already-done"
-        monkeypatch.setattr(retrain_mlflow, "_point_alias", point_alias)
-        assert rolled == [("v0003", "v0001")] and registry.production() == "v0001"
-        assert client.get_registered_model(name).aliases == {"production": one.version}
-        # models:/ URIs are resolved by the process's registry: set, over what an earlier test's MLflow logger left
-        # there (set_tracking_uri wins over the environment; CI fetched from that test's server, long stopped).
-        mlflow.set_tracking_uri(uri)
-        try:
-            fetched = mlflow.artifacts.download_artifacts(f"models:/{name}@production")
-        finally:
-            mlflow.set_tracking_uri(None)  # unset, and MLFLOW_TRACKING_URI with it
-        assert os.listdir(fetched) == ["sdtrain.json"]
+    three = mlflow_version("v0003")
+    assert three.run_id == trained["mlflow_run_id"] and three.tags["sdtrain.gate.decision"] == "promoted"
+    assert client.get_registered_model(name).aliases == {"production": three.version}
+    assert len(client.search_model_versions(f"name='{name}'")) == 3
 
-        # A production version without an MLflow version (its run logged to no MLflow): the alias is removed rather
-        # than left on a version production no longer names.
-        version("2026-11-04", "v0001", True, 0.25, 0.3, "val_loss 0.25000 <= v0001's 0.30000 x (1 + 0.05)")
-        caplog.clear()
-        assert retrain(config, datetime.date(2026, 11, 4)).status == "completed-promotion"
-        assert client.get_registered_model(name).aliases == {}
-        warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
-        assert any(f"removed model {name}'s production alias: production (v0004) has no" in w for w in warned), warned
+    # A rollback moves the alias back with the pointer, and what serving fetches by it is v0001's run's export.
+    # It takes no lock, so here it lands while a re-run of the date sets the alias from its earlier read of the
+    # pointer (v0003): set after the rollback's, that stale alias would stand unless the run reads the pointer
+    # again.
+    from sdtrain.driver import retrain_mlflow
+
+    point_alias, rolled = retrain_mlflow._point_alias, []
+
+    def rollback_first(*args):
+        if not rolled:  # the run's first alias: the rollback (whose own publish sets the alias) goes first
+            rolled.append(None)
+            rolled[0] = rollback(config, reason="blurry samples")
+        point_alias(*args)
+
+    monkeypatch.setattr(retrain_mlflow, "_point_alias", rollback_first)
+    assert retrain(config, datetime.date(2026, 11, 3)).status == "already-done"
+    monkeypatch.setattr(retrain_mlflow, "_point_alias", point_alias)
+    assert rolled == [("v0003", "v0001")] and registry.production() == "v0001"
+    assert client.get_registered_model(name).aliases == {"production": one.version}
+    # models:/ URIs are resolved by the process's registry: set, over what an earlier test's MLflow logger left
+    # there (set_tracking_uri wins over the environment; CI fetched from that test's server, long stopped).
+    mlflow.set_tracking_uri(uri)
+    try:
+        fetched = mlflow.artifacts.download_artifacts(f"models:/{name}@production")
+    finally:
+        mlflow.set_tracking_uri(None)  # unset, and MLFLOW_TRACKING_URI with it
+    assert os.listdir(fetched) == ["sdtrain.json"]
+
+    # A production version without an MLflow version (its run logged to no MLflow): the alias is removed rather
+    # than left on a version production no longer names.
+    version("2026-11-04", "v0001", True, 0.25, 0.3, "val_loss 0.25000 <= v0001's 0.30000 x (1 + 0.05)")
+    caplog.clear()
+    assert retrain(config, datetime.date(2026, 11, 4)).status == "completed-promotion"
+    assert client.get_registered_model(name).aliases == {}
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any(f"removed model {name}'s production alias: production (v0004) has no" in w for w in warned), warned

@@ -6,17 +6,11 @@ from __future__ import annotations
 import math
 
 import mlflow
-import pytest
 from conftest import tiny_config
-from support.mlflow_server import mlflow_server
 
 from sdtrain.train.trackers import Trackers, read_state
 
-
-@pytest.fixture(scope="module")
-def mlflow_uri(tmp_path_factory):
-    with mlflow_server(tmp_path_factory.mktemp("mlflow")) as uri:
-        yield uri
+# mlflow_uri: the session's MLflow server (conftest), shared with other tests' runs in experiments of their own.
 
 
 def _config(tmp_path, uri, name, *overrides):
@@ -30,10 +24,11 @@ def _config(tmp_path, uri, name, *overrides):
     )
 
 
-def test_a_retried_worker_group_sets_its_mlflow_run_running_again(tmp_path, mlflow_uri):
+def test_a_retried_worker_group_sets_its_mlflow_run_running_again(tmp_path, mlflow_uri, mlflow_experiment_name):
     """A worker group that raised ends the run FAILED; the group Ray Train restarts logs into the same run, which
     shows RUNNING again while it trains, and FINISHED at its end."""
-    config, run_dir = _config(tmp_path, mlflow_uri, "retried"), str(tmp_path / "runs" / "retried")
+    experiment = f"tracking.mlflow_experiment={mlflow_experiment_name}"
+    config, run_dir = _config(tmp_path, mlflow_uri, "retried", experiment), str(tmp_path / "runs" / "retried")
     first = Trackers(config, run_dir, [])
     for step in (2, 4):
         assert first.log_metrics({"step": step, "loss": 1.0 / step}, step)
@@ -50,10 +45,13 @@ def test_a_retried_worker_group_sets_its_mlflow_run_running_again(tmp_path, mlfl
     assert [m.step for m in client.get_metric_history(run_id, "loss")] == [2, 4, 6]
 
 
-def test_an_mlflow_catch_up_sends_the_missed_rows_in_few_requests_each_once(tmp_path, mlflow_uri, monkeypatch):
+def test_an_mlflow_catch_up_sends_the_missed_rows_in_few_requests_each_once(
+    tmp_path, mlflow_uri, mlflow_experiment_name, monkeypatch
+):
     """The rows an outage left MLflow without (300, 4 metrics each) reach it in batches of up to 1000 metrics, not a
     request a row (synchronous, on the training thread), and each row lands once at its step."""
-    config, run_dir = _config(tmp_path, mlflow_uri, "caught-up"), str(tmp_path / "runs" / "caught-up")
+    experiment = f"tracking.mlflow_experiment={mlflow_experiment_name}"
+    config, run_dir = _config(tmp_path, mlflow_uri, "caught-up", experiment), str(tmp_path / "runs" / "caught-up")
     trackers = Trackers(config, run_dir, [])
     assert trackers.log_metrics({"step": 1, "loss": 1.0}, 1)
     requests: list[int] = []
