@@ -201,9 +201,9 @@ def _fit(
             start.data.epoch,
             torch.get_num_threads(),
         )
-    stretches = plan.rank_stretches(
-        start.data, layout.world_size, layout.rows_per_step, config.train.max_steps - start.step
-    )
+    # The first step's stretches hold the first window: the same cut at any step (sdtrain.data.horizons).
+    first_step = min(1, config.train.max_steps - start.step)
+    stretches = plan.rank_stretches(start.data, layout.world_size, layout.rows_per_step, first_step)
     train_batches.expected_first = plan.sample_indices(plan.window(stretches[rank][0], 0))[: layout.micro_batch]
 
     trainer = pl.Trainer(callbacks=_callbacks(run, module, rank, train_batches), **trainer_kwargs)
