@@ -55,7 +55,7 @@ def test_live_files_are_created_with_the_umasks_permissions(tmp_path):
     the permissions a file open() created would have, for the run's readers."""
     import stat
 
-    from sdtrain.train.trackers import _write_state
+    from sdtrain.train.trackers import write_state
 
     for umask, mode in ((0o022, 0o644), (0o077, 0o600)):
         previous = os.umask(umask)
@@ -63,7 +63,7 @@ def test_live_files_are_created_with_the_umasks_permissions(tmp_path):
             live = LiveOutputs(str(tmp_path / oct(umask)), LossLabels())
             live.update(_rows([2, 4]))
             assert live.writer.flush(timeout=60)
-            _write_state(str(tmp_path / oct(umask)), {"ids": {}, "logged_through": 4})
+            write_state(str(tmp_path / oct(umask)), {"ids": {}, "logged_through": 4})
         finally:
             os.umask(previous)
         files = (METRICS_FILE, LOSS_CURVE_FILE, TRACKERS_FILE)
@@ -291,6 +291,79 @@ def test_the_driver_gives_tensorboard_the_final_evaluation_once(tmp_path, monkey
     scalars, _ = tensorboard_scalars(run_dir / TENSORBOARD_DIR)
     assert scalars["fd_dinov2"] == [(4, 3.0)] and scalars["loss"] == [(2, 0.5), (4, 0.25)]
     assert read_state(str(run_dir))["evaluated"] == [4]
+
+
+def test_the_driver_gives_wandb_the_final_evaluation_once(tmp_path, monkeypatch, caplog):
+    """The final checkpoint's evaluation finishes after the workers' last W&B row: the driver's end of the run appends
+    it to the workers' W&B run in a row of its own at the checkpoint's step, once however often it runs, and sends no
+    training row again. W&B down then, while TensorBoard takes it, is warned about, and a re-run sends it."""
+    import sdtrain.driver.trackers
+    from sdtrain.driver.trackers import log_final
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    config = tiny_config(
+        "data.train=unused",
+        "data.val=unused",
+        "eval.dinov2=unused",
+        "tracking.trackers=[tensorboard, wandb]",
+        tmp_path=tmp_path,
+        name="wandb-eval",
+    )
+    final = {"fd_dinov2": 3.0, "eval_s": 1.5}
+    monkeypatch.setattr(sdtrain.driver.trackers, "final_results", lambda run_dir, rows: {6: final})
+    run_dir = tmp_path / "runs" / "wandb-eval"
+
+    def final_history() -> list[dict[str, float]]:  # step 2's evaluation finished while training ran
+        return [
+            {"step": 2, "loss": 0.5, "fd_dinov2": 4.0, "eval_s": 1.0},
+            {"step": 4, "loss": 0.25},
+            {"step": 6, "loss": 0.125},
+        ]
+
+    def warned() -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and r.name == "sdtrain"]
+
+    workers = Trackers(config, str(run_dir), [])
+    assert workers.log_metrics({"step": 2, "loss": 0.5}, 2)
+    workers.log_evaluation({"fd_dinov2": 4.0, "eval_s": 1.0}, 2)  # W&B: in the next row
+    for row in final_history()[1:]:
+        assert workers.log_metrics(row, int(row["step"]))
+    workers.finish("success")
+    ids = read_state(str(run_dir))["ids"]
+
+    def wandb_down(*args):
+        raise ConnectionError("W&B does not answer")
+
+    with monkeypatch.context() as patched:  # TensorBoard takes the evaluation, W&B does not
+        patched.setattr(sdtrain.driver.trackers, "_resume_wandb", wandb_down)
+        log_final(config, str(run_dir), final_history())
+    assert len(warned()) == 1 and warned()[0].startswith("W&B did not take the final evaluation"), warned()
+    assert "W&B does not answer" in warned()[0] and "Re-running the same command sends it" in warned()[0]
+    state = {"ids": ids, "logged_through": 6, "evaluated": [2, 6], "wandb_evaluated": [2]}
+    assert read_state(str(run_dir)) == state
+    for _ in range(2):  # a re-run of the finished run sends it, the next one nothing
+        log_final(config, str(run_dir), final_history())
+        assert read_state(str(run_dir)) == {**state, "wandb_evaluated": [2, 6]}
+    assert len(warned()) == 1, warned()
+
+    runs = run_files(str(run_dir))
+    assert [run.run_id for run in runs] == [ids["wandb"], ids["wandb"]]  # the workers', then the driver's once
+    rows = [(int(row["trainer/global_step"]), row) for run in runs for row in run.history]
+    assert [(step, float(row["loss"])) for step, row in rows if "loss" in row] == [(2, 0.5), (4, 0.25), (6, 0.125)]
+    assert [
+        (step, int(row["evaluated_step"]), float(row["fd_dinov2"])) for step, row in rows if "fd_dinov2" in row
+    ] == [
+        (4, 2, 4.0),  # joined to the workers' next row
+        (6, 6, 3.0),  # the driver's row, at the final step
+    ]
+    assert {key for key in runs[1].history[0] if not key.startswith("_")} == {
+        *final,
+        "evaluated_step",
+        "trainer/global_step",
+    }
+    scalars, _ = tensorboard_scalars(run_dir / TENSORBOARD_DIR)
+    assert scalars["fd_dinov2"] == [(2, 4.0), (6, 3.0)] and scalars["loss"] == [(2, 0.5), (4, 0.25), (6, 0.125)]
 
 
 @pytest.mark.slow

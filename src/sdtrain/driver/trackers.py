@@ -22,7 +22,8 @@ from sdtrain.logs import log
 from sdtrain.storage.filesystems import local_copy
 from sdtrain.storage.uris import is_uri
 from sdtrain.train.tracker_loggers import wandb_save_dir
-from sdtrain.train.trackers import FORWARDED_ENV, NAMES, TrackerOutage, Trackers, read_state
+from sdtrain.train.trackers import FORWARDED_ENV, NAMES, TrackerOutage, Trackers, read_state, write_state
+from sdtrain.train.wandb_files import STEP_KEY
 
 WORKER_MLFLOW_RETRIES = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_TIMEOUT": "15"}
 """MLflow's client retries on the workers unless this process's environment sets them. Rank 0's call that meets an
@@ -132,11 +133,59 @@ def log_export(config: Config, run_dir: str, export_uri: str) -> None:
 def _attach_export_to_wandb(config: Config, run_dir: str, run_id: str, export_uri: str) -> None:
     import wandb
 
-    run = wandb.init(project=config.tracking.wandb_project, id=run_id, resume="allow", dir=wandb_save_dir(run_dir))
+    run = _resume_wandb(config, run_dir, run_id)
     artifact = wandb.Artifact(f"{config.run.name}-export", type="model")
     artifact.add_dir(_local(export_uri))
     run.log_artifact(artifact)
     run.finish()
+
+
+def _resume_wandb(config: Config, run_dir: str, run_id: str):
+    """The workers' W&B run ``run_id``, continued from this process (in a directory of its own when run_dir is on
+    object storage: the workers' files may be on other nodes)."""
+    import wandb
+
+    return wandb.init(project=config.tracking.wandb_project, id=run_id, resume="allow", dir=wandb_save_dir(run_dir))
+
+
+WANDB_EVALUATED = "wandb_evaluated"
+"""trackers.json's list of the evaluation steps W&B holds, written by the driver's :func:`log_final`. Absent, its
+"evaluated" stands for it: the workers send W&B each evaluation they record there, and a worker group writes
+trackers.json back without this key (the run resumed for more steps: its "evaluated" then holds every evaluation W&B
+was sent; one the driver failed to send W&B before is not sent), as a trackers.json from before it has none."""
+
+
+def _give_wandb_evaluations(config: Config, run_dir: str, evaluated: list[tuple[int, dict[str, float]]]) -> None:
+    """Send W&B the late ``evaluated`` (step, metrics) it does not hold (:data:`WANDB_EVALUATED`), one row each in the
+    workers' W&B run, appended after its last (W&B's steps only grow) with the workers' ``evaluated_step`` and the
+    trainer step of Lightning's rows, ``trainer/global_step``, both the checkpoint's; no training row is sent again.
+    Recorded apart from the other trackers' "evaluated": W&B failing here is warned about and tried again at a
+    re-run of the finished run, however they fared."""
+    state = read_state(run_dir)
+    if "wandb" not in config.tracking.trackers or "wandb" not in state["ids"]:
+        return
+    held = set(state.get(WANDB_EVALUATED, state.get("evaluated", [])))
+    due = [(step, values) for step, values in evaluated if step not in held]
+    if not due:
+        return
+    try:
+        import wandb
+
+        run = _resume_wandb(config, run_dir, state["ids"]["wandb"])
+        try:
+            for step, values in due:
+                run.log({**values, "evaluated_step": step, STEP_KEY: step})
+        finally:
+            run.finish()
+            wandb.teardown()  # closes the run's files, whole for whoever reads them next (as the workers' finish)
+        held |= {step for step, _ in due}
+    except Exception as error:  # training succeeded: a tracker's failure must not fail the run
+        log.warning(
+            f"W&B did not take the final evaluation (the run succeeded; it is in metrics.csv): {error}. Re-running "
+            "the same command sends it once W&B answers"
+        )
+    # Before the other trackers' catch-up, which writes trackers.json back with it (_EndTrackers.kept).
+    write_state(run_dir, {**state, WANDB_EVALUATED: sorted(held)})
 
 
 def mlflow_client(config: Config):
@@ -184,20 +233,21 @@ class _EndOutage(TrackerOutage):
 
 class _EndTrackers(Trackers):
     outage = _EndOutage
+    kept = ("evaluated", WANDB_EVALUATED)
 
 
 def log_final(config: Config, run_dir: str, history: list[dict[str, float]]) -> None:
     """The end of a run, from the driver (at each re-run of a finished run too): merge into ``history`` the evaluations
     that finished after their rows were saved (the final checkpoint's: Ray Train waits for it), catch MLflow up
     through :class:`sdtrain.train.trackers.Trackers` with the rows after the last step it holds (the workers' last
-    ones when it was down at their end), and send MLflow and TensorBoard those evaluations at their steps, each once
-    (trackers.json). A tracker failing is warned about.
+    ones when it was down at their end), and send MLflow, TensorBoard and W&B those evaluations at their steps, each
+    once (trackers.json; W&B's apart, :func:`_give_wandb_evaluations`). A tracker failing is warned about.
 
     TensorBoard holds every step up to the final checkpoint (flushed and mirrored before it was taken): it gets only
-    the evaluations, in an event file of the driver's, written when there is one it lacks. W&B is left to the workers:
-    its client queues what it was given and sends it itself, and online the step it holds is its server's summary,
-    which can lag that queue: rows sent again from here would be dropped by W&B (its steps only grow), or held
-    twice; a final evaluation (which finished after the workers' last W&B row) is not in W&B.
+    the evaluations, in an event file of the driver's, written when there is one it lacks. W&B's rows are left to the
+    workers: its client queues what it was given and sends it itself, and online the step it holds is its server's
+    summary, which can lag that queue: rows sent again from here would be dropped by W&B (its steps only grow), or
+    held twice. It gets only the evaluations, each in a row of its own after the workers' last one.
 
     Args:
         config: the run's config.
@@ -205,6 +255,7 @@ def log_final(config: Config, run_dir: str, history: list[dict[str, float]]) -> 
         history: the final checkpoint's rows, in step order.
     """
     evaluated = merge_results(history, final_results(run_dir, history)) if config.eval.enabled else []
+    _give_wandb_evaluations(config, run_dir, evaluated)
     sent = set(read_state(run_dir).get("evaluated", []))
     # TensorBoard only for an evaluation it lacks: each open of it writes an event file.
     lacking = {*dict(evaluated)} - sent

@@ -68,7 +68,8 @@ def read_state(run_dir: str) -> dict[str, Any]:
         return {"ids": {}, "logged_through": -1}
 
 
-def _write_state(run_dir: str, state: dict[str, Any]) -> None:
+def write_state(run_dir: str, state: dict[str, Any]) -> None:
+    """Replace the run's tracker state (:func:`read_state`) with ``state``, whole."""
     fs, path = filesystem_for(posixpath.join(run_dir, TRACKERS_FILE))
     write_whole(fs, path, json.dumps(state).encode())
 
@@ -100,6 +101,7 @@ class Trackers:
     is: warned about once, left out until it answers again, then sent what it missed in order (TrackerOutage)."""
 
     outage = TrackerOutage  # the driver's catch-up at the end of a run says what an outage means there
+    kept: tuple[str, ...] = ("evaluated",)  # kept in trackers.json (the driver's WANDB_EVALUATED is not: see there)
 
     def __init__(self, config: Config, run_dir: str, history: list[dict[str, float]], retry_s: float = RETRY_S):
         """Args:
@@ -367,9 +369,8 @@ class Trackers:
 
     def _save_state(self) -> None:
         state = {"ids": dict(self.ids), "logged_through": self.logged_through}
-        if self.state.get("evaluated"):  # only a run with eval has any
-            state["evaluated"] = self.state["evaluated"]
-        self._state_writer.submit(lambda: _write_state(self.run_dir, state))
+        state |= {key: self.state[key] for key in self.kept if key in self.state}  # evaluated: a run with eval's
+        self._state_writer.submit(lambda: write_state(self.run_dir, state))
 
 
 def _rows_after(history: Sequence[Mapping[str, float]], held: int) -> list[Mapping[str, float]]:
