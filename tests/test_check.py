@@ -100,7 +100,7 @@ def test_a_phase_trains_the_runs_micro_batch_and_is_measured_by_a_window_of_trai
     from sdtrain.driver.check import _pinned
 
     sharded = load_config(None, [*cpu_auto, "train.strategy=fsdp", "scaling.use_gpu=auto"])
-    assert (_pinned(sharded, 1, 8), _pinned(sharded, 4, 8), _pinned(load_config(None, elastic), 1, 8)) == (None, 8, 8)
+    assert (_pinned(sharded, 1, 8), _pinned(sharded, 4, 8), _pinned(load_config(None, elastic), 1, 8)) == ("auto", 8, 8)
     for steps in (8, 40, 41, 42, 101):
         cadence = ReportCadence(phase_config(None, ["data.val=/v", *elastic], 1, steps=steps))
         end = measured_step(steps)

@@ -200,7 +200,8 @@ def _footers(
     read_rows, checked = read_footers_with_progress(
         files, key, columns, reference.checked if reference is not None else None, read_runs, counts
     )
-    assert checked is not None  # a listing is never empty: list_dataset raises
+    if checked is None:  # no file read and no index: nothing named (list_dataset refuses a spec matching none)
+        raise DataError(f"{key}: names no parquet files; give a parquet file, directory, glob or list of them")
     rows[positions] = read_rows
     for k, file_runs in read_runs.items():
         runs[positions[k]] = pack_runs(file_runs)

@@ -36,6 +36,9 @@ class Phase:
         steps_per_s: optimizer steps per second in that window.
         graphs_compiled: graphs compiled in that window (compiled phases; None: eager). Above 0, its figures hold
             their compilation: a bucket first drawn in it.
+        micro_batch: the micro-batch it trained, as its driver resolved it (None: the phase failed first).
+        run_micro_batch: the configured run's micro-batch where the phase's differs (None: the same): a phase under
+            FSDP on fewer GPUs than the run fits its own (sdtrain.driver.check._pinned).
     """
 
     name: str
@@ -53,6 +56,8 @@ class Phase:
     predicted_memory_gb: float | None = None
     steps_per_s: float | None = None
     graphs_compiled: int | None = None
+    micro_batch: int | None = None
+    run_micro_batch: int | None = None
 
     @property
     def training_images_per_s_per_gpu(self) -> float | None:
@@ -112,6 +117,14 @@ class CheckReport:
             for phase in self.phases
             if phase.graphs_compiled
         ]
+        lines += [
+            f"{phase.name}: micro-batch {phase.micro_batch or 'auto'}, not the run's {phase.run_micro_batch}: under "
+            f"FSDP, {phase.workers} GPU(s) each hold more of the model's state than the run's "
+            f"{self.config.scaling.min_workers}, so the phase fits its own (train.micro_batch_size=auto); its "
+            "figures are at that micro-batch"
+            for phase in self.phases
+            if phase.run_micro_batch is not None
+        ]
         if self.config.eval.enabled:
             lines.append(
                 f"evaluation: off in the check's phases (the run evaluates {', '.join(self.config.eval.metrics)}), "
@@ -127,10 +140,13 @@ class CheckReport:
         return lines
 
     def _compile_line(self) -> list[str]:
-        if len(self.phases) < 3:
+        """The one-GPU phase's rate beside the --compare-compile phase's: the one-GPU phase trained the other way
+        (the third phase, or the second where the run's most workers is 1)."""
+        if not self.phases:
             return []
-        one, other = self.phases[0], self.phases[2]
-        if not (one.images_per_s_per_gpu and other.images_per_s_per_gpu):
+        one = self.phases[0]
+        other = next((p for p in self.phases[1:] if p.workers == 1 and p.compiled != one.compiled), None)
+        if other is None or not (one.images_per_s_per_gpu and other.images_per_s_per_gpu):
             return []
         compiled, eager = (one, other) if one.compiled else (other, one)
         assert compiled.images_per_s_per_gpu and eager.images_per_s_per_gpu  # both measured (above)

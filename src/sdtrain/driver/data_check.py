@@ -29,6 +29,7 @@ from sdtrain.model.unet import check_unet, unet_config
 def check_data(config: Config, run_dir: str) -> tuple[IndexedDataset, IndexedDataset | None, float | None]:
     """data.train and data.val, checked against the UNet and each other; and the latent scaling factor the files
     record."""
+    require_train_data(config)
     unet = unet_config(config.model)
     # The run's dataset index (its first start reads the footers; later starts, the index and changed files).
     train_data = indexed_dataset(config, "data.train", config.data.train, unet, run_dir)
@@ -63,6 +64,18 @@ def check_data(config: Config, run_dir: str) -> tuple[IndexedDataset, IndexedDat
             f"{config.train.global_batch_size} samples; add data or lower the batch size"
         )
     return train_data, val_data, stored_scale
+
+
+def require_train_data(config: Config) -> None:
+    """A ConfigError for a config without data.train: a retraining config's (retrain.data_root), which
+    entrypoints/retrain.py runs, setting data.train to each round's partitions; training and its check train
+    data.train."""
+    if not config.data.train:
+        raise ConfigError(
+            "data.train: is empty: a retraining config (retrain.data_root) runs with entrypoints/retrain.py, which "
+            "sets data.train to each round's new partitions; to train or check it, set data.train to the data to "
+            "train on (a parquet file, directory, glob or list of them)"
+        )
 
 
 def dataset_spec(config: Config, key: str, specs: list[str], unet: Mapping) -> DatasetSpec:
