@@ -643,7 +643,7 @@ def test_parquet_input_interrupted_and_resumed(tmp_path, tiny_model, ray_cluster
     assert len(first.shards_written) == 2 and first.shards_done_before == 0
     # The CPU stage runs as tasks of its own, beside the encoders, not fused into their actors: Ray Data's plan.
     capfd.readouterr()
-    _pipeline(config, shards).explain()
+    _pipeline(config, shards, False).explain()  # the tiny model is SD-shaped
     plan = capfd.readouterr().out.split("Physical Plan (Optimized)")[1]
     assert "ActorPoolMapOperator[MapBatches(Encoder)]\n+- TaskPoolMapOperator[FlatMap(_Prepare)]" in plan, plan
     before = _written(output)

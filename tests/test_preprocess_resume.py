@@ -68,6 +68,7 @@ def _old_output(tmp_path: Path, buckets: list[tuple[int, int]] | None) -> Prepro
 
 
 def _refuses_before_any_work(config: PreprocessConfig, monkeypatch) -> None:
+    monkeypatch.setattr(job, "check_model", lambda model: False)  # the default hub model, not downloaded here
     monkeypatch.setattr(job, "vae_geometry", _started)
     job.run_preprocess(config)
 

@@ -5,9 +5,12 @@ sampling to encode prompts, export to assemble a pipeline."""
 
 from __future__ import annotations
 
+import functools
+import json
 import os
 import posixpath
 import tempfile
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, Literal
@@ -17,7 +20,7 @@ import pyarrow.fs as pafs
 import torch
 
 from sdtrain.errors import DataError
-from sdtrain.storage.filesystems import filesystem_for
+from sdtrain.storage.filesystems import filesystem_for, read_bytes
 from sdtrain.storage.uris import is_uri
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -60,8 +63,19 @@ _MODELS: dict[str, str] = {}
 
 
 def to_unit_range(pixels: np.ndarray) -> np.ndarray:
-    """(N, H, W, 3) uint8 -> (N, 3, H, W) float32 in [-1, 1], the VAE's input."""
+    """(N, H, W, 3) uint8 -> (N, 3, H, W) float32 in [-1, 1], the VAE's input, on the host (what
+    :func:`unit_range_on` computes on a device)."""
     return pixels.transpose(0, 3, 1, 2).astype(np.float32) / 127.5 - 1.0
+
+
+def unit_range_on(pixels: np.ndarray, device: torch.device | str, dtype: torch.dtype) -> torch.Tensor:
+    """(N, H, W, 3) uint8 -> (N, 3, H, W) in [-1, 1] in ``dtype`` on ``device``: the uint8 moved there first (a
+    quarter of float32's bytes over PCIe, no float copy on the host), then scaled there in float32 (the values of
+    :func:`to_unit_range`, bit for bit) and cast to ``dtype``."""
+    with warnings.catch_warnings():  # Ray Data's batches may be read-only; nothing here writes to them
+        warnings.filterwarnings("ignore", "The given NumPy array is not writable", UserWarning)
+        images = torch.from_numpy(np.ascontiguousarray(pixels)).to(device, non_blocking=True)
+    return images.permute(0, 3, 1, 2).to(torch.float32).div_(127.5).sub_(1.0).to(dtype)
 
 
 @contextmanager
@@ -97,13 +111,14 @@ def load_vae(source: str, device: str = "cpu", dtype: torch.dtype = torch.float3
     return vae.to(device).eval()
 
 
-def vae_dtype(source: str, dtype: torch.dtype) -> torch.dtype:
+def vae_dtype(source: str, dtype: torch.dtype, sdxl: bool | None = None) -> torch.dtype:
     """The dtype to encode images with ``source``'s VAE when ``dtype`` is asked for: float32 for an SDXL-shaped
     model's VAE whose config says force_upcast (SDXL's own), else ``dtype``. In float16 that VAE's activations
     overflow on some images and their latents come out inf or NaN; SDXL's pipelines decode with it in float32 and
     diffusers' SDXL training script encodes in float32. A VAE made for float16 (force_upcast false, as the
-    community's fp16-fix VAE) and SD 1/2's VAEs, which every SD pipeline runs in float16, keep ``dtype``."""
-    if dtype != torch.float16 or not has_second_encoder(source):
+    community's fp16-fix VAE) and SD 1/2's VAEs, which every SD pipeline runs in float16, keep ``dtype``.
+    ``sdxl``: :func:`has_second_encoder` of ``source`` where the caller has it (None: asked here)."""
+    if dtype != torch.float16 or not _is_sdxl(source, sdxl):
         return dtype
     from diffusers import AutoencoderKL
 
@@ -171,19 +186,68 @@ text_encoder/ (CLIP ViT-L)."""
 
 
 def has_second_encoder(source: str) -> bool:
-    """Whether ``source`` (a local directory, a storage URI or a hub id) is SDXL-shaped: it has text_encoder_2/."""
+    """Whether ``source`` (a local directory, a storage URI or a hub id) is SDXL-shaped: its model_index.json names
+    a text_encoder_2 (a directory without one: whether it has text_encoder_2/). Never guessed: a hub id is answered
+    from the local Hugging Face cache, else from the hub; where neither answers, a DataError naming ``source`` and
+    the cause (taken for SD 1/2, an SDXL model would be encoded to the wrong width, its VAE in float16)."""
     if is_uri(source):
         fs, path = filesystem_for(source.rstrip("/"))
-        return fs.get_file_info(posixpath.join(path, "text_encoder_2")).type == pafs.FileType.Directory
+        index = read_bytes(posixpath.join(source.rstrip("/"), MODEL_INDEX))
+        directory = fs.get_file_info(posixpath.join(path, SECOND_ENCODER[1])).type == pafs.FileType.Directory
+        return _names_second_encoder(source, index, directory)
     path = os.path.expanduser(source)
     if os.path.isdir(path):
-        return os.path.isdir(os.path.join(path, "text_encoder_2"))
-    try:  # a hub id: only on a machine that reaches the hub
-        from huggingface_hub import file_exists
+        index_path = os.path.join(path, MODEL_INDEX)
+        index = open(index_path, "rb").read() if os.path.isfile(index_path) else None
+        return _names_second_encoder(source, index, os.path.isdir(os.path.join(path, SECOND_ENCODER[1])))
+    if source.startswith(("/", "./", "../", "~")) or os.path.exists(path):
+        raise DataError(
+            f"{source} is not a directory (a model is a diffusers model directory, a storage URI or a hub id)"
+        )
+    return _names_second_encoder(source, _hub_model_index(source), None)
 
-        return bool(file_exists(source, "text_encoder_2/config.json"))
-    except Exception:  # no network, no such repository: as SD 1/2, whose loading then says what is missing
-        return False
+
+MODEL_INDEX = "model_index.json"
+
+
+def _is_sdxl(source: str, sdxl: bool | None) -> bool:
+    """``sdxl`` where a caller decided it (preprocessing's driver, once for all its actors), else asked."""
+    return has_second_encoder(source) if sdxl is None else sdxl
+
+
+@functools.lru_cache(maxsize=16)
+def _hub_model_index(repo_id: str) -> bytes:
+    """The hub model ``repo_id``'s model_index.json: from the local cache where it is there (offline, or the hub
+    rate-limiting), else downloaded (once a process)."""
+    from huggingface_hub import hf_hub_download, try_to_load_from_cache
+
+    try:
+        cached = try_to_load_from_cache(repo_id, MODEL_INDEX)
+        path = cached if isinstance(cached, str) else hf_hub_download(repo_id, MODEL_INDEX)
+        with open(path, "rb") as f:
+            return f.read()
+    except Exception as e:  # offline and not cached, no such repository, no network, rate-limited: said, not guessed
+        cause = " ".join(f"{type(e).__name__}: {e}".split())
+        raise DataError(
+            f"{repo_id}: cannot tell whether this hub model is SDXL-shaped: its {MODEL_INDEX} is not in the local "
+            f"Hugging Face cache and could not be read from the hub ({cause}); download the model first "
+            f"(huggingface-cli download {repo_id}) or name a local directory"
+        ) from None
+
+
+def _names_second_encoder(source: str, index: bytes | None, directory: bool | None) -> bool:
+    """Whether a model_index.json (None: the model has none) names a text_encoder_2, else whether ``directory``
+    (text_encoder_2/ is there; None for a hub id); a DataError where the index names one the directory lacks."""
+    if index is None:
+        return bool(directory)
+    try:
+        component = json.loads(index).get(SECOND_ENCODER[1])
+    except (ValueError, AttributeError) as e:
+        raise DataError(f"{source}: its {MODEL_INDEX} is not a JSON object: {e}") from None
+    named = isinstance(component, list) and bool(component) and component[0] is not None
+    if named and directory is False:
+        raise DataError(f"{source}: its {MODEL_INDEX} names {SECOND_ENCODER[1]}, but it has no {SECOND_ENCODER[1]}/")
+    return named
 
 
 class TextEncoders:
@@ -254,23 +318,25 @@ def tokenize_each(tokenizers: list[Any], prompts: list[str]) -> torch.Tensor:
     return torch.cat([tokenize(tokenizer, prompts).input_ids for tokenizer in tokenizers], dim=1)
 
 
-def load_tokenizers(source: str) -> list[Any]:
+def load_tokenizers(source: str, sdxl: bool | None = None) -> list[Any]:
     """The tokenizers :func:`load_text_encoders` gives ``source``'s text encoders (tokenizer/, and SDXL's
     tokenizer_2/), without the encoders' weights: all that stored token ids need to be made."""
     from transformers import AutoTokenizer
 
-    if not has_second_encoder(source):
+    if not _is_sdxl(source, sdxl):
         return [load_tokenizer(source)]
     local = local_model(source, "tokenizer", SECOND_ENCODER[0])
     return [load_tokenizer(local), AutoTokenizer.from_pretrained(local, subfolder=SECOND_ENCODER[0])]
 
 
-def load_text_encoders(source: str, device: str = "cpu", dtype: torch.dtype = torch.float32) -> TextEncoders:
+def load_text_encoders(
+    source: str, device: str = "cpu", dtype: torch.dtype = torch.float32, sdxl: bool | None = None
+) -> TextEncoders:
     """The tokenizers and text encoders of ``source`` (tokenizer/ and text_encoder/, and SDXL's tokenizer_2/ and
     text_encoder_2/ where it has them), frozen in eval mode: the one way sdtrain loads a model's text encoders."""
     from transformers import AutoTokenizer, CLIPTextModelWithProjection
 
-    if not has_second_encoder(source):
+    if not _is_sdxl(source, sdxl):
         tokenizer, encoder = load_text_encoder(source, device, dtype)
         return TextEncoders(source, [tokenizer], [encoder.requires_grad_(False)])
     local = local_model(source, "tokenizer", "text_encoder", *SECOND_ENCODER)
@@ -295,7 +361,7 @@ def encode_images(
         seeds: one seed per row for ``sample``: a row's latent does not depend on its batch.
     """
     param = next(vae.parameters())
-    images = torch.from_numpy(to_unit_range(pixels)).to(param.device, param.dtype)
+    images = unit_range_on(pixels, param.device, param.dtype)
     dist = vae.encode(images).latent_dist
     latents = dist.mean
     if latent == "sample":

@@ -112,7 +112,8 @@ class EncodeConfig(Section):
     concurrency: int = 1
     """Encoder actors (each loads the VAE and text encoder once)."""
     num_gpus: Literal["auto"] | float = "auto"
-    """GPUs per encoder actor; auto = 1 when the cluster has GPUs, else 0 (CPU actors)."""
+    """GPUs per encoder actor; auto = 1 when the cluster has GPUs as the job starts, else 0 (CPU actors, warned of):
+    GPU nodes an autoscaling cluster has yet to start are not seen, so set 1 there."""
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
     """Encoder weights and activations: auto = float16 on GPU, float32 on CPU. An SDXL VAE whose config says
     force_upcast (SDXL's own) encodes in float32 where float16 is asked: in float16 it overflows on some images."""

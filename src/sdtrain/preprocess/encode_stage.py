@@ -50,18 +50,20 @@ class Encoder:
         s3: S3Settings | None = None,
         captions: Literal["embeddings", "token_ids", "both"] = "embeddings",
         buckets: Literal["square", "aspect"] = "square",
+        sdxl: bool | None = None,
     ):
         if s3 is not None:  # the driver's endpoint and retries, for a model on s3://
             apply_s3_settings(s3)
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
         torch_dtype = resolve_dtype(dtype, self.device)
-        self.vae = load_vae(model, self.device, vae_dtype(model, torch_dtype))  # SDXL's in float32 (vae_dtype)
+        # sdxl: decided on the driver (model_outputs.check_model), not asked of the hub again by every actor.
+        self.vae = load_vae(model, self.device, vae_dtype(model, torch_dtype, sdxl))  # SDXL's in float32 (vae_dtype)
         self.captions = captions
         self.text_encoders: TextEncoders | None = None
         if captions == "token_ids":
-            self.tokenizers = load_tokenizers(model)
+            self.tokenizers = load_tokenizers(model, sdxl)
         else:
-            self.text_encoders = load_text_encoders(model, self.device, torch_dtype)
+            self.text_encoders = load_text_encoders(model, self.device, torch_dtype, sdxl)
             self.tokenizers = self.text_encoders.tokenizers
         self.latent, self.seed, self.buckets = latent, seed, buckets
         # Fixed row widths, also for a batch with no valid row (every batch's columns must have one shape).

@@ -33,7 +33,13 @@ from sdtrain.logs import log
 from sdtrain.preprocess.buckets import Placement
 from sdtrain.preprocess.config import ImageConfig, InputConfig, PreprocessConfig
 from sdtrain.preprocess.images import NO_CAPTION, clean_caption, prepare_image
-from sdtrain.preprocess.model_outputs import exists, output_columns, vae_geometry, write_unconditional
+from sdtrain.preprocess.model_outputs import (
+    check_model,
+    exists,
+    output_columns,
+    vae_geometry,
+    write_unconditional,
+)
 from sdtrain.preprocess.outputs import (
     MANIFEST_FILE,
     RESUME_KEYS,
@@ -80,6 +86,8 @@ def run_preprocess(config: PreprocessConfig, max_shards: int | None = None) -> P
     shards = list_shards(config.input, done)
     pending = [s for s in shards if s.name not in done][:max_shards]
     summary = PreprocessSummary(len(shards), len(shards) - len([s for s in shards if s.name not in done]))
+    # Before anything is recorded: a model that cannot be read, recorded in _settings.json, refused its correction.
+    sdxl = check_model(config.encode.model)
     settings = config.to_dict()
     check_settings(config.output.path, {k: settings[k.split(".")[0]][k.split(".")[1]] for k in RESUME_KEYS})
     check_buckets(config.output.path, config.image, done)
@@ -91,7 +99,8 @@ def run_preprocess(config: PreprocessConfig, max_shards: int | None = None) -> P
         if not ray.is_initialized():
             ray.init()  # a submitted job's cluster, RAY_ADDRESS, the one `ray start` runs here, else a new one
         latent_shapes = [[latent_channels, h // downsampling, w // downsampling] for h, w in config.image.shapes()]
-        _run_pipeline(config, pending, (scaling_factor, downsampling), vocab_size, latent_shapes, summary, done)
+        vae = (scaling_factor, downsampling)
+        _run_pipeline(config, pending, vae, vocab_size, latent_shapes, summary, done, sdxl)
     stats = [done[name] for name in sorted(done)]  # the records read at the start and those this run wrote
     summary.manifest = {
         **summarize(stats),
@@ -187,12 +196,14 @@ def _run_pipeline(
     latent_shapes: list[list[int]],
     summary: PreprocessSummary,
     records: dict[str, dict[str, Any]],
+    sdxl: bool,
 ):
     """Runs Ray Data's pipeline over the pending shards, each shard's file written by a task once its last row is in.
 
     Args:
         vae: the VAE's scaling factor and downsampling (pixels per latent side).
         records: the shards' records by name, to which each shard written adds its own.
+        sdxl: whether the model is SDXL-shaped (model_outputs.check_model), handed to the encoders.
     """
     columns, metadata = output_columns(config, *vae, vocab_size)
     if config.image.buckets == "aspect":
@@ -204,19 +215,18 @@ def _run_pipeline(
         records[name] = stats
 
     write_shards(
-        _pipeline(config, pending), [s.name for s in pending], files, written, summary.shards_failed.__setitem__
+        _pipeline(config, pending, sdxl), [s.name for s in pending], files, written, summary.shards_failed.__setitem__
     )
 
 
-def _pipeline(config: PreprocessConfig, pending: list[Shard]) -> Any:
+def _pipeline(config: PreprocessConfig, pending: list[Shard], sdxl: bool) -> Any:
     """Ray Data's plan: a row per pending shard, the CPU stage's rows of each, the encoders' batches."""
     import ray
     import ray.data
 
     from sdtrain.preprocess.encode_stage import Encoder
 
-    gpus = ray.cluster_resources().get("GPU", 0)
-    num_gpus = (1 if gpus else 0) if config.encode.num_gpus == "auto" else config.encode.num_gpus
+    num_gpus = encoder_gpus(config.encode.num_gpus, ray.cluster_resources().get("GPU", 0))
     # A cluster started apart from this driver sees neither storage.endpoint_url nor the driver's
     # AWS_ENDPOINT_URL: the read tasks and the encoders (a model on s3://) are handed them.
     s3 = resolved_s3_settings()
@@ -241,11 +251,29 @@ def _pipeline(config: PreprocessConfig, pending: list[Shard]) -> Any:
             s3=s3,
             captions=config.output.captions,
             buckets=config.image.buckets,
+            sdxl=sdxl,
         ),
         batch_size=config.encode.batch_size,
         batch_format="numpy",
         num_gpus=num_gpus,
     )
+
+
+def encoder_gpus(setting: float | str, cluster_gpus: float) -> float:
+    """GPUs each encoder actor asks for: encode.num_gpus, or for auto 1 where the cluster has GPUs now, else 0.
+    auto sees only the nodes already up: on an autoscaling cluster whose GPU nodes have not started yet it is 0
+    and the encoders run on CPUs in float32, which is logged as a warning (set encode.num_gpus=1 there)."""
+    if setting != "auto":
+        return float(setting)
+    if cluster_gpus:
+        log.info(f"encode.num_gpus: auto: the cluster has {cluster_gpus:g} GPU(s) now: 1 GPU per encoder actor")
+        return 1
+    log.warning(
+        "encode.num_gpus: auto: the cluster has no GPU now, so the encoders run on CPUs (float32, far slower). "
+        "auto sees only the nodes already started, not GPU nodes an autoscaling cluster has yet to start: there, "
+        "set encode.num_gpus=1"
+    )
+    return 0
 
 
 class _Prepare:

@@ -19,6 +19,7 @@ from sdtrain.data.metadata import (
     VAE_DOWNSAMPLING,
     VAE_SOURCE,
 )
+from sdtrain.errors import DataError, StorageUnavailable
 from sdtrain.preprocess.config import PreprocessConfig
 from sdtrain.preprocess.outputs import join
 from sdtrain.storage.filesystems import write_bytes
@@ -38,6 +39,24 @@ def exists(uri: str) -> bool:
 
     fs, path = filesystem_for(uri)
     return fs.get_file_info(path).type == pafs.FileType.File
+
+
+def check_model(model: str) -> bool:
+    """Whether encode.model is SDXL-shaped (decided once, on the driver, and handed to the encoders), its VAE's
+    config read too: before the output records anything, a model that cannot be found or read is a DataError naming
+    encode.model, the model and why (a typo in its path, recorded in _settings.json, refused its correction)."""
+    from sdtrain.model.encoders import has_second_encoder
+
+    try:
+        sdxl = has_second_encoder(model)
+        vae_geometry(model)
+    except StorageUnavailable:  # a store failing for now: the run may be retried (exit 75)
+        raise
+    except (DataError, OSError, ValueError) as e:  # ours name the model; diffusers' and the hub's, not always
+        cause = " ".join(str(e).split())  # one line, as every error of the command line
+        said = cause if isinstance(e, DataError) else f"cannot load {model}: {cause}"
+        raise DataError(f"encode.model: {said}") from None
+    return sdxl
 
 
 def vae_geometry(model: str) -> tuple[float, int, int]:

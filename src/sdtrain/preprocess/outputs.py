@@ -68,6 +68,7 @@ RESUME_KEYS = (
     "output.caption_column",
     "output.captions",
     "output.token_id_column",
+    "output.pooled_column",
     "image.buckets",
     "image.bucket_step",
     "image.max_aspect",

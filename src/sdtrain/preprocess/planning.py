@@ -21,6 +21,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from sdtrain.errors import DataError
+from sdtrain.logs import log
 from sdtrain.preprocess.config import InputConfig
 from sdtrain.storage.filesystems import filesystems_for
 
@@ -78,6 +79,7 @@ def parquet_row_counts(
     known = done_row_counts(done, config.rows_per_shard)
     todo = [i for i in range(len(files)) if (files[i], sizes[i], versions[i]) not in known]
     sources = dict(zip(todo, filesystems_for([files[i] for i in todo]), strict=True))  # one client per S3 bucket
+    large_groups: list[tuple[int, int]] = []  # (file, its largest row group's rows) over input.rows_per_shard
 
     def rows(i: int) -> int:
         if i not in sources:
@@ -88,9 +90,29 @@ def parquet_row_counts(
         except (OSError, ValueError) as e:
             raise DataError(f"input.paths: cannot read {files[i]} as parquet: {e}") from None
         check_columns(files[i], metadata.schema.to_arrow_schema(), config)
+        largest = max((metadata.row_group(g).num_rows for g in range(metadata.num_row_groups)), default=0)
+        if largest > config.rows_per_shard:
+            large_groups.append((i, largest))
         return metadata.num_rows
 
-    return list(in_order(rows, range(len(files))))
+    counts = list(in_order(rows, range(len(files))))
+    if large_groups:
+        warn_of_large_row_groups([(files[i], rows) for i, rows in sorted(large_groups)], config.rows_per_shard)
+    return counts
+
+
+def warn_of_large_row_groups(files: list[tuple[str, int]], rows_per_shard: int) -> None:
+    """One warning for the input files (file, its largest row group's rows) whose row groups hold more rows than a
+    shard: each shard cut from such a group reads the group's bytes again, up to its last row (a group is the least
+    a reader can find rows in), so the group is read about rows / input.rows_per_shard times."""
+    file, rows = files[0]
+    others = f"; {len(files) - 1} more input file(s) have row groups over input.rows_per_shard too" if files[1:] else ""
+    log.warning(
+        f"input.paths: {file} has a row group of {rows} rows, more than input.rows_per_shard ({rows_per_shard}): each "
+        f"of its ~{-(-rows // rows_per_shard)} shards reads the group's bytes up to its last row again (a shard's "
+        f"memory stays bounded){others}. Rewrite the files with row groups of at most {rows_per_shard} rows "
+        "(pyarrow's row_group_size), or raise input.rows_per_shard"
+    )
 
 
 def done_row_counts(done: Mapping[str, Mapping[str, Any]], rows_per_shard: int) -> dict[tuple[str, int, str], int]:

@@ -33,12 +33,12 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import pyarrow.fs as pafs
-import pyarrow.parquet as pq
 
 from sdtrain.data.listing import list_dataset
 from sdtrain.errors import ConfigError, DataError
 from sdtrain.logs import log
 from sdtrain.preprocess.config import InputConfig
+from sdtrain.preprocess.parquet_rows import parquet_values
 from sdtrain.preprocess.planning import image_bytes, parquet_row_counts, row_ranges
 from sdtrain.storage.filesystems import filesystem_for, read_text
 from sdtrain.storage.uris import is_uri, split_s3, uri_prefix
@@ -234,31 +234,11 @@ def _parquet_shards(config: InputConfig, paths: list[str], done: Mapping[str, Ma
 
 
 def _parquet_rows(shard: Shard, config: InputConfig) -> Iterator[Row]:
-    # A row group at a time, its rows made Python bytes PARQUET_BATCH_ROWS at a time: all of a shard's groups read
-    # at once, and its columns copied to Python, held ~2.7x its image bytes (~25 GiB at SDXL's rows per shard).
-    fs, path = filesystem_for(shard.source)
+    # Streamed a batch at a time (sdtrain.preprocess.parquet_rows): a shard's groups read whole, and copied to
+    # Python, held ~2.7x its image bytes; one large group, all of it in each of its shards' tasks.
     columns = [config.image_column, config.caption_column]
-    with fs.open_input_file(path) as handle:
-        reader = pq.ParquetFile(handle)
-        first = 0  # the file's number of group g's first row
-        for g in range(reader.num_row_groups):
-            rows = reader.metadata.row_group(g).num_rows
-            start, stop = max(shard.start, first), min(shard.stop, first + rows)
-            if start < stop:
-                table = reader.read_row_group(g, columns=columns).slice(start - first, stop - start)
-                for batch in table.to_batches(max_chunksize=PARQUET_BATCH_ROWS):
-                    images, captions = (batch.column(name).to_pylist() for name in columns)
-                    for image, caption in zip(images, captions, strict=True):
-                        yield Row(f"{shard.source}:{start}", image_bytes(image), caption)
-                        start += 1
-                del table  # not held while the next group is read
-            first += rows
-            if first >= shard.stop:
-                break
-
-
-PARQUET_BATCH_ROWS = 64
-"""Rows of a row group copied to Python at once."""
+    for number, image, caption in parquet_values(shard.source, shard.start, shard.stop, columns):
+        yield Row(f"{shard.source}:{number}", image_bytes(image), caption)
 
 
 def _tar_rows(shard: Shard, config: InputConfig) -> Iterator[Row]:

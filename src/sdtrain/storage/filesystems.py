@@ -90,7 +90,7 @@ def set_aside(path: str) -> str | None:
 
 
 def read_text(uri: str, key: str) -> str:
-    """The whole of a UTF-8 text file, local or on object storage.
+    """The whole of a UTF-8 text file (with or without a byte-order mark), local or on object storage.
 
     Args:
         uri: a local path or a storage URI.
@@ -100,7 +100,7 @@ def read_text(uri: str, key: str) -> str:
     fs, path = filesystem_for(uri)
     try:
         with fs.open_input_stream(path) as f:
-            return f.read().decode("utf-8")
+            return f.read().decode("utf-8-sig")  # a leading byte-order mark (Excel's UTF-8 CSV) dropped
     except (OSError, UnicodeDecodeError) as e:
         raise DataError(f"{key}: cannot read {uri}: {e}") from None
 
