@@ -97,6 +97,35 @@ def test_a_tiny_sdxl_unet_trains_from_embeddings_and_from_ids_to_the_same_first_
     assert _fit_loss(config, meta, moved) != pytest.approx(from_embeddings, rel=1e-6)
 
 
+def test_under_fsdp_in_bf16_the_unet_embeds_the_exact_sizes(sdxl):
+    """FSDP2's bf16 policy casts the forward's floating inputs to bf16, which holds whole numbers only to 256: sizes
+    and crops reach the UNet's time-id embedding exact (a float32 2047 arrived as 2048, a crop of 341 as 340)."""
+    from diffusers.models.embeddings import Timesteps
+    from torch.distributed.tensor import DTensor
+
+    _, encoders = sdxl
+    hidden, pooled = encoders.encode(TEXTS)
+    placement = torch.tensor([[1365, 2047, 341, 3], [3001, 4001, 0, 517]] * 2, dtype=torch.int32)
+    batch = {"latents": torch.randn(4, 4, 16, 24), "captions": hidden, "pooled": pooled, "placement": placement}
+    config = tiny_config(*SDXL_FIT, "train.strategy=fsdp", "train.precision=bf16-mixed")
+    meta = checkpoint_meta(config, (4, 16, 24), (77, 80), vae_downsampling=2)
+    seen = []
+
+    def time_ids_in(module, args):
+        if isinstance(module, Timesteps) and args[0].numel() == 6 * len(placement):  # not the timesteps' own
+            seen.append(args[0].detach().clone())
+
+    hook = torch.nn.modules.module.register_module_forward_pre_hook(time_ids_in)
+    try:
+        module, trainer = fit_without_ray(config, [batch], meta, use_gpu=False)
+    finally:
+        hook.remove()
+    assert trainer.global_step == 1 and trainer.precision == "bf16-mixed"
+    assert seen and isinstance(module.unet.conv_in.weight, DTensor)  # sharded: FSDP2's policy ran
+    exact = torch.cat([placement.long(), torch.tensor([[32, 48]] * 4)], dim=1).flatten()
+    assert all(torch.equal(ids.double(), exact.double()) for ids in seen), [ids.tolist() for ids in seen]
+
+
 def test_caption_dropout_zeroes_the_text_and_keeps_the_sizes():
     from sdtrain.model.recipe import step_inputs
     from sdtrain.model.unet import build_noise_scheduler, noise_scheduler_config

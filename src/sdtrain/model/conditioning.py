@@ -52,16 +52,18 @@ def pooled_width(unet_config: Mapping[str, Any]) -> int | None:
 def time_ids(
     latents_hw: tuple[int, int], downsampling: int, rows: int, placement: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """(rows, 6) float32 time ids of ``rows`` samples of latents of ``latents_hw``: each row's recorded placement
+    """(rows, 6) int64 time ids of ``rows`` samples of latents of ``latents_hw``: each row's recorded placement
     (rows, 4: original height, width, crop top, left), or the latents' own size uncropped; the target is
-    ``latents_hw`` times the VAE's ``downsampling``."""
+    ``latents_hw`` times the VAE's ``downsampling``.
+
+    Whole pixel counts, as integers: the UNet's time-id embedding takes them to float32 itself, and FSDP2's
+    mixed-precision policy casts the floating inputs of the forward to its bf16 parameter dtype, which rounds sizes
+    above 256 (2047 to 2048, a crop of 341 to 340): the model would learn sizes no pipeline gives it."""
     device = placement.device if placement is not None else None
-    target = torch.tensor(
-        [latents_hw[0] * downsampling, latents_hw[1] * downsampling], dtype=torch.float32, device=device
-    )
+    target = torch.tensor([latents_hw[0] * downsampling, latents_hw[1] * downsampling], dtype=torch.long, device=device)
     if placement is None:
-        placement = torch.cat([target, torch.zeros(2)]).expand(rows, PLACEMENT)
-    return torch.cat([placement.float(), target.expand(rows, 2)], dim=1)
+        placement = torch.cat([target, torch.zeros(2, dtype=torch.long)]).expand(rows, PLACEMENT)
+    return torch.cat([placement.long(), target.expand(rows, 2)], dim=1)
 
 
 @dataclass(frozen=True)
@@ -88,7 +90,7 @@ class Conditioning:
         return len(self.hidden)
 
     def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> Conditioning:
-        """On ``device``; the text embeddings in ``dtype`` (the time ids stay float32: they are sizes)."""
+        """On ``device``; the text embeddings in ``dtype`` (the time ids stay whole numbers: they are sizes)."""
         return Conditioning(
             self.hidden.to(device, dtype),
             None if self.pooled is None else self.pooled.to(device, dtype),
