@@ -3,6 +3,7 @@ tiny VAE, with tiny DINOv2 and CLIP models built from configs; rank 0's choice o
 Ray. The evaluation beside a real Ray run is in tests/test_train_ray.py."""
 
 import json
+import math
 import os
 import sys
 
@@ -491,7 +492,7 @@ def test_the_retraining_gate_compares_both_models_by_fd_dinov2_on_the_same_sampl
     torch.manual_seed(1)
     untrained.unet = build_unet(load_config(None, ["model.preset=tiny", "data.train=[x]"]).model).eval()
     new, production = gate_scores(config, trained, untrained)
-    assert set(new) == set(production) == {"val_loss", "fd_dinov2", "clip_score"}
+    assert set(new) == set(production) == {"val_loss", "fd_dinov2", "clip_score", "eval_nonfinite_samples"}
     assert new["fd_dinov2"] != production["fd_dinov2"]
     # The same samples and reference: scoring the trained model alone gives its number again.
     alone, none = gate_scores(config, trained, None)
@@ -512,6 +513,32 @@ def test_the_retraining_gate_compares_both_models_by_fd_dinov2_on_the_same_sampl
 
 def _rest(config) -> list[str]:
     return [f"eval.dinov2={config.eval.dinov2}", "eval.num_samples=8", "eval.batch_size=4", "sample_grid.steps=2"]
+
+
+def test_gate_scores_give_a_model_whose_samples_diverge_no_fd_and_count_them(evaluated):
+    """A model whose samples diverge gets no Frechet distance or CLIP score in the gate, not metrics_of's stand-in
+    (a bar any model passed), and the count of its diverged samples (tests/test_retrain_gate_diverged.py: the rest)."""
+    from sdtrain.artifacts.loading import load_model
+    from sdtrain.driver.retrain_gate import NONFINITE, gate_decision, gate_scores
+    from sdtrain.evaluation.measures import WORST_HIGH, WORST_LOW
+
+    config = tiny_config(*_eval_keys(evaluated["config"]), *_rest(evaluated["config"]), "retrain.metric=fd_dinov2")
+    healthy = load_model(str(evaluated["checkpoint"]))
+    diverged = load_model(str(evaluated["checkpoint"]))
+    with torch.no_grad():
+        diverged.unet.conv_out.bias.fill_(float("nan"))  # every sample's latents NaN from its first step
+    new, production = gate_scores(config, healthy, diverged)
+    assert production[NONFINITE] == 8 and new[NONFINITE] == 0
+    assert math.isnan(production["fd_dinov2"]) and math.isnan(production["clip_score"])  # no stand-in
+    assert new["fd_dinov2"] < WORST_HIGH and new["clip_score"] > WORST_LOW
+    promote, reason = gate_decision(config, new, production, "v0003", ("v0003", new["fd_dinov2"] / 2))
+    assert promote is False  # production's diverged samples are no bar: the value it served with is
+    assert reason.endswith("v0003's fd_dinov2 is not measured (8 of its eval samples diverged): not a bar")
+    promote, reason = gate_decision(config, production, new, "v0003", None)
+    assert (promote, reason) == (
+        False,
+        "the new model diverged: 8 of its eval samples hold NaN or inf, so its fd_dinov2 is not measured",
+    )
 
 
 def test_a_registry_version_loads_and_is_gated_like_the_checkpoint_it_was_written_from(evaluated, tmp_path):
@@ -642,7 +669,7 @@ def test_the_retraining_gate_scores_in_a_ray_task_that_loads_both_models_and_rai
     with LogLines() as lines:
         new, production = scores_in_task(config, checkpoint, checkpoint)
     here, _ = gate_scores(config, load_model(checkpoint), None)
-    assert set(new) == set(production) == set(here) == {"val_loss", "fd_dinov2", "clip_score"}
+    assert set(new) == set(production) == set(here) == {"val_loss", "fd_dinov2", "clip_score", "eval_nonfinite_samples"}
     for metric, value in here.items():
         assert new[metric] == pytest.approx(value, rel=1e-5) and production[metric] == pytest.approx(value, rel=1e-5)
     (placed,) = [m for m in lines.messages if m.startswith("gate: scored in Ray task sdtrain-retrain-gate on node ")]

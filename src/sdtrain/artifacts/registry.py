@@ -13,6 +13,8 @@
                                  scaling, the empty-prompt embedding, for load_model
     versions/v0001/manifest.json written last, whole: a version directory without it is incomplete
     production_log/00000001.json append-only: one entry per move of the pointer (from, to, kind, why, who)
+    catalog.json                 copies of the manifests and log entries, rewritten after each version: a run reads
+                                 it and what was written since, not every file (registry_reads.py)
 
 A reader resolves production.json and loads that version. Because a version is complete
 (manifest written) before the pointer can name it, and the pointer is replaced whole, a reader
@@ -24,8 +26,9 @@ replace-if-unchanged (an exclusive swap marker, or a put with If-Match: <ETag>).
 directory is created exclusively, the pointer is compared and swapped, and the lock is taken,
 renewed, taken over when stale and released with the same two operations.
 
-The conditional writes are in conditional_writes.py, the lock in registry_lock.py; this module holds
-the versions, the production pointer and the jobs' pinned dates.
+The conditional writes are in conditional_writes.py, the lock in registry_lock.py, the reads of versions, manifests
+and the pointer log in registry_reads.py; this module holds the writes of versions, the production pointer and the
+jobs' pinned dates.
 """
 
 from __future__ import annotations
@@ -40,17 +43,12 @@ from typing import Any
 import pyarrow.fs as pafs
 from diffusers import DDPMScheduler, UNet2DConditionModel
 
-from sdtrain.artifacts.conditional_writes import (
-    SWAP_MARKER_STALE_S,
-    ConditionalStore,
-    RegistryConflict,
-    _now,
-    _whoami,
-    wrote,
-)
+from sdtrain.artifacts.conditional_writes import SWAP_MARKER_STALE_S, RegistryConflict, _now, _whoami, wrote
 from sdtrain.artifacts.export import model_sources, write_model_record
-from sdtrain.artifacts.loading import VERSION_MANIFEST_FILE, LoadedModel
+from sdtrain.artifacts.loading import LoadedModel
 from sdtrain.artifacts.registry_lock import LOCK_FILE, LOCK_LEASE_S, RegistryBusy, RegistryLock
+from sdtrain.artifacts.registry_reads import LOG_DIR, MANIFEST_FILE, RegistryReads
+from sdtrain.artifacts.registry_reads import VERSION as _VERSION
 from sdtrain.errors import ConfigError, DataError, SdtrainError
 from sdtrain.model.unet import RAW_UNET_SUBFOLDER
 from sdtrain.storage.run_layout import EXPORT_INFO_FILE
@@ -66,11 +64,7 @@ __all__ = [
 ]
 
 PRODUCTION_FILE = "production.json"
-MANIFEST_FILE = VERSION_MANIFEST_FILE
 JOBS_DIR = "jobs"
-LOG_DIR = "production_log"
-_LOG_ENTRY = re.compile(r"\d{8}\.json")
-_VERSION = re.compile(r"v(\d{4,})")
 _JOB_ID = re.compile(r"[A-Za-z0-9_.-]{1,128}")
 _UNCHECKED = object()
 
@@ -83,18 +77,7 @@ class PointerMoved(SdtrainError):
         self.current = current
 
 
-class ModelRegistry(ConditionalStore):
-    def versions(self) -> list[str]:
-        """Complete versions (with a manifest), oldest first."""
-        return [v for v in self._version_dirs() if self._exists(self._path("versions", v, MANIFEST_FILE))]
-
-    def manifest(self, version: str) -> dict[str, Any]:
-        path = self._path("versions", version, MANIFEST_FILE)
-        try:
-            return json.loads(self._read(path))
-        except json.JSONDecodeError as e:
-            raise DataError(f"retrain.models_root: {path} is not valid JSON ({e}); restore or remove it") from None
-
+class ModelRegistry(RegistryReads):
     def production(self) -> str | None:
         return self._production()[0]
 
@@ -174,6 +157,7 @@ class ModelRegistry(ConditionalStore):
         raw_unet: UNet2DConditionModel | None = None,
     ) -> str:
         destination = self._path("versions", version)
+        self._forget_before_claiming(version)
         self._claim_dir(destination)
         with tempfile.TemporaryDirectory() as local:
             unet.save_pretrained(posixpath.join(local, "unet"))
@@ -191,6 +175,7 @@ class ModelRegistry(ConditionalStore):
             lock.ensure_held()
         if self._create(manifest_path, json.dumps({"version": version, **manifest}, indent=2)) is None:
             raise RegistryConflict(f"retrain.models_root: {manifest_path} was written by another writer meanwhile")
+        self._write_catalog()
         return version
 
     def set_production(
@@ -214,7 +199,7 @@ class ModelRegistry(ConditionalStore):
             reason: why it moved, for the log.
             by: who moved it (run, job), besides host and pid.
         """
-        if version not in self.versions():
+        if not self._is_complete(version):
             raise ValueError(f"version {version} is not a complete version under {self.root_uri}")
         pointer = self._path(PRODUCTION_FILE)
         self.settle_log()
@@ -240,20 +225,6 @@ class ModelRegistry(ConditionalStore):
 
     # --- the pointer log: every version production has named, in order ---------------------------
 
-    def pointer_log(self) -> list[dict[str, Any]]:
-        """The moves of the production pointer, oldest first: {seq, from, to, kind, reason, by, at}.
-        Append-only: each entry is created exclusively under production_log/ and never changed."""
-        infos = self.fs.get_file_info(pafs.FileSelector(self._path(LOG_DIR), allow_not_found=True))
-        names = sorted(posixpath.basename(i.path) for i in infos if _LOG_ENTRY.fullmatch(posixpath.basename(i.path)))
-        entries = []
-        for name in names:
-            path = self._path(LOG_DIR, name)
-            try:
-                entries.append(json.loads(self._read(path)))
-            except json.JSONDecodeError as e:
-                raise DataError(f"retrain.models_root: {self._uri(path)} is not valid JSON ({e}); restore it") from None
-        return entries
-
     def settle_log(self, by: dict[str, Any] | None = None) -> dict[str, Any] | None:
         """Record a move of the pointer the log does not have yet, and return its entry (None if the
         log agrees with the pointer): a writer that died between the swap and the log entry, or a
@@ -271,7 +242,7 @@ class ModelRegistry(ConditionalStore):
             return None
         if move is not None:
             return self._append_log(move)
-        manifest = self.manifest(current) if current in self.versions() else {}
+        manifest = self.manifest(current) if self._is_complete(current) else {}
         if manifest.get("promoted") and manifest.get("parent") == last:
             kind, reason = "promote", "the promotion's writer stopped between moving the pointer and logging it"
         else:
@@ -322,7 +293,7 @@ class ModelRegistry(ConditionalStore):
                     "abandon: nothing to roll back to (name one: --rollback vNNNN)"
                 )
             to = earlier[-1]  # the latest other version production named
-        if not _VERSION.fullmatch(to) or to not in self.versions():
+        if not self._is_complete(to):
             raise ConfigError(f"{to} is not a complete version under {self.root_uri} (complete: {self.versions()})")
         if to == current:
             raise ConfigError(f"production already names {to}")
@@ -369,11 +340,6 @@ class ModelRegistry(ConditionalStore):
                     f'{{"date": "YYYY-MM-DD", ...}}, not {(text or "")[:80]!r}; remove it or set retrain.date'
                 ) from None
         return today, record["pinned_at"]
-
-    def _version_dirs(self) -> list[str]:
-        infos = self.fs.get_file_info(pafs.FileSelector(self._path("versions"), allow_not_found=True))
-        names = [posixpath.basename(i.path) for i in infos if i.type == pafs.FileType.Directory]
-        return sorted((n for n in names if _VERSION.fullmatch(n)), key=lambda n: int(n[1:]))
 
 
 def _abandoned(log: list[dict[str, Any]]) -> set[str]:

@@ -32,8 +32,8 @@ from sdtrain.driver.preflight import preflight
 from sdtrain.driver.retrain_gate import (
     HELDOUT_KEY,
     best_served,
-    decide,
     gate_baseline,
+    gate_decision,
     heldout_fingerprint,
     scores_in_task,
 )
@@ -142,8 +142,8 @@ def _retrain_locked(
     if done is not None:
         return done
 
-    partitions = find_partitions(data_root, schedule_date, config.retrain.complete_marker)
     seen = registry.manifest(production)["partitions_seen"] if production else []
+    partitions = find_partitions(data_root, schedule_date, config.retrain.complete_marker, seen)
     new, empty = new_partitions(partitions, seen)
     passed_over = f"passed over {len(empty)} complete partition(s) without rows: {', '.join(empty)}"
     if empty:
@@ -318,14 +318,7 @@ def _judged(
     metric = run_config.retrain.metric
     heldout = heldout_fingerprint(run_config, trained.unet.config)
     best, not_compared = best_served(registry, run_config, metric, heldout)
-    promote, reason = decide(
-        new_scores[metric],
-        production_scores.get(metric) if current else None,
-        label,
-        best,
-        run_config.retrain.tolerance,
-        metric,
-    )
+    promote, reason = gate_decision(run_config, new_scores, production_scores, label, best)  # none scored: {}
     if current is None:
         reason += "; no baseline: no production model, and no model.pretrained the gate can load"
     elif production is None:

@@ -14,13 +14,14 @@ import torch
 
 from sdtrain.artifacts.loading import LoadedModel, is_export, load_model
 from sdtrain.artifacts.registry import ModelRegistry
-from sdtrain.config.running import HIGHER_IS_BETTER
+from sdtrain.config.running import EVAL_METRICS, HIGHER_IS_BETTER
 from sdtrain.config.schema import Config
 from sdtrain.data.local_read import iter_local_batches
 from sdtrain.data.parquet_files import resolve_parquet_files
 from sdtrain.driver.data_check import dataset_spec
 from sdtrain.driver.paths import with_absolute_paths
 from sdtrain.errors import StorageUnavailable, find_sdtrain_error
+from sdtrain.evaluation.measures import diverged_stand_in
 from sdtrain.evaluation.results import measured_with
 from sdtrain.logs import log
 from sdtrain.model.conditioning import Conditioner
@@ -84,22 +85,63 @@ def _scores_here(
 
 def gate_scores(config: Config, new: LoadedModel, production: LoadedModel | None) -> tuple[dict, dict]:
     """The gate's measures of the new model and of production (empty without one): the held-out val_loss, and with
-    eval each of its metrics, both models sampled from the same data.val captions and seeds by one Evaluator (its
-    reference statistics computed once)."""
+    eval each of its metrics and eval_nonfinite_samples, both models sampled from the same data.val captions and
+    seeds by one Evaluator (its reference statistics computed once).
+
+    A model with a diverged sample has NaN for each eval metric (not :func:`metrics_of`'s stand-in, which ranks
+    checkpoints but would be a bar anything passes; recorded as null). Production trained for another objective
+    (:func:`objective`) has a NaN val_loss, not measured, and :data:`OTHER_OBJECTIVE` says how it differs."""
     from sdtrain.evaluation.checkpoint_eval import Evaluator
 
     models = [new] if production is None else [new, production]
     evaluator: Evaluator | None = None
-    scores: list[dict[str, float]] = []
+    scores: list[dict[str, Any]] = []
     for model in models:
-        score = {"val_loss": heldout_loss(config, model.unet, model.noise_scheduler)}  # data.val checked first
+        differs = _objective_difference(production, new) if model is production else None
+        if differs:  # its val_loss is the MSE against another target: no measure of the new model's
+            score: dict[str, Any] = {"val_loss": math.nan, OTHER_OBJECTIVE: differs}
+        else:  # data.val checked first
+            score = {"val_loss": heldout_loss(config, model.unet, model.noise_scheduler)}
         if config.eval.enabled:
             evaluator = evaluator or Evaluator(config, None, _eval_vae(config))
             measured = evaluator.evaluate(model)
-            score.update({key: measured[key] for key in config.eval.metrics})
+            diverged = measured[NONFINITE]
+            score.update({key: math.nan if diverged else measured[key] for key in config.eval.metrics})
+            score[NONFINITE] = diverged
         model.unet.to("cpu")  # one UNet on the GPU at a time: two SDXL UNets in float32 fill a 24 GB one
         scores.append(score)
     return scores[0], scores[1] if production is not None else {}
+
+
+NONFINITE = "eval_nonfinite_samples"
+OTHER_OBJECTIVE = "other_objective"
+"""In production's scores (not the manifest): how its objective differs from the new model's, its val_loss NaN."""
+OBJECTIVE_KEYS = (
+    "prediction_type",
+    "rescale_betas_zero_snr",
+    "num_train_timesteps",
+    "beta_schedule",
+    "beta_start",
+    "beta_end",
+    "trained_betas",
+)
+"""What of a model's noise schedule defines its val_loss: the target (epsilon or v) and the noise at each of its
+fixed timesteps (sdtrain.model.validation)."""
+
+
+def objective(scheduler: Any) -> dict[str, Any]:
+    """The training objective of a model's noise schedule (:data:`OBJECTIVE_KEYS`)."""
+    return {key: scheduler.config.get(key) for key in OBJECTIVE_KEYS}
+
+
+def _objective_difference(theirs: LoadedModel | None, new: LoadedModel) -> str | None:
+    """How ``theirs`` was trained for another objective than ``new`` ("prediction_type='epsilon', the new model's
+    'v_prediction'"), or None where the same."""
+    if theirs is None:
+        return None
+    old, now = objective(theirs.noise_scheduler), objective(new.noise_scheduler)
+    differ = [f"{key}={old[key]!r}, the new model's {now[key]!r}" for key in OBJECTIVE_KEYS if old[key] != now[key]]
+    return " and ".join(differ) or None
 
 
 def _eval_vae(config: Config) -> str | None:
@@ -160,7 +202,7 @@ def best_served(
     for version in registry.served():
         manifest = registry.manifest(version)
         value = manifest["metrics"].get(metric)
-        if value is None:
+        if value is None or diverged_stand_in(metric, value):  # an older manifest's stand-in of a diverged sample
             continue
         recorded = manifest.get("config", {})
         # A setting the version's config does not record predates the key: no difference can be shown.
@@ -218,6 +260,30 @@ def heldout_loss(config: Config, unet, scheduler) -> float:
     )
 
 
+def gate_decision(
+    config: Config, new_scores: dict[str, Any], production_scores: dict[str, Any], production: str | None, best
+) -> tuple[bool, str]:
+    """:func:`decide` on retrain.metric of :func:`gate_scores`' scores (``production``: the name of what
+    ``production_scores`` measured; none: empty): a new model whose eval samples diverged is rejected saying so, and
+    production's value is no bar where its samples diverged or (val_loss) it was trained for another objective."""
+    metric = config.retrain.metric
+    eval_metric = metric in EVAL_METRICS
+    if eval_metric and new_scores.get(NONFINITE):
+        return False, (
+            f"the new model diverged: {new_scores[NONFINITE]:.0f} of its eval samples hold NaN or inf, so its {metric} "
+            "is not measured"
+        )
+    why = None
+    if eval_metric and production_scores.get(NONFINITE):
+        why = f"is not measured ({production_scores[NONFINITE]:.0f} of its eval samples diverged)"
+    elif metric == "val_loss" and OTHER_OBJECTIVE in production_scores:
+        why = f"is not compared (trained for another objective: {production_scores[OTHER_OBJECTIVE]})"
+        if best is not None and best[0] == production:  # the value it served with was measured so too
+            why, best = why[:-1] + "; nor is the value it served with)", None
+    production_value = production_scores.get(metric)
+    return decide(new_scores[metric], production_value, production, best, config.retrain.tolerance, metric, why)
+
+
 def decide(
     new_loss: float,
     production_loss: float | None,
@@ -225,17 +291,25 @@ def decide(
     best: tuple[str, float] | None,
     tolerance: float,
     metric: str = "val_loss",
+    not_a_bar: str | None = None,
 ) -> tuple[bool, str]:
     """Promote within ``tolerance`` of production and of the best model production ever named: a gate on
     production alone would let each promotion drift up to (1 + tolerance) worse than the last. ``production``: the
     name of what ``production_loss`` was measured on (a first version's: model.pretrained; None: nothing was).
-    ``metric``: what the values are (clip_score and class_agreement are higher the better, the others lower)."""
+    ``metric``: what the values are (clip_score and class_agreement are higher the better, the others lower).
+    ``not_a_bar``: why ``production_loss`` is no measure to compare with (it is then left out, as a non-finite one
+    is); an eval metric's stand-in for a diverged sample (:func:`diverged_stand_in`) is none either."""
+    if diverged_stand_in(metric, new_loss):
+        return False, f"the new model's {metric} is {new_loss:g}, the stand-in of a model whose samples diverged"
     if not math.isfinite(new_loss):
         return False, f"the new model's {metric} is {new_loss}: training diverged"
+    if production_loss is not None and diverged_stand_in(metric, production_loss):
+        not_a_bar = not_a_bar or f"is {production_loss:g}, the stand-in of a model whose samples diverged"
     unmeasured = ""
-    if production_loss is not None and not math.isfinite(production_loss):
+    if production_loss is not None and (not_a_bar or not math.isfinite(production_loss)):
         # No bar (every comparison with NaN fails): the value it was promoted with, if the best, stands in for it.
-        unmeasured = f"; {production}'s {metric} measured {production_loss} on this data: not a bar"
+        why = not_a_bar or f"measured {production_loss} on this data"
+        unmeasured = f"; {production}'s {metric} {why}: not a bar"
         production_loss, production = None, None
     gates: list[tuple[str | None, float]] = [] if production_loss is None else [(production, production_loss)]
     # Without a production value (no production, nor a baseline) the best that served still holds.

@@ -6,7 +6,7 @@ from __future__ import annotations
 import datetime
 import posixpath
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 import pyarrow as pa
 import pyarrow.fs as pafs
@@ -23,11 +23,16 @@ from sdtrain.storage.uris import absolute, uri_prefix
 _PARTITION = re.compile(r"date=(\d{4}-\d{2}-\d{2})")
 
 
-def find_partitions(data_root: str, up_to: datetime.date, complete_marker: str | None = "_SUCCESS") -> dict[str, str]:
+def find_partitions(
+    data_root: str, up_to: datetime.date, complete_marker: str | None = "_SUCCESS", seen: Collection[str] = ()
+) -> dict[str, str]:
     """{date: path} of the complete ``date=YYYY-MM-DD`` partitions under ``data_root`` up to ``up_to``,
     in date order. With ``complete_marker``, a partition is complete once it holds that file (its
-    writer's last act); without, only dates before ``up_to`` count (``up_to``'s may still be filling)."""
+    writer's last act); without, only dates before ``up_to`` count (``up_to``'s may still be filling). A date in
+    ``seen`` (production's ``partitions_seen``) was complete when a run took it: its marker is not asked again, so
+    that a run makes one request per new partition, not one per day of the years behind it."""
     fs, root = filesystem_for(absolute(data_root))
+    seen = set(seen)
     found = {}
     for info in fs.get_file_info(pafs.FileSelector(root, allow_not_found=True)):
         match = _PARTITION.fullmatch(info.base_name)
@@ -37,7 +42,9 @@ def find_partitions(data_root: str, up_to: datetime.date, complete_marker: str |
         if complete_marker is None:
             complete = date < up_to.isoformat()
         else:
-            complete = date <= up_to.isoformat() and _is_file(fs, posixpath.join(info.path, complete_marker))
+            complete = date <= up_to.isoformat() and (
+                date in seen or _is_file(fs, posixpath.join(info.path, complete_marker))
+            )
         if complete:
             found[date] = uri_prefix(data_root) + info.path
     if not found:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from sdtrain.config.running import HIGHER_IS_BETTER
+from sdtrain.config.running import EVAL_METRICS, HIGHER_IS_BETTER
 from sdtrain.config.schema import Config
 from sdtrain.evaluation.image_metrics import FeatureStats, frechet_distance
 
@@ -70,20 +70,30 @@ def metrics_of(config: Config, measures: Measures, references: dict[str, Feature
         measures: the model's samples, measured.
         references: the reference's statistics, by metric (every Frechet distance measured).
     """
-    metrics: dict[str, float] = {}
-    if config.eval.class_agreement:
-        metrics["class_agreement"] = measures.agreeing / measures.samples
-    for metric in measures.generated:
-        metrics[metric] = frechet_distance(measures.generated[metric], references[metric])
-    if config.eval.clip is not None:
-        metrics["clip_score"] = float(np.mean(measures.clip_scores))
+    asked = [
+        *(["class_agreement"] if config.eval.class_agreement else []),
+        *measures.generated,
+        *(["clip_score"] if config.eval.clip is not None else []),
+    ]
     if measures.nonfinite:
         # A diverged sample has no image to score (decoded, NaN became a black picture that scored as one): a model
-        # that diverges on any row is worse than every model that does not, whatever its other rows score.
-        metrics = {metric: WORST_LOW if metric in HIGHER_IS_BETTER else WORST_HIGH for metric in metrics}
+        # that diverges on any row is worse than every model that does not, whatever its other rows score (with every
+        # row diverged, none is measured). A stand-in ranks checkpoints, and is no measure to compare models with
+        # (diverged_stand_in; the retraining gate's NaN).
+        metrics = {metric: WORST_LOW if metric in HIGHER_IS_BETTER else WORST_HIGH for metric in asked}
+    else:
+        metrics = {metric: _metric(metric, measures, references) for metric in asked}
     metrics["eval_samples"] = float(measures.samples)
     metrics["eval_nonfinite_samples"] = float(measures.nonfinite)
     return metrics
+
+
+def _metric(metric: str, measures: Measures, references: dict[str, FeatureStats]) -> float:
+    if metric == "class_agreement":
+        return measures.agreeing / measures.samples
+    if metric == "clip_score":
+        return float(np.mean(measures.clip_scores))
+    return frechet_distance(measures.generated[metric], references[metric])
 
 
 WORST_HIGH = sys.float_info.max
@@ -91,3 +101,10 @@ WORST_HIGH = sys.float_info.max
 writes infinity as a non-standard token; Ray Train's checkpoint ranking ranks an unknown score the same)."""
 WORST_LOW = 0.0
 """A higher-is-better metric (clip_score, class_agreement) of a model with a diverged sample: its lowest value."""
+
+
+def diverged_stand_in(metric: str, value: float) -> bool:
+    """Whether ``value`` is :func:`metrics_of`'s stand-in for ``metric`` of a model with a diverged sample
+    (:data:`WORST_HIGH`, :data:`WORST_LOW`): no measure of the model, so no bar either. A manifest written before the
+    retraining gate recorded such a value as null may hold it; a val_loss is never one."""
+    return metric in EVAL_METRICS and value == (WORST_LOW if metric in HIGHER_IS_BETTER else WORST_HIGH)

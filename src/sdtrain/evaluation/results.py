@@ -31,14 +31,19 @@ measured with noise drawn otherwise (before, every shape from train.seed alone) 
 def measured_with(config: Config, metric: str) -> dict[str, Any]:
     """The settings a value of ``metric`` (val_loss or an eval metric) depends on, by config key: two values compare
     only where these agree. Retraining's gate leaves out a version measured otherwise; an evaluation keys its
-    reference statistics by them."""
+    reference statistics by them. val_loss's include the training objective as the config gives it
+    (model.prediction_type, unset where inherited from model.pretrained, and train.zero_terminal_snr): an epsilon and a
+    v-prediction model's losses are errors of different targets."""
     settings: dict[str, Any] = {
         "data.val": config.data.val,
         "data.latent_column": config.data.latent_column,
         "data.latent_scaling_factor": config.data.latent_scaling_factor,
         "train.seed": config.train.seed,
     }
-    if metric in EVAL_METRICS:  # the sampled images and what measures them
+    if metric not in EVAL_METRICS:  # val_loss: the MSE against the training target, which the objective defines
+        settings["model.prediction_type"] = config.model.prediction_type
+        settings["train.zero_terminal_snr"] = config.train.zero_terminal_snr
+    else:  # the sampled images and what measures them
         model_key = EVAL_METRICS[metric]
         settings[f"eval.{model_key}"] = getattr(config.eval, model_key)
         for key in ("eval.vae", "eval.num_samples", "sample_grid.sampler", "sample_grid.steps"):
