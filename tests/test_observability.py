@@ -373,7 +373,6 @@ def test_tensorboard_holds_each_step_once_when_a_restart_resumes_from_no_checkpo
     steps the first logged; TensorBoard keeps the second group's values, each step once."""
     run_dir = tmp_path / "runs" / "early"
     config = tiny_config("data.train=unused", "tracking.trackers=[tensorboard]", tmp_path=tmp_path, name="early")
-    _event_files_sort_as_written(tmp_path)
     first = Trackers(config, str(run_dir), [])
     for step in (2, 4):
         assert first.log_metrics({"step": step, "loss": 1.0 / step}, step)
@@ -412,7 +411,6 @@ def test_trackers_hold_each_step_once_across_a_restart(tmp_path, monkeypatch, ml
         tmp_path=tmp_path,
         name="tracked",
     )
-    _event_files_sort_as_written(tmp_path)
     first = Trackers(config, str(run_dir), [])
     for row in [*history, {"step": 6, "loss": 1 / 6}]:
         if row["step"] in (4, 6):
@@ -625,19 +623,21 @@ def test_ray_gauges_reach_rays_metrics_export(ray_cluster):
 # Readers of what the trackers wrote, each through the tracker's own format (an MLflow server: support.mlflow_server).
 
 
-def _event_files_sort_as_written(tmp_path: Path) -> None:
-    """TensorBoard reads a directory's event files in name order, and a name holds the second the file was made in, the
-    process id and a count of the process's files: ``...42.10`` sorts before ``...42.9``. Two worker groups played in
-    one process within one second (real ones are processes seconds apart) are read in the order written only while
-    that count keeps its number of digits: it is moved past a power of ten that is near, by making files of its own."""
+@pytest.fixture(autouse=True)
+def _event_files_sort_as_written(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """TensorBoard reads a directory's event files in name order; a name holds the second the file was made in, the
+    process id and a count of the process's files (``...42.10`` sorts before ``...42.9``). Two worker groups played
+    in one process within one second (real ones are processes seconds apart), or the workers' and then the driver's
+    file, are read in the order written only while that count keeps its number of digits: before each test here it
+    is moved past a power of ten that is near, by making files of its own."""
     from torch.utils.tensorboard import SummaryWriter
 
+    root = tmp_path_factory.mktemp("tensorboard-count")
     for i in range(100):
-        directory = tmp_path / "tensorboard-count" / str(i)
-        SummaryWriter(str(directory)).close()
-        (name,) = os.listdir(directory)
+        SummaryWriter(str(root / str(i))).close()
+        (name,) = os.listdir(root / str(i))
         count = int(name.rsplit(".", 1)[1])
-        if len(str(count + 1)) == len(str(count + 20)):  # each group makes a file or two
+        if len(str(count + 1)) == len(str(count + 20)):  # a test here makes a few files
             return
     raise AssertionError(f"TensorBoard's file count did not move: {name}")
 
