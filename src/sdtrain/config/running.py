@@ -8,6 +8,7 @@ Each field's docstring is its reference (``train.py --help``, docs/configuration
 from __future__ import annotations
 
 import datetime
+import posixpath
 import re
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
@@ -112,6 +113,11 @@ class RunConfig(Section):
         if self.gpu_hour_cost is not None and self.gpu_hour_cost < 0:
             cost = self.gpu_hour_cost
             self._fail("gpu_hour_cost", f"must be a price >= 0 (per GPU-hour, in your currency) or null, got {cost}")
+
+    @property
+    def directory(self) -> str:
+        """The run's directory, run.storage_path/run.name (local or s3://): its one spelling."""
+        return posixpath.join(self.storage_path, self.name)
 
 
 @dataclass
@@ -345,8 +351,7 @@ class StorageConfig(Section):
     """S3-compatible endpoint (e.g. http://minio:9000) for every s3:// URI; null = AWS_ENDPOINT_URL_S3 or
     AWS_ENDPOINT_URL if set, else AWS S3. Credentials never go here."""
     max_attempts: int = DEFAULT_MAX_ATTEMPTS
-    """Attempts per S3 request, with exponential backoff, before a throttled or dropped request fails; 1 = no
-    retries."""
+    """Attempts per S3 request, with exponential backoff, before a throttled or dropped request fails (1: no retry)."""
 
     def __post_init__(self):
         if self.endpoint_url is not None:
@@ -362,8 +367,7 @@ class RetrainConfig(Section):
     section: ClassVar[str] = "retrain"
 
     data_root: str | None = None
-    """Directory of date partitions (date=YYYY-MM-DD/ holding parquet files) that entrypoints/retrain.py takes new data
-    from."""
+    """Directory of date partitions (date=YYYY-MM-DD/, parquet files) entrypoints/retrain.py takes new data from."""
     models_root: str | None = None
     """Where retraining keeps model versions (versions/vNNNN/) and the production pointer (production.json)."""
     metric: Literal["val_loss", "fd_dinov2", "fd_inception", "clip_score", "class_agreement"] = "val_loss"
@@ -392,6 +396,5 @@ class RetrainConfig(Section):
             # '' would name the partition directory itself, which is no file: every partition incomplete, for good.
             self._fail("complete_marker", f"must be a file name (e.g. _SUCCESS) or null, got {self.complete_marker!r}")
         if (self.data_root is None) != (self.models_root is None):
-            self._fail(
-                "models_root" if self.models_root is None else "data_root", "is required with the other retrain key"
-            )
+            missing = "models_root" if self.models_root is None else "data_root"
+            self._fail(missing, "is required with the other retrain key")

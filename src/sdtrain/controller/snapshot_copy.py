@@ -42,7 +42,7 @@ class SnapshotCopy(UserCallback):
     @classmethod
     def of(cls, config: Config) -> SnapshotCopy:
         """On the driver: the callback for the run directory (run.storage_path/run.name)."""
-        return cls(*ray_storage(posixpath.join(config.run.storage_path, config.run.name)))
+        return cls(*ray_storage(config.run.directory))
 
     def after_report(self, run_context, metrics, checkpoint) -> None:
         try:

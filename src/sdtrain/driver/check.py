@@ -20,7 +20,6 @@ failed.
 
 from __future__ import annotations
 
-import posixpath
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -30,6 +29,7 @@ from sdtrain.config.running import EVAL_METRICS
 from sdtrain.config.schema import Config
 from sdtrain.driver.check_report import CheckReport, Phase, communication_share, record_report
 from sdtrain.logs import log
+from sdtrain.storage.uris import absolute
 
 Shapes = tuple[tuple[int, int, int], tuple[int, int], tuple[Any, ...]]
 """What the memory model needs of a run's data (:func:`train_shapes`)."""
@@ -188,19 +188,13 @@ def seed_phase_index(config: Config, phase: Config, first: Config | None) -> Non
     from sdtrain.data.index_format import run_index_uri
     from sdtrain.storage.filesystems import read_bytes, write_bytes
 
-    sources = [_run_dir(source) for source in (config, first) if source is not None]
+    sources = [absolute(source.run.directory) for source in (config, first) if source is not None]
     for key in ("data.train", "data.val"):
         for source in sources:
             index = read_bytes(run_index_uri(source, key))
             if index is not None:
-                write_bytes(run_index_uri(_run_dir(phase), key), index)
+                write_bytes(run_index_uri(absolute(phase.run.directory), key), index)
                 break
-
-
-def _run_dir(config: Config) -> str:
-    from sdtrain.storage.uris import absolute
-
-    return posixpath.join(absolute(config.run.storage_path), config.run.name)
 
 
 def train_shapes(config: Config) -> Shapes:

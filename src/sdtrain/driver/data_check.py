@@ -5,7 +5,6 @@ against their text encoder, and the latent scaling factor the files record."""
 from __future__ import annotations
 
 import dataclasses
-import posixpath
 from collections.abc import Mapping
 
 import numpy as np
@@ -81,7 +80,7 @@ def require_train_data(config: Config) -> None:
 def dataset_spec(config: Config, key: str, specs: list[str], unet: Mapping) -> DatasetSpec:
     """The files ``specs`` name, read and checked against the UNet config ``unet`` (from the run's dataset
     index where it has them; nothing is written)."""
-    run_dir = posixpath.join(config.run.storage_path, config.run.name)
+    run_dir = config.run.directory
     return indexed_dataset(config, key, specs, unet, run_dir).spec
 
 

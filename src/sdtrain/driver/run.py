@@ -130,7 +130,7 @@ def check_run(config: Config) -> CheckedRun:
         log.warning(unreached)
     config = resolve_prediction_type(config)  # unset: model.pretrained's; the workers get it concrete
     check_trackers(config)
-    run_dir = posixpath.join(config.run.storage_path, config.run.name)
+    run_dir = config.run.directory
     if config.run.start_fresh:
         # Before the data check: the old run's dataset index describes the data it trained on, not this data. Only
         # moved, so a fresh start whose check then fails has lost nothing.

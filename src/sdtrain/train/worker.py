@@ -6,7 +6,6 @@ import contextlib
 import json
 import logging
 import os
-import posixpath
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -142,7 +141,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     )
 
     context = ray.train.get_context()
-    scratch = worker_scratch(config, _run_dir(config), context.get_local_rank(), context.get_local_world_size())
+    scratch = worker_scratch(config, config.run.directory, context.get_local_rank(), context.get_local_world_size())
     with _restored(config) as (directory, is_copy):
         plan: ReadPlan = fetched(loop_config["reader"]).plan
         start = (
@@ -182,7 +181,7 @@ def _restored(config: Config) -> contextlib.AbstractContextManager[tuple[str | N
     if checkpoint is None:
         return contextlib.nullcontext((None, False))
     local_rank = ray.train.get_context().get_local_rank()
-    return restored_directory(checkpoint, node_scratch(config, _run_dir(config)), local_rank)
+    return restored_directory(checkpoint, node_scratch(config, config.run.directory), local_rank)
 
 
 def _fit(
@@ -241,10 +240,10 @@ def _callbacks(run: WorkerRun, module: pl.LightningModule, rank: int, train_batc
         data_wait_s=train_batches.take_wait_s,
         launched_at=run.launched_at,
         validation=validation,
-        view=RunView(config, _run_dir(config)) if rank == 0 else None,
+        view=RunView(config, config.run.directory) if rank == 0 else None,
         enter=enter,
         grids=sample_grids(config, module, rank, run.grid_prompts),
-        evaluations=CheckpointEvaluations(config, _run_dir(config)) if rank == 0 and config.eval.enabled else None,
+        evaluations=CheckpointEvaluations(config, config.run.directory) if rank == 0 and config.eval.enabled else None,
     )
     callbacks: list[pl.Callback] = [] if watchdog is None else [StallWatch(watchdog)]
     callbacks.append(PreemptionCheck(cadence, lambda: reporter.slowest_steps_per_s, enter))
@@ -323,15 +322,11 @@ def sample_grids(config: Config, module: Any, rank: int, prompts: Captions | Non
         config,
         meta,
         captions,
-        _run_dir(config),
+        config.run.directory,
         unconditional,
         autocast=lambda: training_autocast(module.trainer),
         writes=rank == 0,
     )
-
-
-def _run_dir(config: Config) -> str:
-    return posixpath.join(config.run.storage_path, config.run.name)
 
 
 def _configure_logging() -> None:
