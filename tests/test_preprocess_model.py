@@ -157,6 +157,30 @@ def test_a_model_path_with_a_typo_fails_in_one_line_before_anything_is_recorded(
     assert "\n" not in str(raised.value) and not (tmp_path / "other").exists()
 
 
+def test_a_model_without_its_tokenizer_fails_in_one_line_before_anything_is_recorded(tmp_path, tiny_sd):
+    """A model whose VAE reads but whose tokenizer is missing or broken failed after _settings.json recorded it (in
+    write_unconditional, with transformers' "Couldn't instantiate the backend tokenizer", naming no folder), and the
+    corrected run was refused."""
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_sd, model)
+    shutil.rmtree(model / "tokenizer")
+    with pytest.raises(DataError) as raised:
+        run_preprocess(_config(tmp_path, str(model)), max_shards=0)
+    assert str(raised.value) == (
+        f"encode.model: {model} has no tokenizer/: a diffusers model holds vae/, tokenizer/, text_encoder/"
+    )
+    assert not (tmp_path / "out" / SETTINGS_FILE).exists()
+    (model / "tokenizer").mkdir()  # there, but holding nothing a tokenizer loads from
+    with pytest.raises(DataError, match=rf"^encode.model: cannot load {model}: ") as raised:
+        run_preprocess(_config(tmp_path, str(model)), max_shards=0)
+    assert "\n" not in str(raised.value) and not (tmp_path / "out" / SETTINGS_FILE).exists()
+    shutil.rmtree(model / "tokenizer")
+    shutil.copytree(Path(tiny_sd) / "tokenizer", model / "tokenizer")
+    assert run_preprocess(_config(tmp_path, str(model)), max_shards=0).shards_total == 1
+
+
 # --- the settings a re-run must keep ---
 
 

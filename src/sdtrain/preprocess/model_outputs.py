@@ -4,8 +4,10 @@ to (a file beside the shards, or zeros for SDXL)."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -43,20 +45,52 @@ def exists(uri: str) -> bool:
 
 def check_model(model: str) -> bool:
     """Whether encode.model is SDXL-shaped (decided once, on the driver, and handed to the encoders), its VAE's
-    config read too: before the output records anything, a model that cannot be found or read is a DataError naming
-    encode.model, the model and why (a typo in its path, recorded in _settings.json, refused its correction)."""
+    config, its tokenizers and its text encoders' folders read too: before the output records anything, a model that
+    cannot be found or read is a DataError naming encode.model, the model and why (a typo in its path, or a missing
+    tokenizer, recorded in _settings.json, refused the corrected run)."""
+    from sdtrain.model.encoders import load_tokenizers
+
+    sdxl = model_shape(model)
+    with _named(model):
+        _check_text_folders(model, sdxl)
+        load_tokenizers(model, sdxl)  # every output needs them: the vocabulary bounds the stored ids
+    return sdxl
+
+
+def model_shape(model: str) -> bool:
+    """Whether encode.model is SDXL-shaped, its VAE's config read: what a shard's size is estimated from (configs
+    alone, no tokenizer or weights), a model that cannot be read a DataError as :func:`check_model`'s."""
     from sdtrain.model.encoders import has_second_encoder
 
-    try:
+    with _named(model):
         sdxl = has_second_encoder(model)
         vae_geometry(model)
+    return sdxl
+
+
+@contextlib.contextmanager
+def _named(model: str) -> Iterator[None]:
+    """Errors reading ``model`` as one-line DataErrors naming encode.model."""
+    try:
+        yield
     except StorageUnavailable:  # a store failing for now: the run may be retried (exit 75)
         raise
     except (DataError, OSError, ValueError) as e:  # ours name the model; diffusers' and the hub's, not always
         cause = " ".join(str(e).split())  # one line, as every error of the command line
         said = cause if isinstance(e, DataError) else f"cannot load {model}: {cause}"
         raise DataError(f"encode.model: {said}") from None
-    return sdxl
+
+
+def _check_text_folders(model: str, sdxl: bool) -> None:
+    """A local model's tokenizer and text encoder folders, each named where missing: transformers' own error for a
+    missing tokenizer names no folder. A stored or hub model's are fetched by what loads them."""
+    import os
+
+    parts = ("tokenizer", "text_encoder", "tokenizer_2", "text_encoder_2") if sdxl else ("tokenizer", "text_encoder")
+    missing = [f"{part}/" for part in parts if os.path.isdir(model) and not os.path.isdir(os.path.join(model, part))]
+    if missing:
+        expected = ", ".join(f"{part}/" for part in ("vae", *parts))
+        raise DataError(f"{model} has no {', '.join(missing)}: a diffusers model holds {expected}")
 
 
 def vae_geometry(model: str) -> tuple[float, int, int]:

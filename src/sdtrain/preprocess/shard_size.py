@@ -18,7 +18,7 @@ from typing import Any
 
 from sdtrain.errors import ConfigError, DataError
 from sdtrain.preprocess.config import PreprocessConfig
-from sdtrain.preprocess.model_outputs import check_model, vae_geometry
+from sdtrain.preprocess.model_outputs import model_shape, vae_geometry
 from sdtrain.storage.filesystems import read_bytes
 from sdtrain.storage.uris import is_uri
 
@@ -87,7 +87,7 @@ def row_shape(config: PreprocessConfig) -> RowShape:
     encoders (no weights loaded). With aspect buckets a row's latents are its bucket's, and a shard's rows may all
     fall in one bucket: the largest bucket's are taken. (aspect_buckets makes none over image.resolution² pixels, so
     today that is the square's; taking the largest keeps the bound if buckets change.)"""
-    sdxl = check_model(config.encode.model)  # DataError naming encode.model where it cannot be read
+    sdxl = model_shape(config.encode.model)  # DataError naming encode.model where it cannot be read
     _, channels, downsampling = vae_geometry(config.encode.model)
     height, width = max(config.image.shapes(), key=lambda hw: (hw[0] // downsampling) * (hw[1] // downsampling))
     latents = (channels, height // downsampling, width // downsampling)
