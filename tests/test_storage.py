@@ -476,6 +476,46 @@ def test_storage_failing_for_now_is_told_from_bad_input(error, transient):
     assert exit_code(raised.value) == 75  # run again; 2 would say "fix the input, do not retry"
 
 
+def test_a_shared_filesystems_failure_for_now_is_no_bad_input():
+    """A stale NFS file handle (a server restarted or failed over) or an I/O error on a shared run.storage_path or
+    data.train became a DataError: exit 2 on the driver, and in a worker a run stopped without its restarts. Now it is
+    a StorageUnavailable naming the file: exit 75, a restart. The EIO is a real one, of pyarrow reading a file."""
+    import errno
+
+    import pyarrow.fs as pafs
+
+    from sdtrain.driver.cli import exit_code
+    from sdtrain.storage.s3 import raise_if_unavailable
+
+    with pafs.LocalFileSystem().open_input_file("/proc/self/mem") as file:
+        with pytest.raises(OSError) as eio:
+            file.read_at(16, 0)  # the unmapped page 0: the kernel's EIO, through pyarrow's own error
+    assert eio.value.errno == errno.EIO
+    stale = OSError(
+        errno.ESTALE, "Failed to open local file '/mnt/efs/a.parquet'. Detail: [errno 116] Stale file handle"
+    )
+    # As Ray Data and pyarrow's dataset layer re-raise it: the number in the text alone.
+    wrapped = OSError("Could not open Parquet input source '/mnt/efs/a.parquet': Detail: [errno 116] Stale file handle")
+    for error in (eio.value, stale, wrapped):
+        assert is_transient(error), error
+        with pytest.raises(StorageUnavailable) as raised:
+            raise_if_unavailable(error, "data.train: /mnt/efs/a.parquet")
+        message = str(raised.value)
+        assert (
+            message.startswith("data.train: /mnt/efs/a.parquet: the filesystem failed (") and "not bad input" in message
+        )
+        assert exit_code(raised.value) == 75
+    # What is wrong with the file itself stays bad input, as before.
+    for error in (
+        FileNotFoundError(
+            errno.ENOENT, "Failed to open local file '/mnt/efs/a.parquet'. Detail: [errno 2] No such file"
+        ),
+        PermissionError(errno.EACCES, "Failed to open local file '/x'. Detail: [errno 13] Permission denied"),
+        OSError("Parquet magic bytes not found in footer. Either the file is corrupted or this is not a parquet file."),
+    ):
+        assert not is_transient(error), error
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("mode", ["drop", "throttle"])

@@ -33,9 +33,10 @@ class NonFiniteTraining(SdtrainError):
 
 class StorageUnavailable(OSError):
     """Object storage failed for now, past its client's retries (throttling, a 5xx answer, a dropped or timed-out
-    connection): no SdtrainError, whose exit status 2 says "fix the input, do not retry" and which stops a Ray Train
-    run without restarts, but an OSError as a failed read is. The message names the config key and the file; the
-    command lines print it as one paragraph and exit EX_TEMPFAIL (75): running again may succeed."""
+    connection), or a shared filesystem did (a stale NFS handle, EIO): no SdtrainError, whose exit status 2 says "fix
+    the input, do not retry" and which stops a Ray Train run without restarts, but an OSError as a failed read is. The
+    message names the config key and the file; the command lines print it as one paragraph and exit EX_TEMPFAIL (75):
+    running again may succeed."""
 
 
 def find_sdtrain_error(error: BaseException) -> "SdtrainError | None":

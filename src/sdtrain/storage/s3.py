@@ -5,7 +5,9 @@ AWS chain: nothing here reads or stores a secret.
 
 from __future__ import annotations
 
+import errno
 import os
+import re
 import sys
 from dataclasses import dataclass
 
@@ -185,13 +187,42 @@ _TRANSIENT_CODES = frozenset(
 _TRANSIENT_STATUSES = frozenset({429, 500, 502, 503, 504})
 
 
+# A shared filesystem's (NFS, EFS, Lustre) failures for now, as the OS reports them: a file handle gone stale when the
+# server restarted or failed over, an I/O error or a timeout of a soft mount, an unreachable server. A local disk's
+# EIO is as likely a bad disk, which a few restarts (failure.max_failures) do not hide either.
+_TRANSIENT_ERRNOS = frozenset(
+    {
+        errno.ESTALE,
+        errno.EIO,
+        errno.ETIMEDOUT,
+        errno.ECONNRESET,
+        errno.ENETDOWN,
+        errno.ENETUNREACH,
+        errno.EHOSTDOWN,
+        errno.EHOSTUNREACH,
+    }
+)
+_ERRNO_DETAIL = re.compile(r"\[errno (\d+)\]", re.IGNORECASE)  # pyarrow's "Detail: [errno 116] Stale file handle"
+
+
+def _filesystem_errno(error: BaseException) -> int | None:
+    """The OS error number of a filesystem failure that a later attempt can get past, else None."""
+    if not isinstance(error, OSError):
+        return None
+    numbers = [error.errno, *(int(n) for n in _ERRNO_DETAIL.findall(str(error)))]
+    return next((n for n in numbers if n in _TRANSIENT_ERRNOS), None)
+
+
 def is_transient(error: BaseException) -> bool:
     """Whether ``error`` (from reading, listing or asking for an object, after the client's own retries) is a
     storage or network failure that a later attempt can get past, rather than a damaged or missing object or a
-    denied request: the AWS SDK's errors under pyarrow (OSErrors) and boto3's alike."""
+    denied request: the AWS SDK's errors under pyarrow (OSErrors) and boto3's alike, and a shared filesystem's (a
+    stale NFS handle, EIO)."""
     if isinstance(error, StorageUnavailable):
         return True
     if isinstance(error, OSError) and any(marker in str(error) for marker in _TRANSIENT_MARKERS):
+        return True
+    if _filesystem_errno(error) is not None:
         return True
     # botocore is not imported here: Ray Data's read tasks call this, light on purpose. An error of botocore's
     # comes from a process that imported it.
@@ -223,6 +254,11 @@ def storage_unavailable(error: BaseException, what: str) -> StorageUnavailable:
     if isinstance(error, StorageUnavailable) and isinstance(error.__cause__, BaseException):
         error = error.__cause__
     reason = " ".join(str(error).split()) or type(error).__name__
+    if _filesystem_errno(error) is not None:
+        return StorageUnavailable(
+            f"{what}: the filesystem failed ({reason}). This is a stale file handle, an I/O error or a server out of "
+            "reach (NFS, EFS), not bad input: run again later"
+        )
     return StorageUnavailable(
         f"{what}: object storage failed after {s3_max_attempts()} attempt(s) with backoff ({reason}). This is "
         "throttling, a server error or the network, not bad input: run again later, or raise storage.max_attempts"
