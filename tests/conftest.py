@@ -131,20 +131,39 @@ def tiny_config(
     return load_config(None, keys)
 
 
+# The thread settings this session started with. Lightning's launcher for an in-process FSDP or DDP fit sets
+# OMP_NUM_THREADS in this process where it is unset (cores / processes: 2 here), and every Ray cluster a later test
+# started inherited it: Ray then left each 1-CPU train worker 2 torch threads instead of 1, and two workers on 2 cores
+# trained 3-4x slower (test_train_ray's runs, last in the suite, took ~50 s more each).
+THREAD_ENV = {key: os.environ.get(key) for key in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+
+
+def _restore(saved: dict[str, str | None]) -> None:
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+@pytest.fixture(autouse=True)
+def _session_thread_env():
+    """Each test leaves the thread settings as the session started with them (THREAD_ENV)."""
+    yield
+    _restore(THREAD_ENV)
+
+
 def _start_ray() -> None:
     import ray
 
     saved = {key: os.environ.get(key) for key in S3_ENV}
     os.environ.update(S3_ENV)  # the raylet, and so every worker it starts, inherits this environment
+    _restore(THREAD_ENV)  # the session's, not what an in-process fit of this test set: Ray sets 1 a 1-CPU worker
     try:
         # address="local": a cluster of its own, even where ray start left one running on this machine.
         ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=True)
     finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+        _restore(saved)
 
 
 @pytest.fixture(scope="session")

@@ -380,7 +380,7 @@ def _trained_ids(run_dir):
 
 @pytest.mark.timeout(900)
 def test_every_sample_once_per_epoch_across_a_restart_and_bitwise_resume(
-    ray_cluster, tmp_path, monkeypatch, run_attempts
+    ray_cluster, tmp_path, monkeypatch, run_attempts, capfd
 ):
     """96 rows, 8 per step: one epoch = 12 steps, micro-batches of 2 accumulated 2 on each of 2 workers.
 
@@ -394,6 +394,9 @@ def test_every_sample_once_per_epoch_across_a_restart_and_bitwise_resume(
     every_row = list(range(96))
 
     train(_ids_config(tmp_path, "a", 12, 2))
+    # One thread a 1-CPU worker, as Ray sets it: an in-process fit of an earlier test left OMP_NUM_THREADS=2 to the
+    # session's cluster (conftest.THREAD_ENV), and two workers on 2 cores trained 3-4x slower.
+    assert "; 1 torch thread(s) per worker" in capfd.readouterr().err
     straight = _trained_ids(tmp_path / "runs/a")
     assert sorted(straight) == every_row
     assert not np.array_equal(straight, every_row)  # shuffled
