@@ -13,6 +13,7 @@ import pytest
 import torch
 from conftest import tiny_config, write_latents
 from diffusers import DDPMScheduler, UNet2DConditionModel
+from support.registry_writers import RegistryWriters
 
 from sdtrain.artifacts.registry import ModelRegistry
 from sdtrain.driver.retrain import JOB_ID_VAR, retrain, schedule_date_for
@@ -468,31 +469,12 @@ def test_a_metric_is_compared_only_with_values_measured_by_the_same_model(tmp_pa
     ]
 
 
-_RECORD_STEP = """
-import json, sys
-import torch
-from diffusers import DDPMScheduler, UNet2DConditionModel
-from sdtrain.artifacts.loading import LoadedModel
-from sdtrain.artifacts.registry import ModelRegistry
-from sdtrain.model.presets import PRESETS
-from sdtrain.driver.retrain import record_and_promote
-
-registry = ModelRegistry(sys.argv[1])
-torch.manual_seed(1)
-with registry.lock({"run": "retrain-2026-11-02", "date": "2026-11-02", "job": "prodjob_chaos"}) as lock:
-    unet = UNet2DConditionModel(**PRESETS["tiny"])
-    trained = LoadedModel(unet, DDPMScheduler(), None, "ckpt", "raw", 2, (4, 16, 16), (77, 32), None, None, None)
-    print(record_and_promote(registry, lock, trained, json.loads(sys.argv[2])).status)
-"""
-
-
 @pytest.mark.slow  # six subprocesses SIGKILLed, some re-run in others
 @pytest.mark.timeout(600)
-def test_a_retrain_killed_after_each_of_its_registry_writes_is_finished_by_the_rerun(tmp_path, monkeypatch):
+def test_a_retrain_killed_after_each_of_its_registry_writes_is_finished_by_the_rerun(tmp_path, monkeypatch, request):
     """The chaos case without training: a run's real writes after its model is judged (version, pointer, log,
-    lock) in a process SIGKILLed right after its Nth write, then the re-run; bench/retrain_chaos.py does the same
-    around real training."""
-    from sdtrain.artifacts.conditional_writes import CHAOS_KILL_VAR
+    lock) in a process SIGKILLed right after its Nth write (support.registry_writers), then the re-run;
+    bench/retrain_chaos.py does the same around real training."""
 
     monkeypatch.setenv(JOB_ID_VAR, "prodjob_chaos")  # the re-run is the job's retry: it takes the dead run's lock
     manifest = {
@@ -504,15 +486,15 @@ def test_a_retrain_killed_after_each_of_its_registry_writes_is_finished_by_the_r
         "reason": "val_loss 0.20000 <= v0001's 0.30000 x (1 + 0.05)",
         "metrics": {"val_loss": 0.2, "production_val_loss": 0.3},
     }
-    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
+    writers = RegistryWriters(tmp_path)
+    request.addfinalizer(writers.close)
     for kill_after in range(1, 7):  # lock, version claim, weights, manifest, pointer, log entry (7: release)
         case = tmp_path / f"kill-{kill_after}"
         config = _rules_config(case)
         registry = ModelRegistry(str(case / "models"))
         registry.set_production(_version(registry, "2026-11-01", None, 0.3), expected=None, kind="promote")
-        step = [sys.executable, "-c", _RECORD_STEP, str(case / "models"), json.dumps(manifest)]
-        killed = subprocess.run(step, env={**env, CHAOS_KILL_VAR: str(kill_after)}, capture_output=True, timeout=170)
-        assert killed.returncode == -9, (kill_after, killed.stderr[-2000:])
+        killed, output = writers.run(str(case / "models"), manifest, kill_after)
+        assert killed == -9, (kill_after, output[-2000:])
         # What a reader sees meanwhile: production names a complete version, the old or the new one.
         assert registry.production() in registry.versions() and registry.production() in ("v0001", "v0002")
 
@@ -520,8 +502,8 @@ def test_a_retrain_killed_after_each_of_its_registry_writes_is_finished_by_the_r
             outcome = retrain(config, datetime.date(2026, 11, 2))
             assert outcome.status in ("completed-promotion", "already-done"), (kill_after, outcome)
         else:  # died before the manifest: the re-run trains again (here: makes the same writes again)
-            rerun = subprocess.run(step, env=env, capture_output=True, text=True, timeout=170)
-            assert rerun.stdout.splitlines()[-1] == "promoted", (kill_after, rerun.stderr[-2000:])
+            exit_code, output = writers.run(str(case / "models"), manifest)
+            assert exit_code == 0 and output.splitlines()[-1] == "promoted", (kill_after, output[-2000:])
         production = registry.production()
         log = registry.pointer_log()
         assert production != "v0001" and registry.manifest(production)["promoted"], kill_after
