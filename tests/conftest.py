@@ -167,6 +167,16 @@ def _start_ray() -> None:
 
 
 @pytest.fixture(scope="session")
+def forkserver():
+    """The session's forkserver context (support.forkserver: torch, Lightning, diffusers and sdtrain imported once),
+    its server stopped at the session's end."""
+    from support import forkserver
+
+    yield forkserver.preloaded()
+    forkserver.stop()
+
+
+@pytest.fixture(scope="session")
 def _ray_session():
     """Stops, at the end of the session, whatever Ray cluster this process started last."""
     yield

@@ -204,19 +204,18 @@ def _rank(rank: int, rendezvous: str, function, out) -> None:
     os._exit(0)
 
 
-def _run(function):
-    """``function(rank)`` on 2 spawned gloo ranks, meeting at a file: a free port found here and let go could be
-    taken by another process before the ranks bind it; rank 0's result."""
+def _run(function, forkserver):
+    """``function(rank)`` on 2 gloo ranks forked from the session's ``forkserver`` (conftest), meeting at a file: a
+    free port found here and let go could be taken by another process before the ranks bind it; rank 0's result."""
     with tempfile.TemporaryDirectory(prefix="sdtrain-gloo-") as directory:
-        context = mp.get_context("spawn")
-        out = context.Queue()
+        out = forkserver.Queue()
         rendezvous = f"file://{directory}/store"
-        mp.start_processes(_rank, args=(rendezvous, function, out), nprocs=2, start_method="spawn")
+        mp.start_processes(_rank, args=(rendezvous, function, out), nprocs=2, start_method="forkserver")
         return out.get(timeout=60)
 
 
-@pytest.mark.slow  # two spawned processes
-def test_sdtrain_ddp_keeps_each_ranks_statistics_where_torchs_default_overwrites_them_with_rank_0s():
+@pytest.mark.slow  # two forked processes
+def test_sdtrain_ddp_keeps_each_ranks_statistics_where_torchs_default_overwrites_them_with_rank_0s(forkserver):
     strategy = build_strategy(TrainConfig(), 2, on_ray=False)
     assert strategy._ddp_kwargs == {**DDP_KWARGS, "bucket_cap_mb": 25}  # what Lightning hands DDP
     assert DDP_KWARGS["forward_sync_buffers"] is False and DDP_KWARGS["gradient_as_bucket_view"] is True
@@ -230,12 +229,12 @@ def test_sdtrain_ddp_keeps_each_ranks_statistics_where_torchs_default_overwrites
     assert ray_strategy._ddp_kwargs["bucket_cap_mb"] == 100 and ray_strategy.comm_hook is bf16_compress
     # After 3 steps rank 1's counter is 33 with sdtrain's settings; torch's default broadcast rank 0's buffers
     # into rank 1 before each forward, leaving it at 2 + 11 = 13.
-    assert _run(_counters) == {"sdtrain": [3.0, 33.0], "torch": [3.0, 13.0]}
+    assert _run(_counters, forkserver) == {"sdtrain": [3.0, 33.0], "torch": [3.0, 13.0]}
 
 
-@pytest.mark.slow  # two spawned processes, five 2-rank fits of the tiny UNet
-def test_bf16_compression_halves_the_bytes_and_fsdp2_reduce_scatters_once_per_step_in_its_policys_dtypes():
-    runs = _run(_fits)
+@pytest.mark.slow  # two forked processes, five 2-rank fits of the tiny UNet
+def test_bf16_compression_halves_the_bytes_and_fsdp2_reduce_scatters_once_per_step_in_its_policys_dtypes(forkserver):
+    runs = _run(_fits, forkserver)
     for name, run in runs.items():
         assert run["steps"] == 2 and len(run["losses"]) == 4, name
         assert all(0 < loss < 10 for loss in run["losses"]), (name, run["losses"])
@@ -387,14 +386,14 @@ def _fsdp_grid(directory: str, rank: int) -> dict:
     )
 
 
-@pytest.mark.slow  # two spawned processes
-def test_a_sample_grid_under_fsdp_is_drawn_by_every_rank_and_written_by_rank_0():
+@pytest.mark.slow  # two forked processes
+def test_a_sample_grid_under_fsdp_is_drawn_by_every_rank_and_written_by_rank_0(forkserver):
     """Each rank holds a shard of the EMA: every rank samples the grid in step (each forward pass gathers the weights
     from all), rank 0 alone writes it, and it is the grid the gathered EMA gives in one process."""
     import functools
 
     with tempfile.TemporaryDirectory(prefix="sdtrain-fsdp-grid-") as directory:
-        result = _run(functools.partial(_fsdp_grid, directory))
+        result = _run(functools.partial(_fsdp_grid, directory), forkserver)
     assert result["sharded"] and result["kinds"] == ["Grid", "NoneType"]
     assert result["written"] == ["step_2.png"]
     assert result["latent_gap"] < 1e-4

@@ -471,7 +471,7 @@ def test_a_metric_is_compared_only_with_values_measured_by_the_same_model(tmp_pa
 
 @pytest.mark.slow  # six subprocesses SIGKILLed, some re-run in others
 @pytest.mark.timeout(600)
-def test_a_retrain_killed_after_each_of_its_registry_writes_is_finished_by_the_rerun(tmp_path, monkeypatch, request):
+def test_a_retrain_killed_after_each_of_its_registry_writes_is_finished_by_the_rerun(tmp_path, monkeypatch, forkserver):
     """The chaos case without training: a run's real writes after its model is judged (version, pointer, log,
     lock) in a process SIGKILLed right after its Nth write (support.registry_writers), then the re-run;
     bench/retrain_chaos.py does the same around real training."""
@@ -486,8 +486,7 @@ def test_a_retrain_killed_after_each_of_its_registry_writes_is_finished_by_the_r
         "reason": "val_loss 0.20000 <= v0001's 0.30000 x (1 + 0.05)",
         "metrics": {"val_loss": 0.2, "production_val_loss": 0.3},
     }
-    writers = RegistryWriters(tmp_path)
-    request.addfinalizer(writers.close)
+    writers = RegistryWriters(forkserver, tmp_path)
     for kill_after in range(1, 7):  # lock, version claim, weights, manifest, pointer, log entry (7: release)
         case = tmp_path / f"kill-{kill_after}"
         config = _rules_config(case)

@@ -1,19 +1,16 @@
 """A retraining's registry writes after its model is judged (``record_and_promote``: lock, version, pointer, log), each
 run in a process of its own that a test may SIGKILL after any write (CHAOS_KILL_VAR).
 
-The processes fork from a forkserver that imported torch, diffusers and sdtrain once: a fresh interpreter for each of
-test_retrain_rules' dozen writers spent 6-8 s importing them, most of that test's time. Each is still a real process,
-killed for real by its own write."""
+The processes fork from the session's forkserver (support.forkserver), which imported torch, diffusers and sdtrain
+once: a fresh interpreter for each of test_retrain_rules' dozen writers spent 6-8 s importing them, most of that
+test's time. Each is still a real process, killed for real by its own write."""
 
 from __future__ import annotations
 
-import multiprocessing
-import multiprocessing.forkserver
 import os
 import sys
+from multiprocessing.context import ForkServerContext
 from pathlib import Path
-
-_PRELOAD = ["torch", "diffusers", "sdtrain.driver.retrain", "sdtrain.artifacts.registry", "sdtrain.artifacts.loading"]
 
 
 def _record(models: str, manifest: dict, kill_after: int | None, output: str) -> None:
@@ -41,12 +38,11 @@ def _record(models: str, manifest: dict, kill_after: int | None, output: str) ->
 
 
 class RegistryWriters:
-    """Starts writers (:func:`_record`) from one preloaded forkserver; :meth:`close` stops that server."""
+    """Starts writers (:func:`_record`) from ``context``, the session's preloaded forkserver (conftest's forkserver)."""
 
-    def __init__(self, scratch: Path):
+    def __init__(self, context: ForkServerContext, scratch: Path):
+        self.context = context
         self.scratch = scratch
-        self.context = multiprocessing.get_context("forkserver")
-        self.context.set_forkserver_preload(_PRELOAD)
         self.runs = 0
 
     def run(
@@ -63,6 +59,3 @@ class RegistryWriters:
             process.join()
             raise AssertionError(f"a registry writer ran past {timeout_s} s: {output.read_text()[-2000:]}")
         return process.exitcode, output.read_text()
-
-    def close(self) -> None:
-        multiprocessing.forkserver._forkserver._stop()  # the server this session started; its writers have ended
