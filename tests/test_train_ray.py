@@ -11,8 +11,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
-from conftest import committed_checkpoints, corrupt_row_group, rows_by_step, tiny_config, write_latents
-from support.ray_processes import our_training_workers
+from conftest import corrupt_row_group, rows_by_step, tiny_config, write_latents
 from support.tiny_models import write_tiny_dinov2, write_tiny_sd_model
 
 from sdtrain.artifacts.loading import load_model, read_checkpoint
@@ -248,108 +247,6 @@ def test_diverging_run_stops_with_a_clear_error(ray_cluster, tmp_path, run_attem
         "(train.max_nonfinite_steps=3)" in message
     )
     assert "no checkpoint was written" in message
-
-
-def _two_workers(tmp_path, name: str, max_steps: int, *extra: str):
-    write_latents(tmp_path / "train/a.parquet", rows=64, encoding="list", seed=4)
-    return tiny_config(
-        f"data.train={tmp_path}/train",
-        "checkpoint.every_n_steps=4",
-        "run.log_every_n_steps=2",
-        "export.enabled=false",  # latents that name no VAE: no pipeline to export,
-        *extra,
-        tmp_path=tmp_path,
-        name=name,
-        steps=max_steps,
-        batch=8,
-        workers=2,
-    )
-
-
-def _signal_a_worker_after_the_first_checkpoint(run_dir, signum: int):
-    """A started thread that sends ``signum`` to one training worker once ``run_dir`` has a committed
-    checkpoint, and the list it fills with (pid, time sent)."""
-    import os
-    import threading
-    import time
-
-    sent: list[tuple[int, float]] = []
-
-    def send():
-        deadline = time.monotonic() + 240
-        while not committed_checkpoints(run_dir):
-            if time.monotonic() > deadline:
-                return
-            time.sleep(0.2)  # polling the run's committed checkpoints, not waiting out a race
-        for pid in our_training_workers():
-            try:
-                os.kill(pid, signum)
-            except ProcessLookupError:  # it ended since the listing: the next one
-                continue
-            sent.append((pid, time.time()))
-            return
-
-    thread = threading.Thread(target=send)
-    thread.start()
-    return thread, sent
-
-
-@pytest.mark.timeout(300)
-def test_a_hung_worker_is_ended_by_the_stall_watchdog_and_the_run_restarts(ray_cluster, tmp_path, run_attempts, capfd):
-    """SIGSTOP one of two workers once the first checkpoint is committed: the other waits for it in a
-    collective, which would hold the job until the collective's 30-minute timeout. Its watchdog
-    (run.stall_timeout_s) ends it instead, saying where it stalled; Ray Train restarts the group."""
-    import os
-    import re
-    import signal
-
-    import psutil
-
-    run_dir = tmp_path / "runs" / "stalled"
-    # Reports every 2 steps to 16. The group cannot end before the stop whatever this machine's speed: Ray Train's
-    # controller takes one report per worker per poll, polls 2 s apart, and the commit of the first checkpoint
-    # (step 4) leaves 6 reports to take, at least 10 s.
-    config = _two_workers(
-        tmp_path,
-        "stalled",
-        16,
-        "scaling.cpus_per_worker=1",  # every CPU of the cluster: the reads take none of their own
-        # Above what a busy 2-core machine takes between steps (the first batch included): a bound that fires on a
-        # slow machine spends the one restart before the stop, and the run fails.
-        "run.stall_timeout_s=30",
-        # The survivor may wait in a checkpoint's barrier, a slow phase: bounded above a busy machine's start-up
-        # (a restarted group's restore too).
-        "run.slow_phase_timeout_s=60",
-        "failure.max_failures=1",
-    )
-    stopper, stopped = _signal_a_worker_after_the_first_checkpoint(run_dir, signal.SIGSTOP)
-    try:
-        summary = train(config)
-    finally:
-        stopper.join()
-        for pid, _ in stopped:  # Ray Train ends the old group's workers; a stopped one left behind is let go
-            if psutil.pid_exists(pid):
-                os.kill(pid, signal.SIGCONT)
-
-    assert stopped, "no RayTrainWorker process was found to stop"
-    assert not psutil.pid_exists(stopped[0][0])  # the hung worker went with its group
-    assert run_attempts("stalled") == 2
-    assert summary.final_step == 16
-    output = capfd.readouterr()
-    stall = re.search(
-        r"rank \d stalled: no optimizer step for \d+ s since step (\d+), .*?; it has been (.*?) for \d+ s\.",
-        output.out + output.err,
-    ) or re.search(
-        r"rank \d stalled: it has been (reporting a checkpoint.*?) for \d+ s \(run\.slow_phase_timeout_s=60; "
-        r"last optimizer step: step (\d+)\)",
-        output.out + output.err,
-    )
-    assert stall, "the watchdog's message is not in the run's output"
-    step, phase = (stall.group(1), stall.group(2)) if "no optimizer step" in stall.group(0) else stall.group(2, 1)
-    assert int(step) >= 4
-    # The surviving rank waits for the stopped one in a collective (a step's all-reduce, Lightning's checks
-    # between steps, a report's barrier), not for its own data.
-    assert phase.startswith(("in a training step", "between steps", "reporting")), phase
 
 
 def _ids_config(tmp_path, name, max_steps, workers, *extra):
