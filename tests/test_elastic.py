@@ -158,7 +158,10 @@ def run_through_a_reclaimed_and_a_joined_node(cluster, tmp_path: Path, nodes: in
                 # The reclaim notice falls between two; and the smaller group commits one soon after it starts, so
                 # the node joins with most of the run still to go, however fast this machine trains.
                 "checkpoint.every_n_steps=25",
-                "scaling.resize_check_s=15",  # the join is used sooner than at Ray's default of 60 s
+                # The join is used sooner than at Ray's default of 60 s. Ray Train sees a node only at its resource
+                # coordinator's next look at the cluster (every 20 s, Ray Data's AutoscalingCoordinator): a check
+                # every 5 s takes the join within 5 s of that, and a check that finds nothing costs nothing.
+                "scaling.resize_check_s=5",
                 "run.log_every_n_steps=10",
                 "checkpoint.num_to_keep=null",
                 "checkpoint.record_rows=true",
@@ -196,15 +199,20 @@ def test_a_reclaimed_node_and_a_joined_one_resize_the_group_lose_no_step_and_tra
     deadline Ray Train restarts the group at world size 1 on the CPU left (its data reads share it: a read waiting
     for a CPU hung the run for good), resuming from that step, not counted as a failure (failure.max_failures=0).
     Then a node joins, and the group grows back to 2 (which only the joined node allows) when Ray Train's elastic
-    policy next looks: 15 s into the group's life (scaling.resize_check_s), well short of train.max_steps."""
-    # After the loss Ray Train first tries to restart at the old size (its view of the cluster lags) and gives up
-    # after this many seconds (60 by default), then restarts at the size the CPUs left allow.
-    monkeypatch.setenv("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "20")
+    policy next looks (every 5 s of the group's life: scaling.resize_check_s), well short of train.max_steps."""
+    # After the loss Ray Train first tries to restart at the old size (its view of the cluster lags: its resource
+    # coordinator looks every 20 s) and gives up after this many seconds (60 by default), then decides again, until
+    # that view has the node gone and it restarts at the size the CPUs left allow. Ray Train waits this long only for
+    # the group's placement group (ray/train/v2 WorkerGroup._start_impl), which takes under a second where the CPUs
+    # are there; a wait that runs out is retried at once, not counted as a failure (a controller error: unlimited).
+    # Shorter tries find the view's change sooner: 20 s tries cost 20-40 s here, 5 s ones 5-25 s.
+    monkeypatch.setenv("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "5")
     # Ray Train's watcher looks for reclaim notices every 5 s by default: the notice here is short.
     monkeypatch.setenv("RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S", "1")
     # 25 epochs. Enough steps that the group shrinks and grows back before the end at any speed: the deadline
-    # (15 s), Ray's first try at the old size (20 s), the resize check (15 s) and a group start are wall-clock time,
-    # and a fast machine trains through them (at 204 steps one ended at world size 1, the join too late).
+    # (15 s), Ray's tries at the old size (up to 25 s), its view of the joined node (up to 20 s), the resize check
+    # (5 s) and a group start are wall-clock time, and a fast machine trains through them (at 204 steps one ended at
+    # world size 1, the join too late, with 20 s tries and 15 s checks).
     max_steps = 300
     started = time.time()
     summary, events = run_through_a_reclaimed_and_a_joined_node(node_cluster, tmp_path, nodes=2, max_steps=max_steps)
