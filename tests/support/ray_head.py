@@ -77,20 +77,22 @@ def start_head(ray: Path, env: dict[str, str], temp_dir: str, timeout_s: float) 
 def stop_head(head: subprocess.Popen, grace_s: float = 5) -> None:
     """SIGTERM to ``ray start --block``, which stops the processes it started; after ``grace_s`` SIGKILL to it and
     to every process it had started that is still there (by their ids, taken before the SIGTERM). A head whose jobs
-    ran Ray Train and Ray Data waited ~30 s for its idle workers to end gracefully, which a test cluster that is
-    thrown away does not need."""
+    ran Ray Train and Ray Data waited ~30 s for its idle workers to end gracefully, and still had them after 5 s: a
+    cluster that is thrown away with its temp dir needs no grace (``grace_s=0``: SIGKILL at once, no SIGTERM)."""
     import psutil
 
     try:
         started = psutil.Process(head.pid).children(recursive=True)
     except psutil.NoSuchProcess:
         started = []
-    head.send_signal(signal.SIGTERM)
-    try:
-        head.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
-        head.kill()
-        head.wait()
+    if grace_s > 0:
+        head.send_signal(signal.SIGTERM)
+        try:
+            head.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+    head.kill()  # a no-op once it has ended
+    head.wait()
     for process in started:
         try:
             process.kill()
