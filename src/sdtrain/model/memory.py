@@ -130,7 +130,8 @@ def predict_training_memory(
         text_encoder_dtype: the dtype the encoders are held in (sdtrain.model.token_captions.encoder_dtype).
 
     A trace takes seconds (tens for sdxl-base): a prediction asked for again in the same process (auto trying
-    sizes, the check job's phases, the docs' tables) is the first one's.
+    sizes, the check job's phases, the docs' tables) is the first one's, and one that differs from an earlier one
+    only in what the trace does not see (the world size, the EMA; the strategy under 32-true) reuses its trace.
     """
     _check_modelled(precision, strategy, world_size, micro_batch)
     return _predicted(
@@ -163,26 +164,23 @@ def _predicted(
     text_encoder_dtype: str,
 ) -> TrainingMemory:
     """predict_training_memory's, from arguments that key a cache: the configs as JSON, the dtype by name."""
-    from transformers import CLIPTextConfig
-
-    with torch.device("meta"):
-        unet = UNet2DConditionModel(**json.loads(unet_json))
-        encoders = text_encoder_modules([CLIPTextConfig(**json.loads(config)) for config in text_encoders_json])
+    unet, encoders = _meta_modules(unet_json, text_encoders_json)
     fsdp = strategy == "fsdp"
     state = _state(unet, world_size if fsdp else 1, ema)
     # Under bf16-mixed FSDP2 gathers the weights already in bf16 (sdtrain.train.strategy.mixed_precision), so
     # autocast makes no copies of them: the trace runs on bf16 weights.
     half = precision == "bf16-mixed"
     param_dtype = torch.bfloat16 if half and fsdp else torch.float32
-    activations = _traced_activation_peak(
-        unet,
+    activations = _activation_peak(
+        unet_json,
         latent_shape,
         caption_shape,
         micro_batch,
-        autocast=half,
-        param_dtype=param_dtype,
-        gradient_checkpointing=gradient_checkpointing,
-        encoders=(encoders, getattr(torch, text_encoder_dtype)),
+        half,
+        str(param_dtype).removeprefix("torch."),
+        gradient_checkpointing,
+        text_encoders_json,
+        text_encoder_dtype,
     )
     buffers = _fsdp_buffers(unet, param_dtype) if fsdp else 0
     frozen = sum(_held_bytes(encoder, getattr(torch, text_encoder_dtype)) for encoder in encoders)
@@ -193,6 +191,45 @@ def _predicted(
         text_encoders=frozen,
         total_peak=sum(state.values()) + activations + buffers + frozen,
     )
+
+
+@functools.lru_cache(maxsize=64)
+def _activation_peak(
+    unet_json: str,
+    latent_shape: tuple[int, int, int],
+    caption_shape: tuple[int, int],
+    micro_batch: int,
+    autocast: bool,
+    param_dtype: str,
+    gradient_checkpointing: bool,
+    text_encoders_json: tuple[str, ...],
+    text_encoder_dtype: str,
+) -> int:
+    """:func:`_traced_activation_peak` of fresh meta modules, cached on all that the trace depends on: the trace
+    replaces their parameters by fake ones, and predictions at other world sizes or with an EMA trace the same step."""
+    unet, encoders = _meta_modules(unet_json, text_encoders_json)
+    return _traced_activation_peak(
+        unet,
+        latent_shape,
+        caption_shape,
+        micro_batch,
+        autocast=autocast,
+        param_dtype=getattr(torch, param_dtype),
+        gradient_checkpointing=gradient_checkpointing,
+        encoders=(encoders, getattr(torch, text_encoder_dtype)),
+    )
+
+
+def _meta_modules(
+    unet_json: str, text_encoders_json: tuple[str, ...]
+) -> tuple[UNet2DConditionModel, list[torch.nn.Module]]:
+    """The UNet and text encoders of these JSON configs on the meta device: shapes only."""
+    from transformers import CLIPTextConfig
+
+    with torch.device("meta"):
+        unet = UNet2DConditionModel(**json.loads(unet_json))
+        encoders = text_encoder_modules([CLIPTextConfig(**json.loads(config)) for config in text_encoders_json])
+    return unet, encoders
 
 
 def _state(unet: torch.nn.Module, shards: int, ema: bool) -> dict[str, int]:
