@@ -667,22 +667,29 @@ def test_the_shipped_sdxl_config_trains_its_recipe_on_the_tiny_sdxl_unet(sdxl):
     """configs/sdxl-base.yaml's model and train options as they are (compiled, FSDP, gradient checkpointing,
     zero-terminal SNR with v-prediction and no min-SNR, which would drop its terminal timesteps, caption dropout to
     zeros, EMA, micro-batch auto) on the tiny SDXL layout: a real Lightning fit from the two tokenizers' ids for three
-    steps, each FSDP unit compiled without a graph break (the pooled embedding and time ids go through the root unit),
-    the loss finite."""
+    steps, each FSDP unit compiled by inductor in bf16 without a graph break (the pooled embedding and time ids go
+    through the root unit), the loss finite, and the first step's loss an eager fit's of the same batches."""
     from conftest import REPO
+    from support.training import Watch
     from torch._dynamo.utils import counters
 
     from sdtrain.config.loader import load_config
 
     root, encoders = sdxl
-    config = load_config(
-        REPO / "configs" / "sdxl-base.yaml",
-        ["data.train=/unused", "model.preset=tiny-sdxl", "scaling.use_gpu=false"]
-        + ["train.global_batch_size=4", "scaling.num_workers=1", "train.warmup_steps=0", "train.lr=1e-3"]
-        + ["train.max_steps=3"],
-    )
+
+    def recipe(*overrides):
+        config = load_config(
+            REPO / "configs" / "sdxl-base.yaml",
+            ["data.train=/unused", "model.preset=tiny-sdxl", "scaling.use_gpu=false"]
+            + ["train.global_batch_size=4", "scaling.num_workers=1", "train.warmup_steps=0", "train.lr=1e-3"]
+            # auto's precision on a GPU with bf16 (sdtrain.train.build.resolve_precision; the CPU's is 32-true): the
+            # units' bf16 graphs are what a GPU run compiles (as in test_options.shipped_gpu_options).
+            + ["train.max_steps=3", "train.precision=bf16-mixed", *overrides],
+        )
+        return config, checkpoint_meta(config, (4, 16, 24), (77, 80), text_encoder=root, vae_downsampling=2)
+
+    config, meta = recipe()
     assert config.model.preset == "tiny-sdxl" and config.train.zero_terminal_snr and config.train.strategy == "fsdp"
-    meta = checkpoint_meta(config, (4, 16, 24), (77, 80), text_encoder=root, vae_downsampling=2)
     assert meta.noise_scheduler_config["rescale_betas_zero_snr"]
     g = torch.Generator().manual_seed(0)
     batches = [
@@ -695,11 +702,17 @@ def test_the_shipped_sdxl_config_trains_its_recipe_on_the_tiny_sdxl_unet(sdxl):
     ]
     assert config.train.compile and config.train.gradient_checkpointing
     counters.clear()
-    module, trainer = fit_without_ray(config, batches, meta, use_gpu=False)
+    compiled = Watch()
+    module, trainer = fit_without_ray(config, batches, meta, use_gpu=False, callbacks=[compiled])
     assert trainer.global_step == 3
     assert counters["stats"]["unique_graphs"] > 0 and not counters["graph_break"], dict(counters["graph_break"])
     loss = float(module.take_window_stats()["loss"])
     assert np.isfinite(loss) and 0 < loss < 10
+    # The first step's loss comes before any update: what inductor's graphs compute is the eager UNet's, within bf16.
+    eager_config, eager_meta = recipe("train.compile=false", "train.max_steps=1")
+    eager = Watch()
+    fit_without_ray(eager_config, batches, eager_meta, use_gpu=False, callbacks=[eager])
+    assert compiled.steps[0]["loss"] == pytest.approx(eager.steps[0]["loss"], rel=2e-2)
 
 
 def test_grid_captions_read_the_pooled_column_for_an_sdxl_unet_only(tmp_path):
