@@ -24,12 +24,16 @@ $(STAMP): pyproject.toml requirements/dev.lock
 demo: $(STAMP)
 	$(PY) entrypoints/train.py
 
+# Two lanes (pytest-xdist): every Ray run one after another in one, the other tests beside them, a file at a time
+# (tests/conftest.py groups them). On two cores a Ray run's two workers leave a core mostly idle.
+LANES := -n 2 --dist loadgroup --no-loadscope-reorder
+
 test: $(STAMP)
-	$(PY) -m pytest
+	$(PY) -m pytest $(LANES)
 
 # The unit tier: everything but the tests marked slow (Ray runs, servers, compilation).
 test-fast: $(STAMP)
-	$(PY) -m pytest -m "not slow and not gpu"
+	$(PY) -m pytest $(LANES) -m "not slow and not gpu"
 
 # ruff's lint and format check and mypy's type check of src/ (settings for both in
 # pyproject.toml); CI runs it before the tests.

@@ -15,6 +15,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from _pytest.nodeid import NodeId
 from s3_server import moto_server
 from support.mlflow_server import mlflow_server
 from support.ray_processes import committed_checkpoints  # noqa: F401  (tests import it from here)
@@ -144,6 +145,32 @@ def _restore(saved: dict[str, str | None]) -> None:
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The lanes of ``make test`` (pytest-xdist's ``--dist loadgroup``): every test on a Ray cluster (the session's,
+    or one of its own: marked ``ray``) in one group, so they run one after another in one process; a reclaim deadline,
+    a stall watchdog or a job stopped mid-run must not share two cores with another Ray run. Each other test is
+    grouped with its file, so that a module's fixtures are built once. In an xdist worker the Ray group comes first
+    (the Makefile keeps collection order: it is the longest), the session cluster's tests before those that start
+    their own. Without xdist the marks do nothing and the order is the files'."""
+
+    def lane(item: pytest.Item) -> int:
+        if "ray_cluster" in getattr(item, "fixturenames", ()):
+            return 0
+        return 1 if item.get_closest_marker("ray") is not None else 2
+
+    in_lanes = getattr(config.option, "loadgroup", False)  # set in xdist's workers, which collect
+    for item in items:
+        group = "ray" if lane(item) < 2 else item.path.name
+        item.add_marker(pytest.mark.xdist_group(group))
+        if in_lanes:
+            # xdist 3.8 groups by an "@group" suffix of the id its workers send, which it sets on item._nodeid;
+            # pytest 9 derives nodeid from item._id, so without this every test would be a group of its own.
+            item._id = NodeId.parse(f"{item.nodeid}@{group}")
+    if in_lanes:
+        items.sort(key=lane)  # stable: each lane keeps the files' order
 
 
 @pytest.fixture(autouse=True)

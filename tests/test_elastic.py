@@ -187,6 +187,7 @@ def run_through_a_reclaimed_and_a_joined_node(cluster, tmp_path: Path, nodes: in
     return outcome["summary"], events
 
 
+@pytest.mark.ray
 # The cluster changes (up to 300 s to give up), then the rest of the run (up to 240 s): on CI's 2 cores the whole
 # test takes 155-192 s, and the first 200 s for the cluster changes ran out on a busier machine.
 @pytest.mark.timeout(600)

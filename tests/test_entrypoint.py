@@ -102,6 +102,7 @@ def test_retrain_entrypoint_checks_its_input_before_anything_runs(tmp_path):
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.ray
 @pytest.mark.timeout(600)
 @pytest.mark.slow
 def test_the_demo_survives_a_killed_driver_and_the_loss_falls(tmp_path, monkeypatch):

@@ -103,6 +103,7 @@ def _committed(s3, run_key: str) -> list[str]:
     return [c["checkpoint_dir_name"] for c in json.loads(body)["checkpoint_results"]]
 
 
+@pytest.mark.ray
 @pytest.mark.timeout(900)
 def test_a_job_trains_from_a_bucket_into_a_bucket_is_stopped_and_resubmitted_and_resumes(
     s3_bucket, ray_head, tmp_path, monkeypatch
