@@ -25,7 +25,8 @@ demo: $(STAMP)
 	$(PY) entrypoints/train.py
 
 # Two lanes (pytest-xdist): every Ray run one after another in one, the other tests beside them, a file at a time
-# (tests/conftest.py groups them). On two cores a Ray run's two workers leave a core mostly idle.
+# (tests/conftest.py groups them). In one process the suite left 27% of two cores idle
+# (bench/results/2026-11-30-suite.md).
 LANES := -n 2 --dist loadgroup --no-loadscope-reorder
 
 test: $(STAMP)
