@@ -39,6 +39,7 @@ from sdtrain.data.streams import WindowReader, file_order_dataset
 from sdtrain.driver.data_check import check_data, read_plan
 from sdtrain.driver.memory_fit import caption_encoders, cluster_gpu, fit_micro_batch
 from sdtrain.driver.paths import with_absolute_paths
+from sdtrain.driver.placement_group_guard import torch_trainer_class
 from sdtrain.driver.preflight import preflight
 from sdtrain.driver.ray_data_startup import warm_up_ray_data
 from sdtrain.driver.resume_model import check_resume_model
@@ -210,7 +211,7 @@ def build_trainer(run: CheckedRun, launched_at: float) -> TorchTrainer:
         datasets["val"] = file_order_dataset(run.val, config.data, "data.val")
     # Put once a run: the controller and each rank fetch it once a process (sdtrain.data.object_store).
     reader = ray.put(WindowReader(run.train, config.data, run.plan))
-    return TorchTrainer(
+    return torch_trainer_class()(  # Ray's, with a cleaner that never tears down a live run
         train_loop_per_worker,
         train_loop_config={
             "config": config.to_dict(),

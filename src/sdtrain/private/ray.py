@@ -36,6 +36,14 @@ NAMES = {
     ),
     ("ray.data._internal.progress", "__name__"): "a logger whose 'progress bars disabled' line workers drop",
     ("ray.data._internal.logging", "__name__"): "a logger whose per-execution lines workers quiet",
+    ("ray.train.v2._internal.callbacks.placement_group_callback", "PlacementGroupCleanerCallback"): (
+        "the callback that launches Ray Train's placement-group cleaner, which sdtrain's trainer replaces"
+    ),
+    ("ray.train.v2._internal.execution.controller.placement_group_cleaner", "PlacementGroupCleaner"): (
+        "Ray Train's placement-group cleaner, which sdtrain's guarded one extends"
+    ),
+    ("ray._common.constants", "HEAD_NODE_RESOURCE_NAME"): "the head node's resource, where the cleaner runs",
+    ("ray._private.state", "actors"): "the GCS's actor table, which says whether Ray Train's controller is dead",
 }
 """(module, name) -> what it serves: every private name this module reads (the test imports each)."""
 
@@ -97,3 +105,18 @@ def execution_callback_base() -> type | None:
     except PrivateApiMissing as error:
         log.warning("Ray Data's scheduling loop runs unpaced: %s", error)
         return None
+
+
+def placement_group_cleaner() -> tuple[type, type, str]:
+    """(the callback class that launches Ray Train's placement-group cleaner, the cleaner's class, the head node's
+    resource name, which Ray launches it on)."""
+    return (
+        _get("ray.train.v2._internal.callbacks.placement_group_callback", "PlacementGroupCleanerCallback"),
+        _get("ray.train.v2._internal.execution.controller.placement_group_cleaner", "PlacementGroupCleaner"),
+        _get("ray._common.constants", "HEAD_NODE_RESOURCE_NAME"),
+    )
+
+
+def gcs_actor(actor_id: str) -> dict[str, Any]:
+    """The GCS actor table's record of one actor ({} where it has none), read from the GCS, not the dashboard."""
+    return dict(_get("ray._private.state", "actors")(actor_id=actor_id))
