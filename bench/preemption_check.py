@@ -41,15 +41,15 @@ def main() -> None:
 
     import ray  # after the arguments: --help answers without loading Ray
     import ray.train
-    from ray.train.torch import TorchTrainer
 
+    from sdtrain.driver.placement_group_guard import torch_trainer_class
     from sdtrain.train.preemption import PREEMPTION_CHECK_S
 
     ray.init(address="local", num_cpus=max(worker_counts), include_dashboard=False, log_to_driver=False)
     try:
         with tempfile.TemporaryDirectory() as storage:
             for workers in worker_counts:
-                result = TorchTrainer(
+                result = torch_trainer_class()(  # as sdtrain's runs: a cleaner that keeps live workers
                     _time_checks,
                     train_loop_config={"calls": calls},
                     scaling_config=ray.train.ScalingConfig(num_workers=workers, resources_per_worker={"CPU": 1}),
