@@ -15,6 +15,7 @@ from sdtrain.data.bucket_order import BucketPlan, runs_of
 from sdtrain.data.horizons import HORIZON_READS_VAR, Horizons, horizon_reads
 from sdtrain.data.read_order import DataState, SamplePlan
 from sdtrain.data.streams import WindowReader, rank_dataset
+from sdtrain.errors import TrainingFailed
 from sdtrain.train.train_stream import TrainStream
 
 
@@ -127,5 +128,20 @@ def test_a_horizon_that_yields_other_than_its_plan_stops_the_stream(tmp_path, mo
     stream.expected_first = plan.sample_indices(plan.window(horizons.stretches(plan, 0)[0][0], 0))[:8]
     stream.follow_with([3, 2, 2, 2, 2, 2], shard, ahead=1)  # the first horizon holds 2 micro-batches, not 3
     stream.start()
-    with pytest.raises(Exception, match="horizon 0 held 2 micro-batches, its plan 3"):
+    # A TrainingFailed: the controller stops the run at once (StopOnDeterministicErrors), spending no restart.
+    with pytest.raises(TrainingFailed, match="horizon 0 held 2 micro-batches, its plan 3"):
         list(stream)
+
+    # The last horizon short of its plan: the run would end before train.max_steps.
+    stream = TrainStream(shard(0), micro_batch=8, prefetch_batches=1, device=torch.device("cpu"))
+    stream.expected_first = plan.sample_indices(plan.window(horizons.stretches(plan, 0)[0][0], 0))[:8]
+    stream.follow_with([2, 2, 2, 2, 2, 3], shard, ahead=1)
+    stream.start()
+    taken = []
+    with pytest.raises(TrainingFailed, match="horizon 5 held 2 micro-batches, its plan 3"):
+        for batch in stream:
+            taken.append(batch)
+    assert len(taken) == 12  # every batch the horizons held, then the error where the 13th was asked for
+    # Lightning's next epoch, were the error lost: never a second pass over the rows.
+    with pytest.raises(TrainingFailed, match="read to its end before train.max_steps"):
+        next(iter(stream))

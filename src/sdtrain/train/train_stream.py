@@ -106,19 +106,25 @@ class TrainStream:
                 if following is not None and upcoming is None and taken >= self._horizons[index] - self._ahead:
                     upcoming = self._begin(following(index + 1))
                 yield batch
+            # Fewer: the run would end short of train.max_steps; more before another horizon: its steps' rows would
+            # mix. Either way the plan and Ray Data's batching disagree, and a restart would read the same.
+            planned = self._horizons[index] if self._horizons else taken  # none set: the first shard is the plan
+            if taken < planned or (following is not None and taken != planned):
+                raise self._off_plan(index, taken)
             if following is None:
                 return
-            if taken != self._horizons[index]:  # the next horizon would start mid-step: its steps' rows would mix
-                raise TrainingFailed(
-                    f"the training stream's horizon {index} held {taken} micro-batches, its plan "
-                    f"{self._horizons[index]}: Ray Data's batching changed"
-                )
             first, batches = upcoming or self._begin(following(index + 1))
             index, taken = index + 1, 1
             head = first.result()
             if head is None:
-                return
+                raise self._off_plan(index, 0)
             yield head
+
+    def _off_plan(self, horizon: int, taken: int) -> TrainingFailed:
+        return TrainingFailed(
+            f"the training stream's horizon {horizon} held {taken} micro-batches, its plan "
+            f"{self._horizons[horizon]}: Ray Data's batching changed"
+        )
 
     def take_wait_s(self) -> float:
         """Seconds the training loop waited for its next batch since the previous call. The first
@@ -127,8 +133,9 @@ class TrainStream:
         return wait
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
-        if self._started:
-            raise RuntimeError("the training stream was read to its end before train.max_steps")
+        if self._started:  # Lightning's next epoch: this one ended before train.max_steps
+            # A TrainingFailed: the same plan would end as short after a restart (StopOnDeterministicErrors).
+            raise TrainingFailed("the training stream was read to its end before train.max_steps")
         self._started = True
         # train_loop_per_worker starts the stream before it builds the model, long before Lightning iterates it.
         assert self._first is not None and self._batches is not None, "TrainStream.start() was not called"
@@ -137,6 +144,8 @@ class TrainStream:
             batch = self._first.result()
             self._enter(Phase.BETWEEN_STEPS)
             if batch is None:
+                if self._horizons and self._horizons[0] > 0:
+                    raise self._off_plan(0, 0)
                 return
             self._check_position(batch["sample_index"])
             yield batch
