@@ -82,15 +82,23 @@ def _wait_until_its_trainer_is_gone(client, address: str, submission_id: str) ->
     driver owned only after that, and until then the controller may still commit a checkpoint. Wait until Ray's
     actor table has them dead: only then is the run's record of committed checkpoints final."""
     from ray.util.state import list_actors
+    from ray.util.state.exception import RayStateApiException
 
     job_id = client.get_job_info(submission_id).job_id
     deadline = time.monotonic() + 120
     while True:
-        actors = list_actors(address=address, filters=[("job_id", "=", job_id), ("state", "!=", "DEAD")])
-        alive = [actor.class_name for actor in actors if actor.class_name in ("TrainController", "RayTrainWorker")]
-        if not alive:
+        # Seen DEAD, never merely unlisted: under load the state API fails, or answers empty, now and then
+        # (sdtrain.driver.placement_group_guard).
+        try:
+            actors = list_actors(address=address, filters=[("job_id", "=", job_id)], limit=10_000)
+        except RayStateApiException:
+            actors = []
+        trainer = {
+            (a.actor_id, a.class_name, a.state) for a in actors if a.class_name in ("TrainController", "RayTrainWorker")
+        }
+        if trainer and all(state == "DEAD" for _, _, state in trainer):
             return
-        assert time.monotonic() < deadline, f"still alive 120 s after job {submission_id} stopped: {alive}"
+        assert time.monotonic() < deadline, f"not all seen dead 120 s after job {submission_id} stopped: {trainer}"
         time.sleep(0.2)  # polling Ray's actor table until it says they ended
 
 
