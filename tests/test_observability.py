@@ -366,6 +366,55 @@ def test_the_driver_gives_wandb_the_final_evaluation_once(tmp_path, monkeypatch,
     assert scalars["fd_dinov2"] == [(2, 4.0), (6, 3.0)] and scalars["loss"] == [(2, 0.5), (4, 0.25), (6, 0.125)]
 
 
+def test_a_final_evaluation_wandb_missed_is_sent_once_the_run_resumed_for_more_steps_ends(tmp_path, monkeypatch):
+    """W&B down at the end of a run misses step 6's late evaluation, which TensorBoard takes. The run is then resumed
+    for more steps: its new worker group keeps the record of what W&B holds (wandb_evaluated), so the end of the
+    longer run sends W&B step 6's evaluation, once, and none W&B took during training again."""
+    import sdtrain.driver.trackers
+    from sdtrain.driver.trackers import log_final
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    config = tiny_config(
+        "data.train=unused",
+        "data.val=unused",
+        "eval.dinov2=unused",
+        "tracking.trackers=[tensorboard, wandb]",
+        tmp_path=tmp_path,
+        name="wandb-resumed",
+    )
+    monkeypatch.setattr(sdtrain.driver.trackers, "final_results", lambda run_dir, rows: {6: {"fd_dinov2": 3.0}})
+    run_dir = tmp_path / "runs" / "wandb-resumed"
+    first = [{"step": step, "loss": 1.0 / step} for step in (2, 4, 6)]
+    workers = Trackers(config, str(run_dir), [])
+    for row in first:
+        assert workers.log_metrics(row, int(row["step"]))
+    workers.finish("success")
+
+    def wandb_down(*args):
+        raise ConnectionError("W&B does not answer")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(sdtrain.driver.trackers, "_resume_wandb", wandb_down)
+        log_final(config, str(run_dir), first)
+    assert (read_state(str(run_dir))["evaluated"], read_state(str(run_dir))["wandb_evaluated"]) == ([6], [])
+
+    # Resumed from step 6's checkpoint to step 10; step 8's evaluation finishes while it trains.
+    workers = Trackers(config, str(run_dir), first)
+    assert workers.log_metrics({"step": 8, "loss": 0.1}, 8, first)
+    workers.log_evaluation({"fd_dinov2": 2.0}, 8)
+    assert workers.log_metrics({"step": 10, "loss": 0.05}, 10, first)
+    workers.finish("success")
+    assert read_state(str(run_dir))["wandb_evaluated"] == [8]  # the worker group kept the record, and added to it
+    history = [*first, {"step": 8, "loss": 0.1, "fd_dinov2": 2.0}, {"step": 10, "loss": 0.05}]
+    for _ in range(2):  # the end of the longer run, then a re-run of it: step 6 sent once
+        log_final(config, str(run_dir), history)
+        assert read_state(str(run_dir))["wandb_evaluated"] == [6, 8]
+
+    rows = [row for run in run_files(str(run_dir)) for row in run.history if "fd_dinov2" in row]
+    assert sorted((int(row["evaluated_step"]), float(row["fd_dinov2"])) for row in rows) == [(6, 3.0), (8, 2.0)]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_tensorboard_holds_each_step_once_when_a_restart_resumes_from_no_checkpoint(tmp_path):

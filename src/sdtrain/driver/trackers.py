@@ -22,7 +22,15 @@ from sdtrain.logs import log
 from sdtrain.storage.filesystems import local_copy
 from sdtrain.storage.uris import is_uri
 from sdtrain.train.tracker_loggers import wandb_save_dir
-from sdtrain.train.trackers import FORWARDED_ENV, NAMES, TrackerOutage, Trackers, read_state, write_state
+from sdtrain.train.trackers import (
+    FORWARDED_ENV,
+    NAMES,
+    WANDB_EVALUATED,
+    TrackerOutage,
+    Trackers,
+    read_state,
+    write_state,
+)
 from sdtrain.train.wandb_files import STEP_KEY
 
 WORKER_MLFLOW_RETRIES = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_TIMEOUT": "15"}
@@ -148,19 +156,12 @@ def _resume_wandb(config: Config, run_dir: str, run_id: str):
     return wandb.init(project=config.tracking.wandb_project, id=run_id, resume="allow", dir=wandb_save_dir(run_dir))
 
 
-WANDB_EVALUATED = "wandb_evaluated"
-"""trackers.json's list of the evaluation steps W&B holds, written by the driver's :func:`log_final`. Absent, its
-"evaluated" stands for it: the workers send W&B each evaluation they record there, and a worker group writes
-trackers.json back without this key (the run resumed for more steps: its "evaluated" then holds every evaluation W&B
-was sent; one the driver failed to send W&B before is not sent), as a trackers.json from before it has none."""
-
-
 def _give_wandb_evaluations(config: Config, run_dir: str, evaluated: list[tuple[int, dict[str, float]]]) -> None:
     """Send W&B the late ``evaluated`` (step, metrics) it does not hold (:data:`WANDB_EVALUATED`), one row each in the
     workers' W&B run, appended after its last (W&B's steps only grow) with the workers' ``evaluated_step`` and the
     trainer step of Lightning's rows, ``trainer/global_step``, both the checkpoint's; no training row is sent again.
     Recorded apart from the other trackers' "evaluated": W&B failing here is warned about and tried again at a
-    re-run of the finished run, however they fared."""
+    re-run of the finished run, or at the end of the run resumed for more steps, however they fared."""
     state = read_state(run_dir)
     if "wandb" not in config.tracking.trackers or "wandb" not in state["ids"]:
         return
@@ -184,7 +185,7 @@ def _give_wandb_evaluations(config: Config, run_dir: str, evaluated: list[tuple[
             f"W&B did not take the final evaluation (the run succeeded; it is in metrics.csv): {error}. Re-running "
             "the same command sends it once W&B answers"
         )
-    # Before the other trackers' catch-up, which writes trackers.json back with it (_EndTrackers.kept).
+    # Before the other trackers' catch-up, which writes trackers.json back with it (Trackers.kept).
     write_state(run_dir, {**state, WANDB_EVALUATED: sorted(held)})
 
 
@@ -233,7 +234,6 @@ class _EndOutage(TrackerOutage):
 
 class _EndTrackers(Trackers):
     outage = _EndOutage
-    kept = ("evaluated", WANDB_EVALUATED)
 
 
 def log_final(config: Config, run_dir: str, history: list[dict[str, float]]) -> None:

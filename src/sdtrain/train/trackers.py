@@ -80,6 +80,11 @@ RETRY_S = 30.0
 
 NAMES = {"tensorboard": "TensorBoard", "mlflow": "MLflow", "wandb": "W&B"}
 
+WANDB_EVALUATED = "wandb_evaluated"
+"""trackers.json's list of the evaluation steps W&B holds, kept by every worker group and the driver's end of a run
+(sdtrain.driver.trackers.log_final, which sends W&B those it lacks). Absent (a run from before it), "evaluated" stands
+for it."""
+
 
 class TrackerOutage(Outage):
     """A tracker's outage, and what tries got of it: its logger, its hyperparameters logged, the last step it holds."""
@@ -101,7 +106,7 @@ class Trackers:
     is: warned about once, left out until it answers again, then sent what it missed in order (TrackerOutage)."""
 
     outage = TrackerOutage  # the driver's catch-up at the end of a run says what an outage means there
-    kept: tuple[str, ...] = ("evaluated",)  # kept in trackers.json (the driver's WANDB_EVALUATED is not: see there)
+    kept: tuple[str, ...] = ("evaluated", WANDB_EVALUATED)  # kept in trackers.json across worker groups
 
     def __init__(self, config: Config, run_dir: str, history: list[dict[str, float]], retry_s: float = RETRY_S):
         """Args:
@@ -112,6 +117,8 @@ class Trackers:
         """
         self.config, self.run_dir, self.retry_s = config, run_dir, retry_s
         self.state = read_state(run_dir)
+        if "wandb" in config.tracking.trackers:
+            self.state.setdefault(WANDB_EVALUATED, list(self.state.get("evaluated", [])))
         self.logged_through: int = self.state["logged_through"]
         self.ids: dict[str, str] = dict(self.state["ids"])
         self._known = set(self.ids)  # the tracker runs earlier worker groups started
@@ -327,6 +334,7 @@ class Trackers:
     def _evaluate(self, name: str, values: dict[str, float], step: int) -> None:
         if name == "wandb":
             self.loggers[name].experiment.log({**values, "evaluated_step": step}, commit=False)
+            self.state[WANDB_EVALUATED] = sorted({*self.state[WANDB_EVALUATED], step})
         else:
             self._metrics(name, [{**values, "step": step}])
 
