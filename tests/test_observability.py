@@ -479,7 +479,8 @@ def test_trackers_hold_each_step_once_across_a_restart(tmp_path, monkeypatch, ml
             second.log_evaluation({"fd_dinov2": 3.0, "eval_s": 1.5}, 4)
             second.log_evaluation({"fd_dinov2": 3.0, "eval_s": 1.5}, 4)
     second.finish("success")
-    assert read_state(str(run_dir)) == {"ids": ids, "logged_through": 8, "evaluated": [4]}
+    # W&B took step 4's evaluation too (wandb_evaluated: what the driver's end of the run need not send it).
+    assert read_state(str(run_dir)) == {"ids": ids, "logged_through": 8, "evaluated": [4], "wandb_evaluated": [4]}
 
     scalars, images = tensorboard_scalars(run_dir / TENSORBOARD_DIR)
     assert [(s, round(v, 4)) for s, v in scalars["loss"]] == [(2, 0.5), (4, 0.25), (6, 1.6667), (8, 1.25)]
