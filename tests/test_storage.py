@@ -171,6 +171,37 @@ def test_s3_files_prefixes_globs_and_lists(s3_bucket, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(60)
+def test_start_fresh_on_s3_sets_the_old_run_aside_by_copies_s3_makes(s3_bucket, tmp_path):
+    """run.start_fresh on S3: every object of the old run is under <run>.replaced-<time> byte for byte and gone from
+    <run>, a neighbouring prefix untouched. S3 made the copies (the server saw no GET of them), the large one in parts:
+    one CopyObject, as pyarrow's copy_files made, is refused over 5 GiB, which a real checkpoint is."""
+    from sdtrain.storage.filesystems import set_aside
+
+    s3 = _s3()
+    objects = {
+        "runs/demo/checkpoint_000000010/checkpoint.ckpt": os.urandom(20 << 20),  # copied in parts
+        "runs/demo/metrics.csv": b"step,loss\n2,0.5\n",
+        "runs/demo/trackers.json": b"{}",
+    }
+    for key, body in {**objects, "runs/demo-b/keep.txt": b"another run"}.items():
+        s3.put_object(Bucket="sdtrain-test", Key=key, Body=body)
+    log = tmp_path / "moto.log"
+    seen = len(log.read_text().splitlines())
+
+    moved = set_aside(f"{s3_bucket}/runs/demo")
+    assert moved is not None and moved.startswith(f"{s3_bucket}/runs/demo.replaced-")
+    requests = log.read_text().splitlines()[seen:]
+    assert requests and not [line for line in requests if '"GET /sdtrain-test/runs/demo/' in line], requests
+    assert any("uploadId=" in line and "partNumber=" in line for line in requests), requests  # the large one
+    prefix = moved.removeprefix(f"{s3_bucket}/")
+    listed = {item["Key"] for item in s3.list_objects_v2(Bucket="sdtrain-test", Prefix="runs/")["Contents"]}
+    assert listed == {key.replace("runs/demo/", f"{prefix}/") for key in objects} | {"runs/demo-b/keep.txt"}
+    for key, body in objects.items():
+        copied = s3.get_object(Bucket="sdtrain-test", Key=key.replace("runs/demo/", f"{prefix}/"))["Body"].read()
+        assert copied == body, key
+    assert set_aside(f"{s3_bucket}/runs/demo") is None  # nothing there now
+
+
 def test_bucket_missing(s3_bucket):
     _expect(
         ConfigError,

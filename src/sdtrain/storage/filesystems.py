@@ -13,7 +13,7 @@ from typing import Any
 import pyarrow.fs as pafs
 
 from sdtrain.errors import DataError
-from sdtrain.storage.s3 import S3Settings, resolved_s3_settings, s3_client, s3_filesystem
+from sdtrain.storage.s3 import S3Settings, move_prefix, resolved_s3_settings, s3_client, s3_filesystem
 from sdtrain.storage.uris import absolute, is_uri, split_s3, uri_prefix
 
 
@@ -75,7 +75,8 @@ _LOCAL_COPIES: dict[str, str] = {}
 
 def set_aside(path: str) -> str | None:
     """Rename the directory at ``path`` (local or URI) to ``<path>.replaced-<UTC time>``; return
-    the new location, or None if nothing is there. Object stores have no rename: copy, then delete."""
+    the new location, or None if nothing is there. Object stores have no rename: copy, then delete (on S3 copies
+    that S3 makes, sdtrain.storage.s3.move_prefix)."""
     fs, fs_path = filesystem_for(path)
     if fs.get_file_info(fs_path).type == pafs.FileType.NotFound:
         return None
@@ -83,6 +84,9 @@ def set_aside(path: str) -> str | None:
     target = f"{fs_path.rstrip('/')}.replaced-{stamp}"
     if isinstance(fs, pafs.LocalFileSystem):
         fs.move(fs_path, target)
+    elif isinstance(fs, pafs.S3FileSystem):
+        bucket, key = fs_path.rstrip("/").split("/", 1)
+        move_prefix(bucket, key, target.split("/", 1)[1])  # pyarrow's directory markers too: keys under key/
     else:
         pafs.copy_files(fs_path, target, source_filesystem=fs, destination_filesystem=fs)
         fs.delete_dir(fs_path)
