@@ -13,7 +13,9 @@ nothing here reads a file. Measured at each size:
 - the driver: the file list, the plan, the reader and every rank's stretches (the controller's share), peak
   memory;
 - a worker-group start, which plans one horizon (``sdtrain.data.horizons``), for runs of a tenth of
-  ``--run-steps`` and of ``--run-steps`` steps at the largest size: the same cost, however long the run.
+  ``--run-steps`` and of ``--run-steps`` steps at the largest size: the same cost, however long the run;
+- a worker-group start after 10 and 40 world-size changes in one epoch (256 ranks and 255 in turn), at the largest
+  size: the intervals the position replays, and the planning time, against linear growth in the changes.
 
 Then the start-up of a restart that reads the dataset index against one that reads every footer, from a
 real S3 server process (moto), at 1k and 20k files (``bench/index_startup.py``).
@@ -196,6 +198,41 @@ def horizon_lines(rows: int, runs: tuple[int, int], reads: int) -> list[str]:
     return lines
 
 
+def resize_lines(rows: int, world_size: int, resizes: tuple[int, int], steps_between: int) -> list[str]:
+    """A worker-group start mid-epoch after each of ``resizes`` world-size changes (``world_size`` ranks and one fewer
+    in turn, a spot node lost and back, ``steps_between`` steps apart): the epoch's intervals left to replay, and the
+    time to plan every rank's next 50 steps, which replays each earlier segment of the epoch (each rank pays it at its
+    start and at each horizon)."""
+    from sdtrain.data.read_order import DataState, SamplePlan, files_digest
+
+    files = rows // ROWS_PER_FILE
+    names = [f"s3://laion/part-{i:06d}.parquet" for i in range(files)]
+    plan = SamplePlan((ROWS_PER_FILE,) * files, 0, CHUNK_ROWS, WINDOW_ROWS, files_digest(names))
+    global_batch, state, measured = world_size * ROWS_PER_RANK, DataState(), {}
+    for done in range(max(resizes) + 1):
+        size = world_size - done % 2
+        if done in resizes:
+            started = time.perf_counter()
+            plan.rank_stretches(state, size, global_batch // size, 50)
+            seconds = time.perf_counter() - started
+            measured[done] = (len(plan.remaining(state)), seconds)
+        # Most segments end inside a window: its leftover rows, in shuffled order, are most of the intervals added.
+        state = plan.advance(state, size, global_batch // size, steps_between)
+    lines = [
+        f"# a worker group's start after {done} resizes ({world_size} and {world_size - 1} ranks in turn, "
+        f"{steps_between} steps apart) at {rows:,} rows: {intervals:,} intervals left to replay, every rank's next "
+        f"50 steps planned in {seconds:.3f} s"
+        for done, (intervals, seconds) in measured.items()
+    ]
+    (few, (_, few_s)), (many, (_, many_s)) = sorted(measured.items())
+    growth = many / few  # linear in the resizes would be this
+    met = many_s <= growth * few_s
+    lines.append(
+        benchlib.ratio_line(f"resize_replay_s_{many}", many_s, f"resize_replay_s_{few}", few_s, f"<= {growth:g}", met)
+    )
+    return lines
+
+
 def main() -> None:
     from sdtrain.logs import configure_logging
 
@@ -240,6 +277,8 @@ def main() -> None:
             "read tasks",
             flush=True,
         )
+    resizes = (2, 4) if args.smoke else (10, 40)
+    print("\n".join(resize_lines(sizes[-1], 16 if args.smoke else 256, resizes, 100 if args.smoke else 1000)))
     if args.buckets:
         print(
             f"# aspect-ratio buckets: {args.buckets} of them, each file's rows in 20 (the common ones), one run a "

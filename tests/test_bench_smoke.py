@@ -152,13 +152,14 @@ def test_encoder_throughput_smoke():
 
 
 def test_data_scale_smoke():
-    """The plan and read tasks at 1M and 10M rows, of one shape and in 40 aspect-ratio buckets, then the restart
-    start-up against an S3 server process."""
+    """The plan and read tasks at 1M and 10M rows, of one shape and in 40 aspect-ratio buckets, the replay after
+    world-size changes, then the restart start-up against an S3 server process."""
     out, ratios = run_bench("bench/data_scale.py", "--smoke")
     assert ratios["task_bytes_10M / task_bytes_1M"] > 0 and ratios["rank_s_10M / 2s"] > 0, out
     assert ratios["bucketed_task_bytes_10M / bucketed_task_bytes_1M"] > 0 and ratios["bucketed_rank_s_10M / 2s"] > 0, (
         out
     )
+    assert ratios["resize_replay_s_4 / resize_replay_s_2"] > 0 and "after 4 resizes (16 and 15 ranks" in out, out
     assert ratios["restart_with_index_100 / restart_with_index_20"] > 0, out
     assert "(100 from the index, 0 footers read)" in out, out
     assert ratios["restart_on_output_100 / restart_on_output_20"] > 0, out
