@@ -293,6 +293,18 @@ def test_the_driver_gives_tensorboard_the_final_evaluation_once(tmp_path, monkey
     assert read_state(str(run_dir))["evaluated"] == [4]
 
 
+def _tensorboard_and_offline_wandb(tmp_path, monkeypatch, name: str):
+    """A run's config that tracks to TensorBoard and to W&B offline (its run files on disk), with evaluation on."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    data = ("data.train=unused", "data.val=unused", "eval.dinov2=unused")
+    return tiny_config(*data, "tracking.trackers=[tensorboard, wandb]", tmp_path=tmp_path, name=name)
+
+
+def _wandb_down(*args):
+    raise ConnectionError("W&B does not answer")
+
+
 def test_the_driver_gives_wandb_the_final_evaluation_once(tmp_path, monkeypatch, caplog):
     """The final checkpoint's evaluation finishes after the workers' last W&B row: the driver's end of the run appends
     it to the workers' W&B run in a row of its own at the checkpoint's step, once however often it runs, and sends no
@@ -300,16 +312,7 @@ def test_the_driver_gives_wandb_the_final_evaluation_once(tmp_path, monkeypatch,
     import sdtrain.driver.trackers
     from sdtrain.driver.trackers import log_final
 
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    config = tiny_config(
-        "data.train=unused",
-        "data.val=unused",
-        "eval.dinov2=unused",
-        "tracking.trackers=[tensorboard, wandb]",
-        tmp_path=tmp_path,
-        name="wandb-eval",
-    )
+    config = _tensorboard_and_offline_wandb(tmp_path, monkeypatch, "wandb-eval")
     final = {"fd_dinov2": 3.0, "eval_s": 1.5}
     monkeypatch.setattr(sdtrain.driver.trackers, "final_results", lambda run_dir, rows: {6: final})
     run_dir = tmp_path / "runs" / "wandb-eval"
@@ -332,11 +335,8 @@ def test_the_driver_gives_wandb_the_final_evaluation_once(tmp_path, monkeypatch,
     workers.finish("success")
     ids = read_state(str(run_dir))["ids"]
 
-    def wandb_down(*args):
-        raise ConnectionError("W&B does not answer")
-
     with monkeypatch.context() as patched:  # TensorBoard takes the evaluation, W&B does not
-        patched.setattr(sdtrain.driver.trackers, "_resume_wandb", wandb_down)
+        patched.setattr(sdtrain.driver.trackers, "_resume_wandb", _wandb_down)
         log_final(config, str(run_dir), final_history())
     assert len(warned()) == 1 and warned()[0].startswith("W&B did not take the final evaluation"), warned()
     assert "W&B does not answer" in warned()[0] and "Re-running the same command sends it" in warned()[0]
@@ -373,16 +373,7 @@ def test_a_final_evaluation_wandb_missed_is_sent_once_the_run_resumed_for_more_s
     import sdtrain.driver.trackers
     from sdtrain.driver.trackers import log_final
 
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    config = tiny_config(
-        "data.train=unused",
-        "data.val=unused",
-        "eval.dinov2=unused",
-        "tracking.trackers=[tensorboard, wandb]",
-        tmp_path=tmp_path,
-        name="wandb-resumed",
-    )
+    config = _tensorboard_and_offline_wandb(tmp_path, monkeypatch, "wandb-resumed")
     monkeypatch.setattr(sdtrain.driver.trackers, "final_results", lambda run_dir, rows: {6: {"fd_dinov2": 3.0}})
     run_dir = tmp_path / "runs" / "wandb-resumed"
     first = [{"step": step, "loss": 1.0 / step} for step in (2, 4, 6)]
@@ -391,11 +382,8 @@ def test_a_final_evaluation_wandb_missed_is_sent_once_the_run_resumed_for_more_s
         assert workers.log_metrics(row, int(row["step"]))
     workers.finish("success")
 
-    def wandb_down(*args):
-        raise ConnectionError("W&B does not answer")
-
     with monkeypatch.context() as patched:
-        patched.setattr(sdtrain.driver.trackers, "_resume_wandb", wandb_down)
+        patched.setattr(sdtrain.driver.trackers, "_resume_wandb", _wandb_down)
         log_final(config, str(run_dir), first)
     assert (read_state(str(run_dir))["evaluated"], read_state(str(run_dir))["wandb_evaluated"]) == ([6], [])
 
