@@ -173,8 +173,10 @@ def test_s3_files_prefixes_globs_and_lists(s3_bucket, tmp_path):
 @pytest.mark.timeout(60)
 def test_start_fresh_on_s3_sets_the_old_run_aside_by_copies_s3_makes(s3_bucket, tmp_path):
     """run.start_fresh on S3: every object of the old run is under <run>.replaced-<time> byte for byte and gone from
-    <run>, a neighbouring prefix untouched. S3 made the copies (the server saw no GET of them), the large one in parts:
-    one CopyObject, as pyarrow's copy_files made, is refused over 5 GiB, which a real checkpoint is."""
+    <run>, a neighbouring prefix untouched. S3 made the copies (the server saw no GET of them). An object over the
+    single-copy limit goes in parts: one CopyObject, as pyarrow's copy_files made, is refused over 5 GiB, which a real
+    checkpoint is (here the limit is lowered to 8 MiB, for the 20 MiB one)."""
+    from sdtrain.storage import s3 as storage_s3
     from sdtrain.storage.filesystems import set_aside
 
     s3 = _s3()
@@ -192,7 +194,7 @@ def test_start_fresh_on_s3_sets_the_old_run_aside_by_copies_s3_makes(s3_bucket, 
     assert moved is not None and moved.startswith(f"{s3_bucket}/runs/demo.replaced-")
     requests = log.read_text().splitlines()[seen:]
     assert requests and not [line for line in requests if '"GET /sdtrain-test/runs/demo/' in line], requests
-    assert any("uploadId=" in line and "partNumber=" in line for line in requests), requests  # the large one
+    assert not [line for line in requests if "uploadId=" in line], requests  # all under 5 GiB: single copies
     prefix = moved.removeprefix(f"{s3_bucket}/")
     listed = {item["Key"] for item in s3.list_objects_v2(Bucket="sdtrain-test", Prefix="runs/")["Contents"]}
     assert listed == {key.replace("runs/demo/", f"{prefix}/") for key in objects} | {"runs/demo-b/keep.txt"}
@@ -200,6 +202,14 @@ def test_start_fresh_on_s3_sets_the_old_run_aside_by_copies_s3_makes(s3_bucket, 
         copied = s3.get_object(Bucket="sdtrain-test", Key=key.replace("runs/demo/", f"{prefix}/"))["Body"].read()
         assert copied == body, key
     assert set_aside(f"{s3_bucket}/runs/demo") is None  # nothing there now
+
+    seen = len(log.read_text().splitlines())
+    assert storage_s3.move_prefix("sdtrain-test", prefix, "runs/parts", single_copy_max=8 << 20) == len(objects)
+    requests = log.read_text().splitlines()[seen:]
+    assert any("uploadId=" in line and "partNumber=" in line for line in requests), requests  # the 20 MiB one
+    assert not [line for line in requests if f'"GET /sdtrain-test/{prefix}/' in line], requests
+    for key, body in objects.items():
+        assert s3.get_object(Bucket="sdtrain-test", Key=key.replace("runs/demo/", "runs/parts/"))["Body"].read() == body
 
 
 def test_bucket_missing(s3_bucket):

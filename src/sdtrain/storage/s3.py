@@ -265,17 +265,24 @@ def storage_unavailable(error: BaseException, what: str) -> StorageUnavailable:
     )
 
 
-def move_prefix(bucket: str, source: str, target: str, workers: int = 16) -> int:
+SINGLE_COPY_MAX = 5 << 30
+"""S3's limit on one CopyObject; a larger object is copied in parts (UploadPartCopy)."""
+
+
+def move_prefix(
+    bucket: str, source: str, target: str, workers: int = 16, single_copy_max: int = SINGLE_COPY_MAX
+) -> int:
     """Move every object under ``source/`` in ``bucket`` to ``target/`` by server-side copies, then delete the sources;
-    returns the objects moved. S3 copies the bytes, none pass through this process; objects over 8 MiB in parts. One
-    CopyObject a file (pyarrow's copy_files) is refused over 5 GiB, and a checkpoint of an SD2-sized UNet (865M
-    parameters) with its optimizer state and EMA is over 10 GB.
+    returns the objects moved. S3 copies the bytes, none pass through this process. One CopyObject a file (pyarrow's
+    copy_files) is refused over 5 GiB, and a checkpoint of an SD2-sized UNet (865M parameters) with its optimizer state
+    and EMA is over 10 GB: those go in parts. Smaller ones stay one CopyObject each, as they were.
 
     Args:
         bucket: the bucket of both prefixes.
         source: the prefix moved, without a trailing slash.
         target: where its objects go, without a trailing slash.
         workers: objects copied at once.
+        single_copy_max: the largest object copied in one request.
     """
     from concurrent.futures import ThreadPoolExecutor
 
@@ -284,7 +291,7 @@ def move_prefix(bucket: str, source: str, target: str, workers: int = 16) -> int
     client = s3_client()
     pages = client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=f"{source}/")
     keys = [item["Key"] for page in pages for item in page.get("Contents", [])]
-    transfer = TransferConfig(multipart_threshold=8 << 20, multipart_chunksize=256 << 20, max_concurrency=4)
+    transfer = TransferConfig(multipart_threshold=single_copy_max + 1, multipart_chunksize=256 << 20, max_concurrency=4)
 
     def copy(key: str) -> None:
         client.copy({"Bucket": bucket, "Key": key}, bucket, target + key[len(source) :], Config=transfer)
