@@ -3,15 +3,8 @@
 import numpy as np
 import pytest
 
-from sdtrain.data.read_order import (
-    START,
-    STOP,
-    DataState,
-    SamplePlan,
-    positions_to_intervals,
-    slice_rows,
-    split_equal,
-)
+from sdtrain.data.intervals import START, STOP, positions_to_intervals, slice_rows, split_equal
+from sdtrain.data.read_order import DataState, SamplePlan
 
 
 def _old_split_equal(spans, parts):

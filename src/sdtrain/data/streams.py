@@ -26,9 +26,10 @@ from sdtrain.data.added_columns import AddedColumns
 from sdtrain.data.decode import TokenIdOutOfRange, caption_array, to_array
 from sdtrain.data.horizons import horizon_reads
 from sdtrain.data.inspection import DatasetSpec
+from sdtrain.data.intervals import FILE, START, STOP, slice_rows
 from sdtrain.data.object_store import fetched
 from sdtrain.data.pacing import paced
-from sdtrain.data.read_order import FILE, START, STOP, ReadPlan, Window, slice_rows, window_sample_indices
+from sdtrain.data.read_order import ReadPlan, Window, window_sample_indices
 from sdtrain.data.rows import RowReader
 from sdtrain.errors import DataError
 from sdtrain.logs import log
