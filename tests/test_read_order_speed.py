@@ -1,4 +1,6 @@
-"""The read order's cuts of every rank at once against the per-rank ones they replaced: the same pieces, bit for bit."""
+"""The read order's fast paths against what they replaced: every rank's cuts at once against the per-rank ones (the
+same pieces, bit for bit), and a rank's part mapped back through the segments against its cut of the whole replay (the
+same rows in the same order)."""
 
 import numpy as np
 import pytest
@@ -88,3 +90,58 @@ def test_remaining_after_many_world_size_changes_is_the_replay_with_the_old_cuts
             new, old = plan.remaining(state), _old_remaining(plan, state)
             assert new.dtype == old.dtype and new.shape == old.shape
             np.testing.assert_array_equal(new, old)
+
+
+def _rows(intervals):
+    return np.concatenate([np.arange(lo, hi) for lo, hi in intervals]) if len(intervals) else np.zeros(0, np.int64)
+
+
+def _random_state(rng, plan, epoch):
+    segments: tuple[tuple[int, int], ...] = ()
+    for _ in range(int(rng.integers(0, 10))):
+        left = int(np.diff(plan.remaining(DataState(epoch, segments)), axis=1).sum())
+        world_size = int(rng.integers(1, 12))
+        each = left // world_size
+        # Whole windows, a partial one, the whole part, nothing, one row past the last whole window.
+        whole = plan.window_rows * (each // plan.window_rows)
+        choices = [rng.integers(0, each + 1), each, 0, min(each, 16 * (each // 32)), min(each, whole + 1)]
+        segments += ((world_size, int(rng.choice(choices))),)
+    return DataState(epoch, segments)
+
+
+def test_a_ranks_part_mapped_back_through_the_segments_is_its_cut_of_the_whole_replay():
+    rng = np.random.default_rng(7)
+    checked = 0
+    for trial in range(250):
+        rows = rng.integers(0, 400, size=int(rng.integers(1, 12)))
+        plan = SamplePlan(rows, trial, int(rng.integers(1, 40)), int(rng.integers(1, 48)), "x")
+        state = _random_state(rng, plan, int(rng.integers(0, 3)))
+        whole = plan.remaining(state)
+        # More ranks than rows too: every part empty.
+        for world_size in {1, 2, int(rng.integers(1, 16)), int(np.diff(whole, axis=1).sum()) + 2}:
+            parts, _ = split_equal(whole, world_size)
+            for rank in range(world_size):
+                part = plan.part(state, world_size, rank)
+                assert part.dtype == np.int64 and part.shape[1:] == (2,)
+                assert (part[:, 1] > part[:, 0]).all() and (part[1:, 0] > part[:-1, 1]).all()  # merged, in order
+                np.testing.assert_array_equal(_rows(part), _rows(parts[rank]))
+                checked += 1
+    assert checked > 2000
+
+
+def test_a_ranks_windows_are_those_of_its_cut_of_the_whole_replay_after_many_resizes():
+    # The read tasks themselves (their rows, in read order), at a size where every segment ends inside a window.
+    plan = SamplePlan((5000,) * 200, 11, 16, 64, "x")
+    state = DataState(2)
+    for done in range(12):
+        state = plan.advance(state, 8 - done % 3, 12, 150 + 7 * done)
+    assert len(state.segments) == 12
+    world_size = 5
+    (stretches,) = zip(*plan.rank_stretches(state, world_size, 12, 400), strict=True)
+    parts, _ = split_equal(plan.remaining(state), world_size)
+    replayed = SamplePlan((5000,) * 200, 11, 16, 64, "x")
+    for rank, stretch in enumerate(stretches):
+        replayed._parts_cache[(stretch.state, world_size, rank)] = parts[rank]  # as every rank cut it before
+        for new, old in zip(plan.windows(stretch), replayed.windows(stretch), strict=True):
+            assert new.seed == old.seed and (new.lo, new.hi) == (old.lo, old.hi)
+            np.testing.assert_array_equal(plan.sample_indices(new), replayed.sample_indices(old))

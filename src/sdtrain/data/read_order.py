@@ -10,8 +10,9 @@ rows per optimizer step.
 Everything is a pure function of the seed and the :class:`DataState` a checkpoint stores:
 the epoch and, for each segment of it so far, the world size and the rows each rank consumed.
 Replaying those segments gives exactly the rows not consumed yet, so a run resumed mid-epoch,
-at the same or another world size, reads every remaining row of the epoch once. Rows are
-dropped only at an epoch's end (fewer than one global batch), as with ``drop_last``.
+at the same or another world size, reads every remaining row of the epoch once. (A rank maps
+only its own part back through them, :mod:`sdtrain.data.rank_part`.) Rows are dropped only at an
+epoch's end (fewer than one global batch), as with ``drop_last``.
 
 Rows are named by their *sample index*: the row's position in the file list read in order.
 """
@@ -26,7 +27,8 @@ from typing import Any, Protocol
 import numpy as np
 
 from sdtrain.data.chunks import Chunks, EpochOrder
-from sdtrain.data.intervals import positions_to_intervals, slice_many, slice_rows, span_rows, split_equal
+from sdtrain.data.intervals import positions_to_intervals, slice_many, slice_rows, span_rows
+from sdtrain.data.rank_part import SegmentLayout, rank_part, segment_layouts
 
 
 @dataclass(frozen=True)
@@ -118,6 +120,7 @@ class SamplePlan:
     """A digest of each file's size and ETag or mtime (the dataset index's): a file rewritten in place."""
     _orders: dict = field(init=False, repr=False, default_factory=dict)
     _parts_cache: dict = field(init=False, repr=False, default_factory=dict)
+    _layouts_cache: dict = field(init=False, repr=False, default_factory=dict)
 
     def __post_init__(self):
         rows = self.rows = np.asarray(self.rows_per_file, np.int64)
@@ -203,7 +206,7 @@ class SamplePlan:
         read in that segment, the steps taken in it, the steps it had left)."""
         while steps > 0:
             before, skip = self._segment_start(state, world_size)
-            available = (span_rows(self._parts(before, world_size)[0]) - skip) // rows_per_step
+            available = (self._rows_left(before) // world_size - skip) // rows_per_step
             self._check_fits(available, before, skip, world_size, rows_per_step)
             taken = min(available, steps)
             yield before, skip, taken, available
@@ -223,7 +226,7 @@ class SamplePlan:
         positions they cover are cut at window boundaries and mapped to chunks in one pass."""
         rows = self.window_rows
         count = stretch.num_windows(rows) - first if count is None else count
-        part = self._parts(stretch.state, stretch.world_size)[stretch.rank]
+        part = self.part(stretch.state, stretch.world_size, stretch.rank)
         number = stretch.skip // rows + first  # of the first window, counted from the part's start
         start = number * rows
         positions = slice_rows(part, start, start + count * rows)
@@ -263,11 +266,27 @@ class SamplePlan:
                 f"{self.num_rows} rows cannot fill one step of {rows_per_step} rows on each of {world_size} ranks"
             )
 
-    def _parts(self, state: DataState, world_size: int) -> list[np.ndarray]:
-        key = (state, world_size)
+    def _layouts(self, state: DataState) -> list[SegmentLayout]:
+        key = (state.epoch, state.segments)
+        if key not in self._layouts_cache:
+            self._layouts_cache.clear()  # a rank walks one segment at a time
+            self._layouts_cache[key] = segment_layouts(
+                self.num_rows, self.seed, self.window_rows, state.epoch, state.segments
+            )
+        return self._layouts_cache[key]
+
+    def _rows_left(self, state: DataState) -> int:
+        layouts = self._layouts(state)
+        return layouts[-1].rows_out if layouts else self.num_rows
+
+    def part(self, state: DataState, world_size: int, rank: int) -> np.ndarray:
+        """Intervals of epoch positions: ``rank``'s part, of ``world_size`` equal ones, of what ``state``'s segments
+        left. Mapped back through the segments (:mod:`sdtrain.data.rank_part`), not cut from :meth:`remaining`, whose
+        replay grows with the square of the segments."""
+        key = (state, world_size, rank)
         if key not in self._parts_cache:
             self._parts_cache.clear()  # a rank walks one stretch at a time
-            self._parts_cache[key] = split_equal(self.remaining(state), world_size)[0]
+            self._parts_cache[key] = rank_part(self._layouts(state), self.num_rows, world_size, rank)
         return self._parts_cache[key]
 
     def sample_indices(self, window: Window) -> np.ndarray:
