@@ -159,7 +159,10 @@ def test_data_scale_smoke():
     assert ratios["bucketed_task_bytes_10M / bucketed_task_bytes_1M"] > 0 and ratios["bucketed_rank_s_10M / 2s"] > 0, (
         out
     )
-    assert ratios["resize_replay_s_4 / resize_replay_s_2"] > 0 and "after 4 resizes (16 and 15 ranks" in out, out
+    assert ratios["resize_rank_s_4 / resize_rank_s_2"] > 0 and "after 4 resizes (16 and 15 ranks" in out, out
+    assert ratios["resize_controller_s_4 / resize_controller_s_2"] > 0 and "the whole epoch's replay after 2" in out, (
+        out
+    )
     assert ratios["restart_with_index_100 / restart_with_index_20"] > 0, out
     assert "(100 from the index, 0 footers read)" in out, out
     assert ratios["restart_on_output_100 / restart_on_output_20"] > 0, out
