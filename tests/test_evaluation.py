@@ -322,7 +322,7 @@ def test_a_score_not_known_yet_ranks_last_in_ray_trains_own_checkpoint_manager(t
     from ray.train.v2._internal.execution.context import StorageContext
     from ray.train.v2._internal.execution.training_report import _TrainingReport
 
-    from sdtrain.driver.run import _ray_run_config
+    from sdtrain.driver.ray_configs import ray_run_config
 
     worst = sys.float_info.max  # finite: Ray Train's snapshot is JSON, which has no infinity
     assert scored_metrics({"loss": 1.0}, "fd_dinov2") == {"loss": 1.0, "fd_dinov2": worst}
@@ -341,13 +341,13 @@ def test_a_score_not_known_yet_ranks_last_in_ray_trains_own_checkpoint_manager(t
         )
         run = f"{attribute}-{len(reports)}-{restarted_after}"
         storage = StorageContext(storage_path=str(tmp_path), experiment_dir_name=run)
-        manager = CheckpointManager(_ray_run_config(config).checkpoint_config, storage)
+        manager = CheckpointManager(ray_run_config(config).checkpoint_config, storage)
 
         async def report():
             nonlocal manager
             for step, metrics in reports:
                 if step == restarted_after:  # a new controller (a retry, the run re-run) loads Ray's snapshot
-                    manager = CheckpointManager(_ray_run_config(config).checkpoint_config, storage)
+                    manager = CheckpointManager(ray_run_config(config).checkpoint_config, storage)
                 directory = tmp_path / run / f"checkpoint_{step}"
                 directory.mkdir(parents=True)
                 scored = scored_metrics({"step": step, "loss": 0.5, **metrics}, attribute)

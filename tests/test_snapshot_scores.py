@@ -28,7 +28,7 @@ def _manager(root, attribute: str) -> CheckpointManager:
     storage = StorageContext(
         storage_path=str(root), experiment_dir_name="run", storage_filesystem=pafs.LocalFileSystem()
     )
-    order = "max" if attribute in HIGHER_IS_BETTER else "min"  # as sdtrain.driver.run._ray_run_config orders it
+    order = "max" if attribute in HIGHER_IS_BETTER else "min"  # as sdtrain.driver.ray_configs.ray_run_config orders it
     config = ray.train.CheckpointConfig(
         num_to_keep=2, checkpoint_score_attribute=attribute, checkpoint_score_order=order
     )

@@ -25,11 +25,8 @@ from sdtrain.artifacts.export import export_checkpoint, export_source
 from sdtrain.artifacts.pipelines import check_export_sources
 from sdtrain.artifacts.run_outputs import LossLabels, read_history, write_run_outputs
 from sdtrain.artifacts.run_totals import RunTotals, run_totals
-from sdtrain.config.running import HIGHER_IS_BETTER
 from sdtrain.config.schema import Config, ScalingConfig
 from sdtrain.controller.data_hook import PlannedStreams, committed_run
-from sdtrain.controller.failures import StopOnDeterministicErrors
-from sdtrain.controller.snapshot_copy import SnapshotCopy
 from sdtrain.data.index_format import run_index_uri, write_index
 from sdtrain.data.inspection import DatasetSpec
 from sdtrain.data.metadata import latent_classifier
@@ -41,6 +38,7 @@ from sdtrain.driver.memory_fit import caption_encoders, cluster_gpu, fit_micro_b
 from sdtrain.driver.paths import with_absolute_paths
 from sdtrain.driver.placement_group_guard import torch_trainer_class
 from sdtrain.driver.preflight import preflight
+from sdtrain.driver.ray_configs import ray_run_config, validation_config
 from sdtrain.driver.ray_data_startup import warm_up_ray_data
 from sdtrain.driver.resume_model import check_resume_model
 from sdtrain.driver.trackers import check_trackers, log_export, log_final, tracker_env
@@ -229,11 +227,11 @@ def build_trainer(run: CheckedRun, launched_at: float) -> TorchTrainer:
             resources_per_worker={"CPU": _cpus_per_worker(config.scaling, use_gpu)},
             elastic_resize_monitor_interval_s=config.scaling.resize_check_s,
         ),
-        run_config=_ray_run_config(config),
+        run_config=ray_run_config(config),
         datasets=datasets,
         dataset_config=PlannedStreams(reader, run.run_dir, config),
         # With eval, Ray Train evaluates the checkpoints rank 0 asks for, once committed, in a task of their own.
-        validation_config=_validation_config(config, run.run_dir, run.eval_vae) if config.eval.enabled else None,
+        validation_config=validation_config(config, run.run_dir, run.eval_vae) if config.eval.enabled else None,
     )
 
 
@@ -255,54 +253,6 @@ def _run_meta(run: CheckedRun, config: Config, captions: tuple[int, int]) -> Che
         return meta
     return dataclasses.replace(
         meta, grid_prompts=run.grid_prompts.prompts, grid_text_encoder=run.grid_prompts.text_encoder
-    )
-
-
-def _ray_run_config(config: Config) -> ray.train.RunConfig:
-    """The run's name and storage (checkpoints in run.storage_path), failure policy and checkpoint retention."""
-    # Ray Train's controller and workers get the storage filesystem and the S3 settings from
-    # here: on a cluster started separately they see neither storage.endpoint_url nor this
-    # process's environment.
-    storage_filesystem, storage_path = ray_storage(config.run.storage_path)
-    return ray.train.RunConfig(
-        name=config.run.name,
-        storage_path=storage_path,
-        storage_filesystem=storage_filesystem,
-        failure_config=_failure_config(config),
-        checkpoint_config=ray.train.CheckpointConfig(
-            num_to_keep=config.checkpoint.num_to_keep,
-            checkpoint_score_attribute=config.checkpoint.score_attribute,
-            checkpoint_score_order="max" if config.checkpoint.score_attribute in HIGHER_IS_BETTER else "min",
-        ),
-        # The two ignores: ray/train/__init__.py imports Ray Train v1's RunConfig and then, when v2 is
-        # enabled (the default, and what runs), v2's over it; mypy keeps the first, which lacks
-        # logging_config and types callbacks as v1 (Tune) callbacks.
-        # Ray Train logs every report at INFO; our own progress line already says it all.
-        logging_config=ray.train.LoggingConfig(log_level="WARNING"),  # type: ignore[call-arg]
-        callbacks=[StopOnDeterministicErrors(), SnapshotCopy.of(config)],  # type: ignore[list-item]
-    )
-
-
-def _validation_config(config: Config, run_dir: str, vae: str | None) -> ray.train.ValidationConfig:
-    """Ray Train's evaluation of committed checkpoints (sdtrain.evaluation.checkpoint_eval) in a task with eval's
-    resources; one still running after eval.timeout_s is cancelled."""
-    from sdtrain.evaluation.cpu_priority import EVALUATION_TASK_ENV
-    from sdtrain.evaluation.eval_task import evaluate_in_task
-
-    return ray.train.ValidationConfig(
-        fn=evaluate_in_task,  # type: ignore[arg-type]  # named keyword arguments: the protocol says **kwargs
-        task_config=ray.train.ValidationTaskConfig(
-            fn_kwargs={"config": config.to_dict(), "run_dir": run_dir, "vae": vae}, timeout_s=config.eval.timeout_s
-        ),
-        # No retry: an evaluation that failed says why in its result and the next checkpoint's is asked for anyway.
-        # Its own environment variable gives the task a pool of worker processes of its own: one whose CPU
-        # priority an evaluation lowered for good is never lent to another task (Ray Data's reads).
-        ray_remote_kwargs={
-            "num_cpus": config.eval.num_cpus,
-            "num_gpus": config.eval.num_gpus,
-            "max_retries": 0,
-            "runtime_env": {"env_vars": {EVALUATION_TASK_ENV: "1"}},  # merged into the job's
-        },
     )
 
 
@@ -367,13 +317,6 @@ def _resolve_use_gpu(scaling: ScalingConfig) -> bool:
     if scaling.use_gpu != "auto":
         return scaling.use_gpu
     return ray.cluster_resources().get("GPU", 0) > 0
-
-
-def _failure_config(config: Config) -> ray.train.FailureConfig:
-    # Ray Train v2's FailureConfig; mypy sees v1's, which lacks max_preemption_failures (see RunConfig in train()).
-    return ray.train.FailureConfig(  # type: ignore[call-arg]
-        max_failures=config.failure.max_failures, max_preemption_failures=config.failure.max_preemptions
-    )
 
 
 def _ray_num_workers(scaling: ScalingConfig):
