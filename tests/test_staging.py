@@ -131,3 +131,30 @@ def test_a_checkpoint_in_object_storage_is_copied_once_a_node_and_dropped_after_
     assert is_copy and directory == other == str(node / "restored") and inode == other_inode  # one copy
     assert files == other_files == ["checkpoint.ckpt"]  # the stale copy went first
     assert not os.path.exists(directory)
+
+
+@pytest.mark.slow  # the session's Ray cluster
+@pytest.mark.timeout(120)
+def test_the_end_of_a_fit_removes_the_runs_staging_on_every_node_and_no_other_runs(ray_cluster, tmp_path):
+    """What killed workers left on a node no later worker group ran on (sdtrain.driver.staging_cleanup): a task on each
+    alive node removes the run's directory, whatever ranks left it, and says what it freed."""
+    import ray
+
+    from sdtrain.driver.staging_cleanup import remove_run_staging
+    from sdtrain.train.checkpointing import run_scratch
+
+    run, disk = _config(tmp_path), tmp_path / "disk"
+    _stage(worker_scratch(run, "s3://b/runs/a", local_rank=0, local_world_size=4), "checkpoint_000004000-x1")
+    _stage(worker_scratch(run, "s3://b/runs/a", local_rank=3, local_world_size=4), "checkpoint_000004000-x2")
+    _stage(os.path.join(node_scratch(run, "s3://b/runs/a"), "restored"), "partly-downloaded")
+    _stage(worker_scratch(run, "s3://other/runs/a", local_rank=0, local_world_size=1), "checkpoint_000000002-y")
+    freed = remove_run_staging(run, "s3://b/runs/a")
+    alive = {node["NodeID"] for node in ray.nodes() if node["Alive"]}
+    assert set(freed) == alive and sum(freed.values()) == 3000, freed  # each node answered; three staged files
+    assert not os.path.exists(run_scratch(run, "s3://b/runs/a"))
+    assert _files(disk) == [os.path.relpath(p, disk) for p in _staged(run_scratch(run, "s3://other/runs/a"))]
+    assert remove_run_staging(run, "s3://b/runs/a") == dict.fromkeys(alive, 0)  # nothing left: nothing freed
+
+
+def _staged(root: str) -> list[str]:
+    return sorted(os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs)

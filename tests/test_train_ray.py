@@ -4,6 +4,7 @@ import csv
 import dataclasses
 import json
 import math
+import os
 import shutil
 import time
 
@@ -23,6 +24,7 @@ from sdtrain.driver.run import check_run, train
 from sdtrain.errors import ConfigError, DataError, TrainingFailed
 from sdtrain.model.validation import validation_loss
 from sdtrain.storage.run_layout import CHECKPOINT_FILE, DATA_STATE_FILE, HISTORY_FILE, MODEL_FILE, SAMPLES_FILE
+from sdtrain.train.checkpointing import run_scratch
 
 pytestmark = pytest.mark.slow  # each test runs Ray Train on a local Ray cluster
 
@@ -248,6 +250,7 @@ def test_diverging_run_stops_with_a_clear_error(ray_cluster, tmp_path, run_attem
         "(train.max_nonfinite_steps=3)" in message
     )
     assert "no checkpoint was written" in message
+    assert not os.path.exists(run_scratch(config, config.run.directory))  # a failed fit's staging goes too
 
 
 def _ids_config(tmp_path, name, max_steps, workers, *extra):
@@ -292,6 +295,10 @@ def test_every_sample_once_per_epoch_across_a_restart_and_bitwise_resume(
     every_row = list(range(96))
 
     train(_ids_config(tmp_path, "a", 12, 2))
+    # Once fit ended, the run's staging went from every node (sdtrain.driver.staging_cleanup): here, its workers'
+    # emptied directories.
+    straight_config = _ids_config(tmp_path, "a", 12, 2)
+    assert not os.path.exists(run_scratch(straight_config, straight_config.run.directory))
     # One thread a 1-CPU worker, as Ray sets it: an in-process fit of an earlier test left OMP_NUM_THREADS=2 to the
     # session's cluster (conftest.THREAD_ENV), and two workers on 2 cores trained 3-4x slower.
     assert "; 1 torch thread(s) per worker" in capfd.readouterr().err

@@ -41,6 +41,7 @@ from sdtrain.driver.preflight import preflight
 from sdtrain.driver.ray_configs import ray_run_config, validation_config
 from sdtrain.driver.ray_data_startup import warm_up_ray_data
 from sdtrain.driver.resume_model import check_resume_model
+from sdtrain.driver.staging_cleanup import remove_run_staging
 from sdtrain.driver.trackers import check_trackers, log_export, log_final, tracker_env
 from sdtrain.errors import TrainingFailed, find_sdtrain_error
 from sdtrain.evaluation.checks import check_evaluation
@@ -87,7 +88,7 @@ def train(config: Config) -> RunSummary:
     trainer = build_trainer(run, launched_at)
 
     # 3. Fit, then write the run's outputs.
-    return finish(run.config, fit(trainer, run.run_dir))
+    return finish(run.config, fit(trainer, run))
 
 
 @dataclass
@@ -256,16 +257,20 @@ def _run_meta(run: CheckedRun, config: Config, captions: tuple[int, int]) -> Che
     )
 
 
-def fit(trainer: TorchTrainer, run_dir: str) -> ray.train.Result:
-    """Run the trainer to train.max_steps; a failure it cannot restart from is a TrainingFailed naming why."""
+def fit(trainer: TorchTrainer, run: CheckedRun) -> ray.train.Result:
+    """Run the trainer to train.max_steps; a failure it cannot restart from is a TrainingFailed naming why. Once the
+    trainer has ended, trained or failed, the run's checkpoint staging is removed from every node."""
     warm_up = warm_up_ray_data()  # in the background, while Ray Train starts (sdtrain.driver.ray_data_startup)
     try:
-        return trainer.fit()
+        result = trainer.fit()
     except ray.train.TrainingFailedError as e:
-        raise TrainingFailed(failure_message(e, run_dir)) from None
+        remove_run_staging(run.config, run.run_dir)  # not on an interrupt: its workers may still be uploading
+        raise TrainingFailed(failure_message(e, run.run_dir)) from None
     finally:
         if warm_up is not None:
             warm_up.join(timeout=60)  # seconds into a run it is long done; nothing of ours outlives train()
+    remove_run_staging(run.config, run.run_dir)
+    return result
 
 
 def failure_message(error: Exception, run_dir: str) -> str:

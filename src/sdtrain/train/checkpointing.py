@@ -143,38 +143,40 @@ def worker_scratch(config: Config, run_dir: str, local_rank: int, local_world_si
     resize) and a killed group's restore copy (:func:`node_scratch`). Named by the run's directory, so two runs
     on one node never touch each other's files.
     """
-    run_scratch = _run_scratch(config, run_dir)
+    directory = run_scratch(config, run_dir)
     if local_rank == 0:
-        _drop_unowned(run_scratch, local_world_size)
-    scratch = os.path.join(run_scratch, f"rank{local_rank}")
+        _drop_unowned(directory, local_world_size)
+    scratch = os.path.join(directory, f"rank{local_rank}")
     shutil.rmtree(scratch, ignore_errors=True)
     os.makedirs(scratch)
     return scratch
 
 
-def _drop_unowned(run_scratch: str, local_world_size: int) -> None:
+def _drop_unowned(directory: str, local_world_size: int) -> None:
     """Remove the rank directories of local ranks at or past ``local_world_size`` and the restore copy.
 
     Needs no barrier: no worker of the group writes these while this runs. Each lower local rank's directory is
     its own worker's (left alone here), and the restore copy is written only by this worker, afterwards
     (:func:`restored_directory` downloads afresh, so a leftover copy is never reused)."""
     try:
-        names = os.listdir(run_scratch)
+        names = os.listdir(directory)
     except FileNotFoundError:
         return
     for name in names:
         index = re.fullmatch(r"rank(\d+)", name)
         if name == _NODE_DIR or (index is not None and int(index.group(1)) >= local_world_size):
-            shutil.rmtree(os.path.join(run_scratch, name), ignore_errors=True)
+            shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
 
 
 def node_scratch(config: Config, run_dir: str) -> str:
     """The local directory this run's ranks on one node share: the one download of a restored checkpoint
     (:func:`restored_directory`, which empties it)."""
-    return os.path.join(_run_scratch(config, run_dir), _NODE_DIR)
+    return os.path.join(run_scratch(config, run_dir), _NODE_DIR)
 
 
-def _run_scratch(config: Config, run_dir: str) -> str:
+def run_scratch(config: Config, run_dir: str) -> str:
+    """This run's local directory on the node that calls it: its workers' and its restore copy's, under
+    checkpoint.staging_dir (the node's temporary directory by default)."""
     run_key = hashlib.sha256(run_dir.encode()).hexdigest()[:12]
     staging = config.checkpoint.staging_dir or tempfile.gettempdir()
     return os.path.join(staging, "sdtrain-staging", f"{config.run.name}-{run_key}")
