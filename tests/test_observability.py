@@ -133,6 +133,45 @@ def test_background_writer_runs_the_newest_job_and_survives_a_failing_one(caplog
     assert "could not update the run directory's live files: division by zero" in caplog.text
 
 
+def test_background_writer_rests_after_each_job_for_its_share_of_the_time_but_not_before_a_flush():
+    """The live files of a long run take ~1 s to rewrite (metrics.csv and its curve, whole, in Python): a job of d
+    seconds is followed by d x (1/share - 1) of rest, so they take at most their share of the training process."""
+    writer = BackgroundWriter("test-writer", share=0.01)  # 99x the job's time at rest
+    first, second, third = threading.Event(), threading.Event(), threading.Event()
+    began = time.monotonic()
+    writer.submit(lambda: (time.sleep(0.05), first.set()))  # a job of >= 50 ms: >= 5 s of rest after it
+    assert first.wait(30)
+    writer.submit(second.set)
+    assert not second.wait(1.0)  # resting
+    assert writer.flush(timeout=30) and second.is_set()  # a flush skips the rest: the file is up to date at once
+    assert time.monotonic() - began < 4.5
+    writer.submit(third.set)  # rests again after the flushed job, which took almost no time
+    assert third.wait(30)
+    writer.close(timeout=30)
+
+
+def test_live_files_copy_each_row_once_and_show_an_evaluation_merged_into_a_row_later(tmp_path):
+    from sdtrain.evaluation.results import merge_results
+
+    live = LiveOutputs(str(tmp_path / "run"), LossLabels())
+    history = _rows([2, 4, 6])
+    history[1]["evaluation_asked"] = 1.0
+    live.update(history)
+    history.append(_rows([8])[0])
+    history[0]["loss"] = 123.0  # changed in place after it was handed over: not the live files' row any more
+    live.update(history)
+    added = merge_results(history, {4: {"eval_s": 3.0, "fd_dinov2": 12.5}})  # as an evaluation's result arrives
+    assert added == [(4, {"eval_s": 3.0, "fd_dinov2": 12.5})]
+    live.merged(added)
+    live.update(history)
+    assert live.writer.flush(timeout=60)
+    with open(tmp_path / "run" / METRICS_FILE) as f:
+        rows = list(csv.DictReader(f))
+    assert [int(r["step"]) for r in rows] == [2, 4, 6, 8]
+    assert float(rows[0]["loss"]) == 0.5 and (rows[1]["fd_dinov2"], rows[1]["eval_s"]) == ("12.5", "3.0")
+    assert rows[2]["fd_dinov2"] == ""
+
+
 def test_mlflow_without_a_tracking_server_is_refused_before_ray_starts(monkeypatch):
     from sdtrain.driver.trackers import check_trackers
     from sdtrain.errors import ConfigError

@@ -101,6 +101,8 @@ def awaited_results(run_dir: str, history: list[dict[str, float]]) -> dict[int, 
 def merge_results(history: list[dict[str, float]], results: dict[int, dict[str, Any]]) -> list[tuple[int, dict]]:
     """Each result into the row of its step (once); a failed one as ``eval_failed`` = 1, its error logged. Returns
     the (step, metrics) added, for the trackers."""
+    if not results:  # every report asks: a long run's history is not walked for nothing
+        return []
     rows = {int(row["step"]): row for row in history}
     added = []
     for step, result in sorted(results.items()):

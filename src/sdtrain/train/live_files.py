@@ -4,6 +4,7 @@ background tries of a view that failed (:class:`Outage`, the experiment trackers
 
 from __future__ import annotations
 
+import bisect
 import threading
 import time
 from collections.abc import Callable
@@ -16,12 +17,23 @@ from sdtrain.storage.filesystems import filesystem_for
 class BackgroundWriter:
     """Runs the latest job handed to :meth:`submit` in one daemon thread; a job handed over while another
     waits replaces it (only the newest state of the run directory matters). A failed job is logged, never
-    raised: a missing live file must not stop training."""
+    raised: a missing live file must not stop training.
 
-    def __init__(self, name: str):
+    With ``share``, a job of d seconds is followed by d x (1 / share - 1) seconds of rest before the next (none
+    before a :meth:`flush` or :meth:`close`): jobs that grow with the run (the live files are rewritten whole, and
+    format in Python under the GIL) never take more than that share of the thread's time, however long the run."""
+
+    def __init__(self, name: str, share: float | None = None):
+        """Args:
+        name: the thread's.
+        share: the most of its time the thread spends in jobs (None: no rest between them).
+        """
         self._pending: Callable[[], None] | None = None
         self._busy = False
         self._closed = False
+        self._urgent = 0  # flushes waiting: they skip the rest
+        self._rest = 0.0 if share is None else 1 / share - 1
+        self._resume_at = 0.0
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
@@ -38,7 +50,12 @@ class BackgroundWriter:
             timeout: seconds to wait at most (None: no limit).
         """
         with self._cond:
-            return self._cond.wait_for(lambda: self._pending is None and not self._busy, timeout)
+            self._urgent += 1
+            self._cond.notify_all()
+            try:
+                return self._cond.wait_for(lambda: self._pending is None and not self._busy, timeout)
+            finally:
+                self._urgent -= 1
 
     def close(self, timeout: float | None = None) -> None:
         """Run what is pending, then stop the thread.
@@ -56,16 +73,22 @@ class BackgroundWriter:
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: self._pending is not None or self._closed)
+                while self._pending is not None and not (self._closed or self._urgent):  # rest after the last job
+                    left = self._resume_at - time.monotonic()
+                    if left <= 0 or not self._cond.wait(left):
+                        break
                 if self._pending is None:
                     return
                 job, self._pending, self._busy = self._pending, None, True
+            began = time.monotonic()
             try:
                 job()
             except Exception as error:  # a live file is a view: training goes on without it
                 log.warning("could not update the run directory's live files: %s", error)
             finally:
                 with self._cond:
-                    self._busy = False
+                    ended = time.monotonic()
+                    self._busy, self._resume_at = False, ended + (ended - began) * self._rest
                     self._cond.notify_all()
 
 
@@ -119,8 +142,14 @@ class Outage:
             log.debug(f"{self.view} still does not answer: {error}")
 
 
+# The most of a core's time (and of the training process's GIL) rewriting the live files takes: a long run's files
+# are rewritten whole (a 50k-row metrics.csv and its curve take ~1 s), so they are brought up to date less often.
+LIVE_FILES_SHARE = 0.05
+
+
 class LiveOutputs:
-    """metrics.csv and loss_curve.png in ``run_dir`` (local or s3://), brought up to date at every report."""
+    """metrics.csv and loss_curve.png in ``run_dir`` (local or s3://), brought up to date after the reports, in the
+    background and at most :data:`LIVE_FILES_SHARE` of the time."""
 
     def __init__(self, run_dir: str, labels: LossLabels, writer: BackgroundWriter | None = None):
         """Args:
@@ -130,13 +159,30 @@ class LiveOutputs:
         """
         self.filesystem, self.path = filesystem_for(run_dir)
         self.labels = labels
-        self.writer = writer or BackgroundWriter("sdtrain-live-outputs")
+        self.writer = writer or BackgroundWriter("sdtrain-live-outputs", share=LIVE_FILES_SHARE)
+        # Copies of the history's rows, made once each: the caller goes on appending to its list, and a row it changes
+        # later (an evaluation's result) is replaced here (merged), never changed, so the writer's list stays whole.
+        self._rows: list[dict[str, float]] = []
 
     def update(self, history: list[dict[str, float]]) -> None:
-        """Rewrite both files from ``history`` (copied: the caller goes on appending to its list)."""
-        rows = [dict(row) for row in history]
+        """Rewrite both files from ``history``: the rows after those copied before are copied (all of them when the
+        history was cut back, a restart's)."""
+        rows = self._rows
+        if len(history) < len(rows) or (rows and history[len(rows) - 1]["step"] != rows[-1]["step"]):
+            rows.clear()
+        rows.extend(dict(row) for row in history[len(rows) :])
         if rows:
-            self.writer.submit(lambda: self._write(rows))
+            snapshot = list(rows)
+            self.writer.submit(lambda: self._write(snapshot))
+
+    def merged(self, results: list[tuple[int, dict[str, float]]]) -> None:
+        """``(step, metrics)`` merged into rows of the history since they were copied (sdtrain.train.evaluations): in
+        the files at the next update."""
+        steps = [int(row["step"]) for row in self._rows] if results else []
+        for step, metrics in results:
+            index = bisect.bisect_left(steps, step)
+            if index < len(steps) and steps[index] == step:
+                self._rows[index] = {**self._rows[index], **metrics}
 
     def _write(self, rows: list[dict[str, float]]) -> None:
         write_run_outputs(rows, self.filesystem, self.path, self.labels)

@@ -102,12 +102,13 @@ class RunView:
                 self.trackers.before_checkpoint()
 
     def evaluated(self, results: list[tuple[int, dict[str, float]]]) -> None:
-        """Finished checkpoint evaluations, already in their rows (the live files follow at the next update): to the
-        trackers at their checkpoints' steps.
+        """Finished checkpoint evaluations, already in their rows: into the live files' copies of them (written at the
+        next update), and to the trackers at their checkpoints' steps.
 
         Args:
             results: (step, metrics) each (sdtrain.train.evaluations).
         """
+        self.live.merged(results)
         for step, metrics in results:
             if self.trackers is not None:
                 self.trackers.log_evaluation(metrics, step)
