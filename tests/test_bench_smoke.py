@@ -151,6 +151,14 @@ def test_encoder_throughput_smoke():
     assert ratios["encode images/s at 64 px"] > 0 and ratios["cpu stage images/s per core at 64 px"] > 0, out
 
 
+def test_sample_grid_cost_smoke():
+    """A grid against the training time between grids, and the live files' hand-over and contention."""
+    out, ratios = run_bench("bench/sample_grid_cost.py", "--smoke")
+    assert ratios["sample grid time / training time between grids (every 1000 steps)"] > 0, out
+    assert ratios["step with live files of 2000 rows / step without"] > 0, out
+    assert ratios["step with a writer never resting / step without"] > 0, out
+
+
 def test_data_scale_smoke():
     """The plan and read tasks at 1M and 10M rows, of one shape and in 40 aspect-ratio buckets, the replay after
     world-size changes, then the restart start-up against an S3 server process."""
