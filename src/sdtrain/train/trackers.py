@@ -37,7 +37,7 @@ from sdtrain.logs import log
 from sdtrain.storage.filesystems import filesystem_for
 from sdtrain.storage.run_layout import SAMPLES_DIR, TENSORBOARD_DIR, TRACKERS_FILE, sample_grid_file
 from sdtrain.storage.uris import is_uri
-from sdtrain.train.live_files import BackgroundWriter, Outage
+from sdtrain.train.live_files import LIVE_FILES_SHARE, BackgroundWriter, Outage
 from sdtrain.train.tracker_loggers import build_logger, run_id_of
 from sdtrain.train.wandb_files import STEP_KEY, run_files
 
@@ -128,7 +128,8 @@ class Trackers:
         # on this node's disk, and the event files are copied to run_dir/tensorboard after each flush.
         mirrored = is_uri(run_dir) and "tensorboard" in config.tracking.trackers
         self._tensorboard_local = tempfile.mkdtemp(prefix="sdtrain-tensorboard-") if mirrored else None
-        self._mirror_writer = BackgroundWriter("sdtrain-tensorboard-mirror")
+        # Each copy uploads the whole event files, which grow with the run: at most LIVE_FILES_SHARE of the time.
+        self._mirror_writer = BackgroundWriter("sdtrain-tensorboard-mirror", share=LIVE_FILES_SHARE)
         self.loggers: dict[str, Any] = {}  # the trackers that answer (Any: each logger class has its own extras)
         self.held: dict[str, int] = {}  # tracker -> the last step it holds: it is sent only later ones
         self.down: dict[str, TrackerOutage] = {}  # the trackers that raised and have not caught up since
