@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -630,6 +631,7 @@ def test_parquet_input_interrupted_and_resumed(tmp_path, tiny_model, ray_cluster
 
     from sdtrain.data.dataset_index import index_dataset
     from sdtrain.preprocess.job import _pipeline, run_preprocess
+    from sdtrain.preprocess.outputs import done_shards
     from sdtrain.preprocess.sources import list_shards
 
     rows = write_parquet_input(tmp_path / "input", files=3)
@@ -693,6 +695,13 @@ def test_parquet_input_interrupted_and_resumed(tmp_path, tiny_model, ray_cluster
     np.testing.assert_allclose(stored, encode_prompts(tokenizer, text_encoder, captions).numpy(), atol=2e-3, rtol=1e-2)
     empty = np.load(output / "unconditional_caption.npy")
     np.testing.assert_allclose(empty, encode_prompts(tokenizer, text_encoder, [""])[0].numpy(), atol=1e-6)
+
+    # The runs' digest of the done shards: a later re-run takes every marker older than it from it, reading none.
+    for marker in (output / "_shards").glob("*.json"):
+        os.utime(marker, (time.time() - 60,) * 2)  # written a minute before the re-run
+    found = done_shards(str(output))
+    assert found.markers_read == 0
+    assert found.records == [json.loads(p.read_text()) for p in sorted((output / "_shards").glob("*.json"))]
 
     third = run_preprocess(config)  # everything done: nothing is read or written
     assert third.shards_written == [] and _written(output) == after

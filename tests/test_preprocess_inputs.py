@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import threading
 import time
 from pathlib import Path
@@ -78,8 +79,8 @@ class _CountingFs(pafs.FileSystemHandler):
     def get_file_info_selector(self, selector):
         return self.fs.get_file_info(selector)
 
-    def open_input_stream(self, path):
-        return self.flight(self.fs.open_input_stream)(path)
+    def open_input_stream(self, path):  # raw: PyFileSystem applies the caller's compression
+        return self.flight(self.fs.open_input_stream)(path, compression=None)
 
     def open_input_file(self, path):
         return self.flight(self.fs.open_input_file)(path)
@@ -153,7 +154,69 @@ def test_markers_are_read_128_at_a_time_on_as_many_s3_connections(tmp_path, monk
     before = pa.io_thread_count()
     assert [r["shard"] for r in read_shard_stats(str(tmp_path))] == [f"s{i:03d}" for i in range(300)]
     assert markers.calls == 300 and markers.most > 32, markers.most
-    assert MARKER_READS >= 128 and io_threads == [max(before, MARKER_READS)] and pa.io_thread_count() == before
+    # The markers' filesystem made with MARKER_READS threads (then the digest's, one GET, without).
+    assert MARKER_READS >= 128 and io_threads[0] == max(before, MARKER_READS) and pa.io_thread_count() == before
+
+
+def test_a_rerun_takes_the_markers_older_than_the_last_runs_digest_from_it_and_reads_only_the_others(
+    tmp_path, monkeypatch, caplog
+):
+    """2e6 markers took ~16 min to read at 128 at a time: a run ends by writing every done shard's record into one
+    digest, and the next takes from it each marker the store's clock has older than the digest (past a margin of a
+    few seconds: S3 keeps whole seconds). Newer markers (rewritten since, or written by a run killed before its
+    digest) and markers it lacks are read; a shard in it whose marker is gone is not done."""
+    from sdtrain.preprocess import outputs
+    from sdtrain.preprocess.outputs import SHARDS_DIGEST, done_shards, write_shards_digest
+
+    now = time.time()
+    (tmp_path / "_shards").mkdir()
+
+    def marker(i: int, rows: int, age_s: float) -> dict:
+        record = {"shard": f"s{i:03d}", "rows_written": rows}
+        path = tmp_path / "_shards" / f"s{i:03d}.json"
+        path.write_text(json.dumps(record))
+        os.utime(path, (now - age_s,) * 2)
+        return record
+
+    old = [marker(i, i, 100) for i in range(30)]
+    write_shards_digest(str(tmp_path), [*old, *({"shard": f"s{i:03d}", "rows_written": -1} for i in range(30, 36))])
+    os.utime(tmp_path / SHARDS_DIGEST, (now - 50,) * 2)
+    close = marker(30, 30, 51)  # one second older than the digest: within the margin
+    rewritten = [marker(i, 1000 + i, 0) for i in range(31, 35)]  # since the digest: it holds their old records
+    (tmp_path / "_shards" / "s035.json").unlink(missing_ok=True)  # in the digest, its marker deleted: not done
+    unknown = [marker(i, i, 100) for i in range(36, 40)]  # never in a digest
+    opened = _InFlight()
+    counting = pafs.PyFileSystem(_CountingFs(opened))
+    monkeypatch.setattr(outputs, "filesystem_for", lambda path: (counting, path))
+    found = done_shards(str(tmp_path))
+    assert found.records == [*old, close, *rewritten, *unknown]
+    assert found.markers_read == 9 and opened.calls == 9 + 1  # and the digest
+
+    (tmp_path / SHARDS_DIGEST).write_bytes(b"not gzip")  # a digest that does not read: every marker is
+    os.utime(tmp_path / SHARDS_DIGEST, (now - 50,) * 2)
+    found = done_shards(str(tmp_path))
+    assert found.records == [*old, close, *rewritten, *unknown] and found.markers_read == 39
+    assert "does not read" in caplog.text
+
+
+def test_on_s3_the_digest_and_the_markers_carry_the_stores_time_and_new_markers_are_read(s3_bucket):
+    """S3's listing and HEAD give each marker and the digest their LastModified (whole seconds), which decides what is
+    taken from the digest: markers written since are read."""
+    import pyarrow.fs as pafs
+
+    from sdtrain.preprocess.outputs import SHARDS_DIGEST, done_shards, write_shards_digest
+    from sdtrain.storage.filesystems import filesystem_for, write_bytes
+
+    records = [{"shard": f"s{i:03d}", "rows_written": i} for i in range(5)]
+    write_shards_digest(f"{s3_bucket}/out", [{**r, "rows_written": -1} for r in records])
+    for record in records:  # rewritten since the digest
+        write_bytes(f"{s3_bucket}/out/_shards/{record['shard']}.json", json.dumps(record).encode())
+    fs, path = filesystem_for(f"{s3_bucket}/out")
+    listed = fs.get_file_info(pafs.FileSelector(f"{path}/_shards"))
+    digest = fs.get_file_info(f"{path}/{SHARDS_DIGEST}")
+    assert digest.mtime is not None and all(info.mtime is not None for info in listed)
+    found = done_shards(f"{s3_bucket}/out")
+    assert found.records == records and found.markers_read == 5
 
 
 def test_in_order_keeps_the_order_raises_the_first_failure_and_starts_no_more():

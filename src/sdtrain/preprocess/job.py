@@ -44,10 +44,11 @@ from sdtrain.preprocess.outputs import (
     MANIFEST_FILE,
     RESUME_KEYS,
     check_settings,
+    done_shards,
     join,
-    read_shard_stats,
     settle_shards,
     summarize,
+    write_shards_digest,
 )
 from sdtrain.preprocess.recorded_buckets import check_buckets
 from sdtrain.preprocess.shard_size import check_shard_size
@@ -82,7 +83,8 @@ def run_preprocess(config: PreprocessConfig, max_shards: int | None = None) -> P
     configure_s3(config.storage.endpoint_url, config.storage.max_attempts)
     # First: check_settings records input.rows_per_shard in the output, after which it could not be lowered.
     check_shard_size(config)
-    done = {record["shard"]: record for record in read_shard_stats(config.output.path)}
+    found = done_shards(config.output.path)
+    done = {record["shard"]: record for record in found.records}
     shards = list_shards(config.input, done)
     pending = [s for s in shards if s.name not in done][:max_shards]
     summary = PreprocessSummary(len(shards), len(shards) - len([s for s in shards if s.name not in done]))
@@ -95,12 +97,16 @@ def run_preprocess(config: PreprocessConfig, max_shards: int | None = None) -> P
     settle_shards(config.output.path, done, shard_prefix(config.input))
     scaling_factor, latent_channels, downsampling = vae_geometry(config.encode.model)
     vocab_size, unconditional = write_unconditional(config)
-    if pending:
-        if not ray.is_initialized():
-            ray.init()  # a submitted job's cluster, RAY_ADDRESS, the one `ray start` runs here, else a new one
-        latent_shapes = [[latent_channels, h // downsampling, w // downsampling] for h, w in config.image.shapes()]
-        vae = (scaling_factor, downsampling)
-        _run_pipeline(config, pending, vae, vocab_size, latent_shapes, summary, done, sdxl)
+    try:
+        if pending:
+            if not ray.is_initialized():
+                ray.init()  # a submitted job's cluster, RAY_ADDRESS, the one `ray start` runs here, else a new one
+            latent_shapes = [[latent_channels, h // downsampling, w // downsampling] for h, w in config.image.shapes()]
+            vae = (scaling_factor, downsampling)
+            _run_pipeline(config, pending, vae, vocab_size, latent_shapes, summary, done, sdxl)
+    finally:  # a failed run's shards too: the next run reads one file for them, not two requests a marker
+        if summary.shards_written or found.markers_read:
+            _write_digest(config.output.path, done)
     stats = [done[name] for name in sorted(done)]  # the records read at the start and those this run wrote
     summary.manifest = {
         **summarize(stats),
@@ -119,6 +125,13 @@ def run_preprocess(config: PreprocessConfig, max_shards: int | None = None) -> P
         _write_index(config, stats, summary.shards_written)
     summary.seconds = time.perf_counter() - started
     return summary
+
+
+def _write_digest(output: str, done: dict[str, dict[str, Any]]) -> None:
+    try:
+        write_shards_digest(output, [done[name] for name in sorted(done)])
+    except Exception as error:  # the markers stay the record: the next run reads them instead
+        log.warning(f"output.path: could not write the done shards' digest ({error}); the next run reads every marker")
 
 
 def _write_index(config: PreprocessConfig, stats: list[dict[str, Any]], shards_written: list[str]) -> None:

@@ -14,6 +14,8 @@ sdtrain.data.metadata.encoder_sources).
                                              zeros: the manifest's unconditional_caption says which)
     <output.path>/unconditional_caption_ids.npy  the tokenizer's ids of "" (L int32): data.unconditional_caption for
                                              token-id data (UNCONDITIONAL_IDS_FILE; token_ids and both)
+    <output.path>/_shards.jsonl.gz           every done shard's record as the last run ended: a re-run reads the
+                                             markers older than it from it (read_shard_stats)
     <output.path>/manifest.json              totals: inputs read, rows written, rows skipped by reason
     <output.path>/_settings.json             the settings every run into this directory must share (RESUME_KEYS),
                                              and the buckets they cut images to (sdtrain.preprocess.recorded_buckets)
@@ -26,11 +28,14 @@ outside '_'/'.' names (sdtrain.data.parquet_files), so the side files and a half
 
 from __future__ import annotations
 
+import datetime
+import gzip
 import io
 import json
 import os
 import posixpath
 from collections.abc import Collection
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -42,6 +47,7 @@ from sdtrain.data.added_columns import BUCKET_COLUMN
 from sdtrain.data.added_columns import PLACEMENT_COLUMNS as PLACEMENT
 from sdtrain.data.metadata import BUCKET_RUNS, BUCKET_SHAPES
 from sdtrain.errors import ConfigError
+from sdtrain.logs import log
 from sdtrain.preprocess.config import PreprocessConfig
 from sdtrain.preprocess.planning import MARKER_READS, in_order, s3_connections
 from sdtrain.storage.filesystems import delete_file, filesystem_for, move_file, write_bytes
@@ -194,19 +200,78 @@ def settle_shards(output: str, done: Collection[str], prefix: str | None) -> Non
             delete_file(join(output, info.base_name))
 
 
+@dataclass
+class DoneShards:
+    records: list[dict[str, Any]]
+    """The done shards' records (their _shards/<name>.json: counts, and the source they were made from), in name
+    order."""
+    markers_read: int
+    """How many of them were read from their markers, not from the digest (:data:`SHARDS_DIGEST`)."""
+
+
 def read_shard_stats(output: str) -> list[dict[str, Any]]:
-    """The records of the done shards (their _shards/<name>.json: counts, and the source they were made from), in
-    name order; read MARKER_READS at a time (two requests each: 2e6 markers 16 at a time took 2 h at 30 ms a
-    request, ~16 min at 128; docs/limits.md)."""
+    """:attr:`DoneShards.records` of :func:`done_shards`."""
+    return done_shards(output).records
+
+
+def done_shards(output: str) -> DoneShards:
+    """The done shards: the markers listed. A marker older than the last run's digest of them
+    (:func:`write_shards_digest`) is taken from the digest, the others read MARKER_READS at a time (two requests each:
+    2e6 markers 16 at a time took 2 h at 30 ms a request, ~16 min at 128; docs/limits.md)."""
     with s3_connections(MARKER_READS):
         fs, path = filesystem_for(join(output, SHARDS_DIR))
     infos = sorted(fs.get_file_info(pafs.FileSelector(path, allow_not_found=True)), key=lambda i: i.path)
+    markers = [info for info in infos if info.path.endswith(".json")]
+    digest, digest_time = _digest(output) if markers else ({}, None)
+
+    def from_digest(info: pafs.FileInfo) -> bool:
+        if digest_time is None or info.mtime is None or _marker_name(info) not in digest:
+            return False
+        return (digest_time - info.mtime).total_seconds() > DIGEST_MARGIN_S
 
     def read(marker: str) -> dict[str, Any]:
         with fs.open_input_stream(marker) as f:
             return json.loads(f.read())
 
-    return list(in_order(read, [info.path for info in infos if info.path.endswith(".json")], MARKER_READS))
+    to_read = [info.path for info in markers if not from_digest(info)]
+    read_now = dict(zip(to_read, in_order(read, to_read, MARKER_READS), strict=True))
+    records = [read_now[info.path] if info.path in read_now else digest[_marker_name(info)] for info in markers]
+    return DoneShards(records, len(to_read))
+
+
+SHARDS_DIGEST = "_shards.jsonl.gz"
+"""Every done shard's record as the last run ended, a JSON line each after a header: a re-run reads this one file
+for the markers older than it, not two requests a marker."""
+DIGEST_MARGIN_S = 2.0
+"""A marker this close to the digest's time, or later, is read: object storage keeps whole seconds."""
+
+
+def write_shards_digest(output: str, records: list[dict[str, Any]]) -> None:
+    """The digest of ``records``, the done shards' as their markers hold them, at the end of a run."""
+    lines = [json.dumps({"version": 1, "shards": len(records)}), *(json.dumps(r, sort_keys=True) for r in records)]
+    write_bytes(join(output, SHARDS_DIGEST), gzip.compress("\n".join(lines).encode(), compresslevel=1))
+
+
+def _digest(output: str) -> tuple[dict[str, Any], datetime.datetime | None]:
+    """The last digest's records by shard, and its time (the store's clock, as the markers'); ({}, None) without one,
+    or for a digest that does not read, which costs only the markers' reads."""
+    uri = join(output, SHARDS_DIGEST)
+    fs, path = filesystem_for(uri)
+    info = fs.get_file_info(path)
+    if info.type != pafs.FileType.File or info.mtime is None:
+        return {}, None
+    try:
+        with fs.open_input_stream(path, compression=None) as raw, gzip.open(raw, "rt") as lines:
+            if json.loads(next(lines)).get("version") != 1:
+                return {}, None
+            return {record["shard"]: record for record in map(json.loads, lines)}, info.mtime
+    except (OSError, ValueError, KeyError, StopIteration) as error:
+        log.warning(f"output.path: {uri} does not read ({error}): reading every marker instead")
+        return {}, None
+
+
+def _marker_name(info: pafs.FileInfo) -> str:
+    return info.base_name[: -len(".json")]
 
 
 def summarize(stats: list[dict[str, Any]]) -> dict[str, Any]:
