@@ -159,6 +159,13 @@ def test_sample_grid_cost_smoke():
     assert ratios["step with a writer never resting / step without"] > 0, out
 
 
+def test_marker_digest_smoke():
+    """A preprocessing re-run's planning with and without the digest of the done shards' markers."""
+    out, ratios = run_bench("bench/marker_digest.py", "--smoke")
+    assert ratios["planning with the digest / every marker read"] > 0, out
+    assert "none read" in out and "the digest at 20,000 shards" in out, out
+
+
 def test_data_scale_smoke():
     """The plan and read tasks at 1M and 10M rows, of one shape and in 40 aspect-ratio buckets, the replay after
     world-size changes, then the restart start-up against an S3 server process."""
