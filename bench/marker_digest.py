@@ -20,10 +20,9 @@ import tempfile
 import time
 from pathlib import Path
 
-import pyarrow.fs as pafs
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchlib  # noqa: E402
+from support.wrapped_fs import wrapped_local  # noqa: E402
 
 from sdtrain.preprocess import outputs  # noqa: E402
 from sdtrain.preprocess.outputs import SHARDS_DIGEST, done_shards, write_shards_digest  # noqa: E402
@@ -46,52 +45,22 @@ def record(i: int) -> dict:
     }
 
 
-class SlowLocal(pafs.FileSystemHandler):
-    """The local filesystem, each file opened after ``2 x latency`` seconds (a HEAD and a GET)."""
+def delayed(latency: float):
+    """Each open after ``2 x latency`` seconds: a HEAD's and a GET's round trips, simulated."""
 
-    def __init__(self, latency: float):
-        self.fs, self.latency = pafs.LocalFileSystem(), latency
+    def wrap(open_file):
+        def opened(*args, **kwargs):
+            time.sleep(2 * latency)
+            return open_file(*args, **kwargs)
 
-    def __eq__(self, other):
-        return isinstance(other, SlowLocal)
+        return opened
 
-    def __ne__(self, other):
-        return not self == other
-
-    def get_type_name(self):
-        return "slow-local"
-
-    def normalize_path(self, path):
-        return path
-
-    def get_file_info(self, paths):
-        return self.fs.get_file_info(paths)
-
-    def get_file_info_selector(self, selector):
-        return self.fs.get_file_info(selector)
-
-    def open_input_stream(self, path):  # raw: PyFileSystem applies the caller's compression
-        time.sleep(2 * self.latency)  # the requests' round trips, simulated
-        return self.fs.open_input_stream(path, compression=None)
-
-    def open_input_file(self, path):
-        time.sleep(2 * self.latency)
-        return self.fs.open_input_file(path)
-
-    def create_dir(self, *a): ...
-    def delete_dir(self, *a): ...
-    def delete_dir_contents(self, *a): ...
-    def delete_root_dir_contents(self, *a): ...
-    def delete_file(self, *a): ...
-    def move(self, *a): ...
-    def copy_file(self, *a): ...
-    def open_output_stream(self, *a): ...
-    def open_append_stream(self, *a): ...
+    return wrap
 
 
 def planning_s(output: str, latency: float) -> tuple[float, int]:
-    """(seconds, markers read) of :func:`done_shards` on ``output`` through :class:`SlowLocal`."""
-    slow = pafs.PyFileSystem(SlowLocal(latency))
+    """(seconds, markers read) of :func:`done_shards` on ``output``, every open delayed (:func:`delayed`)."""
+    slow = wrapped_local(delayed(latency))
     real = outputs.filesystem_for
     outputs.filesystem_for = lambda path: (slow, path)  # every request of the function goes through it
     try:

@@ -17,6 +17,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import pytest
 from PIL import Image
+from support.wrapped_fs import wrapped_local
 
 from sdtrain.errors import DataError
 from sdtrain.preprocess.buckets import Placement
@@ -55,47 +56,6 @@ class _InFlight:
         return counted
 
 
-class _CountingFs(pafs.FileSystemHandler):
-    """The local filesystem, its opened files counted by an _InFlight."""
-
-    def __init__(self, flight: _InFlight):
-        self.fs, self.flight = pafs.LocalFileSystem(), flight
-
-    def __eq__(self, other):
-        return isinstance(other, _CountingFs)
-
-    def __ne__(self, other):
-        return not self == other
-
-    def get_type_name(self):
-        return "counting"
-
-    def normalize_path(self, path):
-        return path
-
-    def get_file_info(self, paths):
-        return self.fs.get_file_info(paths)
-
-    def get_file_info_selector(self, selector):
-        return self.fs.get_file_info(selector)
-
-    def open_input_stream(self, path):  # raw: PyFileSystem applies the caller's compression
-        return self.flight(self.fs.open_input_stream)(path, compression=None)
-
-    def open_input_file(self, path):
-        return self.flight(self.fs.open_input_file)(path)
-
-    def create_dir(self, *a): ...
-    def delete_dir(self, *a): ...
-    def delete_dir_contents(self, *a): ...
-    def delete_root_dir_contents(self, *a): ...
-    def delete_file(self, *a): ...
-    def move(self, *a): ...
-    def copy_file(self, *a): ...
-    def open_output_stream(self, *a): ...
-    def open_append_stream(self, *a): ...
-
-
 def _parquet_files(directory: Path, rows: list[int]) -> list[str]:
     directory.mkdir(parents=True, exist_ok=True)
     for i, n in enumerate(rows):
@@ -124,7 +84,7 @@ def test_footers_and_markers_are_read_many_at_a_time_in_order(tmp_path, monkeypa
     for i in range(40):
         (tmp_path / "out" / "_shards" / f"s{i:03d}.json").write_text(json.dumps({"shard": f"s{i:03d}"}))
     markers = _InFlight()
-    counting = pafs.PyFileSystem(_CountingFs(markers))
+    counting = wrapped_local(markers)
     monkeypatch.setattr(outputs, "filesystem_for", lambda path: (counting, path))
     assert [r["shard"] for r in read_shard_stats(str(tmp_path / "out"))] == [f"s{i:03d}" for i in range(40)]
     assert markers.calls == 40 and markers.most > 4
@@ -144,7 +104,7 @@ def test_markers_are_read_128_at_a_time_on_as_many_s3_connections(tmp_path, monk
     for i in range(300):
         (tmp_path / "_shards" / f"s{i:03d}.json").write_text(json.dumps({"shard": f"s{i:03d}"}))
     markers, io_threads = _InFlight(), []
-    counting = pafs.PyFileSystem(_CountingFs(markers))
+    counting = wrapped_local(markers)
 
     def filesystem_for(path: str):
         io_threads.append(pa.io_thread_count())
@@ -186,7 +146,7 @@ def test_a_rerun_takes_the_markers_older_than_the_last_runs_digest_from_it_and_r
     (tmp_path / "_shards" / "s035.json").unlink(missing_ok=True)  # in the digest, its marker deleted: not done
     unknown = [marker(i, i, 100) for i in range(36, 40)]  # never in a digest
     opened = _InFlight()
-    counting = pafs.PyFileSystem(_CountingFs(opened))
+    counting = wrapped_local(opened)
     monkeypatch.setattr(outputs, "filesystem_for", lambda path: (counting, path))
     found = done_shards(str(tmp_path))
     assert found.records == [*old, close, *rewritten, *unknown]
@@ -202,7 +162,6 @@ def test_a_rerun_takes_the_markers_older_than_the_last_runs_digest_from_it_and_r
 def test_on_s3_the_digest_and_the_markers_carry_the_stores_time_and_new_markers_are_read(s3_bucket):
     """S3's listing and HEAD give each marker and the digest their LastModified (whole seconds), which decides what is
     taken from the digest: markers written since are read."""
-    import pyarrow.fs as pafs
 
     from sdtrain.preprocess.outputs import SHARDS_DIGEST, done_shards, write_shards_digest
     from sdtrain.storage.filesystems import filesystem_for, write_bytes

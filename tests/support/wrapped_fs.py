@@ -1,0 +1,56 @@
+"""The local filesystem as a pyarrow ``PyFileSystem`` whose opens go through a wrapper: the tests count them (and how
+many are in flight at once), the benchmarks delay them by a request's round trip."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pyarrow.fs as pafs
+
+Wrap = Callable[[Callable[..., Any]], Callable[..., Any]]
+
+
+class WrappedLocal(pafs.FileSystemHandler):
+    """The local filesystem, each open called through ``wrap(open)``; writes are not taken."""
+
+    def __init__(self, wrap: Wrap):
+        self.fs, self.wrap = pafs.LocalFileSystem(), wrap
+
+    def __eq__(self, other):
+        return isinstance(other, WrappedLocal)
+
+    def __ne__(self, other):
+        return not self == other
+
+    def get_type_name(self):
+        return "wrapped-local"
+
+    def normalize_path(self, path):
+        return path
+
+    def get_file_info(self, paths):
+        return self.fs.get_file_info(paths)
+
+    def get_file_info_selector(self, selector):
+        return self.fs.get_file_info(selector)
+
+    def open_input_stream(self, path):  # raw: PyFileSystem applies the caller's compression
+        return self.wrap(self.fs.open_input_stream)(path, compression=None)
+
+    def open_input_file(self, path):
+        return self.wrap(self.fs.open_input_file)(path)
+
+    def create_dir(self, *a): ...
+    def delete_dir(self, *a): ...
+    def delete_dir_contents(self, *a): ...
+    def delete_root_dir_contents(self, *a): ...
+    def delete_file(self, *a): ...
+    def move(self, *a): ...
+    def copy_file(self, *a): ...
+    def open_output_stream(self, *a): ...
+    def open_append_stream(self, *a): ...
+
+
+def wrapped_local(wrap: Wrap) -> pafs.PyFileSystem:
+    return pafs.PyFileSystem(WrappedLocal(wrap))
