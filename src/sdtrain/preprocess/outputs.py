@@ -49,8 +49,9 @@ from sdtrain.data.metadata import BUCKET_RUNS, BUCKET_SHAPES
 from sdtrain.errors import ConfigError
 from sdtrain.logs import log
 from sdtrain.preprocess.config import PreprocessConfig
-from sdtrain.preprocess.planning import MARKER_READS, in_order, s3_connections
+from sdtrain.preprocess.planning import MARKER_READS, in_order
 from sdtrain.storage.filesystems import delete_file, filesystem_for, move_file, write_bytes
+from sdtrain.storage.s3 import s3_connections
 from sdtrain.storage.uris import is_uri
 
 SHARDS_DIR = "_shards"

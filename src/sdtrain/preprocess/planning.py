@@ -3,7 +3,8 @@
 Planning reads a request per parquet input (its footer: rows and schema) and per done shard (its _shards/<name>.json
 marker); one after another they cost hours at 1e5-1e6 files on S3 (2e5 footers at 30 ms: 1.7 h), at every run and
 retry. :func:`in_order` reads footers PLANNING_READS and markers MARKER_READS at a time (on connections enough:
-:func:`s3_connections`), and :func:`parquet_row_counts` reads no footer of a file whose shards are all recorded done.
+:func:`sdtrain.storage.s3.s3_connections`), and :func:`parquet_row_counts` reads no footer of a file whose shards are
+all recorded done.
 
 The columns' types are checked where the footers are read, so a wrong column fails the job before Ray starts instead
 of every row being skipped (:func:`check_columns`); :func:`image_bytes` reads each accepted image type.
@@ -14,7 +15,6 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
 from typing import Any, TypeVar
 
 import pyarrow as pa
@@ -53,18 +53,6 @@ def in_order(read: Callable[[T], R], items: Iterable[T], threads: int = PLANNING
         finally:  # a failure, or the caller stopped early: nothing more starts
             for future in pending:
                 future.cancel()
-
-
-@contextmanager
-def s3_connections(threads: int) -> Iterator[None]:
-    """S3 filesystems made inside keep ``threads`` connections: pyarrow's S3 client holds max(its IO threads, 25),
-    fixed when the filesystem is made (without this, 128 threads shared 25 connections)."""
-    before = pa.io_thread_count()
-    pa.set_io_thread_count(max(before, threads))
-    try:
-        yield
-    finally:
-        pa.set_io_thread_count(before)
 
 
 def parquet_row_counts(

@@ -9,8 +9,11 @@ import errno
 import os
 import re
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
+import pyarrow as pa
 import pyarrow.fs as pafs
 
 from sdtrain.errors import StorageUnavailable
@@ -308,3 +311,15 @@ def move_prefix(
                 f"deleted, the first {first.get('Key')}: {first.get('Code')} {first.get('Message')}"
             )
     return len(keys)
+
+
+@contextmanager
+def s3_connections(threads: int) -> Iterator[None]:
+    """S3 filesystems made inside keep ``threads`` connections: pyarrow's S3 client holds max(its IO threads, 25),
+    fixed when the filesystem is made (without this, 128 threads shared 25 connections)."""
+    before = pa.io_thread_count()
+    pa.set_io_thread_count(max(before, threads))
+    try:
+        yield
+    finally:
+        pa.set_io_thread_count(before)
