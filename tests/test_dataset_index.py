@@ -252,18 +252,27 @@ def test_the_index_command_makes_restarts_on_a_directory_of_ones_own_list_nothin
     assert "holds no parquet file with rows" in capsys.readouterr().err
 
 
-def test_footers_are_read_a_bounded_number_at_a_time_with_progress(tmp_path):
+def test_footers_are_read_many_but_a_bounded_number_at_a_time_with_progress(tmp_path, monkeypatch):
+    """A first start on 2e5 files not written by sdtrain's preprocessing reads every footer (three requests one after
+    another): 16 at a time ~21 min at 30 ms a request, DRIVER_READS (128) ~4 (simulated,
+    bench/results/2026-11-30-footer-reads.md)."""
+    from support.wrapped_fs import InFlight, wrapped_local
+
+    from sdtrain.data import inspection
     from sdtrain.data.inspection import FOOTER_READS, read_footers
 
     files = []
-    for i in range(40):
-        write_latents(tmp_path / f"{i:02d}.parquet", rows=1 + i % 3, latent_shape=(4, 2, 2), caption_shape=(1, 32))
-        files.append(str(tmp_path / f"{i:02d}.parquet"))
+    for i in range(300):
+        write_latents(tmp_path / f"{i:03d}.parquet", rows=1 + i % 3, latent_shape=(4, 2, 2), caption_shape=(1, 32))
+        files.append(str(tmp_path / f"{i:03d}.parquet"))
+    opened = InFlight()  # each open 20 ms, as a request to object storage
+    monkeypatch.setattr(inspection, "filesystem_for", lambda path: (wrapped_local(opened), path))
     reports = []
     rows, checked = read_footers(files, "data.train", COLUMNS, progress=lambda done, total: reports.append(done))
-    assert rows == [1 + i % 3 for i in range(40)] and checked is not None and checked.file == files[0]
-    assert reports[-1] == 40 and len(reports) >= 2 and reports == sorted(reports)  # tenths, finished in batches
-    assert FOOTER_READS == 16
+    assert rows == [1 + i % 3 for i in range(300)] and checked is not None and checked.file == files[0]
+    assert reports[-1] == 300 and len(reports) >= 2 and reports == sorted(reports)  # tenths, finished in batches
+    assert opened.calls >= 300 and 32 < opened.most <= FOOTER_READS, opened.most
+    assert FOOTER_READS >= 128
 
 
 def _upload_many(s3, bucket: str, prefix: str, source, count: int) -> None:
@@ -284,7 +293,21 @@ def test_s3_listing_is_paginated_and_records_etags(s3_bucket, tmp_path, capsys):
     assert s3.list_objects_v2(Bucket=bucket, Prefix="data/", MaxKeys=7)["IsTruncated"]
     index_uri = run_index_uri(f"{s3_bucket}/runs/r", "data.train")
 
-    first = _start_and_write([f"{s3_bucket}/data"], index_uri, page_size=7)
+    from sdtrain.data import inspection
+    from sdtrain.data.inspection import FOOTER_READS
+
+    made_with, real = [], inspection.filesystem_for  # the footers' S3 client: a connection per read in flight
+
+    def filesystem_for(path):
+        made_with.append(pa.io_thread_count())
+        return real(path)
+
+    io_threads = pa.io_thread_count()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(inspection, "filesystem_for", filesystem_for)
+        first = _start_and_write([f"{s3_bucket}/data"], index_uri, page_size=7)
+    # The footers' client, made once for the bucket (then the first row's: one read), and the setting put back.
+    assert made_with[0] == max(io_threads, FOOTER_READS) and pa.io_thread_count() == io_threads, made_with
     assert (first.stats.files, first.stats.footers_read) == (30, 30)
     assert first.spec.files == tuple(f"{s3_bucket}/data/part-{i:03d}.parquet" for i in range(30))
     etag = s3.head_object(Bucket=bucket, Key="data/part-004.parquet")["ETag"].strip('"')

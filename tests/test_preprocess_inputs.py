@@ -7,7 +7,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import threading
 import time
 from pathlib import Path
 
@@ -17,7 +16,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import pytest
 from PIL import Image
-from support.wrapped_fs import wrapped_local
+from support.wrapped_fs import InFlight, wrapped_local
 
 from sdtrain.errors import DataError
 from sdtrain.preprocess.buckets import Placement
@@ -35,27 +34,6 @@ def _jpeg() -> bytes:
     return _encoded(Image.fromarray(np.full((40, 40, 3), 128, np.uint8)), "JPEG")
 
 
-class _InFlight:
-    """Counts the calls running at once (each takes 20 ms, as a request to object storage)."""
-
-    def __init__(self):
-        self.lock, self.now, self.most, self.calls = threading.Lock(), 0, 0, 0
-
-    def __call__(self, function):
-        def counted(*args, **kwargs):
-            with self.lock:
-                self.now, self.calls = self.now + 1, self.calls + 1
-                self.most = max(self.most, self.now)
-            try:
-                time.sleep(0.02)
-                return function(*args, **kwargs)
-            finally:
-                with self.lock:
-                    self.now -= 1
-
-        return counted
-
-
 def _parquet_files(directory: Path, rows: list[int]) -> list[str]:
     directory.mkdir(parents=True, exist_ok=True)
     for i, n in enumerate(rows):
@@ -69,21 +47,34 @@ def _parquet_files(directory: Path, rows: list[int]) -> list[str]:
 
 
 def test_footers_and_markers_are_read_many_at_a_time_in_order(tmp_path, monkeypatch):
-    from sdtrain.preprocess import outputs
+    """2e5 input footers, three requests each, take ~21 min 16 at a time at 30 ms a request (simulated,
+    bench/results/2026-11-30-footer-reads.md): PLANNING_READS (128) at once, on a filesystem made with as many
+    connections (:func:`sdtrain.storage.s3.s3_connections`)."""
+    from sdtrain.preprocess import outputs, planning
     from sdtrain.preprocess.outputs import read_shard_stats
+    from sdtrain.preprocess.planning import PLANNING_READS
     from sdtrain.preprocess.sources import list_shards
 
     _parquet_files(tmp_path / "in", [3] * 40)
-    footers = _InFlight()
+    footers, made_with, real = InFlight(), [], planning.filesystems_for
     monkeypatch.setattr(pq, "read_metadata", footers(pq.read_metadata))
+
+    def filesystems_for(paths):
+        made_with.append(pa.io_thread_count())
+        return real(paths)
+
+    monkeypatch.setattr(planning, "filesystems_for", filesystems_for)
+    io_threads = pa.io_thread_count()
     shards = list_shards(InputConfig(paths=[str(tmp_path / "in")]))
     assert [s.source for s in shards] == sorted(s.source for s in shards) and len(shards) == 40
-    assert footers.calls == 40 and footers.most > 4
+    assert footers.calls == 40 and footers.most > 16, footers.most  # all 40 at once, within PLANNING_READS
+    assert PLANNING_READS >= 128 and made_with == [max(io_threads, PLANNING_READS)]
+    assert pa.io_thread_count() == io_threads
 
     (tmp_path / "out" / "_shards").mkdir(parents=True)
     for i in range(40):
         (tmp_path / "out" / "_shards" / f"s{i:03d}.json").write_text(json.dumps({"shard": f"s{i:03d}"}))
-    markers = _InFlight()
+    markers = InFlight()
     counting = wrapped_local(markers)
     monkeypatch.setattr(outputs, "filesystem_for", lambda path: (counting, path))
     assert [r["shard"] for r in read_shard_stats(str(tmp_path / "out"))] == [f"s{i:03d}" for i in range(40)]
@@ -103,7 +94,7 @@ def test_markers_are_read_128_at_a_time_on_as_many_s3_connections(tmp_path, monk
     (tmp_path / "_shards").mkdir()
     for i in range(300):
         (tmp_path / "_shards" / f"s{i:03d}.json").write_text(json.dumps({"shard": f"s{i:03d}"}))
-    markers, io_threads = _InFlight(), []
+    markers, io_threads = InFlight(), []
     counting = wrapped_local(markers)
 
     def filesystem_for(path: str):
@@ -145,7 +136,7 @@ def test_a_rerun_takes_the_markers_older_than_the_last_runs_digest_from_it_and_r
     rewritten = [marker(i, 1000 + i, 0) for i in range(31, 35)]  # since the digest: it holds their old records
     (tmp_path / "_shards" / "s035.json").unlink(missing_ok=True)  # in the digest, its marker deleted: not done
     unknown = [marker(i, i, 100) for i in range(36, 40)]  # never in a digest
-    opened = _InFlight()
+    opened = InFlight()
     counting = wrapped_local(opened)
     monkeypatch.setattr(outputs, "filesystem_for", lambda path: (counting, path))
     found = done_shards(str(tmp_path))
@@ -204,7 +195,7 @@ def test_no_footer_is_read_of_a_file_whose_shards_are_all_done(tmp_path, monkeyp
     config = InputConfig(paths=[str(tmp_path / "in")], rows_per_shard=2)
     shards = list_shards(config)
     done = {s.name: {"shard": s.name, "identity": s.identity} for s in shards if s.source != files[2] or s.start == 0}
-    footers = _InFlight()
+    footers = InFlight()
     monkeypatch.setattr(pq, "read_metadata", footers(pq.read_metadata))
     again = list_shards(config, done)
     assert again == shards and [s.identity for s in again] == [s.identity for s in shards]

@@ -3,12 +3,36 @@ many are in flight at once), the benchmarks delay them by a request's round trip
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 import pyarrow.fs as pafs
 
 Wrap = Callable[[Callable[..., Any]], Callable[..., Any]]
+
+
+class InFlight:
+    """A :data:`Wrap` that counts the calls running at once and in all (each takes 20 ms, as a request to object
+    storage)."""
+
+    def __init__(self):
+        self.lock, self.now, self.most, self.calls = threading.Lock(), 0, 0, 0
+
+    def __call__(self, function):
+        def counted(*args, **kwargs):
+            with self.lock:
+                self.now, self.calls = self.now + 1, self.calls + 1
+                self.most = max(self.most, self.now)
+            try:
+                time.sleep(0.02)
+                return function(*args, **kwargs)
+            finally:
+                with self.lock:
+                    self.now -= 1
+
+        return counted
 
 
 class WrappedLocal(pafs.FileSystemHandler):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -43,11 +44,12 @@ from sdtrain.data.metadata import (
 )
 from sdtrain.errors import DataError
 from sdtrain.storage.filesystems import filesystem_for
-from sdtrain.storage.s3 import raise_if_unavailable
+from sdtrain.storage.s3 import DRIVER_READS, raise_if_unavailable, s3_connections
 from sdtrain.storage.uris import split_s3
 
-# Footers read at once: a bounded number of requests in flight, whatever the number of files.
-FOOTER_READS = 16
+# Footers read at once: a bounded number of requests in flight, whatever the number of files; on as many S3
+# connections (pyarrow's client keeps 25 by default).
+FOOTER_READS = DRIVER_READS
 
 
 @dataclass(frozen=True)
@@ -336,13 +338,16 @@ class _Sources:
 
     def __init__(self):
         self._buckets: dict[str, pafs.FileSystem] = {}
+        self._lock = threading.Lock()  # the reads' threads ask for them
 
     def __call__(self, file: str) -> tuple[pafs.FileSystem, str]:
         if not file.startswith("s3://"):
             return filesystem_for(file)
         bucket, key = split_s3(file)
-        if bucket not in self._buckets:
-            self._buckets[bucket] = filesystem_for(file)[0]
+        with self._lock:
+            if bucket not in self._buckets:
+                with s3_connections(FOOTER_READS):  # a connection per read in flight
+                    self._buckets[bucket] = filesystem_for(file)[0]
         return self._buckets[bucket], f"{bucket}/{key}"
 
 

@@ -24,10 +24,11 @@ from sdtrain.errors import DataError
 from sdtrain.logs import log
 from sdtrain.preprocess.config import InputConfig
 from sdtrain.storage.filesystems import filesystems_for
+from sdtrain.storage.s3 import DRIVER_READS, s3_connections
 
-PLANNING_READS = 16
-"""Footer reads in flight at once while planning."""
-MARKER_READS = 128
+PLANNING_READS = DRIVER_READS
+"""Footer reads in flight at once while planning (the inputs' footers: as training's, FOOTER_READS)."""
+MARKER_READS = DRIVER_READS
 """Marker reads in flight at once (each a HEAD and a GET of a few hundred bytes): 2e6 markers at 30 ms a request
 take ~16 min, not the 2 h of 16 at a time; and ~4,300 requests a second stay under S3's 5,500 GET/HEAD a second per
 prefix (every marker is under _shards/), where 256 would be throttled."""
@@ -66,7 +67,8 @@ def parquet_row_counts(
     path, size and version) whose shards the ``done`` records hold all of, from those records, reading nothing."""
     known = done_row_counts(done, config.rows_per_shard)
     todo = [i for i in range(len(files)) if (files[i], sizes[i], versions[i]) not in known]
-    sources = dict(zip(todo, filesystems_for([files[i] for i in todo]), strict=True))  # one client per S3 bucket
+    with s3_connections(PLANNING_READS):  # one client per S3 bucket, with a connection per read in flight
+        sources = dict(zip(todo, filesystems_for([files[i] for i in todo]), strict=True))
     large_groups: list[tuple[int, int]] = []  # (file, its largest row group's rows) over input.rows_per_shard
 
     def rows(i: int) -> int:
@@ -83,7 +85,7 @@ def parquet_row_counts(
             large_groups.append((i, largest))
         return metadata.num_rows
 
-    counts = list(in_order(rows, range(len(files))))
+    counts = list(in_order(rows, range(len(files)), PLANNING_READS))
     if large_groups:
         warn_of_large_row_groups([(files[i], rows) for i, rows in sorted(large_groups)], config.rows_per_shard)
     return counts

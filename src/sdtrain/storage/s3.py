@@ -313,6 +313,13 @@ def move_prefix(
     return len(keys)
 
 
+DRIVER_READS = 128
+"""Small reads (a footer, a marker: a few requests one after another) the driver keeps in flight against object
+storage, on as many connections (:func:`s3_connections`): at 30 ms a request ~4,300 requests a second, under S3's
+5,500 GET/HEAD a second per prefix. 16 at a time, 2e5 footers took ~21 min, 128 ~4 (simulated latency,
+bench/results/2026-11-30-footer-reads.md)."""
+
+
 @contextmanager
 def s3_connections(threads: int) -> Iterator[None]:
     """S3 filesystems made inside keep ``threads`` connections: pyarrow's S3 client holds max(its IO threads, 25),
