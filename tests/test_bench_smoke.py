@@ -166,6 +166,12 @@ def test_marker_digest_smoke():
     assert "none read" in out and "the digest at 20,000 shards" in out, out
 
 
+def test_footer_reads_smoke():
+    """A first start's footer reads at the old 16 at a time and at DRIVER_READS, with simulated request latency."""
+    out, ratios = run_bench("bench/footer_reads.py", "--smoke")
+    assert ratios["footers 128 at a time / 16 at a time"] > 0, out
+
+
 def test_data_scale_smoke():
     """The plan and read tasks at 1M and 10M rows, of one shape and in 40 aspect-ratio buckets, the replay after
     world-size changes, then the restart start-up against an S3 server process."""
