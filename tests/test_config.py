@@ -347,7 +347,7 @@ def test_batch_layout_keeps_the_global_batch_at_every_world_size():
         (["data.latent_scaling_factor=0"], r"data\.latent_scaling_factor: must be > 0 or null"),
         (
             ["data.unconditional_caption=empty.txt"],
-            r"data\.unconditional_caption: must be zeros or the path of a \.npy file",
+            r"data\.unconditional_caption: must be auto, zeros or the path of a \.npy file",
         ),
         (
             ["checkpoint.score_attribute=accuracy"],

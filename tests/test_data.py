@@ -423,3 +423,31 @@ def test_a_fresh_start_is_checked_against_its_data_not_the_old_runs_index(tmp_pa
     assert old_index.read_bytes() != recorded
     restart = check_run(tiny_config(*options, tmp_path=tmp_path, name="r", batch=4))
     assert restart.stored_scale == pytest.approx(0.13025)
+
+
+def test_the_empty_prompt_is_by_default_the_one_preprocessing_wrote_beside_the_data(tmp_path, caplog):
+    """data.unconditional_caption: auto. Dropped captions train the unconditional prediction that classifier-free
+    guidance samples against; diffusers' pipeline guides against the text encoder's output for "". Training on zeros
+    by default, an export prompted with words guided against an embedding its model never saw."""
+    from conftest import tiny_config
+
+    from sdtrain.driver.run import check_run
+    from sdtrain.errors import ConfigError
+    from sdtrain.storage.run_layout import UNCONDITIONAL_FILE
+
+    write_latents(tmp_path / "data" / "a.parquet", rows=8)  # captions 77 x 32
+    options = [f"data.train={tmp_path}/data", "export.enabled=false"]
+
+    def resolved(*extra: str) -> str:
+        return check_run(
+            tiny_config(*options, *extra, tmp_path=tmp_path, name="r", batch=4)
+        ).config.data.unconditional_caption
+
+    assert resolved() == "zeros" and f"no {UNCONDITIONAL_FILE} beside data.train's first file" in caplog.text
+    empty = np.random.default_rng(0).standard_normal((77, 32)).astype(np.float32)
+    np.save(tmp_path / "data" / UNCONDITIONAL_FILE, empty)  # as entrypoints/preprocess.py writes it
+    assert resolved() == str(tmp_path / "data" / UNCONDITIONAL_FILE)
+    assert resolved("data.unconditional_caption=zeros") == "zeros"  # set: as it is
+    np.save(tmp_path / "data" / UNCONDITIONAL_FILE, empty[:, :16])  # another text encoder's: refused, named
+    with pytest.raises(ConfigError, match=r"holds an array of shape \(77, 16\).*auto found it beside data\.train"):
+        resolved()

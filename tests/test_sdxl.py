@@ -214,7 +214,7 @@ def _sdxl_file(path, pooled_width=32, placement=False, rows=8):
 
 def test_the_data_check_reads_an_sdxl_unets_added_columns_or_refuses_naming_them(tmp_path, caplog):
     from sdtrain.data.added_columns import AddedColumns
-    from sdtrain.driver.data_check import check_data
+    from sdtrain.driver.data_check import check_data, unconditional_caption_of
     from sdtrain.errors import DataError
 
     def check(name, *keys):
@@ -237,6 +237,11 @@ def test_the_data_check_reads_an_sdxl_unets_added_columns_or_refuses_naming_them
     assert check("placed").added == AddedColumns("caption_pooled", 32, placement=True)
     with pytest.raises(ConfigError, match="data.unconditional_caption: u.npy is no empty prompt for an SDXL-shaped"):
         check("placed", "data.unconditional_caption=u.npy")
+    # auto: zeros for an SDXL-shaped UNet, whatever lies beside the data (SDXL drops captions to zeros).
+    np.save(tmp_path / "placed" / "unconditional_caption.npy", np.ones((77, 32), np.float32))
+    config = tiny_config(f"data.train={tmp_path / 'placed'}", "model.preset=tiny-sdxl", "export.enabled=false", batch=4)
+    assert unconditional_caption_of(config, check("placed")).data.unconditional_caption == "zeros"
+    assert "an SDXL-shaped UNet drops captions to zeros" in caplog.text
 
 
 def test_sdxl_token_ids_are_a_column_per_tokenizer_read_joined_or_refused_naming_the_columns(sdxl, tmp_path):

@@ -79,11 +79,13 @@ class DataConfig(Section):
     """Multiply the stored latents by this, once, as training reads them: set it (0.18215 for SD's VAE) when the files
     hold raw VAE latents; null = they are already scaled (the Anyscale notebook's files). Refused if a
     file's parquet metadata says its latents are already scaled (key sdtrain.latent_scaling_factor)."""
-    unconditional_caption: str = "zeros"
+    unconditional_caption: str = "auto"
     """The caption embedding of the empty prompt, which caption dropout substitutes and classifier-free guidance
     samples against: zeros, or a .npy file (L x D, the text encoder's output for "") readable by every node; for
     data of token ids also the empty prompt's L ids (preprocessing's unconditional_caption_ids.npy), which each
-    worker encodes."""
+    worker encodes. auto: the file preprocessing wrote beside data.train's first file (unconditional_caption.npy, or
+    unconditional_caption_ids.npy for token ids), which diffusers' pipelines encode for "" too; zeros where there is
+    none, and for an SDXL-shaped UNet (which drops captions to zeros). A resumed run keeps its checkpoint's."""
 
     @property
     def columns(self) -> Columns:
@@ -103,9 +105,10 @@ class DataConfig(Section):
                 self._fail(key, "must be a column name, got an empty string")
         if self.latent_scaling_factor is not None and not self.latent_scaling_factor > 0:
             self._fail("latent_scaling_factor", f"must be > 0 or null, got {self.latent_scaling_factor}")
-        if self.unconditional_caption != "zeros" and not self.unconditional_caption.endswith(".npy"):
+        if self.unconditional_caption not in ("zeros", "auto") and not self.unconditional_caption.endswith(".npy"):
             self._fail(
-                "unconditional_caption", f"must be zeros or the path of a .npy file, got {self.unconditional_caption!r}"
+                "unconditional_caption",
+                f"must be auto, zeros or the path of a .npy file, got {self.unconditional_caption!r}",
             )
 
 

@@ -253,7 +253,7 @@ class Config(ConfigTree):
         """(key, path) for every path or URI the config names: data, models and storage."""
         named: list[tuple[str, str | None]] = [(f"data.train[{i}]", p) for i, p in enumerate(self.data.train)]
         named += [(f"data.val[{i}]", p) for i, p in enumerate(self.data.val)]
-        if self.data.unconditional_caption != "zeros":
+        if self.data.unconditional_caption not in ("zeros", "auto"):
             named.append(("data.unconditional_caption", self.data.unconditional_caption))
         named += [("model.pretrained", self.model.pretrained), ("run.storage_path", self.run.storage_path)]
         named += [("eval.dinov2", self.eval.dinov2), ("eval.inception", self.eval.inception)]

@@ -5,9 +5,12 @@ against their text encoder, and the latent scaling factor the files record."""
 from __future__ import annotations
 
 import dataclasses
+import os
+import posixpath
 from collections.abc import Mapping
 
 import numpy as np
+import pyarrow.fs as pafs
 
 from sdtrain.config.schema import Config
 from sdtrain.data.added_columns import PLACEMENT_COLUMNS, AddedColumns
@@ -23,6 +26,9 @@ from sdtrain.model.conditioning import pooled_width
 from sdtrain.model.recipe import load_unconditional_caption, stored_latent_scaling
 from sdtrain.model.token_captions import check_text_encoder, text_encoder_configs
 from sdtrain.model.unet import check_unet, unet_config
+from sdtrain.storage.filesystems import filesystem_for
+from sdtrain.storage.run_layout import UNCONDITIONAL_FILE, UNCONDITIONAL_IDS_FILE
+from sdtrain.storage.uris import is_uri
 
 
 def check_data(config: Config, run_dir: str) -> tuple[IndexedDataset, IndexedDataset | None, float | None]:
@@ -42,13 +48,14 @@ def check_data(config: Config, run_dir: str) -> tuple[IndexedDataset, IndexedDat
     check_buckets(config, train, train_data.schema_file)
     if val_data is not None:
         check_buckets(config, val_data.spec, val_data.schema_file, "data.val")
-    if pooled_width(unet) is not None and config.data.unconditional_caption != "zeros":
+    if pooled_width(unet) is not None and config.data.unconditional_caption not in ("zeros", "auto"):
         raise ConfigError(
             f"data.unconditional_caption: {config.data.unconditional_caption} is no empty prompt for an SDXL-shaped "
             "UNet, which drops captions to zeros, hidden states and pooled embedding alike, as SDXL was trained and "
             "as its pipelines sample (force_zeros_for_empty_prompt); set data.unconditional_caption: zeros"
         )
-    load_unconditional_caption(config.data.unconditional_caption, captions, token_ids=train.token_ids is not None)
+    if config.data.unconditional_caption != "auto":  # auto: checked as it is resolved (unconditional_caption_of)
+        load_unconditional_caption(config.data.unconditional_caption, captions, token_ids=train.token_ids is not None)
     stored_scale = stored_latent_scaling(
         [(data.schema_file, data.schema_metadata) for data in (train_data, val_data) if data is not None], config.data
     )
@@ -63,6 +70,43 @@ def check_data(config: Config, run_dir: str) -> tuple[IndexedDataset, IndexedDat
             f"{config.train.global_batch_size} samples; add data or lower the batch size"
         )
     return train_data, val_data, stored_scale
+
+
+def unconditional_caption_of(config: Config, train: DatasetSpec) -> Config:
+    """``config`` with data.unconditional_caption: auto resolved (others as they are): the empty prompt's embedding, or
+    ids for token-id data, that preprocessing wrote beside data.train's first file, checked against the data's
+    captions; zeros where there is none, and for an SDXL-shaped UNet."""
+    if config.data.unconditional_caption != "auto":
+        return config
+    unet = unet_config(config.model)
+    name = UNCONDITIONAL_IDS_FILE if train.token_ids is not None else UNCONDITIONAL_FILE
+    found = None if pooled_width(unet) is not None else _beside(train.files[0], name)
+    if found is not None:
+        try:
+            captions = train.embedding_shape(unet["cross_attention_dim"])
+            load_unconditional_caption(found, captions, token_ids=train.token_ids is not None)
+        except ConfigError as e:
+            raise ConfigError(
+                f"{e} (data.unconditional_caption: auto found it beside data.train's first file; set "
+                "data.unconditional_caption to the empty prompt's embedding the data was encoded with, or zeros)"
+            ) from None
+    if found is not None:
+        why = "beside data.train's first file"
+    elif pooled_width(unet) is not None:
+        why = "an SDXL-shaped UNet drops captions to zeros"
+    else:
+        why = f"no {name} beside data.train's first file"
+    resolved = found or "zeros"
+    log.info(f"data.unconditional_caption: auto: {resolved} ({why}; a resumed run keeps its checkpoint's)")
+    return dataclasses.replace(config, data=dataclasses.replace(config.data, unconditional_caption=resolved))
+
+
+def _beside(file: str, name: str) -> str | None:
+    """``name`` in ``file``'s directory, if it is a file there."""
+    directory = posixpath.dirname(file) if is_uri(file) else os.path.dirname(file)
+    candidate = posixpath.join(directory, name) if is_uri(file) else os.path.join(directory, name)
+    fs, path = filesystem_for(candidate)
+    return candidate if fs.get_file_info(path).type == pafs.FileType.File else None
 
 
 def require_train_data(config: Config) -> None:

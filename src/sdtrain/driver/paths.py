@@ -14,14 +14,15 @@ from sdtrain.storage.uris import absolute
 def with_absolute_paths(config: Config) -> Config:
     """Every local path the config names (:meth:`Config.storage_uris`, checkpoint.staging_dir, a local MLflow store
     in tracking.mlflow_tracking_uri) made absolute: Ray Train's workers run in a directory of their own (Ray Train V2
-    changes into the run's), and evaluation tasks on other nodes. URIs, hub ids and ``zeros`` stay as they are."""
+    changes into the run's), and evaluation tasks on other nodes. URIs, hub ids, ``zeros`` and ``auto`` stay as they
+    are."""
     model_source = local_base_model  # a local directory or file made absolute; a hub id (org/name) kept
     caption = config.data.unconditional_caption
     data = dataclasses.replace(
         config.data,
         train=[absolute(p) for p in config.data.train],
         val=[absolute(p) for p in config.data.val],
-        unconditional_caption=caption if caption == "zeros" else absolute(caption),
+        unconditional_caption=caption if caption in ("zeros", "auto") else absolute(caption),
     )
     evaluation = config.eval
     evaluation = dataclasses.replace(

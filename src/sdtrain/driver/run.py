@@ -33,7 +33,7 @@ from sdtrain.data.metadata import latent_classifier
 from sdtrain.data.position import DataPosition
 from sdtrain.data.read_order import ReadPlan
 from sdtrain.data.streams import WindowReader, file_order_dataset
-from sdtrain.driver.data_check import check_data, read_plan
+from sdtrain.driver.data_check import check_data, read_plan, unconditional_caption_of
 from sdtrain.driver.memory_fit import caption_encoders, cluster_gpu, fit_micro_batch
 from sdtrain.driver.paths import with_absolute_paths
 from sdtrain.driver.placement_group_guard import torch_trainer_class
@@ -139,6 +139,7 @@ def check_run(config: Config) -> CheckedRun:
             log.info(f"run.start_fresh: moved the previous run to {replaced}")
     train_data, val_data, stored_scale = check_data(config, run_dir)
     train_spec = train_data.spec
+    config = unconditional_caption_of(config, train_spec)  # auto: the data's own empty prompt, else zeros
     plan = read_plan(train_spec, config)
     for key, data in (("data.train", train_data), ("data.val", val_data)):
         if data is not None and data.stale:

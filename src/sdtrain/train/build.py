@@ -141,7 +141,7 @@ def build_training(
         world_size: training processes in all.
         accumulation: micro-batches per optimizer step.
         on_ray: inside a Ray Train worker (Ray's strategy flavour and cluster environment).
-        unconditional_caption: L x D empty-prompt embedding (default zeros); for token-id data (the meta names a
+        unconditional_caption: L x D empty-prompt embedding (None: zeros); for token-id data (the meta names a
             text encoder) also the empty prompt's L ids, encoded here.
         record_samples: keep the sample index of every row trained on.
     """
