@@ -912,6 +912,7 @@ def test_inputs_model_and_output_on_s3_resumed_and_trained_on(tmp_path, tiny_mod
         *(f"_shards/{name}.json" for name in names),
         "_settings.json",
         "_sdtrain_index.parquet",
+        "_shards.jsonl.gz",  # the done shards' records, for the next re-run
         "manifest.json",
         "unconditional_caption.npy",
         "unconditional_caption_ids.npy",

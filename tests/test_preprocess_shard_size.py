@@ -54,7 +54,7 @@ def _config(tmp_path: Path, output: str, *overrides: str) -> PreprocessConfig:
 
 
 def _run_until_work(config: PreprocessConfig, monkeypatch) -> None:
-    monkeypatch.setattr(job, "read_shard_stats", _started)
+    monkeypatch.setattr(job, "done_shards", _started)
     job.run_preprocess(config)
 
 
