@@ -151,14 +151,6 @@ def test_encoder_throughput_smoke():
     assert ratios["encode images/s at 64 px"] > 0 and ratios["cpu stage images/s per core at 64 px"] > 0, out
 
 
-def test_sample_grid_cost_smoke():
-    """A grid against the training time between grids, and the live files' hand-over and contention."""
-    out, ratios = run_bench("bench/sample_grid_cost.py", "--smoke")
-    assert ratios["sample grid time / training time between grids (every 1000 steps)"] > 0, out
-    assert ratios["step with live files of 2000 rows / step without"] > 0, out
-    assert ratios["step with a writer never resting / step without"] > 0, out
-
-
 def test_marker_digest_smoke():
     """A preprocessing re-run's planning with and without the digest of the done shards' markers."""
     out, ratios = run_bench("bench/marker_digest.py", "--smoke")
