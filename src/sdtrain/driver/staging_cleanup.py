@@ -16,7 +16,7 @@ import ray
 
 from sdtrain.config.schema import Config
 from sdtrain.logs import log
-from sdtrain.train.checkpointing import run_scratch
+from sdtrain.storage.run_layout import run_scratch_dir
 
 CLEANUP_TIMEOUT_S = 60.0
 
@@ -48,7 +48,7 @@ def _remove_everywhere(config: Config, run_dir: str, timeout_s: float) -> dict[s
     task = ray.remote(num_cpus=0, max_retries=0)(_remove_here)
     pending = {
         task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False)).remote(
-            config, run_dir
+            config.checkpoint.staging_dir, config.run.name, run_dir
         ): node["NodeID"]
         for node in ray.nodes()
         if node["Alive"]
@@ -66,9 +66,11 @@ def _remove_everywhere(config: Config, run_dir: str, timeout_s: float) -> dict[s
     return freed
 
 
-def _remove_here(config: Config, run_dir: str) -> int:
-    """Remove the run's staging directory on this node (where the task runs); returns the bytes it held."""
-    directory = run_scratch(config, run_dir)
+def _remove_here(staging_dir: str | None, run_name: str, run_dir: str) -> int:
+    """Remove the run's staging directory on this node (where the task runs); returns the bytes it held. Its module
+    imports no torch: a fresh worker on each node imports it (lightning and torch took ~7 s alone, past the clean-up's
+    timeout with several nodes' workers on busy cores)."""
+    directory = run_scratch_dir(staging_dir, run_name, run_dir)
     size = 0
     for root, _, files in os.walk(directory):
         for name in files:

@@ -14,7 +14,10 @@
 
 from __future__ import annotations
 
+import hashlib
+import os
 import re
+import tempfile
 
 # --- the run directory
 METRICS_FILE = "metrics.csv"
@@ -64,3 +67,11 @@ UNCONDITIONAL_FILE = "unconditional_caption.npy"
 """The empty prompt's caption embedding, beside an export and a preprocessing output."""
 UNCONDITIONAL_IDS_FILE = "unconditional_caption_ids.npy"
 """The empty prompt's token ids, beside a preprocessing output of token ids (output.captions)."""
+
+
+def run_scratch_dir(staging_dir: str | None, run_name: str, run_dir: str) -> str:
+    """A run's local directory on the node that calls it (its workers' staged checkpoints and its restore copy):
+    under ``staging_dir`` (checkpoint.staging_dir), else the node's temporary directory, named by the run's name and
+    a digest of its directory. Light, for the clean-up task every node runs (sdtrain.driver.staging_cleanup)."""
+    run_key = hashlib.sha256(run_dir.encode()).hexdigest()[:12]
+    return os.path.join(staging_dir or tempfile.gettempdir(), "sdtrain-staging", f"{run_name}-{run_key}")

@@ -8,7 +8,6 @@ then prunes older ones: nothing here deletes a checkpoint.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import re
@@ -33,6 +32,7 @@ from sdtrain.storage.run_layout import (
     MODEL_FILE,
     SAMPLES_FILE,
     checkpoint_dir_name,
+    run_scratch_dir,
 )
 
 _NODE_DIR = "node"
@@ -177,9 +177,7 @@ def node_scratch(config: Config, run_dir: str) -> str:
 def run_scratch(config: Config, run_dir: str) -> str:
     """This run's local directory on the node that calls it: its workers' and its restore copy's, under
     checkpoint.staging_dir (the node's temporary directory by default)."""
-    run_key = hashlib.sha256(run_dir.encode()).hexdigest()[:12]
-    staging = config.checkpoint.staging_dir or tempfile.gettempdir()
-    return os.path.join(staging, "sdtrain-staging", f"{config.run.name}-{run_key}")
+    return run_scratch_dir(config.checkpoint.staging_dir, config.run.name, run_dir)
 
 
 @contextlib.contextmanager
