@@ -75,7 +75,6 @@ def test_complete_partitions_up_to_the_schedule_date(partitions):
         find_partitions(str(root), DAY1, complete_marker=None)
 
 
-@pytest.mark.timeout(600)
 def test_an_empty_complete_partition_is_passed_over_and_a_runs_name_says_what_it_trains(partitions):
     """A day without data (marked complete, no parquet) used to fail every later run with 'matches no parquet
     files'. And a retry whose inputs changed (a partition completed meanwhile) must not take the finished run of
@@ -92,6 +91,9 @@ def test_an_empty_complete_partition_is_passed_over_and_a_runs_name_says_what_it
     assert one != retrain_run_name("retrain", "2026-11-04", "v0002", ["2026-11-02"])
 
 
+# Three Ray Train runs and the gate's Ray task: 138-156 s in CI here, past the default 300 s on the project's CI on
+# 2026-11-30 (its deadline had been left on the test above when this one moved below it).
+@pytest.mark.timeout(600)
 def test_retrain_promotes_better_keeps_production_on_worse_and_is_idempotent(
     ray_cluster, tmp_path, partitions, monkeypatch
 ):
