@@ -17,6 +17,7 @@ import pytest
 from conftest import committed_checkpoints, tiny_config
 from support.mlflow_server import mlflow_server
 from support.ray_processes import our_training_workers
+from support.tensorboard_files import tensorboard_scalars
 
 from sdtrain.artifacts.run_outputs import LossLabels
 from sdtrain.config.loader import load_config
@@ -717,18 +718,6 @@ def _event_files_sort_as_written(tmp_path_factory: pytest.TempPathFactory) -> No
         if len(str(count + 1)) == len(str(count + 20)):  # a test here makes a few files
             return
     raise AssertionError(f"TensorBoard's file count did not move: {name}")
-
-
-def tensorboard_scalars(log_dir: Path) -> tuple[dict[str, list[tuple[int, float]]], dict[str, list[int]]]:
-    """(tag -> [(step, value)], image tag -> [step]) as TensorBoard itself reads ``log_dir``."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    accumulator = EventAccumulator(str(log_dir), size_guidance={"scalars": 0, "images": 0})
-    accumulator.Reload()
-    tags = accumulator.Tags()
-    scalars = {tag: [(e.step, e.value) for e in accumulator.Scalars(tag)] for tag in tags["scalars"]}
-    images = {tag: [e.step for e in accumulator.Images(tag)] for tag in tags["images"]}
-    return scalars, images
 
 
 @pytest.mark.slow
