@@ -1,6 +1,5 @@
 """Experiment trackers chosen by tracking.trackers (TensorBoard, MLflow, W&B), through Lightning's own
-loggers, driven by rank 0 at each report rather than by ``self.log`` (which knows nothing of restarts), in a thread
-of their own (:mod:`sdtrain.train.tracker_thread`).
+loggers, driven by rank 0 at each report rather than by ``self.log`` (which knows nothing of restarts).
 
 One tracker run per training run, however often it restarts: the ids live in ``trackers.json`` in
 the run directory. Each tracker holds each step once across restarts. A worker group starting from
