@@ -6,8 +6,8 @@ from __future__ import annotations
 import os
 
 # One torch (OpenMP) thread in each lane's process and every process it starts, as Ray gives each 1-CPU worker. The
-# lanes share 2 cores with the Ray workers: a tiny UNet's step at torch's default of 2 threads took 1.5x the CPU time
-# of one thread alone, and 3x beside two busy 1-thread processes, its threads spinning in OpenMP's waits
+# lanes share 2 cores with the Ray workers: a tiny UNet's step at torch's default of 2 threads took 1.45x the CPU time
+# of one thread alone, and 4.3x beside two busy 1-thread processes, its threads spinning in OpenMP's waits
 # (bench/results/2026-11-30-suite-threads.md). Set before anything imports torch, which reads it once.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
