@@ -750,7 +750,9 @@ def test_a_hung_worker_is_ended_by_the_stall_watchdog_and_the_resumed_run_shows_
     sd = write_tiny_sd_model(str(tmp_path / "tiny-sd"))
     run_dir = tmp_path / "runs" / "watched"
     max_steps, every = 20, 4
-    stopped, seen_live = [], []
+    stopped: list[int] = []
+    seen_live: list[list[int]] = []  # each version of the live metrics.csv seen while the run trained
+    finished = threading.Event()
 
     def live_steps() -> list[int]:
         """The steps metrics.csv holds now: rank 0 rewrites it (replaced whole) in a thread of its own after
@@ -762,23 +764,28 @@ def test_a_hung_worker_is_ended_by_the_stall_watchdog_and_the_resumed_run_shows_
             return []
 
     def stop_a_worker_after_the_first_checkpoint():
-        # Until a checkpoint is committed and the live metrics.csv has caught up with its report (written
-        # in the background, so in no set order with the commit). The run cannot end meanwhile: Ray Train's
-        # controller takes one report per worker per poll (0.5 s apart here: conftest), a worker's next report
-        # waits for it, and 8 reports follow step 4's.
+        # As soon as a checkpoint is committed: 16 steps remain, however fast the reports (rank 0's trackers do not
+        # hold them). The live metrics.csv is watched meanwhile, and after the stop, until the run returns.
         deadline = time.monotonic() + 300
-        while not (committed_checkpoints(run_dir) and max(live_steps(), default=0) >= every):
+        while not committed_checkpoints(run_dir) and not finished.is_set():
             if time.monotonic() > deadline:
                 return
+            watch_live()
             time.sleep(0.2)  # polling the run directory of a run in another process
-        seen_live.extend(live_steps())
         for pid in our_training_workers():
             try:
                 os.kill(pid, signal.SIGSTOP)
             except ProcessLookupError:  # it ended since the listing: the next one
                 continue
             stopped.append(pid)
-            return
+            break
+        while not finished.wait(0.5):
+            watch_live()
+
+    def watch_live() -> None:
+        steps = live_steps()
+        if steps and (not seen_live or seen_live[-1] != steps):
+            seen_live.append(steps)
 
     uri = mlflow_uri
     config = load_config(
@@ -816,6 +823,7 @@ def test_a_hung_worker_is_ended_by_the_stall_watchdog_and_the_resumed_run_shows_
     try:
         summary = train(config)
     finally:
+        finished.set()
         stopper.join()
         for pid in stopped:  # Ray Train ends the old group's workers; a stopped one left behind is let go
             if psutil.pid_exists(pid):
@@ -823,7 +831,9 @@ def test_a_hung_worker_is_ended_by_the_stall_watchdog_and_the_resumed_run_shows_
     assert stopped, f"no RayTrainWorker process was stopped (live metrics.csv: {seen_live or live_steps()})"
     assert not psutil.pid_exists(stopped[0])  # the hung worker went with its group
     assert run_attempts("watched") == 2 and summary.final_step == max_steps
-    assert seen_live and seen_live[-1] >= every and seen_live == sorted(set(seen_live))
+    # The live file was there while it trained, each step once in order, and it grew.
+    assert seen_live and all(steps == sorted(set(steps)) for steps in seen_live), seen_live
+    assert max(steps[-1] for steps in seen_live) > seen_live[0][-1], seen_live
 
     expected = list(range(2, max_steps + 1, 2))
     grids = list(range(every, max_steps + 1, every))
