@@ -164,6 +164,13 @@ def test_footer_reads_smoke():
     assert ratios["footers 128 at a time / 16 at a time"] > 0, out
 
 
+def test_tracker_wait_smoke():
+    """A report's wait for TensorBoard and a real MLflow server, on the training thread and in the tracker thread."""
+    out, ratios = run_bench("bench/tracker_wait.py", "--smoke")
+    assert ratios["report wait in the tracker thread / on the training thread"] > 0, out
+    assert "# in the tracker thread: a report waits" in out and "# on the training thread: a report waits" in out, out
+
+
 def test_data_scale_smoke():
     """The plan and read tasks at 1M and 10M rows, of one shape and in 40 aspect-ratio buckets, the replay after
     world-size changes, then the restart start-up against an S3 server process."""

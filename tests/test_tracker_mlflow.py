@@ -1,13 +1,22 @@
 """What rank 0's MLflow tracker run shows on a real MLflow server: its status across a retried worker group, a
-catch-up after an outage in few requests, and the experiment it lands in."""
+catch-up after an outage in few requests, the experiment it lands in, and reports that go on while the server hangs."""
 
 from __future__ import annotations
 
 import math
+import os
+import signal
+import threading
 
 import mlflow
+import psutil
+import pytest
 from conftest import tiny_config
+from support.mlflow_server import mlflow_server
+from support.tensorboard_files import tensorboard_scalars
 
+from sdtrain.storage.run_layout import TENSORBOARD_DIR
+from sdtrain.train.run_view import RunView
 from sdtrain.train.trackers import Trackers, read_state
 
 # mlflow_uri: the session's MLflow server (conftest), shared with other tests' runs in experiments of their own.
@@ -99,3 +108,60 @@ def test_the_mlflow_experiment_is_the_configs_else_mlflow_experiment_name(tmp_pa
         trackers.finish()
         run = client.get_run(read_state(run_dir)["ids"]["mlflow"])
         assert client.get_experiment(run.info.experiment_id).name == expected
+
+
+def _server_listening_on(uri: str) -> int:
+    """The process group of the server listening on ``uri``'s port (support.mlflow_server starts it in its own)."""
+    port = int(uri.rsplit(":", 1)[1])
+    (pid,) = {c.pid for c in psutil.net_connections("tcp") if c.laddr.port == port and c.status == psutil.CONN_LISTEN}
+    return os.getpgid(pid)
+
+
+@pytest.mark.slow  # an MLflow server of its own, stopped and continued
+def test_reports_go_on_while_mlflow_hangs_and_it_gets_every_step_once_after(tmp_path, monkeypatch):
+    """Rank 0's view hands each report to the tracker thread (sdtrain.train.tracker_thread). A checkpoint's report
+    returns once the trackers hold its step. With the MLflow server stopped (SIGSTOP: it takes connections and never
+    answers, as a hung server does), reports go on while MLflow holds none of them; once it answers again, the end of
+    the worker group waits for the calls made, and MLflow and TensorBoard hold every step once, in order."""
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "600")  # a request waits out the stop, as it would in a run
+    history: list[dict[str, float]] = []
+
+    def report(view: RunView, step: int, checkpoint: bool = False) -> None:
+        history.append({"step": step, "loss": 1.0 / step, "lr": 1e-4})
+        view.reported(history[-1], history, None, checkpoint)
+
+    with mlflow_server(tmp_path) as uri:
+        config = tiny_config(
+            "data.train=unused",
+            "tracking.trackers=[tensorboard, mlflow]",
+            f"tracking.mlflow_tracking_uri={uri}",
+            tmp_path=tmp_path,
+            name="hung",
+        )
+        view = RunView(config, config.run.directory, ray_metrics=False)
+        view.started([])
+        report(view, 1)
+        report(view, 2, checkpoint=True)
+        assert view.trackers is not None and view.trackers.trackers is not None
+        trackers = view.trackers.trackers
+        client = mlflow.MlflowClient(uri)
+        run_id = trackers.ids["mlflow"]
+        assert [m.step for m in client.get_metric_history(run_id, "loss")] == [1, 2]  # the checkpoint waited for it
+
+        server = _server_listening_on(uri)
+        os.killpg(server, signal.SIGSTOP)
+        try:
+            reports = threading.Thread(target=lambda: [report(view, step) for step in (3, 4, 5)], daemon=True)
+            reports.start()
+            reports.join(timeout=60)
+            assert not reports.is_alive(), "a report waited for the stopped MLflow server"
+            assert trackers.held["mlflow"] == 2  # its request for step 3 is still waiting
+        finally:
+            os.killpg(server, signal.SIGCONT)
+        view.finished("success")
+
+        points = sorted(client.get_metric_history(run_id, "loss"), key=lambda m: (m.timestamp, m.step))
+        assert [(m.step, m.value) for m in points] == [(s, 1.0 / s) for s in range(1, 6)]  # once each, in order
+        assert client.get_run(run_id).info.status == "FINISHED"
+    scalars, _ = tensorboard_scalars(tmp_path / "runs" / "hung" / TENSORBOARD_DIR)
+    assert [step for step, _ in scalars["loss"]] == [1, 2, 3, 4, 5]

@@ -164,16 +164,17 @@ class LiveOutputs:
         # later (an evaluation's result) is replaced here (merged), never changed, so the writer's list stays whole.
         self._rows: list[dict[str, float]] = []
 
-    def update(self, history: list[dict[str, float]]) -> None:
+    def update(self, history: list[dict[str, float]]) -> list[dict[str, float]]:
         """Rewrite both files from ``history``: the rows after those copied before are copied (all of them when the
-        history was cut back, a restart's)."""
+        history was cut back, a restart's). Returns the copies, a list no one changes (the trackers' rows too)."""
         rows = self._rows
         if len(history) < len(rows) or (rows and history[len(rows) - 1]["step"] != rows[-1]["step"]):
             rows.clear()
         rows.extend(dict(row) for row in history[len(rows) :])
-        if rows:
-            snapshot = list(rows)
+        snapshot = list(rows)
+        if snapshot:
             self.writer.submit(lambda: self._write(snapshot))
+        return snapshot
 
     def merged(self, results: list[tuple[int, dict[str, float]]]) -> None:
         """``(step, metrics)`` merged into rows of the history since they were copied (sdtrain.train.evaluations): in

@@ -14,7 +14,7 @@ from sdtrain.config.schema import Config
 from sdtrain.logs import log
 from sdtrain.train.live_files import LiveOutputs
 from sdtrain.train.sample_grids import Grid
-from sdtrain.train.trackers import Trackers
+from sdtrain.train.tracker_thread import TrackerThread
 
 # metric -> (gauge name, description): what a dashboard needs to tell a healthy run from a stalled one.
 GAUGES = {
@@ -74,15 +74,15 @@ class RunView:
         # model.prediction_type: concrete in a run's config (sdtrain.model.unet.resolve_prediction_type, on the driver)
         labels = LossLabels(config.model.prediction_type or "epsilon", config.train.snr_gamma)
         self.live = LiveOutputs(run_dir, labels)
-        self.trackers: Trackers | None = None  # opened by started(), which knows where the run resumes
+        self.trackers: TrackerThread | None = None  # opened by started(), which knows where the run resumes
         self.gauges = RayGauges(config.run.name) if ray_metrics else None
 
     def started(self, history: list[dict[str, float]]) -> None:
         """The worker group starts from the checkpoint whose rows are ``history`` ([] for a fresh run):
         the live files drop rows of steps re-done after a restart; the trackers get the rows they lack."""
-        self.live.update(history)
+        rows = self.live.update(history)
         if self.config.tracking.trackers:
-            self.trackers = Trackers(self.config, self.run_dir, history)
+            self.trackers = TrackerThread(self.config, self.run_dir, rows)
 
     def reported(
         self, metrics: dict[str, float], history: list[dict[str, float]], grid: Grid | None, checkpoint: bool = False
@@ -93,11 +93,11 @@ class RunView:
         if grid is not None:
             metrics["sample_grid_s"] = grid.seconds
             self.image("samples", grid.image, step)
-        self.live.update(history)
+        rows = self.live.update(history)
         if self.gauges is not None:
             self.gauges.set(metrics)
-        if self.trackers is not None:  # with the rows a tracker that did not answer missed, from history
-            self.trackers.log_metrics(metrics, step, history)
+        if self.trackers is not None:  # the row's copy (an evaluation merges into the row later), and the rows before
+            self.trackers.log_metrics(rows[-1], step, rows)
             if checkpoint:
                 self.trackers.before_checkpoint()
 

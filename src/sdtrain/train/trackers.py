@@ -1,5 +1,6 @@
 """Experiment trackers chosen by tracking.trackers (TensorBoard, MLflow, W&B), through Lightning's own
-loggers, driven by rank 0 at each report rather than by ``self.log`` (which knows nothing of restarts).
+loggers, driven by rank 0 at each report rather than by ``self.log`` (which knows nothing of restarts), in a thread
+of their own (:mod:`sdtrain.train.tracker_thread`).
 
 One tracker run per training run, however often it restarts: the ids live in ``trackers.json`` in
 the run directory. Each tracker holds each step once across restarts. A worker group starting from
@@ -313,7 +314,7 @@ class Trackers:
 
     def _metrics(self, name: str, rows: Sequence[Mapping[str, float]]) -> None:
         logger = self.loggers[name]
-        if name == "mlflow":  # a catch-up's rows in one request, not one each (on the training thread)
+        if name == "mlflow":  # a catch-up's rows in one request, not one each
             logger.experiment.log_batch(logger.run_id, metrics=self._mlflow_metrics(rows))
             return
         for row in rows:
