@@ -1,7 +1,6 @@
 """The whole job on a real local Ray cluster: 2 workers, checkpoints, reload from a checkpoint, resume."""
 
 import csv
-import dataclasses
 import json
 import math
 import os
@@ -353,19 +352,7 @@ def test_an_unreadable_file_fails_the_run_at_once_naming_it(ray_cluster, tmp_pat
     message = str(failure.value)
     assert f"data.train: {tmp_path}/train/bad.parquet: rows " in message
     assert "cannot be read" in message and "data.on_read_error=skip" in message
-
-    summary = train(
-        dataclasses.replace(
-            config,
-            data=dataclasses.replace(config.data, on_read_error="skip"),
-            run=dataclasses.replace(config.run, name="skip"),
-            # Two ranks: each counts its own skipped rows (DDP no longer overwrites them with rank 0's).
-            scaling=dataclasses.replace(config.scaling, num_workers=2, cpus_per_worker=1),
-        )
-    )
-    assert summary.final_step == 8
-    history = json.loads((tmp_path / "runs/skip/checkpoint_000000008" / HISTORY_FILE).read_text())
-    assert sum(row["skipped_samples"] for row in history) == 16  # the damaged row group, each row once
+    # Training on without the damaged rows (data.on_read_error=skip): the bf16 test's run, on 2 ranks.
 
 
 def _rows_with_a_nan(path, rows, nan_row, seed, text_encoder=None):
@@ -385,15 +372,27 @@ def _rows_with_a_nan(path, rows, nan_row, seed, text_encoder=None):
 
 
 @pytest.mark.timeout(400)
-def test_bf16_with_clipping_and_ema_skips_a_nan_step_on_both_ddp_ranks(ray_cluster, tmp_path):
-    """What train.precision: auto runs on every GPU (bf16-mixed, clipping at 1.0 by default, the fused
-    AdamW), with an EMA, on 2 DDP workers: one NaN row in 32, so one step of each 4-step epoch is
-    skipped, on both ranks (the reporter checks that they agree). Resuming bf16 runs: the FSDP test."""
+def test_bf16_with_clipping_and_ema_skips_a_nan_step_on_both_ddp_ranks_and_trains_past_an_unreadable_row_group(
+    ray_cluster, tmp_path
+):
+    """What train.precision: auto runs on every GPU (bf16-mixed, clipping at 1.0 by default, the fused AdamW), with an
+    EMA, on 2 DDP workers, over 64 rows (one epoch of 8 steps): one NaN row, so one step is skipped on both ranks (the
+    reporter checks that they agree); and a damaged row group of 16 rows in another file, trained on without under
+    data.on_read_error=skip, each rank counting its own skipped rows (DDP no longer overwrites them with rank 0's).
+    Resuming bf16 runs: the FSDP test. The same damage failing a run at once: the unreadable-file test."""
     _rows_with_a_nan(tmp_path / "train/a.parquet", rows=32, nan_row=13, seed=5)
+    latents, captions = write_latents(tmp_path / "train/b.parquet", rows=32, dtype="float32", seed=6)
+    import pyarrow as pa
+    from conftest import column
+
+    table = pa.table({"image_latents_256": column(latents, "list"), "caption_latents": column(captions, "list")})
+    pq.write_table(table, tmp_path / "train/b.parquet", row_group_size=16)
+    corrupt_row_group(tmp_path / "train/b.parquet", 1)  # the first row, read before the run, is fine
     config = tiny_config(
         f"data.train={tmp_path}/train",
         "train.precision=bf16-mixed",
         "train.ema_decay=0.9",
+        "data.on_read_error=skip",
         "checkpoint.every_n_steps=4",
         "run.log_every_n_steps=1",
         "checkpoint.num_to_keep=null",
@@ -407,7 +406,8 @@ def test_bf16_with_clipping_and_ema_skips_a_nan_step_on_both_ddp_ranks(ray_clust
     assert train(config).final_step == 8
     history = json.loads((tmp_path / "runs/bf16/checkpoint_000000008" / HISTORY_FILE).read_text())
     assert [row["step"] for row in history] == list(range(1, 9))
-    assert sum(row["skipped_steps"] for row in history) == 2  # one per epoch
+    assert sum(row["skipped_steps"] for row in history) == 1  # the NaN row's, once in the epoch
+    assert sum(row["skipped_samples"] for row in history) == 16  # the damaged row group, each row once
     # A report every step: the skipped step's window has only its NaN loss, every other a finite one.
     assert [math.isfinite(row["loss"]) for row in history] == [row["skipped_steps"] == 0 for row in history]
     state = read_checkpoint(str(tmp_path / "runs/bf16/checkpoint_000000008"))["state_dict"]
