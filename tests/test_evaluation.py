@@ -36,11 +36,12 @@ from sdtrain.evaluation.results import (
     read_evaluation,
     write_evaluation,
 )
+from sdtrain.evaluation.scores import scored_metrics
 from sdtrain.model.encoders import encode_images, encode_prompts, load_text_encoder, load_vae
 from sdtrain.model.unet import build_unet, noise_scheduler_config, unet_config
 from sdtrain.sampling.images import decode
 from sdtrain.storage.run_layout import DATA_STATE_FILE, EVALUATION_DIR
-from sdtrain.train.evaluations import CheckpointEvaluations, scored_metrics
+from sdtrain.train.evaluations import CheckpointEvaluations
 from sdtrain.train.module import DiffusionModule
 
 ROWS = 12

@@ -18,7 +18,7 @@ from support.log_lines import LogLines
 
 from sdtrain.config.running import HIGHER_IS_BETTER
 from sdtrain.controller.data_hook import committed_run, repair_null_scores
-from sdtrain.train.evaluations import SCORE_ATTRIBUTES
+from sdtrain.evaluation.scores import SCORE_ATTRIBUTES
 
 WORST = sys.float_info.max
 

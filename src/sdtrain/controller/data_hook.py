@@ -34,10 +34,10 @@ from sdtrain.data.position import DataPosition
 from sdtrain.data.read_order import DataState
 from sdtrain.data.streams import WindowReader, rank_dataset
 from sdtrain.errors import SdtrainError
+from sdtrain.evaluation.scores import SCORE_ATTRIBUTES, worst_score
 from sdtrain.logs import log
 from sdtrain.private import ray as ray_private
 from sdtrain.storage.filesystems import ray_storage, read_bytes, uri_for, write_bytes
-from sdtrain.train.evaluations import SCORE_ATTRIBUTES, worst_score
 
 
 class PlannedStreams(ray.train.DataConfig):
@@ -128,7 +128,7 @@ def _warn_unregistered(run_dir: str, entries: dict[str, pafs.FileType], result: 
 
 def repair_null_scores(filesystem: pafs.FileSystem | None, run_dir: str) -> list[str]:
     """Rewrite, in Ray Train's record of the run's checkpoints, every score (a metric checkpoint.score_attribute may
-    name) that is not a finite number to the worst score (sdtrain.train.evaluations.worst_score); returns what was
+    name) that is not a finite number to the worst score (sdtrain.evaluation.scores.worst_score); returns what was
     repaired, as ``<checkpoint dir> <metric>=<value>``.
 
     Why: a NaN or infinite score (reported before scored_metrics replaced them) is written null there, as JSON has

@@ -23,12 +23,13 @@ import torch
 from sdtrain.artifacts.run_totals import hours_so_far, money
 from sdtrain.config.schema import TrainConfig
 from sdtrain.errors import NonFiniteTraining, TrainingFailed
+from sdtrain.evaluation.scores import scored_metrics
 from sdtrain.logs import log
 from sdtrain.private import torch as torch_private
 from sdtrain.train.cadence import OptimizerStepCallback, ReportCadence
 from sdtrain.train.checkpointing import CheckpointWriter
 from sdtrain.train.efficiency import Efficiency
-from sdtrain.train.evaluations import CheckpointEvaluations, scored_metrics
+from sdtrain.train.evaluations import CheckpointEvaluations
 from sdtrain.train.run_view import RunView
 from sdtrain.train.sample_grids import SampleGrids
 from sdtrain.train.validation import Validation
