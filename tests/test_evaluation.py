@@ -385,6 +385,24 @@ def test_a_score_that_is_not_finite_is_reported_to_ray_train_as_the_worst():
     assert np.isnan(scored_metrics({"loss": float("nan")}, None)["loss"])  # no score attribute: nothing ranks by it
 
 
+def test_an_evaluations_score_that_is_not_finite_reaches_ray_train_as_the_worst():
+    """What the evaluation task returns, Ray Train merges into its checkpoint's metrics and writes to its JSON record:
+    a NaN or infinite eval metric (an FD of degenerate features) would be null there. It gets the worst finite score;
+    other metrics and finite scores are as measured, and the evaluation's file keeps the real values."""
+    import json
+
+    from sdtrain.evaluation.scores import finite_scores
+
+    worst = sys.float_info.max
+    measured = {"fd_dinov2": float("nan"), "clip_score": float("inf"), "class_agreement": 0.5, "eval_s": float("nan")}
+    sent = finite_scores(measured)
+    assert sent == {"fd_dinov2": worst, "clip_score": -worst, "class_agreement": 0.5, "eval_s": sent["eval_s"]}
+    assert np.isnan(sent["eval_s"]) and np.isnan(measured["fd_dinov2"])  # not a score: as measured; the input as it was
+    json.dumps({k: v for k, v in sent.items() if k != "eval_s"}, allow_nan=False)  # every score is JSON
+    finite = {"fd_dinov2": 12.5, "class_agreement": 1.0}
+    assert finite_scores(finite) is finite
+
+
 _PRIORITY_PROBE = """
 import json, os, sys, threading
 import sdtrain.evaluation.eval_task  # what Ray imports to call the task

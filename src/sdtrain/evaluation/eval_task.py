@@ -15,7 +15,7 @@ from sdtrain.evaluation.cpu_priority import lowest_cpu_priority
 
 def evaluate_in_task(checkpoint: Any, config: dict[str, Any], run_dir: str, vae: str | None) -> dict[str, float]:
     """Ray Train's validation function: :func:`sdtrain.evaluation.checkpoint_eval.evaluate_checkpoint` at the lowest
-    CPU priority.
+    CPU priority, its scores finite (:func:`sdtrain.evaluation.scores.finite_scores`).
 
     Args:
         checkpoint: the ray.train.Checkpoint Ray Train committed.
@@ -25,5 +25,6 @@ def evaluate_in_task(checkpoint: Any, config: dict[str, Any], run_dir: str, vae:
     """
     lowest_cpu_priority()
     from sdtrain.evaluation.checkpoint_eval import evaluate_checkpoint  # torch and the models: after the line above
+    from sdtrain.evaluation.scores import finite_scores
 
-    return evaluate_checkpoint(checkpoint, config, run_dir, vae)
+    return finite_scores(evaluate_checkpoint(checkpoint, config, run_dir, vae))

@@ -42,3 +42,16 @@ metric."""
 
 SCORE_ATTRIBUTES = ("loss", "val_loss", *EVAL_METRICS)
 """Every metric checkpoint.score_attribute may name (sdtrain.config.running.CheckpointConfig)."""
+
+
+def finite_scores(metrics: dict[str, float]) -> dict[str, float]:
+    """An evaluation's ``metrics`` as Ray Train merges them into its checkpoint's: each score (a metric
+    checkpoint.score_attribute may name) that is not a finite number becomes the worst one (:func:`worst_score`), as
+    :func:`scored_metrics` does for a report, so Ray Train's record never holds a null. Only this copy changes: the
+    evaluation's file keeps the real value, and the run's rows take theirs from it."""
+    bad = {
+        key: worst_score(key)
+        for key in SCORE_ATTRIBUTES
+        if key in metrics and not (isinstance(metrics[key], (int, float)) and math.isfinite(metrics[key]))
+    }
+    return {**metrics, **bad} if bad else metrics
