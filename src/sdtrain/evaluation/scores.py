@@ -20,8 +20,7 @@ def scored_metrics(metrics: dict[str, float], attribute: str | None) -> dict[str
     if attribute is None:
         return metrics
     if attribute in metrics:
-        value = metrics[attribute]
-        if isinstance(value, (int, float)) and math.isfinite(value):
+        if _finite(metrics[attribute]):
             return metrics
     elif attribute not in EVAL_METRICS and attribute != "val_loss":
         return metrics
@@ -49,9 +48,9 @@ def finite_scores(metrics: dict[str, float]) -> dict[str, float]:
     checkpoint.score_attribute may name) that is not a finite number becomes the worst one (:func:`worst_score`), as
     :func:`scored_metrics` does for a report, so Ray Train's record never holds a null. Only this copy changes: the
     evaluation's file keeps the real value, and the run's rows take theirs from it."""
-    bad = {
-        key: worst_score(key)
-        for key in SCORE_ATTRIBUTES
-        if key in metrics and not (isinstance(metrics[key], (int, float)) and math.isfinite(metrics[key]))
-    }
+    bad = {key: worst_score(key) for key in SCORE_ATTRIBUTES if key in metrics and not _finite(metrics[key])}
     return {**metrics, **bad} if bad else metrics
+
+
+def _finite(value: object) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value)
