@@ -100,7 +100,7 @@ def _stand_ins(monkeypatch, tmp_path) -> None:
         "heldout_fingerprint": lambda config, unet: {"files": 1, "rows": 8, "digest": "0"},
         "read_state": lambda run_dir: {"ids": {}},
         "unet_config": lambda model: {},
-        "usable_partitions": lambda config, unet, partitions, new: (new, {}),
+        "usable_partitions": lambda config, unet, partitions, new, run_dir: (new, {}),
     }
     for name, stand_in in stand_ins.items():
         monkeypatch.setattr(retrain_module, name, stand_in)

@@ -111,6 +111,12 @@ def test_retrain_promotes_better_keeps_production_on_worse_and_is_idempotent(
     # The gate scored in a Ray task of its own (a GPU where training had them), not on the driver: this process.
     (placed,) = [m for m in lines.messages if m.startswith("gate: scored in Ray task sdtrain-retrain-gate on node ")]
     assert int(re.search(r"\(pid (\d+)\)$", placed)[1]) != os.getpid(), placed
+    # The partitions' check wrote the training run's dataset index: training's own check read no footer again.
+    indexed = [m for m in lines.messages if m.startswith("data.train: 2 files (")]
+    assert indexed == [
+        "data.train: 2 files (0 from the index, 2 footers read)",
+        "data.train: 2 files (2 from the index, 0 footers read)",
+    ], indexed
     manifest = registry.manifest("v0001")
     assert manifest["gate_metric"] == "fd_dinov2" and manifest["reason"].startswith("first version (fd_dinov2 ")
     assert manifest["metrics"]["fd_dinov2"] > 0 and manifest["metrics"]["val_loss"] > 0

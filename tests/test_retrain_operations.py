@@ -12,11 +12,15 @@ from test_retrain_rules import _rules_config
 
 from sdtrain.artifacts.loading import LoadedModel
 from sdtrain.artifacts.registry import ModelRegistry, PointerMoved
+from sdtrain.data import inspection
+from sdtrain.data.footer import read_footer
 from sdtrain.driver import retrain as retrain_module
 from sdtrain.driver.cli import exit_code
+from sdtrain.driver.data_check import indexed_dataset
 from sdtrain.driver.retrain import retrain, rollback
 from sdtrain.driver.retrain_gate import decide
 from sdtrain.model.presets import PRESETS
+from sdtrain.model.unet import unet_config
 
 _config = _rules_config  # date=2026-11-01 made, with no _SUCCESS: no partition until _partition completes it
 
@@ -189,6 +193,30 @@ def test_a_corrupt_partition_is_left_out_and_the_newer_days_train(tmp_path, monk
     assert manifest["partitions_seen"] == ["2026-11-02"]  # checked again by the next run, taken once fixed
     warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert any(w.startswith(f"retrain.data_root: left partition 2026-11-01 ({bad}) out of this run: ") for w in warned)
+
+
+def test_the_new_partitions_footers_are_read_once_by_a_run_and_its_training(tmp_path, monkeypatch):
+    """The partitions' check used to read every footer, and training's own check read each again: at a day of 1e4
+    files on object storage, twice the requests before anything trained. The check writes the training run's
+    dataset index, which its own check then reads instead."""
+    days = ["2026-11-01", "2026-11-02"]
+    files = [_partition(tmp_path, day) for day in days]
+    stubs = _Stubs(monkeypatch, tmp_path, 0.5, 0.3)
+    read = []
+    monkeypatch.setattr(
+        inspection, "read_footer", lambda file, *a, **k: read.append(file) or read_footer(file, *a, **k)
+    )
+    outcome = retrain(_config(tmp_path), datetime.date(2026, 11, 2))
+    assert (outcome.status, outcome.left_out) == ("promoted", {})
+    # Each footer once by the checks (new_partitions also reads one a partition, to tell a day without rows).
+    assert sorted(read) == [f"{f}/part-00000.parquet" for f in files]
+    (run_config,) = stubs.trained
+    assert run_config.data.train == files
+    # What training's check (sdtrain.driver.run.check_run) finds at its start: every file from the run's index.
+    read.clear()
+    indexed = indexed_dataset(run_config, "data.train", files, unet_config(run_config.model), run_config.run.directory)
+    assert (indexed.stats.from_index, indexed.stats.footers_read, indexed.stale, read) == (2, 0, False, [])
+    assert indexed.spec.num_rows == 16
 
 
 @pytest.mark.usefixtures("without_ray")  # the session's cluster stopped: the run must start none

@@ -27,7 +27,7 @@ from sdtrain import __version__
 from sdtrain.artifacts.loading import LoadedModel, load_trained
 from sdtrain.artifacts.provenance import code_version
 from sdtrain.artifacts.registry import ModelRegistry, PointerMoved, RegistryLock
-from sdtrain.config.schema import Config, ModelConfig
+from sdtrain.config.schema import Config, ModelConfig, RunConfig
 from sdtrain.driver.preflight import preflight
 from sdtrain.driver.retrain_gate import (
     HELDOUT_KEY,
@@ -154,7 +154,9 @@ def _retrain_locked(
     left_out: dict[str, str] = {}
     if new:
         model = _run_model(config, registry, production)
-        new, left_out = usable_partitions(dataclasses.replace(config, model=model), unet_config(model), partitions, new)
+        run_dir = _run_settings(config, day, production, new).directory  # the run that trains on all of them
+        checked = dataclasses.replace(config, model=model)
+        new, left_out = usable_partitions(checked, unet_config(model), partitions, new, run_dir)
     if not new:
         return _nothing_to_train(day, production, passed_over if empty else None, left_out)
     log.info(f"retraining on {len(new)} new partition(s): {', '.join(new)}; production is {production or 'none yet'}")
@@ -280,8 +282,13 @@ def _run_config(
         config,
         data=dataclasses.replace(config.data, train=files),
         model=_run_model(config, registry, production, announce=True),
-        run=dataclasses.replace(config.run, name=retrain_run_name(config.run.name, day, production, new)),
+        run=_run_settings(config, day, production, new),
     )
+
+
+def _run_settings(config: Config, day: str, production: str | None, new: list[str]) -> RunConfig:
+    """The run.* keys of the run that trains on the partitions ``new``."""
+    return dataclasses.replace(config.run, name=retrain_run_name(config.run.name, day, production, new))
 
 
 def _run_model(config: Config, registry: ModelRegistry, production: str | None, announce: bool = False) -> ModelConfig:

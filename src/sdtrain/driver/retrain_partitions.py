@@ -13,8 +13,9 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from sdtrain.config.schema import Config
+from sdtrain.data.index_format import run_index_uri, write_index
 from sdtrain.data.listing import list_dataset
-from sdtrain.driver.data_check import dataset_spec
+from sdtrain.driver.data_check import dataset_spec, indexed_dataset
 from sdtrain.errors import DataError
 from sdtrain.logs import log
 from sdtrain.storage.filesystems import filesystem_for
@@ -92,16 +93,22 @@ def _holds_rows(files: list[str], sizes: Sequence[int]) -> bool:
 
 
 def usable_partitions(
-    config: Config, unet: Mapping, partitions: dict[str, str], dates: list[str]
+    config: Config, unet: Mapping, partitions: dict[str, str], dates: list[str], run_dir: str | None = None
 ) -> tuple[list[str], dict[str, str]]:
-    """(the dates among ``dates`` whose files training's data check accepts, {date: why} of the others), each
-    partition checked on its own by the check training starts with (:func:`sdtrain.driver.data_check.dataset_spec`:
-    every footer readable, the columns and shapes ``unet``, the run's UNet config, takes), before Ray starts.
+    """(the dates among ``dates`` whose files training's data check accepts, {date: why} of the others), before Ray
+    starts, by the check training starts with (:func:`sdtrain.driver.data_check.indexed_dataset`: every footer
+    readable, the columns and shapes ``unet``, the run's UNet config, takes).
+
+    All of ``dates`` are checked together first, as data.train of the training run at ``run_dir`` (the run that
+    trains on all of them), and the dataset index that check builds is written there: that run's own check then
+    reads the index, not every footer a second time. Only if that fails is each partition checked on its own.
 
     One corrupt file (a truncated upload) used to fail training's data check at every run, and every retry of it, so
     that no later day was trained either. A partition left out is not marked seen: a later run checks it again, and
     takes it once its files are fixed. Storage failing for now (StorageUnavailable) is raised, not taken for a bad
     partition."""
+    if run_dir is not None and _usable_together(config, unet, [partitions[d] for d in dates], run_dir):
+        return list(dates), {}
     usable: list[str] = []
     left_out: dict[str, str] = {}
     for date in dates:
@@ -116,6 +123,25 @@ def usable_partitions(
             continue
         usable.append(date)
     return usable, left_out
+
+
+def _usable_together(config: Config, unet: Mapping, files: list[str], run_dir: str) -> bool:
+    """Whether training's data check accepts ``files`` as data.train of the run at ``run_dir``; if so, the run's
+    dataset index is written there as that run's own check would write it. Not with run.start_fresh, which moves
+    the run's directory aside before its check (a directory holding only this index would be reported moved)."""
+    if config.run.start_fresh:
+        return False
+    try:
+        indexed = indexed_dataset(config, "data.train", files, unet, run_dir)
+    except DataError as error:
+        log.info(
+            f"retrain.data_root: the new partitions together fail training's data check ({error}); each is "
+            "checked on its own"
+        )
+        return False
+    if indexed.stale:
+        write_index(run_index_uri(run_dir, "data.train"), indexed.index)
+    return True
 
 
 def described_left_out(left_out: dict[str, str]) -> str:
