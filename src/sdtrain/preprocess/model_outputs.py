@@ -7,7 +7,9 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import posixpath
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 
@@ -24,8 +26,9 @@ from sdtrain.data.metadata import (
 from sdtrain.errors import DataError, StorageUnavailable
 from sdtrain.preprocess.config import PreprocessConfig
 from sdtrain.preprocess.outputs import join
-from sdtrain.storage.filesystems import write_bytes
+from sdtrain.storage.filesystems import read_bytes, write_bytes
 from sdtrain.storage.run_layout import UNCONDITIONAL_FILE, UNCONDITIONAL_IDS_FILE
+from sdtrain.storage.uris import is_uri
 
 
 def ids_key(tokenizer: int) -> str:
@@ -102,6 +105,21 @@ def vae_geometry(model: str) -> tuple[float, int, int]:
     config = AutoencoderKL.load_config(local_model(model, "vae"), subfolder="vae")
     downsampling = 2 ** (len(config.get("block_out_channels", [0] * 4)) - 1)
     return float(config.get("scaling_factor", 0.18215)), int(config.get("latent_channels", 4)), downsampling
+
+
+def component_config(model: str, subfolder: str) -> dict[str, Any]:
+    """``model``'s ``subfolder``/config.json alone: for a model on a storage URI, not the subfolder's weights,
+    which the driver never loads (an SDXL text_encoder_2/ is gigabytes)."""
+    if is_uri(model):
+        data = read_bytes(posixpath.join(model.rstrip("/"), subfolder, "config.json"))
+        if data is None:
+            raise DataError(f"encode.model: {model} has no {subfolder}/config.json: expected a diffusers model")
+        loaded: dict[str, Any] = json.loads(data)
+        return loaded
+    from transformers import PretrainedConfig
+
+    config, _ = PretrainedConfig.get_config_dict(model, subfolder=subfolder)
+    return config
 
 
 def write_unconditional(config: PreprocessConfig) -> tuple[int, dict[str, str]]:

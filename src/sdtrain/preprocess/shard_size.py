@@ -11,16 +11,11 @@ encode.dtype (the encoders' weights and activations) and encode.latent (a mean a
 
 from __future__ import annotations
 
-import json
-import posixpath
 from dataclasses import dataclass
-from typing import Any
 
-from sdtrain.errors import ConfigError, DataError
+from sdtrain.errors import ConfigError
 from sdtrain.preprocess.config import PreprocessConfig
-from sdtrain.preprocess.model_outputs import model_shape, vae_geometry
-from sdtrain.storage.filesystems import read_bytes
-from sdtrain.storage.uris import is_uri
+from sdtrain.preprocess.model_outputs import component_config, model_shape, vae_geometry
 
 GIB = 2**30
 S3_SINGLE_PUT_BYTES = 5 * GIB
@@ -91,9 +86,9 @@ def row_shape(config: PreprocessConfig) -> RowShape:
     _, channels, downsampling = vae_geometry(config.encode.model)
     height, width = max(config.image.shapes(), key=lambda hw: (hw[0] // downsampling) * (hw[1] // downsampling))
     latents = (channels, height // downsampling, width // downsampling)
-    encoders = [_component_config(config.encode.model, "text_encoder")]
+    encoders = [component_config(config.encode.model, "text_encoder")]
     if sdxl:
-        encoders.append(_component_config(config.encode.model, "text_encoder_2"))
+        encoders.append(component_config(config.encode.model, "text_encoder_2"))
     # The tokenizers pad to the encoder's positions (77 for every SD model's CLIP): what Encoder stores a row of.
     length = int(encoders[0].get("max_position_embeddings", 77))
     embeddings = config.output.captions != "token_ids"
@@ -104,18 +99,3 @@ def row_shape(config: PreprocessConfig) -> RowShape:
         pooled=int(encoders[-1].get("projection_dim", 0)) if embeddings and sdxl else 0,
         tokenizers=len(encoders) if config.output.captions != "embeddings" else 0,
     )
-
-
-def _component_config(model: str, subfolder: str) -> dict[str, Any]:
-    """``model``'s ``subfolder``/config.json alone: for a model on a storage URI, not the subfolder's weights,
-    which the driver never loads (an SDXL text_encoder_2/ is gigabytes)."""
-    if is_uri(model):
-        data = read_bytes(posixpath.join(model.rstrip("/"), subfolder, "config.json"))
-        if data is None:
-            raise DataError(f"encode.model: {model} has no {subfolder}/config.json: expected a diffusers model")
-        loaded: dict[str, Any] = json.loads(data)
-        return loaded
-    from transformers import PretrainedConfig
-
-    config, _ = PretrainedConfig.get_config_dict(model, subfolder=subfolder)
-    return config
