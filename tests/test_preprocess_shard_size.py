@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from sdtrain.config.loader import load_config
-from sdtrain.errors import ConfigError
+from sdtrain.errors import ConfigError, DataError
 from sdtrain.preprocess import job
 from sdtrain.preprocess.config import PreprocessConfig
 from sdtrain.preprocess.shard_size import S3_SINGLE_PUT_BYTES, SHARD_TARGET_BYTES, check_shard_size, row_shape
@@ -140,3 +140,37 @@ def test_the_estimate_is_what_the_encoder_stores(tmp_path):
     assert shape.length * shape.width == encoder.embedding_width
     assert shape.pooled == encoder.pooled_width
     assert shape.length * shape.tokenizers == encoder.ids_width
+
+
+@pytest.mark.slow  # moto's server
+def test_a_model_in_a_bucket_is_read_by_its_configs_alone(tmp_path, s3_bucket):
+    """The driver sizes shards and reads the VAE's geometry from the configs of a model in a bucket, never its weights:
+    vae_geometry once downloaded all of vae/ to the driver (~335 MB for SD 2's and SDXL's VAE)."""
+    import boto3
+
+    from sdtrain.model import encoders
+    from sdtrain.preprocess.model_outputs import vae_geometry
+
+    local = _config(tmp_path, "s3://bucket/latents")
+    s3 = boto3.client("s3")
+    for path in Path(local.encode.model).rglob("config.json"):
+        s3.upload_file(str(path), "sdtrain-test", f"models/sdxl/{path.relative_to(local.encode.model).as_posix()}")
+    # Weights the driver must not fetch: an object that is no safetensors file at all.
+    s3.put_object(Bucket="sdtrain-test", Key="models/sdxl/vae/diffusion_pytorch_model.safetensors", Body=b"x" * 2**20)
+    model = f"{s3_bucket}/models/sdxl"
+    remote = load_config(None, [*_overrides(local), f"encode.model={model}"], PreprocessConfig)
+    assert vae_geometry(model) == vae_geometry(local.encode.model) == (0.13025, 4, 8)
+    assert row_shape(remote) == row_shape(local)
+    assert model not in encoders._MODELS  # nothing of the model was downloaded to this process
+
+    # A config missing: one line naming encode.model, the model and the file.
+    s3.delete_object(Bucket="sdtrain-test", Key="models/sdxl/text_encoder/config.json")
+    with pytest.raises(DataError, match=f"^encode.model: {model} has no text_encoder/config.json: expected a diffus"):
+        row_shape(remote)
+    s3.delete_object(Bucket="sdtrain-test", Key="models/sdxl/vae/config.json")
+    with pytest.raises(DataError, match=f"^encode.model: {model} has no vae/config.json: expected a diffusers model"):
+        row_shape(remote)
+
+
+def _overrides(config: PreprocessConfig) -> list[str]:
+    return [f"input.paths={config.input.paths[0]}", f"output.path={config.output.path}", "image.resolution=1024"]

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from sdtrain.errors import ConfigError
 from sdtrain.preprocess.config import PreprocessConfig
-from sdtrain.preprocess.model_outputs import component_config, model_shape, vae_geometry
+from sdtrain.preprocess.model_outputs import model_shape, text_encoder_configs, vae_geometry
 
 GIB = 2**30
 S3_SINGLE_PUT_BYTES = 5 * GIB
@@ -86,9 +86,7 @@ def row_shape(config: PreprocessConfig) -> RowShape:
     _, channels, downsampling = vae_geometry(config.encode.model)
     height, width = max(config.image.shapes(), key=lambda hw: (hw[0] // downsampling) * (hw[1] // downsampling))
     latents = (channels, height // downsampling, width // downsampling)
-    encoders = [component_config(config.encode.model, "text_encoder")]
-    if sdxl:
-        encoders.append(component_config(config.encode.model, "text_encoder_2"))
+    encoders = text_encoder_configs(config.encode.model, sdxl)
     # The tokenizers pad to the encoder's positions (77 for every SD model's CLIP): what Encoder stores a row of.
     length = int(encoders[0].get("max_position_embeddings", 77))
     embeddings = config.output.captions != "token_ids"
