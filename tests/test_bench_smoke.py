@@ -189,6 +189,15 @@ def test_data_scale_smoke():
     assert "100 in 1 directory unchanged since their directory index, not listed" in out, out
 
 
+def test_read_amplification_smoke():
+    """From the read plans alone: bucketed reads grow with the world size at 64-row groups; one shape's stay near 1."""
+    out, ratios = run_bench("bench/read_amplification.py", "--smoke", timeout=60)
+    one_shape = ratios["rows read / trained on, one shape, 64-row groups, W=256"]
+    assert 1 <= one_shape < ratios["rows read / trained on, buckets, 64-row groups, W=256"], out
+    assert ratios["rows read / trained on, buckets, 8-row groups, W=256"] >= 1, out
+    assert ratios["files opened per row, buckets / one shape, W=8"] > 0, out
+
+
 def test_caption_modes_smoke():
     """Storage, data path, FLOPs and step time of captions as embeddings against token ids."""
     out, ratios = run_bench("bench/caption_modes.py", "--smoke")

@@ -1,0 +1,98 @@
+"""The rows a rank reads against the rows it trains on, by world size: the real read plans, no data.
+
+A read task reads whole parquet row groups (``WindowReader._row_group``: pyarrow reads a column chunk whole) and holds
+each for the rest of its window, so a rank reads every row group its windows touch once a window. This builds the
+real plans (``SamplePlan`` for data of one shape, ``BucketPlan`` for aspect-ratio buckets) over 1e6 rows in 100
+files, plans one rank's windows for ``--steps`` steps at a global batch of 2048 and world sizes 8 to 256, and counts,
+over those windows, the rows of the row groups touched (rows read) against the rows in the spans (rows trained on),
+for row groups of 64 rows (preprocessing's ``output.row_group_rows`` default) and of 8.
+
+    python bench/read_amplification.py            # 1e6 rows, 400 steps a rank
+    python bench/read_amplification.py --smoke    # seconds (CI)
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from data_scale import CHUNK_ROWS, ROWS_PER_FILE, WINDOW_ROWS, bucketed_files  # noqa: E402
+
+GLOBAL_BATCH = 2048
+WORLD_SIZES = (8, 32, 64, 128, 256)
+ROW_GROUPS = (64, 8)
+
+
+def plans(files: int):
+    from sdtrain.data.bucket_order import BucketPlan
+    from sdtrain.data.read_order import SamplePlan
+
+    rows = [ROWS_PER_FILE] * files
+    shapes, runs = bucketed_files(files, 40)
+    return {
+        "one shape": SamplePlan(rows, 0, CHUNK_ROWS, WINDOW_ROWS, "bench"),
+        "buckets": BucketPlan(rows, runs, shapes, 0, CHUNK_ROWS, GLOBAL_BATCH, WINDOW_ROWS),
+    }
+
+
+def read_and_used(plan, world_size: int, steps: int, group_rows: int, rank: int | None = None) -> tuple[int, int, int]:
+    """(rows of the row groups touched, rows in the spans, files opened) over ``rank``'s windows of ``steps`` steps
+    from the start: a task opens each file of its window once, a footer read each."""
+    from sdtrain.data.intervals import FILE, START, STOP
+    from sdtrain.data.read_order import DataState
+
+    rank = world_size // 2 if rank is None else rank
+    stretches = plan.rank_stretches(DataState(), world_size, GLOBAL_BATCH // world_size, steps)[rank]
+    read = used = opened = 0
+    for stretch in stretches:
+        for window in plan.windows(stretch):
+            spans = window.spans
+            opened += len(np.unique(spans[:, FILE]))
+            used += int((spans[:, STOP] - spans[:, START]).sum())
+            first = spans[:, START] // group_rows
+            last = (spans[:, STOP] - 1) // group_rows
+            groups = {(int(f), g) for f, a, b in zip(spans[:, FILE], first, last, strict=True) for g in range(a, b + 1)}
+            read += len(groups) * group_rows  # files of 10,000 rows: the last group of 8 or 64 is whole, 16 of 64 not
+    return read, used, opened
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--files", type=int, default=100, help="10,000-row files")
+    parser.add_argument("--steps", type=int, default=400, help="steps a rank plans")
+    parser.add_argument("--smoke", action="store_true", help="10 files, 40 steps")
+    args = parser.parse_args()
+    files, steps = (10, 40) if args.smoke else (args.files, args.steps)
+    built = plans(files)
+    print(f"# {files * ROWS_PER_FILE} rows in {files} files, global batch {GLOBAL_BATCH}, chunks of {CHUNK_ROWS} rows,")
+    print(f"# windows of ~{WINDOW_ROWS} rows, {steps} steps of rank W/2; rows read / rows trained on")
+    print(f"{'order':>10} {'row group':>9} " + " ".join(f"{f'W={w}':>8}" for w in WORLD_SIZES))
+    ratios, footers = {}, {}
+    for name, plan in built.items():
+        for group_rows in ROW_GROUPS:
+            cells = []
+            for world_size in WORLD_SIZES:
+                read, used, opened = read_and_used(plan, world_size, steps, group_rows)
+                ratios[name, group_rows, world_size] = read / used
+                footers[name, world_size] = opened / used * 1000
+                cells.append(f"{read / used:8.2f}")
+            print(f"{name:>10} {group_rows:>9} " + " ".join(cells))
+    print("# files opened (a footer read each) per 1000 rows trained on")
+    for name in built:
+        print(f"{name:>10} {'':>9} " + " ".join(f"{footers[name, w]:8.1f}" for w in WORLD_SIZES))
+    for group_rows in ROW_GROUPS:
+        for world_size in (WORLD_SIZES[0], WORLD_SIZES[-1]):
+            bucketed, square = ratios["buckets", group_rows, world_size], ratios["one shape", group_rows, world_size]
+            print(f"RATIO rows read / trained on, buckets, {group_rows}-row groups, W={world_size} = {bucketed:.3f}")
+            print(f"RATIO rows read / trained on, one shape, {group_rows}-row groups, W={world_size} = {square:.3f}")
+    for world_size in (WORLD_SIZES[0], WORLD_SIZES[-1]):
+        ratio = footers["buckets", world_size] / footers["one shape", world_size]
+        print(f"RATIO files opened per row, buckets / one shape, W={world_size} = {ratio:.3f}")
+
+
+if __name__ == "__main__":
+    main()
