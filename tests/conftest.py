@@ -39,6 +39,11 @@ BIN = Path(sys.executable).parent
 # those in this process, and those of the processes and clusters it starts, which inherit the variable. Users' runs
 # keep Ray's default, which a cluster of hundreds of workers needs.
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
+# A raylet keeps as many idle worker processes as its node has CPUs (2 here) and ends the others after 1 s idle; a run's
+# Ray Data tasks then start new ones, each importing Ray and the read path again (~1 s of CPU). A run of
+# test_train_ray's started 21 such processes at Ray's defaults and 12 with these, in every cluster this session starts.
+os.environ.setdefault("RAY_num_workers_soft_limit", "8")
+os.environ.setdefault("RAY_idle_worker_killing_time_threshold_ms", "60000")
 
 # The driver's lines, as the command lines print them, for tests that call the driver's functions in this process (and
 # to pytest's log capture too).
