@@ -7,16 +7,19 @@ import numpy as np
 import pytest
 
 from sdtrain.data.bucket_order import BucketPlan, runs_of
+from sdtrain.data.position import plan_changes
 from sdtrain.data.read_order import DataState, window_sample_indices
 
 SHAPES = [(4, 8, 8), (4, 6, 10), (4, 10, 6), (4, 4, 16)]
 
 
-def _plan(seed=0, global_batch=12, chunk_rows=5, window_rows=20):
+def _plan(seed=0, global_batch=12, chunk_rows=5, window_rows=20, bucket_steps=1):
     # Files of several buckets each, sorted by bucket; one bucket (3) too small for a batch in one epoch.
     files = [[(0, 30), (1, 11)], [(0, 7), (2, 25), (3, 5)], [(1, 40)], [(0, 19), (2, 3)]]
     rows = [sum(n for _, n in f) for f in files]
-    return BucketPlan(rows, runs_of(files), SHAPES, seed, chunk_rows, global_batch, window_rows)
+    return BucketPlan(
+        rows, runs_of(files), SHAPES, seed, chunk_rows, global_batch, window_rows, bucket_steps=bucket_steps
+    )
 
 
 def _bucket_of_rows(plan):
@@ -38,6 +41,8 @@ def _blocks(plan, window):
 def _read(plan, state, world_size, steps):
     """(the global batch of each of ``steps`` steps: the ranks' shares in rank order; the state after them)."""
     share = plan.global_batch // world_size
+    for stretches in plan.rank_stretches(state, world_size, share, steps):
+        assert all(len(plan.windows(stretch)) == plan.num_windows(stretch) for stretch in stretches)
     per_rank = [
         [block for stretch in stretches for w in plan.windows(stretch) for block in _blocks(plan, w)]
         for stretches in plan.rank_stretches(state, world_size, share, steps)
@@ -70,9 +75,34 @@ def test_every_step_is_one_buckets_and_every_row_is_read_once_an_epoch_with_the_
     assert plan.epoch_batches(0)[3] == 0 and plan.epoch_batches(2)[3] == 1
 
 
+@pytest.mark.parametrize("bucket_steps", [2, 3, 6])
+def test_turns_of_bucket_steps_steps_are_one_buckets_and_every_row_is_read_once_an_epoch(bucket_steps):
+    plan = _plan(chunk_rows=6, bucket_steps=bucket_steps)  # lanes of 6 positions: 6 / bucket_steps rows a step
+    bucket = _bucket_of_rows(plan)
+    state, seen = DataState(), []
+    for epoch in range(4):
+        steps = plan.steps_in_epoch(epoch)
+        assert steps % bucket_steps == 0
+        batches, state = _read(plan, state, 3, steps)
+        assert state == DataState(epoch + 1)
+        for first in range(0, steps, bucket_steps):  # a turn: bucket_steps whole batches of one bucket
+            turn = batches[first : first + bucket_steps]
+            assert all(len(batch) == plan.global_batch for batch in turn)
+            assert len(set(bucket[np.concatenate(turn)])) == 1
+        seen += batches  # none in the first epoch of 6 steps a turn: no bucket has a turn's 72 rows yet
+    # Every row is read once an epoch but for the rows carried on (fewer than a turn of each bucket): the rows each
+    # bucket still owes after four epochs are the rows it carries into the fifth.
+    reads = np.bincount(np.concatenate(seen), minlength=plan.num_rows)
+    owed = np.bincount(bucket, weights=4 - reads, minlength=len(SHAPES))
+    assert reads.max() <= 4 and owed.tolist() == plan.carried(4).tolist()
+    assert (plan.carried(4) < plan.turn_rows).all() and plan.carried(4).any()
+
+
 @pytest.mark.parametrize("sizes", [[(2, 4), (3, 5), (6, 2)], [(4, 7), (1, 30)], [(3, 3), (2, 2), (6, 4), (1, 9)]])
-def test_the_global_steps_are_the_same_whatever_the_world_sizes_and_restarts(sizes):
-    plan = _plan(seed=3)
+@pytest.mark.parametrize("bucket_steps", [1, 3])
+def test_the_global_steps_are_the_same_whatever_the_world_sizes_and_restarts(sizes, bucket_steps):
+    # Three steps a turn: restarts mid-turn, and 4 workers' shares of 3 rows cut the lanes' 2-row parts.
+    plan = _plan(seed=3, chunk_rows=6 if bucket_steps > 1 else 5, bucket_steps=bucket_steps)
     total = sum(steps for _, steps in sizes)
     reference, _ = _read(plan, DataState(), 1, total)
     got, state = [], DataState()
@@ -97,12 +127,37 @@ def test_a_ranks_share_of_a_step_is_a_few_runs_of_consecutive_rows_and_tasks_gro
     assert [len(w.blocks) for w in grouped.windows(stretch)] == [4, 4, 1]
 
 
+def test_over_a_turn_a_rank_reads_whole_lanes_so_whole_chunks_of_its_buckets_order():
+    """64-row chunks, a global batch of 64 on 16 ranks (4 rows a step each, a sixteenth of a chunk): with turns of 16
+    steps each rank's read task takes one lane, 64 consecutive positions of its bucket's order, where with one step a
+    turn each of 16 ranks took 4 rows of the same chunk."""
+    files = [[(0, 700), (1, 1300)], [(0, 520), (1, 1480)], [(0, 2000)]]  # 5 turns of 1024 rows in epoch 0
+    rows = [sum(n for _, n in f) for f in files]
+    plan = BucketPlan(rows, runs_of(files), SHAPES[:2], 4, 64, 64, 64, bucket_steps=16)
+    assert plan.steps_per_window(16) == 16
+    for rank in (0, 7, 15):
+        (stretch,) = plan.rank_stretches(DataState(), 16, 4, 48)[rank]
+        windows = plan.windows(stretch)
+        assert [len(w.blocks) for w in windows] == [16] * 3
+        buckets, batches = plan.step_batches(0, np.arange(48))
+        for turn, window in enumerate(windows):
+            bucket, first = int(buckets[16 * turn]), int(batches[16 * turn])
+            lane = plan.order_spans(0, bucket, first * 64 + rank * 64, first * 64 + rank * 64 + 64)
+            want = window_sample_indices(lane, plan.file_offsets)
+            assert sorted(plan.sample_indices(window).tolist()) == sorted(want.tolist())
+    # A run resumed mid-turn reads the rest of the turn in one task, then whole turns.
+    (stretch,) = plan.rank_stretches(plan.advance(DataState(), 16, 4, 5), 16, 4, 27)[3]
+    assert [len(w.blocks) for w in plan.windows(stretch)] == [11, 16]
+
+
 def test_the_plan_refuses_shares_that_do_not_make_its_batch_and_runs_that_do_not_make_their_files():
     plan = _plan()
     with pytest.raises(ValueError, match="not the plan's global batch 12"):
         plan.rank_stretches(DataState(), 5, 2, 1)
     with pytest.raises(ValueError, match="file 1: its bucket runs hold 36 rows, the file 37"):
         BucketPlan([41, 37], runs_of([[(0, 30), (1, 11)], [(0, 36)]]), SHAPES, 0, 5, 12)
+    with pytest.raises(ValueError, match="turns of 4 steps take 16 rows of each 64-row lane a step, which does not"):
+        _plan(chunk_rows=64, global_batch=24, bucket_steps=4)
 
 
 def test_the_plan_pickles_small_and_reads_the_same_after():
@@ -116,6 +171,17 @@ def test_the_plan_pickles_small_and_reads_the_same_after():
     assert all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
     assert plan.fingerprint()["order"] == "buckets-1" and plan.fingerprint()["buckets"][1] == [4, 6, 10]
     assert _plan(seed=10).fingerprint() != plan.fingerprint()
+    # Turns of one step are the order checkpoints written before data.bucket_steps name; others are another order.
+    assert "bucket_steps" not in plan.fingerprint()
+    turns = _plan(chunk_rows=6, bucket_steps=3)
+    assert turns.fingerprint()["bucket_steps"] == 3
+    again = pickle.loads(pickle.dumps(turns))
+    a, _ = _read(turns, DataState(), 2, 9)
+    b, _ = _read(again, DataState(), 2, 9)
+    assert again.fingerprint() == turns.fingerprint() and all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
+    assert plan_changes(turns.fingerprint(), _plan(chunk_rows=6).fingerprint()) == [
+        "data.bucket_steps is 1, was 3 (bucketed data's order is cut in turns of that many steps)"
+    ]
 
 
 def _one_row_bucket_plan(global_batch):

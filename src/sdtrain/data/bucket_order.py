@@ -4,14 +4,16 @@ pure function of (seed, epoch, step), whatever the world size.
 Each file holds its rows bucket by bucket, one *run* of consecutive rows per bucket (preprocessing sorts a shard's rows
 by bucket). A bucket's rows are cut into chunks of ``data.shuffle_chunk_rows`` consecutive rows within a run, and each
 epoch orders a bucket's chunks by a seeded bijection (:class:`sdtrain.data.chunks.EpochOrder`): that is the bucket's
-*order* for the epoch. Its rows are consumed ``global batch`` at a time: *batch* j of bucket b is positions
-[j G, (j + 1) G) of its order. An epoch holds ``S_b = floor(L_b / G)`` batches of bucket b, where ``L_b`` is its rows
-plus the rows it carried in; the ``L_b - S_b G`` rows left over (fewer than a batch) are not dropped or padded: they
-open the bucket's order of the next epoch. The epoch's steps are its ``sum S_b`` batches in a seeded order
-(:class:`sdtrain.data.chunks.ChunkShuffle` over the batches), so buckets draw steps in proportion to their rows.
+*order* for the epoch. Its rows are consumed a *turn* of ``k = data.bucket_steps`` global batches of G rows at a time:
+turn T of bucket b is positions [T k G, (T + 1) k G) of its order. An epoch holds ``S_b = floor(L_b / (k G))`` turns of
+bucket b, where ``L_b`` is its rows plus the rows it carried in; the rows left over (fewer than a turn) are not dropped
+or padded: they open the bucket's order of the next epoch. The epoch's steps are its turns in a seeded order
+(:class:`sdtrain.data.chunks.ChunkShuffle` over the turns), k steps each, so buckets draw steps in proportion to their
+rows.
 
-Step s of an epoch is batch j of bucket b whatever the world size: rank r of W reads its share, positions
-[j G + r G/W, j G + (r + 1) G/W), a run of consecutive positions (a chunk or two). A run resumed at another world size
+Step s of an epoch is batch i of a turn of bucket b whatever the world size, and rank r of W reads rows
+[r G/W, (r + 1) G/W) of it: for k = 1 consecutive positions (a chunk or two), for k > 1 the same lanes of the turn at
+each of its steps (:mod:`sdtrain.data.bucket_turns`). A run resumed at another world size
 therefore continues with exactly the rows, buckets and order the uninterrupted run would have: only which rank reads
 which part of a step changes. The data position (:class:`sdtrain.data.read_order.DataState`) counts the steps done in
 the epoch as rows per rank at each world size the epoch ran at; nothing here holds a table of steps or rows: a rank
@@ -27,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from sdtrain.data.bucket_turns import lane_part_rows, share_positions, window_count, window_edges
 from sdtrain.data.chunks import Chunks, ChunkShuffle, EpochOrder
 from sdtrain.data.read_order import DataState, Window, window_sample_indices
 
@@ -60,6 +63,7 @@ class BucketPlan:
         chunk_rows: data.shuffle_chunk_rows.
         global_batch: train.global_batch_size: the rows of every step.
         window_rows: data.shuffle_window_rows: about the rows of one read task (whole steps' shares).
+        bucket_steps: data.bucket_steps: steps of one bucket in a row, a *turn* (sdtrain.data.bucket_turns).
     """
 
     rows_per_file: Sequence[int]
@@ -71,10 +75,12 @@ class BucketPlan:
     window_rows: int = 512
     files_digest: str = ""
     content_digest: str = ""
+    bucket_steps: int = 1
     _orders: dict = field(init=False, repr=False, default_factory=dict)
     _carries: dict = field(init=False, repr=False, default_factory=dict)
 
     def __post_init__(self, runs: np.ndarray):
+        lane_part_rows(self.bucket_steps, self.chunk_rows, self.global_batch)  # refuses lanes that miss the batch
         runs = np.asarray(runs).reshape(-1, 3)
         self._index(runs[:, 0], runs[:, 1], runs[:, 2])
 
@@ -125,6 +131,7 @@ class BucketPlan:
             "window_rows": self.window_rows,
             "files_digest": self.files_digest,
             "content_digest": self.content_digest,
+            "bucket_steps": self.bucket_steps,
         }
 
     def __setstate__(self, state):
@@ -136,6 +143,11 @@ class BucketPlan:
     @property
     def num_rows(self) -> int:
         return int(self.file_offsets[-1])
+
+    @property
+    def turn_rows(self) -> int:
+        """Positions of a bucket's order that a turn takes."""
+        return self.bucket_steps * self.global_batch
 
     def run_table(self, lo: int = 0, hi: int | None = None) -> np.ndarray:
         """(file, bucket, rows) of runs [lo, hi), as int64 (what the fingerprint digests)."""
@@ -166,36 +178,43 @@ class BucketPlan:
             "global_batch": self.global_batch,
             "buckets": [list(s) for s in self.bucket_shapes],
             "order": BUCKET_ORDER_VERSION,
+            # Only where it is not 1: turns of one step are the order checkpoints without the key name.
+            **({"bucket_steps": self.bucket_steps} if self.bucket_steps != 1 else {}),
         }
 
     # --- epochs and steps --------------------------------------------------------------------------------------
 
     def carried(self, epoch: int) -> np.ndarray:
-        """Rows each bucket carries into ``epoch`` (fewer than a batch each)."""
+        """Rows each bucket carries into ``epoch`` (fewer than a turn each)."""
         if epoch not in self._carries:
             # From the latest epoch worked out before this one (a rank walks the epochs in turn), else from 0.
             start = max((e for e in self._carries if e < epoch), default=0)
             carry = self._carries.get(start, np.zeros(len(self.bucket_shapes), np.int64))
             for _ in range(start, epoch):
-                carry = (carry + self.bucket_rows) % self.global_batch
+                carry = (carry + self.bucket_rows) % self.turn_rows
             self._carries = {e: c for e, c in self._carries.items() if e >= epoch - 1} | {epoch: carry}
         return self._carries[epoch]
 
+    def epoch_turns(self, epoch: int) -> np.ndarray:
+        """Turns of each bucket in ``epoch``."""
+        return (self.carried(epoch) + self.bucket_rows) // self.turn_rows
+
     def epoch_batches(self, epoch: int) -> np.ndarray:
         """Batches of each bucket in ``epoch``."""
-        return (self.carried(epoch) + self.bucket_rows) // self.global_batch
+        return self.epoch_turns(epoch) * self.bucket_steps
 
     def steps_in_epoch(self, epoch: int) -> int:
         return int(self.epoch_batches(epoch).sum())
 
     def step_batches(self, epoch: int, steps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(bucket, batch index within the bucket) of each of ``steps`` of ``epoch``."""
-        batches = self.epoch_batches(epoch)
-        total = int(batches.sum())
-        offsets = np.concatenate([[0], np.cumsum(batches)]).astype(np.int64)
-        slots = ChunkShuffle(total, (self.seed, epoch, 1)).chunk_at(np.asarray(steps, np.int64))
+        """(bucket, batch index within the bucket) of each of ``steps`` of ``epoch``: the epoch's turns in a seeded
+        order, each its bucket's next ``bucket_steps`` batches."""
+        turns = self.epoch_turns(epoch)
+        offsets = np.concatenate([[0], np.cumsum(turns)]).astype(np.int64)
+        steps = np.asarray(steps, np.int64)
+        slots = ChunkShuffle(int(turns.sum()), (self.seed, epoch, 1)).chunk_at(steps // self.bucket_steps)
         bucket = np.searchsorted(offsets, slots, side="right") - 1
-        return bucket, slots - offsets[bucket]
+        return bucket, (slots - offsets[bucket]) * self.bucket_steps + steps % self.bucket_steps
 
     def _bucket_order(self, epoch: int, bucket: int) -> EpochOrder:
         key = (epoch, bucket)
@@ -208,7 +227,7 @@ class BucketPlan:
     def order_spans(self, epoch: int, bucket: int, lo: int, hi: int) -> np.ndarray:
         """Spans (file, first row, end row) of positions [lo, hi) of ``bucket``'s order in ``epoch``: the rows it
         carried in first (the end of the previous epoch's order), then its own chunk order."""
-        rows, batch = int(self.bucket_rows[bucket]), self.global_batch
+        rows, batch = int(self.bucket_rows[bucket]), self.turn_rows
         carry = int(self.carried(epoch)[bucket])
         parts = []  # spans of the bucket's row sequence, each epoch's own rows, the latest epoch first
         # A loop, not a recursion: a bucket of r rows carries rows from up to G / r epochs back (2047 at G = 2048
@@ -290,12 +309,14 @@ class BucketPlan:
             )
 
     def steps_per_window(self, world_size: int) -> int:
-        """Steps one read task reads its rank's shares of: about data.shuffle_window_rows rows, one block a step."""
-        return max(1, self.window_rows // (self.global_batch // world_size))
+        """Steps one read task reads its rank's shares of: about data.shuffle_window_rows rows, one block a step, in
+        whole turns (a rank's rows of a turn are whole lanes: sdtrain.data.bucket_turns)."""
+        steps = self.bucket_steps
+        return steps * max(1, self.window_rows // (steps * (self.global_batch // world_size)))
 
     def num_windows(self, stretch: BucketStretch) -> int:
-        k = self.steps_per_window(stretch.world_size)
-        return -(-stretch.steps // k)
+        """Read tasks of ``stretch``, which start at the epoch's multiples of :meth:`steps_per_window`."""
+        return window_count(stretch.first, stretch.steps, self.steps_per_window(stretch.world_size))
 
     def window(self, stretch: BucketStretch, index: int) -> Window:
         return self.windows(stretch, index, 1)[0]
@@ -305,46 +326,46 @@ class BucketPlan:
         a few consecutive steps, one block a step (each of one bucket's shape)."""
         k = self.steps_per_window(stretch.world_size)
         count = self.num_windows(stretch) - first if count is None else count
-        begin = stretch.first + first * k
-        end = min(stretch.first + (first + count) * k, stretch.first + stretch.steps)
-        if end <= begin:
+        edges = window_edges(stretch.first, stretch.steps, k, first, count)
+        if len(edges) < 2:
             return []
+        begin, end = int(edges[0]), int(edges[-1])
         spans, owner = self._share_spans(stretch.state.epoch, np.arange(begin, end), stretch.world_size, stretch.rank)
         buckets, _ = self.step_batches(stretch.state.epoch, np.arange(begin, end))
         share = self.global_batch // stretch.world_size
-        bounds = np.searchsorted(owner, np.arange(0, end - begin + k, k))
+        bounds = np.searchsorted(owner, edges - begin)
         out = []
-        for i, step in enumerate(range(begin, end, k)):
-            blocks = tuple((int(b), share) for b in buckets[step - begin : step - begin + k])
-            rows = share * len(blocks)
-            out.append(Window(spans[bounds[i] : bounds[i + 1]], (), 0, rows, blocks[0][0], blocks))
+        for i in range(len(edges) - 1):
+            blocks = tuple((int(b), share) for b in buckets[edges[i] - begin : edges[i + 1] - begin])
+            out.append(Window(spans[bounds[i] : bounds[i + 1]], (), 0, share * len(blocks), blocks[0][0], blocks))
         return out
 
     def _share_spans(self, epoch: int, steps: np.ndarray, world_size: int, rank: int) -> tuple[np.ndarray, np.ndarray]:
         """Spans of rank ``rank``'s shares of ``steps`` (in step order), and the step (index into ``steps``) each span
         is of: each bucket's shares mapped through its chunk order at once."""
         buckets, batches = self.step_batches(epoch, steps)
-        share = self.global_batch // world_size
-        lo = batches * self.global_batch + rank * share
+        turn = (self.bucket_steps, self.chunk_rows, self.global_batch)
+        lo, hi, step_of = share_positions(batches, *turn, world_size, rank)
+        buckets = buckets[step_of]
         carry = self.carried(epoch)
-        pieces, owners = [], []
+        spans_of, owners = [], []  # owners: the piece (index into lo) each span is of
         for bucket in np.unique(buckets).tolist():
             mine = np.flatnonzero(buckets == bucket)
             starts = lo[mine] - carry[bucket]
             own = starts >= 0
-            if own.any():  # the bucket's own order: every share past its carried rows at once
-                intervals = np.stack([starts[own], starts[own] + share], axis=1)
+            if own.any():  # the bucket's own order: every piece past its carried rows at once
+                intervals = np.stack([starts[own], hi[mine][own] - carry[bucket]], axis=1)
                 spans, owner = self._bucket_order(epoch, bucket).spans(intervals)
                 spans, owner = self._file_spans(bucket, spans, owner)
-                pieces.append(spans)
+                spans_of.append(spans)
                 owners.append(mine[own][owner])
-            for step in mine[~own].tolist():  # the few shares that reach into the rows carried in
-                spans = self.order_spans(epoch, bucket, int(lo[step]), int(lo[step]) + share)
-                pieces.append(spans)
-                owners.append(np.full(len(spans), step))
-        spans, owner = np.concatenate(pieces), np.concatenate(owners)
-        order = np.argsort(owner, kind="stable")  # step order; within a step, the order of its positions
-        return spans[order], owner[order]
+            for piece in mine[~own].tolist():  # the few pieces that reach into the rows carried in
+                spans = self.order_spans(epoch, bucket, int(lo[piece]), int(hi[piece]))
+                spans_of.append(spans)
+                owners.append(np.full(len(spans), piece))
+        spans, owner = np.concatenate(spans_of), np.concatenate(owners)
+        order = np.argsort(owner, kind="stable")  # piece order: step by step, each step's rows in order
+        return spans[order], step_of[owner[order]]
 
     def _file_spans(self, bucket: int, spans: np.ndarray, owner: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Spans of ``bucket``'s row sequence (column 0 unused) as spans of its files, cut where its runs meet; each

@@ -78,15 +78,17 @@ _CHANGES = {
     "window_rows": "data.shuffle_window_rows is {new}, was {old}",
     # Bucketed data only (a one-shape plan records neither): the bucket order is cut in global batches.
     "global_batch": "train.global_batch_size is {new}, was {old} (bucketed data's order is cut in global batches)",
+    "bucket_steps": "data.bucket_steps is {new}, was {old} (bucketed data's order is cut in turns of that many steps)",
     "buckets": "the data's aspect-ratio buckets are {new}, were {old}",
     "order": "the checkpoint was written with read order {old} of an earlier sdtrain, this one reads order {new}",
 }
-_DEFAULTS = {"order": 1}  # what a fingerprint written before a key existed meant by it
+# What a fingerprint written before a key existed (or without a key it leaves out at its default) meant by it.
+_DEFAULTS = {"order": 1, "bucket_steps": 1}
 
 
 def plan_changes(stored: dict[str, Any], current: dict[str, Any]) -> list[str]:
     """What differs between two :meth:`SamplePlan.fingerprint` s, in the config's terms."""
-    stored = {**_DEFAULTS, **stored}
+    stored, current = {**_DEFAULTS, **stored}, {**_DEFAULTS, **current}
     # A content digest is compared where both sides have one: checkpoints from before it, or plans made without
     # the dataset index, have none.
     changed = [

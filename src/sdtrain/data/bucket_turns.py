@@ -1,0 +1,88 @@
+"""Turns of bucketed data's steps, and the lanes of a turn a rank reads (``data.bucket_steps``).
+
+A *turn* is ``k = data.bucket_steps`` consecutive steps of one bucket: positions [T k G, (T + 1) k G) of the bucket's
+order for the epoch (:mod:`sdtrain.data.bucket_order`), G the global batch. The turn is cut into *lanes* of
+``k q`` consecutive positions, ``q = data.shuffle_chunk_rows / k``, so that a lane is a chunk's worth of the order.
+Step i of the turn (i < k) takes the i-th q positions of every lane, and its row t is row t % q of lane t // q's part:
+
+    lane:       |  0: q q q  |  1: q q q  | ...        (k = 3)
+    step 0:        ^          ^
+    step 1:          ^          ^
+
+A step's rows therefore do not depend on the world size, and rank r of W, which takes rows [r G/W, (r + 1) G/W) of
+every step, takes the same lanes at each of the turn's steps: over the turn it reads k G/W consecutive positions,
+whole chunks, where one step a turn would have it read a part of a chunk a step, the rest of which (its row groups)
+other ranks read too. One step a turn (k = 1) is one lane, the whole batch: a rank's share is consecutive positions.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def lane_part_rows(bucket_steps: int, chunk_rows: int, global_batch: int) -> int:
+    """Rows a step takes of each lane of its turn (q): the global batch where a turn is one step (one lane)."""
+    if bucket_steps == 1:
+        return global_batch
+    if chunk_rows % bucket_steps or global_batch % (chunk_rows // bucket_steps):
+        raise ValueError(
+            f"turns of {bucket_steps} steps take {chunk_rows / bucket_steps:g} rows of each {chunk_rows}-row lane a "
+            f"step, which does not divide the global batch {global_batch}"
+        )
+    return chunk_rows // bucket_steps
+
+
+def share_positions(
+    batches: np.ndarray, bucket_steps: int, chunk_rows: int, global_batch: int, world_size: int, rank: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Positions [lo, hi) of the bucket orders that rank ``rank``'s shares take, as pieces in read order (step by step,
+    each step's rows in order), and the step (index into ``batches``) of each piece.
+
+    Args:
+        batches: the batch index within its bucket of each step.
+        bucket_steps: data.bucket_steps (k).
+        chunk_rows: data.shuffle_chunk_rows.
+        global_batch: train.global_batch_size (G).
+        world_size: the ranks (W).
+        rank: the rank.
+    """
+    lane_part, share = lane_part_rows(bucket_steps, chunk_rows, global_batch), global_batch // world_size
+    first_row, end_row = rank * share, (rank + 1) * share
+    lanes = np.arange(first_row // lane_part, (end_row - 1) // lane_part + 1, dtype=np.int64)
+    within_lo = np.maximum(first_row - lanes * lane_part, 0)
+    within_hi = np.minimum(end_row - lanes * lane_part, lane_part)
+    step_base = batches // bucket_steps * (bucket_steps * global_batch) + batches % bucket_steps * lane_part
+    lane_base = step_base[:, None] + lanes * (bucket_steps * lane_part)
+    step_of = np.repeat(np.arange(len(batches)), len(lanes))
+    return (lane_base + within_lo).ravel(), (lane_base + within_hi).ravel(), step_of
+
+
+def window_count(first: int, steps: int, per_window: int) -> int:
+    """Read tasks of a stretch of ``steps`` steps from step ``first``: one for each multiple of ``per_window`` of the
+    epoch's steps it reaches into (see :func:`window_edges`)."""
+    return -(-(first + steps) // per_window) - first // per_window if steps > 0 else 0
+
+
+def window_edges(first: int, steps: int, per_window: int, first_window: int, count: int) -> np.ndarray:
+    """The steps read tasks ``first_window`` to ``first_window + count`` of a stretch of ``steps`` steps from step
+    ``first`` start at, and the end of the last: task i reads steps [edges[i], edges[i + 1]). Tasks start at the
+    epoch's multiples of ``per_window`` (whole turns), so a stretch that starts or ends mid-turn has a short one.
+    """
+    number = first // per_window + first_window  # of the first task, counted from the epoch's start
+    return np.unique(np.clip(np.arange(number, number + count + 1) * per_window, first, first + steps))
+
+
+def consecutive_rows(bucket_steps: int, chunk_rows: int, share: int) -> int:
+    """Consecutive positions of a bucket's order a rank reads at a time with shares of ``share`` rows a step: its share
+    of a step where a turn is one step, else its lanes' parts over a turn, up to a whole lane (a chunk)."""
+    return share if bucket_steps == 1 else min(bucket_steps * share, chunk_rows)
+
+
+def fitting_bucket_steps(chunk_rows: int, global_batch: int, share: int, group_rows: int) -> int | None:
+    """The fewest steps a turn with which a rank reads, at ``share`` rows a step, at least a row group of
+    ``group_rows`` rows (or a whole chunk) at a time; None where no divisor of ``chunk_rows`` does."""
+    want = min(group_rows, chunk_rows)
+    for steps in range(2, chunk_rows + 1):
+        if chunk_rows % steps == 0 and global_batch % (chunk_rows // steps) == 0 and steps * share >= want:
+            return steps
+    return None
