@@ -48,22 +48,26 @@ def _bucketed(directory, shares=(0.2, 0.4, 0.38, 0.02), files=6, rows=400, value
     return index_dataset([str(directory)], "data.train", COLUMNS, 4, 32).spec
 
 
-def _reader(spec, global_batch):
-    plan = BucketPlan(spec.rows_per_file, spec.runs, spec.bucket_shapes, 0, 64, global_batch, 512)
+def _reader(spec, global_batch, bucket_steps=1):
+    plan = BucketPlan(
+        spec.rows_per_file, spec.runs, spec.bucket_shapes, 0, 64, global_batch, 512, bucket_steps=bucket_steps
+    )
     return plan, WindowReader(spec, DataConfig(train=spec.files), plan)
 
 
-def test_every_block_of_a_bucketed_read_task_holds_the_rows_the_plan_names_read_from_its_files(tmp_path):
+@pytest.mark.parametrize("bucket_steps", [1, 8])
+def test_every_block_of_a_bucketed_read_task_holds_the_rows_the_plan_names_read_from_its_files(tmp_path, bucket_steps):
     """Each step's block against the files read whole: its latents of its bucket's shape and its captions, row by row,
     at 1, 4 and 32 workers, across epochs (a bucket of fewer rows than a step's carries them on: a window reads some
-    rows twice, from spans that overlap, so a row group is used again after its other rows)."""
+    rows twice, from spans that overlap, so a row group is used again after its other rows); with turns of 8 steps,
+    whose lanes' 8-row parts 32 workers' 2-row shares cut."""
     spec = _bucketed(tmp_path / "data")
     tables = [pq.read_table(file, columns=[COLUMNS.latent, COLUMNS.caption]) for file in spec.files]
     latents = [row for table in tables for row in table.column(COLUMNS.latent).to_pylist()]
     captions = [row for table in tables for row in table.column(COLUMNS.caption).to_pylist()]
     repeated = 0
     for workers in (1, 4, 32):
-        plan, reader = _reader(spec, 64)
+        plan, reader = _reader(spec, 64, bucket_steps)
         for rank in (0, workers - 1):
             for stretch in plan.rank_stretches(DataState(), workers, 64 // workers, 120)[rank]:
                 for window in plan.windows(stretch):
@@ -127,6 +131,24 @@ def test_a_bucketed_read_task_holds_about_one_steps_row_groups_not_its_windows(t
             assert held_row_groups["now"] == 0
 
 
+def test_turns_of_8_steps_read_about_the_rows_they_use_where_8_row_shares_read_8x(tmp_path, held_row_groups):
+    """The same files and workers as above: with data.bucket_steps=8 a rank's read task of 64 steps takes 8 lanes of 64
+    consecutive positions of its buckets' orders, each in two or three 64-row groups (a bucket's chunks are cut from
+    its runs laid end to end, not at row groups), not 64 shares of 8 rows each in another chunk."""
+    spec = _bucketed(tmp_path / "data", files=20, rows=2000, values=False)
+    read = {}
+    for bucket_steps in (1, 8):
+        plan, reader = _reader(spec, 64, bucket_steps)
+        held_row_groups.update(read=0)
+        for rank in (0, 5):
+            for window in plan.windows(plan.rank_stretches(DataState(), 8, 8, 128)[rank][0]):
+                blocks = reader.read_blocks(window)
+                assert len(blocks) == 64 and sum(block.num_rows for block in blocks) == 512
+        read[bucket_steps] = held_row_groups["read"] * 64 / (2 * 128 * 8)  # rows read over rows used
+    # 8.6x and 2.7x when written; a lane of 64 positions is about two row groups (files of 40-row runs: three).
+    assert read[1] > 6 and read[8] < 3 and read[1] / read[8] > 3, read
+
+
 def _warnings(config, run_dir):
     from sdtrain.driver.data_check import check_data
 
@@ -137,8 +159,8 @@ def _warnings(config, run_dir):
 
 def test_the_driver_warns_once_of_row_groups_larger_than_a_workers_share_of_a_step(tmp_path):
     """Bucketed data of 64-row groups trained at 8 rows a worker a step reads ~9x the rows it uses: the driver says so
-    once, with what it costs and the preprocessing option that fixes it; elastic, at its most workers; at 64 rows a
-    worker, nothing."""
+    once, with what it costs and the two settings that fix it (turns of data.bucket_steps, or smaller row groups);
+    with turns that read a row group's worth, nothing; elastic, at its most workers; at 64 rows a worker, nothing."""
     _bucketed(tmp_path / "data", files=1)
     data = f"data.train={tmp_path}/data"
     (warning,) = _warnings(tiny_config(data, tmp_path=tmp_path, name="r", batch=64, workers=8), str(tmp_path / "a"))
@@ -146,9 +168,21 @@ def test_the_driver_warns_once_of_row_groups_larger_than_a_workers_share_of_a_st
         f"data.train: {tmp_path}/data/part-0.parquet has row groups of 64 rows, but on 8 workers (scaling.num_workers) "
         "each reads 8 rows of a step (train.global_batch_size=64 / 8), and every read of bucketed data reads the row "
         "groups its rows are in whole: about 9x the rows training uses, in object-storage reads and in each read "
-        "task's memory. Rewrite the files with row groups of at most 8 rows (sdtrain's preprocessing: "
-        "output.row_group_rows=8; pyarrow.parquet.write_table(..., row_group_size=8))"
+        "task's memory. To read about what it uses, set data.bucket_steps=8 (steps of one bucket in a row), or "
+        "rewrite the files with row groups of at most 8 rows (sdtrain's preprocessing: output.row_group_rows=8; "
+        "pyarrow.parquet.write_table(..., row_group_size=8))"
     )
+    # Turns of 8 steps: each worker reads 64 consecutive rows, a row group's worth.
+    config = tiny_config(data, "data.bucket_steps=8", tmp_path=tmp_path, name="t", batch=64, workers=8)
+    assert _warnings(config, str(tmp_path / "t")) == []
+    (short,) = _warnings(
+        tiny_config(data, "data.bucket_steps=4", tmp_path=tmp_path, batch=64, workers=8), str(tmp_path)
+    )
+    assert (
+        "each reads 8 rows of a step (train.global_batch_size=64 / 8), 32 consecutive rows over data.bucket_steps=4"
+        in short
+    )
+    assert "about 3x" in short and "set data.bucket_steps=8" in short and "row groups of at most 32 rows" in short
     (elastic,) = _warnings(tiny_config(data, "scaling.num_workers=[1, 2]", tmp_path=tmp_path, batch=64), str(tmp_path))
     assert "but on 2 workers (scaling.num_workers) each reads 32 rows of a step" in elastic and "about 3x" in elastic
     assert _warnings(tiny_config(data, tmp_path=tmp_path, batch=64, workers=1), str(tmp_path / "c")) == []

@@ -200,10 +200,11 @@ def _plan(spec, global_batch=8):
 def test_a_bucketed_run_killed_mid_epoch_and_resumed_on_another_number_of_workers_reads_the_uninterrupted_steps(
     ray_cluster, tmp_path
 ):
-    """90 rows in three buckets, 8 a step: an epoch is 5 + 3 + 2 = 10 steps, the buckets' remainders carried into
+    """90 rows in three buckets, 8 a step, in turns of 2 steps of one bucket (data.bucket_steps, 4-row chunks: each
+    step takes 2 rows of every lane of 4): an epoch is 2 + 1 + 1 turns, 8 steps, the buckets' remainders carried into
     the next. train.py on 2 workers (micro-batches of 2, accumulating 2) in a process of its own, SIGKILLed with the
-    Ray it started once its checkpoint of step 5 is committed (mid-epoch), then resumed to 13 on 1 worker
-    (accumulating 4): every step's rows are the ones the plan names for an uninterrupted run, each step one
+    Ray it started once its checkpoint of step 5 is committed (mid-epoch, mid-turn), then resumed to 13 on 1 worker
+    (accumulating 4): every step's rows are the ones the plan names for an uninterrupted run, each turn one
     bucket's."""
     import subprocess
     import sys
@@ -220,7 +221,8 @@ def test_a_bucketed_run_killed_mid_epoch_and_resumed_on_another_number_of_worker
     keys = [
         f"data.train={tmp_path}/train",
         "train.micro_batch_size=2",
-        "data.shuffle_chunk_rows=5",
+        "data.shuffle_chunk_rows=4",
+        "data.bucket_steps=2",
         "data.shuffle_window_rows=12",
         "checkpoint.every_n_steps=5",
         "run.log_every_n_steps=5",
@@ -252,8 +254,8 @@ def test_a_bucketed_run_killed_mid_epoch_and_resumed_on_another_number_of_worker
     recorded = [np.load(run_dir / name / SAMPLES_FILE) for name in _checkpoints(run_dir)]
     steps = rows_by_step(recorded, global_batch=8)
     spec = index_dataset([str(tmp_path / "train")], "data.train", COLUMNS, 4, 32).spec
-    plan = _plan(spec)
-    assert plan.steps_in_epoch(0) == 10
+    plan = BucketPlan(spec.rows_per_file, spec.runs, spec.bucket_shapes, 0, 4, 8, 12, bucket_steps=2)
+    assert plan.steps_in_epoch(0) == 8
     expected = []
     for stretch in plan.rank_stretches(DataState(), 1, 8, 13)[0]:
         expected += [plan.sample_indices(w) for w in plan.windows(stretch)]
@@ -262,13 +264,14 @@ def test_a_bucketed_run_killed_mid_epoch_and_resumed_on_another_number_of_worker
     for got, want in zip(steps, expected, strict=True):
         np.testing.assert_array_equal(got, want)
     bucket_of = np.repeat(spec.runs[:, 1], spec.runs[:, 2])  # rows of each file are its runs in order
-    assert all(len(set(bucket_of[step])) == 1 for step in steps)  # one bucket a step, so a micro-batch
-    # The first epoch, across the resize: 80 of the 90 rows, none twice, none padded; each bucket's remainder (42 =
-    # 5 x 8 + 2, 27 = 3 x 8 + 3, 21 = 2 x 8 + 5) is what it left for the next epoch.
-    first_epoch = np.concatenate(steps[:10])
-    assert len(np.unique(first_epoch)) == 80 and (first_epoch < 90).all()
+    # One bucket a turn (steps 0-1, 2-3, ...; the second epoch's from step 8), so a step and a micro-batch.
+    assert all(len(set(bucket_of[np.concatenate(steps[t : t + 2])])) == 1 for t in range(0, 13, 2))
+    # The first epoch, across the resize: 64 of the 90 rows, none twice, none padded; each bucket's remainder (42 =
+    # 2 x 16 + 10, 27 = 16 + 11, 21 = 16 + 5) is what it left for the next epoch.
+    first_epoch = np.concatenate(steps[:8])
+    assert len(np.unique(first_epoch)) == 64 and (first_epoch < 90).all()
     left = np.setdiff1d(np.arange(90), first_epoch)
-    assert np.bincount(bucket_of[left], minlength=3).tolist() == [2, 3, 5]
+    assert np.bincount(bucket_of[left], minlength=3).tolist() == [10, 11, 5]
 
 
 @pytest.mark.slow  # the preprocessing job on Ray Data

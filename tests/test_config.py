@@ -110,6 +110,16 @@ def test_round_trip_through_dict():
         ),
         (BASE + ["train.micro_batch_size=0"], r"train\.micro_batch_size: must be > 0, auto or null, got 0"),
         (BASE + ["data.shuffle_window_rows=0"], r"data\.shuffle_window_rows: must be >= 1, got 0"),
+        (
+            BASE + ["data.shuffle_chunk_rows=6", "data.bucket_steps=4"],
+            r"data\.bucket_steps: must be a divisor of data\.shuffle_chunk_rows=6 \(each step takes an equal part of a "
+            r"chunk\), got 4",
+        ),
+        (
+            BASE + ["data.shuffle_chunk_rows=64", "data.bucket_steps=4", "train.global_batch_size=24"],
+            r"data\.bucket_steps: 4 steps of one bucket take 16 rows of each chunk of data\.shuffle_chunk_rows=64 a "
+            r"step, which does not divide train\.global_batch_size=24",
+        ),
         (BASE + ["data.on_read_error=ignore"], r"data\.on_read_error: .*ignore"),
         (
             BASE + ["tracking.mlflow_register_as=unet"],

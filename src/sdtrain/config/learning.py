@@ -68,6 +68,11 @@ class DataConfig(Section):
     shuffle_window_rows: int = 512
     """Each worker reads its chunks in windows of this many rows (one Ray Data block) and shuffles rows within a
     window. Not bucketed data's: its rows keep their order within a chunk (docs/data.md, Aspect-ratio buckets)."""
+    bucket_steps: int = 1
+    """Bucketed data: optimizer steps of one bucket in a row. Each rank then reads whole chunks over those steps
+    instead of a part of one chunk a step, which, once a rank's share of a step (train.global_batch_size / workers)
+    is smaller than a chunk, reads the same row groups on several ranks; set it to data.shuffle_chunk_rows / that
+    share at the most workers (docs/data.md, Aspect-ratio buckets). Must divide data.shuffle_chunk_rows."""
     on_resume_change: Literal["fail", "new_epoch"] = "fail"
     """When data.train, train.seed or the shuffle sizes changed since the checkpoint a run resumes from (its data
     position would read rows twice or never): fail says what changed, before Ray starts; new_epoch resumes the
@@ -95,6 +100,12 @@ class DataConfig(Section):
         for key in ("shuffle_chunk_rows", "shuffle_window_rows"):
             if getattr(self, key) < 1:
                 self._fail(key, f"must be >= 1, got {getattr(self, key)}")
+        if self.bucket_steps < 1 or self.shuffle_chunk_rows % self.bucket_steps:
+            self._fail(
+                "bucket_steps",
+                f"must be a divisor of data.shuffle_chunk_rows={self.shuffle_chunk_rows} (each step takes an equal "
+                f"part of a chunk), got {self.bucket_steps}",
+            )
         if self.prefetch_batches < 0:
             self._fail("prefetch_batches", f"must be >= 0, got {self.prefetch_batches}")
         self._within("val_memory_gb", 0, 1e6, "GB")  # a worker holds int(GB * 1e9) bytes: no overflow

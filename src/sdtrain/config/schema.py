@@ -172,6 +172,19 @@ class Config(ConfigTree):
                 raise ConfigError(f"{key}: {metric} needs eval.{EVAL_METRICS[metric]}, which measures it")
         for world_size in range(self.scaling.min_workers, self.scaling.max_workers + 1):
             self.batch_layout(world_size)
+        self._refuse_uneven_bucket_lanes()
+
+    def _refuse_uneven_bucket_lanes(self) -> None:
+        """data.bucket_steps > 1 cuts each run of steps into lanes of a chunk, each step taking an equal part of every
+        lane (sdtrain.data.bucket_order): the global batch must be whole lanes' parts."""
+        steps, chunk, batch = self.data.bucket_steps, self.data.shuffle_chunk_rows, self.train.global_batch_size
+        part = chunk // steps
+        if steps > 1 and batch % part:
+            raise ConfigError(
+                f"data.bucket_steps: {steps} steps of one bucket take {part} rows of each chunk of "
+                f"data.shuffle_chunk_rows={chunk} a step, which does not divide train.global_batch_size={batch}; "
+                "pick a train.global_batch_size that is a multiple of it, or another data.bucket_steps"
+            )
 
     def _refuse_intervals_between_reports(self) -> None:
         """Validation and sample grids run only at report steps (sdtrain.train.cadence: every run.log_every_n_steps,

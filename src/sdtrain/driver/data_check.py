@@ -15,6 +15,7 @@ import pyarrow.fs as pafs
 from sdtrain.config.schema import Config
 from sdtrain.data.added_columns import PLACEMENT_COLUMNS, AddedColumns
 from sdtrain.data.bucket_order import BucketPlan
+from sdtrain.data.bucket_turns import consecutive_rows, fitting_bucket_steps
 from sdtrain.data.dataset_index import IndexedDataset, IndexStats, index_dataset
 from sdtrain.data.index_format import run_index_uri
 from sdtrain.data.inspection import DatasetSpec, first_row
@@ -213,23 +214,32 @@ def warn_of_large_row_groups(stats: IndexStats, chunk_rows: int) -> None:
 
 def warn_of_small_shares(stats: IndexStats, spec: DatasetSpec, config: Config) -> None:
     """One warning when bucketed data.train's row groups (of the footers read at this start) hold more rows than a rank
-    reads of a step at the most workers: each rank's share of a step is a few consecutive rows of its bucket's order,
-    and each read of them reads the row groups they touch whole (sdtrain.data.bucket_order)."""
+    reads at a time at the most workers: its share of a step, consecutive rows of its bucket's order, or over a turn
+    of data.bucket_steps steps its lanes (sdtrain.data.bucket_turns); a read reads the row groups it touches whole."""
     if spec.bucket_shapes is None or stats.largest_row_group is None:
         return
     (group, file), batch, workers = stats.largest_row_group, config.train.global_batch_size, config.scaling.max_workers
+    steps, chunk = config.data.bucket_steps, config.data.shuffle_chunk_rows
     share = batch // workers
-    if share >= group:
+    rows = consecutive_rows(steps, chunk, share)
+    if rows >= group:
         return
-    # A share of s consecutive rows at a random place touches 1 + (s - 1) / g row groups of g rows on average.
-    amplification = (group + share - 1) / share
+    # s consecutive rows at a random place touch 1 + (s - 1) / g row groups of g rows on average.
+    amplification = (group + rows - 1) / rows
+    fitting = fitting_bucket_steps(chunk, batch, share, group)
+    turns = (
+        ""
+        if fitting is None or fitting <= steps
+        else f"set data.bucket_steps={fitting} (steps of one bucket in a row), or "
+    )
     log.warning(
         f"data.train: {file} has row groups of {group} rows, but on {workers} workers (scaling.num_workers) each "
-        f"reads {share} rows of a step (train.global_batch_size={batch} / {workers}), and every read of bucketed data "
-        f"reads the row groups its rows are in whole: about {amplification:.0f}x the rows training uses, in "
-        "object-storage reads and in each read task's memory. Rewrite the files with row groups of at most "
-        f"{share} rows (sdtrain's preprocessing: output.row_group_rows={share}; "
-        f"pyarrow.parquet.write_table(..., row_group_size={share}))"
+        f"reads {share} rows of a step (train.global_batch_size={batch} / {workers})"
+        + ("" if steps == 1 else f", {rows} consecutive rows over data.bucket_steps={steps} steps")
+        + ", and every read of bucketed data reads the row groups its rows are in whole: about "
+        f"{amplification:.0f}x the rows training uses, in object-storage reads and in each read task's memory. To read "
+        f"about what it uses, {turns}rewrite the files with row groups of at most {rows} rows (sdtrain's "
+        f"preprocessing: output.row_group_rows={rows}; pyarrow.parquet.write_table(..., row_group_size={rows}))"
     )
 
 
@@ -298,6 +308,7 @@ def read_plan(spec: DatasetSpec, config: Config) -> ReadPlan:
             data.shuffle_window_rows,
             files_digest(spec.files),
             spec.content_digest,
+            data.bucket_steps,
         )
     return SamplePlan(
         spec.rows_per_file,
