@@ -5,7 +5,9 @@ each for the rest of its window, so a rank reads every row group its windows tou
 real plans (``SamplePlan`` for data of one shape, ``BucketPlan`` for aspect-ratio buckets) over 1e6 rows in 100
 files, plans one rank's windows for ``--steps`` steps at a global batch of 2048 and world sizes 8 to 256, and counts,
 over those windows, the rows of the row groups touched (rows read) against the rows in the spans (rows trained on),
-for row groups of 64 rows (preprocessing's ``output.row_group_rows`` default) and of 8.
+for row groups of 64 rows (preprocessing's ``output.row_group_rows`` default) and of 8. ``turns`` is the bucketed plan
+with ``data.bucket_steps`` = chunk rows / a rank's share of a step at each world size (1 where the share is a chunk or
+more), the setting the driver's warning names.
 
     python bench/read_amplification.py            # 1e6 rows, 400 steps a rank
     python bench/read_amplification.py --smoke    # seconds (CI)
@@ -27,15 +29,28 @@ WORLD_SIZES = (8, 32, 64, 128, 256)
 ROW_GROUPS = (64, 8)
 
 
+def turn_steps(world_size: int) -> int:
+    """data.bucket_steps that makes a rank's rows of a turn a chunk at ``world_size``."""
+    return max(1, CHUNK_ROWS // (GLOBAL_BATCH // world_size))
+
+
 def plans(files: int):
+    """{order: {world size: plan}}."""
     from sdtrain.data.bucket_order import BucketPlan
     from sdtrain.data.read_order import SamplePlan
 
     rows = [ROWS_PER_FILE] * files
     shapes, runs = bucketed_files(files, 40)
+    square = SamplePlan(rows, 0, CHUNK_ROWS, WINDOW_ROWS, "bench")
+    buckets = BucketPlan(rows, runs, shapes, 0, CHUNK_ROWS, GLOBAL_BATCH, WINDOW_ROWS)
+    turns = {
+        steps: BucketPlan(rows, runs, shapes, 0, CHUNK_ROWS, GLOBAL_BATCH, WINDOW_ROWS, bucket_steps=steps)
+        for steps in {turn_steps(w) for w in WORLD_SIZES}
+    }
     return {
-        "one shape": SamplePlan(rows, 0, CHUNK_ROWS, WINDOW_ROWS, "bench"),
-        "buckets": BucketPlan(rows, runs, shapes, 0, CHUNK_ROWS, GLOBAL_BATCH, WINDOW_ROWS),
+        "one shape": dict.fromkeys(WORLD_SIZES, square),
+        "buckets": dict.fromkeys(WORLD_SIZES, buckets),
+        "turns": {w: turns[turn_steps(w)] for w in WORLD_SIZES},
     }
 
 
@@ -71,12 +86,13 @@ def main() -> None:
     print(f"# {files * ROWS_PER_FILE} rows in {files} files, global batch {GLOBAL_BATCH}, chunks of {CHUNK_ROWS} rows,")
     print(f"# windows of ~{WINDOW_ROWS} rows, {steps} steps of rank W/2; rows read / rows trained on")
     print(f"{'order':>10} {'row group':>9} " + " ".join(f"{f'W={w}':>8}" for w in WORLD_SIZES))
+    print(f"{'turns of':>10} {'':>9} " + " ".join(f"{turn_steps(w):8d}" for w in WORLD_SIZES))
     ratios, footers = {}, {}
-    for name, plan in built.items():
+    for name, by_world in built.items():
         for group_rows in ROW_GROUPS:
             cells = []
             for world_size in WORLD_SIZES:
-                read, used, opened = read_and_used(plan, world_size, steps, group_rows)
+                read, used, opened = read_and_used(by_world[world_size], world_size, steps, group_rows)
                 ratios[name, group_rows, world_size] = read / used
                 footers[name, world_size] = opened / used * 1000
                 cells.append(f"{read / used:8.2f}")
@@ -86,12 +102,13 @@ def main() -> None:
         print(f"{name:>10} {'':>9} " + " ".join(f"{footers[name, w]:8.1f}" for w in WORLD_SIZES))
     for group_rows in ROW_GROUPS:
         for world_size in (WORLD_SIZES[0], WORLD_SIZES[-1]):
-            bucketed, square = ratios["buckets", group_rows, world_size], ratios["one shape", group_rows, world_size]
-            print(f"RATIO rows read / trained on, buckets, {group_rows}-row groups, W={world_size} = {bucketed:.3f}")
-            print(f"RATIO rows read / trained on, one shape, {group_rows}-row groups, W={world_size} = {square:.3f}")
+            for name in built:
+                ratio = ratios[name, group_rows, world_size]
+                print(f"RATIO rows read / trained on, {name}, {group_rows}-row groups, W={world_size} = {ratio:.3f}")
     for world_size in (WORLD_SIZES[0], WORLD_SIZES[-1]):
-        ratio = footers["buckets", world_size] / footers["one shape", world_size]
-        print(f"RATIO files opened per row, buckets / one shape, W={world_size} = {ratio:.3f}")
+        for name in ("buckets", "turns"):
+            ratio = footers[name, world_size] / footers["one shape", world_size]
+            print(f"RATIO files opened per row, {name} / one shape, W={world_size} = {ratio:.3f}")
 
 
 if __name__ == "__main__":
