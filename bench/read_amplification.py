@@ -5,7 +5,7 @@ each for the rest of its window, so a rank reads every row group its windows tou
 real plans (``SamplePlan`` for data of one shape, ``BucketPlan`` for aspect-ratio buckets) over 1e6 rows in 100
 files, plans one rank's windows for ``--steps`` steps at a global batch of 2048 and world sizes 8 to 256, and counts,
 over those windows, the rows of the row groups touched (rows read) against the rows in the spans (rows trained on),
-for row groups of 64 rows (preprocessing's ``output.row_group_rows`` default) and of 8. ``turns`` is the bucketed plan
+for row groups of 64 rows (preprocessing's ``output.row_group_rows`` default), 16 and 8. ``turns`` is the bucketed plan
 with ``data.bucket_steps`` = chunk rows / a rank's share of a step at each world size (1 where the share is a chunk or
 more), the setting the driver's warning names.
 
@@ -26,7 +26,7 @@ from data_scale import CHUNK_ROWS, ROWS_PER_FILE, WINDOW_ROWS, bucketed_files  #
 
 GLOBAL_BATCH = 2048
 WORLD_SIZES = (8, 32, 64, 128, 256)
-ROW_GROUPS = (64, 8)
+ROW_GROUPS = (64, 16, 8)
 
 
 def turn_steps(world_size: int) -> int:
