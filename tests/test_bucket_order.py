@@ -150,6 +150,40 @@ def test_over_a_turn_a_rank_reads_whole_lanes_so_whole_chunks_of_its_buckets_ord
     assert [len(w.blocks) for w in plan.windows(stretch)] == [11, 16]
 
 
+def _sequence_positions(plan):
+    """Each row's position in its bucket's row sequence (its runs in file order), by sample index."""
+    position, next_of = np.zeros(plan.num_rows, np.int64), np.zeros(len(plan.bucket_shapes), np.int64)
+    for row, (_, bucket, rows) in zip(np.cumsum([0, *plan.run_table()[:-1, 2]]), plan.run_table(), strict=True):
+        position[row : row + rows] = next_of[bucket] + np.arange(rows)
+        next_of[bucket] += rows
+    return position
+
+
+def test_a_lane_is_one_whole_chunk_of_its_bucket_in_every_epoch_whatever_the_rows_carried_in():
+    """The same plan as above, in epochs whose buckets carried rows in (148 and 732 into epoch 1; not multiples of a
+    chunk): each lane a rank reads over a turn is one whole 64-row chunk of its bucket's rows, but for the one lane a
+    turn that the rotation wraps (rank 15's), the rows carried in (turn 0's) and a bucket's last rows."""
+    files = [[(0, 700), (1, 1300)], [(0, 520), (1, 1480)], [(0, 2000)]]
+    rows = [sum(n for _, n in f) for f in files]
+    plan = BucketPlan(rows, runs_of(files), SHAPES[:2], 4, 64, 64, 64, bucket_steps=16)
+    position = _sequence_positions(plan)
+    assert plan.carried(1).tolist() == [148, 732] and plan.carried(2).tolist() == [296, 440]
+    whole, checked = 0, 0
+    for epoch in (1, 2):
+        steps = plan.steps_in_epoch(epoch)
+        buckets, batches = plan.step_batches(epoch, np.arange(steps))
+        for rank in range(15):
+            for stretch in plan.rank_stretches(DataState(epoch), 16, 4, steps)[rank]:
+                for window, first in zip(plan.windows(stretch), range(0, steps, 16), strict=True):
+                    bucket, turn = int(buckets[first]), int(batches[first]) // 16
+                    lane = np.sort(position[plan.sample_indices(window)])
+                    if turn == 0 or lane[-1] >= plan.bucket_rows[bucket] // 64 * 64:
+                        continue  # rows carried in, or the bucket's last rows
+                    checked += 1
+                    whole += lane[0] % 64 == 0 and np.array_equal(lane, lane[0] + np.arange(64))
+    assert checked > 40 and whole == checked
+
+
 def test_the_plan_refuses_shares_that_do_not_make_its_batch_and_runs_that_do_not_make_their_files():
     plan = _plan()
     with pytest.raises(ValueError, match="not the plan's global batch 12"):

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from sdtrain.data.bucket_turns import lane_part_rows, share_positions, window_count, window_edges
+from sdtrain.data.bucket_turns import TurnOrder, lane_part_rows, share_positions, window_count, window_edges
 from sdtrain.data.chunks import Chunks, ChunkShuffle, EpochOrder
 from sdtrain.data.read_order import DataState, Window, window_sample_indices
 
@@ -216,12 +216,16 @@ class BucketPlan:
         bucket = np.searchsorted(offsets, slots, side="right") - 1
         return bucket, (slots - offsets[bucket]) * self.bucket_steps + steps % self.bucket_steps
 
-    def _bucket_order(self, epoch: int, bucket: int) -> EpochOrder:
+    def _bucket_order(self, epoch: int, bucket: int) -> EpochOrder | TurnOrder:
         key = (epoch, bucket)
         if key not in self._orders:
             if len(self._orders) > 64:  # a rank walks a few epochs of every bucket
                 self._orders.clear()
-            self._orders[key] = EpochOrder(self.bucket_chunks[bucket], (self.seed, epoch, 2, bucket))
+            seed, rows = (self.seed, epoch, 2, bucket), int(self.bucket_rows[bucket])
+            turns = self.bucket_steps > 1  # chunks that start where lanes do: sdtrain.data.bucket_turns
+            self._orders[key] = (
+                TurnOrder(rows, self.chunk_rows, seed) if turns else EpochOrder(self.bucket_chunks[bucket], seed)
+            )
         return self._orders[key]
 
     def order_spans(self, epoch: int, bucket: int, lo: int, hi: int) -> np.ndarray:
@@ -250,7 +254,7 @@ class BucketPlan:
 
     def _own_spans(self, epoch: int, bucket: int, lo: int, hi: int) -> np.ndarray:
         """Spans of ``bucket``'s row sequence at positions [lo, hi) of its own chunk order in ``epoch``."""
-        if self.bucket_chunks[bucket].count == 1:
+        if self.bucket_chunks[bucket].count == 1 and self.bucket_steps == 1:
             # One chunk has one order: its rows as they are. These buckets (r <= chunk rows) are the ones carried
             # over many epochs, where building each epoch's shuffle walked back costs ~1 ms (2 s at G = 2048, r = 1).
             return np.array([[0, lo, hi]], np.int64)[: int(hi > lo)]
@@ -344,10 +348,11 @@ class BucketPlan:
         """Spans of rank ``rank``'s shares of ``steps`` (in step order), and the step (index into ``steps``) each span
         is of: each bucket's shares mapped through its chunk order at once."""
         buckets, batches = self.step_batches(epoch, steps)
-        turn = (self.bucket_steps, self.chunk_rows, self.global_batch)
-        lo, hi, step_of = share_positions(batches, *turn, world_size, rank)
-        buckets = buckets[step_of]
         carry = self.carried(epoch)
+        shifts = carry[buckets] % self.chunk_rows if self.bucket_steps > 1 else np.zeros_like(batches)
+        turn = (self.bucket_steps, self.chunk_rows, self.global_batch)
+        lo, hi, step_of = share_positions(batches, shifts, *turn, world_size, rank)
+        buckets = buckets[step_of]
         spans_of, owners = [], []  # owners: the piece (index into lo) each span is of
         for bucket in np.unique(buckets).tolist():
             mine = np.flatnonzero(buckets == bucket)

@@ -13,11 +13,19 @@ A step's rows therefore do not depend on the world size, and rank r of W, which 
 every step, takes the same lanes at each of the turn's steps: over the turn it reads k G/W consecutive positions,
 whole chunks, where one step a turn would have it read a part of a chunk a step, the rest of which (its row groups)
 other ranks read too. One step a turn (k = 1) is one lane, the whole batch: a rank's share is consecutive positions.
+
+For a lane to be one chunk, not the ends of two chunks far apart in the order, the chunks must start where lanes
+do. With turns, a bucket's epoch order is its whole chunks shuffled and then its last rows (fewer than a chunk;
+:class:`TurnOrder`), and an epoch's lanes are rotated within each turn by the rows the bucket carried in, modulo a
+chunk: its own chunks then start on lane boundaries. Only the rows carried in (a turn or less a bucket an epoch),
+the bucket's last rows and the one lane a turn that the rotation wraps around the turn's end are not whole chunks.
 """
 
 from __future__ import annotations
 
 import numpy as np
+
+from sdtrain.data.chunks import Chunks, EpochOrder
 
 
 def lane_part_rows(bucket_steps: int, chunk_rows: int, global_batch: int) -> int:
@@ -32,14 +40,51 @@ def lane_part_rows(bucket_steps: int, chunk_rows: int, global_batch: int) -> int
     return chunk_rows // bucket_steps
 
 
+class TurnOrder:
+    """A bucket's order for an epoch of turns: its whole chunks in a seeded order (:class:`EpochOrder`), then its last
+    ``rows % chunk_rows`` rows; the same interface as :class:`EpochOrder` for spans of the bucket's row sequence."""
+
+    def __init__(self, rows: int, chunk_rows: int, key: tuple[int, ...]):
+        whole = rows - rows % chunk_rows
+        # One chunk or none has one order: built for every epoch a small bucket's carried rows walk back through.
+        self.whole = whole if whole > chunk_rows else 0
+        self.order = EpochOrder(Chunks(np.array([whole], np.int64), chunk_rows), key) if self.whole else None
+
+    def spans(self, intervals: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Spans (0, first row, end row) of the rows at the positions ``intervals`` cover, in their order, and the
+        (non-empty) interval each is part of."""
+        intervals = intervals[intervals[:, 1] > intervals[:, 0]]
+        lo, hi = intervals[:, 0], intervals[:, 1]
+        head = lo < self.whole
+        pieces, owners = [], []
+        if self.order is not None and head.any():
+            spans, owner = self.order.spans(np.stack([lo[head], np.minimum(hi[head], self.whole)], axis=1))
+            pieces.append(spans)
+            owners.append(np.flatnonzero(head)[owner] * 2)
+        tail = hi > self.whole  # the last rows, as they are
+        tail_lo = np.maximum(lo[tail], self.whole)
+        pieces.append(np.stack([np.zeros_like(tail_lo), tail_lo, hi[tail]], axis=1))
+        owners.append(np.flatnonzero(tail) * 2 + 1)
+        owner = np.concatenate(owners)
+        order = np.argsort(owner, kind="stable")  # each interval's chunks, then its last rows
+        return np.concatenate(pieces)[order], owner[order] // 2
+
+
 def share_positions(
-    batches: np.ndarray, bucket_steps: int, chunk_rows: int, global_batch: int, world_size: int, rank: int
+    batches: np.ndarray,
+    shifts: np.ndarray,
+    bucket_steps: int,
+    chunk_rows: int,
+    global_batch: int,
+    world_size: int,
+    rank: int,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Positions [lo, hi) of the bucket orders that rank ``rank``'s shares take, as pieces in read order (step by step,
     each step's rows in order), and the step (index into ``batches``) of each piece.
 
     Args:
         batches: the batch index within its bucket of each step.
+        shifts: each step's rotation of its turn's lanes (0 where a turn is one step).
         bucket_steps: data.bucket_steps (k).
         chunk_rows: data.shuffle_chunk_rows.
         global_batch: train.global_batch_size (G).
@@ -51,10 +96,23 @@ def share_positions(
     lanes = np.arange(first_row // lane_part, (end_row - 1) // lane_part + 1, dtype=np.int64)
     within_lo = np.maximum(first_row - lanes * lane_part, 0)
     within_hi = np.minimum(end_row - lanes * lane_part, lane_part)
-    step_base = batches // bucket_steps * (bucket_steps * global_batch) + batches % bucket_steps * lane_part
-    lane_base = step_base[:, None] + lanes * (bucket_steps * lane_part)
+    turn_rows = bucket_steps * global_batch
+    # Within the turn, lanes start `shift` positions on (TurnOrder's chunks do), the last wrapping past its end.
+    lane_base = (batches % bucket_steps * lane_part + shifts)[:, None] + lanes * (bucket_steps * lane_part)
+    lo, hi = (lane_base + within_lo).ravel(), (lane_base + within_hi).ravel()
     step_of = np.repeat(np.arange(len(batches)), len(lanes))
-    return (lane_base + within_lo).ravel(), (lane_base + within_hi).ravel(), step_of
+    past = lo >= turn_rows
+    lo[past], hi[past] = lo[past] - turn_rows, hi[past] - turn_rows
+    # A piece the turn's end cuts is two: its part up to the end, then the rest from the turn's start.
+    cut = hi > turn_rows
+    piece = np.repeat(np.arange(len(lo)), 1 + cut)
+    rest = np.zeros(len(piece), bool)
+    rest[np.cumsum(1 + cut)[cut] - 1] = True
+    lo, hi, step_of = lo[piece], hi[piece], step_of[piece]
+    hi[cut[piece] & ~rest] = turn_rows
+    lo[rest], hi[rest] = 0, hi[rest] - turn_rows
+    turn_start = batches // bucket_steps * turn_rows
+    return turn_start[step_of] + lo, turn_start[step_of] + hi, step_of
 
 
 def window_count(first: int, steps: int, per_window: int) -> int:
