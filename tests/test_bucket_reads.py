@@ -149,12 +149,12 @@ def test_turns_of_8_steps_read_about_the_rows_they_use_where_8_row_shares_read_8
     assert read[1] > 6 and read[8] < 2.4 and read[1] / read[8] > 3.5, read
 
 
-def _warnings(config, run_dir):
+def _warnings(config, run_dir, about="rows of a step"):
     from sdtrain.driver.data_check import check_data
 
     with LogLines() as lines:
         check_data(config, run_dir)
-    return [line for line in lines.messages if "rows of a step" in line]
+    return [line for line in lines.messages if about in line]
 
 
 def test_the_driver_warns_once_of_row_groups_larger_than_a_workers_share_of_a_step(tmp_path):
@@ -175,6 +175,11 @@ def test_the_driver_warns_once_of_row_groups_larger_than_a_workers_share_of_a_st
     # Turns of 8 steps: each worker reads 64 consecutive rows, a row group's worth.
     config = tiny_config(data, "data.bucket_steps=8", tmp_path=tmp_path, name="t", batch=64, workers=8)
     assert _warnings(config, str(tmp_path / "t")) == []
+    (described,) = _warnings(config, str(tmp_path / "t"), "data.train: 400 rows")  # the start says what it reads
+    assert described.endswith(
+        "in 1 file(s), latents in 4 aspect-ratio buckets, captions (8, 32); about 6 steps per epoch, in turns of 8 "
+        "steps of one bucket"
+    )
     (short,) = _warnings(
         tiny_config(data, "data.bucket_steps=4", tmp_path=tmp_path, batch=64, workers=8), str(tmp_path)
     )

@@ -60,10 +60,11 @@ def check_data(config: Config, run_dir: str) -> tuple[IndexedDataset, IndexedDat
     stored_scale = stored_latent_scaling(
         [(data.schema_file, data.schema_metadata) for data in (train_data, val_data) if data is not None], config.data
     )
+    buckets = train.bucket_shapes
+    latents = train.latent_shape if buckets is None else f"in {len(buckets)} aspect-ratio buckets"
     log.info(
-        f"data.train: {train.num_rows} rows in {len(train.files)} file(s), latents "
-        f"{train.latent_shape}, captions {_describe_captions(train)}; "
-        f"{train.num_rows // config.train.global_batch_size} steps per epoch"
+        f"data.train: {train.num_rows} rows in {len(train.files)} file(s), latents {latents}, captions "
+        f"{_describe_captions(train)}; {_describe_steps(train, config)}"
     )
     if train.num_rows < config.train.global_batch_size:
         raise DataError(
@@ -269,6 +270,15 @@ def _check_shapes_agree(train: DatasetSpec, val: DatasetSpec | None) -> None:
             f"holds {_describe_latents(train)} and {_describe_captions(train)}; validation data must match training "
             "data"
         )
+
+
+def _describe_steps(spec: DatasetSpec, config: Config) -> str:
+    steps = spec.num_rows // config.train.global_batch_size
+    if spec.bucket_shapes is None:
+        return f"{steps} steps per epoch"
+    # A bucket's rows short of a batch (a turn) are carried into the next epoch: about this many steps an epoch.
+    turns = config.data.bucket_steps
+    return f"about {steps} steps per epoch" + ("" if turns == 1 else f", in turns of {turns} steps of one bucket")
 
 
 def _describe_latents(spec: DatasetSpec) -> str:
