@@ -69,10 +69,11 @@ class DataConfig(Section):
     """Each worker reads its chunks in windows of this many rows (one Ray Data block) and shuffles rows within a
     window. Not bucketed data's: its rows keep their order within a chunk (docs/data.md, Aspect-ratio buckets)."""
     bucket_steps: int = 1
-    """Bucketed data: optimizer steps of one bucket in a row. Each rank then reads whole chunks over those steps
-    instead of a part of one chunk a step, which, once a rank's share of a step (train.global_batch_size / workers)
-    is smaller than a chunk, reads the same row groups on several ranks; set it to data.shuffle_chunk_rows / that
-    share at the most workers (docs/data.md, Aspect-ratio buckets). Must divide data.shuffle_chunk_rows."""
+    """Bucketed data: optimizer steps of one bucket in a row (a turn), over which each rank reads whole chunks, where
+    one step a turn has ranks whose share of a step (train.global_batch_size / workers) is under a chunk read the
+    same row groups. Set it to data.shuffle_chunk_rows / that share at the most workers, at least 2 (docs/data.md,
+    Aspect-ratio buckets); the model then sees that many steps of one aspect ratio in a row. Must divide
+    data.shuffle_chunk_rows."""
     on_resume_change: Literal["fail", "new_epoch"] = "fail"
     """When data.train, train.seed or the shuffle sizes changed since the checkpoint a run resumes from (its data
     position would read rows twice or never): fail says what changed, before Ray starts; new_epoch resumes the
