@@ -689,7 +689,10 @@ def test_the_shipped_sdxl_config_trains_its_recipe_on_the_tiny_sdxl_unet(sdxl):
             + ["train.global_batch_size=4", "scaling.num_workers=1", "train.warmup_steps=0", "train.lr=1e-3"]
             # auto's precision on a GPU with bf16 (sdtrain.train.build.resolve_precision; the CPU's is 32-true): the
             # units' bf16 graphs are what a GPU run compiles (as in test_options.shipped_gpu_options).
-            + ["train.max_steps=3", "train.precision=bf16-mixed", *overrides],
+            + ["train.max_steps=3", "train.precision=bf16-mixed", *overrides]
+            # Its turns of 2 steps (data.bucket_steps) need lanes that make a batch of 4: 8-row chunks. The batches
+            # here are given, not read; turns are read in test_buckets.py.
+            + ["data.shuffle_chunk_rows=8"],
         )
         return config, checkpoint_meta(config, (4, 16, 24), (77, 80), text_encoder=root, vae_downsampling=2)
 
