@@ -176,7 +176,7 @@ class Config(ConfigTree):
 
     def _refuse_uneven_bucket_lanes(self) -> None:
         """data.bucket_steps > 1 cuts each run of steps into lanes of a chunk, each step taking an equal part of every
-        lane (sdtrain.data.bucket_order): the global batch must be whole lanes' parts."""
+        lane (sdtrain.data.bucket_turns): the global batch must be whole lanes' parts."""
         steps, chunk, batch = self.data.bucket_steps, self.data.shuffle_chunk_rows, self.train.global_batch_size
         part = chunk // steps
         if steps > 1 and batch % part:
