@@ -6,7 +6,8 @@ import hashlib
 import numpy as np
 import pytest
 
-from sdtrain.data.bucket_order import BucketPlan, runs_of
+from sdtrain.data.bucket_order import BucketPlan
+from sdtrain.data.bucket_runs import runs_of
 from sdtrain.data.position import plan_changes
 from sdtrain.data.read_order import DataState, window_sample_indices
 

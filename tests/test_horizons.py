@@ -11,7 +11,8 @@ from support.datasets import inspect_dataset
 
 from sdtrain.config.learning import Columns
 from sdtrain.config.schema import DataConfig
-from sdtrain.data.bucket_order import BucketPlan, runs_of
+from sdtrain.data.bucket_order import BucketPlan
+from sdtrain.data.bucket_runs import runs_of
 from sdtrain.data.horizons import HORIZON_READS_VAR, Horizons, horizon_reads
 from sdtrain.data.read_order import DataState, SamplePlan
 from sdtrain.data.streams import WindowReader, rank_dataset

@@ -392,9 +392,3 @@ class BucketPlan:
     def sample_indices(self, window: Window) -> np.ndarray:
         """The sample index of every row ``window`` reads, in read order."""
         return window_sample_indices(window.spans, self.file_offsets)[window.order()]
-
-
-def runs_of(file_buckets: Sequence[Sequence[tuple[int, int]]]) -> np.ndarray:
-    """The runs array of files given as their (bucket, rows) pairs in row order."""
-    runs = [(f, b, n) for f, pairs in enumerate(file_buckets) for b, n in pairs]
-    return np.array(runs, np.int64).reshape(-1, 3)
