@@ -14,12 +14,20 @@ from sdtrain.data.read_order import DataState, window_sample_indices
 SHAPES = [(4, 8, 8), (4, 6, 10), (4, 10, 6), (4, 4, 16)]
 
 
-def _plan(seed=0, global_batch=12, chunk_rows=5, window_rows=20, bucket_steps=1):
+def _plan(seed=0, global_batch=12, chunk_rows=5, window_rows=20, bucket_steps=1, order="buckets-2"):
     # Files of several buckets each, sorted by bucket; one bucket (3) too small for a batch in one epoch.
     files = [[(0, 30), (1, 11)], [(0, 7), (2, 25), (3, 5)], [(1, 40)], [(0, 19), (2, 3)]]
     rows = [sum(n for _, n in f) for f in files]
     return BucketPlan(
-        rows, runs_of(files), SHAPES, seed, chunk_rows, global_batch, window_rows, bucket_steps=bucket_steps
+        rows,
+        runs_of(files),
+        SHAPES,
+        seed,
+        chunk_rows,
+        global_batch,
+        window_rows,
+        bucket_steps=bucket_steps,
+        order=order,
     )
 
 
@@ -151,38 +159,49 @@ def test_over_a_turn_a_rank_reads_whole_lanes_so_whole_chunks_of_its_buckets_ord
     assert [len(w.blocks) for w in plan.windows(stretch)] == [11, 16]
 
 
-def _sequence_positions(plan):
-    """Each row's position in its bucket's row sequence (its runs in file order), by sample index."""
-    position, next_of = np.zeros(plan.num_rows, np.int64), np.zeros(len(plan.bucket_shapes), np.int64)
-    for row, (_, bucket, rows) in zip(np.cumsum([0, *plan.run_table()[:-1, 2]]), plan.run_table(), strict=True):
-        position[row : row + rows] = next_of[bucket] + np.arange(rows)
-        next_of[bucket] += rows
-    return position
+def _run_rows(plan):
+    """Each row's run (index into the plan's runs) and its row within the run, by sample index."""
+    rows = plan.run_table()[:, 2]
+    run = np.repeat(np.arange(len(rows)), rows)
+    return run, np.arange(plan.num_rows) - np.repeat(np.cumsum(rows) - rows, rows)
 
 
-def test_a_lane_is_one_whole_chunk_of_its_bucket_in_every_epoch_whatever_the_rows_carried_in():
-    """The same plan as above, in epochs whose buckets carried rows in (148 and 732 into epoch 1; not multiples of a
-    chunk): each lane a rank reads over a turn is one whole 64-row chunk of its bucket's rows, but for the one lane a
-    turn that the rotation wraps (rank 15's), the rows carried in (turn 0's) and a bucket's last rows."""
+@pytest.mark.parametrize(("bucket_steps", "world_size", "global_batch"), [(16, 16, 64), (1, 4, 256)])
+def test_a_lane_is_one_whole_chunk_of_one_run_in_every_epoch_whatever_the_rows_carried_in(
+    bucket_steps, world_size, global_batch
+):
+    """The same data as above, in epochs whose buckets carried rows in (not multiples of a chunk): each lane a rank
+    reads over a turn is one whole 64-row chunk of one run, starting a multiple of 64 rows into it (so whole row groups
+    of a file preprocessing wrote), but for the one lane a turn that the rotation wraps (the last rank's), the rows
+    carried in (turn 0's) and the lanes cut from the runs' last rows. Turns of 16 steps at 4 rows a rank, and turns of
+    one step at 64 (a lane is then a rank's share of the step)."""
     files = [[(0, 700), (1, 1300)], [(0, 520), (1, 1480)], [(0, 2000)]]
     rows = [sum(n for _, n in f) for f in files]
-    plan = BucketPlan(rows, runs_of(files), SHAPES[:2], 4, 64, 64, 64, bucket_steps=16)
-    position = _sequence_positions(plan)
-    assert plan.carried(1).tolist() == [148, 732] and plan.carried(2).tolist() == [296, 440]
-    whole, checked = 0, 0
+    plan = BucketPlan(rows, runs_of(files), SHAPES[:2], 4, 64, global_batch, 64, bucket_steps=bucket_steps)
+    share, per_window = global_batch // world_size, plan.steps_per_window(world_size)
+    assert bucket_steps * share == 64 and per_window == bucket_steps
+    run, within = _run_rows(plan)
+    whole_rows = within < plan.run_table()[run, 2] // 64 * 64  # rows of their runs' whole chunks
+    assert (plan.carried(1) % 64 > 0).all() and (plan.carried(2) % 64 > 0).all()
+    whole, checked, last_rows = 0, 0, 0
     for epoch in (1, 2):
         steps = plan.steps_in_epoch(epoch)
-        buckets, batches = plan.step_batches(epoch, np.arange(steps))
-        for rank in range(15):
-            for stretch in plan.rank_stretches(DataState(epoch), 16, 4, steps)[rank]:
-                for window, first in zip(plan.windows(stretch), range(0, steps, 16), strict=True):
-                    bucket, turn = int(buckets[first]), int(batches[first]) // 16
-                    lane = np.sort(position[plan.sample_indices(window)])
-                    if turn == 0 or lane[-1] >= plan.bucket_rows[bucket] // 64 * 64:
-                        continue  # rows carried in, or the bucket's last rows
+        _, batches = plan.step_batches(epoch, np.arange(steps))
+        for rank in range(world_size - 1):
+            for stretch in plan.rank_stretches(DataState(epoch), world_size, share, steps)[rank]:
+                for window, first in zip(plan.windows(stretch), range(0, steps, per_window), strict=True):
+                    lane = np.sort(plan.sample_indices(window))
+                    if int(batches[first]) // bucket_steps == 0:
+                        continue  # rows carried in
+                    if not whole_rows[lane].all():
+                        last_rows += 1
+                        continue
                     checked += 1
-                    whole += lane[0] % 64 == 0 and np.array_equal(lane, lane[0] + np.arange(64))
-    assert checked > 40 and whole == checked
+                    one_run = (run[lane] == run[lane[0]]).all() and within[lane[0]] % 64 == 0
+                    whole += one_run and np.array_equal(lane, lane[0] + np.arange(64))
+    # The runs' last rows are 112 of the 6000 (60 + 8 + 16 and 20 + 8): a few lanes. With turns of 16 cut from the runs
+    # laid end to end (order buckets-1), 44 of 115 lanes were one run's whole chunk.
+    assert checked > 40 and whole == checked and 0 < last_rows < checked / 5
 
 
 def test_the_plan_refuses_shares_that_do_not_make_its_batch_and_runs_that_do_not_make_their_files():
@@ -204,7 +223,7 @@ def test_the_plan_pickles_small_and_reads_the_same_after():
     a, _ = _read(plan, DataState(), 2, 9)
     b, _ = _read(again, DataState(), 2, 9)
     assert all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
-    assert plan.fingerprint()["order"] == "buckets-1" and plan.fingerprint()["buckets"][1] == [4, 6, 10]
+    assert plan.fingerprint()["order"] == "buckets-2" and plan.fingerprint()["buckets"][1] == [4, 6, 10]
     assert _plan(seed=10).fingerprint() != plan.fingerprint()
     # Turns of one step are the order checkpoints written before data.bucket_steps name; others are another order.
     assert "bucket_steps" not in plan.fingerprint()
@@ -217,6 +236,33 @@ def test_the_plan_pickles_small_and_reads_the_same_after():
     assert plan_changes(turns.fingerprint(), _plan(chunk_rows=6).fingerprint()) == [
         "data.bucket_steps is 1, was 3 (bucketed data's order is cut in turns of that many steps)"
     ]
+
+
+@pytest.mark.parametrize("bucket_steps", [1, 3])
+def test_a_run_resumes_in_the_read_order_its_checkpoints_were_written_in(bucket_steps):
+    """buckets-1 cut a bucket's chunks from its runs laid end to end; buckets-2 cuts them within runs. A run whose
+    checkpoint names buckets-1 goes on reading it after the upgrade, rather than refusing to resume; an order this
+    sdtrain does not read still resumes as a change."""
+    from sdtrain.data.position import DataPosition
+
+    plan = _plan(chunk_rows=6, bucket_steps=bucket_steps)
+    old = BucketPlan(plan.rows, plan.run_table(), SHAPES, 0, 6, 12, 20, bucket_steps=bucket_steps, order="buckets-1")
+    steps, _ = _read(plan, DataState(), 2, 12)
+    old_steps, _ = _read(old, DataState(), 2, 12)
+    assert any(not np.array_equal(a, b) for a, b in zip(steps, old_steps, strict=True))  # two orders
+    stored = old.fingerprint()
+    assert plan_changes(stored, plan.fingerprint()) == [
+        "the checkpoint was written with read order buckets-1 of an earlier sdtrain, this one reads order buckets-2"
+    ]
+    kept = plan.in_order_of(stored)
+    assert kept.fingerprint() == stored and kept.order == "buckets-1" and plan.order == "buckets-2"
+    kept_steps, _ = _read(kept, DataState(), 2, 12)
+    assert all(np.array_equal(a, b) for a, b in zip(kept_steps, old_steps, strict=True))
+    assert DataPosition(3, DataState(), stored).resume(kept, "fail", "ckpt") == (3, DataState())
+    for other in (plan.fingerprint(), {**stored, "order": "buckets-0"}, None):
+        assert plan.in_order_of(other) is plan
+    with pytest.raises(ValueError, match="read order buckets-0: this sdtrain reads orders buckets-1, buckets-2"):
+        BucketPlan(plan.rows, plan.run_table(), SHAPES, 0, 6, 12, order="buckets-0")
 
 
 def _one_row_bucket_plan(global_batch):
@@ -241,7 +287,8 @@ def test_a_one_row_bucket_carried_2047_epochs_at_a_global_batch_of_2048_plans_it
 
 
 # sha256[:16] of every order_spans() answer below (whole orders, every single position, and runs of 3 from every
-# second position, for each epoch and bucket), captured from the recursive version before it became a loop.
+# second position, for each epoch and bucket), captured from the recursive version before it became a loop, in read
+# order buckets-1, which runs that started in it still read (BucketPlan.in_order_of) and so must read as it did.
 ORDER_SPANS_DIGESTS = ["85ae244b432c25c3", "8ae2370bbb084bb6", "04a701bc09aa6e5d"]
 
 
@@ -259,11 +306,15 @@ def _order_spans_digest(plan, epochs):
 
 
 def test_the_rows_carried_in_are_the_ones_the_recursive_walk_back_found():
-    small = BucketPlan([41, 20], runs_of([[(0, 40), (1, 1)], [(0, 20)]]), SHAPES[:2], 0, 4, 8, 64)
-    several = BucketPlan([11, 21], runs_of([[(0, 9), (1, 2)], [(0, 13), (1, 1), (2, 7)]]), SHAPES[:3], 5, 2, 16, 32)
+    old = {"order": "buckets-1"}
+    small = BucketPlan([41, 20], runs_of([[(0, 40), (1, 1)], [(0, 20)]]), SHAPES[:2], 0, 4, 8, 64, **old)
+    several = BucketPlan(
+        [11, 21], runs_of([[(0, 9), (1, 2)], [(0, 13), (1, 1), (2, 7)]]), SHAPES[:3], 5, 2, 16, 32, **old
+    )
     # _plan: bucket 3 carried 3 epochs; small: a 1-row bucket carried 8 (G = 8); several: 3 rows (G = 16, 2-row
     # chunks, so several chunks an epoch) carried up to 6 epochs, 7 rows up to 3.
-    got = [_order_spans_digest(plan, epochs) for plan, epochs in ((_plan(), 8), (small, 20), (several, 24))]
+    plans = ((_plan(order="buckets-1"), 8), (small, 20), (several, 24))
+    got = [_order_spans_digest(plan, epochs) for plan, epochs in plans]
     assert got == ORDER_SPANS_DIGESTS
     assert window_sample_indices(small.order_spans(7, 1, 0, 8), small.file_offsets).tolist() == [40] * 8
 

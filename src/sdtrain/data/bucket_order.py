@@ -2,7 +2,9 @@
 pure function of (seed, epoch, step), whatever the world size.
 
 Each file holds its rows bucket by bucket, one *run* of consecutive rows per bucket (preprocessing sorts a shard's rows
-by bucket). A bucket's rows are cut into chunks of ``data.shuffle_chunk_rows`` consecutive rows within a run, and each
+by bucket and starts a row group at each run). A bucket's rows are one sequence: the whole chunks of ``c =
+data.shuffle_chunk_rows`` rows of each of its runs in file order, then each run's last rows
+(:mod:`sdtrain.data.bucket_runs`), cut into chunks of c rows, so that a chunk is whole row groups of one file. Each
 epoch orders a bucket's chunks by a seeded bijection (:class:`sdtrain.data.chunks.EpochOrder`): that is the bucket's
 *order* for the epoch. Its rows are consumed a *turn* of ``k = data.bucket_steps`` global batches of G rows at a time:
 turn T of bucket b is positions [T k G, (T + 1) k G) of its order. An epoch holds ``S_b = floor(L_b / (k G))`` turns of
@@ -12,12 +14,12 @@ or padded: they open the bucket's order of the next epoch. The epoch's steps are
 rows.
 
 Step s of an epoch is batch i of a turn of bucket b whatever the world size, and rank r of W reads rows
-[r G/W, (r + 1) G/W) of it: for k = 1 consecutive positions (a chunk or two), for k > 1 the same lanes of the turn at
-each of its steps (:mod:`sdtrain.data.bucket_turns`). A run resumed at another world size
-therefore continues with exactly the rows, buckets and order the uninterrupted run would have: only which rank reads
-which part of a step changes. The data position (:class:`sdtrain.data.read_order.DataState`) counts the steps done in
-the epoch as rows per rank at each world size the epoch ran at; nothing here holds a table of steps or rows: a rank
-plans its reads from the runs of the files and a few integers per bucket.
+[r G/W, (r + 1) G/W) of it: the same lanes of the turn at each of its steps (:mod:`sdtrain.data.bucket_turns`; for
+k = 1, consecutive positions). A run resumed at another world size therefore continues with exactly the rows, buckets
+and order the uninterrupted run would have: only which rank reads which part of a step changes. The data position
+(:class:`sdtrain.data.read_order.DataState`) counts the steps done in the epoch as rows per rank at each world size the
+epoch ran at; nothing here holds a table of steps or rows: a rank plans its reads from the runs of the files and a few
+integers per bucket.
 """
 
 from __future__ import annotations
@@ -29,12 +31,20 @@ from typing import Any
 
 import numpy as np
 
+from sdtrain.data.bucket_runs import run_pieces
 from sdtrain.data.bucket_turns import TurnOrder, lane_part_rows, share_positions, window_count, window_edges
 from sdtrain.data.chunks import Chunks, ChunkShuffle, EpochOrder
 from sdtrain.data.read_order import DataState, Window, window_sample_indices
 
-BUCKET_ORDER_VERSION = "buckets-1"
-"""The version of this order's algorithm, in the fingerprint: a checkpoint of another order resumes as a change."""
+BUCKET_ORDER_VERSION = "buckets-2"
+"""The version of this order's algorithm that new runs read, in the fingerprint. Since buckets-2, chunks are cut within
+runs (:mod:`sdtrain.data.bucket_runs`); buckets-1 cut them from a bucket's runs laid end to end."""
+ORDERS = ("buckets-1", BUCKET_ORDER_VERSION)
+"""The versions this plan reads: a run resumes in the one its checkpoints were written in
+(:meth:`BucketPlan.in_order_of`); a checkpoint of any other resumes as a change of the read order."""
+# A plan's fields but its files' rows and runs: pickled as they are.
+_SETTINGS: tuple[str, ...] = ("bucket_shapes", "seed", "chunk_rows", "global_batch", "window_rows", "files_digest")
+_SETTINGS += ("content_digest", "bucket_steps", "order")
 _DIGEST_BLOCK = 1 << 16
 """Runs hashed at a time by BucketPlan.runs_digest: a 1.5 MB int64 block, not the whole table."""
 
@@ -64,6 +74,7 @@ class BucketPlan:
         global_batch: train.global_batch_size: the rows of every step.
         window_rows: data.shuffle_window_rows: about the rows of one read task (whole steps' shares).
         bucket_steps: data.bucket_steps: steps of one bucket in a row, a *turn* (sdtrain.data.bucket_turns).
+        order: the version of the order, one of ORDERS.
     """
 
     rows_per_file: Sequence[int]
@@ -76,17 +87,20 @@ class BucketPlan:
     files_digest: str = ""
     content_digest: str = ""
     bucket_steps: int = 1
+    order: str = BUCKET_ORDER_VERSION
     _orders: dict = field(init=False, repr=False, default_factory=dict)
     _carries: dict = field(init=False, repr=False, default_factory=dict)
 
     def __post_init__(self, runs: np.ndarray):
         lane_part_rows(self.bucket_steps, self.chunk_rows, self.global_batch)  # refuses lanes that miss the batch
+        if self.order not in ORDERS:
+            raise ValueError(f"read order {self.order}: this sdtrain reads orders {', '.join(ORDERS)}")
         runs = np.asarray(runs).reshape(-1, 3)
         self._index(runs[:, 0], runs[:, 1], runs[:, 2])
 
     def _index(self, run_file: np.ndarray, run_bucket: np.ndarray, run_rows: np.ndarray) -> None:
-        """Check the runs and index them by bucket. Per run, the smallest integers that hold it: a rank keeps ~26
-        bytes a run (4e6 runs at 2e9 rows in 2e5 files)."""
+        """Check the runs and index them by bucket. Per run, the smallest integers that hold it: a rank keeps 14 bytes
+        a run and 12 a piece (one or two a run): up to ~38 bytes a run (4e6 runs at 2e9 rows in 2e5 files)."""
         self._runs_digest: str | None = None
         self.rows = np.asarray(self.rows_per_file, np.int64)
         self.file_offsets = np.concatenate([[0], np.cumsum(self.rows)]).astype(np.int64)
@@ -106,13 +120,16 @@ class BucketPlan:
         buckets = len(self.bucket_shapes)
         if len(self.run_bucket) and (self.run_bucket.min() < 0 or self.run_bucket.max() >= buckets):
             raise ValueError(f"a run names a bucket outside the {buckets} buckets")
-        # A bucket's rows are its runs one after another (in file order): one sequence, cut into chunks that may
-        # span two runs, so only its last chunk is short and its epoch order costs a few integers.
+        # A bucket's rows are one sequence of pieces of its runs (sdtrain.data.bucket_runs) cut into chunks, so only
+        # its last chunk is short and its epoch order costs a few integers.
         by_bucket = np.argsort(self.run_bucket, kind="stable").astype(np.int32)
         counts = np.bincount(self.run_bucket, minlength=buckets)
-        self.bucket_runs = np.split(by_bucket, np.cumsum(counts)[:-1])
-        self.bucket_ends = [np.cumsum(self.run_rows[r], dtype=np.int64) for r in self.bucket_runs]
-        self.bucket_rows = np.array([int(e[-1]) if len(e) else 0 for e in self.bucket_ends], np.int64)
+        chunk = None if self.order == "buckets-1" else self.chunk_rows
+        self._lanes = self.bucket_steps > 1 or chunk is not None  # chunks start where lanes do, but in buckets-1's k=1
+        self.bucket_pieces = [
+            run_pieces(r, self.run_rows[r], chunk) for r in np.split(by_bucket, np.cumsum(counts)[:-1])
+        ]
+        self.bucket_rows = np.array([int(p.ends[-1]) if len(p.ends) else 0 for p in self.bucket_pieces], np.int64)
         self.bucket_chunks = [Chunks(np.array([n], np.int64), self.chunk_rows) for n in self.bucket_rows]
 
     def __getstate__(self):
@@ -124,14 +141,7 @@ class BucketPlan:
             "run_bucket": self.run_bucket,
             # A run holds at most its file's rows: 16 bits where every file has fewer than 65,536.
             "run_rows": self.run_rows.astype(np.uint16) if self.rows.max(initial=0) < 2**16 else self.run_rows,
-            "bucket_shapes": self.bucket_shapes,
-            "seed": self.seed,
-            "chunk_rows": self.chunk_rows,
-            "global_batch": self.global_batch,
-            "window_rows": self.window_rows,
-            "files_digest": self.files_digest,
-            "content_digest": self.content_digest,
-            "bucket_steps": self.bucket_steps,
+            **{name: getattr(self, name) for name in _SETTINGS},
         }
 
     def __setstate__(self, state):
@@ -139,6 +149,15 @@ class BucketPlan:
         bucket, rows = state.pop("run_bucket"), state.pop("run_rows")
         self.__dict__.update(state, _orders={}, _carries={})
         self._index(files, bucket, rows)
+
+    def in_order_of(self, stored: dict[str, Any] | None) -> BucketPlan:
+        """This plan in the order a checkpoint's fingerprint names, if in ORDERS: a run keeps its order on upgrades."""
+        order = (stored or {}).get("order")
+        if order == self.order or order not in ORDERS:
+            return self
+        plan = BucketPlan.__new__(BucketPlan)
+        plan.__setstate__(self.__getstate__() | {"order": order})
+        return plan
 
     @property
     def num_rows(self) -> int:
@@ -177,7 +196,7 @@ class BucketPlan:
             "chunk_rows": self.chunk_rows,
             "global_batch": self.global_batch,
             "buckets": [list(s) for s in self.bucket_shapes],
-            "order": BUCKET_ORDER_VERSION,
+            "order": self.order,
             # Only where it is not 1: turns of one step are the order checkpoints without the key name.
             **({"bucket_steps": self.bucket_steps} if self.bucket_steps != 1 else {}),
         }
@@ -222,7 +241,7 @@ class BucketPlan:
             if len(self._orders) > 64:  # a rank walks a few epochs of every bucket
                 self._orders.clear()
             seed, rows = (self.seed, epoch, 2, bucket), int(self.bucket_rows[bucket])
-            turns = self.bucket_steps > 1  # chunks that start where lanes do: sdtrain.data.bucket_turns
+            turns = self._lanes  # chunks that start where lanes do: sdtrain.data.bucket_turns
             self._orders[key] = (
                 TurnOrder(rows, self.chunk_rows, seed) if turns else EpochOrder(self.bucket_chunks[bucket], seed)
             )
@@ -254,7 +273,7 @@ class BucketPlan:
 
     def _own_spans(self, epoch: int, bucket: int, lo: int, hi: int) -> np.ndarray:
         """Spans of ``bucket``'s row sequence at positions [lo, hi) of its own chunk order in ``epoch``."""
-        if self.bucket_chunks[bucket].count == 1 and self.bucket_steps == 1:
+        if self.bucket_chunks[bucket].count == 1 and not self._lanes:
             # One chunk has one order: its rows as they are. These buckets (r <= chunk rows) are the ones carried
             # over many epochs, where building each epoch's shuffle walked back costs ~1 ms (2 s at G = 2048, r = 1).
             return np.array([[0, lo, hi]], np.int64)[: int(hi > lo)]
@@ -349,7 +368,7 @@ class BucketPlan:
         is of: each bucket's shares mapped through its chunk order at once."""
         buckets, batches = self.step_batches(epoch, steps)
         carry = self.carried(epoch)
-        shifts = carry[buckets] % self.chunk_rows if self.bucket_steps > 1 else np.zeros_like(batches)
+        shifts = carry[buckets] % self.chunk_rows if self._lanes else np.zeros_like(batches)
         turn = (self.bucket_steps, self.chunk_rows, self.global_batch)
         lo, hi, step_of = share_positions(batches, shifts, *turn, world_size, rank)
         buckets = buckets[step_of]
@@ -373,21 +392,8 @@ class BucketPlan:
         return spans[order], step_of[owner[order]]
 
     def _file_spans(self, bucket: int, spans: np.ndarray, owner: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Spans of ``bucket``'s row sequence (column 0 unused) as spans of its files, cut where its runs meet; each
-        piece keeps its span's ``owner``."""
-        ends = self.bucket_ends[bucket]
-        lo, hi = spans[:, 1], spans[:, 2]
-        first = np.searchsorted(ends, lo, side="right")
-        last = np.searchsorted(ends, hi - 1, side="right")
-        pieces = last - first + 1
-        which = np.repeat(np.arange(len(spans)), pieces)
-        run = np.repeat(first, pieces) + np.arange(int(pieces.sum())) - np.repeat(np.cumsum(pieces) - pieces, pieces)
-        run_lo = np.concatenate([[0], ends])[run]
-        start = np.maximum(lo[which], run_lo) - run_lo
-        stop = np.minimum(hi[which], ends[run]) - run_lo
-        runs = self.bucket_runs[bucket][run]
-        base = self.run_start[runs]
-        return np.stack([self.run_file[runs], base + start, base + stop], axis=1), owner[which]
+        """Spans of ``bucket``'s row sequence as spans of its files (sdtrain.data.bucket_runs.Pieces.file_spans)."""
+        return self.bucket_pieces[bucket].file_spans(spans, owner, self.run_file, self.run_start, self.run_rows)
 
     def sample_indices(self, window: Window) -> np.ndarray:
         """The sample index of every row ``window`` reads, in read order."""

@@ -12,13 +12,18 @@ Step i of the turn (i < k) takes the i-th q positions of every lane, and its row
 A step's rows therefore do not depend on the world size, and rank r of W, which takes rows [r G/W, (r + 1) G/W) of
 every step, takes the same lanes at each of the turn's steps: over the turn it reads k G/W consecutive positions,
 whole chunks, where one step a turn would have it read a part of a chunk a step, the rest of which (its row groups)
-other ranks read too. One step a turn (k = 1) is one lane, the whole batch: a rank's share is consecutive positions.
+other ranks read too. One step a turn (k = 1) is one lane, the whole batch: a rank's share is consecutive
+positions, whole chunks where it is a multiple of a chunk.
 
 For a lane to be one chunk, not the ends of two chunks far apart in the order, the chunks must start where lanes
-do. With turns, a bucket's epoch order is its whole chunks shuffled and then its last rows (fewer than a chunk;
+do. A bucket's epoch order is its whole chunks shuffled and then its last rows (fewer than a chunk;
 :class:`TurnOrder`), and an epoch's lanes are rotated within each turn by the rows the bucket carried in, modulo a
 chunk: its own chunks then start on lane boundaries. Only the rows carried in (a turn or less a bucket an epoch),
 the bucket's last rows and the one lane a turn that the rotation wraps around the turn's end are not whole chunks.
+A chunk is in turn whole row groups of one file: a bucket's chunks are cut within its runs
+(:func:`sdtrain.data.bucket_runs.run_pieces`), and preprocessing starts a row group at each run
+(``sdtrain.preprocess.outputs.parquet_bytes``). Read order buckets-1 did neither for one-step turns (its chunks
+shuffled with the short one anywhere, its lanes not rotated) and cut chunks from runs laid end to end.
 """
 
 from __future__ import annotations
