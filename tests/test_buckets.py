@@ -332,6 +332,9 @@ def test_photographs_of_every_aspect_ratio_are_preprocessed_into_their_buckets_a
         assert order == sorted(order)  # sorted by bucket: one run each
         runs = json.loads(metadata[BUCKET_RUNS.encode()])
         assert [b for b, _ in runs] == sorted(set(order)) and sum(n for _, n in runs) == len(order)
+        # A row group starts at each run (training reads a chunk of a run as whole row groups): one a run, under 64.
+        groups = [parquet.metadata.row_group(g).num_rows for g in range(parquet.num_row_groups)]
+        assert groups == [n for _, n in runs]
     indexed = index_dataset([str(tmp_path / "latents")], "data.train", COLUMNS, 4, 32)
     assert indexed.stats.footers_read == 0  # the job's index records the runs too
     assert indexed.spec.bucket_shapes == ((4, 20, 12), (4, 16, 16), (4, 12, 20))

@@ -154,11 +154,17 @@ def _flat_lists(values: list[np.ndarray], value_type: pa.DataType) -> pa.Array:
 
 
 def parquet_bytes(table: pa.Table, row_group_rows: int) -> bytes:
-    """The table as zstd parquet. Dictionary encoding is kept for the strings and scalars only: on the float and
-    token-id lists (latents, embeddings) it finds no repeats and costs about half the write time."""
+    """The table as zstd parquet, a row group starting at each bucket run (metadata BUCKET_RUNS): training's turns
+    read a run's chunks (sdtrain.data.bucket_turns), which are then whole row groups, not the end of one and the start
+    of the next. Dictionary encoding is kept for the strings and scalars only: on the float and token-id lists
+    (latents, embeddings) it finds no repeats and costs about half the write time."""
     buffer = io.BytesIO()
     dictionary = [f.name for f in table.schema if not pa.types.is_list(f.type) and not pa.types.is_large_list(f.type)]
-    pq.write_table(table, buffer, row_group_size=row_group_rows, compression="zstd", use_dictionary=dictionary)
+    runs = (table.schema.metadata or {}).get(BUCKET_RUNS.encode())
+    lengths = [rows for _, rows in json.loads(runs)] if runs else [table.num_rows]
+    with pq.ParquetWriter(buffer, table.schema, compression="zstd", use_dictionary=dictionary) as writer:
+        for start, rows in zip(np.cumsum([0, *lengths[:-1]]).tolist(), lengths, strict=True):
+            writer.write_table(table.slice(start, rows), row_group_size=row_group_rows)  # row groups end with a call
     return buffer.getvalue()
 
 
