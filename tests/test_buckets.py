@@ -153,6 +153,43 @@ def test_a_bucketed_run_resumed_with_another_global_batch_is_refused_or_starts_a
     assert saved.resume(_plan(spec, global_batch=32), "new_epoch", "checkpoint_000000006") == (6, DataState(1))
 
 
+def test_a_run_checkpointed_in_read_order_buckets_1_resumes_in_it_after_the_upgrade(tmp_path):
+    """buckets-1 cut a bucket's chunks from its runs laid end to end; buckets-2 cuts them within runs (whole row
+    groups). A run whose committed checkpoint was written in buckets-1 resumes in it: the driver's plan, which the
+    controller and the workers are sent, reads that order, where the refusal of an order change would have stopped
+    it. The checkpoint is registered with Ray Train's own checkpoint manager, without a cluster (test_snapshot_scores);
+    at train.max_steps, so the driver checks its position and loads no weights."""
+    from support.log_lines import LogLines
+    from test_snapshot_scores import _manager, _report
+
+    from sdtrain.data.position import DataPosition
+    from sdtrain.driver.run import check_run
+
+    _bucketed(tmp_path / "data")
+    options = [f"data.train={tmp_path}/data", "data.shuffle_chunk_rows=4", "export.enabled=false"]
+    config = tiny_config(*options, tmp_path=tmp_path, name="run", steps=3, batch=8)
+    fresh = check_run(config)
+    assert fresh.committed is None and fresh.plan.order == "buckets-2"
+    old = fresh.plan.in_order_of({"order": "buckets-1"})
+    _report(tmp_path / "runs", _manager(tmp_path / "runs", "loss"), 3, {"step": 3, "loss": 1.0})
+    checkpoint = tmp_path / "runs" / "run" / "checkpoint_00000003"
+    DataPosition(3, old.advance(DataState(), 1, 8, 3), old.fingerprint()).write(str(checkpoint))
+
+    with LogLines() as lines:
+        resumed = check_run(config)
+    assert resumed.resume_step == 3 and resumed.plan.order == "buckets-1"
+    assert resumed.plan.fingerprint() == old.fingerprint()
+    assert [line for line in lines.messages if "read order" in line] == [
+        f"data.train: resuming in read order buckets-1, the one {checkpoint} was written in; a new run reads "
+        "buckets-2, whose chunks are whole row groups of the files preprocessing writes (docs/data.md)"
+    ]
+    # The two orders differ on these files (runs of 14, 9 and 7 rows, 4-row chunks).
+    windows = [old.rank_stretches(DataState(), 1, 8, 10)[0], fresh.plan.rank_stretches(DataState(), 1, 8, 10)[0]]
+    rows = [[old.sample_indices(w) for s in windows[0] for w in old.windows(s)]]
+    rows.append([fresh.plan.sample_indices(w) for s in windows[1] for w in fresh.plan.windows(s)])
+    assert not all(np.array_equal(a, b) for a, b in zip(*rows, strict=True))
+
+
 def test_validation_splits_a_block_of_several_buckets_into_batches_of_one_shape(tmp_path):
     """Ray Data joins a validation read task's per-bucket batches into one block, whose latents are then an array of
     arrays: converted whole to tensors, the first validation of every bucketed run with data.val failed."""

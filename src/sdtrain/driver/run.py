@@ -27,6 +27,7 @@ from sdtrain.artifacts.run_outputs import LossLabels, read_history, write_run_ou
 from sdtrain.artifacts.run_totals import RunTotals, run_totals
 from sdtrain.config.schema import Config, ScalingConfig
 from sdtrain.controller.data_hook import PlannedStreams, committed_run
+from sdtrain.data.bucket_order import BucketPlan
 from sdtrain.data.index_format import run_index_uri, write_index
 from sdtrain.data.inspection import DatasetSpec
 from sdtrain.data.metadata import latent_classifier
@@ -173,6 +174,12 @@ def _check_resume_position(run: CheckedRun) -> None:
     checkpoint = run.committed.checkpoint
     position = DataPosition.read(checkpoint.filesystem, checkpoint.path)
     where = uri_for(checkpoint.filesystem, checkpoint.path)
+    if isinstance(run.plan, BucketPlan) and (kept := run.plan.in_order_of(position.plan)) is not run.plan:
+        log.info(
+            f"data.train: resuming in read order {kept.order}, the one {where} was written in; a new run reads "
+            f"{run.plan.order}, whose chunks are whole row groups of the files preprocessing writes (docs/data.md)"
+        )
+        run.plan = kept
     run.resume_step, state = position.resume(run.plan, config.data.on_resume_change, where)
     if not run.finished and config.data.on_resume_change == "new_epoch" and state != position.state:
         log.info(
