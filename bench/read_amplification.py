@@ -7,7 +7,9 @@ files, plans one rank's windows for ``--steps`` steps at a global batch of 2048 
 over those windows, the rows of the row groups touched (rows read) against the rows in the spans (rows trained on),
 for row groups of 64 rows (preprocessing's ``output.row_group_rows`` default), 16 and 8. ``turns`` is the bucketed plan
 with ``data.bucket_steps`` = chunk rows / a rank's share of a step at each world size (1 where the share is a chunk or
-more), the setting the driver's warning names.
+more), the setting the driver's warning names. Bucketed files are laid out two ways: ``start``, row groups counted
+from the file's start (files written before preprocessing started a row group at each run), and ``runs``, a row
+group starting at each bucket run, as preprocessing writes them now.
 
     python bench/read_amplification.py            # 1e6 rows, 400 steps a rank
     python bench/read_amplification.py --smoke    # seconds (CI)
@@ -54,13 +56,25 @@ def plans(files: int):
     }
 
 
-def read_and_used(plan, world_size: int, steps: int, group_rows: int, rank: int | None = None) -> tuple[int, int, int]:
+def group_starts(plan, layout: str) -> np.ndarray:
+    """The sample index each stretch of row groups starts at: each file's first row (``start``), or each bucket run's
+    (``runs``); row groups of ``group_rows`` rows follow from there to the next such start."""
+    if layout == "start" or not hasattr(plan, "run_start"):  # one shape: a file is one run
+        return np.asarray(plan.file_offsets, np.int64)
+    starts = plan.file_offsets[plan.run_file] + plan.run_start
+    return np.append(starts, plan.file_offsets[-1]).astype(np.int64)
+
+
+def read_and_used(
+    plan, world_size: int, steps: int, group_rows: int, layout: str = "runs", rank: int | None = None
+) -> tuple[int, int, int]:
     """(rows of the row groups touched, rows in the spans, files opened) over ``rank``'s windows of ``steps`` steps
     from the start: a task opens each file of its window once, a footer read each."""
     from sdtrain.data.intervals import FILE, START, STOP
     from sdtrain.data.read_order import DataState
 
     rank = world_size // 2 if rank is None else rank
+    starts = group_starts(plan, layout)
     stretches = plan.rank_stretches(DataState(), world_size, GLOBAL_BATCH // world_size, steps)[rank]
     read = used = opened = 0
     for stretch in stretches:
@@ -68,10 +82,15 @@ def read_and_used(plan, world_size: int, steps: int, group_rows: int, rank: int 
             spans = window.spans
             opened += len(np.unique(spans[:, FILE]))
             used += int((spans[:, STOP] - spans[:, START]).sum())
-            first = spans[:, START] // group_rows
-            last = (spans[:, STOP] - 1) // group_rows
-            groups = {(int(f), g) for f, a, b in zip(spans[:, FILE], first, last, strict=True) for g in range(a, b + 1)}
-            read += len(groups) * group_rows  # files of 10,000 rows: the last group of 8 or 64 is whole, 16 of 64 not
+            lo = plan.file_offsets[spans[:, FILE]] + spans[:, START]
+            hi = plan.file_offsets[spans[:, FILE]] + spans[:, STOP]
+            stretch_of = np.searchsorted(starts, lo, side="right") - 1
+            assert (hi <= starts[stretch_of + 1]).all(), "a span crosses a run"
+            first = (lo - starts[stretch_of]) // group_rows
+            last = (hi - 1 - starts[stretch_of]) // group_rows
+            groups = {(int(s), g) for s, a, b in zip(stretch_of, first, last, strict=True) for g in range(a, b + 1)}
+            # A stretch's last row group holds what is left of it.
+            read += sum(min(group_rows, int(starts[s + 1] - starts[s]) - g * group_rows) for s, g in groups)
     return read, used, opened
 
 
@@ -85,26 +104,27 @@ def main() -> None:
     built = plans(files)
     print(f"# {files * ROWS_PER_FILE} rows in {files} files, global batch {GLOBAL_BATCH}, chunks of {CHUNK_ROWS} rows,")
     print(f"# windows of ~{WINDOW_ROWS} rows, {steps} steps of rank W/2; rows read / rows trained on")
-    print(f"{'order':>10} {'row group':>9} " + " ".join(f"{f'W={w}':>8}" for w in WORLD_SIZES))
-    print(f"{'turns of':>10} {'':>9} " + " ".join(f"{turn_steps(w):8d}" for w in WORLD_SIZES))
     ratios, footers = {}, {}
-    for name, by_world in built.items():
+    rows = [("one shape", "start")] + [(name, layout) for name in ("buckets", "turns") for layout in ("start", "runs")]
+    print(f"{'order':>10} {'groups at':>9} {'row group':>9} " + " ".join(f"{f'W={w}':>8}" for w in WORLD_SIZES))
+    print(f"{'turns of':>10} {'':>9} {'':>9} " + " ".join(f"{turn_steps(w):8d}" for w in WORLD_SIZES))
+    for name, layout in rows:
+        label = name if name == "one shape" else f"{name}/{layout}"
         for group_rows in ROW_GROUPS:
             cells = []
             for world_size in WORLD_SIZES:
-                read, used, opened = read_and_used(by_world[world_size], world_size, steps, group_rows)
-                ratios[name, group_rows, world_size] = read / used
+                read, used, opened = read_and_used(built[name][world_size], world_size, steps, group_rows, layout)
+                ratios[label, group_rows, world_size] = read / used
                 footers[name, world_size] = opened / used * 1000
                 cells.append(f"{read / used:8.2f}")
-            print(f"{name:>10} {group_rows:>9} " + " ".join(cells))
+            print(f"{name:>10} {layout:>9} {group_rows:>9} " + " ".join(cells))
     print("# files opened (a footer read each) per 1000 rows trained on")
     for name in built:
-        print(f"{name:>10} {'':>9} " + " ".join(f"{footers[name, w]:8.1f}" for w in WORLD_SIZES))
-    for group_rows in ROW_GROUPS:
-        for world_size in (WORLD_SIZES[0], WORLD_SIZES[-1]):
-            for name in built:
-                ratio = ratios[name, group_rows, world_size]
-                print(f"RATIO rows read / trained on, {name}, {group_rows}-row groups, W={world_size} = {ratio:.3f}")
+        print(f"{name:>10} {'':>9} {'':>9} " + " ".join(f"{footers[name, w]:8.1f}" for w in WORLD_SIZES))
+    for label, group_rows, world_size in ratios:
+        if world_size in (WORLD_SIZES[0], WORLD_SIZES[-1]):
+            ratio = ratios[label, group_rows, world_size]
+            print(f"RATIO rows read / trained on, {label}, {group_rows}-row groups, W={world_size} = {ratio:.3f}")
     for world_size in (WORLD_SIZES[0], WORLD_SIZES[-1]):
         for name in ("buckets", "turns"):
             ratio = footers[name, world_size] / footers["one shape", world_size]
