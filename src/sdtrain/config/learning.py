@@ -71,8 +71,8 @@ class DataConfig(Section):
     bucket_steps: int = 1
     """Bucketed data: optimizer steps of one bucket in a row (a turn), over which each rank reads whole chunks, where
     one step a turn has ranks whose share of a step (train.global_batch_size / workers) is under a chunk read the
-    same row groups. Set it to data.shuffle_chunk_rows / that share at the most workers, at least 2 (docs/data.md,
-    Aspect-ratio buckets); the model then sees that many steps of one aspect ratio in a row. Must divide
+    same row groups. Set it to data.shuffle_chunk_rows / that share at the most workers, where that is over 1
+    (docs/data.md, Aspect-ratio buckets); the model then sees that many steps of one aspect ratio in a row. Must divide
     data.shuffle_chunk_rows."""
     on_resume_change: Literal["fail", "new_epoch"] = "fail"
     """When data.train, train.seed or the shuffle sizes changed since the checkpoint a run resumes from (its data
