@@ -157,7 +157,7 @@ def test_a_run_checkpointed_in_read_order_buckets_1_resumes_in_it_after_the_upgr
     """buckets-1 cut a bucket's chunks from its runs laid end to end; buckets-2 cuts them within runs (whole row
     groups). A run whose committed checkpoint was written in buckets-1 resumes in it: the driver's plan, which the
     controller and the workers are sent, reads that order, where the refusal of an order change would have stopped
-    it. The checkpoint is registered with Ray Train's own checkpoint manager, without a cluster (test_snapshot_scores);
+    it; where the seed changed too, the new epoch is read in the new order. The checkpoint is registered with Ray Train's own checkpoint manager, without a cluster (test_snapshot_scores);
     at train.max_steps, so the driver checks its position and loads no weights."""
     from support.log_lines import LogLines
     from test_snapshot_scores import _manager, _report
@@ -167,7 +167,8 @@ def test_a_run_checkpointed_in_read_order_buckets_1_resumes_in_it_after_the_upgr
 
     _bucketed(tmp_path / "data")
     options = [f"data.train={tmp_path}/data", "data.shuffle_chunk_rows=4", "export.enabled=false"]
-    config = tiny_config(*options, tmp_path=tmp_path, name="run", steps=3, batch=8)
+    run = {"tmp_path": tmp_path, "name": "run", "steps": 3, "batch": 8}
+    config = tiny_config(*options, **run)
     fresh = check_run(config)
     assert fresh.committed is None and fresh.plan.order == "buckets-2"
     old = fresh.plan.in_order_of({"order": "buckets-1"})
@@ -183,6 +184,10 @@ def test_a_run_checkpointed_in_read_order_buckets_1_resumes_in_it_after_the_upgr
         f"data.train: resuming in read order buckets-1, the one {checkpoint} was written in; a new run reads "
         "buckets-2, whose chunks are whole row groups of the files preprocessing writes (docs/data.md)"
     ]
+    # Where the rest changed too, the position does not resume as it was whichever the order: a new epoch, read in
+    # the new order.
+    reseeded = check_run(tiny_config(*options, "train.seed=1", "data.on_resume_change=new_epoch", **run))
+    assert reseeded.plan.order == "buckets-2" and reseeded.resume_step == 3
     # The two orders differ on these files (runs of 14, 9 and 7 rows, 4-row chunks).
     windows = [old.rank_stretches(DataState(), 1, 8, 10)[0], fresh.plan.rank_stretches(DataState(), 1, 8, 10)[0]]
     rows = [[old.sample_indices(w) for s in windows[0] for w in old.windows(s)]]

@@ -31,7 +31,7 @@ from sdtrain.data.bucket_order import BucketPlan
 from sdtrain.data.index_format import run_index_uri, write_index
 from sdtrain.data.inspection import DatasetSpec
 from sdtrain.data.metadata import latent_classifier
-from sdtrain.data.position import DataPosition
+from sdtrain.data.position import DataPosition, plan_changes
 from sdtrain.data.read_order import ReadPlan
 from sdtrain.data.streams import WindowReader, file_order_dataset
 from sdtrain.driver.data_check import check_data, read_plan, unconditional_caption_of
@@ -174,12 +174,15 @@ def _check_resume_position(run: CheckedRun) -> None:
     checkpoint = run.committed.checkpoint
     position = DataPosition.read(checkpoint.filesystem, checkpoint.path)
     where = uri_for(checkpoint.filesystem, checkpoint.path)
-    if isinstance(run.plan, BucketPlan) and (kept := run.plan.in_order_of(position.plan)) is not run.plan:
-        log.info(
-            f"data.train: resuming in read order {kept.order}, the one {where} was written in; a new run reads "
-            f"{run.plan.order}, whose chunks are whole row groups of the files preprocessing writes (docs/data.md)"
-        )
-        run.plan = kept
+    if isinstance(run.plan, BucketPlan):
+        kept = run.plan.in_order_of(position.plan)
+        # Only where the rest of the position still holds: a new epoch (or the refusal) is read in the new order.
+        if kept is not run.plan and not plan_changes(position.plan or {}, kept.fingerprint()):
+            log.info(
+                f"data.train: resuming in read order {kept.order}, the one {where} was written in; a new run reads "
+                f"{run.plan.order}, whose chunks are whole row groups of the files preprocessing writes (docs/data.md)"
+            )
+            run.plan = kept
     run.resume_step, state = position.resume(run.plan, config.data.on_resume_change, where)
     if not run.finished and config.data.on_resume_change == "new_epoch" and state != position.state:
         log.info(
