@@ -22,8 +22,8 @@ chunk: its own chunks then start on lane boundaries. Only the rows carried in (a
 the bucket's last rows and the one lane a turn that the rotation wraps around the turn's end are not whole chunks.
 A chunk is in turn whole row groups of one file: a bucket's chunks are cut within its runs
 (:func:`sdtrain.data.bucket_runs.run_pieces`), and preprocessing starts a row group at each run
-(``sdtrain.preprocess.outputs.parquet_bytes``). Read order buckets-1 did neither for one-step turns (its chunks
-shuffled with the short one anywhere, its lanes not rotated) and cut chunks from runs laid end to end.
+(``sdtrain.preprocess.outputs.parquet_bytes``). Read order buckets-1 cut chunks from runs laid end to end, and for
+one-step turns shuffled the short chunk anywhere and did not rotate the lanes.
 """
 
 from __future__ import annotations

@@ -154,10 +154,10 @@ def _flat_lists(values: list[np.ndarray], value_type: pa.DataType) -> pa.Array:
 
 
 def parquet_bytes(table: pa.Table, row_group_rows: int) -> bytes:
-    """The table as zstd parquet, a row group starting at each bucket run (metadata BUCKET_RUNS): training's turns
-    read a run's chunks (sdtrain.data.bucket_turns), which are then whole row groups, not the end of one and the start
-    of the next. Dictionary encoding is kept for the strings and scalars only: on the float and token-id lists
-    (latents, embeddings) it finds no repeats and costs about half the write time."""
+    """The table as zstd parquet, a row group starting at each bucket run (metadata BUCKET_RUNS): training reads a
+    bucket's chunks cut within its runs (sdtrain.data.bucket_runs), which are then whole row groups, not the end of one
+    and the start of the next. Dictionary encoding is kept for the strings and scalars only: on the float and
+    token-id lists (latents, embeddings) it finds no repeats and costs about half the write time."""
     buffer = io.BytesIO()
     dictionary = [f.name for f in table.schema if not pa.types.is_list(f.type) and not pa.types.is_large_list(f.type)]
     runs = (table.schema.metadata or {}).get(BUCKET_RUNS.encode())
