@@ -194,3 +194,18 @@ def test_the_driver_warns_once_of_row_groups_larger_than_a_workers_share_of_a_st
     (elastic,) = _warnings(tiny_config(data, "scaling.num_workers=[1, 2]", tmp_path=tmp_path, batch=64), str(tmp_path))
     assert "but on 2 workers (scaling.num_workers) each reads 32 rows of a step" in elastic and "about 3x" in elastic
     assert _warnings(tiny_config(data, tmp_path=tmp_path, batch=64, workers=1), str(tmp_path / "c")) == []
+
+
+def test_the_driver_warns_once_of_bucketed_files_whose_row_groups_do_not_start_at_each_run(tmp_path):
+    """Bucketed files written before preprocessing started a row group at each run (or by another writer) are read
+    ~2x: a chunk of a run takes parts of two row groups. The start that reads their footers says so once, with how
+    many; files written as preprocessing writes them now get no warning."""
+    _bucketed(tmp_path / "data", files=3)
+    config = tiny_config(f"data.train={tmp_path}/data", tmp_path=tmp_path, batch=64, workers=1)
+    assert _warnings(config, str(tmp_path / "a"), "bucket run") == []
+    for file in sorted((tmp_path / "data").glob("*.parquet")):
+        pq.write_table(pq.read_table(file), file, row_group_size=64)  # row groups from the file's start
+    (warning,) = _warnings(config, str(tmp_path / "b"), "bucket run")
+    assert warning.startswith("data.train: 3 of the 3 file(s) whose footers this start read (one: "), warning
+    assert "data.shuffle_chunk_rows=64 rows of a run then takes parts of two row groups of up to 64 rows" in warning
+    assert "about 2.0x the rows training uses" in warning

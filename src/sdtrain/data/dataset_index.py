@@ -67,6 +67,9 @@ class IndexStats:
     largest_row_group: tuple[int, str] | None = None
     """(rows, file) of the largest row group of the footers read at this start (None: none read). A training read of
     data.shuffle_chunk_rows rows reads its whole row group (sdtrain.driver.data_check warns of large ones)."""
+    runs_across_groups: tuple[int, str] | None = None
+    """(files, one of them) of the bucketed files whose footers were read at this start with row groups that do not
+    start at each bucket run (sdtrain.data.footer_counts.FooterCounts.check)."""
 
 
 @dataclass
@@ -173,6 +176,7 @@ def index_dataset(
         source=None if reference is None else (index_uri if reference is own else "beside the data"),
         unlisted=sum(len(part) for spec, part in zip(specs, listed.parts, strict=True) if spec in listed.unchanged),
         largest_row_group=counts.largest_row_group,
+        runs_across_groups=counts.runs_across_groups,
     )
     _report(key, listed, stats)
     spec = DatasetSpec(

@@ -8,14 +8,15 @@ and the row group, instead of failing the read task that reaches it days into th
 the check costs about 0.7 µs a row group and column, and 15 µs a file (0.2 ms for 10k rows in row groups of 64).
 
 A training read of data.shuffle_chunk_rows rows reads its whole row group, so the largest row group is kept too
-(sdtrain.driver.data_check warns of row groups far larger than a chunk).
+(sdtrain.driver.data_check warns of row groups far larger than a chunk), and so are bucketed files whose row groups do
+not start at each bucket run: a chunk of a run (sdtrain.data.bucket_runs) then spans parts of two.
 """
 
 from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -53,21 +54,35 @@ class FooterCounts:
         self._lock = threading.Lock()
         self.largest_row_group: tuple[int, str] | None = None
         """(rows, file) of the largest row group of the footers read; None while none was."""
+        self.runs_across_groups: tuple[int, str] | None = None
+        """(files, one of them) of the bucketed files read whose row groups do not start at each run; None: none."""
 
-    def check(self, key: str, file: str, footer: pq.FileMetaData, columns: Mapping[str, str]) -> None:
+    def check(
+        self,
+        key: str,
+        file: str,
+        footer: pq.FileMetaData,
+        columns: Mapping[str, str],
+        runs: Sequence[tuple[int, int]] | None = None,
+    ) -> None:
         """Every row group with rows of ``file`` holds the same values per row in each of ``columns`` (each with the
         config key that names it) as every file before it; else the DataError naming the first row group that
-        does not."""
+        does not. A bucketed file's ``runs`` ((bucket, rows) in row order) that do not each start a row group are
+        counted: written before sdtrain's preprocessing started a row group at each run, or by another writer."""
         groups = [footer.row_group(index) for index in range(footer.num_row_groups)]
         rows = np.fromiter((group.num_rows for group in groups), np.int64, len(groups))
         with_rows = np.flatnonzero(rows)
         for column, leaf in _leaves(footer, columns).items() if len(with_rows) else ():
             values = np.fromiter((group.column(leaf).num_values for group in groups), np.int64, len(groups))
             self._check_column(key, file, column, columns[column], rows, values, with_rows)
+        across = runs is not None and not _start_row_groups(runs, rows)
         if len(groups):
             with self._lock:
                 if self.largest_row_group is None or rows.max() > self.largest_row_group[0]:
                     self.largest_row_group = (int(rows.max()), file)
+                if across:
+                    files, example = self.runs_across_groups or (0, file)
+                    self.runs_across_groups = (files + 1, example)
 
     def _check_column(
         self, key: str, file: str, column: str, role: str, rows: np.ndarray, values: np.ndarray, with_rows: np.ndarray
@@ -104,6 +119,14 @@ class FooterCounts:
                     "resolution or text encoder). Every row of every file must hold as many values: rewrite the file "
                     "or remove it"
                 )
+
+
+def _start_row_groups(runs: Sequence[tuple[int, int]], group_rows: np.ndarray) -> bool:
+    """Whether each of ``runs`` ((bucket, rows) in row order) starts a row group of ``group_rows`` rows each."""
+    ends = np.cumsum(group_rows)
+    starts = np.cumsum([rows for _, rows in runs])[:-1]
+    at = np.minimum(np.searchsorted(ends, starts), len(ends) - 1)
+    return bool((ends[at] == starts).all())
 
 
 def _leaves(footer: pq.FileMetaData, columns: Mapping[str, str]) -> dict[str, int]:

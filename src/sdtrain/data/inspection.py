@@ -276,10 +276,10 @@ def read_footers(
         schema, rows[0] = footer.schema.to_arrow_schema(), footer.num_rows
         reference = CheckedSchema(files[0], schema, columns)
         reference.layouts(key)  # the first file's own errors: a missing column, an unreadable type
-        counts.check(key, files[0], footer, reference.counted_columns(key))
         start = 1
         if runs is not None and reference.buckets is not None:
             runs[0] = bucket_runs(schema.metadata, f"{key}: {files[0]}", rows[0], len(reference.buckets))
+        counts.check(key, files[0], footer, reference.counted_columns(key), runs.get(0) if runs is not None else None)
     checked = reference
     buckets, counted = checked.buckets, checked.counted_columns(key)
 
@@ -287,9 +287,9 @@ def read_footers(
         footer = read_footer(files[index], key, sources)
         schema, num_rows = footer.schema.to_arrow_schema(), footer.num_rows
         check_same_layouts(key, files[index], schema, checked)
-        counts.check(key, files[index], footer, counted)
         if runs is not None and buckets is not None:
             runs[index] = bucket_runs(schema.metadata, f"{key}: {files[index]}", num_rows, len(buckets))
+        counts.check(key, files[index], footer, counted, runs.get(index) if runs is not None else None)
         return index, num_rows
 
     for index, num_rows in _concurrently(read, range(start, len(files)), len(files), progress):

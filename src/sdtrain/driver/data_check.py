@@ -43,6 +43,7 @@ def check_data(config: Config, run_dir: str) -> tuple[IndexedDataset, IndexedDat
     train = train_data.spec
     warn_of_large_row_groups(train_data.stats, config.data.shuffle_chunk_rows)
     warn_of_small_shares(train_data.stats, train, config)
+    warn_of_runs_across_row_groups(train_data.stats, config.data.shuffle_chunk_rows)
     _check_shapes_agree(train, val_data.spec if val_data is not None else None)
     captions = train.embedding_shape(unet["cross_attention_dim"])
     check_unet(config.model, train.latent_shape, captions)  # on the meta device, in a second
@@ -241,6 +242,26 @@ def warn_of_small_shares(stats: IndexStats, spec: DatasetSpec, config: Config) -
         f"{amplification:.0f}x the rows training uses, in object-storage reads and in each read task's memory. To read "
         f"about what it uses, {turns}rewrite the files with row groups of at most {rows} rows (sdtrain's "
         f"preprocessing: output.row_group_rows={rows}; pyarrow.parquet.write_table(..., row_group_size={rows}))"
+    )
+
+
+def warn_of_runs_across_row_groups(stats: IndexStats, chunk_rows: int) -> None:
+    """One warning when bucketed data.train files whose footers were read at this start have row groups that do not
+    start at each bucket run, of at least half a chunk (below, the cost is small; above four chunks,
+    warn_of_large_row_groups says more): a chunk of a run (sdtrain.data.bucket_runs) then most often takes parts of
+    two row groups, and a read reads both whole."""
+    if stats.runs_across_groups is None or stats.largest_row_group is None:
+        return
+    (files, file), group = stats.runs_across_groups, stats.largest_row_group[0]
+    if not chunk_rows / 2 <= group <= ROW_GROUP_CHUNKS * chunk_rows:
+        return
+    log.warning(
+        f"data.train: {files} of the {stats.footers_read} file(s) whose footers this start read (one: {file}) have row "
+        "groups that do not start at each aspect-ratio bucket run, as sdtrain's preprocessing writes them since "
+        f"2026-12-01: a chunk of data.shuffle_chunk_rows={chunk_rows} rows of a run then takes parts of two row "
+        f"groups of up to {group} rows, and every read reads them whole: about {1 + group / chunk_rows:.1f}x the rows "
+        "training uses, where files with a row group starting at each run are read about once. Preprocess them "
+        "again to a new output.path (docs/data.md, Aspect-ratio buckets)"
     )
 
 
