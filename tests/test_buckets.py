@@ -157,8 +157,9 @@ def test_a_run_checkpointed_in_read_order_buckets_1_resumes_in_it_after_the_upgr
     """buckets-1 cut a bucket's chunks from its runs laid end to end; buckets-2 cuts them within runs (whole row
     groups). A run whose committed checkpoint was written in buckets-1 resumes in it: the driver's plan, which the
     controller and the workers are sent, reads that order, where the refusal of an order change would have stopped
-    it; where the seed changed too, the new epoch is read in the new order. The checkpoint is registered with Ray Train's own checkpoint manager, without a cluster (test_snapshot_scores);
-    at train.max_steps, so the driver checks its position and loads no weights."""
+    it; where the seed changed too, the new epoch is read in the new order. The checkpoint is registered with Ray
+    Train's own checkpoint manager, without a cluster (test_snapshot_scores); at train.max_steps, so the driver checks
+    its position and loads no weights."""
     from support.log_lines import LogLines
     from test_snapshot_scores import _manager, _report
 
