@@ -134,8 +134,8 @@ def test_a_bucketed_read_task_holds_about_one_steps_row_groups_not_its_windows(t
 
 def test_turns_of_8_steps_read_about_the_rows_they_use_where_8_row_shares_read_8x(tmp_path, held_row_groups):
     """The same files and workers as above: with data.bucket_steps=8 a rank's read task of 64 steps takes 8 lanes of 64
-    consecutive positions of its buckets' orders, each one chunk of a run
-    (one row group of the files preprocessing writes), not 64 shares of 8 rows each in another chunk."""
+    consecutive positions of its buckets' orders, each one chunk of a run (one row group of the files preprocessing
+    writes), not 64 shares of 8 rows each in another chunk."""
     spec = _bucketed(tmp_path / "data", files=20, rows=2000, values=False)
     read = {}
     for bucket_steps in (1, 8):
