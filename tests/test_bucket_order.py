@@ -8,6 +8,7 @@ import pytest
 
 from sdtrain.data.bucket_order import BucketPlan
 from sdtrain.data.bucket_runs import runs_of
+from sdtrain.data.bucket_turns import auto_bucket_steps, lane_part_rows
 from sdtrain.data.position import plan_changes
 from sdtrain.data.read_order import DataState, window_sample_indices
 
@@ -254,15 +255,47 @@ def test_a_run_resumes_in_the_read_order_its_checkpoints_were_written_in(bucket_
     assert plan_changes(stored, plan.fingerprint()) == [
         "the checkpoint was written with read order buckets-1 of an earlier sdtrain, this one reads order buckets-2"
     ]
-    kept = plan.in_order_of(stored)
+    kept = plan.resumed_as(stored)
     assert kept.fingerprint() == stored and kept.order == "buckets-1" and plan.order == "buckets-2"
     kept_steps, _ = _read(kept, DataState(), 2, 12)
     assert all(np.array_equal(a, b) for a, b in zip(kept_steps, old_steps, strict=True))
     assert DataPosition(3, DataState(), stored).resume(kept, "fail", "ckpt") == (3, DataState())
     for other in (plan.fingerprint(), {**stored, "order": "buckets-0"}, None):
-        assert plan.in_order_of(other) is plan
+        assert plan.resumed_as(other) is plan
     with pytest.raises(ValueError, match="read order buckets-0: this sdtrain reads orders buckets-1, buckets-2"):
         BucketPlan(plan.rows, plan.run_table(), SHAPES, 0, 6, 12, order="buckets-0")
+
+
+@pytest.mark.parametrize(
+    ("chunk", "batch", "workers", "steps"),
+    [(64, 2048, 8, 1), (64, 2048, 64, 2), (64, 2048, 256, 8), (64, 2048, 2048, 64), (64, 24, 1, 8), (6, 10, 4, 3)],
+)
+def test_auto_bucket_steps_are_the_fewest_whose_lanes_make_whole_chunks_at_the_most_workers(
+    chunk, batch, workers, steps
+):
+    """data.bucket_steps: auto. At 24 rows a step, turns of 2 or 4 steps would cut lanes into parts of 32 or 16 rows,
+    which make no batch of 24: 8 is the fewest that both make a batch and read a chunk a turn."""
+    share = batch // workers
+    assert auto_bucket_steps(chunk, batch, workers) == steps
+    lane_part_rows(steps, chunk, batch)  # lanes that make the batch: else it raises
+    assert steps * share >= chunk  # a rank reads a chunk a turn at the most workers, more at fewer
+    fewer = [k for k in range(2, steps) if chunk % k == 0 and batch % (chunk // k) == 0 and k * share >= chunk]
+    assert fewer == [] and (steps == 1) == (share >= chunk)
+
+
+def test_a_run_on_auto_bucket_steps_resumes_in_its_checkpoints_turns():
+    """A run's turns are kept from its checkpoint where data.bucket_steps is auto (whose pick follows the workers),
+    also the turns of one step a fingerprint leaves out; not where the chunks or the batch changed, whose lanes the
+    old turns may not make, nor where the config names a number."""
+    plan = _plan(chunk_rows=6, bucket_steps=3)
+    one = _plan(chunk_rows=6)
+    kept = one.resumed_as(plan.fingerprint(), keep_turns=True)
+    assert kept.bucket_steps == 3 and kept.fingerprint() == plan.fingerprint() and one.bucket_steps == 1
+    assert plan.resumed_as(one.fingerprint(), keep_turns=True).fingerprint() == one.fingerprint()
+    assert plan.resumed_as(plan.fingerprint(), keep_turns=True) is plan
+    assert one.resumed_as(plan.fingerprint()) is one
+    for other in ({"global_batch": 6}, {"chunk_rows": 3}):
+        assert one.resumed_as(plan.fingerprint() | other, keep_turns=True) is one
 
 
 def _one_row_bucket_plan(global_batch):
@@ -288,7 +321,7 @@ def test_a_one_row_bucket_carried_2047_epochs_at_a_global_batch_of_2048_plans_it
 
 # sha256[:16] of every order_spans() answer below (whole orders, every single position, and runs of 3 from every
 # second position, for each epoch and bucket), captured from the recursive version before it became a loop, in read
-# order buckets-1, which runs that started in it still read (BucketPlan.in_order_of) and so must read as it did.
+# order buckets-1, which runs that started in it still read (BucketPlan.resumed_as) and so must read as it did.
 ORDER_SPANS_DIGESTS = ["85ae244b432c25c3", "8ae2370bbb084bb6", "04a701bc09aa6e5d"]
 
 

@@ -161,12 +161,15 @@ def _warnings(config, run_dir, about="rows of a step"):
 
 
 def test_the_driver_warns_once_of_row_groups_larger_than_a_workers_share_of_a_step(tmp_path):
-    """Bucketed data of 64-row groups trained at 8 rows a worker a step reads ~9x the rows it uses: the driver says so
-    once, with what it costs and the two settings that fix it (turns of data.bucket_steps, or smaller row groups);
-    with turns that read a row group's worth, nothing; elastic, at its most workers; at 64 rows a worker, nothing."""
+    """Bucketed data of 64-row groups trained at 8 rows a worker a step in turns of one step reads ~9x the rows it
+    uses: the driver says so once, with what it costs and the two settings that fix it (turns of data.bucket_steps, or
+    smaller row groups); with turns that read a row group's worth (auto's), nothing; elastic, at its most workers; at
+    64 rows a worker, nothing."""
     _bucketed(tmp_path / "data", files=1)
-    data = f"data.train={tmp_path}/data"
-    (warning,) = _warnings(tiny_config(data, tmp_path=tmp_path, name="r", batch=64, workers=8), str(tmp_path / "a"))
+    data, one = f"data.train={tmp_path}/data", "data.bucket_steps=1"
+    (warning,) = _warnings(
+        tiny_config(data, one, tmp_path=tmp_path, name="r", batch=64, workers=8), str(tmp_path / "a")
+    )
     assert warning == (
         f"data.train: {tmp_path}/data/part-0.parquet has row groups of 64 rows, but on 8 workers (scaling.num_workers) "
         "each reads 8 rows of a step (train.global_batch_size=64 / 8), and every read of bucketed data reads the row "
@@ -175,14 +178,16 @@ def test_the_driver_warns_once_of_row_groups_larger_than_a_workers_share_of_a_st
         "rewrite the files with row groups of at most 8 rows (sdtrain's preprocessing: output.row_group_rows=8; "
         "pyarrow.parquet.write_table(..., row_group_size=8))"
     )
-    # Turns of 8 steps: each worker reads 64 consecutive rows, a row group's worth.
-    config = tiny_config(data, "data.bucket_steps=8", tmp_path=tmp_path, name="t", batch=64, workers=8)
-    assert _warnings(config, str(tmp_path / "t")) == []
-    (described,) = _warnings(config, str(tmp_path / "t"), "data.train: 400 rows")  # the start says what it reads
-    assert described.endswith(
-        "in 1 file(s), latents in 4 aspect-ratio buckets, captions (8, 32); about 6 steps per epoch, in turns of 8 "
-        "steps of one bucket"
-    )
+    # Turns of 8 steps, auto's here: each worker reads 64 consecutive rows, a row group's worth.
+    for steps in ("data.bucket_steps=8", "data.bucket_steps=auto"):
+        config = tiny_config(data, steps, tmp_path=tmp_path, name="t", batch=64, workers=8)
+        assert _warnings(config, str(tmp_path / "t")) == []
+        (described,) = _warnings(config, str(tmp_path / "t"), "data.train: 400 rows")  # the start says what it reads
+        auto = " (data.bucket_steps=auto: each of up to 8 workers reads whole chunks)" * steps.endswith("auto")
+        assert described.endswith(
+            "in 1 file(s), latents in 4 aspect-ratio buckets, captions (8, 32); about 6 steps per epoch, in turns of "
+            f"8 steps of one bucket{auto}"
+        )
     (short,) = _warnings(
         tiny_config(data, "data.bucket_steps=4", tmp_path=tmp_path, batch=64, workers=8), str(tmp_path)
     )
@@ -191,7 +196,8 @@ def test_the_driver_warns_once_of_row_groups_larger_than_a_workers_share_of_a_st
         in short
     )
     assert "about 3x" in short and "set data.bucket_steps=8" in short and "row groups of at most 32 rows" in short
-    (elastic,) = _warnings(tiny_config(data, "scaling.num_workers=[1, 2]", tmp_path=tmp_path, batch=64), str(tmp_path))
+    elastic = tiny_config(data, one, "scaling.num_workers=[1, 2]", tmp_path=tmp_path, batch=64)
+    (elastic,) = _warnings(elastic, str(tmp_path))
     assert "but on 2 workers (scaling.num_workers) each reads 32 rows of a step" in elastic and "about 3x" in elastic
     assert _warnings(tiny_config(data, tmp_path=tmp_path, batch=64, workers=1), str(tmp_path / "c")) == []
 

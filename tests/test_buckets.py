@@ -172,7 +172,7 @@ def test_a_run_checkpointed_in_read_order_buckets_1_resumes_in_it_after_the_upgr
     config = tiny_config(*options, **run)
     fresh = check_run(config)
     assert fresh.committed is None and fresh.plan.order == "buckets-2"
-    old = fresh.plan.in_order_of({"order": "buckets-1"})
+    old = fresh.plan.resumed_as({"order": "buckets-1"})
     _report(tmp_path / "runs", _manager(tmp_path / "runs", "loss"), 3, {"step": 3, "loss": 1.0})
     checkpoint = tmp_path / "runs" / "run" / "checkpoint_00000003"
     DataPosition(3, old.advance(DataState(), 1, 8, 3), old.fingerprint()).write(str(checkpoint))
@@ -194,6 +194,37 @@ def test_a_run_checkpointed_in_read_order_buckets_1_resumes_in_it_after_the_upgr
     rows = [[old.sample_indices(w) for s in windows[0] for w in old.windows(s)]]
     rows.append([fresh.plan.sample_indices(w) for s in windows[1] for w in fresh.plan.windows(s)])
     assert not all(np.array_equal(a, b) for a, b in zip(*rows, strict=True))
+
+
+def test_a_run_on_auto_bucket_steps_keeps_its_checkpoints_turns_when_its_workers_change(tmp_path):
+    """data.bucket_steps: auto picks the turns from the most workers (4 workers of 2 rows of 4-row chunks: turns of
+    2 steps). Resumed with 1 worker, where auto would pick 1, the run keeps its checkpoint's turns and says so; set
+    to 1, the change is refused as one of the read order (data.on_resume_change: fail). Without Ray, as above."""
+    from support.log_lines import LogLines
+    from test_snapshot_scores import _manager, _report
+
+    from sdtrain.data.position import DataPosition
+    from sdtrain.driver.run import check_run
+
+    _bucketed(tmp_path / "data")
+    options = [f"data.train={tmp_path}/data", "data.shuffle_chunk_rows=4", "export.enabled=false"]
+    run = {"tmp_path": tmp_path, "name": "run", "steps": 3, "batch": 8}
+    fresh = check_run(tiny_config(*options, **run, workers=4))
+    assert fresh.committed is None and fresh.plan.bucket_steps == 2
+    assert check_run(tiny_config(*options, **(run | {"name": "one"}), workers=1)).plan.bucket_steps == 1
+    _report(tmp_path / "runs", _manager(tmp_path / "runs", "loss"), 3, {"step": 3, "loss": 1.0})
+    checkpoint = tmp_path / "runs" / "run" / "checkpoint_00000003"
+    DataPosition(3, fresh.plan.advance(DataState(), 4, 2, 3), fresh.plan.fingerprint()).write(str(checkpoint))
+
+    with LogLines() as lines:
+        resumed = check_run(tiny_config(*options, **run, workers=1))
+    assert resumed.resume_step == 3 and resumed.plan.fingerprint() == fresh.plan.fingerprint()
+    assert [line for line in lines.messages if "data.bucket_steps=auto: resuming" in line] == [
+        f"data.bucket_steps=auto: resuming in turns of 2 step(s) of one bucket, the ones {checkpoint} was written "
+        "in; a new run on these workers would take 1"
+    ]
+    with pytest.raises(DataError, match=r"data.bucket_steps is 1, was 2"):
+        check_run(tiny_config(*options, "data.bucket_steps=1", **run, workers=1))
 
 
 def test_validation_splits_a_block_of_several_buckets_into_batches_of_one_shape(tmp_path):

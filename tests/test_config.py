@@ -112,9 +112,10 @@ def test_round_trip_through_dict():
         (BASE + ["data.shuffle_window_rows=0"], r"data\.shuffle_window_rows: must be >= 1, got 0"),
         (
             BASE + ["data.shuffle_chunk_rows=6", "data.bucket_steps=4"],
-            r"data\.bucket_steps: must be a divisor of data\.shuffle_chunk_rows=6 \(each step takes an equal part of a "
-            r"chunk\), got 4",
+            r"data\.bucket_steps: must be auto or a divisor of data\.shuffle_chunk_rows=6 \(each step takes an equal "
+            r"part of a chunk\), got 4",
         ),
+        (BASE + ["data.bucket_steps=fast"], r"data\.bucket_steps: expected auto \| int, got 'fast'"),
         (
             BASE + ["data.shuffle_chunk_rows=64", "data.bucket_steps=4", "train.global_batch_size=24"],
             r"data\.bucket_steps: 4 steps of one bucket take 16 rows of each chunk of data\.shuffle_chunk_rows=64 a "

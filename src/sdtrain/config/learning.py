@@ -68,11 +68,12 @@ class DataConfig(Section):
     shuffle_window_rows: int = 512
     """Each worker reads its chunks in windows of this many rows (one Ray Data block) and shuffles rows within a
     window. Not bucketed data's: its rows keep their order within a chunk (docs/data.md, Aspect-ratio buckets)."""
-    bucket_steps: int = 1
+    bucket_steps: Literal["auto"] | int = "auto"
     """Bucketed data: optimizer steps of one bucket in a row (a turn), over which each rank reads whole chunks, where
     one step a turn has ranks whose share of a step (train.global_batch_size / workers) is under a chunk read the
-    same row groups. Set it to data.shuffle_chunk_rows / that share at the most workers, where that is over 1
-    (docs/data.md, Aspect-ratio buckets); the model then sees that many steps of one aspect ratio in a row. Must divide
+    same row groups (docs/data.md, Aspect-ratio buckets); the model then sees that many steps of one aspect ratio in a
+    row. auto = data.shuffle_chunk_rows / that share at scaling's most workers where that is over 1 (the fewest steps
+    whose lanes make whole chunks), else 1; a resumed run keeps its checkpoint's. A number must divide
     data.shuffle_chunk_rows."""
     on_resume_change: Literal["fail", "new_epoch"] = "fail"
     """When data.train, train.seed or the shuffle sizes changed since the checkpoint a run resumes from (its data
@@ -101,11 +102,12 @@ class DataConfig(Section):
         for key in ("shuffle_chunk_rows", "shuffle_window_rows"):
             if getattr(self, key) < 1:
                 self._fail(key, f"must be >= 1, got {getattr(self, key)}")
-        if self.bucket_steps < 1 or self.shuffle_chunk_rows % self.bucket_steps:
+        steps = self.bucket_steps
+        if isinstance(steps, int) and (steps < 1 or self.shuffle_chunk_rows % steps):  # else auto: the loader checks
             self._fail(
                 "bucket_steps",
-                f"must be a divisor of data.shuffle_chunk_rows={self.shuffle_chunk_rows} (each step takes an equal "
-                f"part of a chunk), got {self.bucket_steps}",
+                f"must be auto or a divisor of data.shuffle_chunk_rows={self.shuffle_chunk_rows} (each step takes an "
+                f"equal part of a chunk), got {steps}",
             )
         if self.prefetch_batches < 0:
             self._fail("prefetch_batches", f"must be >= 0, got {self.prefetch_batches}")

@@ -178,6 +178,8 @@ class Config(ConfigTree):
         """data.bucket_steps > 1 cuts each run of steps into lanes of a chunk, each step taking an equal part of every
         lane (sdtrain.data.bucket_turns): the global batch must be whole lanes' parts."""
         steps, chunk, batch = self.data.bucket_steps, self.data.shuffle_chunk_rows, self.train.global_batch_size
+        if steps == "auto":  # picks only steps whose lanes make the batch (sdtrain.data.bucket_turns)
+            return
         part = chunk // steps
         if steps > 1 and batch % part:
             raise ConfigError(

@@ -14,12 +14,10 @@ or padded: they open the bucket's order of the next epoch. The epoch's steps are
 rows.
 
 Step s of an epoch is batch i of a turn of bucket b whatever the world size, and rank r of W reads rows
-[r G/W, (r + 1) G/W) of it: the same lanes of the turn at each of its steps (:mod:`sdtrain.data.bucket_turns`; for
-k = 1, consecutive positions). A run resumed at another world size therefore continues with exactly the rows, buckets
-and order the uninterrupted run would have: only which rank reads which part of a step changes. The data position
-(:class:`sdtrain.data.read_order.DataState`) counts the steps done in the epoch as rows per rank at each world size the
-epoch ran at; nothing here holds a table of steps or rows: a rank plans its reads from the runs of the files and a few
-integers per bucket.
+[r G/W, (r + 1) G/W) of it: the same lanes of the turn at each of its steps (:mod:`sdtrain.data.bucket_turns`). A run
+resumed at another world size therefore continues with exactly the rows, buckets and order the uninterrupted run
+would have. The data position (:class:`sdtrain.data.read_order.DataState`) counts the steps done in the epoch as rows
+per rank at each world size; no table of steps or rows is held: a rank plans from the files' runs.
 """
 
 from __future__ import annotations
@@ -41,7 +39,7 @@ BUCKET_ORDER_VERSION = "buckets-2"
 runs (:mod:`sdtrain.data.bucket_runs`); buckets-1 cut them from a bucket's runs laid end to end."""
 ORDERS = ("buckets-1", BUCKET_ORDER_VERSION)
 """The versions this plan reads: a run resumes in the one its checkpoints were written in
-(:meth:`BucketPlan.in_order_of`); a checkpoint of any other resumes as a change of the read order."""
+(:meth:`BucketPlan.resumed_as`); a checkpoint of any other resumes as a change of the read order."""
 # A plan's fields but its files' rows and runs: pickled as they are.
 _SETTINGS: tuple[str, ...] = ("bucket_shapes", "seed", "chunk_rows", "global_batch", "window_rows", "files_digest")
 _SETTINGS += ("content_digest", "bucket_steps", "order")
@@ -150,13 +148,18 @@ class BucketPlan:
         self.__dict__.update(state, _orders={}, _carries={})
         self._index(files, bucket, rows)
 
-    def in_order_of(self, stored: dict[str, Any] | None) -> BucketPlan:
-        """This plan in the order a checkpoint's fingerprint names, if in ORDERS: a run keeps its order on upgrades."""
-        order = (stored or {}).get("order")
-        if order == self.order or order not in ORDERS:
+    def resumed_as(self, stored: dict[str, Any] | None, keep_turns: bool = False) -> BucketPlan:
+        """This plan in the read order a checkpoint's fingerprint names (if in ORDERS) and, with ``keep_turns``
+        (data.bucket_steps: auto), in its turns: a run keeps both across upgrades and changes of its workers."""
+        stored = stored or {}
+        kept = {"order": stored["order"]} if stored.get("order") in ORDERS else {}
+        lanes = (stored.get("chunk_rows"), stored.get("global_batch")) == (self.chunk_rows, self.global_batch)
+        if keep_turns and lanes:
+            kept["bucket_steps"] = stored.get("bucket_steps", 1)  # its lanes make this batch
+        if all(getattr(self, key) == value for key, value in kept.items()):
             return self
         plan = BucketPlan.__new__(BucketPlan)
-        plan.__setstate__(self.__getstate__() | {"order": order})
+        plan.__setstate__(self.__getstate__() | kept)
         return plan
 
     @property
@@ -174,9 +177,8 @@ class BucketPlan:
         return np.stack([self.run_file[runs], self.run_bucket[runs], self.run_rows[runs]], axis=1).astype(np.int64)
 
     def runs_digest(self) -> str:
-        """The digest of :meth:`run_table`, worked out once a plan: every rank start and resume asks for it, and the
-        table of 4e6 runs takes ~0.2 s and ~180 MB to build whole. Hashed a block of runs at a time (the same bytes);
-        kept until :meth:`_index` sets the runs again, and never pickled (``__getstate__`` names what travels)."""
+        """The digest of :meth:`run_table`, once a plan (every rank start and resume asks; the table of 4e6 runs takes
+        ~0.2 s and ~180 MB whole), hashed a block of runs at a time (the same bytes); not pickled (``__getstate__``)."""
         if self._runs_digest is None:
             digest = hashlib.sha256()
             for lo in range(0, len(self.run_file), _DIGEST_BLOCK):
@@ -326,10 +328,8 @@ class BucketPlan:
 
     def _check_share(self, world_size: int, rows_per_step: int) -> None:
         if rows_per_step * world_size != self.global_batch:
-            raise ValueError(
-                f"{rows_per_step} rows a step on each of {world_size} ranks is not the plan's global batch "
-                f"{self.global_batch}"
-            )
+            share = f"{rows_per_step} rows a step on each of {world_size} ranks"
+            raise ValueError(f"{share} is not the plan's global batch {self.global_batch}")
 
     def steps_per_window(self, world_size: int) -> int:
         """Steps one read task reads its rank's shares of: about data.shuffle_window_rows rows, one block a step, in

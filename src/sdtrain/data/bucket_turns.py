@@ -149,3 +149,14 @@ def fitting_bucket_steps(chunk_rows: int, global_batch: int, share: int, group_r
         if chunk_rows % steps == 0 and global_batch % (chunk_rows // steps) == 0 and steps * share >= want:
             return steps
     return None
+
+
+def auto_bucket_steps(chunk_rows: int, global_batch: int, most_workers: int) -> int:
+    """``data.bucket_steps: auto``: the fewest steps a turn over which each of ``most_workers`` ranks reads whole
+    chunks (its lanes' parts make a chunk); 1 where a rank's share of a step is a chunk or more already."""
+    share = global_batch // most_workers
+    if share >= chunk_rows:
+        return 1
+    steps = fitting_bucket_steps(chunk_rows, global_batch, share, chunk_rows)
+    assert steps is not None  # chunk_rows steps a turn: lanes' parts of one row, whole chunks at any share of one
+    return steps

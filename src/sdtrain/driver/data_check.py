@@ -15,7 +15,7 @@ import pyarrow.fs as pafs
 from sdtrain.config.schema import Config
 from sdtrain.data.added_columns import PLACEMENT_COLUMNS, AddedColumns
 from sdtrain.data.bucket_order import BucketPlan
-from sdtrain.data.bucket_turns import consecutive_rows, fitting_bucket_steps
+from sdtrain.data.bucket_turns import auto_bucket_steps, consecutive_rows, fitting_bucket_steps
 from sdtrain.data.dataset_index import IndexedDataset, IndexStats, index_dataset
 from sdtrain.data.index_format import run_index_uri
 from sdtrain.data.inspection import DatasetSpec, first_row
@@ -221,7 +221,7 @@ def warn_of_small_shares(stats: IndexStats, spec: DatasetSpec, config: Config) -
     if spec.bucket_shapes is None or stats.largest_row_group is None:
         return
     (group, file), batch, workers = stats.largest_row_group, config.train.global_batch_size, config.scaling.max_workers
-    steps, chunk = config.data.bucket_steps, config.data.shuffle_chunk_rows
+    steps, chunk = bucket_steps(config), config.data.shuffle_chunk_rows
     share = batch // workers
     rows = consecutive_rows(steps, chunk, share)
     if rows >= group:
@@ -298,8 +298,22 @@ def _describe_steps(spec: DatasetSpec, config: Config) -> str:
     if spec.bucket_shapes is None:
         return f"{steps} steps per epoch"
     # A bucket's rows short of a batch (a turn) are carried into the next epoch: about this many steps an epoch.
-    turns = config.data.bucket_steps
-    return f"about {steps} steps per epoch" + ("" if turns == 1 else f", in turns of {turns} steps of one bucket")
+    turns = bucket_steps(config)
+    if turns == 1:
+        return f"about {steps} steps per epoch"
+    workers = config.scaling.max_workers
+    auto = f" (data.bucket_steps=auto: each of up to {workers} workers reads whole chunks)" * (
+        config.data.bucket_steps == "auto"
+    )
+    return f"about {steps} steps per epoch, in turns of {turns} steps of one bucket{auto}"
+
+
+def bucket_steps(config: Config) -> int:
+    """data.bucket_steps, auto resolved for a new run (sdtrain.data.bucket_turns.auto_bucket_steps); a resumed run
+    keeps its checkpoint's turns (BucketPlan.resumed_as)."""
+    if isinstance(config.data.bucket_steps, int):
+        return config.data.bucket_steps
+    return auto_bucket_steps(config.data.shuffle_chunk_rows, config.train.global_batch_size, config.scaling.max_workers)
 
 
 def _describe_latents(spec: DatasetSpec) -> str:
@@ -339,7 +353,7 @@ def read_plan(spec: DatasetSpec, config: Config) -> ReadPlan:
             data.shuffle_window_rows,
             files_digest(spec.files),
             spec.content_digest,
-            data.bucket_steps,
+            bucket_steps(config),
         )
     return SamplePlan(
         spec.rows_per_file,

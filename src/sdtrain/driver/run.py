@@ -175,19 +175,29 @@ def _check_resume_position(run: CheckedRun) -> None:
     position = DataPosition.read(checkpoint.filesystem, checkpoint.path)
     where = uri_for(checkpoint.filesystem, checkpoint.path)
     if isinstance(run.plan, BucketPlan):
-        kept = run.plan.in_order_of(position.plan)
-        # Only where the rest of the position still holds: a new epoch (or the refusal) is read in the new order.
+        kept = run.plan.resumed_as(position.plan, keep_turns=config.data.bucket_steps == "auto")
+        # Only where the rest of the position still holds: a new epoch (or the refusal) is read as a new run reads.
         if kept is not run.plan and not plan_changes(position.plan or {}, kept.fingerprint()):
-            log.info(
-                f"data.train: resuming in read order {kept.order}, the one {where} was written in; a new run reads "
-                f"{run.plan.order}, whose chunks are whole row groups of the files preprocessing writes (docs/data.md)"
-            )
+            _log_kept_plan(kept, run.plan, where)
             run.plan = kept
     run.resume_step, state = position.resume(run.plan, config.data.on_resume_change, where)
     if not run.finished and config.data.on_resume_change == "new_epoch" and state != position.state:
         log.info(
             f"data.on_resume_change=new_epoch: the data changed since {where}; resuming its weights "
             f"at step {run.resume_step} and starting epoch {state.epoch} on the data as it is now"
+        )
+
+
+def _log_kept_plan(kept: BucketPlan, new: BucketPlan, where: str) -> None:
+    if kept.order != new.order:
+        log.info(
+            f"data.train: resuming in read order {kept.order}, the one {where} was written in; a new run reads "
+            f"{new.order}, whose chunks are whole row groups of the files preprocessing writes (docs/data.md)"
+        )
+    if kept.bucket_steps != new.bucket_steps:
+        log.info(
+            f"data.bucket_steps=auto: resuming in turns of {kept.bucket_steps} step(s) of one bucket, the ones {where} "
+            f"was written in; a new run on these workers would take {new.bucket_steps}"
         )
 
 
