@@ -6,8 +6,8 @@ real plans (``SamplePlan`` for data of one shape, ``BucketPlan`` for aspect-rati
 files, plans one rank's windows for ``--steps`` steps at a global batch of 2048 and world sizes 8 to 256, and counts,
 over those windows, the rows of the row groups touched (rows read) against the rows in the spans (rows trained on),
 for row groups of 64 rows (preprocessing's ``output.row_group_rows`` default), 16 and 8. ``turns`` is the bucketed plan
-with ``data.bucket_steps`` = chunk rows / a rank's share of a step at each world size (1 where the share is a chunk or
-more), the setting the driver's warning names. Bucketed files are laid out two ways: ``start``, row groups counted
+with ``data.bucket_steps: auto`` at each world size (chunk rows / a rank's share of a step, 1 where the share is a
+chunk or more); ``buckets``, with turns of one step. Bucketed files are laid out two ways: ``start``, row groups counted
 from the file's start (files written before preprocessing started a row group at each run), and ``runs``, a row
 group starting at each bucket run, as preprocessing writes them now.
 
@@ -32,8 +32,10 @@ ROW_GROUPS = (64, 16, 8)
 
 
 def turn_steps(world_size: int) -> int:
-    """data.bucket_steps that makes a rank's rows of a turn a chunk at ``world_size``."""
-    return max(1, CHUNK_ROWS // (GLOBAL_BATCH // world_size))
+    """data.bucket_steps: auto's turns at ``world_size`` workers."""
+    from sdtrain.data.bucket_turns import auto_bucket_steps
+
+    return auto_bucket_steps(CHUNK_ROWS, GLOBAL_BATCH, world_size)
 
 
 def plans(files: int):
