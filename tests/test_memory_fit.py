@@ -26,6 +26,32 @@ def test_the_clusters_gpu_is_its_one_known_accelerator_type():
     assert cluster_gpu({"GPU": 1, "accelerator_type:MI999": 1}) is None
 
 
+def test_a_size_label_on_every_node_of_a_model_names_its_variant():
+    """Ray names every A100 "A100" and leaves its size labels (accelerator_type:A100-80G, Ray's NVIDIA_A100_80G) to
+    the cluster to add beside it: with one on every A100 node the fit is against that size, where the two labels
+    made the GPU unknown (auto at null's size: the whole per-GPU batch at once); with some nodes unlabelled, or two
+    sizes, against the A100's range."""
+    from sdtrain.model.hardware import has_bf16, memory_range
+
+    labelled = {"GPU": 16, "accelerator_type:A100": 2, "accelerator_type:A100-80G": 2}
+    assert cluster_gpu(labelled) == "A100-80G" and cluster_gpu({"accelerator_type:A100-80G": 1}) == "A100-80G"
+    assert cluster_gpu({**labelled, "accelerator_type:A100": 3}) == "A100"  # a node without the label
+    assert cluster_gpu({**labelled, "accelerator_type:A100-40G": 1}) == "A100"
+    assert cluster_gpu({**labelled, "accelerator_type:H100": 1}) is None
+    assert cluster_gpu({"accelerator_type:A100-96G": 1}) is None  # no A100 is sold with 96 GB
+    mib = 2**20
+    assert memory_range("A100-80G") == (81920 * mib, 81920 * mib) and memory_range("A100-40G") == (40960 * mib,) * 2
+    assert has_bf16("A100-80G") is True and has_bf16("V100-32G") is False
+    # 64 samples of the small UNet at 512 px (~42 GiB): only an 80 GB A100 holds them, which the label says it is.
+    config = _small("train.global_batch_size=128", "scaling.num_workers=2", "train.micro_batch_size=64")
+    said = fit_micro_batch(config, "A100", *SMALL_512, "bf16-mixed")[1]
+    assert said is not None and said.endswith("only its 80.0 GiB variant fits them")
+    assert fit_micro_batch(config, "A100-80G", *SMALL_512, "bf16-mixed") == (config, None)
+    auto = _small("train.global_batch_size=128", "scaling.num_workers=2", "train.micro_batch_size=auto")
+    fitted, said = fit_micro_batch(auto, "A100-80G", *SMALL_512, "bf16-mixed")
+    assert fitted.train.micro_batch_size == 64 and said is not None and said.endswith("on A100-80G (80.0 GiB)")
+
+
 def test_auto_picks_the_largest_common_size_that_fits_and_keeps_the_global_batch():
     # 192, 128 or 96 a worker: sizes 32 and its divisors work at every world size. At 32 the small UNet at 512 px
     # is predicted to need ~23.5 GiB with the runtime, more than an A10G's 22.5 GiB; 16 needs ~14.

@@ -5,10 +5,12 @@ memory from the hardware table (:func:`sdtrain.model.hardware.memory_range`): th
 size it is sold as (an A10G's 24 GB is 22.5 GiB), since the driver's machine has no GPU to ask. A model sold with
 more than one memory size (an A100 has 40 or 80 GB, and Ray names both "A100") is taken at its smallest to choose a
 size and at its largest to refuse one: auto never picks what may not fit, and no size that fits some variant is
-refused. Where no GPU node is up yet (an autoscaling cluster at start), or the nodes hold different models, nothing
-is known: auto falls back to null's size and nothing is refused. The prediction is the memory model's
-(sdtrain.model.memory) for a rank at the fewest workers allowed (FSDP shards least there), with the frozen text
-encoders every rank holds where the data's captions are token ids (:func:`caption_encoders`).
+refused. Where every such node also carries Ray's label of its size (``accelerator_type:A100-80G``, which Ray leaves
+to the cluster to add), that size is the one. Where no GPU node is up yet (an autoscaling cluster at start), or the
+nodes hold different models, nothing is known: auto falls back to null's size and nothing is refused. The
+prediction is the memory model's (sdtrain.model.memory) for a rank at the fewest workers allowed (FSDP shards least
+there), with the frozen text encoders every rank holds where the data's captions are token ids
+(:func:`caption_encoders`).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from sdtrain.config.schema import Config
 from sdtrain.errors import ConfigError
-from sdtrain.model.hardware import GIB, memory_range
+from sdtrain.model.hardware import GIB, memory_range, variants
 from sdtrain.model.memory import TrainingMemory, predict_training_memory
 from sdtrain.model.token_captions import encoder_dtype, text_encoder_configs
 from sdtrain.model.unet import unet_config
@@ -38,11 +40,17 @@ def cluster_gpu(resources: Mapping[str, float]) -> str | None:
     Args:
         resources: the cluster's resources by name.
     """
-    models = {name.split(":", 1)[1] for name in resources if name.startswith("accelerator_type:")}
-    if len(models) != 1:
+    labels = {name.split(":", 1)[1]: count for name, count in resources.items() if name.startswith("accelerator_type:")}
+    if not labels or not all(variants(label) for label in labels):
         return None
-    (model,) = models
-    return model if memory_range(model) is not None else None
+    types = {variants(label)[0][0].accelerator_type for label in labels}
+    if len(types) != 1:
+        return None
+    (model,) = types
+    # A size label ("A100-80G", added by hand beside the "A100" Ray sets, one a node as Ray's) names the variant
+    # where it is on every node of the model; several sizes, or some nodes without one, leave the model's range.
+    sized = [label for label in labels if label != model]
+    return sized[0] if len(sized) == 1 and labels[sized[0]] >= labels.get(model, 0) else model
 
 
 def caption_encoders(spec: DatasetSpec) -> tuple[Any, ...]:

@@ -256,18 +256,30 @@ def peak_flops(gpu: Gpu, precision: str, tf32: bool) -> float | None:
     return None
 
 
+def variants(accelerator_type: str) -> list[tuple[Gpu, float]]:
+    """(model, memory size as sold) of each GPU Ray may name ``accelerator_type``: every model and size of a type Ray
+    sets on GPU nodes ("A100"), or the one size of a variant's label ("A100-80G": Ray's ``NVIDIA_A100_80G``, which a
+    cluster adds to its nodes beside "A100"); none for a name the table does not know."""
+    found = [(gpu, gib) for gpu in GPUS if gpu.accelerator_type == accelerator_type for gib in gpu.memory_gib]
+    sized = re.fullmatch(r"(.+)-(\d+)G", accelerator_type)
+    if found or sized is None:
+        return found
+    base, gib = sized.group(1), float(sized.group(2))
+    return [(gpu, gib) for gpu in GPUS if gpu.accelerator_type == base and gib in gpu.memory_gib]
+
+
 def has_bf16(accelerator_type: str) -> bool | None:
     """Whether the GPUs Ray names ``accelerator_type`` have bf16 (a bf16 peak in the table), or None for a name the
     table does not know."""
-    models = [gpu for gpu in GPUS if gpu.accelerator_type == accelerator_type]
+    models = [gpu for gpu, _ in variants(accelerator_type)]
     return all(gpu.bf16 is not None for gpu in models) if models else None
 
 
 def memory_range(accelerator_type: str) -> tuple[float, float] | None:
     """(smallest, largest) memory in bytes that the GPUs Ray names ``accelerator_type`` report (``device_mib``, not
     the datasheet's size), or None for a name the table does not know."""
-    sizes = [mib for gpu in GPUS if gpu.accelerator_type == accelerator_type for mib in gpu.device_mib]
-    return (min(sizes) * MIB, max(sizes) * MIB) if sizes else None
+    sizes = [gpu.device_bytes(gib) for gpu, gib in variants(accelerator_type)]
+    return (min(sizes), max(sizes)) if sizes else None
 
 
 @dataclass(frozen=True)
