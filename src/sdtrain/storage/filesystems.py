@@ -132,7 +132,7 @@ def write_bytes(uri: str, data: bytes) -> None:
         return
     fs, path = filesystem_for(uri)
     if is_uri(uri):  # another object store: its output stream makes the object visible only when closed
-        with fs.open_output_stream(path) as f:
+        with fs.open_output_stream(path, compression=None) as f:  # the bytes as given, a .gz name not compressed
             f.write(data)
         return
     os.makedirs(os.path.dirname(path), exist_ok=True)
