@@ -76,7 +76,7 @@ class FooterCounts:
         for column, leaf in _leaves(footer, columns).items() if len(with_rows) else ():
             values = np.fromiter((group.column(leaf).num_values for group in groups), np.int64, len(groups))
             self._check_column(key, file, column, columns[column], rows, values, with_rows)
-        across = runs is not None and not _start_row_groups(runs, rows)
+        across = runs is not None and not runs_start_row_groups(runs, rows)
         if len(groups):
             with self._lock:
                 if self.largest_row_group is None or rows.max() > self.largest_row_group[0]:
@@ -122,7 +122,7 @@ class FooterCounts:
                 )
 
 
-def _start_row_groups(runs: Sequence[tuple[int, int]], group_rows: np.ndarray) -> bool:
+def runs_start_row_groups(runs: Sequence[tuple[int, int]], group_rows: np.ndarray) -> bool:
     """Whether each of ``runs`` ((bucket, rows) in row order) starts a row group of ``group_rows`` rows each."""
     ends = np.cumsum(group_rows)
     starts = np.cumsum([rows for _, rows in runs])[:-1]

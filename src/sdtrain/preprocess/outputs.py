@@ -34,7 +34,7 @@ import io
 import json
 import os
 import posixpath
-from collections.abc import Collection
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -156,16 +156,32 @@ def _flat_lists(values: list[np.ndarray], value_type: pa.DataType) -> pa.Array:
 def parquet_bytes(table: pa.Table, row_group_rows: int) -> bytes:
     """The table as zstd parquet, a row group starting at each bucket run (metadata BUCKET_RUNS): training reads a
     bucket's chunks cut within its runs (sdtrain.data.bucket_runs), which are then whole row groups, not the end of one
-    and the start of the next. Dictionary encoding is kept for the strings and scalars only: on the float and
-    token-id lists (latents, embeddings) it finds no repeats and costs about half the write time."""
+    and the start of the next."""
     buffer = io.BytesIO()
-    dictionary = [f.name for f in table.schema if not pa.types.is_list(f.type) and not pa.types.is_large_list(f.type)]
     runs = (table.schema.metadata or {}).get(BUCKET_RUNS.encode())
     lengths = [rows for _, rows in json.loads(runs)] if runs else [table.num_rows]
-    with pq.ParquetWriter(buffer, table.schema, compression="zstd", use_dictionary=dictionary) as writer:
-        for start, rows in zip(np.cumsum([0, *lengths[:-1]]).tolist(), lengths, strict=True):
-            writer.write_table(table.slice(start, rows), row_group_size=row_group_rows)  # row groups end with a call
+    with parquet_writer(buffer, table.schema) as writer:
+        for start, rows in run_row_groups(lengths, row_group_rows):
+            writer.write_table(table.slice(start, rows))
     return buffer.getvalue()
+
+
+def parquet_writer(sink: Any, schema: pa.Schema) -> pq.ParquetWriter:
+    """A zstd parquet writer for a shard (one row group a write_table call of fewer than ~1e6 rows). Dictionary
+    encoding is kept for the strings and scalars only: on the float and token-id lists (latents, embeddings) it finds
+    no repeats and costs about half the write time."""
+    dictionary = [f.name for f in schema if not pa.types.is_list(f.type) and not pa.types.is_large_list(f.type)]
+    return pq.ParquetWriter(sink, schema, compression="zstd", use_dictionary=dictionary)
+
+
+def run_row_groups(lengths: Sequence[int], row_group_rows: int) -> Iterator[tuple[int, int]]:
+    """(first row, rows) of each row group of a file whose bucket runs hold ``lengths`` rows in row order: up to
+    ``row_group_rows`` at a time within each run, a run's last rows a shorter group of their own."""
+    start = 0
+    for length in lengths:
+        for offset in range(0, length, row_group_rows):
+            yield start + offset, min(row_group_rows, length - offset)
+        start += length
 
 
 def write_shard(output: str, name: str, table: pa.Table | None, stats: dict[str, Any], row_group_rows: int) -> None:
