@@ -215,3 +215,4 @@ def test_the_driver_warns_once_of_bucketed_files_whose_row_groups_do_not_start_a
     assert warning.startswith("data.train: 3 of the 3 file(s) whose footers this start read (one: "), warning
     assert "data.shuffle_chunk_rows=64 rows of a run then takes parts of two row groups of up to 64 rows" in warning
     assert "about 2.0x the rows training uses" in warning
+    assert "python entrypoints/realign_row_groups.py <their directory> <a new one>" in warning, warning

@@ -260,8 +260,9 @@ def warn_of_runs_across_row_groups(stats: IndexStats, chunk_rows: int) -> None:
         "groups that do not start at each aspect-ratio bucket run (sdtrain's preprocessing starts one at each since "
         f"2026-12-01): a chunk of data.shuffle_chunk_rows={chunk_rows} rows of a run then takes parts of two row "
         f"groups of up to {group} rows, and every read reads them whole: about {1 + group / chunk_rows:.1f}x the rows "
-        "training uses, where files with a row group starting at each run are read about once. Preprocess them "
-        "again to a new output.path (docs/data.md, Aspect-ratio buckets)"
+        "training uses, where files with a row group starting at each run are read about once. Copy them so, on "
+        "CPUs and with nothing encoded again: python entrypoints/realign_row_groups.py <their directory> <a new "
+        "one> (docs/data.md, Aspect-ratio buckets)"
     )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import shutil
 import tempfile
 import uuid
 from collections.abc import Sequence
@@ -152,6 +153,43 @@ def move_file(source: str, target: str) -> None:
         return
     fs, path = filesystem_for(source)
     fs.move(path, filesystem_for(target)[1])
+
+
+def copy_file(source: str, target: str) -> None:
+    """One file to another name, whole and at once (a reader never finds it half written): between S3 objects a
+    server-side CopyObject (up to 5 GiB), between local files a copy to a temporary name then a rename, else read then
+    written (write_bytes)."""
+    if source.startswith("s3://") and target.startswith("s3://"):
+        (bucket, key), (target_bucket, target_key) = split_s3(source), split_s3(target)
+        _client().copy_object(Bucket=target_bucket, Key=target_key, CopySource={"Bucket": bucket, "Key": key})
+        return
+    if not is_uri(source) and not is_uri(target):
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        temporary = os.path.join(os.path.dirname(target), f".{os.path.basename(target)}.{uuid.uuid4().hex}.tmp")
+        shutil.copyfile(source, temporary)
+        os.replace(temporary, target)
+        return
+    fs, path = filesystem_for(source)
+    with fs.open_input_stream(path, compression=None) as f:  # a .gz as it is, not inflated by its name
+        data = f.read()
+    write_bytes(target, data)
+
+
+def put_file(local: str, uri: str) -> None:
+    """A local file to ``uri`` whole and at once, read from disk as it is sent (not held in memory): on S3 one
+    PutObject (up to 5 GiB; it leaves no object if the sender dies during it), between local files a copy to a
+    temporary name then a rename, elsewhere pyarrow's output stream (the object is visible when it is closed)."""
+    if uri.startswith("s3://"):
+        bucket, key = split_s3(uri)
+        with open(local, "rb") as f:
+            _client().put_object(Bucket=bucket, Key=key, Body=f)
+        return
+    if not is_uri(uri):
+        copy_file(local, uri)
+        return
+    fs, path = filesystem_for(uri)
+    with open(local, "rb") as f, fs.open_output_stream(path, compression=None) as out:
+        shutil.copyfileobj(f, out, 16 << 20)
 
 
 def delete_file(uri: str) -> None:
