@@ -246,3 +246,10 @@ def test_gpu_session_runs_the_parts_asked_for_and_refuses_an_unknown_option(tmp_
         ["bash", "bench/gpu_session.sh", "--part", "tests"], cwd=REPO, capture_output=True, text=True, timeout=30
     )
     assert wrong.returncode == 2 and "unknown option --part" in wrong.stdout, wrong.stdout
+
+
+def test_realign_cost_smoke():
+    """An old bucketed shard's realigned copy beside a plain copy and the whole-table rewrite; the driver's plan."""
+    out, ratios = run_bench("bench/realign_cost.py", "--smoke", timeout=120)
+    assert ratios["realign peak memory / file size"] > 0 and ratios["realign s / copy s"] > 0, out
+    assert "half done:" in out and "CPU-hours of rewriting" in out, out
