@@ -20,6 +20,7 @@ from sdtrain.data.dataset_index import index_dataset
 from sdtrain.data.directory_index import write_directory_index
 from sdtrain.data.footer_counts import runs_start_row_groups
 from sdtrain.data.metadata import bucket_runs
+from sdtrain.driver.realign_cli import realign_main
 from sdtrain.errors import DataError
 from sdtrain.preprocess.realign import RECORD_FILE, realign, realign_file
 from sdtrain.storage.filesystems import filesystem_for
@@ -105,7 +106,7 @@ def test_realign_refuses_a_target_that_is_the_source_holds_it_or_holds_other_fil
 
 
 def test_realign_copies_a_tree_of_preprocessing_outputs_on_s3_and_a_rerun_does_only_what_is_not_done(
-    tmp_path, s3_bucket, ray_cluster
+    tmp_path, s3_bucket, ray_cluster, capsys
 ):
     """Two days' outputs under one prefix, as retraining's data root holds them: every bucketed file rewritten by a
     Ray task (the cluster has no endpoint: the driver hands its own), every other file copied server-side, each
@@ -140,8 +141,13 @@ def test_realign_copies_a_tree_of_preprocessing_outputs_on_s3_and_a_rerun_does_o
     assert record["source"] == source and record["files_rewritten"] == 4
 
     fs.delete_file(filesystem_for(f"{target}/day=2/part-1.parquet")[1])
-    again = realign(source, target)
-    assert (again.rewritten, again.done_before, again.side_files) == (1, 3, 0)
+    capsys.readouterr()
+    assert realign_main([source, target]) == 0  # the command line, on this cluster
+    out = capsys.readouterr().out
+    assert f"{target}: 1 file(s) rewritten (7 row groups to " in out, out
+    assert "a run starting each), 0 copied as they were, 3 done before; 400 rows; 0 other file(s) copied;" in out, out
+    # Written again byte for byte (its ETag too), so the index still stands.
+    assert f"index: {target}/day=2/_sdtrain_index.parquet (unchanged)" in out, out
     assert _aligned(f"{target}/day=2/part-1.parquet")[0]
     # A file that is no parquet stops the job naming it, after the writes in flight end.
     with fs.open_output_stream(f"{path}/day=3/part-0.parquet") as f:

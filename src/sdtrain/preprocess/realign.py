@@ -47,6 +47,10 @@ RECORD_FILE = "_realigned.json"
 COPY_THREADS = 64
 """Side files copied at a time from the driver (each one request on S3: a server-side copy)."""
 
+TASKS_AHEAD = 64
+"""Rewrites submitted at least, whatever the CPUs the cluster has now: an autoscaling cluster adds nodes for those
+waiting."""
+
 _TEMPORARY = re.compile(r"(^|/)\.[^/]+\.[0-9a-f]{32}\.tmp$")
 """A local write's temporary name (sdtrain.storage.filesystems.write_bytes), left by a kill."""
 
@@ -191,12 +195,13 @@ def realign(source: str, target: str) -> RealignSummary:
 
 
 def _rewrite(source: str, target: str, pending: list[str], summary: RealignSummary) -> None:
-    """Each of ``pending`` (names under both) by a Ray task of a CPU, as many at once as the cluster has CPUs."""
+    """Each of ``pending`` (names under both) by a Ray task of a CPU, up to twice as many at once as the cluster has
+    CPUs, and at least TASKS_AHEAD (waiting tasks are what an autoscaling cluster adds nodes for)."""
     import ray
 
     if not ray.is_initialized():
         ray.init()  # a submitted job's cluster, RAY_ADDRESS, the one `ray start` runs here, else a new one
-    limit = max(1, int(ray.cluster_resources().get("CPU", 1)))
+    limit = max(TASKS_AHEAD, 2 * int(ray.cluster_resources().get("CPU", 0)))
     task = ray.remote(realign_file).options(num_cpus=1, max_retries=3, retry_exceptions=[OSError])
     s3 = resolved_s3_settings()
     in_flight: dict[Any, str] = {}
@@ -214,7 +219,8 @@ def _rewrite(source: str, target: str, pending: list[str], summary: RealignSumma
         try:
             result: FileResult = ray.get(ready)
         except Exception as error:
-            ray.wait(list(in_flight), num_returns=len(in_flight))  # what is being written finishes whole
+            for ref in in_flight:  # a write cut short leaves nothing under its name (each is whole or absent)
+                ray.cancel(ref)
             cause = getattr(error, "cause", error)  # a RayTaskError's: the file's own, without Ray's traceback
             if isinstance(cause, DataError):
                 raise cause from None
