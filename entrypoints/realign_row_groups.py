@@ -2,8 +2,11 @@
 each file's start) with a row group starting at each bucket run, as preprocessing writes them now. CPU only: nothing
 is encoded again (docs/data.md, Aspect-ratio buckets).
 
-    python entrypoints/realign_row_groups.py s3://bucket/latents s3://bucket/latents-realigned
-    ray job submit --working-dir . -- python entrypoints/realign_row_groups.py s3://bucket/latents s3://bucket/copy
+Locally (starts a Ray cluster in this process):
+    python entrypoints/realign_row_groups.py /data/latents /data/latents-2
+On a cluster (the runtime env ships sdtrain to the nodes' tasks):
+    ray job submit --working-dir . --runtime-env runtime_env/gpu.yaml -- \
+        python entrypoints/realign_row_groups.py s3://bucket/latents s3://bucket/latents-2
 Then train on the copy. A re-run after a kill does what is not done.
 """
 
