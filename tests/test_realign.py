@@ -88,8 +88,11 @@ def test_realign_refuses_a_target_that_is_the_source_holds_it_or_holds_other_fil
             realign(str(tmp_path / "data"), str(target))
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "part-9.parquet").write_bytes(b"not this source's")
+    left = tmp_path / "other" / f".part-0.parquet.{'0' * 32}.tmp"  # a write a kill cut short: removed, not a stray
+    left.write_bytes(b"half")
     with pytest.raises(DataError, match=r"other holds part-9.parquet \(1 file\(s\) in all\) that .*data does not"):
         realign(str(tmp_path / "data"), str(tmp_path / "other"))
+    assert not left.exists()
     (tmp_path / "notes").mkdir()
     (tmp_path / "notes" / "manifest.json").write_text("{}")
     with pytest.raises(DataError, match="notes holds no parquet file"):

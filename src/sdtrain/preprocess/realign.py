@@ -56,6 +56,8 @@ _TEMPORARY = re.compile(r"(^|/)\.[^/]+\.[0-9a-f]{32}\.tmp$")
 
 
 class FileResult(NamedTuple):
+    """What :func:`realign_file` did to a file."""
+
     rewritten: bool
     """False: copied as it was (its runs already start row groups, or it holds one shape)."""
     rows: int
@@ -65,6 +67,9 @@ class FileResult(NamedTuple):
 
 @dataclass
 class RealignSummary:
+    """What a run did: parquet files rewritten, copied as they were and found done; other files copied; rows and row
+    groups (before, after) of the parquet files it wrote; the indexes written again."""
+
     source: str
     target: str
     rewritten: int = 0
@@ -165,10 +170,10 @@ def realign(source: str, target: str) -> RealignSummary:
     source, target = _checked(source, target)
     files = _files(source)
     there = _files(target)
-    there.pop(RECORD_FILE, None)
+    there.discard(RECORD_FILE)
     for name in [r for r in there if _TEMPORARY.search(r)]:
         delete_file(join(target, name))  # a write a kill interrupted
-        del there[name]
+        there.remove(name)
     plan = plan_copy(files, there)
     if not plan.parquet and not plan.done_before:
         raise DataError(f"realign: {redact(source)} holds no parquet file")
@@ -267,11 +272,11 @@ def _checked(source: str, target: str) -> tuple[str, str]:
     return source, target
 
 
-def _files(root: str) -> dict[str, int]:
-    """Every file under ``root`` (recursively, hidden names too), by name relative to it, with its size."""
+def _files(root: str) -> set[str]:
+    """The names of every file under ``root`` (recursively, hidden names too), relative to it."""
     fs, path = filesystem_for(root)
     if fs.get_file_info(path).type == pafs.FileType.NotFound:
-        return {}
+        return set()
     found = fs.get_file_info(pafs.FileSelector(path, recursive=True, allow_not_found=True))
     base = path.rstrip("/") + "/"
-    return {i.path[len(base) :]: int(i.size or 0) for i in found if i.type == pafs.FileType.File}
+    return {i.path[len(base) :] for i in found if i.type == pafs.FileType.File}
