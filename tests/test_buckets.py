@@ -221,10 +221,16 @@ def test_a_run_on_auto_bucket_steps_keeps_its_checkpoints_turns_when_its_workers
     assert resumed.resume_step == 3 and resumed.plan.fingerprint() == fresh.plan.fingerprint()
     assert [line for line in lines.messages if "data.bucket_steps=auto: resuming" in line] == [
         f"data.bucket_steps=auto: resuming in turns of 2 step(s) of one bucket, the ones {checkpoint} was written "
-        "in; a new run on these workers would take 1"
+        "in; a new run on these workers would take 1. To take them now, from the next epoch: data.bucket_steps=1 "
+        "data.on_resume_change=new_epoch (the rest of this epoch's rows are not read)"
     ]
     with pytest.raises(DataError, match=r"data.bucket_steps is 1, was 2"):
         check_run(tiny_config(*options, "data.bucket_steps=1", **run, workers=1))
+    # What the line says to do: the weights resume, the next epoch is read in the new turns.
+    switched = check_run(
+        tiny_config(*options, "data.bucket_steps=1", "data.on_resume_change=new_epoch", **run, workers=1)
+    )
+    assert switched.resume_step == 3 and switched.plan.bucket_steps == 1
 
 
 def test_validation_splits_a_block_of_several_buckets_into_batches_of_one_shape(tmp_path):

@@ -197,7 +197,9 @@ def _log_kept_plan(kept: BucketPlan, new: BucketPlan, where: str) -> None:
     if kept.bucket_steps != new.bucket_steps:
         log.info(
             f"data.bucket_steps=auto: resuming in turns of {kept.bucket_steps} step(s) of one bucket, the ones {where} "
-            f"was written in; a new run on these workers would take {new.bucket_steps}"
+            f"was written in; a new run on these workers would take {new.bucket_steps}. To take them now, from the "
+            f"next epoch: data.bucket_steps={new.bucket_steps} data.on_resume_change=new_epoch (the rest of this "
+            "epoch's rows are not read)"
         )
 
 
