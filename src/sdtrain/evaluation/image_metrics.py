@@ -9,6 +9,7 @@ import io
 import os
 import re
 import warnings
+import zipfile
 from typing import Any
 
 import numpy as np
@@ -88,9 +89,11 @@ class FeatureStats:
         return (cov + cov.T) / 2  # exactly symmetric, whatever the rounding of the sums
 
     def to_bytes(self) -> bytes:
-        """An .npz of the count and the two sums: :meth:`from_bytes` restores them exactly."""
-        buffer = io.BytesIO()
-        np.savez(buffer, count=np.int64(self._count), sum=self._sum, outer=self._outer)
+        """An .npz of the count and the two sums (:meth:`from_bytes` restores them), the same sums the same bytes."""
+        with zipfile.ZipFile(buffer := io.BytesIO(), "w") as npz:
+            for name, value in {"count": np.int64(self._count), "sum": self._sum, "outer": self._outer}.items():
+                with npz.open(zipfile.ZipInfo(f"{name}.npy"), "w", force_zip64=True) as f:  # dated 1980, not now
+                    np.lib.format.write_array(f, np.asanyarray(value), allow_pickle=False)
         return buffer.getvalue()
 
     @classmethod
