@@ -180,17 +180,18 @@ def run_through_a_reclaimed_and_a_joined_node(cluster, tmp_path: Path, nodes: in
     driver = threading.Thread(target=run, name="sdtrain-driver", daemon=True)
     driver.start()
     events = reclaim_a_node_then_add_one(cluster, tmp_path / "runs/elastic", driver.is_alive)
-    driver.join(timeout=240)  # the rest of the run takes ~90 s here
-    assert not driver.is_alive(), f"the run did not end 240 s after the cluster changes: {events}"
+    driver.join(timeout=360)  # the rest of the run takes ~90 s here, and took over 240 s on a host at half speed
+    assert not driver.is_alive(), f"the run did not end 360 s after the cluster changes: {events}"
     if "error" in outcome:
         raise outcome["error"]
     return outcome["summary"], events
 
 
 @pytest.mark.ray
-# The cluster changes (up to 300 s to give up), then the rest of the run (up to 240 s): on CI's 2 cores the whole
-# test takes 155-192 s, and the first 200 s for the cluster changes ran out on a busier machine.
-@pytest.mark.timeout(600)
+# The cluster changes (up to 300 s to give up), then the rest of the run (up to 360 s): on CI's 2 cores the whole
+# test takes 155-192 s, and the first 200 s for the cluster changes ran out on a busier machine; on a host at half its
+# usual speed (the whole suite 63 min) it took 461 s and the rest of the run over 240 s.
+@pytest.mark.timeout(720)
 def test_a_reclaimed_node_and_a_joined_one_resize_the_group_lose_no_step_and_train_every_row_once_per_epoch(
     node_cluster, tmp_path, monkeypatch, capfd
 ):
