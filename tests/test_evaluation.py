@@ -736,9 +736,11 @@ def test_a_shape_group_is_sampled_decoded_and_measured_a_few_batches_at_a_time(e
     assert rows["decoded"] == rows["embedded"] == [chunk, 9 - chunk] * 2  # the samples, then the reference's rows
 
 
-def test_chunks_measure_bit_for_bit_what_the_whole_group_at_once_measures(evaluated):
+def test_chunks_measure_what_the_whole_group_at_once_measures(evaluated):
     """Each row sampled from the noise it has in its whole group, the feature statistics being sums: a group
-    measured in chunks is the group sampled, decoded and measured whole, to the bit."""
+    measured in chunks is the group sampled, decoded and scored whole, to the bit (the CLIP scores, one per image),
+    and its feature statistics are the whole group's to float64 rounding (BLAS rounds a sum of 4 rows and one of 8
+    rows differently, which order depending on the CPU it runs on)."""
     from sdtrain.artifacts.loading import load_model
     from sdtrain.sampling.sampler import sample_latents, shape_seed
 
@@ -770,7 +772,10 @@ def test_chunks_measure_bit_for_bit_what_the_whole_group_at_once_measures(evalua
     images = decode(evaluator.vae, whole, evaluator.vae.config.scaling_factor, 1)
     expected = FeatureStats(evaluator.features["fd_dinov2"].dim)
     expected.add(evaluator.features["fd_dinov2"](images, 1))
-    assert measures.generated["fd_dinov2"].to_bytes() == expected.to_bytes()
+    generated = measures.generated["fd_dinov2"]
+    assert generated.count == expected.count == 8
+    np.testing.assert_allclose(generated.mean, expected.mean, rtol=1e-12, atol=1e-15)
+    np.testing.assert_allclose(generated.cov, expected.cov, rtol=1e-12, atol=1e-15)
     texts = [rows.texts[i] for i in group.rows]
     np.testing.assert_array_equal(measures.clip_scores, np.asarray(evaluator.clip(images, texts, 1)))
 
