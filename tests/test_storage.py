@@ -212,6 +212,33 @@ def test_start_fresh_on_s3_sets_the_old_run_aside_by_copies_s3_makes(s3_bucket, 
         assert s3.get_object(Bucket="sdtrain-test", Key=key.replace("runs/demo/", "runs/parts/"))["Body"].read() == body
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_a_file_over_the_single_request_limit_is_sent_and_copied_to_s3_in_parts(s3_bucket, tmp_path):
+    """put_file and copy_file (realign's writes) on S3: a file up to the single-request limit in one PutObject or
+    CopyObject, a larger one in parts, since one request is refused over 5 GiB (here the limit is lowered to 8 MiB, for
+    a 12 MiB file). Either way the object holds the file's bytes, and the copy's bytes never pass through this
+    process."""
+    from sdtrain.storage.filesystems import copy_file, put_file
+
+    log = tmp_path / "moto.log"
+
+    def requests_during(step, *args) -> list[str]:
+        seen = len(log.read_text().splitlines())
+        step(*args, single_request_max=8 << 20)
+        return log.read_text().splitlines()[seen:]
+
+    for name, body, in_parts in (("small.bin", b"a small file", False), ("large.bin", os.urandom(12 << 20), True)):
+        (tmp_path / name).write_bytes(body)
+        sent = requests_during(put_file, str(tmp_path / name), f"{s3_bucket}/put/{name}")
+        assert any("uploadId=" in line for line in sent) is in_parts, sent
+        copied = requests_during(copy_file, f"{s3_bucket}/put/{name}", f"{s3_bucket}/copied/{name}")
+        assert any("uploadId=" in line for line in copied) is in_parts, copied
+        assert not [line for line in copied if '"GET /sdtrain-test/put/' in line], copied
+        for key in (f"put/{name}", f"copied/{name}"):
+            assert _s3().get_object(Bucket="sdtrain-test", Key=key)["Body"].read() == body, key
+
+
 def test_bucket_missing(s3_bucket):
     _expect(
         ConfigError,

@@ -14,7 +14,15 @@ from typing import Any
 import pyarrow.fs as pafs
 
 from sdtrain.errors import DataError
-from sdtrain.storage.s3 import S3Settings, move_prefix, resolved_s3_settings, s3_client, s3_filesystem
+from sdtrain.storage.s3 import (
+    SINGLE_COPY_MAX,
+    S3Settings,
+    large_object_transfer,
+    move_prefix,
+    resolved_s3_settings,
+    s3_client,
+    s3_filesystem,
+)
 from sdtrain.storage.uris import absolute, is_uri, split_s3, uri_prefix
 
 
@@ -155,13 +163,15 @@ def move_file(source: str, target: str) -> None:
     fs.move(path, filesystem_for(target)[1])
 
 
-def copy_file(source: str, target: str) -> None:
-    """One file to another name, whole and at once (a reader never finds it half written): between S3 objects a
-    server-side CopyObject (up to 5 GiB), between local files a copy to a temporary name then a rename, else read then
-    written (write_bytes)."""
+def copy_file(source: str, target: str, single_request_max: int = SINGLE_COPY_MAX) -> None:
+    """One file to another name, whole and at once (a reader never finds it half written): between S3 objects copies
+    S3 makes itself (a HeadObject, then one CopyObject up to ``single_request_max``, parts over it: one CopyObject is
+    refused over 5 GiB), between local files a copy to a temporary name then a rename, else read then written
+    (write_bytes)."""
     if source.startswith("s3://") and target.startswith("s3://"):
         (bucket, key), (target_bucket, target_key) = split_s3(source), split_s3(target)
-        _client().copy_object(Bucket=target_bucket, Key=target_key, CopySource={"Bucket": bucket, "Key": key})
+        copy_source = {"Bucket": bucket, "Key": key}
+        _client().copy(copy_source, target_bucket, target_key, Config=large_object_transfer(single_request_max))
         return
     if not is_uri(source) and not is_uri(target):
         os.makedirs(os.path.dirname(target), exist_ok=True)
@@ -175,14 +185,14 @@ def copy_file(source: str, target: str) -> None:
     write_bytes(target, data)
 
 
-def put_file(local: str, uri: str) -> None:
+def put_file(local: str, uri: str, single_request_max: int = SINGLE_COPY_MAX) -> None:
     """A local file to ``uri`` whole and at once, read from disk as it is sent (not held in memory): on S3 one
-    PutObject (up to 5 GiB; it leaves no object if the sender dies during it), between local files a copy to a
-    temporary name then a rename, elsewhere pyarrow's output stream (the object is visible when it is closed)."""
+    PutObject up to ``single_request_max`` and a multipart upload over it (one PutObject is refused over 5 GiB; either
+    leaves no object if the sender dies during it), between local files a copy to a temporary name then a rename,
+    elsewhere pyarrow's output stream (the object is visible when it is closed)."""
     if uri.startswith("s3://"):
         bucket, key = split_s3(uri)
-        with open(local, "rb") as f:
-            _client().put_object(Bucket=bucket, Key=key, Body=f)
+        _client().upload_file(local, bucket, key, Config=large_object_transfer(single_request_max))
         return
     if not is_uri(uri):
         copy_file(local, uri)

@@ -12,6 +12,7 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.fs as pafs
@@ -269,7 +270,17 @@ def storage_unavailable(error: BaseException, what: str) -> StorageUnavailable:
 
 
 SINGLE_COPY_MAX = 5 << 30
-"""S3's limit on one CopyObject; a larger object is copied in parts (UploadPartCopy)."""
+"""S3's limit on one CopyObject or PutObject; a larger object is copied (UploadPartCopy) or sent (UploadPart) in
+parts."""
+
+
+def large_object_transfer(single_request_max: int = SINGLE_COPY_MAX) -> Any:
+    """boto3's managed transfer as sdtrain uses it: an object up to ``single_request_max`` in one request, a larger one
+    in 256 MiB parts, 4 at a time. A multipart upload is an object only once completed, so a reader never finds one half
+    written; one whose sender was killed leaves parts S3 keeps (and bills) until a lifecycle rule aborts them."""
+    from boto3.s3.transfer import TransferConfig
+
+    return TransferConfig(multipart_threshold=single_request_max + 1, multipart_chunksize=256 << 20, max_concurrency=4)
 
 
 def move_prefix(
@@ -289,12 +300,10 @@ def move_prefix(
     """
     from concurrent.futures import ThreadPoolExecutor
 
-    from boto3.s3.transfer import TransferConfig
-
     client = s3_client()
     pages = client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=f"{source}/")
     keys = [item["Key"] for page in pages for item in page.get("Contents", [])]
-    transfer = TransferConfig(multipart_threshold=single_copy_max + 1, multipart_chunksize=256 << 20, max_concurrency=4)
+    transfer = large_object_transfer(single_copy_max)
 
     def copy(key: str) -> None:
         client.copy({"Bucket": bucket, "Key": key}, bucket, target + key[len(source) :], Config=transfer)
