@@ -218,7 +218,7 @@ def test_a_file_over_the_single_request_limit_is_sent_and_copied_to_s3_in_parts(
     """put_file and copy_file (realign's writes) on S3: a file up to the single-request limit in one PutObject or
     CopyObject, a larger one in parts, since one request is refused over 5 GiB (here the limit is lowered to 8 MiB, for
     a 12 MiB file). Either way the object holds the file's bytes, and the copy's bytes never pass through this
-    process."""
+    process. A copy under the limit given the size listed is one request; one without it asks the size first."""
     from sdtrain.storage.filesystems import copy_file, put_file
 
     log = tmp_path / "moto.log"
@@ -232,10 +232,14 @@ def test_a_file_over_the_single_request_limit_is_sent_and_copied_to_s3_in_parts(
         (tmp_path / name).write_bytes(body)
         sent = requests_during(put_file, str(tmp_path / name), f"{s3_bucket}/put/{name}")
         assert any("uploadId=" in line for line in sent) is in_parts, sent
-        copied = requests_during(copy_file, f"{s3_bucket}/put/{name}", f"{s3_bucket}/copied/{name}")
+        copied = requests_during(copy_file, f"{s3_bucket}/put/{name}", f"{s3_bucket}/copied/{name}", len(body))
         assert any("uploadId=" in line for line in copied) is in_parts, copied
         assert not [line for line in copied if '"GET /sdtrain-test/put/' in line], copied
-        for key in (f"put/{name}", f"copied/{name}"):
+        assert any('"HEAD ' in line for line in copied) is in_parts, copied  # boto3's copy in parts asks the size
+        unsized = requests_during(copy_file, f"{s3_bucket}/put/{name}", f"{s3_bucket}/unsized/{name}")
+        assert [line for line in unsized if f'"HEAD /sdtrain-test/put/{name}' in line], unsized
+        assert any("uploadId=" in line for line in unsized) is in_parts, unsized
+        for key in (f"put/{name}", f"copied/{name}", f"unsized/{name}"):
             assert _s3().get_object(Bucket="sdtrain-test", Key=key)["Body"].read() == body, key
 
 

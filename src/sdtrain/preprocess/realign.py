@@ -100,7 +100,7 @@ def realign_file(source: str, target: str, s3: S3Settings | None) -> FileResult:
         shapes = (schema.metadata or {}).get(BUCKET_SHAPES.encode())
         runs = None if shapes is None else bucket_runs(schema.metadata, source, meta.num_rows, len(json.loads(shapes)))
         if runs is None or not meta.num_rows or runs_start_row_groups(runs, groups):
-            copy_file(source, target)
+            copy_file(source, target, f.size())
             return FileResult(False, int(meta.num_rows), (len(groups), len(groups)))
         with tempfile.TemporaryDirectory(prefix="sdtrain-realign-") as scratch:
             local = os.path.join(scratch, "realigned.parquet")
@@ -170,10 +170,10 @@ def realign(source: str, target: str) -> RealignSummary:
     source, target = _checked(source, target)
     files = _files(source)
     there = _files(target)
-    there.discard(RECORD_FILE)
+    there.pop(RECORD_FILE, None)
     for name in [r for r in there if _TEMPORARY.search(r)]:
         delete_file(join(target, name))  # a write a kill interrupted
-        there.remove(name)
+        del there[name]
     plan = plan_copy(files, there)
     if not plan.parquet and not plan.done_before:
         raise DataError(f"realign: {redact(source)} holds no parquet file")
@@ -189,7 +189,7 @@ def realign(source: str, target: str) -> RealignSummary:
     digests = [r for r in plan.side if posixpath.basename(r) == SHARDS_DIGEST]
     for batch in (plan.side[: len(plan.side) - len(digests)], digests):
         with ThreadPoolExecutor(COPY_THREADS) as pool:
-            list(pool.map(lambda r: copy_file(join(source, r), join(target, r)), batch))
+            list(pool.map(lambda r: copy_file(join(source, r), join(target, r), files[r]), batch))
     summary.side_files = len(plan.side)
     summary.indexes = [_index_again(source, target, directory) for directory in plan.indexes]
     summary.seconds = time.perf_counter() - started
@@ -272,11 +272,11 @@ def _checked(source: str, target: str) -> tuple[str, str]:
     return source, target
 
 
-def _files(root: str) -> set[str]:
-    """The names of every file under ``root`` (recursively, hidden names too), relative to it."""
+def _files(root: str) -> dict[str, int]:
+    """The names of every file under ``root`` (recursively, hidden names too), relative to it, with their bytes."""
     fs, path = filesystem_for(root)
     if fs.get_file_info(path).type == pafs.FileType.NotFound:
-        return set()
+        return {}
     found = fs.get_file_info(pafs.FileSelector(path, recursive=True, allow_not_found=True))
     base = path.rstrip("/") + "/"
-    return {i.path[len(base) :] for i in found if i.type == pafs.FileType.File}
+    return {i.path[len(base) :]: i.size for i in found if i.type == pafs.FileType.File}

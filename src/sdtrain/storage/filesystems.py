@@ -163,15 +163,18 @@ def move_file(source: str, target: str) -> None:
     fs.move(path, filesystem_for(target)[1])
 
 
-def copy_file(source: str, target: str, single_request_max: int = SINGLE_COPY_MAX) -> None:
+def copy_file(source: str, target: str, size: int | None = None, single_request_max: int = SINGLE_COPY_MAX) -> None:
     """One file to another name, whole and at once (a reader never finds it half written): between S3 objects copies
-    S3 makes itself (a HeadObject, then one CopyObject up to ``single_request_max``, parts over it: one CopyObject is
-    refused over 5 GiB), between local files a copy to a temporary name then a rename, else read then written
-    (write_bytes)."""
+    S3 makes itself (one CopyObject up to ``single_request_max``, parts over it: one CopyObject is refused over 5 GiB;
+    a HeadObject first where ``size``, the source's bytes as listed, is not given), between local files a copy to a
+    temporary name then a rename, else read then written (write_bytes)."""
     if source.startswith("s3://") and target.startswith("s3://"):
         (bucket, key), (target_bucket, target_key) = split_s3(source), split_s3(target)
         copy_source = {"Bucket": bucket, "Key": key}
-        _client().copy(copy_source, target_bucket, target_key, Config=large_object_transfer(single_request_max))
+        if size is not None and size <= single_request_max:
+            _client().copy_object(Bucket=target_bucket, Key=target_key, CopySource=copy_source)
+        else:
+            _client().copy(copy_source, target_bucket, target_key, Config=large_object_transfer(single_request_max))
         return
     if not is_uri(source) and not is_uri(target):
         os.makedirs(os.path.dirname(target), exist_ok=True)
