@@ -17,6 +17,7 @@ from sdtrain.errors import DataError
 from sdtrain.storage.s3 import (
     SINGLE_COPY_MAX,
     S3Settings,
+    copy_object,
     large_object_transfer,
     move_prefix,
     resolved_s3_settings,
@@ -169,12 +170,7 @@ def copy_file(source: str, target: str, size: int | None = None, single_request_
     a HeadObject first where ``size``, the source's bytes as listed, is not given), between local files a copy to a
     temporary name then a rename, else read then written (write_bytes)."""
     if source.startswith("s3://") and target.startswith("s3://"):
-        (bucket, key), (target_bucket, target_key) = split_s3(source), split_s3(target)
-        copy_source = {"Bucket": bucket, "Key": key}
-        if size is not None and size <= single_request_max:
-            _client().copy_object(Bucket=target_bucket, Key=target_key, CopySource=copy_source)
-        else:
-            _client().copy(copy_source, target_bucket, target_key, Config=large_object_transfer(single_request_max))
+        copy_object(_client(), split_s3(source), split_s3(target), size, single_request_max)
         return
     if not is_uri(source) and not is_uri(target):
         os.makedirs(os.path.dirname(target), exist_ok=True)

@@ -283,6 +283,27 @@ def large_object_transfer(single_request_max: int = SINGLE_COPY_MAX) -> Any:
     return TransferConfig(multipart_threshold=single_request_max + 1, multipart_chunksize=256 << 20, max_concurrency=4)
 
 
+def copy_object(
+    client: Any, source: tuple[str, str], target: tuple[str, str], size: int | None, single_request_max: int
+) -> None:
+    """One object copied by S3 itself, no byte through this process: one CopyObject where ``size`` (its bytes as
+    listed) is known and at most ``single_request_max``; otherwise boto3's managed copy, which asks the size
+    (HeadObject) and copies in one request or in parts (UploadPartCopy: one CopyObject is refused over 5 GiB).
+
+    Args:
+        client: a boto3 S3 client (:func:`s3_client`).
+        source: the (bucket, key) copied.
+        target: the (bucket, key) written.
+        size: the source's bytes where a listing gave them, else None.
+        single_request_max: the largest object copied in one request.
+    """
+    copy_source = {"Bucket": source[0], "Key": source[1]}
+    if size is not None and size <= single_request_max:
+        client.copy_object(Bucket=target[0], Key=target[1], CopySource=copy_source)
+    else:
+        client.copy(copy_source, target[0], target[1], Config=large_object_transfer(single_request_max))
+
+
 def move_prefix(
     bucket: str, source: str, target: str, workers: int = 16, single_copy_max: int = SINGLE_COPY_MAX
 ) -> int:
@@ -303,10 +324,9 @@ def move_prefix(
     client = s3_client()
     pages = client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=f"{source}/")
     keys = [item["Key"] for page in pages for item in page.get("Contents", [])]
-    transfer = large_object_transfer(single_copy_max)
 
     def copy(key: str) -> None:
-        client.copy({"Bucket": bucket, "Key": key}, bucket, target + key[len(source) :], Config=transfer)
+        copy_object(client, (bucket, key), (bucket, target + key[len(source) :]), None, single_copy_max)
 
     with ThreadPoolExecutor(workers) as pool:
         list(pool.map(copy, keys))  # raises the first failure: nothing is deleted then
