@@ -195,6 +195,7 @@ def test_start_fresh_on_s3_sets_the_old_run_aside_by_copies_s3_makes(s3_bucket, 
     requests = log.read_text().splitlines()[seen:]
     assert requests and not [line for line in requests if '"GET /sdtrain-test/runs/demo/' in line], requests
     assert not [line for line in requests if "uploadId=" in line], requests  # all under 5 GiB: single copies
+    assert not [line for line in requests if '"HEAD /sdtrain-test/runs/demo/' in line], requests  # sizes listed
     prefix = moved.removeprefix(f"{s3_bucket}/")
     listed = {item["Key"] for item in s3.list_objects_v2(Bucket="sdtrain-test", Prefix="runs/")["Contents"]}
     assert listed == {key.replace("runs/demo/", f"{prefix}/") for key in objects} | {"runs/demo-b/keep.txt"}

@@ -323,13 +323,15 @@ def move_prefix(
 
     client = s3_client()
     pages = client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=f"{source}/")
-    keys = [item["Key"] for page in pages for item in page.get("Contents", [])]
+    listed = [(item["Key"], item["Size"]) for page in pages for item in page.get("Contents", [])]
+    keys = [key for key, _ in listed]
 
-    def copy(key: str) -> None:
-        copy_object(client, (bucket, key), (bucket, target + key[len(source) :]), None, single_copy_max)
+    def copy(item: tuple[str, int]) -> None:  # with its listed size: no HeadObject an object
+        key, size = item
+        copy_object(client, (bucket, key), (bucket, target + key[len(source) :]), size, single_copy_max)
 
     with ThreadPoolExecutor(workers) as pool:
-        list(pool.map(copy, keys))  # raises the first failure: nothing is deleted then
+        list(pool.map(copy, listed))  # raises the first failure: nothing is deleted then
     for start in range(0, len(keys), 1000):  # DeleteObjects takes 1000 keys a request
         batch = [{"Key": key} for key in keys[start : start + 1000]]
         failed = client.delete_objects(Bucket=bucket, Delete={"Objects": batch, "Quiet": True}).get("Errors", [])
