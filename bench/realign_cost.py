@@ -76,13 +76,15 @@ def timed(run, repeats: int) -> tuple[float, int]:
 
 
 def driver_names(shards: int, markers: int) -> tuple[float, float]:
-    """Seconds and peak MB of the driver's ``plan_copy`` over this many shards' and markers' names, half of them
-    under the target already (a re-run)."""
-    files = [f"date=2026-{i % 365:03d}/part-{i:06d}-1f2e3d4c5b-00000000.parquet" for i in range(shards)]
-    files += [f"date=2026-{i % 365:03d}/_shards/part-{i:07d}-1f2e3d4c5b.json" for i in range(markers)]
-    there = files[::2]
+    """Seconds and peak MB of the driver's listings (names with their sizes, as ``realign`` holds them: the driver's
+    copies of side files take the listed size) and ``plan_copy`` over this many shards' and markers' names, half of
+    them under the target already (a re-run)."""
+    names = [f"date=2026-{i % 365:03d}/part-{i:06d}-1f2e3d4c5b-00000000.parquet" for i in range(shards)]
+    names += [f"date=2026-{i % 365:03d}/_shards/part-{i:07d}-1f2e3d4c5b.json" for i in range(markers)]
     tracemalloc.start()
     started = time.perf_counter()
+    files = {name: 1_000 + 7_919 * i for i, name in enumerate(names)}  # sizes of their own, as a listing gives
+    there = {name: files[name] for name in names[::2]}
     plan = plan_copy(files, there)
     seconds = time.perf_counter() - started
     peak = tracemalloc.get_traced_memory()[1]
