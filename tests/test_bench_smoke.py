@@ -14,6 +14,11 @@ from conftest import REPO  # noqa: E402
 
 pytestmark = pytest.mark.slow  # each benchmark runs in its own process, most with a Ray cluster
 
+# A benchmark that trains under Ray Train runs in the Ray lane of `make test` (tests/conftest.py): two Ray Train runs
+# at once on two cores starve each other, and a stall watchdog or a reclaim deadline of the other lane's must not
+# share the cores with one. The others (Ray Data, tasks, or no Ray) stay in this file's lane beside them.
+ray_train = pytest.mark.ray
+
 RATIO = re.compile(r"^RATIO (.+?) = (-?[0-9.]+|nan|inf)", re.M)
 
 
@@ -63,6 +68,7 @@ def test_step_overhead_smoke():
     assert 0 <= ratios["data wait / step time"] < 1, out
 
 
+@ray_train
 def test_checkpoint_stall_smoke():
     """Async and sync uploads to a bucket of a moto server: both runs report their stalls."""
     out, ratios = run_bench("bench/checkpoint_stall.py", "--smoke")
@@ -71,6 +77,7 @@ def test_checkpoint_stall_smoke():
     assert ratios["checkpoint stall async / sync"] > 0, out
 
 
+@ray_train
 def test_preemption_check_smoke():
     """The workers' check for a reclaim notice, timed in a real worker group: its share of training time."""
     out, ratios = run_bench("bench/preemption_check.py", "--smoke")
