@@ -59,6 +59,7 @@ def test_ingest_smoke():
     assert all(value > 0 for value in ratios.values()), ratios
 
 
+@ray_train
 def test_step_overhead_smoke():
     out, ratios = run_bench("bench/step_overhead.py", "--smoke")
     assert "steps/s full path / bare loop" in ratios, out
