@@ -314,11 +314,14 @@ def clean_storage_settings(monkeypatch):
     (sdtrain.storage.s3.configure_s3 sets both)."""
     from sdtrain.storage import s3
 
-    for var in s3.ENDPOINT_VARS:
-        monkeypatch.delenv(var, raising=False)
+    # Restored from this copy, not by monkeypatch: monkeypatch.delenv records nothing for a variable that was not set,
+    # so the endpoint configure_s3 exported during the test (a server stopped with the test) outlived it, and a later
+    # process this one started (a benchmark's) sent its requests there.
+    saved = {var: os.environ.pop(var, None) for var in s3.ENDPOINT_VARS}
     s3.configure_s3(None, s3.DEFAULT_MAX_ATTEMPTS)
     yield
     s3.configure_s3(None, s3.DEFAULT_MAX_ATTEMPTS)
+    _restore(saved)
 
 
 @pytest.fixture
