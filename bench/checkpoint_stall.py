@@ -68,6 +68,7 @@ def main() -> None:
             "AWS_EC2_METADATA_DISABLED": "true",
         }.items():
             os.environ[key] = value  # before Ray starts: its processes inherit them
+        os.environ.pop("AWS_ENDPOINT_URL_S3", None)  # it would win over the server's for S3 (a shell's, a caller's)
         boto3.client("s3").create_bucket(Bucket=BUCKET)
         data = Path(workdir) / "train"
         benchlib.write_dataset(data, 256, 128, "float16", latent_shape=(4, 16, 16), caption_shape=(77, 32))
