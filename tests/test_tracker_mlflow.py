@@ -92,9 +92,13 @@ def test_an_mlflow_catch_up_sends_the_missed_rows_in_few_requests_each_once(
 def test_the_mlflow_experiment_is_the_configs_else_mlflow_experiment_name(tmp_path, mlflow_uri, monkeypatch):
     """MLFLOW_EXPERIMENT_NAME (MLflow's own setting, forwarded to the workers) names the experiment when
     tracking.mlflow_experiment is unset; a config value wins over it."""
-    from sdtrain.driver.trackers import tracker_env
-    from sdtrain.train.trackers import apply_tracker_env
+    from sdtrain.driver.trackers import WORKER_MLFLOW_RETRIES, tracker_env
+    from sdtrain.train.trackers import FORWARDED_ENV, apply_tracker_env
 
+    # apply_tracker_env sets them in this process: restored as they were after the test, not left to the next ones.
+    for name in (*FORWARDED_ENV, *WORKER_MLFLOW_RETRIES):
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "team-diffusion")
     client = mlflow.MlflowClient(mlflow_uri)
     for name, overrides, expected in (
