@@ -308,20 +308,25 @@ def corrupt_row_group(path: Path, row_group: int) -> None:
     path.write_bytes(bytes(data))
 
 
+def unset_env(monkeypatch: pytest.MonkeyPatch, names) -> None:
+    """Unset ``names`` for the test, each restored after it as it was before it, including one the code under test
+    sets meanwhile (monkeypatch.delenv alone records nothing for a variable that was not set, so such a one outlived
+    the test: an endpoint of a stopped server, MLflow's worker retries)."""
+    for name in names:
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+
+
 @pytest.fixture
 def clean_storage_settings(monkeypatch):
     """Storage settings and endpoint variables as a fresh process has them, restored afterwards
     (sdtrain.storage.s3.configure_s3 sets both)."""
     from sdtrain.storage import s3
 
-    # Restored from this copy, not by monkeypatch: monkeypatch.delenv records nothing for a variable that was not set,
-    # so the endpoint configure_s3 exported during the test (a server stopped with the test) outlived it, and a later
-    # process this one started (a benchmark's) sent its requests there.
-    saved = {var: os.environ.pop(var, None) for var in s3.ENDPOINT_VARS}
+    unset_env(monkeypatch, s3.ENDPOINT_VARS)
     s3.configure_s3(None, s3.DEFAULT_MAX_ATTEMPTS)
     yield
     s3.configure_s3(None, s3.DEFAULT_MAX_ATTEMPTS)
-    _restore(saved)
 
 
 @pytest.fixture

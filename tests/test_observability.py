@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pyarrow.fs as pafs
 import pytest
-from conftest import committed_checkpoints, tiny_config
+from conftest import committed_checkpoints, tiny_config, unset_env
 from support.mlflow_server import mlflow_server
 from support.ray_processes import our_training_workers
 from support.tensorboard_files import tensorboard_scalars
@@ -201,9 +201,7 @@ def test_a_workers_mlflow_client_gives_up_on_a_server_that_is_down_in_seconds_no
     from sdtrain.driver.trackers import WORKER_MLFLOW_RETRIES, tracker_env
     from sdtrain.train.trackers import apply_tracker_env
 
-    for name in WORKER_MLFLOW_RETRIES:  # restored as they were after the test
-        monkeypatch.setenv(name, "0")
-        monkeypatch.delenv(name)
+    unset_env(monkeypatch, WORKER_MLFLOW_RETRIES)
     env = tracker_env()
     assert env["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] == "2" and env["MLFLOW_HTTP_REQUEST_TIMEOUT"] == "15"
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "5")  # the cluster's own setting wins

@@ -11,7 +11,7 @@ import threading
 import mlflow
 import psutil
 import pytest
-from conftest import tiny_config
+from conftest import tiny_config, unset_env
 from support.mlflow_server import mlflow_server
 from support.tensorboard_files import tensorboard_scalars
 
@@ -95,10 +95,7 @@ def test_the_mlflow_experiment_is_the_configs_else_mlflow_experiment_name(tmp_pa
     from sdtrain.driver.trackers import WORKER_MLFLOW_RETRIES, tracker_env
     from sdtrain.train.trackers import FORWARDED_ENV, apply_tracker_env
 
-    # apply_tracker_env sets them in this process: restored as they were after the test, not left to the next ones.
-    for name in (*FORWARDED_ENV, *WORKER_MLFLOW_RETRIES):
-        monkeypatch.setenv(name, "")
-        monkeypatch.delenv(name)
+    unset_env(monkeypatch, (*FORWARDED_ENV, *WORKER_MLFLOW_RETRIES))  # apply_tracker_env sets them in this process
     monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "team-diffusion")
     client = mlflow.MlflowClient(mlflow_uri)
     for name, overrides, expected in (
