@@ -24,6 +24,7 @@ import pyarrow.parquet as pq
 import pytest
 from _pytest.nodeid import NodeId
 from s3_server import moto_server
+from support import environment
 from support.mlflow_server import mlflow_server
 from support.ray_processes import committed_checkpoints  # noqa: F401  (tests import it from here)
 
@@ -186,10 +187,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture(autouse=True)
-def _session_thread_env():
-    """Each test leaves the thread settings as the session started with them (THREAD_ENV)."""
-    yield
-    _restore(THREAD_ENV)
+def _environment_as_found():
+    """Each test leaves the environment as it found it (support.environment), and the thread settings as the session
+    started with them (THREAD_ENV: a module's fixture may have fitted in this process before the test)."""
+    try:
+        with environment.kept():
+            yield
+    finally:
+        _restore(THREAD_ENV)
 
 
 def _start_ray() -> None:
