@@ -29,6 +29,8 @@ PROCESS_STATE = frozenset(
         "PYTHONBREAKPOINT",
         # MLflow's telemetry, per process.
         "_MLFLOW_TELEMETRY_SESSION_ID",
+        # Inductor, before it loads each compiled module: an address in this process, set again at each load.
+        "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR",
     }
 )
 
@@ -50,6 +52,9 @@ SIDE_EFFECTS = frozenset(
         "GROUP_RANK",
         # mlflow.set_tracking_uri, which Lightning's MLFlowLogger and sdtrain's MLflow client calls make.
         "MLFLOW_TRACKING_URI",
+        # wandb.init: the address of the W&B service it started here, which a Ray cluster started later in this
+        # process would hand to its workers (sdtrain.train.trackers.apply_tracker_env drops it there).
+        "WANDB_SERVICE",
     }
 )
 
