@@ -152,14 +152,6 @@ def tiny_config(
 THREAD_ENV = {key: os.environ.get(key) for key in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
 
 
-def _restore(saved: dict[str, str | None]) -> None:
-    for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
-
-
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The lanes of ``make test`` (pytest-xdist's ``--dist loadgroup``): every test on a Ray cluster (the session's,
@@ -194,7 +186,7 @@ def _environment_as_found():
         with environment.kept():
             yield
     finally:
-        _restore(THREAD_ENV)
+        environment.set_values(THREAD_ENV)
 
 
 def _start_ray() -> None:
@@ -202,12 +194,13 @@ def _start_ray() -> None:
 
     saved = {key: os.environ.get(key) for key in S3_ENV}
     os.environ.update(S3_ENV)  # the raylet, and so every worker it starts, inherits this environment
-    _restore(THREAD_ENV)  # the session's, not what an in-process fit of this test set: Ray sets 1 a 1-CPU worker
+    # The session's thread settings, not what an in-process fit of this test set: Ray sets 1 a 1-CPU worker.
+    environment.set_values(THREAD_ENV)
     try:
         # address="local": a cluster of its own, even where ray start left one running on this machine.
         ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=True)
     finally:
-        _restore(saved)
+        environment.set_values(saved)
 
 
 @pytest.fixture(scope="session")

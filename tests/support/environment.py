@@ -65,13 +65,18 @@ def changes(before: Mapping[str, str], after: Mapping[str, str]) -> dict[str, tu
     return {name: (before.get(name), after.get(name)) for name in sorted(names) if before.get(name) != after.get(name)}
 
 
+def set_values(values: Mapping[str, str | None]) -> None:
+    """Sets each variable of ``values`` to its value, or unsets it where None."""
+    for name, value in values.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
 def restore(before: Mapping[str, str]) -> None:
     """Sets os.environ back to ``before``: variables set since removed, changed or removed ones as they were."""
-    for name, (was, _) in changes(before, os.environ).items():
-        if was is None:
-            del os.environ[name]
-        else:
-            os.environ[name] = was
+    set_values({name: was for name, (was, _) in changes(before, os.environ).items()})
 
 
 def reported(leaked: Mapping[str, tuple[str | None, str | None]]) -> str | None:
